@@ -1,0 +1,509 @@
+"""The rules of what mha_ep computes, shared by the claim gate and by execute-time validation.
+
+One list, one order, one message per rule. At claim time the rules see static shapes in which any dim may be
+unknown (``None``): a rule that needs an unknown dim passes, and the same rule runs again at execute time on the
+concrete shapes, so the gate and the op cannot disagree. Each refusal is a sentence a person can act on and names
+the input it is about (``Refusal.subject``).
+
+The order follows the original CUDA execution provider's ``unsupported_reason`` (reference/multi_head_attention.rs);
+rules it did not have are marked "(ORT)" when they mirror a stock ORT input check (semantics doc section 2.6) and
+"(mha_ep)" when they are ours.
+
+  Rule  1  attributes: num_heads present and > 0 (and fits a CUDA int)
+  Rule  2  every static dim of inputs 0-7 is > 0 and fits a CUDA int; sizes fit bytes and a launch grid
+           (mha_ep: a past of length 0 is allowed)
+  Rule  3  query dtype is float32, float16 or bfloat16
+  Rule  4  key, value, bias, attention_bias, past_key, past_value share the query dtype
+  Rule  5  key_padding_mask is int32 or int64
+  Rule  6  no past_sequence_length / cache_indirection (DecoderMaskedMHA inputs)
+  Rule  7  (mha_ep) the qk output (output 3) is not requested
+  Rule  8  query is rank 3 (no packed QKV)
+  Rule  9  key and value are both supplied (no packed QKV / packed KV)
+  Rule 10  key and value are rank 3 or 4, (ORT) the same rank
+  Rule 11  query hidden divisible by num_heads
+  Rule 12  rank-3 key/value hidden divisible by num_heads; rank-4 key/value dim 1 == num_heads
+  Rule 13  head sizes: (ORT) rank-3 key hidden == query hidden; rank-4 key/value head == query head;
+           past heads == query head; v_head_size != head_size only without past (ORT's past check)
+  Rule 14  key and value have the same sequence length
+  Rule 15  key, value, past_key, past_value batch == query batch
+  Rule 16  past_key and past_value come together, rank 4, dim 1 == num_heads, same length
+  Rule 17  total sequence length P + L fits a CUDA int
+  Rule 18  bias is rank 1 of length 2*D + Dv
+  Rule 19  attention_bias is rank 4, (B|1, N|1, S, T)
+  Rule 20  key_padding_mask is (B,), (3B+2,), (B, T) or (B, S, T)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+from mha_ep import spec
+from mha_ep.claim.tensor_info import TensorInfo, format_shape
+
+PREFIX = "mha_ep MultiHeadAttention: "
+I32_MAX = 2**31 - 1
+U32_MAX = 2**32 - 1
+ISIZE_MAX = 2**63 - 1
+LAUNCH_BLOCK = 256  # threads per block of the element-wise kernels; the grid-size rule uses it
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+
+
+class Refusal(Exception):
+    """A rule's verdict: ``reason`` is the whole sentence, ``subject`` the input or attribute it is about."""
+
+    def __init__(self, reason: str, subject: str):
+        super().__init__(PREFIX + reason)
+        self.reason = PREFIX + reason
+        self.subject = subject
+
+
+# ---------------------------------------------------------------------------------------------------- attributes
+@dataclass(frozen=True)
+class NodeAttributes:
+    num_heads: int
+    mask_filter_value: float = -10000.0
+    scale: float = 0.0  # ORT: 0.0 means 1/sqrt(head_size); any other value is used as it is
+    unidirectional: int = 0
+
+    def resolved_scale(self, head_size: int) -> float:
+        return 1.0 / math.sqrt(head_size) if self.scale == 0.0 else float(self.scale)
+
+    def causal(self, q_seq: int) -> bool:
+        """ORT: causal only when unidirectional and the query spans more than one token."""
+        return self.unidirectional == 1 and q_seq > 1
+
+
+def attributes_from_mapping(attrs: Mapping[str, object]) -> NodeAttributes:
+    """Rule 1. Read ORT's attributes (absent ones take ORT's defaults)."""
+    num_heads = attrs.get("num_heads")
+    if num_heads is None:
+        raise Refusal("missing required `num_heads` attribute", "num_heads")
+    num_heads = int(num_heads)
+    if num_heads <= 0:
+        raise Refusal(f"num_heads must be > 0, got {num_heads}", "num_heads")
+    checked_i32(num_heads, "num_heads")
+    defaults = {a.name: a.default for a in spec.ORT_ATTRIBUTES}
+    return NodeAttributes(
+        num_heads=num_heads,
+        mask_filter_value=float(attrs.get("mask_filter_value", defaults["mask_filter_value"])),
+        scale=float(attrs.get("scale", defaults["scale"])),
+        unidirectional=int(attrs.get("unidirectional", defaults["unidirectional"])),
+    )
+
+
+# ------------------------------------------------------------------------------------------- checked arithmetic
+def checked_i32(value: int, name: str) -> int:
+    if value > I32_MAX:
+        raise Refusal(f"{name}={value} exceeds CUDA i32 limits", name.split(" ")[0])
+    return value
+
+
+def checked_bytes(elements: int, element_size: int, name: str) -> int:
+    nbytes = elements * element_size
+    if nbytes > ISIZE_MAX:
+        raise Refusal(f"{name} byte size {nbytes} exceeds isize::MAX", name.split(" ")[0])
+    return nbytes
+
+
+def checked_grid(count: int, name: str) -> int:
+    blocks = -(-count // LAUNCH_BLOCK)
+    if blocks > U32_MAX:
+        raise Refusal(
+            f"{name} grid blocks={blocks} for element count {count} exceeds CUDA u32 limits", name.split(" ")[0]
+        )
+    return blocks
+
+
+# ------------------------------------------------------------------------------------------------ the rule input
+@dataclass(frozen=True)
+class Call:
+    """One node (claim time) or one call (execute time): attributes, inputs by slot, requested outputs."""
+
+    attrs: NodeAttributes
+    inputs: Sequence[Optional[TensorInfo]]  # by slot, spec.INPUTS order; None = absent
+    outputs: Sequence[bool] = (True, False, False, False)  # requested outputs, spec.OUTPUTS order
+
+    def info(self, name: str) -> Optional[TensorInfo]:
+        slot = spec.SLOT[name]
+        return self.inputs[slot] if slot < len(self.inputs) else None
+
+    def present(self, name: str) -> bool:
+        return self.info(name) is not None
+
+    def dim(self, name: str, axis: int) -> Optional[int]:
+        info = self.info(name)
+        return None if info is None else info.dim(axis)
+
+    def rank(self, name: str) -> Optional[int]:
+        info = self.info(name)
+        return None if info is None else info.rank
+
+    def dtype(self, name: str) -> Optional[str]:
+        info = self.info(name)
+        return None if info is None else info.dtype
+
+    def shape_text(self, name: str) -> str:
+        info = self.info(name)
+        return "absent" if info is None else format_shape(info.shape)
+
+
+# ------------------------------------------------------------------------------------ derived geometry (partial)
+def head_size(call: Call) -> Optional[int]:
+    hidden = call.dim("query", 2) if call.rank("query") == 3 else None
+    if hidden is None or hidden % call.attrs.num_heads:
+        return None
+    return hidden // call.attrs.num_heads
+
+
+def v_head_size(call: Call) -> Optional[int]:
+    n = call.attrs.num_heads
+    if call.rank("value") == 3:
+        hidden = call.dim("value", 2)
+        return None if hidden is None or hidden % n else hidden // n
+    if call.rank("value") == 4:
+        return call.dim("value", 3)
+    return None
+
+
+def kv_seq(call: Call) -> Optional[int]:
+    rank = call.rank("key")
+    return call.dim("key", 1) if rank == 3 else call.dim("key", 2) if rank == 4 else None
+
+
+def past_seq(call: Call) -> Optional[int]:
+    return call.dim("past_key", 2) if call.present("past_key") else 0
+
+
+def total_seq(call: Call) -> Optional[int]:
+    length, past = kv_seq(call), past_seq(call)
+    return None if length is None or past is None else past + length
+
+
+# ----------------------------------------------------------------------------------------------------- the rules
+def rule_static_shapes(call: Call) -> None:
+    """Rule 2."""
+    for name in spec.PLUGIN_INPUTS:
+        info = call.info(name)
+        if info is None or info.shape is None:
+            continue
+        known = 1
+        for axis, extent in enumerate(info.shape):
+            if extent is None:
+                continue
+            past_length = name in ("past_key", "past_value") and axis == 2
+            if extent <= 0 and not (past_length and extent == 0):
+                raise Refusal(f"{name} dim {axis} must be > 0, got {extent}", name)
+            checked_i32(extent, f"{name} dim {axis}")
+            known *= extent
+        if info.is_static:
+            if info.dtype in DTYPE_BYTES:
+                checked_bytes(known, DTYPE_BYTES[info.dtype], name)
+            checked_grid(known, f"{name} element traversal")
+
+
+def rule_query_dtype(call: Call) -> None:
+    """Rule 3."""
+    dtype = call.dtype("query")
+    if dtype is not None and dtype not in spec.FLOAT_DTYPES:
+        raise Refusal(f"query dtype {dtype} not supported (expected float32, float16 or bfloat16)", "query")
+
+
+def rule_float_dtypes_match(call: Call) -> None:
+    """Rule 4."""
+    q_dtype = call.dtype("query")
+    if q_dtype is None:
+        return
+    for name in ("key", "value", "bias", "attention_bias", "past_key", "past_value"):
+        dtype = call.dtype(name)
+        if call.present(name) and dtype is not None and dtype != q_dtype:
+            raise Refusal(f"{name} dtype {dtype} must match query dtype {q_dtype}", name)
+
+
+def rule_mask_dtype(call: Call) -> None:
+    """Rule 5."""
+    dtype = call.dtype("key_padding_mask")
+    if call.present("key_padding_mask") and dtype is not None and dtype not in spec.MASK_DTYPES:
+        raise Refusal(f"key_padding_mask dtype {dtype} must be int32 or int64", "key_padding_mask")
+
+
+def rule_no_decoder_masked_inputs(call: Call) -> None:
+    """Rule 6."""
+    for name in ("past_sequence_length", "cache_indirection"):
+        if call.present(name):
+            raise Refusal(
+                "DecoderMaskedMultiHeadAttention inputs (past_sequence_length / cache_indirection) are not "
+                "supported; leave this node to ORT or drop the shared-buffer / beam inputs",
+                name,
+            )
+
+
+def rule_no_qk_output(call: Call) -> None:
+    """Rule 7 (mha_ep)."""
+    if len(call.outputs) > 3 and call.outputs[3]:
+        raise Refusal(
+            "output 3 (qk) is requested, and mha_ep does not produce the pre-softmax scores; "
+            "remove the qk output to run this node on the plugin",
+            "qk",
+        )
+
+
+def rule_query_rank(call: Call) -> None:
+    """Rule 8."""
+    rank = call.rank("query")
+    if rank is not None and rank != 3:
+        raise Refusal(
+            f"query must be rank 3 (B, S, hidden); packed-QKV layouts (rank {rank}) are unsupported; "
+            f"got shape {call.shape_text('query')}",
+            "query",
+        )
+
+
+def rule_key_and_value_supplied(call: Call) -> None:
+    """Rule 9."""
+    if not call.present("key"):
+        raise Refusal(
+            "separate key and value inputs are required (packed QKV / query-only layouts are unsupported)", "key"
+        )
+    if not call.present("value"):
+        raise Refusal("value is required when key is present; packed-KV layouts are unsupported", "value")
+
+
+def rule_key_value_ranks(call: Call) -> None:
+    """Rule 10."""
+    for name in ("key", "value"):
+        rank = call.rank(name)
+        if rank is not None and rank not in (3, 4):
+            raise Refusal(
+                f"{name} must be rank 3 (B, T, hidden) or rank 4 (B, N, T, H); rank {rank} is unsupported "
+                f"(shape {call.shape_text(name)})",
+                name,
+            )
+    k_rank, v_rank = call.rank("key"), call.rank("value")
+    if k_rank is not None and v_rank is not None and k_rank != v_rank:
+        raise Refusal(
+            f"key and value must both be rank 3 (B, L, hidden) or both rank 4 (B, N, L, head_size), got key "
+            f"{call.shape_text('key')}, value {call.shape_text('value')}",
+            "value",
+        )
+
+
+def rule_query_hidden_divisible(call: Call) -> None:
+    """Rule 11."""
+    hidden = call.dim("query", 2)
+    if call.rank("query") == 3 and hidden is not None and hidden % call.attrs.num_heads:
+        raise Refusal(f"query hidden {hidden} not divisible by num_heads {call.attrs.num_heads}", "query")
+
+
+def rule_key_value_heads(call: Call) -> None:
+    """Rule 12."""
+    n = call.attrs.num_heads
+    for name in ("key", "value"):
+        if call.rank(name) == 3:
+            hidden = call.dim(name, 2)
+            if hidden is not None and hidden % n:
+                raise Refusal(f"{name} hidden {hidden} not divisible by num_heads {n}", name)
+        if call.rank(name) == 4:
+            heads = call.dim(name, 1)
+            if heads is not None and heads != n:
+                raise Refusal(
+                    f"rank-4 {name} dim 1 ({heads}) must equal num_heads {n}; got shape {call.shape_text(name)}",
+                    name,
+                )
+
+
+def rule_head_sizes(call: Call) -> None:
+    """Rule 13."""
+    h = head_size(call)
+    if h is None:
+        return
+    q_hidden = call.dim("query", 2)
+    if call.rank("key") == 3:
+        k_hidden = call.dim("key", 2)
+        if k_hidden is not None and k_hidden != q_hidden:
+            raise Refusal(
+                f"key hidden {k_hidden} must equal query hidden {q_hidden} (key {call.shape_text('key')}, "
+                f"query {call.shape_text('query')})",
+                "key",
+            )
+    for name in ("key", "value"):
+        if call.rank(name) == 4:
+            head = call.dim(name, 3)
+            if head is not None and head != h:
+                raise Refusal(
+                    f"{name} head_size {head} must equal query head_size {h} (rank-4 {name} "
+                    f"{call.shape_text(name)} is (B, N, L, H) with H = query hidden / num_heads)",
+                    name,
+                )
+    for name in ("past_key", "past_value"):
+        if call.rank(name) == 4:
+            head = call.dim(name, 3)
+            if head is not None and head != h:
+                raise Refusal(
+                    f"{name} head_size {head} must equal query head_size {h} (shape {call.shape_text(name)})", name
+                )
+    hv = v_head_size(call)
+    if hv is not None and hv != h and call.present("past_key"):
+        raise Refusal(
+            f"v_head_size {hv} must equal qk_head_size {h} when past_key/past_value are given (ORT requires both "
+            f"past tensors to end in head_size)",
+            "value",
+        )
+
+
+def rule_key_value_lengths(call: Call) -> None:
+    """Rule 14."""
+    k_len = kv_seq(call)
+    v_rank = call.rank("value")
+    v_len = call.dim("value", 1) if v_rank == 3 else call.dim("value", 2) if v_rank == 4 else None
+    if k_len is not None and v_len is not None and k_len != v_len:
+        raise Refusal(
+            f"key seq {k_len} != value seq {v_len} (key {call.shape_text('key')}, value {call.shape_text('value')})",
+            "value",
+        )
+
+
+def rule_batches(call: Call) -> None:
+    """Rule 15."""
+    q_batch = call.dim("query", 0)
+    if q_batch is None:
+        return
+    for name in ("key", "value", "past_key", "past_value"):
+        batch = call.dim(name, 0)
+        if batch is not None and batch != q_batch:
+            raise Refusal(f"{name} batch {batch} must equal query batch {q_batch}", name)
+
+
+def rule_past(call: Call) -> None:
+    """Rule 16."""
+    if call.present("past_key") != call.present("past_value"):
+        raise Refusal("past_key and past_value must be provided together", "past_value")
+    n = call.attrs.num_heads
+    for name in ("past_key", "past_value"):
+        rank = call.rank(name)
+        if rank is not None and rank != 4:
+            raise Refusal(f"{name} must be rank 4 (B, N, P, H), got rank {rank}", name)
+        heads = call.dim(name, 1) if rank == 4 else None
+        if heads is not None and heads != n:
+            raise Refusal(f"{name} dim 1 ({heads}) must equal num_heads {n}", name)
+    pk_len, pv_len = call.dim("past_key", 2), call.dim("past_value", 2)
+    if pk_len is not None and pv_len is not None and pk_len != pv_len:
+        raise Refusal(f"past_key seq {pk_len} != past_value seq {pv_len}", "past_value")
+
+
+def rule_total_length(call: Call) -> None:
+    """Rule 17."""
+    total = total_seq(call)
+    if total is not None:
+        checked_i32(total, "total sequence length")
+
+
+def rule_bias(call: Call) -> None:
+    """Rule 18."""
+    if not call.present("bias"):
+        return
+    rank = call.rank("bias")
+    if rank is not None and rank != 1:
+        raise Refusal(f"bias must be rank 1, got rank {rank} (shape {call.shape_text('bias')})", "bias")
+    length, q_hidden, hv = call.dim("bias", 0), call.dim("query", 2), v_head_size(call)
+    if length is None or q_hidden is None or hv is None:
+        return
+    v_hidden = hv * call.attrs.num_heads
+    expected = 2 * q_hidden + v_hidden
+    if length != expected:
+        raise Refusal(f"bias length {length} must equal 2*hidden + v_hidden = {expected}", "bias")
+
+
+def rule_attention_bias(call: Call) -> None:
+    """Rule 19."""
+    if not call.present("attention_bias"):
+        return
+    rank = call.rank("attention_bias")
+    if rank is not None and rank != 4:
+        raise Refusal(
+            f"attention_bias must be rank 4 (B|1, N|1, S, T), got rank {rank} "
+            f"(shape {call.shape_text('attention_bias')})",
+            "attention_bias",
+        )
+    q_batch, q_seq, total = call.dim("query", 0), call.dim("query", 1), total_seq(call)
+    if rank != 4 or q_batch is None or q_seq is None or total is None:
+        return
+    n = call.attrs.num_heads
+    d0, d1, d2, d3 = (call.dim("attention_bias", a) for a in range(4))
+    if (
+        (d0 is not None and d0 not in (1, q_batch))
+        or (d1 is not None and d1 not in (1, n))
+        or (d2 is not None and d2 != q_seq)
+        or (d3 is not None and d3 != total)
+    ):
+        raise Refusal(
+            f"attention_bias shape {call.shape_text('attention_bias')} is incompatible with B={q_batch}, N={n}, "
+            f"S={q_seq}, T={total} (expected ({q_batch} or 1, {n} or 1, {q_seq}, {total}))",
+            "attention_bias",
+        )
+
+
+def rule_key_padding_mask(call: Call) -> None:
+    """Rule 20."""
+    if not call.present("key_padding_mask"):
+        return
+    rank = call.rank("key_padding_mask")
+    if rank is not None and rank not in (1, 2, 3):
+        raise Refusal(
+            f"key_padding_mask must be rank 1, 2, or 3, got rank {rank} "
+            f"(shape {call.shape_text('key_padding_mask')})",
+            "key_padding_mask",
+        )
+    b, s, t = call.dim("query", 0), call.dim("query", 1), total_seq(call)
+    if rank is None or b is None or s is None or t is None:
+        return
+    dims = [call.dim("key_padding_mask", a) for a in range(rank)]
+
+    def fits(actual, *allowed):
+        return actual is None or actual in allowed
+
+    ok = {
+        1: lambda: fits(dims[0], b, 3 * b + 2),
+        2: lambda: fits(dims[0], b) and fits(dims[1], t),
+        3: lambda: fits(dims[0], b) and fits(dims[1], s) and fits(dims[2], t),
+    }[rank]()
+    if not ok:
+        raise Refusal(
+            f"key_padding_mask shape {call.shape_text('key_padding_mask')} is incompatible with B={b}, S={s}, T={t} "
+            f"(expected ({b},) key lengths, ({3 * b + 2},) key lengths + cu_seqlens, ({b}, {t}) or ({b}, {s}, {t}))",
+            "key_padding_mask",
+        )
+
+
+RULES: tuple[Callable[[Call], None], ...] = (
+    rule_static_shapes,
+    rule_query_dtype,
+    rule_float_dtypes_match,
+    rule_mask_dtype,
+    rule_no_decoder_masked_inputs,
+    rule_no_qk_output,
+    rule_query_rank,
+    rule_key_and_value_supplied,
+    rule_key_value_ranks,
+    rule_query_hidden_divisible,
+    rule_key_value_heads,
+    rule_head_sizes,
+    rule_key_value_lengths,
+    rule_batches,
+    rule_past,
+    rule_total_length,
+    rule_bias,
+    rule_attention_bias,
+    rule_key_padding_mask,
+)
+
+
+def check(call: Call) -> Optional[Refusal]:
+    """Run every rule in order; the first refusal wins. None means the call is inside what mha_ep computes."""
+    for rule in RULES:
+        try:
+            rule(call)
+        except Refusal as refusal:
+            return refusal
+    return None

@@ -1,0 +1,98 @@
+"""Reference backend: NumPy, stock ORT 1.31.1 CPU math step by step (semantics doc section 3).
+
+    1. Q gets b_q and goes to BNSH; BSNH key/value get b_k/b_v and go to BNSH; BNSH key/value are used as they are
+       (their bias is ignored); a past is prepended along the sequence axis (present = concat(past, new)).
+    2. scores_BNST = scale * Q·Kᵀ in float32 (ORT: the GEMM's alpha).
+    3. scores += attention_bias, broadcast over B and N when those dims are 1.
+    4. scores += mask_BST: a padded key gets mask_filter_value (added, not substituted: a fully padded row becomes
+       softmax of the raw scores); causal rows i < S-1 get FLOAT32_LOWEST at keys j > P + i (set, overriding
+       padding; the last query row is never causally masked, which matters only when L != S).
+    5. probs = softmax over T, max-subtracted, in float32.
+    6. out = probs·V, written as (B, S, N·Hv).
+float16/bfloat16 calls arrive as float32 values of that dtype and are computed in float32, as ORT's CPU kernel
+does for float16 (the Cast back to the node's dtype happens in the graph).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, MhaResult
+
+
+class ReferenceBackend:
+    name = "reference"
+    device = "cpu (NumPy)"
+
+    def run(self, problem: MhaProblem) -> MhaResult:
+        return run_reference(problem)
+
+
+def to_BNSH(x_BSD: np.ndarray, num_heads: int) -> np.ndarray:
+    b, s, d = x_BSD.shape
+    return x_BSD.reshape(b, s, num_heads, d // num_heads).transpose(0, 2, 1, 3)
+
+
+def additive_mask_BST(problem: MhaProblem) -> np.ndarray | None:
+    """Step 4's float32 mask (B or 1, S, T), or None when the call has neither padding nor causal masking."""
+    g = problem.geometry
+    s, t = g.q_seq, g.total_seq
+    mask_BST = None
+    if problem.padding_mask is not None:
+        keep_BST = problem.padding_mask.keep_BST(s, t)
+        mask_BST = np.where(keep_BST, np.float32(0.0), np.float32(problem.mask_filter_value)).astype(np.float32)
+    if problem.causal:
+        rows = np.arange(s)[:, None]
+        cols = np.arange(t)[None, :]
+        future_ST = (cols > g.past_seq + rows) & (rows < s - 1)
+        if mask_BST is None:
+            mask_BST = np.zeros((1, s, t), np.float32)
+        mask_BST = np.where(future_ST[None], np.float32(FLOAT32_LOWEST), mask_BST).astype(np.float32)
+    return mask_BST
+
+
+def softmax_lastaxis(scores: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        shifted = scores - scores.max(axis=-1, keepdims=True)
+        e = np.exp(shifted)
+        return e / e.sum(axis=-1, keepdims=True)
+
+
+def run_reference(problem: MhaProblem) -> MhaResult:
+    g = problem.geometry
+    f32 = np.float32
+    n = g.num_heads
+    query = problem.query_BSD.astype(f32, copy=False)
+    if problem.bias_q is not None:
+        query = query + problem.bias_q.astype(f32)
+    q_BNSH = to_BNSH(query, n)
+
+    if problem.kv_layout == "BSNH":
+        key, value = problem.key.astype(f32, copy=False), problem.value.astype(f32, copy=False)
+        if problem.bias_k is not None:
+            key = key + problem.bias_k.astype(f32)
+            value = value + problem.bias_v.astype(f32)
+        k_BNLH, v_BNLH = to_BNSH(key, n), to_BNSH(value, n)
+    else:
+        k_BNLH, v_BNLH = problem.key.astype(f32, copy=False), problem.value.astype(f32, copy=False)
+
+    if problem.past_key_BNPH is not None:
+        k_BNTH = np.concatenate([problem.past_key_BNPH.astype(f32, copy=False), k_BNLH], axis=2)
+        v_BNTH = np.concatenate([problem.past_value_BNPH.astype(f32, copy=False), v_BNLH], axis=2)
+    else:
+        k_BNTH, v_BNTH = k_BNLH, v_BNLH
+
+    scores_BNST = np.matmul(q_BNSH, k_BNTH.transpose(0, 1, 3, 2)) * f32(problem.scale)
+    if problem.attention_bias is not None:
+        scores_BNST = scores_BNST + problem.attention_bias.astype(f32, copy=False)
+    mask_BST = additive_mask_BST(problem)
+    if mask_BST is not None:
+        scores_BNST = scores_BNST + mask_BST[:, None]
+    probs_BNST = softmax_lastaxis(scores_BNST.astype(f32, copy=False))
+    out_BNSH = np.matmul(probs_BNST, v_BNTH)
+    out_BSDv = np.ascontiguousarray(out_BNSH.transpose(0, 2, 1, 3)).reshape(g.batch, g.q_seq, g.v_hidden)
+    return MhaResult(
+        output_BSDv=out_BSDv.astype(f32, copy=False),
+        present_key_BNTH=np.ascontiguousarray(k_BNTH, dtype=f32) if problem.want_present_key else None,
+        present_value_BNTHv=np.ascontiguousarray(v_BNTH, dtype=f32) if problem.want_present_value else None,
+    )

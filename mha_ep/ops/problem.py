@@ -1,0 +1,210 @@
+"""One resolved MultiHeadAttention call: what every backend receives, and the execute-time validation that makes it.
+
+``build_problem`` runs the shared rules (claim/rules.py) on the concrete shapes, then resolves the call into an
+``MhaProblem``: geometry, resolved scale, layout, bias split per layout, the key padding mask in a compact form, and
+the arrays. Backends (reference, cuda) implement ``run(problem) -> MhaResult`` and nothing else.
+
+Layout legend: see mha_ep/spec.py. Arrays always arrive as float32 (the bridge's transport type); for float16 and
+bfloat16 nodes every value is exactly representable in ``problem.dtype`` and the backend computes in that dtype
+(reference: in float32 from those values, as stock ORT's CPU kernel does for float16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from mha_ep import spec
+from mha_ep.claim.rules import Call, Refusal, attributes_from_mapping, check
+from mha_ep.claim.tensor_info import TensorInfo
+from mha_ep.errors import MhaInputError
+
+FLOAT32_LOWEST = float(np.finfo(np.float32).min)  # ORT's causal fill (std::numeric_limits<float>::lowest())
+
+
+@dataclass(frozen=True)
+class Geometry:
+    batch: int  # B
+    q_seq: int  # S
+    kv_seq: int  # L
+    past_seq: int  # P
+    num_heads: int  # N
+    head_size: int  # H
+    v_head_size: int  # Hv
+
+    @property
+    def total_seq(self) -> int:  # T = P + L
+        return self.past_seq + self.kv_seq
+
+    @property
+    def hidden(self) -> int:  # D
+        return self.num_heads * self.head_size
+
+    @property
+    def v_hidden(self) -> int:  # Dv
+        return self.num_heads * self.v_head_size
+
+
+@dataclass(frozen=True)
+class PaddingMask:
+    """key_padding_mask resolved as ORT's PrepareMask reads it.
+
+    kind "key_lengths": ``data`` int32 (B,), key j of batch b is kept iff j < data[b] (already clamped to [0, T]);
+        both the (B,) and the (3B+2,) forms resolve to this (ORT's CPU kernel reads only the first B entries).
+    kind "keys_BT":  ``data`` bool (B, T), True = keep (raw value > 0).
+    kind "keys_BST": ``data`` bool (B, S, T), True = keep.
+    A masked position gets ``mask_filter_value`` added to its score (added, never substituted).
+    """
+
+    kind: str
+    data: np.ndarray
+
+    def keep_BST(self, q_seq: int, total_seq: int) -> np.ndarray:
+        """Dense (B, S, T) boolean keep matrix (reference backend and tests)."""
+        if self.kind == "key_lengths":
+            keep_BT = np.arange(total_seq)[None, :] < self.data[:, None]
+            return np.broadcast_to(keep_BT[:, None, :], (len(self.data), q_seq, total_seq))
+        if self.kind == "keys_BT":
+            return np.broadcast_to(self.data[:, None, :], (self.data.shape[0], q_seq, total_seq))
+        return self.data
+
+
+@dataclass
+class MhaProblem:
+    geometry: Geometry
+    dtype: str  # element type of the node: float32 | float16 | bfloat16
+    scale: float  # resolved: attribute, or 1/sqrt(H) when the attribute is 0
+    mask_filter_value: float
+    causal: bool  # unidirectional and S > 1; ORT CPU: rows i < S-1, keys j > P + i get FLOAT32_LOWEST (set)
+    query_BSD: np.ndarray  # (B, S, D)
+    key: np.ndarray  # (B, L, D) when kv_layout == "BSNH"; (B, N, L, H) when "BNSH"
+    value: np.ndarray  # (B, L, Dv) or (B, N, L, Hv)
+    kv_layout: str  # "BSNH" | "BNSH"
+    bias_q: Optional[np.ndarray] = None  # (D,)
+    bias_k: Optional[np.ndarray] = None  # (D,);  None for BNSH key/value: ORT ignores the K/V bias there
+    bias_v: Optional[np.ndarray] = None  # (Dv,); likewise
+    padding_mask: Optional[PaddingMask] = None
+    attention_bias: Optional[np.ndarray] = None  # (B|1, N|1, S, T)
+    past_key_BNPH: Optional[np.ndarray] = None
+    past_value_BNPH: Optional[np.ndarray] = None  # (B, N, P, Hv)
+    want_present_key: bool = False
+    want_present_value: bool = False
+
+
+@dataclass
+class MhaResult:
+    output_BSDv: np.ndarray  # float32 (B, S, Dv)
+    present_key_BNTH: Optional[np.ndarray] = None  # float32 (B, N, T, H) when wanted
+    present_value_BNTHv: Optional[np.ndarray] = None  # float32 (B, N, T, Hv) when wanted
+
+
+def call_from_arrays(
+    attributes: Mapping[str, object],
+    arrays: Sequence[Optional[np.ndarray]],
+    dtype: str,
+    outputs: Sequence[bool],
+) -> Call:
+    """The rule input for concrete arrays. Float inputs are reported with the node's dtype (they travel as f32)."""
+    infos = []
+    for name, array in zip(spec.INPUTS, list(arrays) + [None] * (len(spec.INPUTS) - len(arrays))):
+        if array is None:
+            infos.append(None)
+            continue
+        info = TensorInfo.of_array(array)
+        if name in spec.FLOAT_INPUTS and info.dtype == "float32":
+            info = TensorInfo(dtype, info.shape)
+        infos.append(info)
+    return Call(attributes_from_mapping(attributes), tuple(infos), tuple(outputs))
+
+
+def build_problem(
+    attributes: Mapping[str, object],
+    arrays: Sequence[Optional[np.ndarray]],
+    dtype: str = "float32",
+    outputs: Sequence[bool] = (True, False, False, False),
+) -> MhaProblem:
+    """Validate one call with the shared rules and resolve it. Raises MhaInputError naming the input."""
+    try:
+        call = call_from_arrays(attributes, arrays, dtype, outputs)
+    except Refusal as refusal:
+        raise MhaInputError(refusal.reason) from None
+    refusal = check(call)
+    if refusal is not None:
+        raise MhaInputError(refusal.reason)
+    by_name = dict(zip(spec.INPUTS, list(arrays) + [None] * (len(spec.INPUTS) - len(arrays))))
+    query, key, value = by_name["query"], by_name["key"], by_name["value"]
+    attrs = call.attrs
+    n = attrs.num_heads
+    kv_layout = "BNSH" if key.ndim == 4 else "BSNH"
+    b, s, d = query.shape
+    h = d // n
+    kv_len = key.shape[2] if kv_layout == "BNSH" else key.shape[1]
+    hv = value.shape[3] if kv_layout == "BNSH" else value.shape[2] // n
+    past_key, past_value = by_name["past_key"], by_name["past_value"]
+    geometry = Geometry(b, s, kv_len, 0 if past_key is None else past_key.shape[2], n, h, hv)
+
+    bias_q = bias_k = bias_v = None
+    bias = by_name["bias"]
+    if bias is not None:
+        bias_q = bias[:d]
+        if kv_layout == "BSNH":  # semantics 3.3: the K/V bias is ignored for BNSH key/value
+            bias_k, bias_v = bias[d : 2 * d], bias[2 * d :]
+
+    mask = by_name["key_padding_mask"]
+    padding_mask = None if mask is None else resolve_padding_mask(mask, geometry)
+    return MhaProblem(
+        geometry=geometry,
+        dtype=dtype,
+        scale=attrs.resolved_scale(h),
+        mask_filter_value=attrs.mask_filter_value,
+        causal=attrs.causal(s),
+        query_BSD=query,
+        key=key,
+        value=value,
+        kv_layout=kv_layout,
+        bias_q=bias_q,
+        bias_k=bias_k,
+        bias_v=bias_v,
+        padding_mask=padding_mask,
+        attention_bias=by_name["attention_bias"],
+        past_key_BNPH=past_key,
+        past_value_BNPH=past_value,
+        want_present_key=bool(outputs[1]),
+        want_present_value=bool(outputs[2]),
+    )
+
+
+def resolve_padding_mask(mask: np.ndarray, geometry: Geometry) -> PaddingMask:
+    """key_padding_mask -> PaddingMask, exactly as ORT's CPU kernel reads it (semantics 3.4).
+
+    Shapes were already checked by the rules; this only interprets values.
+    """
+    b, t = geometry.batch, geometry.total_seq
+    if mask.ndim == 1:  # (B,) or (3B+2,): key lengths are the first B entries; the cu_seqlens part is unused
+        lengths = np.clip(mask[:b].astype(np.int64), 0, t).astype(np.int32)
+        return PaddingMask("key_lengths", lengths)
+    keep = np.asarray(mask) > 0
+    return PaddingMask("keys_BT" if mask.ndim == 2 else "keys_BST", keep)
+
+
+def output_shapes(
+    attributes: Mapping[str, object], arrays: Sequence[Optional[np.ndarray]]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Best-effort shapes of (output, present_key, present_value) for poisoning a failed call; () when unknown."""
+    try:
+        n = int(attributes.get("num_heads", 0))
+        query, key, value = arrays[0], arrays[1], arrays[2]
+        b, s = query.shape[0], query.shape[1]
+        if value is not None and value.ndim == 4:
+            dv, length, hv = value.shape[1] * value.shape[3], value.shape[2], value.shape[3]
+        elif value is not None and value.ndim == 3:
+            dv, length, hv = value.shape[2], value.shape[1], value.shape[2] // max(n, 1)
+        else:
+            return (b, s, query.shape[-1]), (), ()
+        h = query.shape[2] // max(n, 1)
+        past = arrays[6].shape[2] if len(arrays) > 6 and arrays[6] is not None and arrays[6].ndim == 4 else 0
+        return (b, s, dv), (b, n, past + length, h), (b, n, past + length, hv)
+    except Exception:  # noqa: BLE001 - poisoning must never fail
+        return (), (), ()

@@ -1,0 +1,88 @@
+"""The operator contract: slots, attributes, the plugin domain and the transport convention.
+
+Everything that two parts of the package must agree on lives here, so that the claim gate, the partition pass,
+the op registration and the tests read one description.
+
+Layout legend used across the package (names carry their layout as a suffix):
+    B batch, S query length, L new key/value length, P past length, T = P + L total key length,
+    N heads, H query/key head size, Hv value head size, D = N*H, Dv = N*Hv.
+    ``query_BSD`` is (B, S, D); ``key_BNLH`` is (B, N, L, H); ``scores_BNST`` is (B, N, S, T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ORT_DOMAIN = "com.microsoft"
+PLUGIN_DOMAIN = "mha_ep"
+OP_TYPE = "MultiHeadAttention"
+PLUGIN_OPSET = 1
+
+# Input and output slots of com.microsoft::MultiHeadAttention (ORT 1.31.1), in slot order.
+INPUTS = (
+    "query",  # 0 (B,S,D) or packed QKV (B,S,N,3,H)
+    "key",  # 1 (B,L,D), packed KV (B,L,N,2,H) or BNSH (B,N,L,H)
+    "value",  # 2 (B,L,Dv) or BNSH (B,N,L,Hv)
+    "bias",  # 3 (D + D + Dv,)
+    "key_padding_mask",  # 4 (B,), (3B+2,), (B,T) or (B,S,T); int32
+    "attention_bias",  # 5 (B|1, N|1, S, T)
+    "past_key",  # 6 (B,N,P,H)
+    "past_value",  # 7 (B,N,P,Hv)
+    "past_sequence_length",  # 8 one int32 (buffer sharing)
+    "cache_indirection",  # 9 (B, beams, M) int32
+)
+OUTPUTS = ("output", "present_key", "present_value", "qk")
+SLOT = {name: i for i, name in enumerate(INPUTS)}
+OUT_SLOT = {name: i for i, name in enumerate(OUTPUTS)}
+
+# Inputs and outputs of the plugin op. The onnxruntime-extensions bridge requires every declared slot, so a
+# claimed node always carries these eight inputs and three outputs (see the placeholder convention below).
+PLUGIN_INPUTS = INPUTS[:8]
+PLUGIN_OUTPUTS = OUTPUTS[:3]
+FLOAT_INPUTS = ("query", "key", "value", "bias", "attention_bias", "past_key", "past_value")
+FLOAT_OUTPUTS = PLUGIN_OUTPUTS
+
+
+@dataclass(frozen=True)
+class AttributeSpec:
+    name: str
+    kind: str  # "int" | "float" | "string"
+    default: object  # None: required
+
+
+# ORT's attributes, with the defaults ORT's kernels use when the attribute is absent.
+ORT_ATTRIBUTES = (
+    AttributeSpec("num_heads", "int", None),
+    AttributeSpec("mask_filter_value", "float", -10000.0),
+    AttributeSpec("scale", "float", 0.0),  # 0.0 means 1/sqrt(head_size)
+    AttributeSpec("unidirectional", "int", 0),
+)
+
+# Attributes the partition pass adds to a claimed node (the bridge needs every declared attribute on every node,
+# so ORT's defaults are also written out explicitly).
+ATTR_INPUTS = "mha_ep_inputs"  # comma-separated names of the supplied input slots
+ATTR_OUTPUTS = "mha_ep_outputs"  # comma-separated names of the outputs the graph uses
+ATTR_DTYPE = "mha_ep_dtype"  # element type of the original node: float32 | float16 | bfloat16
+PLUGIN_ATTRIBUTES = ORT_ATTRIBUTES + (
+    AttributeSpec(ATTR_INPUTS, "string", None),
+    AttributeSpec(ATTR_OUTPUTS, "string", None),
+    AttributeSpec(ATTR_DTYPE, "string", None),
+)
+
+# Placeholder convention. Absent optional inputs are fed from these zero-size initializers; which slots are
+# really supplied is said by ATTR_INPUTS, never guessed from sizes (a past of length 0 is a real input).
+ABSENT_FLOAT = "mha_ep.absent.float32"
+ABSENT_INT32 = "mha_ep.absent.int32"
+# Unwanted outputs get a name of this form; the op returns a zero-size array for them.
+UNUSED_OUTPUT_SUFFIX = "/mha_ep.unused"
+# float16/bfloat16 nodes: the bridge refuses those element types, so values travel as float32 through Cast
+# nodes (exact both ways: every f16/bf16 value is a float32 value, and the op rounds nothing that the Cast back
+# would not). The cast tensors are named "<tensor>" + TRANSPORT_SUFFIX.
+TRANSPORT_SUFFIX = "/mha_ep.f32"
+# A model-local function with the plugin op's name. When the plugin is registered ORT runs the plugin kernel;
+# when it is not, ORT falls back to this function, whose single node names the fix in ORT's own error message.
+UNREGISTERED_DOMAIN = "mha_ep.not_registered"
+UNREGISTERED_OP = "call_mha_ep_register_on_the_SessionOptions_first"
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+MASK_DTYPES = ("int32", "int64")
