@@ -33,21 +33,21 @@ def to_BNSH(x_BSD: np.ndarray, num_heads: int) -> np.ndarray:
     return x_BSD.reshape(b, s, num_heads, d // num_heads).transpose(0, 2, 1, 3)
 
 
-def additive_mask_BST(problem: MhaProblem) -> np.ndarray | None:
+def additive_mask_BST(problem: MhaProblem, dtype=np.float32) -> np.ndarray | None:
     """Step 4's float32 mask (B or 1, S, T), or None when the call has neither padding nor causal masking."""
     g = problem.geometry
     s, t = g.q_seq, g.total_seq
     mask_BST = None
     if problem.padding_mask is not None:
         keep_BST = problem.padding_mask.keep_BST(s, t)
-        mask_BST = np.where(keep_BST, np.float32(0.0), np.float32(problem.mask_filter_value)).astype(np.float32)
+        mask_BST = np.where(keep_BST, dtype(0.0), dtype(problem.mask_filter_value)).astype(dtype)
     if problem.causal:
         rows = np.arange(s)[:, None]
         cols = np.arange(t)[None, :]
         future_ST = (cols > g.past_seq + rows) & (rows < s - 1)
         if mask_BST is None:
-            mask_BST = np.zeros((1, s, t), np.float32)
-        mask_BST = np.where(future_ST[None], np.float32(FLOAT32_LOWEST), mask_BST).astype(np.float32)
+            mask_BST = np.zeros((1, s, t), dtype)
+        mask_BST = np.where(future_ST[None], dtype(FLOAT32_LOWEST), mask_BST).astype(dtype)
     return mask_BST
 
 
@@ -58,9 +58,13 @@ def softmax_lastaxis(scores: np.ndarray) -> np.ndarray:
         return e / e.sum(axis=-1, keepdims=True)
 
 
-def run_reference(problem: MhaProblem) -> MhaResult:
+def run_reference(problem: MhaProblem, compute_dtype=np.float32) -> MhaResult:
+    """Steps 1-6 in ``compute_dtype`` (float32 reproduces ORT; float64 is the oracle where ORT cannot run).
+
+    Outputs are returned in ``compute_dtype``; the backend interface (``ReferenceBackend.run``) uses float32.
+    """
     g = problem.geometry
-    f32 = np.float32
+    f32 = compute_dtype  # the name is kept short; it is float64 when the caller asks for the oracle
     n = g.num_heads
     query = problem.query_BSD.astype(f32, copy=False)
     if problem.bias_q is not None:
@@ -85,7 +89,7 @@ def run_reference(problem: MhaProblem) -> MhaResult:
     scores_BNST = np.matmul(q_BNSH, k_BNTH.transpose(0, 1, 3, 2)) * f32(problem.scale)
     if problem.attention_bias is not None:
         scores_BNST = scores_BNST + problem.attention_bias.astype(f32, copy=False)
-    mask_BST = additive_mask_BST(problem)
+    mask_BST = additive_mask_BST(problem, f32)
     if mask_BST is not None:
         scores_BNST = scores_BNST + mask_BST[:, None]
     probs_BNST = softmax_lastaxis(scores_BNST.astype(f32, copy=False))
