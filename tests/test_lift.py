@@ -1,0 +1,223 @@
+"""lift_attention: exact against stock ORT on small Attention models; declined forms stay unchanged with reasons."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mha_ep.lift import lift_attention, plan_lift
+
+ort = pytest.importorskip("onnxruntime")
+
+B, S, E, N, H = 2, 7, 24, 3, 8  # odd sizes on purpose
+D = N * H
+F32 = TensorProto.FLOAT
+I32 = TensorProto.INT32
+
+
+def attention_model(
+    *,
+    unidirectional=0,
+    present=False,
+    mask=None,  # None | ("1d", len) | ("2d",) | ("3d",) | ("4d",)
+    attention_bias=False,
+    past=False,
+    qkv_sizes=None,
+    runtime_weights=False,
+    extra_attrs=None,
+    opset=17,
+    seed=0,
+):
+    """One com.microsoft::Attention node, optionally followed by a consumer of present, as a model."""
+    rng = np.random.default_rng(seed)
+    dq, dk, dv = qkv_sizes or (D, D, D)
+    w = (rng.standard_normal((E, dq + dk + dv)) * 0.3).astype(np.float32)
+    b = (rng.standard_normal(dq + dk + dv) * 0.3).astype(np.float32)
+    inputs = [helper.make_tensor_value_info("x", F32, ["batch", S, E])]
+    inits = [numpy_helper.from_array(b, "qkv_bias")]
+    if runtime_weights:
+        inputs.append(helper.make_tensor_value_info("w", F32, [E, dq + dk + dv]))
+    else:
+        inits.append(numpy_helper.from_array(w, "w"))
+    node_inputs = ["x", "w", "qkv_bias", "", "", ""]
+    if mask is not None:
+        kind = mask[0]
+        shape = {
+            "1d": [mask[1] if len(mask) > 1 else "batch"],
+            "2d": ["batch", S],
+            "3d": ["batch", S, S],
+            "4d": ["batch", 1, S, S],
+        }[kind]
+        inputs.append(helper.make_tensor_value_info("mask", I32, shape))
+        node_inputs[3] = "mask"
+    if past:
+        inputs.append(helper.make_tensor_value_info("past", F32, [2, "batch", N, 3, dq // N]))
+        node_inputs[4] = "past"
+    if attention_bias:
+        inputs.append(helper.make_tensor_value_info("attn_bias", F32, [1, N, S, S]))
+        node_inputs[5] = "attn_bias"
+    while node_inputs and not node_inputs[-1]:
+        node_inputs.pop()
+    attrs = dict(num_heads=N, unidirectional=unidirectional)
+    if qkv_sizes:
+        attrs["qkv_hidden_sizes"] = list(qkv_sizes)
+    attrs.update(extra_attrs or {})
+    outputs = ["y"] + (["present"] if present or past else [])
+    nodes = [helper.make_node("Attention", node_inputs, outputs, "attn0", domain="com.microsoft", **attrs)]
+    graph_outputs = [helper.make_tensor_value_info("y", F32, ["batch", S, dv])]
+    if present or past:
+        # a consumer like the Whisper first step's: Split the combined present into key and value caches
+        nodes.append(helper.make_node("Identity", ["present"], ["present_out"], "present_consumer"))
+        total = S + 3 if past else S
+        graph_outputs.append(helper.make_tensor_value_info("present_out", F32, [2, "batch", N, total, dq // N]))
+    graph = helper.make_graph(nodes, "attention", inputs, graph_outputs, inits)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 8
+    return model, w
+
+
+def feeds_for(model, w, *, mask=None, seed=1):
+    rng = np.random.default_rng(seed)
+    feeds = {"x": rng.standard_normal((B, S, E)).astype(np.float32)}
+    names = {i.name for i in model.graph.input}
+    if "w" in names:
+        feeds["w"] = w
+    if "mask" in names:
+        kind = mask[0]
+        if kind == "1d":
+            feeds["mask"] = np.array([S, 4], dtype=np.int32)
+        elif kind == "2d":
+            m = np.ones((B, S), np.int32)
+            m[1, 4:] = 0
+            feeds["mask"] = m
+        elif kind == "3d":
+            feeds["mask"] = (rng.random((B, S, S)) > 0.3).astype(np.int32)
+            feeds["mask"][:, :, 0] = 1
+    if "attn_bias" in names:
+        feeds["attn_bias"] = rng.standard_normal((1, N, S, S)).astype(np.float32)
+    return feeds
+
+
+def run(model, feeds):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def op_types(model):
+    return [(n.domain, n.op_type) for n in model.graph.node]
+
+
+LIFTED_CASES = {
+    "bidirectional": dict(),
+    "unidirectional_with_present": dict(unidirectional=1, present=True),
+    "bidirectional_with_present": dict(present=True),
+    "mask_2d": dict(mask=("2d",)),
+    "mask_3d": dict(mask=("3d",)),
+    "mask_1d_key_lengths": dict(mask=("1d",)),
+    "unidirectional_mask_2d": dict(unidirectional=1, mask=("2d",), present=True),
+    "attention_bias": dict(attention_bias=True),
+    "scale_and_filter": dict(extra_attrs=dict(scale=0.2, mask_filter_value=-5000.0), mask=("2d",)),
+    "qkv_hidden_sizes_v_differs": dict(qkv_sizes=(D, D, 2 * N)),
+    "runtime_weights": dict(runtime_weights=True, present=True, unidirectional=1),
+    "opset_11": dict(opset=11, present=True, unidirectional=1, runtime_weights=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIFTED_CASES))
+def test_lift_is_exact(case):
+    kwargs = LIFTED_CASES[case]
+    model, w = attention_model(**kwargs)
+    feeds = feeds_for(model, w, mask=kwargs.get("mask"))
+    want = run(model, feeds)
+    lifted, count = lift_attention(model)
+    assert count == 1
+    onnx.checker.check_model(lifted)
+    types = op_types(lifted)
+    assert ("com.microsoft", "Attention") not in types
+    assert types.count(("com.microsoft", "MultiHeadAttention")) == 1
+    mha = next(n for n in lifted.graph.node if n.op_type == "MultiHeadAttention")
+    assert mha.name == "attn0"  # the node keeps its name
+    got = run(lifted, feeds)
+    assert len(got) == len(want)
+    for g, w_ in zip(got, want):
+        assert g.shape == w_.shape
+        np.testing.assert_allclose(g, w_, rtol=0, atol=2e-5)
+    # the input model is left alone
+    assert ("com.microsoft", "Attention") in op_types(model)
+
+
+DECLINED_CASES = {
+    "past_input": (dict(past=True, unidirectional=1), "input 'past'"),
+    "mask_1d_end_start": (dict(mask=("1d", 2 * B)), "cannot be told apart"),
+    "mask_4d_megatron": (dict(mask=("4d",)), "is rank 4"),
+    "rotary": (dict(extra_attrs=dict(do_rotary=1)), "do_rotary=1"),
+    "qkv_hidden_sizes_k_differs": (dict(qkv_sizes=(D, 2 * N, D)), "key hidden == query hidden"),
+    "present_with_v_differs": (dict(qkv_sizes=(D, D, 2 * N), present=True), "combined present"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECLINED_CASES))
+def test_declined_forms_stay_unchanged(case):
+    kwargs, reason = DECLINED_CASES[case]
+    model, _ = attention_model(**kwargs)
+    before = model.SerializeToString()
+    lifted, count = lift_attention(model)
+    assert count == 0
+    assert lifted.SerializeToString() == before
+    (decision,) = plan_lift(model)
+    assert not decision.lifted
+    assert decision.node_name == "attn0"
+    assert reason in decision.reason
+
+
+def test_mixed_graph_lifts_only_what_it_can():
+    """Two Attention nodes in one graph: one liftable, one with past; the count says one."""
+    liftable, _ = attention_model(unidirectional=1, present=True)
+    node = helper.make_node(
+        "Attention", ["x", "w", "qkv_bias", "", "past"], ["y2", "present2"], "attn1", domain="com.microsoft",
+        num_heads=N, unidirectional=1,
+    )
+    g = liftable.graph
+    g.node.append(node)
+    g.input.append(helper.make_tensor_value_info("past", F32, [2, "batch", N, 3, H]))
+    g.output.append(helper.make_tensor_value_info("y2", F32, ["batch", S, D]))
+    lifted, count = lift_attention(liftable)
+    assert count == 1
+    kinds = {n.name: n.op_type for n in lifted.graph.node}
+    assert kinds["attn0"] == "MultiHeadAttention"
+    assert kinds["attn1"] == "Attention"
+    rng = np.random.default_rng(3)
+    feeds = {
+        "x": rng.standard_normal((B, S, E)).astype(np.float32),
+        "past": rng.standard_normal((2, B, N, 3, H)).astype(np.float32),
+    }
+    for g_, w_ in zip(run(lifted, feeds), run(liftable, feeds)):
+        np.testing.assert_allclose(g_, w_, rtol=0, atol=2e-5)
+
+
+def test_model_without_attention_is_returned_as_is():
+    x = helper.make_tensor_value_info("x", F32, [2])
+    y = helper.make_tensor_value_info("y", F32, [2])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]))
+    out, count = lift_attention(model)
+    assert count == 0 and out is model
+
+
+def test_lift_module_needs_neither_torch_nor_onnxruntime():
+    import ast
+    import pathlib
+
+    import mha_ep.lift as lift_module
+
+    tree = ast.parse(pathlib.Path(lift_module.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert imported <= {"__future__", "copy", "dataclasses", "typing", "numpy", "onnx"}
