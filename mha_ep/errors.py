@@ -19,4 +19,5 @@ class MhaRunError(MhaEpError):
     def __init__(self, node_name: str, message: str):
         self.node_name = node_name
         self.message = message
-        super().__init__(f"mha_ep MultiHeadAttention node {node_name!r}: {message}")
+        detail = message.removeprefix("mha_ep MultiHeadAttention: ")
+        super().__init__(f"mha_ep MultiHeadAttention node {node_name!r}: {detail}")

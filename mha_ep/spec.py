@@ -63,10 +63,12 @@ ORT_ATTRIBUTES = (
 ATTR_INPUTS = "mha_ep_inputs"  # comma-separated names of the supplied input slots
 ATTR_OUTPUTS = "mha_ep_outputs"  # comma-separated names of the outputs the graph uses
 ATTR_DTYPE = "mha_ep_dtype"  # element type of the original node: float32 | float16 | bfloat16
+ATTR_NODE = "mha_ep_node"  # the node's name, so that an error raised inside the op can name its node
 PLUGIN_ATTRIBUTES = ORT_ATTRIBUTES + (
     AttributeSpec(ATTR_INPUTS, "string", None),
     AttributeSpec(ATTR_OUTPUTS, "string", None),
     AttributeSpec(ATTR_DTYPE, "string", None),
+    AttributeSpec(ATTR_NODE, "string", None),
 )
 
 # Placeholder convention. Absent optional inputs are fed from these zero-size initializers; which slots are

@@ -1,0 +1,74 @@
+// Layout movers of the mha_ep attention pipeline (memory-bound, one thread per destination element).
+//
+// Layout legend: B batch, S query length, L new key/value length, P past length, T = P + L, N heads,
+// H head size (of whichever tensor is moved), D = N*H. Host-facing tensors are float32; the attention operands
+// are the compute dtype T (the template parameter ELEM).
+//
+// Index rule: every linear index is a long long, and every product of int geometry is promoted by casting its
+// FIRST factor, `(long long)b * heads + h`, never `(long long)(b * heads + h)` (the cast after an int overflow).
+#include "common.cuh"
+
+// Build a dense (B, N, P+L, H) operand in one pass:
+//   1. rows s < P come from past_BNPH (the KV cache is prepended along the sequence axis);
+//   2. rows s >= P come from the current tensor, read as BSNH (B, L, N, H) or BNSH (B, N, L, H);
+//   3. the per-(head, dim) bias is added to the current rows only (ORT: never to the past; the host passes
+//      null for BNSH key/value, whose bias ORT ignores);
+//   4. the float sum is rounded once to ELEM and stored; when dst_f32_BNTH is given, the same rounded value is
+//      also stored as float32 (the present_key / present_value output the host downloads).
+// The query uses this kernel too, with P = 0: (B, S, D) + b_q -> (B, N, S, H).
+template <typename ELEM>
+__global__ void build_dense_BNTH(const float* __restrict__ cur, int cur_is_bnsh,
+                                 const float* __restrict__ past_BNPH, const float* __restrict__ bias_NH,
+                                 ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH, int batch,
+                                 int heads, int cur_seq, int past_seq, int dim) {
+  const long long total = (long long)past_seq + cur_seq;
+  const long long count = (long long)batch * heads * total * dim;
+  for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
+    // Step 0: destination coordinates (b, h, s, d) of this element.
+    long long rest = idx;
+    const int d = (int)(rest % dim);
+    rest /= dim;
+    const long long s = rest % total;
+    rest /= total;
+    const int h = (int)(rest % heads);
+    const int b = (int)(rest / heads);
+    float value;
+    if (s < past_seq) {
+      // Step 1: the past rows.
+      value = past_BNPH[(((long long)b * heads + h) * past_seq + s) * dim + d];
+    } else {
+      // Step 2: the current rows, from either layout.
+      const long long sc = s - past_seq;
+      if (cur_is_bnsh) {
+        value = cur[(((long long)b * heads + h) * cur_seq + sc) * dim + d];
+      } else {
+        value = cur[(((long long)b * cur_seq + sc) * heads + h) * dim + d];
+      }
+      // Step 3: the bias of this head and dim.
+      if (bias_NH != nullptr) value += bias_NH[(long long)h * dim + d];
+    }
+    // Step 4: one rounding to the compute dtype, mirrored into the float32 present buffer when asked for.
+    const ELEM stored = from_float<ELEM>(value);
+    dst_BNTH[idx] = stored;
+    if (dst_f32_BNTH != nullptr) dst_f32_BNTH[idx] = to_float<ELEM>(stored);
+  }
+}
+
+// Context (B, N, S, Hv) float32 accumulators of the P.V GEMM -> output (B, S, N*Hv) float32, each value rounded
+// to ELEM first (the node's output dtype; the Cast back to it in the graph is then exact).
+template <typename ELEM>
+__global__ void context_to_BSD(const float* __restrict__ ctx_BNSH, float* __restrict__ out_BSD, int batch,
+                               int heads, int seq, int dim) {
+  const long long count = (long long)batch * seq * heads * dim;
+  for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
+    // The destination index walks (b, s, h, d): writes are coalesced, reads are coalesced within one head.
+    long long rest = idx;
+    const int d = (int)(rest % dim);
+    rest /= dim;
+    const int h = (int)(rest % heads);
+    rest /= heads;
+    const int s = (int)(rest % seq);
+    const int b = (int)(rest / seq);
+    out_BSD[idx] = round_to<ELEM>(ctx_BNSH[(((long long)b * heads + h) * seq + s) * dim + d]);
+  }
+}

@@ -1,0 +1,60 @@
+"""Which backend a call runs on, and where its errors go.
+
+The onnxruntime-extensions op is process-global and receives only inputs and attributes, so the per-run facts
+travel beside it:
+- ``mha_ep.InferenceSession.run`` enters ``run_context(backend, run_options)`` on the calling thread. ORT's
+  sequential executor runs the Python op on that same thread, so the op finds the session's backend and an error
+  slot there. An error is recorded, ``run_options.terminate`` is set (ORT stops before the next node), and the
+  wrapper raises ``MhaRunError`` with the op's message once ``run`` returns; the session stays usable.
+- A plain ``onnxruntime.InferenceSession`` (no context on the thread) uses the process default chosen by the last
+  ``mha_ep.register(...)`` call. It has no error channel: the op logs the error on the ``mha_ep`` logger and
+  returns NaN-poisoned outputs. It never raises: an exception escaping a Python op aborts the whole process
+  (DESIGN.md, measured).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+_local = threading.local()
+_default_lock = threading.Lock()
+_default = {"backend": None}
+
+
+@dataclass
+class RunContext:
+    backend: object
+    run_options: object = None  # onnxruntime.RunOptions
+    errors: list = field(default_factory=list)  # [(node_name, message)]
+
+    def record(self, node_name: str, message: str) -> None:
+        self.errors.append((node_name, message))
+        if self.run_options is not None:
+            self.run_options.terminate = True
+
+
+@contextlib.contextmanager
+def run_context(backend, run_options=None) -> Iterator[RunContext]:
+    previous = getattr(_local, "context", None)
+    context = RunContext(backend, run_options)
+    _local.context = context
+    try:
+        yield context
+    finally:
+        _local.context = previous
+
+
+def current_context() -> Optional[RunContext]:
+    return getattr(_local, "context", None)
+
+
+def set_default_backend(backend) -> None:
+    with _default_lock:
+        _default["backend"] = backend
+
+
+def default_backend():
+    return _default["backend"]

@@ -1,0 +1,255 @@
+"""The partition pass: claimed MultiHeadAttention nodes move to the plugin domain; declined ones stay for ORT.
+
+Rules of the pass (the code refers to them by number):
+  1. Every ``com.microsoft::MultiHeadAttention`` node of the main graph, in graph order, gets one Decision from the
+     claim gate (mha_ep/claim), made on the static dtypes and shapes that shape inference finds.
+  2. A declined node, and every node that is not MHA, stays byte for byte.
+  3. A claimed node becomes ``mha_ep::MultiHeadAttention`` with the same name and attributes (ORT's defaults
+     written out, since the bridge requires every declared attribute) and the same tensor names, plus the
+     ``mha_ep_*`` attributes of mha_ep/spec.py.
+  4. Absent optional inputs are fed from zero-size placeholder initializers; unused outputs get placeholder names.
+  5. float16/bfloat16 nodes: float inputs pass through Cast(to=float32) and outputs come back through Cast(to=the
+     node's dtype), exact both ways. One Cast per tensor, shared by every claimed node that reads it.
+  6. A model-local function named like the plugin op makes an unregistered load fail with an error that says to
+     call mha_ep.register.
+  7. Nodes already in the plugin domain are left as they are and reported as claimed: partitioning a partitioned
+     model changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from typing import List, Union
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from mha_ep import spec
+from mha_ep.claim import Decision, decide
+from mha_ep.claim.shapes import infer_static_infos
+from mha_ep.claim.tensor_info import TensorInfo
+
+MHA_OPSET_MIN_IR = 8  # model-local functions need IR version 8
+ONNX_TO_ELEM = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+
+
+@dataclass
+class PartitionResult:
+    model: onnx.ModelProto
+    decisions: List[Decision]
+    lifted_attention: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def claimed(self) -> int:
+        return sum(d.claimed for d in self.decisions)
+
+    @property
+    def declined(self) -> int:
+        return len(self.decisions) - self.claimed
+
+    def report(self) -> str:
+        lines = [
+            f"mha_ep partition: {len(self.decisions)} MultiHeadAttention node(s), {self.claimed} claimed, "
+            f"{self.declined} declined"
+        ]
+        if self.lifted_attention:
+            lines.append(f"  ({self.lifted_attention} com.microsoft::Attention node(s) lifted into MultiHeadAttention)")
+        for d in self.decisions:
+            name = d.node_name or "<unnamed>"
+            lines.append(f"  claimed   {name}" if d.claimed else f"  declined  {name}: {d.reason}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "claimed": self.claimed,
+                "declined": self.declined,
+                "lifted_attention": self.lifted_attention,
+                "decisions": [d.to_dict() for d in self.decisions],
+                "notes": self.notes,
+            },
+            indent=2,
+        )
+
+
+def load_model(model: Union[onnx.ModelProto, str, os.PathLike]) -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        return copy.deepcopy(model)
+    return onnx.load(os.fspath(model))
+
+
+def is_ort_mha(node: onnx.NodeProto) -> bool:
+    return node.op_type == spec.OP_TYPE and node.domain == spec.ORT_DOMAIN
+
+
+def is_plugin_mha(node: onnx.NodeProto) -> bool:
+    return node.op_type == spec.OP_TYPE and node.domain == spec.PLUGIN_DOMAIN
+
+
+def partition(model, lift_attention: bool = False) -> PartitionResult:
+    """Partition ``model`` (an onnx.ModelProto or a path); the input model is not modified."""
+    model = load_model(model)
+    notes: List[str] = []
+    lifted = 0
+    if lift_attention:
+        from mha_ep.lift import lift_attention as lift
+
+        model, lifted = lift(model)
+    infos = infer_static_infos(model)
+    graph = model.graph
+    decisions: List[Decision] = []
+    new_nodes: List[onnx.NodeProto] = []
+    casts_done: dict = {}
+    used_placeholders: set = set()
+    value_infos: List[onnx.ValueInfoProto] = []
+    modified = False
+    for index, node in enumerate(graph.node):
+        if is_plugin_mha(node):  # Rule 7
+            decisions.append(Decision(node.name, True))
+            new_nodes.append(node)
+            continue
+        if not is_ort_mha(node):  # Rule 2
+            new_nodes.append(node)
+            continue
+        decision = decide_node(node, infos)  # Rule 1
+        decisions.append(decision)
+        if not decision.claimed:
+            new_nodes.append(node)
+            continue
+        new_nodes.extend(
+            claim_node(node, index, infos[node.input[0]].dtype, casts_done, used_placeholders, value_infos)
+        )
+        modified = True
+    if modified:
+        del graph.node[:]
+        graph.node.extend(new_nodes)
+        add_placeholders(graph, used_placeholders)
+        known = {v.name for v in graph.value_info}
+        graph.value_info.extend(v for v in value_infos if v.name not in known)
+        add_plugin_domain(model)
+    if any(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node):
+        count = sum(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node)
+        notes.append(
+            f"{count} com.microsoft::Attention node(s) stay with ORT"
+            + ("" if lift_attention else "; partition(..., lift_attention=True) rewrites them into MatMuls + MHA")
+        )
+    return PartitionResult(model, decisions, lifted, notes)
+
+
+def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    inputs = [(infos.get(name) or TensorInfo()) if name else None for name in node.input]
+    outputs = [bool(name) for name in node.output] + [False] * (len(spec.OUTPUTS) - len(node.output))
+    decision = decide(attributes, inputs, outputs, node.name)
+    if decision.claimed and (not inputs or inputs[0].dtype is None):
+        # The rules accept an unknown dtype, but the transport (rule 5) must know it.
+        return Decision(
+            node.name,
+            False,
+            "mha_ep MultiHeadAttention: the element type of query is unknown after shape inference, so the "
+            "float32 transport cannot be chosen; give the model's inputs typed value_info",
+            "query",
+        )
+    return decision
+
+
+def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -> List[onnx.NodeProto]:
+    """Rules 3-5: the plugin node, preceded by its input Casts and followed by its output Casts."""
+    before: List[onnx.NodeProto] = []
+    after: List[onnx.NodeProto] = []
+    reduced = dtype in ONNX_TO_ELEM
+    supplied = []
+    inputs = []
+    for slot, name in enumerate(spec.PLUGIN_INPUTS):
+        tensor = node.input[slot] if slot < len(node.input) else ""
+        if not tensor:
+            placeholder = spec.ABSENT_INT32 if name == "key_padding_mask" else spec.ABSENT_FLOAT
+            used_placeholders.add(placeholder)
+            inputs.append(placeholder)
+            continue
+        supplied.append(name)
+        if reduced and name in spec.FLOAT_INPUTS:
+            cast_name = tensor + spec.TRANSPORT_SUFFIX
+            if cast_name not in casts_done:
+                casts_done[cast_name] = True
+                before.append(
+                    helper.make_node("Cast", [tensor], [cast_name], to=onnx.TensorProto.FLOAT, name=cast_name)
+                )
+            tensor = cast_name
+        inputs.append(tensor)
+    wanted = []
+    outputs = []
+    stem = node.name or f"{spec.OP_TYPE}_{index}"
+    for slot, name in enumerate(spec.PLUGIN_OUTPUTS):
+        tensor = node.output[slot] if slot < len(node.output) else ""
+        if not tensor:
+            outputs.append(f"{stem}{spec.UNUSED_OUTPUT_SUFFIX}/{name}")
+            continue
+        wanted.append(name)
+        if reduced:
+            transport = tensor + spec.TRANSPORT_SUFFIX
+            after.append(helper.make_node("Cast", [transport], [tensor], to=ONNX_TO_ELEM[dtype], name=transport))
+            tensor = transport
+        outputs.append(tensor)
+    for tensor in outputs:
+        if tensor not in node.output:  # typed, so that ORT's checks of an unregistered load reach Rule 6's message
+            value_infos.append(helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None))
+    plugin = helper.make_node(spec.OP_TYPE, inputs, outputs, name=node.name, domain=spec.PLUGIN_DOMAIN)
+    present = {a.name for a in node.attribute}
+    plugin.attribute.extend(copy.deepcopy(a) for a in node.attribute)
+    for attr in spec.ORT_ATTRIBUTES:
+        if attr.name not in present:
+            plugin.attribute.append(helper.make_attribute(attr.name, attr.default))
+    plugin.attribute.extend(
+        [
+            helper.make_attribute(spec.ATTR_INPUTS, ",".join(supplied)),
+            helper.make_attribute(spec.ATTR_OUTPUTS, ",".join(wanted)),
+            helper.make_attribute(spec.ATTR_DTYPE, dtype),
+            helper.make_attribute(spec.ATTR_NODE, node.name),
+        ]
+    )
+    if node.doc_string:
+        plugin.doc_string = node.doc_string
+    return before + [plugin] + after
+
+
+def add_placeholders(graph: onnx.GraphProto, used: set) -> None:
+    existing = {init.name for init in graph.initializer}
+    for name in sorted(used - existing):
+        dtype = np.int32 if name == spec.ABSENT_INT32 else np.float32
+        graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((0,), dtype), name))
+
+
+def add_plugin_domain(model: onnx.ModelProto) -> None:
+    """The plugin and fallback-function opset imports, and Rule 6's model-local function."""
+    domains = {o.domain for o in model.opset_import}
+    for domain in (spec.PLUGIN_DOMAIN, spec.UNREGISTERED_DOMAIN):
+        if domain not in domains:
+            model.opset_import.append(helper.make_opsetid(domain, spec.PLUGIN_OPSET))
+    if not any(f.domain == spec.PLUGIN_DOMAIN and f.name == spec.OP_TYPE for f in model.functions):
+        model.functions.append(unregistered_function())
+    if model.ir_version < MHA_OPSET_MIN_IR:
+        model.ir_version = MHA_OPSET_MIN_IR
+
+
+def unregistered_function() -> onnx.FunctionProto:
+    return helper.make_function(
+        spec.PLUGIN_DOMAIN,
+        spec.OP_TYPE,
+        list(spec.PLUGIN_INPUTS),
+        list(spec.PLUGIN_OUTPUTS),
+        [
+            helper.make_node(
+                spec.UNREGISTERED_OP, list(spec.PLUGIN_INPUTS), list(spec.PLUGIN_OUTPUTS), domain=spec.UNREGISTERED_DOMAIN
+            )
+        ],
+        opset_imports=[helper.make_opsetid(spec.UNREGISTERED_DOMAIN, spec.PLUGIN_OPSET)],
+        attributes=[a.name for a in spec.PLUGIN_ATTRIBUTES],
+        doc_string="mha_ep::MultiHeadAttention runs only where mha_ep.register(session_options) was called.",
+    )

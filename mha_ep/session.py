@@ -1,0 +1,86 @@
+"""``mha_ep.InferenceSession``: partition + register + onnxruntime.InferenceSession, with a real error channel.
+
+It behaves like ``onnxruntime.InferenceSession`` (``run``, ``get_inputs``, ``get_outputs``, ... are passed
+through) and adds: the partition decisions, a backend bound to this session (``backend``, ``device_id``), and
+errors from inside a claimed node raised as ``mha_ep.errors.MhaRunError`` with the node's message, after which
+the session is still usable.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Optional, Sequence
+
+import onnx
+
+from mha_ep.errors import MhaRunError
+from mha_ep.ops.context import run_context
+from mha_ep.ops.registration import register, resolve_backend
+from mha_ep.partition import PartitionResult, partition
+
+PROTOBUF_LIMIT = 2**31 - 2**24  # serialise through a file above this size
+
+
+class InferenceSession:
+    def __init__(
+        self,
+        model,
+        backend: str = "auto",
+        device_id: int = 0,
+        sess_options=None,
+        providers: Optional[Sequence] = None,
+        lift_attention: bool = False,
+    ):
+        import onnxruntime as ort
+
+        self.partition: PartitionResult = partition(model, lift_attention=lift_attention)
+        self.backend = resolve_backend(backend, device_id)
+        self.device_id = device_id
+        options = sess_options if sess_options is not None else ort.SessionOptions()
+        # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        register(options, self.backend.name, device_id)
+        self._session = _make_session(self.partition.model, options, providers or ["CPUExecutionProvider"])
+
+    @property
+    def decisions(self):
+        return self.partition.decisions
+
+    @property
+    def model(self) -> onnx.ModelProto:
+        return self.partition.model
+
+    def run(self, output_names, input_feed, run_options=None):
+        """Like onnxruntime's ``run``; raises MhaRunError when a claimed node fails (the session stays usable)."""
+        import onnxruntime as ort
+
+        options = run_options if run_options is not None else ort.RunOptions()
+        with run_context(self.backend, options) as context:
+            try:
+                outputs = self._session.run(output_names, input_feed, options)
+            except Exception as error:
+                if context.errors:
+                    options.terminate = False
+                    node, message = context.errors[0]
+                    raise MhaRunError(node, message) from error
+                raise
+        if context.errors:
+            options.terminate = False
+            node, message = context.errors[0]
+            raise MhaRunError(node, message)
+        return outputs
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
+def _make_session(model: onnx.ModelProto, options, providers):
+    import onnxruntime as ort
+
+    if model.ByteSize() < PROTOBUF_LIMIT:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
+    with tempfile.TemporaryDirectory(prefix="mha_ep_") as folder:
+        path = os.path.join(folder, "model.onnx")
+        onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
+        return ort.InferenceSession(path, options, providers=list(providers))
