@@ -1,0 +1,47 @@
+"""Shared fixtures: one test body runs against every backend.
+
+``backend`` is "reference" everywhere and "cuda" too when CuPy and a GPU are usable; the cuda case carries the
+``gpu`` marker, so ``pytest -m gpu`` selects it on the device machine and CPU machines skip it cleanly.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from mha_ep.ops.backends import cuda_unavailable_reason
+
+# Tolerances against stock ORT CPU, relative to max(1, |expected|).
+PARITY_TOLERANCE = {"float32": 1e-5, "float16": 4e-3}
+
+
+@pytest.fixture(params=["reference", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request) -> str:
+    if request.param == "cuda":
+        reason = cuda_unavailable_reason(0)
+        if reason is not None:
+            pytest.skip(f"cuda backend unavailable: {reason}")
+    return request.param
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """Fresh random inputs per test, reproducible from the test's name (printed on failure by pytest)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return np.random.default_rng(seed)
+
+
+def max_rel_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    """max |a - e| / max(1, |e|), NaN-aware: NaN in both places counts as equal, NaN in one is infinite error."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"shape {a.shape} != expected {e.shape}")
+    both_nan = np.isnan(a) & np.isnan(e)
+    one_nan = np.isnan(a) ^ np.isnan(e)
+    if one_nan.any():
+        return float("inf")
+    diff = np.where(both_nan, 0.0, np.abs(a - e) / np.maximum(1.0, np.abs(np.where(both_nan, 0.0, e))))
+    return float(diff.max()) if diff.size else 0.0
