@@ -23,6 +23,12 @@ def dtype_name(elem_type: int) -> str | None:
     return {"float": "float32", "double": "float64"}.get(name, name)
 
 
+def elem_type(name: str) -> int:
+    """Inverse of dtype_name: "float32" -> TensorProto.FLOAT, "bfloat16" -> TensorProto.BFLOAT16."""
+    onnx_name = {"float32": "FLOAT", "float64": "DOUBLE"}.get(name, name.upper())
+    return onnx.TensorProto.DataType.Value(onnx_name)
+
+
 def _info_from_type(type_proto: onnx.TypeProto) -> TensorInfo | None:
     if not type_proto.HasField("tensor_type"):
         return None

@@ -1,0 +1,4 @@
+from mha_ep.cli import main
+import sys
+
+sys.exit(main())

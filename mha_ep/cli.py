@@ -1,0 +1,117 @@
+"""The ``mha-ep`` command.
+
+    mha-ep demo                          the main job: shipped BERT and Whisper models, plugin vs stock ORT
+    mha-ep partition IN -o OUT           partition a model and print the claim report (--json for JSON)
+    mha-ep compare MODEL [--per-node]    stock ORT vs the plugin on random (or given) feeds; exit 1 on mismatch
+    mha-ep bench [...]                   benchmarks (see mha_ep/bench.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import numpy as np
+
+
+def _dims(values):
+    dims = {}
+    for item in values or []:
+        name, _, value = item.partition("=")
+        if not value:
+            raise argparse.ArgumentTypeError(f"--dim expects NAME=VALUE, got {item!r}")
+        dims[name] = int(value)
+    return dims
+
+
+def cmd_partition(args) -> int:
+    import onnx
+
+    from mha_ep.partition import partition
+
+    result = partition(args.model, lift_attention=args.lift_attention)
+    print(result.to_json() if args.json else result.report())
+    if args.output:
+        onnx.save(result.model, args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from mha_ep.compare import compare
+
+    feeds = dict(np.load(args.feeds)) if args.feeds else None
+    report = compare(
+        args.model,
+        feeds=feeds,
+        backend=args.backend,
+        device_id=args.device_id,
+        per_node=args.per_node,
+        seed=args.seed,
+        dims=_dims(args.dim),
+        lift_attention=args.lift_attention,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
+    return 0 if report.passed else 1
+
+
+def cmd_demo(args) -> int:
+    from mha_ep.demo import run_demo
+
+    return run_demo(backend=args.backend, device_id=args.device_id, per_node=args.per_node)
+
+
+def cmd_bench(args) -> int:
+    from mha_ep.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mha-ep", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (backend choice, kernel paths)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def backend_options(p):
+        p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
+        p.add_argument("--device-id", type=int, default=0, help="GPU for the cuda backend")
+
+    p = sub.add_parser("demo", help="run the shipped BERT and Whisper models through the plugin and stock ORT")
+    backend_options(p)
+    p.add_argument("--per-node", action="store_true", help="also report every claimed node's error")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("partition", help="claim MHA nodes for the plugin and print the decisions")
+    p.add_argument("model")
+    p.add_argument("-o", "--output", help="where to write the partitioned model")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--lift-attention", action="store_true", help="rewrite com.microsoft::Attention into MHA first")
+    p.set_defaults(func=cmd_partition)
+
+    p = sub.add_parser("compare", help="stock ORT vs the plugin on the same feeds")
+    p.add_argument("model")
+    backend_options(p)
+    p.add_argument("--per-node", action="store_true", help="report every claimed node's output error")
+    p.add_argument("--feeds", help=".npz file with the feeds (default: random, valid for the model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dim", action="append", help="value of a symbolic dim for random feeds, NAME=VALUE")
+    p.add_argument("--lift-attention", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("bench", help="benchmarks; `mha-ep bench --help` for options", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Stock ORT vs the plugin on the same feeds: per-output (and, on request, per-node) error report.
+
+Errors are max |plugin - stock| / max(1, |stock|); NaN in the same place on both sides counts as equal. The
+tolerances below are for whole models (errors compound over layers); single-node parity is held much tighter in
+the tests (1e-5 float32, 4e-3 float16).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from mha_ep.claim.shapes import elem_type, infer_static_infos
+from mha_ep.feeds import random_feeds
+from mha_ep.partition import PartitionResult, is_ort_mha, load_model
+
+MODEL_TOLERANCE = {"float32": 1e-4, "float64": 1e-9, "float16": 2e-2, "bfloat16": 6e-2}
+INTEGER_TOLERANCE = 0.0
+
+
+@dataclass
+class Comparison:
+    name: str
+    dtype: str
+    shape: tuple
+    max_abs: float
+    max_rel: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_rel <= self.tolerance
+
+    def line(self) -> str:
+        verdict = "ok  " if self.passed else "FAIL"
+        return (
+            f"  {verdict} {self.name:<48} {self.dtype:<8} {str(self.shape):<20} max|d| {self.max_abs:.3e}  "
+            f"rel {self.max_rel:.3e}  (tol {self.tolerance:.0e})"
+        )
+
+
+@dataclass
+class CompareReport:
+    model: str
+    backend: str
+    partition: PartitionResult
+    outputs: List[Comparison] = field(default_factory=list)
+    nodes: List[Comparison] = field(default_factory=list)
+    stock_ms: float = 0.0
+    plugin_ms: float = 0.0
+    oracle: str = "stock ORT CPU"
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.outputs + self.nodes)
+
+    def text(self) -> str:
+        lines = [f"== {self.model}: plugin ({self.backend}) vs {self.oracle}", self.partition.report()]
+        if self.nodes:
+            lines.append("per claimed node, in graph order:")
+            lines.extend(c.line() for c in self.nodes)
+        lines.append("model outputs:")
+        lines.extend(c.line() for c in self.outputs)
+        lines.append(f"  time per run: stock {self.stock_ms:.2f} ms, plugin {self.plugin_ms:.2f} ms")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        lines.append(f"  {'PASS' if self.passed else 'FAIL'}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        def rows(items):
+            return [
+                {
+                    "name": c.name,
+                    "dtype": c.dtype,
+                    "shape": list(c.shape),
+                    "max_abs": c.max_abs,
+                    "max_rel": c.max_rel,
+                    "tolerance": c.tolerance,
+                    "passed": c.passed,
+                }
+                for c in items
+            ]
+
+        return {
+            "model": self.model,
+            "backend": self.backend,
+            "oracle": self.oracle,
+            "claimed": self.partition.claimed,
+            "declined": self.partition.declined,
+            "outputs": rows(self.outputs),
+            "nodes": rows(self.nodes),
+            "stock_ms": self.stock_ms,
+            "plugin_ms": self.plugin_ms,
+            "passed": self.passed,
+        }
+
+
+def errors(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    a = np.asarray(actual).astype(np.float64)
+    e = np.asarray(expected).astype(np.float64)
+    if a.shape != e.shape:
+        return float("inf"), float("inf")
+    if a.size == 0:
+        return 0.0, 0.0
+    both_nan = np.isnan(a) & np.isnan(e)
+    if (np.isnan(a) ^ np.isnan(e)).any():
+        return float("inf"), float("inf")
+    a, e = np.where(both_nan, 0.0, a), np.where(both_nan, 0.0, e)
+    diff = np.abs(a - e)
+    return float(diff.max()), float((diff / np.maximum(1.0, np.abs(e))).max())
+
+
+def compare_arrays(name: str, actual: np.ndarray, expected: np.ndarray, tolerance: Optional[float] = None):
+    dtype = str(np.asarray(expected).dtype)
+    if tolerance is None:
+        tolerance = MODEL_TOLERANCE.get(dtype, INTEGER_TOLERANCE)
+    max_abs, max_rel = errors(actual, expected)
+    return Comparison(name, dtype, tuple(np.shape(expected)), max_abs, max_rel, tolerance)
+
+
+def expose_mha_outputs(model: onnx.ModelProto) -> List[str]:
+    """Rule of --per-node: every MHA node's used outputs become graph outputs (same names in both runs)."""
+    infos = infer_static_infos(model)
+    existing = {o.name for o in model.graph.output}
+    exposed = []
+    for node in model.graph.node:
+        if not is_ort_mha(node):
+            continue
+        for name in node.output[:3]:
+            if name and name not in existing:
+                info = infos.get(name)
+                elem = elem_type(info.dtype) if info is not None and info.dtype else onnx.TensorProto.FLOAT
+                model.graph.output.append(helper.make_tensor_value_info(name, elem, None))
+                existing.add(name)
+            if name:
+                exposed.append(name)
+    return exposed
+
+
+def _timed_run(session, feeds, repeat: int):
+    outputs = session.run(None, feeds)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        session.run(None, feeds)
+    return outputs, (time.perf_counter() - start) * 1000.0 / max(repeat, 1)
+
+
+def compare(
+    model,
+    feeds: Optional[Mapping[str, np.ndarray]] = None,
+    backend: str = "auto",
+    device_id: int = 0,
+    per_node: bool = False,
+    seed: int = 0,
+    dims: Optional[Mapping[str, int]] = None,
+    lift_attention: bool = False,
+    repeat: int = 3,
+    name: Optional[str] = None,
+) -> CompareReport:
+    """Run ``model`` with stock ORT (CPU) and with the plugin on the same feeds; return the error report."""
+    import onnxruntime as ort
+
+    from mha_ep.session import InferenceSession
+
+    label = name or (str(model) if not isinstance(model, onnx.ModelProto) else model.graph.name or "model")
+    original = load_model(model)
+    notes = []
+    if lift_attention:
+        from mha_ep.lift import lift_attention as lift
+
+        original, lifted = lift(original)
+        notes.append(f"{lifted} Attention node(s) lifted into MHA on both sides (the lift is exact; tests/test_lift.py)")
+    graph_outputs = [o.name for o in original.graph.output]
+    exposed = expose_mha_outputs(original) if per_node else []
+    feeds = dict(feeds) if feeds is not None else random_feeds(original, seed=seed, dims=dims)
+
+    plugin = InferenceSession(original, backend=backend, device_id=device_id)
+    plugin_outputs, plugin_ms = _timed_run(plugin, feeds, repeat)
+    report = CompareReport(label, plugin.backend.name, plugin.partition, plugin_ms=plugin_ms, notes=notes)
+    try:
+        stock = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"])
+        stock_outputs, report.stock_ms = _timed_run(stock, feeds, repeat)
+    except Exception as error:  # noqa: BLE001 - e.g. bfloat16 MHA, which stock ORT cannot run
+        report.oracle = "nothing (stock ORT could not run the model)"
+        report.notes.append(f"stock ORT failed: {str(error).splitlines()[0][:300]}")
+        report.outputs.append(Comparison("<stock ORT run>", "-", (), float("inf"), float("inf"), 0.0))
+        return report
+    names = [o.name for o in plugin.get_outputs()]
+    by_name_plugin: Dict[str, np.ndarray] = dict(zip(names, plugin_outputs))
+    by_name_stock: Dict[str, np.ndarray] = dict(zip([o.name for o in stock.get_outputs()], stock_outputs))
+    claimed = {d.node_name for d in plugin.decisions if d.claimed}
+    node_of_output = {o: n.name for n in original.graph.node if is_ort_mha(n) for o in n.output if o}
+    for out in exposed:
+        if node_of_output.get(out) in claimed:
+            report.nodes.append(compare_arrays(f"{node_of_output[out]} -> {out}", by_name_plugin[out], by_name_stock[out]))
+    for out in graph_outputs:
+        report.outputs.append(compare_arrays(out, by_name_plugin[out], by_name_stock[out]))
+    return report

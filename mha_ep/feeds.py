@@ -1,0 +1,79 @@
+"""Random feeds from a model's input signature, valid for the model (token ids inside the vocabulary, masks 0/1).
+
+Symbolic dims take a value from ``dims`` (by dim_param name) or a default; integer inputs get values that the
+model can consume: ids below the vocabulary size of the Gather that reads them, attention masks as right padding
+with at least one kept position, key-length indices in [1, T].
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional
+
+import numpy as np
+import onnx
+
+from mha_ep.claim.shapes import dtype_name
+
+DEFAULT_DIMS = {"batch": 2, "sequence": 8}
+FALLBACK_DIM = 4
+
+
+def _dim_value(dim, dims: Mapping[str, int], name: str) -> int:
+    if dim.HasField("dim_value"):
+        return int(dim.dim_value)
+    param = dim.dim_param
+    if param in dims:
+        return int(dims[param])
+    lowered = param.lower()
+    for key, value in DEFAULT_DIMS.items():
+        if key in lowered:
+            return value
+    return FALLBACK_DIM
+
+
+def vocabulary_sizes(model: onnx.ModelProto) -> Dict[str, int]:
+    """Graph input -> rows of the embedding table that a Gather reads with it."""
+    initializers = {init.name: init for init in model.graph.initializer}
+    sizes: Dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in initializers:
+            sizes[node.input[1]] = int(initializers[node.input[0]].dims[0])
+        if node.op_type == "EmbedLayerNormalization" and node.input and len(node.input) > 2:
+            if node.input[2] in initializers:  # word embedding
+                sizes[node.input[0]] = int(initializers[node.input[2]].dims[0])
+    return sizes
+
+
+def random_feeds(
+    model: onnx.ModelProto, seed: int = 0, dims: Optional[Mapping[str, int]] = None
+) -> Dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    dims = dict(dims or {})
+    initializer_names = {init.name for init in model.graph.initializer}
+    vocab = vocabulary_sizes(model)
+    feeds: Dict[str, np.ndarray] = {}
+    for value in model.graph.input:
+        if value.name in initializer_names:
+            continue
+        tensor = value.type.tensor_type
+        shape = tuple(_dim_value(d, dims, value.name) for d in tensor.shape.dim)
+        dtype = dtype_name(tensor.elem_type)
+        feeds[value.name] = _random_tensor(rng, value.name, shape, dtype, vocab.get(value.name))
+    return feeds
+
+
+def _random_tensor(rng, name: str, shape, dtype: str, vocab: Optional[int]) -> np.ndarray:
+    lowered = name.lower()
+    if dtype in ("float32", "float16", "float64"):
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype == "bfloat16":
+        raise ValueError(f"input {name!r} is bfloat16; NumPy feeds cannot carry it, pass feeds yourself")
+    if dtype == "bool":
+        return rng.random(shape) < 0.8
+    if "mask" in lowered and len(shape) == 2:  # right padding, at least one kept position per row
+        lengths = rng.integers(1, shape[1] + 1, size=shape[0])
+        return (np.arange(shape[1])[None, :] < lengths[:, None]).astype(dtype)
+    if "mask" in lowered and len(shape) == 1:
+        return rng.integers(1, 9, size=shape).astype(dtype)
+    high = vocab if vocab else 100
+    return rng.integers(0, high, size=shape).astype(dtype)
