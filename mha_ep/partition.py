@@ -130,7 +130,7 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
         del graph.node[:]
         graph.node.extend(new_nodes)
         add_placeholders(graph, used_placeholders)
-        known = {v.name for v in graph.value_info}
+        known = {v.name for v in graph.value_info} | {v.name for v in graph.output}
         graph.value_info.extend(v for v in value_infos if v.name not in known)
         add_plugin_domain(model)
     if any(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node):
@@ -175,7 +175,7 @@ def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -
             continue
         supplied.append(name)
         if reduced and name in spec.FLOAT_INPUTS:
-            cast_name = tensor + spec.TRANSPORT_SUFFIX
+            cast_name = tensor + spec.TRANSPORT_IN
             if cast_name not in casts_done:
                 casts_done[cast_name] = True
                 before.append(
@@ -193,13 +193,12 @@ def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -
             continue
         wanted.append(name)
         if reduced:
-            transport = tensor + spec.TRANSPORT_SUFFIX
+            transport = tensor + spec.TRANSPORT_OUT
             after.append(helper.make_node("Cast", [transport], [tensor], to=ONNX_TO_ELEM[dtype], name=transport))
             tensor = transport
         outputs.append(tensor)
-    for tensor in outputs:
-        if tensor not in node.output:  # typed, so that ORT's checks of an unregistered load reach Rule 6's message
-            value_infos.append(helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None))
+    for tensor in outputs:  # typed, so that ORT's checks of an unregistered load reach Rule 6's message
+        value_infos.append(helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None))
     plugin = helper.make_node(spec.OP_TYPE, inputs, outputs, name=node.name, domain=spec.PLUGIN_DOMAIN)
     present = {a.name for a in node.attribute}
     plugin.attribute.extend(copy.deepcopy(a) for a in node.attribute)

@@ -79,8 +79,10 @@ ABSENT_INT32 = "mha_ep.absent.int32"
 UNUSED_OUTPUT_SUFFIX = "/mha_ep.unused"
 # float16/bfloat16 nodes: the bridge refuses those element types, so values travel as float32 through Cast
 # nodes (exact both ways: every f16/bf16 value is a float32 value, and the op rounds nothing that the Cast back
-# would not). The cast tensors are named "<tensor>" + TRANSPORT_SUFFIX.
-TRANSPORT_SUFFIX = "/mha_ep.f32"
+# would not). Cast inputs are named "<tensor>" + TRANSPORT_IN, the op's float32 outputs "<tensor>" + TRANSPORT_OUT
+# (distinct, so that one claimed node may read another's output through its own Cast).
+TRANSPORT_IN = "/mha_ep.in.f32"
+TRANSPORT_OUT = "/mha_ep.out.f32"
 # A model-local function with the plugin op's name. When the plugin is registered ORT runs the plugin kernel;
 # when it is not, ORT falls back to this function, whose single node names the fix in ORT's own error message.
 UNREGISTERED_DOMAIN = "mha_ep.not_registered"

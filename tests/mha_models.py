@@ -373,6 +373,39 @@ def stock_counterpart(config: MhaConfig, feeds: Mapping[str, np.ndarray]):
     return build_model(replace(config, mask_dtype="int32")), stock_feeds
 
 
+def stock_outputs(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Stock ORT CPU's outputs for ``config`` on ``feeds`` (the oracle), by output name."""
+    import onnxruntime
+
+    model, stock_feeds = stock_counterpart(config, feeds)
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, stock_feeds)))
+
+
+def assert_outputs_match(
+    actual: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray], tolerance: float, context: str
+) -> None:
+    """Every expected output is present in ``actual`` with the same shape and dtype and a NaN-aware
+    max |a - e| / max(1, |e|) within ``tolerance``; the message prints the context and both numbers."""
+    from conftest import max_rel_error
+
+    assert set(actual) == set(expected), f"{context}: outputs {sorted(actual)} != expected {sorted(expected)}"
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.shape == want.shape, f"{context}: {name} shape {got.shape} != expected {want.shape}"
+        error = max_rel_error(got, want)
+        worst = np.unravel_index(int(np.nanargmax(np.abs(np.asarray(got, np.float64) - want))), want.shape) if (
+            want.size and np.isfinite(error) and error > tolerance
+        ) else None
+        detail = "" if worst is None else f"; worst at {worst}: got {got[worst]!r}, expected {want[worst]!r}"
+        assert error <= tolerance, (
+            f"{context}: {name} max rel error {error:.3g} > tolerance {tolerance:.3g}"
+            f" (got max|x| {np.nanmax(np.abs(got)) if got.size else 0:.4g},"
+            f" expected max|x| {np.nanmax(np.abs(want)) if want.size else 0:.4g}){detail}"
+        )
+
+
 def with_(config: MhaConfig, **changes) -> MhaConfig:
     """``dataclasses.replace`` under a short name."""
     return replace(config, **changes)

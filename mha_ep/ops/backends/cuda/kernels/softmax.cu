@@ -93,9 +93,13 @@ __device__ __forceinline__ float masked_logit(float x, const MaskArgs& m, const 
 // passes; otherwise the second pass recomputes them from the scores (rows too long for shared memory).
 template <typename ELEM>
 __global__ void __launch_bounds__(SOFTMAX_THREADS)
-    masked_softmax(const float* __restrict__ scores_BNST, ELEM* __restrict__ probs_BNST, MaskArgs m, int batch,
-                   int heads, int q_seq, int total_seq, int past_seq, int row_cache) {
+    masked_softmax(const float* __restrict__ scores_BNST, ELEM* __restrict__ probs_BNST,
+                   const float* __restrict__ attention_bias, int bias_d0, int bias_d1, int mask_kind,
+                   const int* __restrict__ key_lengths_B, const unsigned char* __restrict__ keep,
+                   float mask_filter_value, int causal, int batch, int heads, int q_seq, int total_seq, int past_seq,
+                   int row_cache) {
   extern __shared__ float logits_T[];
+  const MaskArgs m{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value, causal};
   const long long rows = (long long)batch * heads * q_seq;
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     // Row coordinates (b, h, i) and the row's slices of the score, bias and mask inputs.

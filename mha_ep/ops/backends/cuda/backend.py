@@ -1,0 +1,257 @@
+"""The cuda backend: MhaProblem (host float32 arrays) -> MhaResult (host float32 arrays) on one CUDA device.
+
+Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-default stream:
+  1. stage:   every input (float32 values; mask as int32 lengths or uint8 keep flags) is copied into one pinned
+              buffer and uploaded segment by segment with async copies (the copy of segment k+1 overlaps the DMA
+              of segment k);
+  2. layout:  build_dense_BNTH makes q_BNSH (+ b_q), k_BNTH and v_BNTH (past prepended, + b_k / b_v for BSNH
+              key/value) in the compute dtype, rounding float32 to it on the device; a wanted present is written
+              as float32 in the same pass (for float32 calls k_BNTH / v_BNTH *are* the present buffers);
+  3. scores:  cuBLAS scores_BNST = scale * Q.K^T in float32 (fp32 accumulation);
+  4. softmax: masked_softmax adds attention_bias and the compact padding mask in float32, applies ORT's causal
+              rule, and writes probs_BNST in the compute dtype (no dense mask is materialised);
+  5. context: cuBLAS context_BNSH = P.V in float32; context_to_BSD rounds it to the compute dtype into the
+              (B, S, Dv) float32 output;
+  6. return:  one async download of [output | present_key | present_value] into a pinned buffer, one stream
+              synchronize, and copies into fresh numpy arrays.
+Every per-call device buffer is owned by an MhaScratch and released exactly once on every path.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import cupy
+import numpy as np
+
+from mha_ep.claim.rules import LAUNCH_BLOCK
+from mha_ep.errors import MhaEpError
+from mha_ep.ops.backends.cuda import gemm
+from mha_ep.ops.backends.cuda.geometry import SOFTMAX_THREADS, LaunchPlan, plan_launch
+from mha_ep.ops.backends.cuda.kernels import get_kernel
+from mha_ep.ops.backends.cuda.scratch import MhaScratch
+from mha_ep.ops.backends.cuda.staging import PinnedStaging, Segment, pack_layout
+from mha_ep.ops.problem import MhaProblem, MhaResult
+
+MEMCPY_HOST_TO_DEVICE = 1
+MEMCPY_DEVICE_TO_HOST = 2
+MASK_KINDS = {None: 0, "key_lengths": 1, "keys_BT": 2, "keys_BST": 3}  # kernels/softmax.cu MaskKind
+POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float32
+
+
+class CupyScratchRuntime:
+    """ScratchRuntime over CuPy's device memory pool and one stream (the device must be current)."""
+
+    def __init__(self, stream: cupy.cuda.Stream):
+        self.stream = stream
+
+    def allocate(self, nbytes: int) -> cupy.cuda.MemoryPointer:
+        return cupy.cuda.alloc(nbytes)
+
+    def free(self, allocation: cupy.cuda.MemoryPointer) -> None:
+        memory = allocation.mem
+        if hasattr(memory, "free"):  # PooledMemory: hand the chunk back to the pool now
+            memory.free()
+
+    def address(self, allocation: cupy.cuda.MemoryPointer) -> int:
+        return allocation.ptr
+
+    def upload(self, src_address: int, nbytes: int, dst_address: int) -> None:
+        if nbytes:
+            cupy.cuda.runtime.memcpyAsync(dst_address, src_address, nbytes, MEMCPY_HOST_TO_DEVICE, self.stream.ptr)
+
+    def download(self, src_address: int, nbytes: int, dst_address: int) -> None:
+        if nbytes:
+            cupy.cuda.runtime.memcpyAsync(dst_address, src_address, nbytes, MEMCPY_DEVICE_TO_HOST, self.stream.ptr)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+def _ptr(address: Optional[int]) -> np.uint64:
+    """A kernel pointer argument (8 bytes by value); None is the null pointer."""
+    return np.uint64(0 if address is None else address)
+
+
+def _i32(value: int) -> np.int32:
+    return np.int32(value)
+
+
+def input_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple, np.ndarray]]:
+    """(name, staged dtype, shape, array) for every input the call supplies, in upload order."""
+    f32 = np.float32
+    candidates = [
+        ("query", problem.query_BSD),
+        ("key", problem.key),
+        ("value", problem.value),
+        ("bias_q", problem.bias_q),
+        ("bias_k", problem.bias_k),
+        ("bias_v", problem.bias_v),
+        ("attention_bias", problem.attention_bias),
+        ("past_key", problem.past_key_BNPH),
+        ("past_value", problem.past_value_BNPH),
+    ]
+    entries = [(name, np.dtype(f32), tuple(a.shape), a) for name, a in candidates if a is not None]
+    mask = problem.padding_mask
+    if mask is not None:
+        staged = np.int32 if mask.kind == "key_lengths" else np.uint8
+        entries.append(("mask", np.dtype(staged), tuple(mask.data.shape), mask.data))
+    return entries
+
+
+def output_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple]]:
+    g = problem.geometry
+    f32 = np.dtype(np.float32)
+    entries = [("output", f32, (g.batch, g.q_seq, g.v_hidden))]
+    if problem.want_present_key:
+        entries.append(("present_key", f32, (g.batch, g.num_heads, g.total_seq, g.head_size)))
+    if problem.want_present_value:
+        entries.append(("present_value", f32, (g.batch, g.num_heads, g.total_seq, g.v_head_size)))
+    return entries
+
+
+class CudaBackend:
+    """CuPy backend. All work of an instance runs on ``cuda:<device_id>`` and on the instance's own stream.
+
+    ``poison_device_buffers``: fill every device buffer with NaN before the kernels run (tests: an element a
+    kernel forgets to write shows up as NaN instead of stale pool memory).
+    """
+
+    name = "cuda"
+
+    def __init__(self, device_id: int = 0, poison_device_buffers: bool = False):
+        count = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= device_id < count:
+            raise MhaEpError(f"cuda backend: device_id {device_id} is out of range: {count} CUDA GPU(s) visible")
+        self.device_id = device_id
+        self.poison_device_buffers = poison_device_buffers
+        with cupy.cuda.Device(device_id):
+            props = cupy.cuda.runtime.getDeviceProperties(device_id)
+            self.device = f"cuda:{device_id} {props['name'].decode()}"
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._runtime = CupyScratchRuntime(self._stream)
+        self._pinned_in = PinnedStaging(cupy.cuda.alloc_pinned_memory)
+        self._pinned_out = PinnedStaging(cupy.cuda.alloc_pinned_memory)
+        self._lock = threading.Lock()  # the pinned buffers and the stream serve one call at a time
+
+    # ------------------------------------------------------------------------------------------------- the call
+    def run(self, problem: MhaProblem) -> MhaResult:
+        plan = plan_launch(problem.geometry, problem.dtype)
+        with self._lock, cupy.cuda.Device(self.device_id), self._stream:
+            return self._run(problem, plan)
+
+    def _run(self, problem: MhaProblem, plan: LaunchPlan) -> MhaResult:
+        inputs = input_entries(problem)
+        in_segments, in_bytes = pack_layout([(n, d, s) for n, d, s, _ in inputs])
+        out_segments, out_bytes = pack_layout(output_entries(problem))
+        self._pinned_in.ensure(in_bytes)
+        self._pinned_out.ensure(out_bytes)
+        with MhaScratch(self._runtime) as scratch:
+            in_base = scratch.allocate(in_bytes)
+            out_base = scratch.allocate(out_bytes)
+            self._poison(scratch, out_base, out_bytes)
+            # Step 1: stage and upload, segment by segment.
+            for name, _, _, array in inputs:
+                segment = in_segments[name]
+                np.copyto(self._pinned_in.view(segment), array, casting="same_kind")
+                scratch.upload(self._pinned_in.address + segment.offset, segment.nbytes, in_base + segment.offset)
+            dev_in = {name: in_base + seg.offset for name, seg in in_segments.items()}
+            dev_out = {name: out_base + seg.offset for name, seg in out_segments.items()}
+            # Steps 2-5 on the device.
+            self._attention(problem, plan, scratch, dev_in, dev_out)
+            # Step 6: one download, one synchronize.
+            self._runtime.download(out_base, out_bytes, self._pinned_out.address)
+            scratch.finish_stream_use()
+        return self._result(out_segments)
+
+    def _result(self, out_segments: dict[str, Segment]) -> MhaResult:
+        def take(name: str) -> Optional[np.ndarray]:
+            segment = out_segments.get(name)
+            return None if segment is None else self._pinned_out.view(segment).copy()
+
+        return MhaResult(
+            output_BSDv=take("output"),
+            present_key_BNTH=take("present_key"),
+            present_value_BNTHv=take("present_value"),
+        )
+
+    # ----------------------------------------------------------------------------------------- device pipeline
+    def _allocate(self, scratch: MhaScratch, name: str, plan: LaunchPlan) -> int:
+        address = scratch.allocate(plan.nbytes[name])
+        self._poison(scratch, address, plan.nbytes[name])
+        return address
+
+    def _poison(self, scratch: MhaScratch, address: int, nbytes: int) -> None:
+        if self.poison_device_buffers and nbytes:
+            scratch.mark_stream_use()
+            cupy.cuda.runtime.memsetAsync(address, POISON_BYTE, nbytes, self._stream.ptr)
+
+    def _attention(self, problem: MhaProblem, plan: LaunchPlan, scratch: MhaScratch, dev_in: dict,
+                   dev_out: dict) -> None:  # fmt: skip
+        f32_call = plan.dtype == "float32"
+        q_BNSH = self._allocate(scratch, "q_BNSH", plan)
+        # A float32 call's K/V operands are the present outputs themselves; otherwise they are scratch and the
+        # present (when wanted) is their exact float32 image, written in the same pass.
+        if f32_call and "present_key" in dev_out:
+            k_BNTH, k_present = dev_out["present_key"], None
+        else:
+            k_BNTH, k_present = self._allocate(scratch, "k_BNTH", plan), dev_out.get("present_key")
+        if f32_call and "present_value" in dev_out:
+            v_BNTH, v_present = dev_out["present_value"], None
+        else:
+            v_BNTH, v_present = self._allocate(scratch, "v_BNTH", plan), dev_out.get("present_value")
+        scores_BNST = self._allocate(scratch, "scores_BNST", plan)
+        probs_BNST = self._allocate(scratch, "probs_BNST", plan)
+        context_BNSH = self._allocate(scratch, "context_BNSH", plan)
+        scratch.mark_stream_use()  # from here on, any failure must wait for the stream before freeing
+
+        # Step 2: layout movers.
+        kv_bnsh = problem.kv_layout == "BNSH"
+        self._build(plan, "build q_BNSH", dev_in["query"], False, None, dev_in.get("bias_q"), q_BNSH, None,
+                    plan.q_seq, 0, plan.head_size)  # fmt: skip
+        self._build(plan, "build k_BNTH", dev_in["key"], kv_bnsh, dev_in.get("past_key"), dev_in.get("bias_k"),
+                    k_BNTH, k_present, plan.kv_seq, plan.past_seq, plan.head_size)  # fmt: skip
+        self._build(plan, "build v_BNTH", dev_in["value"], kv_bnsh, dev_in.get("past_value"), dev_in.get("bias_v"),
+                    v_BNTH, v_present, plan.kv_seq, plan.past_seq, plan.v_head_size)  # fmt: skip
+
+        # Step 3: scores.
+        handle = cupy.cuda.device.get_cublas_handle()
+        gemm.cublas.setStream(handle, self._stream.ptr)
+        with gemm.fp32_math(handle):
+            gemm.scores_gemm(handle, plan, problem.scale, q_BNSH, k_BNTH, scores_BNST)
+            # Step 4: masked softmax.
+            self._softmax(problem, plan, dev_in, scores_BNST, probs_BNST)
+            # Step 5: context and output.
+            gemm.context_gemm(handle, plan, probs_BNST, v_BNTH, context_BNSH)
+        get_kernel(self.device_id, "context_to_BSD", plan.dtype)(
+            (plan.grids["context_to_BSD"],), (LAUNCH_BLOCK,),
+            (_ptr(context_BNSH), _ptr(dev_out["output"]),
+             _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.v_head_size)),
+        )  # fmt: skip
+
+    def _build(self, plan: LaunchPlan, grid_name: str, cur: int, cur_is_bnsh: bool, past: Optional[int],
+               bias: Optional[int], dst: int, dst_f32: Optional[int], cur_seq: int, past_seq: int,
+               dim: int) -> None:  # fmt: skip
+        get_kernel(self.device_id, "build_dense_BNTH", plan.dtype)(
+            (plan.grids[grid_name],), (LAUNCH_BLOCK,),
+            (_ptr(cur), _i32(int(cur_is_bnsh)), _ptr(past), _ptr(bias), _ptr(dst), _ptr(dst_f32),
+             _i32(plan.batch), _i32(plan.heads), _i32(cur_seq), _i32(past_seq), _i32(dim)),
+        )  # fmt: skip
+
+    def _softmax(self, problem: MhaProblem, plan: LaunchPlan, dev_in: dict, scores_BNST: int,
+                 probs_BNST: int) -> None:  # fmt: skip
+        bias = problem.attention_bias
+        d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
+        mask = problem.padding_mask
+        kind = MASK_KINDS[None if mask is None else mask.kind]
+        lengths = dev_in.get("mask") if kind == MASK_KINDS["key_lengths"] else None
+        keep = dev_in.get("mask") if kind in (MASK_KINDS["keys_BT"], MASK_KINDS["keys_BST"]) else None
+        get_kernel(self.device_id, "masked_softmax", plan.dtype)(
+            (plan.grids["masked_softmax"],), (SOFTMAX_THREADS,),
+            (_ptr(scores_BNST), _ptr(probs_BNST), _ptr(dev_in.get("attention_bias")), _i32(d0), _i32(d1),
+             _i32(kind), _ptr(lengths), _ptr(keep), np.float32(problem.mask_filter_value), _i32(int(problem.causal)),
+             _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.total_seq), _i32(plan.past_seq),
+             _i32(int(plan.row_cache))),
+            shared_mem=plan.softmax_shared_bytes,
+        )  # fmt: skip

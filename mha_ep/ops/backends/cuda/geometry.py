@@ -1,0 +1,131 @@
+"""Host-side launch geometry of the cuda backend: every size a kernel or cuBLAS receives, checked before launch.
+
+The kernels take ``int`` geometry and index with ``long long`` (kernels/*.cu); cuBLAS takes ``int`` m, n, k,
+leading dimensions and batch count, and ``long long`` strides. This module proves, for one call, that each int
+argument fits a CUDA int, each launch grid fits a u32 block count, and each buffer's byte size fits isize, using
+the shared checked arithmetic of mha_ep/claim/rules.py. A violation raises ``MhaInputError`` naming the quantity.
+
+Legend: B batch, S query length, L new key length, P past length, T = P + L, N heads, H head size, Hv value head
+size. This module must not import CuPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mha_ep.claim import rules
+from mha_ep.errors import MhaInputError
+from mha_ep.ops.problem import Geometry
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+FLOAT32_BYTES = 4
+SOFTMAX_THREADS = 128  # kernels/softmax.cu SOFTMAX_THREADS
+ROW_CACHE_MAX_BYTES = 32 * 1024  # shared-memory row cache of the softmax (under the 48 KiB default limit)
+MAX_GRID_BLOCKS = 2**31 - 1  # gridDim.x limit; grid-stride loops cover anything beyond the launched grid
+
+
+def _checked(check, *args) -> int:
+    """Run one of rules.checked_* and turn its Refusal into the backend's error type."""
+    try:
+        return check(*args)
+    except rules.Refusal as refusal:
+        raise MhaInputError(refusal.reason.replace(rules.PREFIX, rules.PREFIX + "cuda backend: ")) from None
+
+
+def checked_i32(value: int, name: str) -> int:
+    if value < 0:
+        raise MhaInputError(f"{rules.PREFIX}cuda backend: {name}={value} must be >= 0")
+    return _checked(rules.checked_i32, value, name)
+
+
+def checked_bytes(elements: int, element_size: int, name: str) -> int:
+    return _checked(rules.checked_bytes, elements, element_size, name)
+
+
+def checked_grid(count: int, name: str) -> int:
+    """Blocks of LAUNCH_BLOCK threads for ``count`` elements (u32-checked), capped at the launchable grid."""
+    return min(max(_checked(rules.checked_grid, count, name), 1), MAX_GRID_BLOCKS)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Checked sizes of one call. Counts are elements, ``nbytes`` are bytes per device buffer."""
+
+    dtype: str
+    element_bytes: int
+    batch: int
+    heads: int
+    q_seq: int
+    kv_seq: int
+    past_seq: int
+    total_seq: int
+    head_size: int
+    v_head_size: int
+    batch_heads: int  # B*N: the GEMMs' batch count
+    rows: int  # B*N*S: the softmax's rows (one block each)
+    row_cache: bool  # the softmax keeps a row of logits in shared memory
+    grids: dict = field(default_factory=dict)  # kernel launch name -> blocks
+    nbytes: dict = field(default_factory=dict)  # device buffer name -> bytes
+
+    @property
+    def softmax_shared_bytes(self) -> int:
+        return self.total_seq * FLOAT32_BYTES if self.row_cache else 0
+
+
+def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
+    """Check every int argument, grid and buffer size of one call (raises MhaInputError)."""
+    if dtype not in ELEMENT_BYTES:
+        raise MhaInputError(f"{rules.PREFIX}cuda backend: dtype {dtype!r} is not one of {tuple(ELEMENT_BYTES)}")
+    g = geometry
+    elem = ELEMENT_BYTES[dtype]
+    b = checked_i32(g.batch, "batch")
+    n = checked_i32(g.num_heads, "num_heads")
+    s = checked_i32(g.q_seq, "query sequence length")
+    length = checked_i32(g.kv_seq, "key sequence length")
+    p = checked_i32(g.past_seq, "past sequence length")
+    t = checked_i32(g.total_seq, "total sequence length")
+    h = checked_i32(g.head_size, "head_size")
+    hv = checked_i32(g.v_head_size, "v_head_size")
+    batch_heads = checked_i32(b * n, "GEMM batch count B*N")
+    rows = b * n * s  # 64-bit in the softmax kernel's row loop; the grid is capped and strides over the rest
+
+    counts = {
+        "q_BNSH": b * n * s * h,
+        "k_BNTH": b * n * t * h,
+        "v_BNTH": b * n * t * hv,
+        "scores_BNST": b * n * s * t,
+        "context_BNSH": b * n * s * hv,
+    }
+    grids = {
+        "build q_BNSH": checked_grid(counts["q_BNSH"], "q_BNSH build"),
+        "build k_BNTH": checked_grid(counts["k_BNTH"], "k_BNTH build"),
+        "build v_BNTH": checked_grid(counts["v_BNTH"], "v_BNTH build"),
+        "context_to_BSD": checked_grid(counts["context_BNSH"], "context_to_BSD"),
+        "masked_softmax": min(rows, MAX_GRID_BLOCKS),
+    }
+    nbytes = {
+        "q_BNSH": checked_bytes(counts["q_BNSH"], elem, "q_BNSH scratch"),
+        "k_BNTH": checked_bytes(counts["k_BNTH"], elem, "k_BNTH scratch"),
+        "v_BNTH": checked_bytes(counts["v_BNTH"], elem, "v_BNTH scratch"),
+        "scores_BNST": checked_bytes(counts["scores_BNST"], FLOAT32_BYTES, "scores_BNST scratch"),
+        "probs_BNST": checked_bytes(counts["scores_BNST"], elem, "probs_BNST scratch"),
+        "context_BNSH": checked_bytes(counts["context_BNSH"], FLOAT32_BYTES, "context_BNSH scratch"),
+    }
+    # cuBLAS m, n, k and leading dimensions are int: T, S, H, Hv are checked above.
+    return LaunchPlan(
+        dtype=dtype,
+        element_bytes=elem,
+        batch=b,
+        heads=n,
+        q_seq=s,
+        kv_seq=length,
+        past_seq=p,
+        total_seq=t,
+        head_size=h,
+        v_head_size=hv,
+        batch_heads=batch_heads,
+        rows=rows,
+        row_cache=t * FLOAT32_BYTES <= ROW_CACHE_MAX_BYTES,
+        grids=grids,
+        nbytes=nbytes,
+    )

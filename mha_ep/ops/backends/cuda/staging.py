@@ -1,0 +1,74 @@
+"""Host staging of the cuda backend: packing a call's arrays into one byte buffer, and grow-only pinned buffers.
+
+Every input of a call is copied into one pinned (page-locked) host buffer at 256-byte aligned offsets and moved
+with asynchronous copies (pinned 55 GB/s against pageable 7-8 GB/s on the H200 host, DESIGN.md); the outputs come
+back the same way through a second pinned buffer. The buffers belong to one backend instance, are reused by every
+call and only grow. The allocator is injected (``cupy.cuda.alloc_pinned_memory`` in the backend), so this module
+does not import CuPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+ALIGNMENT = 256  # bytes; every segment starts on this boundary (CUDA allocations are 256-byte aligned too)
+GROWTH_GRANULE = 1 << 20  # pinned buffers grow in whole MiB, so slowly growing calls do not re-pin every time
+
+
+def align_up(value: int, alignment: int = ALIGNMENT) -> int:
+    return -(-value // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    offset: int  # bytes from the buffer start
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple
+
+
+def pack_layout(entries: Sequence[tuple[str, np.dtype, tuple]]) -> tuple[dict[str, Segment], int]:
+    """Aligned segments for (name, dtype, shape) entries, in order; returns them by name and the total bytes."""
+    segments, offset = {}, 0
+    for name, dtype, shape in entries:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        segments[name] = Segment(name, offset, nbytes, dtype, tuple(shape))
+        offset = align_up(offset + nbytes)
+    return segments, max(offset, ALIGNMENT)
+
+
+class PinnedStaging:
+    """A grow-only host buffer from ``allocate(nbytes)`` (an object with ``.ptr`` and the buffer protocol)."""
+
+    def __init__(self, allocate: Callable[[int], object]):
+        self._allocate = allocate
+        self._memory: Optional[object] = None
+        self._bytes: Optional[np.ndarray] = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._bytes is None else self._bytes.nbytes
+
+    def ensure(self, nbytes: int) -> np.ndarray:
+        """A uint8 view of at least ``nbytes``; the old buffer is dropped only when a larger one is needed."""
+        if nbytes > self.capacity:
+            size = align_up(max(nbytes, 2 * self.capacity), GROWTH_GRANULE)
+            self._bytes = None
+            self._memory = None  # release the old pages before pinning new ones
+            self._memory = self._allocate(size)
+            self._bytes = np.frombuffer(self._memory, dtype=np.uint8, count=size)
+        return self._bytes
+
+    @property
+    def address(self) -> int:
+        return self._memory.ptr
+
+    def view(self, segment: Segment) -> np.ndarray:
+        """The segment as an array of its dtype and shape (writable; aliases the pinned buffer)."""
+        raw = self._bytes[segment.offset : segment.offset + segment.nbytes]
+        return raw.view(segment.dtype).reshape(segment.shape)
