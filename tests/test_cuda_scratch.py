@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -193,5 +194,6 @@ def test_cpu_modules_do_not_import_cupy():
         "mha_ep.ops.backends.cuda.geometry, mha_ep.ops.backends.cuda; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends')))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert done.stdout.strip() == "[]", done.stdout
