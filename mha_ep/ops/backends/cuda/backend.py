@@ -142,28 +142,52 @@ class CudaBackend:
             return self._run(problem, plan)
 
     def _run(self, problem: MhaProblem, plan: LaunchPlan) -> MhaResult:
+        with MhaScratch(self._runtime) as scratch:
+            dev_in, dev_out, out_segments, out_base, out_bytes = self._stage(problem, scratch)
+            # Steps 2-5 on the device.
+            ops = self._operands(plan, scratch, dev_out)
+            scratch.mark_stream_use()  # from here on, any failure must wait for the stream before freeing
+            self._attention(problem, plan, ops, dev_in, dev_out)
+            # Step 6: one download, one synchronize.
+            self._runtime.download(out_base, out_bytes, self._pinned_out.address)
+            scratch.finish_stream_use()
+        return self._result(out_segments)
+
+    def _stage(self, problem: MhaProblem, scratch: MhaScratch):
+        """Step 1: device input and output buffers, and the inputs uploaded into the former."""
         inputs = input_entries(problem)
         in_segments, in_bytes = pack_layout([(n, d, s) for n, d, s, _ in inputs])
         out_segments, out_bytes = pack_layout(output_entries(problem))
         self._pinned_in.ensure(in_bytes)
         self._pinned_out.ensure(out_bytes)
-        with MhaScratch(self._runtime) as scratch:
-            in_base = scratch.allocate(in_bytes)
-            out_base = scratch.allocate(out_bytes)
-            self._poison(scratch, out_base, out_bytes)
-            # Step 1: stage and upload, segment by segment.
-            for name, _, _, array in inputs:
-                segment = in_segments[name]
-                np.copyto(self._pinned_in.view(segment), array, casting="same_kind")
-                scratch.upload(self._pinned_in.address + segment.offset, segment.nbytes, in_base + segment.offset)
-            dev_in = {name: in_base + seg.offset for name, seg in in_segments.items()}
-            dev_out = {name: out_base + seg.offset for name, seg in out_segments.items()}
-            # Steps 2-5 on the device.
-            self._attention(problem, plan, scratch, dev_in, dev_out)
-            # Step 6: one download, one synchronize.
-            self._runtime.download(out_base, out_bytes, self._pinned_out.address)
+        in_base = scratch.allocate(in_bytes)
+        out_base = scratch.allocate(out_bytes)
+        self._poison(scratch, out_base, out_bytes)
+        for name, _, _, array in inputs:
+            segment = in_segments[name]
+            np.copyto(self._pinned_in.view(segment), array, casting="same_kind")
+            scratch.upload(self._pinned_in.address + segment.offset, segment.nbytes, in_base + segment.offset)
+        dev_in = {name: in_base + seg.offset for name, seg in in_segments.items()}
+        dev_out = {name: out_base + seg.offset for name, seg in out_segments.items()}
+        return dev_in, dev_out, out_segments, out_base, out_bytes
+
+    def time_device(self, problem: MhaProblem, repeats: int = 20, warmup: int = 3) -> float:
+        """Mean device time in seconds of steps 2-5 (kernels and GEMMs only), from CUDA events on the stream."""
+        plan = plan_launch(problem.geometry, problem.dtype)
+        with self._lock, cupy.cuda.Device(self.device_id), self._stream, MhaScratch(self._runtime) as scratch:
+            dev_in, dev_out, _, _, _ = self._stage(problem, scratch)
+            ops = self._operands(plan, scratch, dev_out)
+            scratch.mark_stream_use()
+            for _ in range(warmup):
+                self._attention(problem, plan, ops, dev_in, dev_out)
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(self._stream)
+            for _ in range(repeats):
+                self._attention(problem, plan, ops, dev_in, dev_out)
+            stop.record(self._stream)
+            stop.synchronize()
             scratch.finish_stream_use()
-        return self._result(out_segments)
+            return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
 
     def _result(self, out_segments: dict[str, Segment]) -> MhaResult:
         def take(name: str) -> Optional[np.ndarray]:
@@ -187,46 +211,44 @@ class CudaBackend:
             scratch.mark_stream_use()
             cupy.cuda.runtime.memsetAsync(address, POISON_BYTE, nbytes, self._stream.ptr)
 
-    def _attention(self, problem: MhaProblem, plan: LaunchPlan, scratch: MhaScratch, dev_in: dict,
-                   dev_out: dict) -> None:  # fmt: skip
+    def _operands(self, plan: LaunchPlan, scratch: MhaScratch, dev_out: dict) -> dict:
+        """Device addresses of the attention operands (scratch, or the present outputs themselves)."""
         f32_call = plan.dtype == "float32"
-        q_BNSH = self._allocate(scratch, "q_BNSH", plan)
+        ops = {"q_BNSH": self._allocate(scratch, "q_BNSH", plan)}
         # A float32 call's K/V operands are the present outputs themselves; otherwise they are scratch and the
         # present (when wanted) is their exact float32 image, written in the same pass.
-        if f32_call and "present_key" in dev_out:
-            k_BNTH, k_present = dev_out["present_key"], None
-        else:
-            k_BNTH, k_present = self._allocate(scratch, "k_BNTH", plan), dev_out.get("present_key")
-        if f32_call and "present_value" in dev_out:
-            v_BNTH, v_present = dev_out["present_value"], None
-        else:
-            v_BNTH, v_present = self._allocate(scratch, "v_BNTH", plan), dev_out.get("present_value")
-        scores_BNST = self._allocate(scratch, "scores_BNST", plan)
-        probs_BNST = self._allocate(scratch, "probs_BNST", plan)
-        context_BNSH = self._allocate(scratch, "context_BNSH", plan)
-        scratch.mark_stream_use()  # from here on, any failure must wait for the stream before freeing
+        for operand, present in (("k_BNTH", "present_key"), ("v_BNTH", "present_value")):
+            if f32_call and present in dev_out:
+                ops[operand], ops[present] = dev_out[present], None
+            else:
+                ops[operand], ops[present] = self._allocate(scratch, operand, plan), dev_out.get(present)
+        for name in ("scores_BNST", "probs_BNST", "context_BNSH"):
+            ops[name] = self._allocate(scratch, name, plan)
+        return ops
 
+    def _attention(self, problem: MhaProblem, plan: LaunchPlan, ops: dict, dev_in: dict, dev_out: dict) -> None:
+        """Steps 2-5: only launches on the stream (no allocation, no synchronization)."""
         # Step 2: layout movers.
         kv_bnsh = problem.kv_layout == "BNSH"
-        self._build(plan, "build q_BNSH", dev_in["query"], False, None, dev_in.get("bias_q"), q_BNSH, None,
+        self._build(plan, "build q_BNSH", dev_in["query"], False, None, dev_in.get("bias_q"), ops["q_BNSH"], None,
                     plan.q_seq, 0, plan.head_size)  # fmt: skip
         self._build(plan, "build k_BNTH", dev_in["key"], kv_bnsh, dev_in.get("past_key"), dev_in.get("bias_k"),
-                    k_BNTH, k_present, plan.kv_seq, plan.past_seq, plan.head_size)  # fmt: skip
+                    ops["k_BNTH"], ops["present_key"], plan.kv_seq, plan.past_seq, plan.head_size)  # fmt: skip
         self._build(plan, "build v_BNTH", dev_in["value"], kv_bnsh, dev_in.get("past_value"), dev_in.get("bias_v"),
-                    v_BNTH, v_present, plan.kv_seq, plan.past_seq, plan.v_head_size)  # fmt: skip
+                    ops["v_BNTH"], ops["present_value"], plan.kv_seq, plan.past_seq, plan.v_head_size)  # fmt: skip
 
         # Step 3: scores.
         handle = cupy.cuda.device.get_cublas_handle()
         gemm.cublas.setStream(handle, self._stream.ptr)
         with gemm.fp32_math(handle):
-            gemm.scores_gemm(handle, plan, problem.scale, q_BNSH, k_BNTH, scores_BNST)
+            gemm.scores_gemm(handle, plan, problem.scale, ops["q_BNSH"], ops["k_BNTH"], ops["scores_BNST"])
             # Step 4: masked softmax.
-            self._softmax(problem, plan, dev_in, scores_BNST, probs_BNST)
+            self._softmax(problem, plan, dev_in, ops["scores_BNST"], ops["probs_BNST"])
             # Step 5: context and output.
-            gemm.context_gemm(handle, plan, probs_BNST, v_BNTH, context_BNSH)
+            gemm.context_gemm(handle, plan, ops["probs_BNST"], ops["v_BNTH"], ops["context_BNSH"])
         get_kernel(self.device_id, "context_to_BSD", plan.dtype)(
             (plan.grids["context_to_BSD"],), (LAUNCH_BLOCK,),
-            (_ptr(context_BNSH), _ptr(dev_out["output"]),
+            (_ptr(ops["context_BNSH"]), _ptr(dev_out["output"]),
              _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.v_head_size)),
         )  # fmt: skip
 

@@ -16,6 +16,7 @@
 
 #define SOFTMAX_THREADS 128
 #define FLOAT32_LOWEST (-3.402823466e+38f)
+#define NEG_INFINITY __int_as_float(static_cast<int>(0xff800000u))  // NVRTC has no <cmath> INFINITY
 
 enum MaskKind { MASK_NONE = 0, MASK_KEY_LENGTHS = 1, MASK_KEYS_BT = 2, MASK_KEYS_BST = 3 };
 
@@ -40,7 +41,7 @@ __device__ __forceinline__ RowStat row_stat_push(RowStat a, float x) {
   if (x > a.max) {
     a.sum = a.sum * expf(a.max - x) + 1.0f;  // expf(-inf) = 0 rescales an empty prefix to 0
     a.max = x;
-  } else if (x != -INFINITY) {
+  } else if (x != NEG_INFINITY) {
     a.sum += expf(x - a.max);
   }
   return a;
@@ -48,9 +49,9 @@ __device__ __forceinline__ RowStat row_stat_push(RowStat a, float x) {
 
 __device__ __forceinline__ RowStat row_stat_merge(RowStat a, RowStat b) {
   const float m = fmaxf(a.max, b.max);
-  if (m == -INFINITY) return RowStat{m, 0.0f};
-  const float sa = (a.max == -INFINITY) ? 0.0f : a.sum * expf(a.max - m);
-  const float sb = (b.max == -INFINITY) ? 0.0f : b.sum * expf(b.max - m);
+  if (m == NEG_INFINITY) return RowStat{m, 0.0f};
+  const float sa = (a.max == NEG_INFINITY) ? 0.0f : a.sum * expf(a.max - m);
+  const float sb = (b.max == NEG_INFINITY) ? 0.0f : b.sum * expf(b.max - m);
   return RowStat{m, sa + sb};
 }
 
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
     const int key_length = (m.mask_kind == MASK_KEY_LENGTHS) ? m.key_lengths_B[b] : total_seq;
 
     // Pass 1: masked logits (steps 1-3) and the online (max, sum) of this thread's columns.
-    RowStat stat{-INFINITY, 0.0f};
+    RowStat stat{NEG_INFINITY, 0.0f};
     for (int j = threadIdx.x; j < total_seq; j += SOFTMAX_THREADS) {
       const float x = masked_logit(scores_T[j], m, bias_row_T, keep_row_T, key_length, i, j, q_seq, past_seq);
       if (row_cache) logits_T[j] = x;

@@ -1,0 +1,341 @@
+"""The cuda backend against the reference semantics, on a GPU (every test here is marked gpu).
+
+Skipped cleanly where CuPy or a GPU is missing; the module itself imports on a CPU machine. Problems are built
+with ``build_problem`` from fresh random inputs (never zeros), rounded to the call's dtype. Tolerances:
+  float32   vs the reference backend: |cuda - ref| <= 1e-5 * max(1, |ref|)
+  float16   vs the reference backend: |cuda - ref| <= 4e-3 * max(1, |ref|)
+  bfloat16  vs the float64 oracle:    err(cuda) <= 2 * err(naive bf16 pipeline) + 1e-4
+Every backend here poisons its device buffers with NaN before each run, so an element a kernel never writes shows.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+import pytest
+
+from mha_ep.ops.backends.reference import ReferenceBackend, run_reference, softmax_lastaxis, to_BNSH
+from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, build_problem
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float32", "float16", "bfloat16")
+RELATIVE_TOLERANCE = {"float32": 1e-5, "float16": 4e-3}
+BF16_NOISE_FLOOR = 1e-4
+
+
+# ------------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def cupy_module():
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # noqa: BLE001 - no driver, no device
+        pytest.skip(f"no usable CUDA GPU ({type(error).__name__})")
+    if count == 0:
+        pytest.skip("no CUDA GPU is visible")
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def backend(cupy_module):
+    from mha_ep.ops.backends.cuda import CudaBackend
+
+    return CudaBackend(0, poison_device_buffers=True)
+
+
+# ----------------------------------------------------------------------------------------------- problems
+def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values exactly representable in ``dtype`` (round to nearest even)."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        bits = x.view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+        return rounded.view(np.float32)
+    return x
+
+
+@dataclass
+class Case:
+    b: int = 2
+    s: int = 5
+    l: int = 7  # noqa: E741 - the legend's L
+    p: Optional[int] = None  # past length; None = no past inputs
+    n: int = 2
+    h: int = 64
+    hv: Optional[int] = None
+    layout: str = "BSNH"
+    bias: bool = True
+    mask: Optional[str] = None  # "lengths" | "lengths_3b2" | "BT" | "BST"
+    attention_bias: Optional[tuple] = None  # (d0 is B, d1 is N) flags
+    causal: bool = False
+    presents: bool = False
+    mask_filter_value: Optional[float] = None
+    full_padding: bool = False  # batch 0 has every key padded
+    seed: int = 0
+    attrs: dict = field(default_factory=dict)
+
+
+def make_problem(case: Case, dtype: str) -> MhaProblem:
+    rng = np.random.default_rng(case.seed)
+    hv = case.hv or case.h
+    b, s, l, n = case.b, case.s, case.l, case.n
+    p = case.p or 0
+    t = p + l
+
+    def rand(*shape, scale=1.0):
+        return round_to_dtype(rng.standard_normal(shape).astype(np.float32) * scale, dtype)
+
+    query = rand(b, s, n * case.h)
+    if case.layout == "BSNH":
+        key, value = rand(b, l, n * case.h), rand(b, l, n * hv)
+    else:
+        key, value = rand(b, n, l, case.h), rand(b, n, l, hv)
+    bias = rand(2 * n * case.h + n * hv, scale=0.5) if case.bias else None
+    mask = None
+    if case.mask is not None:
+        lengths = rng.integers(1, t + 1, size=b).astype(np.int32)
+        lengths[-1] = max(1, t // 2)  # at least one batch really padded
+        if case.full_padding:
+            lengths[0] = 0
+        if case.mask == "lengths":
+            mask = lengths
+        elif case.mask == "lengths_3b2":
+            mask = np.concatenate([lengths, rng.integers(0, t, size=2 * b + 2)]).astype(np.int32)
+        elif case.mask == "BT":
+            mask = (rng.random((b, t)) > 0.3).astype(np.int32) * rng.integers(1, 3, size=(b, t)).astype(np.int32)
+            mask[:, 0] = 1
+            if case.full_padding:
+                mask[0] = -rng.integers(0, 2, size=t)  # 0 and negative both mean padded
+        elif case.mask == "BST":
+            mask = (rng.random((b, s, t)) > 0.3).astype(np.int32)
+            mask[:, :, 0] = 1
+            if case.full_padding:
+                mask[0] = 0
+    attention_bias = None
+    if case.attention_bias is not None:
+        full_b, full_n = case.attention_bias
+        attention_bias = rand(b if full_b else 1, n if full_n else 1, s, t, scale=2.0)
+    past_key = past_value = None
+    if case.p is not None:
+        past_key, past_value = rand(b, n, p, case.h), rand(b, n, p, hv)
+    attrs = {"num_heads": n, "unidirectional": int(case.causal), **case.attrs}
+    if case.mask_filter_value is not None:
+        attrs["mask_filter_value"] = case.mask_filter_value
+    arrays = [query, key, value, bias, mask, attention_bias, past_key, past_value]
+    outputs = (True, case.presents, case.presents, False)
+    return build_problem(attrs, arrays, dtype, outputs)
+
+
+# ----------------------------------------------------------------------------------------------- checking
+def naive_low_precision(problem: MhaProblem, dtype: str) -> list[np.ndarray]:
+    """Every intermediate tensor stored in ``dtype`` (float32 arithmetic inside each step): the naive baseline."""
+    r = lambda x: round_to_dtype(np.asarray(x, np.float32), dtype)  # noqa: E731
+    g = problem.geometry
+    q = to_BNSH(r(problem.query_BSD + (0 if problem.bias_q is None else problem.bias_q)), g.num_heads)
+    if problem.kv_layout == "BSNH":
+        k = to_BNSH(r(problem.key + (0 if problem.bias_k is None else problem.bias_k)), g.num_heads)
+        v = to_BNSH(r(problem.value + (0 if problem.bias_v is None else problem.bias_v)), g.num_heads)
+    else:
+        k, v = problem.key, problem.value
+    if problem.past_key_BNPH is not None:
+        k = np.concatenate([problem.past_key_BNPH, k], axis=2)
+        v = np.concatenate([problem.past_value_BNPH, v], axis=2)
+    scores = r(np.matmul(q, k.transpose(0, 1, 3, 2)) * np.float32(problem.scale))
+    if problem.attention_bias is not None:
+        scores = r(scores + problem.attention_bias)
+    if problem.padding_mask is not None:
+        keep = problem.padding_mask.keep_BST(g.q_seq, g.total_seq)[:, None]
+        scores = r(np.where(keep, scores, scores + np.float32(problem.mask_filter_value)))
+    if problem.causal:
+        rows, cols = np.arange(g.q_seq)[:, None], np.arange(g.total_seq)[None, :]
+        scores = np.where((cols > g.past_seq + rows) & (rows < g.q_seq - 1), np.float32(FLOAT32_LOWEST), scores)
+    probs = r(softmax_lastaxis(scores.astype(np.float32)))
+    out = r(np.matmul(probs, v)).transpose(0, 2, 1, 3).reshape(g.batch, g.q_seq, g.v_hidden)
+    results = [out]
+    if problem.want_present_key:
+        results += [k, v]
+    return results
+
+
+def result_arrays(result) -> list[np.ndarray]:
+    arrays = [result.output_BSDv]
+    if result.present_key_BNTH is not None:
+        arrays += [result.present_key_BNTH, result.present_value_BNTHv]
+    return arrays
+
+
+def assert_matches(problem: MhaProblem, result) -> None:
+    names = ["output", "present_key", "present_value"]
+    got = result_arrays(result)
+    assert (result.present_key_BNTH is None) == (not problem.want_present_key)
+    assert (result.present_value_BNTHv is None) == (not problem.want_present_value)
+    for name, array in zip(names, got):
+        assert array.dtype == np.float32, name
+        assert np.isfinite(array).all(), f"{name}: {np.count_nonzero(~np.isfinite(array))} unwritten/NaN elements"
+    if problem.dtype in RELATIVE_TOLERANCE:
+        want = result_arrays(ReferenceBackend().run(problem))
+        tolerance = RELATIVE_TOLERANCE[problem.dtype]
+        for name, w, c in zip(names, want, got):
+            assert c.shape == w.shape, name
+            excess = np.abs(c - w) / np.maximum(1.0, np.abs(w))
+            assert excess.max() <= tolerance, f"{name}: max relative error {excess.max():.3g} > {tolerance}"
+        return
+    oracle = result_arrays(run_reference(problem, np.float64))
+    naive = naive_low_precision(problem, problem.dtype)
+    for name, o, c, nv in zip(names, oracle, got, naive):
+        assert c.shape == o.shape, name
+        err_cuda = float(np.abs(c - o).max())
+        err_naive = float(np.abs(nv - o).max())
+        assert err_cuda <= 2 * err_naive + BF16_NOISE_FLOOR, (
+            f"{name}: bf16 error vs float64 oracle {err_cuda:.3g} > 2 x naive bf16 error {err_naive:.3g} + "
+            f"{BF16_NOISE_FLOOR}"
+        )
+
+
+# -------------------------------------------------------------------------------------------------- cases
+CASES = {
+    "decode_S1_past_presents_lengths": Case(b=2, s=1, l=1, p=31, n=4, h=64, mask="lengths", presents=True),
+    "S113_H40_keysBT_bias_BN": Case(b=2, s=113, l=113, n=3, h=40, mask="BT", attention_bias=(True, True)),
+    "S1023_H80_causal": Case(b=1, s=1023, l=1023, n=2, h=80, causal=True, bias=False),
+    "H96_S_ne_L_keysBST_bias_1N": Case(b=2, s=37, l=53, n=3, h=96, mask="BST", attention_bias=(False, True)),
+    "vhead_ne_head_bias_B1": Case(b=2, s=17, l=29, n=4, h=40, hv=24, attention_bias=(True, False)),
+    "causal_with_past_presents": Case(b=2, s=9, l=9, p=7, n=2, h=64, causal=True, presents=True, mask="lengths"),
+    "bnsh_cross_keysBT_bias_11": Case(b=2, s=11, l=23, n=4, layout="BNSH", mask="BT", attention_bias=(False, False)),
+    "past_without_presents": Case(b=1, s=5, l=5, p=3, n=2, h=32, presents=False),
+    "bnsh_presents_no_bias": Case(b=1, s=7, l=13, n=2, h=48, layout="BNSH", bias=False, presents=True),
+    "empty_past_presents": Case(b=2, s=4, l=6, p=0, n=2, h=16, presents=True),
+    "mask_3b_plus_2": Case(b=3, s=6, l=10, n=2, h=32, mask="lengths_3b2"),
+    "causal_L_ne_S_top_left_last_row_free": Case(b=1, s=6, l=10, n=2, h=16, causal=True),
+    "causal_over_padding_scale_attr": Case(b=2, s=8, l=8, n=2, h=32, causal=True, mask="BT", attrs={"scale": 0.3}),
+    "minus_inf_filter_partial_padding": Case(b=2, s=5, l=9, n=2, h=32, mask="lengths", mask_filter_value=-np.inf),
+    "long_row_no_row_cache": Case(b=1, s=3, l=9000, n=1, h=64, mask="BT", attention_bias=(True, True)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_matches_reference(backend, case_name, dtype):
+    problem = make_problem(CASES[case_name], dtype)
+    assert_matches(problem, backend.run(problem))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask", ["lengths", "BT", "BST"])
+def test_fully_padded_rows_are_softmax_of_raw_scores(backend, dtype, mask):
+    """ORT adds mask_filter_value in float32, so a fully padded row is softmax of the raw scores, not uniform."""
+    case = Case(b=2, s=6, l=12, n=2, h=64, bias=False, mask=mask, full_padding=True, seed=3)
+    problem = make_problem(case, dtype)
+    result = backend.run(problem)
+    got = result.output_BSDv[0]  # batch 0: every key padded
+    raw = replace(problem, padding_mask=None)
+    want = run_reference(raw, np.float64).output_BSDv[0]
+    value_BNLH = to_BNSH(problem.value, problem.geometry.num_heads)
+    uniform = np.broadcast_to(value_BNLH[0].mean(axis=1)[None], (case.s, case.n, case.h)).reshape(case.s, -1)
+    tolerance = {"float32": 1e-3, "float16": 4e-3, "bfloat16": 2e-2}[dtype]  # 1e-3: float32 rounding of x - 10000
+    err_raw, err_uniform = np.abs(got - want).max(), np.abs(got - uniform).max()
+    assert err_raw <= tolerance, f"fully padded row differs from softmax(raw scores) by {err_raw:.3g}"
+    assert err_uniform > 20 * tolerance, f"fully padded row collapsed to uniform (distance {err_uniform:.3g})"
+    if dtype != "bfloat16":  # the naive bf16 baseline itself collapses such rows, so bf16 stops at the checks above
+        assert_matches(problem, result)
+
+
+def test_minus_inf_fully_padded_row_is_nan_like_ort(backend):
+    """With mask_filter_value = -inf a fully padded row is NaN in ORT (semantics 3.5); so it is here."""
+    problem = make_problem(Case(b=2, s=3, l=5, n=1, h=16, mask="lengths", full_padding=True,
+                                mask_filter_value=-np.inf), "float32")  # fmt: skip
+    result = backend.run(problem)
+    assert np.isnan(result.output_BSDv[0]).all()
+    want = ReferenceBackend().run(problem).output_BSDv[1]
+    np.testing.assert_allclose(result.output_BSDv[1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_results_are_fresh_arrays_not_the_staging_buffer(backend):
+    first_problem = make_problem(Case(seed=1, presents=True, p=2), "float16")
+    first = backend.run(first_problem)
+    kept = first.output_BSDv.copy()
+    backend.run(make_problem(Case(seed=2, presents=True, p=2), "float16"))
+    np.testing.assert_array_equal(first.output_BSDv, kept)
+
+
+def test_device_string_and_device_range(backend, cupy_module):
+    from mha_ep.errors import MhaEpError
+    from mha_ep.ops.backends.cuda import CudaBackend
+
+    assert backend.name == "cuda"
+    assert backend.device.startswith("cuda:0 ")
+    count = cupy_module.cuda.runtime.getDeviceCount()
+    with pytest.raises(MhaEpError, match=f"device_id {count} is out of range"):
+        CudaBackend(count)
+
+
+def test_work_runs_on_the_backend_device_and_leaves_the_current_device_alone(backend, cupy_module):
+    before = cupy_module.cuda.runtime.getDevice()
+    backend.run(make_problem(Case(), "float32"))
+    assert cupy_module.cuda.runtime.getDevice() == before
+
+
+def test_threads_sharing_one_backend_get_their_own_answers(backend):
+    problems = [make_problem(Case(seed=10 + i, s=16, l=16, presents=True, p=4), "float16") for i in range(6)]
+    failures = []
+
+    def work(problem):
+        try:
+            for _ in range(5):
+                assert_matches(problem, backend.run(problem))
+        except Exception as error:  # noqa: BLE001 - collected and reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in problems]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+
+
+def test_failure_after_launch_releases_scratch_and_backend_stays_usable(backend, cupy_module, monkeypatch):
+    from mha_ep.ops.backends.cuda import gemm
+
+    problem = make_problem(Case(s=32, l=32), "float16")
+    backend.run(problem)
+    pool = cupy_module.get_default_memory_pool()
+    baseline = pool.used_bytes()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure after the layout kernels were submitted")
+
+    monkeypatch.setattr(gemm, "context_gemm", broken)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        backend.run(problem)
+    assert pool.used_bytes() == baseline
+    monkeypatch.undo()
+    assert_matches(problem, backend.run(problem))
+
+
+def test_thousand_calls_return_the_memory_pool_to_its_baseline(cupy_module):
+    from mha_ep.ops.backends.cuda import CudaBackend
+
+    backend = CudaBackend(0)
+    problem = make_problem(Case(b=1, s=8, l=8, p=4, n=2, h=16, presents=True, mask="BT"), "float16")
+    pool = cupy_module.get_default_memory_pool()
+    first = backend.run(problem)
+    baseline = pool.used_bytes()
+    for _ in range(1000):
+        result = backend.run(problem)
+    assert pool.used_bytes() == baseline, f"pool used bytes {pool.used_bytes()} != baseline {baseline}"
+    np.testing.assert_array_equal(result.output_BSDv, first.output_BSDv)
+
+
+def test_create_backend_builds_the_cuda_backend(cupy_module):
+    from mha_ep.ops.backends import create_backend
+
+    backend = create_backend("cuda", 0)
+    assert backend.name == "cuda"
+    problem = make_problem(Case(), "float32")
+    assert_matches(problem, backend.run(problem))
