@@ -127,7 +127,13 @@ def fuse(
             only_onnxruntime=False,
         )
         opt.topological_sort()
-        return opt.model
+        model = opt.model
+    # the BERT optimizer emits com.microsoft nodes without importing the domain (ORT runs it, onnx.checker not)
+    if any(n.domain == ORT_DOMAIN for n in model.graph.node) and not any(
+        i.domain == ORT_DOMAIN for i in model.opset_import
+    ):
+        model.opset_import.append(onnx.helper.make_opsetid(ORT_DOMAIN, 1))
+    return model
 
 
 def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:

