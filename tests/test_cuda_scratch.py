@@ -6,6 +6,7 @@ allocation, upload or synchronize it is told to. This module must not import CuP
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 from collections import Counter
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
-from mha_ep.ops.backends.cuda.staging import ALIGNMENT, PinnedStaging, pack_layout
+from mha_ep.ops.backends.cuda.staging import ALIGNMENT, PinnedStaging, copy_in_chunks, pack_layout, parallel_copy
 
 ALLOCATIONS = 6
 
@@ -197,3 +198,38 @@ def test_cpu_modules_do_not_import_cupy():
     repo = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_copy_in_chunks_yields_each_chunk_in_order_once_copied(threads):
+    executor = concurrent.futures.ThreadPoolExecutor(threads) if threads else None
+    src = np.random.default_rng(0).standard_normal((3, 1000, 70)).astype(np.float32)
+    dst = np.full(src.shape, np.nan, np.float32)
+    seen = []
+    for offset, nbytes in copy_in_chunks(dst, src, executor, chunk_bytes=100_000):
+        flat = dst.reshape(-1).view(np.uint8)[offset : offset + nbytes]
+        assert np.array_equal(flat, src.reshape(-1).view(np.uint8)[offset : offset + nbytes])
+        seen.append((offset, nbytes))
+    assert seen[0][0] == 0 and sum(n for _, n in seen) == src.nbytes
+    assert all(a + n == b for (a, n), (b, _) in zip(seen, seen[1:]))
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_copy_in_chunks_waits_for_every_copy_when_closed_early():
+    executor = concurrent.futures.ThreadPoolExecutor(4)
+    src = np.ones(1_000_000, np.float32)
+    dst = np.zeros_like(src)
+    chunks = copy_in_chunks(dst, src, executor, chunk_bytes=40_000)
+    next(chunks)
+    chunks.close()  # the caller stops (an upload failed): no copy may still be running afterwards
+    snapshot = dst.copy()
+    executor.shutdown(wait=True)
+    np.testing.assert_array_equal(dst, snapshot)
+
+
+def test_copy_casts_float64_and_refuses_strided_destinations():
+    dst = np.empty((4, 5), np.float32)
+    parallel_copy(dst, np.arange(20, dtype=np.float64).reshape(4, 5))
+    assert dst[3, 4] == 19.0
+    with pytest.raises(ValueError, match="C-contiguous"):
+        list(copy_in_chunks(np.empty((5, 4), np.float32).T, dst))

@@ -19,6 +19,8 @@ Every per-call device buffer is owned by an MhaScratch and released exactly once
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import threading
 from typing import Optional
 
@@ -31,13 +33,15 @@ from mha_ep.ops.backends.cuda import gemm
 from mha_ep.ops.backends.cuda.geometry import SOFTMAX_THREADS, LaunchPlan, plan_launch
 from mha_ep.ops.backends.cuda.kernels import get_kernel
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
-from mha_ep.ops.backends.cuda.staging import PinnedStaging, Segment, pack_layout
+from mha_ep.ops.backends.cuda.staging import PinnedStaging, Segment, copy_in_chunks, pack_layout, parallel_copy
 from mha_ep.ops.problem import MhaProblem, MhaResult
 
 MEMCPY_HOST_TO_DEVICE = 1
 MEMCPY_DEVICE_TO_HOST = 2
 MASK_KINDS = {None: 0, "key_lengths": 1, "keys_BT": 2, "keys_BST": 3}  # kernels/softmax.cu MaskKind
 POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float32
+COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
+SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
 
 
 class CupyScratchRuntime:
@@ -134,6 +138,7 @@ class CudaBackend:
         self._pinned_in = PinnedStaging(cupy.cuda.alloc_pinned_memory)
         self._pinned_out = PinnedStaging(cupy.cuda.alloc_pinned_memory)
         self._lock = threading.Lock()  # the pinned buffers and the stream serve one call at a time
+        self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="mha_ep_copy")
 
     # ------------------------------------------------------------------------------------------------- the call
     def run(self, problem: MhaProblem) -> MhaResult:
@@ -163,36 +168,68 @@ class CudaBackend:
         in_base = scratch.allocate(in_bytes)
         out_base = scratch.allocate(out_bytes)
         self._poison(scratch, out_base, out_bytes)
+        pipelined = in_bytes > SINGLE_UPLOAD_BYTES
         for name, _, _, array in inputs:
+            # large calls: each chunk's DMA starts as soon as the threads have copied it into the pinned buffer
             segment = in_segments[name]
-            np.copyto(self._pinned_in.view(segment), array, casting="same_kind")
-            scratch.upload(self._pinned_in.address + segment.offset, segment.nbytes, in_base + segment.offset)
+            for offset, nbytes in copy_in_chunks(self._pinned_in.view(segment), array, self._copier):
+                if pipelined:
+                    offset += segment.offset
+                    scratch.upload(self._pinned_in.address + offset, nbytes, in_base + offset)
+        if not pipelined:  # small calls: one copy call for everything
+            scratch.upload(self._pinned_in.address, in_bytes, in_base)
         dev_in = {name: in_base + seg.offset for name, seg in in_segments.items()}
         dev_out = {name: out_base + seg.offset for name, seg in out_segments.items()}
         return dev_in, dev_out, out_segments, out_base, out_bytes
 
-    def time_device(self, problem: MhaProblem, repeats: int = 20, warmup: int = 3) -> float:
-        """Mean device time in seconds of steps 2-5 (kernels and GEMMs only), from CUDA events on the stream."""
+    def time_device(self, problem: MhaProblem, repeats: int = 20, warmup: int = 3) -> dict:
+        """Mean device seconds of steps 2-5 (kernels and GEMMs, inputs already on the device), two ways:
+
+        ``stream``: ``repeats`` eager submissions between two CUDA events (includes any gap the host's launch
+        rate leaves on the GPU); ``graph``: the same work captured once in a CUDA graph and replayed ``repeats``
+        times between events (device time alone; None when capture is not possible here).
+        """
         plan = plan_launch(problem.geometry, problem.dtype)
         with self._lock, cupy.cuda.Device(self.device_id), self._stream, MhaScratch(self._runtime) as scratch:
             dev_in, dev_out, _, _, _ = self._stage(problem, scratch)
             ops = self._operands(plan, scratch, dev_out)
             scratch.mark_stream_use()
-            for _ in range(warmup):
+
+            def attention():
                 self._attention(problem, plan, ops, dev_in, dev_out)
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(self._stream)
-            for _ in range(repeats):
-                self._attention(problem, plan, ops, dev_in, dev_out)
-            stop.record(self._stream)
-            stop.synchronize()
+
+            timings = {"stream": self._time_events(attention, repeats, warmup), "graph": None}
+            try:
+                self._stream.begin_capture()
+                try:
+                    attention()
+                finally:
+                    graph = self._stream.end_capture()
+                timings["graph"] = self._time_events(lambda: graph.launch(self._stream), repeats, warmup)
+            except Exception:  # noqa: BLE001 - capture is a measurement extra, not part of the op
+                self._stream.synchronize()
             scratch.finish_stream_use()
-            return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
+            return timings
+
+    def _time_events(self, submit, repeats: int, warmup: int) -> float:
+        for _ in range(warmup):
+            submit()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(self._stream)
+        for _ in range(repeats):
+            submit()
+        stop.record(self._stream)
+        stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
 
     def _result(self, out_segments: dict[str, Segment]) -> MhaResult:
         def take(name: str) -> Optional[np.ndarray]:
             segment = out_segments.get(name)
-            return None if segment is None else self._pinned_out.view(segment).copy()
+            if segment is None:
+                return None
+            array = np.empty(segment.shape, np.float32)
+            parallel_copy(array, self._pinned_out.view(segment), self._copier)
+            return array
 
         return MhaResult(
             output_BSDv=take("output"),

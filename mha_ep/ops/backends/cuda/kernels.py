@@ -23,6 +23,7 @@ KERNEL_FILES = {
 COMPILE_OPTIONS = ()  # accurate expf: no fast-math
 
 _modules: dict[tuple[int, str], cupy.RawModule] = {}
+_functions: dict[tuple[int, str, str], cupy.RawKernel] = {}  # (device, kernel, dtype): the per-call lookup
 _lock = threading.Lock()
 
 
@@ -59,4 +60,9 @@ def _module(device_id: int, file_name: str) -> cupy.RawModule:
 
 def get_kernel(device_id: int, kernel: str, dtype: str) -> cupy.RawKernel:
     """The compiled ``kernel<T>`` for ``dtype`` on ``device_id`` (call with that device current)."""
-    return _module(device_id, _file_of(kernel)).get_function(name_expression(kernel, dtype))
+    key = (device_id, kernel, dtype)
+    function = _functions.get(key)
+    if function is None:
+        function = _module(device_id, _file_of(kernel)).get_function(name_expression(kernel, dtype))
+        _functions[key] = function
+    return function

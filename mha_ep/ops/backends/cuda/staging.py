@@ -9,13 +9,15 @@ does not import CuPy.
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
 ALIGNMENT = 256  # bytes; every segment starts on this boundary (CUDA allocations are 256-byte aligned too)
 GROWTH_GRANULE = 1 << 20  # pinned buffers grow in whole MiB, so slowly growing calls do not re-pin every time
+COPY_CHUNK_BYTES = 4 << 20  # host copies run in chunks of this size, several at once (numpy drops the GIL)
 
 
 def align_up(value: int, alignment: int = ALIGNMENT) -> int:
@@ -72,3 +74,42 @@ class PinnedStaging:
         """The segment as an array of its dtype and shape (writable; aliases the pinned buffer)."""
         raw = self._bytes[segment.offset : segment.offset + segment.nbytes]
         return raw.view(segment.dtype).reshape(segment.shape)
+
+
+def copy_in_chunks(
+    dst: np.ndarray, src: np.ndarray, executor: Optional[concurrent.futures.Executor] = None,
+    chunk_bytes: int = COPY_CHUNK_BYTES,
+) -> Iterator[tuple[int, int]]:  # fmt: skip
+    """Copy ``src`` into ``dst`` (same shape, C order) chunk by chunk, on ``executor``'s threads when given.
+
+    Yields (byte offset, byte count) of each chunk of ``dst`` in order, as soon as that chunk is complete, so the
+    caller can start the chunk's DMA while later chunks are still being copied. Every submitted copy has finished
+    when the generator is closed, also when the caller stops early (no thread writes into a reused buffer later).
+    """
+    if not dst.flags.c_contiguous:
+        raise ValueError("copy_in_chunks needs a C-contiguous destination")
+    dst_flat = dst.reshape(-1)
+    src_flat = np.asarray(src).reshape(-1)
+    count, itemsize = dst_flat.size, dst_flat.itemsize
+    per_chunk = max(1, chunk_bytes // itemsize)
+    ranges = [(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
+    if executor is None or len(ranges) <= 1:
+        for start, stop in ranges:
+            np.copyto(dst_flat[start:stop], src_flat[start:stop], casting="same_kind")
+            yield start * itemsize, (stop - start) * itemsize
+        return
+    futures = [
+        executor.submit(np.copyto, dst_flat[start:stop], src_flat[start:stop], casting="same_kind")
+        for start, stop in ranges
+    ]
+    try:
+        for (start, stop), future in zip(ranges, futures):
+            future.result()
+            yield start * itemsize, (stop - start) * itemsize
+    finally:
+        concurrent.futures.wait(futures)
+
+
+def parallel_copy(dst: np.ndarray, src: np.ndarray, executor: Optional[concurrent.futures.Executor] = None) -> None:
+    for _ in copy_in_chunks(dst, src, executor):
+        pass

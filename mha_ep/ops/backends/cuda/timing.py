@@ -3,9 +3,11 @@
     PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.timing [--repeats 20]
 
 Per shape it reports
-  dev µs:   device time of the attention itself (layout kernels, both GEMMs, softmax, output kernel), the mean of
-            ``repeats`` back-to-back launches between two CUDA events on the backend's stream; inputs already on
-            the device (CudaBackend.time_device);
+  dev µs:   device time of the attention itself (layout kernels, both GEMMs, softmax, output kernel), inputs
+            already on the device: the work captured once in a CUDA graph, replayed ``repeats`` times between two
+            CUDA events on the backend's stream (CudaBackend.time_device "graph");
+  stream µs: the same work submitted eagerly from Python ``repeats`` times between the events (adds the gaps the
+            host's launch rate leaves on the GPU);
   TFLOP/s:  4*B*N*S*T*H / dev time (half for causal), the FLOP model of DESIGN.md;
   host µs:  median wall time of ``backend.run(problem)``: host float32 arrays in, host float32 arrays out;
   host GB/s: bytes in + out (float32) / host time.
@@ -73,15 +75,20 @@ def main(argv=None) -> None:
 
     backend = CudaBackend(args.device)
     print(f"device: {backend.device}; dev = kernels+GEMMs only (CUDA events), host = backend.run numpy->numpy")
-    print(f"| shape (B,S,T,N,H) dtype extra | dev µs | TFLOP/s | host µs | host GB/s |")
-    print("|---|---|---|---|---|")
+    print("| shape (B,S,T,N,H) dtype extra | dev µs | stream µs | TFLOP/s | host µs | host GB/s |")
+    print("|---|---|---|---|---|---|")
     for label, b, s, t, n, h, dtype, extra in ANCHORS:
         problem = anchor_problem(b, s, t, n, h, dtype, extra)
-        dev = backend.time_device(problem, repeats=args.repeats)
+        timings = backend.time_device(problem, repeats=args.repeats)
+        dev = timings["graph"] or timings["stream"]
         host = host_time(backend, problem, max(5, args.repeats // 2))
         flops = 4 * b * n * s * t * h / (2 if extra == "causal" else 1)
         nbytes = 4 * (2 * b * s * n * h + 2 * b * t * n * h)
-        print(f"| {label} | {dev * 1e6:.1f} | {flops / dev / 1e12:.1f} | {host * 1e6:.0f} | {nbytes / host / 1e9:.2f} |")
+        graph = "n/a" if timings["graph"] is None else f"{timings['graph'] * 1e6:.1f}"
+        print(
+            f"| {label} | {graph} | {timings['stream'] * 1e6:.1f} | {flops / dev / 1e12:.1f} | {host * 1e6:.0f} "
+            f"| {nbytes / host / 1e9:.2f} |"
+        )
 
 
 if __name__ == "__main__":

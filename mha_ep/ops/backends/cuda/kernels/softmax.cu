@@ -7,7 +7,7 @@
 //                                                         stays softmax of the raw scores, at every dtype)
 //   3. x  = FLOAT32_LOWEST where causal, i < S-1, j > P+i (SET, overriding the padding; the last row is never
 //                                                         causally masked)
-//   4. p  = exp(x - max) / sum(exp(x - max))              (max-subtracted, float32, expf)
+//   4. p  = exp(x - max) / sum(exp(x - max))              (max-subtracted, float32, accurate expf, two-pass)
 // The padding mask is read in its compact form (no materialised B x S x T mask):
 //   MASK_KIND 0 none; 1 key lengths int32 (B,), keep j < len[b]; 2 keep uint8 (B, T); 3 keep uint8 (B, S, T).
 //
@@ -31,49 +31,29 @@ struct MaskArgs {
   int causal;                   // unidirectional and S > 1
 };
 
-// (m, l): running maximum and sum of exp(x - m) of an online softmax. An all -inf prefix is (-inf, 0).
-struct RowStat {
-  float max;
-  float sum;
+// Block-wide reduction of one float per thread (OP: max or sum); every thread receives the row's result.
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };
 
-__device__ __forceinline__ RowStat row_stat_push(RowStat a, float x) {
-  if (x > a.max) {
-    a.sum = a.sum * expf(a.max - x) + 1.0f;  // expf(-inf) = 0 rescales an empty prefix to 0
-    a.max = x;
-  } else if (x != NEG_INFINITY) {
-    a.sum += expf(x - a.max);
-  }
-  return a;
-}
-
-__device__ __forceinline__ RowStat row_stat_merge(RowStat a, RowStat b) {
-  const float m = fmaxf(a.max, b.max);
-  if (m == NEG_INFINITY) return RowStat{m, 0.0f};
-  const float sa = (a.max == NEG_INFINITY) ? 0.0f : a.sum * expf(a.max - m);
-  const float sb = (b.max == NEG_INFINITY) ? 0.0f : b.sum * expf(b.max - m);
-  return RowStat{m, sa + sb};
-}
-
-// Block-wide merge of every thread's RowStat; every thread receives the row's result.
-__device__ RowStat block_row_stat(RowStat stat) {
-  __shared__ RowStat warp_stats[SOFTMAX_THREADS / 32];
-  __shared__ RowStat row_result;
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    RowStat other{__shfl_xor_sync(0xffffffffu, stat.max, offset), __shfl_xor_sync(0xffffffffu, stat.sum, offset)};
-    stat = row_stat_merge(stat, other);
-  }
-  const int warp = threadIdx.x / 32;
-  if ((threadIdx.x & 31) == 0) warp_stats[warp] = stat;
+template <typename OP>
+__device__ float block_reduce(float value, OP op) {
+  __shared__ float warp_values[SOFTMAX_THREADS / 32];
+  __shared__ float row_result;
+  for (int offset = 16; offset > 0; offset >>= 1) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  if ((threadIdx.x & 31) == 0) warp_values[threadIdx.x / 32] = value;
   __syncthreads();
   if (threadIdx.x == 0) {
-    RowStat all = warp_stats[0];
-    for (int w = 1; w < SOFTMAX_THREADS / 32; ++w) all = row_stat_merge(all, warp_stats[w]);
+    float all = warp_values[0];
+    for (int w = 1; w < SOFTMAX_THREADS / 32; ++w) all = op(all, warp_values[w]);
     row_result = all;
   }
   __syncthreads();
-  const RowStat result = row_result;
-  __syncthreads();  // the next row may overwrite warp_stats / row_result
+  const float result = row_result;
+  __syncthreads();  // the next reduction may overwrite warp_values / row_result
   return result;
 }
 
@@ -90,8 +70,9 @@ __device__ __forceinline__ float masked_logit(float x, const MaskArgs& m, const 
   return x;
 }
 
-// ROW_CACHE: the masked logits of the row are kept in dynamic shared memory (total_seq floats) between the two
-// passes; otherwise the second pass recomputes them from the scores (rows too long for shared memory).
+// row_cache: the masked logits, then their exponentials, stay in dynamic shared memory (total_seq floats) between
+// the three passes; otherwise each pass recomputes them from the scores (rows too long for shared memory). Each
+// thread only ever touches its own columns j, so the passes need no barrier beyond the reductions'.
 template <typename ELEM>
 __global__ void __launch_bounds__(SOFTMAX_THREADS)
     masked_softmax(const float* __restrict__ scores_BNST, ELEM* __restrict__ probs_BNST,
@@ -121,22 +102,34 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
     if (m.mask_kind == MASK_KEYS_BST) keep_row_T = m.keep + ((long long)b * q_seq + i) * total_seq;
     const int key_length = (m.mask_kind == MASK_KEY_LENGTHS) ? m.key_lengths_B[b] : total_seq;
 
-    // Pass 1: masked logits (steps 1-3) and the online (max, sum) of this thread's columns.
-    RowStat stat{NEG_INFINITY, 0.0f};
+    // Pass 1: masked logits (steps 1-3) and their maximum. fmaxf ignores NaN; a NaN logit still reaches the sum.
+    float row_max = NEG_INFINITY;
     for (int j = threadIdx.x; j < total_seq; j += SOFTMAX_THREADS) {
       const float x = masked_logit(scores_T[j], m, bias_row_T, keep_row_T, key_length, i, j, q_seq, past_seq);
       if (row_cache) logits_T[j] = x;
-      stat = row_stat_push(stat, x);
+      row_max = fmaxf(row_max, x);
     }
-    // Row-wide (max, sum); the block barrier inside also publishes logits_T.
-    stat = block_row_stat(stat);
+    row_max = block_reduce(row_max, MaxOp());
 
-    // Pass 2: step 4, probabilities rounded once to the compute dtype.
+    // Pass 2: exponentials (one expf per score) and their sum. An all -inf row gives exp(-inf - -inf) = NaN,
+    // as in ORT (semantics 3.5: mask_filter_value -inf and a fully padded row).
+    float row_sum = 0.0f;
     for (int j = threadIdx.x; j < total_seq; j += SOFTMAX_THREADS) {
       const float x = row_cache ? logits_T[j]
                                 : masked_logit(scores_T[j], m, bias_row_T, keep_row_T, key_length, i, j, q_seq,
                                                past_seq);
-      probs_T[j] = from_float<ELEM>(expf(x - stat.max) / stat.sum);
+      const float e = expf(x - row_max);
+      if (row_cache) logits_T[j] = e;
+      row_sum += e;
+    }
+    row_sum = block_reduce(row_sum, SumOp());
+
+    // Pass 3: step 4's division, rounded once to the compute dtype.
+    for (int j = threadIdx.x; j < total_seq; j += SOFTMAX_THREADS) {
+      const float e = row_cache ? logits_T[j]
+                                : expf(masked_logit(scores_T[j], m, bias_row_T, keep_row_T, key_length, i, j, q_seq,
+                                                    past_seq) - row_max);
+      probs_T[j] = from_float<ELEM>(e / row_sum);
     }
     __syncthreads();  // logits_T is reused by the next row of this block
   }
