@@ -30,6 +30,7 @@ __all__ = [
 from mha_ep.claim import Decision
 from mha_ep.errors import BackendUnavailableError, MhaEpError, MhaInputError, MhaRunError
 from mha_ep.partition import PartitionResult, partition
+from mha_ep.compare import compare  # after this, `mha_ep.compare` is the function, not the module
 
 
 def register(session_options, backend: str = "auto", device_id: int = 0):
@@ -44,8 +45,4 @@ def __getattr__(name):
         from mha_ep.session import InferenceSession
 
         return InferenceSession
-    if name == "compare":
-        from mha_ep.compare import compare
-
-        return compare
     raise AttributeError(f"module 'mha_ep' has no attribute {name!r}")

@@ -16,7 +16,7 @@ import onnx
 
 from mha_ep.errors import MhaRunError
 from mha_ep.ops.context import run_context
-from mha_ep.ops.registration import register, resolve_backend
+from mha_ep.ops.registration import attach, resolve_backend
 from mha_ep.partition import PartitionResult, partition
 
 PROTOBUF_LIMIT = 2**31 - 2**24  # serialise through a file above this size
@@ -40,7 +40,7 @@ class InferenceSession:
         options = sess_options if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        register(options, self.backend.name, device_id)
+        attach(options, self.backend, device_id)
         self._session = _make_session(self.partition.model, options, providers or ["CPUExecutionProvider"])
 
     @property

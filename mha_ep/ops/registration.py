@@ -145,15 +145,20 @@ def register(session_options, backend: str = "auto", device_id: int = 0):
     backend per session. Raises BackendUnavailableError for ``backend="cuda"`` without CuPy or a usable GPU.
     """
     chosen = resolve_backend(backend, device_id)
+    attach(session_options, chosen, device_id)
+    set_default_backend(chosen)
+    return session_options
+
+
+def attach(session_options, backend, device_id: int = 0) -> None:
+    """Load the custom-op library into ``session_options`` once and record the backend chosen for it."""
     ensure_ops_registered()
-    if not _has_entry(session_options):  # the library is loaded once per SessionOptions
+    if not _has_entry(session_options):
         from onnxruntime_extensions import get_library_path
 
         session_options.register_custom_ops_library(get_library_path())
-        session_options.add_session_config_entry(CONFIG_BACKEND, chosen.name)
+        session_options.add_session_config_entry(CONFIG_BACKEND, backend.name)
         session_options.add_session_config_entry(CONFIG_DEVICE, str(device_id))
-    set_default_backend(chosen)
-    return session_options
 
 
 def _has_entry(session_options) -> bool:

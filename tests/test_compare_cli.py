@@ -1,0 +1,109 @@
+"""compare (per output and per node), random feeds, and the mha-ep command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+import mha_ep
+from mha_ep.feeds import random_feeds
+
+
+def chain_model(num_heads=2, qk_on_second=False):
+    """Embedding lookup -> two MHA nodes, the second masked by a 2D attention mask."""
+    vocab, hidden = 50, 8
+    rng = np.random.default_rng(7)
+    table = onnx.numpy_helper.from_array(rng.standard_normal((vocab, hidden)).astype(np.float32), "embedding")
+    nodes = [
+        helper.make_node("Gather", ["embedding", "input_ids"], ["x"], name="embed"),
+        helper.make_node("MultiHeadAttention", ["x", "x", "x"], ["a"], domain="com.microsoft", num_heads=num_heads, name="layer0"),
+        helper.make_node(
+            "MultiHeadAttention", ["a", "a", "a", "", "attention_mask"], ["o", "", "", "qk"] if qk_on_second else ["o"],
+            domain="com.microsoft", num_heads=num_heads, name="layer1",
+        ),
+    ]
+    outputs = [helper.make_tensor_value_info("o", TP.FLOAT, ["batch", "sequence", hidden])]
+    if qk_on_second:
+        outputs.append(helper.make_tensor_value_info("qk", TP.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "chain",
+        [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence"]),
+         helper.make_tensor_value_info("attention_mask", TP.INT32, ["batch", "sequence"])],
+        outputs, initializer=[table],
+    )
+    return helper.make_model(
+        graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+def test_random_feeds_are_valid_for_the_model():
+    feeds = random_feeds(chain_model(), seed=3, dims={"sequence": 6})
+    assert feeds["input_ids"].shape == (2, 6) and feeds["input_ids"].max() < 50 and feeds["input_ids"].min() >= 0
+    mask = feeds["attention_mask"]
+    assert mask.dtype == np.int32 and set(np.unique(mask)) <= {0, 1} and (mask[:, 0] == 1).all()
+
+
+def test_compare_per_node_reports_every_claimed_node_in_graph_order():
+    report = mha_ep.compare(chain_model(), backend="reference", per_node=True, repeat=1)
+    assert report.passed, report.text()
+    assert [c.name for c in report.nodes] == ["layer0 -> a", "layer1 -> o"]
+    assert all(c.max_rel < 1e-5 for c in report.nodes)
+    assert [c.name for c in report.outputs] == ["o"]
+
+
+def test_compare_flags_a_wrong_backend():
+    class OffByOne:
+        name, device = "off-by-one", "test"
+
+        def run(self, problem):
+            from mha_ep.ops.backends.reference import run_reference
+
+            result = run_reference(problem)
+            result.output_BSDv = result.output_BSDv + 1.0
+            return result
+
+    import mha_ep.session as session_module
+
+    original = session_module.resolve_backend
+    session_module.resolve_backend = lambda name, device_id=0: OffByOne()
+    try:
+        report = mha_ep.compare(chain_model(), per_node=True, repeat=1)
+    finally:
+        session_module.resolve_backend = original
+    assert not report.passed
+    assert report.nodes[0].max_abs == pytest.approx(1.0, abs=1e-5)
+    assert "FAIL" in report.text()
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mha_ep", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_partition_writes_the_model_and_prints_the_report(tmp_path):
+    source, target = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(chain_model(qk_on_second=True), source)
+    done = run_cli("partition", str(source), "-o", str(target))
+    assert done.returncode == 0, done.stderr
+    assert "2 MultiHeadAttention node(s), 1 claimed, 1 declined" in done.stdout
+    assert "declined  layer1: mha_ep MultiHeadAttention: output 3 (qk)" in done.stdout
+    partitioned = onnx.load(target)
+    assert [n.domain for n in partitioned.graph.node if n.op_type == "MultiHeadAttention"] == ["mha_ep", "com.microsoft"]
+    as_json = json.loads(run_cli("partition", str(source), "--json").stdout)
+    assert as_json["claimed"] == 1 and as_json["decisions"][1]["subject"] == "qk"
+
+
+def test_cli_compare_exit_status_and_json(tmp_path):
+    source = tmp_path / "chain.onnx"
+    onnx.save(chain_model(), source)
+    done = run_cli("compare", str(source), "--backend", "reference", "--per-node", "--dim", "sequence=5", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(done.stdout)
+    assert data["passed"] and data["claimed"] == 2 and len(data["nodes"]) == 2
+    assert data["outputs"][0]["shape"] == [2, 5, 8]
