@@ -200,17 +200,19 @@ def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -
     for tensor in outputs:  # typed, so that ORT's checks of an unregistered load reach Rule 6's message
         value_infos.append(helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None))
     plugin = helper.make_node(spec.OP_TYPE, inputs, outputs, name=node.name, domain=spec.PLUGIN_DOMAIN)
-    present = {a.name for a in node.attribute}
+    present = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     plugin.attribute.extend(copy.deepcopy(a) for a in node.attribute)
     for attr in spec.ORT_ATTRIBUTES:
         if attr.name not in present:
             plugin.attribute.append(helper.make_attribute(attr.name, attr.default))
+    floats = {a.name: present.get(a.name, a.default) for a in spec.ORT_ATTRIBUTES if a.kind == "float"}
     plugin.attribute.extend(
         [
             helper.make_attribute(spec.ATTR_INPUTS, ",".join(supplied)),
             helper.make_attribute(spec.ATTR_OUTPUTS, ",".join(wanted)),
             helper.make_attribute(spec.ATTR_DTYPE, dtype),
             helper.make_attribute(spec.ATTR_NODE, node.name),
+            helper.make_attribute(spec.ATTR_FLOATS, spec.encode_floats(floats)),
         ]
     )
     if node.doc_string:

@@ -64,11 +64,15 @@ ATTR_INPUTS = "mha_ep_inputs"  # comma-separated names of the supplied input slo
 ATTR_OUTPUTS = "mha_ep_outputs"  # comma-separated names of the outputs the graph uses
 ATTR_DTYPE = "mha_ep_dtype"  # element type of the original node: float32 | float16 | bfloat16
 ATTR_NODE = "mha_ep_node"  # the node's name, so that an error raised inside the op can name its node
+# The bridge hands float attributes to Python with 6 significant digits (measured: scale 0.15811388 arrives as
+# 0.158114), so the exact values of ORT's float attributes also travel as text: "name=<float.hex()>;..."
+ATTR_FLOATS = "mha_ep_floats"
 PLUGIN_ATTRIBUTES = ORT_ATTRIBUTES + (
     AttributeSpec(ATTR_INPUTS, "string", None),
     AttributeSpec(ATTR_OUTPUTS, "string", None),
     AttributeSpec(ATTR_DTYPE, "string", None),
     AttributeSpec(ATTR_NODE, "string", None),
+    AttributeSpec(ATTR_FLOATS, "string", None),
 )
 
 # Placeholder convention. Absent optional inputs are fed from these zero-size initializers; which slots are
@@ -90,3 +94,13 @@ UNREGISTERED_OP = "call_mha_ep_register_on_the_SessionOptions_first"
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 MASK_DTYPES = ("int32", "int64")
+
+
+def encode_floats(values: dict) -> str:
+    """{"scale": 0.158...} -> "scale=0x1.43d136p-3" (exact, float32 values included)."""
+    return ";".join(f"{name}={float(value).hex()}" for name, value in sorted(values.items()))
+
+
+def decode_floats(text: str) -> dict:
+    pairs = (item.split("=", 1) for item in text.split(";") if item)
+    return {name: float.fromhex(value) for name, value in pairs}

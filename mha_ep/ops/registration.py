@@ -41,6 +41,7 @@ def execute(arrays: list, attributes: dict) -> tuple:
         by_slot = [array if name in supplied else None for name, array in zip(spec.PLUGIN_INPUTS, arrays)]
         outputs = tuple(name in wanted for name in spec.OUTPUTS)
         ort_attributes = {a.name: attributes[a.name] for a in spec.ORT_ATTRIBUTES if a.name in attributes}
+        ort_attributes.update(spec.decode_floats(str(attributes.get(spec.ATTR_FLOATS, ""))))
         backend = context.backend if context is not None else default_backend()
         if backend is None:
             backend = resolve_backend("auto", 0)
