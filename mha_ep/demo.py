@@ -1,0 +1,65 @@
+"""``mha-ep demo``: the main job on the shipped models (mha_ep/models/default, see its MANIFEST.json).
+
+For every shipped BERT and Whisper model: partition it (claim report), run it with the plugin and with stock ORT
+on the same valid feeds, and print per-output errors (per node with --per-node) and timings. Exit status 0 only
+when every model's outputs match stock ORT within the dtype tolerances of mha_ep/compare.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from mha_ep.compare import compare
+from mha_ep.models import manifest
+from mha_ep.ops.backends import cuda_unavailable_reason
+
+
+def describe_backend(backend: str, device_id: int) -> str:
+    if backend == "reference":
+        return "reference (NumPy, reproduces stock ORT's CPU math), as asked"
+    reason = cuda_unavailable_reason(device_id)
+    if reason is None:
+        return f"cuda (CuPy on GPU {device_id})"
+    if backend == "cuda":
+        return f"cuda was asked for but cannot run: {reason}"
+    return f"reference (NumPy): no usable GPU here ({reason})"
+
+
+def run_demo(backend: str = "auto", device_id: int = 0, per_node: bool = False, out=sys.stdout) -> int:
+    entries = manifest.load()["models"]
+    print(f"mha_ep demo: {len(entries)} shipped models; backend: {describe_backend(backend, device_id)}", file=out)
+    rows = []
+    started = time.perf_counter()
+    for index, entry in enumerate(entries, 1):
+        print(f"\n[{index}/{len(entries)}] {entry['file']}: {entry['description']}", file=out, flush=True)
+        report = compare(
+            manifest.model_path(entry),
+            feeds=manifest.make_feeds(entry, seed=index),
+            backend=backend,
+            device_id=device_id,
+            per_node=per_node,
+            name=entry["file"],
+        )
+        print(report.text(), file=out, flush=True)
+        worst = max((c.max_rel for c in report.outputs + report.nodes), default=0.0)
+        rows.append((entry["file"], report, worst))
+    print(f"\nsummary ({time.perf_counter() - started:.1f} s):", file=out)
+    print(f"  {'model':<38} {'MHA':>4} {'claimed':>8} {'declined':>9} {'worst rel err':>14} "
+          f"{'stock ms':>9} {'plugin ms':>10}  verdict", file=out)
+    for name, report, worst in rows:
+        part = report.partition
+        print(
+            f"  {name:<38} {len(part.decisions):>4} {part.claimed:>8} {part.declined:>9} {worst:>14.2e} "
+            f"{report.stock_ms:>9.2f} {report.plugin_ms:>10.2f}  {'PASS' if report.passed else 'FAIL'}",
+            file=out,
+        )
+    failed = [name for name, report, _ in rows if not report.passed]
+    total_claimed = sum(r.partition.claimed for _, r, _ in rows)
+    total_declined = sum(r.partition.declined for _, r, _ in rows)
+    print(f"  {total_claimed} MHA nodes claimed, {total_declined} declined, in {len(rows)} models", file=out)
+    if failed:
+        print(f"FAIL: {len(failed)} model(s) differ from stock ORT beyond tolerance: {', '.join(failed)}", file=out)
+        return 1
+    print("PASS: every model's outputs match stock ORT within tolerance", file=out)
+    return 0
