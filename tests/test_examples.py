@@ -1,0 +1,24 @@
+"""The example scripts a user copies keep working (run as a user would, in a subprocess)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize(
+    "script, expected",
+    [
+        ("register_and_run.py", "mha_ep.InferenceSession gives the same result: True"),
+        ("compare_with_stock_ort.py", "PASS"),
+    ],
+)
+def test_example_runs(script, expected):
+    done = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert expected in done.stdout
