@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
     ],
 )
 def test_example_runs(script, expected):
-    done = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert expected in done.stdout
