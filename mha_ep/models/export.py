@@ -71,6 +71,16 @@ def step(what: str):
     print(f"      done in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
+@contextmanager
+def _cwd(path):
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 def torch_export(module, args: tuple, input_names, output_names, dynamic_axes, opset: int = OPSET) -> onnx.ModelProto:
     """TorchScript export to a ModelProto (through a temporary file, external data folded back in)."""
     import torch
@@ -113,7 +123,7 @@ def fuse(
     options.use_multi_head_attention = True
     if raw_mask:
         options.use_raw_attention_mask(True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _cwd(tmp):  # the optimizer drops temp files into the cwd
         path = Path(tmp) / "in.onnx"
         onnx.save(model, str(path))
         opt = optimize_model(
