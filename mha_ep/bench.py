@@ -3,7 +3,8 @@
     mha-ep bench hook      the bridge: an echo Python op's per-call cost and output throughput with
                            onnxruntime-extensions' stock result hook (flatten().tolist()) vs mha_ep's array hook,
                            and the plugin op's fixed per-call overhead on a tiny MHA call
-    mha-ep bench anchors   the DESIGN.md anchor shapes (GPU; see mha_ep/ops/backends/cuda/timing.py)
+    mha-ep bench anchors   the DESIGN.md anchor shapes, a sequence sweep (JSON + PNG), every provider present
+                           (GPU; see mha_ep/bench_gpu.py for the columns)
 
 Byte model of the hook rows: bytes out = 4 * elements (float32); GB/s = bytes out / time per call.
 """
@@ -128,9 +129,9 @@ def main(argv=None) -> int:
     if args.what == "hook":
         result = bench_hook(args.repeat)
     else:
-        from mha_ep.ops.backends.cuda import timing
+        from mha_ep import bench_gpu
 
-        return timing.main(rest)
+        return bench_gpu.main(rest + ["--repeats", str(args.repeats)])
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
