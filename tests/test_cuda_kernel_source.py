@@ -37,7 +37,6 @@ def test_kernel_files_exist():
     "required",
     [
         # layout.cu: build_dense_BNTH
-        "(long long)past_seq + cur_seq",
         "(long long)batch * heads * total * dim",
         "(((long long)b * heads + h) * past_seq + s) * dim + d",
         "(((long long)b * heads + h) * cur_seq + sc) * dim + d",

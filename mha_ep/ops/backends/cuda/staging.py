@@ -10,6 +10,7 @@ does not import CuPy.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -38,7 +39,7 @@ def pack_layout(entries: Sequence[tuple[str, np.dtype, tuple]]) -> tuple[dict[st
     segments, offset = {}, 0
     for name, dtype, shape in entries:
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         segments[name] = Segment(name, offset, nbytes, dtype, tuple(shape))
         offset = align_up(offset + nbytes)
     return segments, max(offset, ALIGNMENT)

@@ -69,6 +69,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--only", default=None, help="run only the anchors whose label contains this text")
     args = parser.parse_args(argv)
 
     from mha_ep.ops.backends.cuda import CudaBackend
@@ -78,12 +79,16 @@ def main(argv=None) -> None:
     print("| shape (B,S,T,N,H) dtype extra | dev µs | stream µs | TFLOP/s | host µs | host GB/s |")
     print("|---|---|---|---|---|---|")
     for label, b, s, t, n, h, dtype, extra in ANCHORS:
+        if args.only is not None and args.only not in label:
+            continue
         problem = anchor_problem(b, s, t, n, h, dtype, extra)
         timings = backend.time_device(problem, repeats=args.repeats)
         dev = timings["graph"] or timings["stream"]
         host = host_time(backend, problem, max(5, args.repeats // 2))
         flops = 4 * b * n * s * t * h / (2 if extra == "causal" else 1)
         nbytes = 4 * (2 * b * s * n * h + 2 * b * t * n * h)
+        if timings["graph_error"]:
+            print(f"graph capture failed for {label}: {timings['graph_error']}")
         graph = "n/a" if timings["graph"] is None else f"{timings['graph'] * 1e6:.1f}"
         print(
             f"| {label} | {graph} | {timings['stream'] * 1e6:.1f} | {flops / dev / 1e12:.1f} | {host * 1e6:.0f} "

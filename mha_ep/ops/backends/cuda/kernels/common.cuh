@@ -28,3 +28,29 @@ __device__ __forceinline__ long long grid_first_index() {
   return (long long)blockIdx.x * blockDim.x + threadIdx.x;
 }
 __device__ __forceinline__ long long grid_stride() { return (long long)gridDim.x * blockDim.x; }
+
+// Coordinates of a linear index over a 4-d box: idx = ((c3 * n2 + c2) * n1 + c1) * n0 + c0.
+// 64-bit division is emulated (many instructions); when the whole box fits 32 bits (FITS_U32, uniform across
+// the grid) the cheaper 32-bit unsigned division is used. Each coordinate fits an int (the host checks the dims).
+__device__ __forceinline__ void unravel4(long long idx, bool fits_u32, int n0, int n1, int n2, int& c0, int& c1,
+                                         int& c2, int& c3) {
+  if (fits_u32) {
+    unsigned rest = (unsigned)idx;
+    c0 = (int)(rest % (unsigned)n0);
+    rest /= (unsigned)n0;
+    c1 = (int)(rest % (unsigned)n1);
+    rest /= (unsigned)n1;
+    c2 = (int)(rest % (unsigned)n2);
+    c3 = (int)(rest / (unsigned)n2);
+  } else {
+    long long rest = idx;
+    c0 = (int)(rest % n0);
+    rest /= n0;
+    c1 = (int)(rest % n1);
+    rest /= n1;
+    c2 = (int)(rest % n2);
+    c3 = (int)(rest / n2);
+  }
+}
+
+#define U32_LIMIT 4294967295LL

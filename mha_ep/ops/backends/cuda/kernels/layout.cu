@@ -21,24 +21,20 @@ __global__ void build_dense_BNTH(const float* __restrict__ cur, int cur_is_bnsh,
                                  const float* __restrict__ past_BNPH, const float* __restrict__ bias_NH,
                                  ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH, int batch,
                                  int heads, int cur_seq, int past_seq, int dim) {
-  const long long total = (long long)past_seq + cur_seq;
+  const int total = past_seq + cur_seq;  // the host checked that P + L fits an int
   const long long count = (long long)batch * heads * total * dim;
+  const bool fits_u32 = count <= U32_LIMIT;
   for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
     // Step 0: destination coordinates (b, h, s, d) of this element.
-    long long rest = idx;
-    const int d = (int)(rest % dim);
-    rest /= dim;
-    const long long s = rest % total;
-    rest /= total;
-    const int h = (int)(rest % heads);
-    const int b = (int)(rest / heads);
+    int d, s, h, b;
+    unravel4(idx, fits_u32, dim, total, heads, d, s, h, b);
     float value;
     if (s < past_seq) {
       // Step 1: the past rows.
       value = past_BNPH[(((long long)b * heads + h) * past_seq + s) * dim + d];
     } else {
       // Step 2: the current rows, from either layout.
-      const long long sc = s - past_seq;
+      const int sc = s - past_seq;
       if (cur_is_bnsh) {
         value = cur[(((long long)b * heads + h) * cur_seq + sc) * dim + d];
       } else {
@@ -60,15 +56,11 @@ template <typename ELEM>
 __global__ void context_to_BSD(const float* __restrict__ ctx_BNSH, float* __restrict__ out_BSD, int batch,
                                int heads, int seq, int dim) {
   const long long count = (long long)batch * seq * heads * dim;
+  const bool fits_u32 = count <= U32_LIMIT;
   for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
     // The destination index walks (b, s, h, d): writes are coalesced, reads are coalesced within one head.
-    long long rest = idx;
-    const int d = (int)(rest % dim);
-    rest /= dim;
-    const int h = (int)(rest % heads);
-    rest /= heads;
-    const int s = (int)(rest % seq);
-    const int b = (int)(rest / seq);
+    int d, h, s, b;
+    unravel4(idx, fits_u32, dim, heads, seq, d, h, s, b);
     out_BSD[idx] = round_to<ELEM>(ctx_BNSH[(((long long)b * heads + h) * seq + s) * dim + d]);
   }
 }
