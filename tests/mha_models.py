@@ -130,7 +130,7 @@ class MhaConfig:
         if self.mask_filter_value is not None:
             parts.append(f"mfv={self.mask_filter_value}")
         if self.scale is not None:
-            parts.append(f"scale={self.scale:g}")
+            parts.append(f"scale={self.scale!r}")
         if self.shapes != "static":
             parts.append(self.shapes)
         return " ".join(parts)
