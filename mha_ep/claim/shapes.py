@@ -57,13 +57,31 @@ def collect_infos(model: onnx.ModelProto) -> Dict[str, TensorInfo]:
     return infos
 
 
+def symbolic_shape_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ORT's SymbolicShapeInference.infer_shapes without its failure path.
+
+    The public entry point saves the model to "sym_shape_infer_temp.onnx" (plus external-data files) in the current
+    directory and raises when any shape stays unknown. A partial result is still what the gate wants (unknown dims
+    are accepted and re-checked at execute time), and a library must not write into the user's folder.
+    """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_opset
+
+    opset = get_opset(model)
+    if not opset or opset < 7:
+        raise ValueError(f"symbolic shape inference needs ai.onnx opset >= 7, got {opset}")
+    inference = SymbolicShapeInference(2**31 - 1, True, False, 0)
+    inference._preprocess(model)
+    while inference.run_:
+        inference._infer_impl()
+    inference._update_output_from_vi()
+    return inference.out_mp_
+
+
 def infer_static_infos(model: onnx.ModelProto) -> Dict[str, TensorInfo]:
     """Run shape inference (symbolic first) and return what it knows about every tensor."""
     inferred = None
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=False)
+        inferred = symbolic_shape_inference(model)
     except Exception as error:  # noqa: BLE001 - any failure means: try the next method
         log.debug("symbolic shape inference failed (%s); falling back to ONNX shape inference", error)
     if inferred is None:
