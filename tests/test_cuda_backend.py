@@ -215,6 +215,12 @@ CASES = {
     "causal_over_padding_scale_attr": Case(b=2, s=8, l=8, n=2, h=32, causal=True, mask="BT", attrs={"scale": 0.3}),
     "minus_inf_filter_partial_padding": Case(b=2, s=5, l=9, n=2, h=32, mask="lengths", mask_filter_value=-np.inf),
     "long_row_no_row_cache": Case(b=1, s=3, l=9000, n=1, h=64, mask="BT", attention_bias=(True, True)),
+    "T1500_block_row_cache_causal": Case(b=1, s=4, l=1500, n=2, h=64, mask="BST", attention_bias=(True, False),
+                                         causal=True),
+    "T200_warp_8_cols": Case(b=2, s=3, l=200, n=2, h=40, mask="lengths"),
+    "whisper_decode_T448": Case(b=1, s=1, l=1, p=447, n=6, h=64, presents=True, mask="BT"),
+    "H59_odd_head_scalar_path": Case(b=2, s=13, l=19, p=3, n=2, h=59, presents=True, mask="BT"),
+    "Hv37_odd_value_head": Case(b=1, s=9, l=11, n=3, h=40, hv=37, attention_bias=(True, True)),
 }
 
 

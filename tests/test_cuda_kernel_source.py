@@ -37,19 +37,26 @@ def test_kernel_files_exist():
     "required",
     [
         # layout.cu: build_dense_BNTH
-        "(long long)batch * heads * total * dim",
+        "(long long)batch * heads * total * groups",
         "(((long long)b * heads + h) * past_seq + s) * dim + d",
         "(((long long)b * heads + h) * cur_seq + sc) * dim + d",
         "(((long long)b * cur_seq + sc) * heads + h) * dim + d",
-        "bias_NH[(long long)h * dim + d]",
+        "bias_NH + (long long)h * dim + d",
         # layout.cu: context_to_BSD
-        "(long long)batch * seq * heads * dim",
-        "(((long long)b * heads + h) * seq + s) * dim + d",
+        "(long long)batch * seq * heads * groups",
+        "(((long long)b * heads + h) * seq + s) * dim + g * VEC",
+        "dst_BNTH + dst",
+        "const long long dst = idx * VEC",
+        "out_BSD + idx * VEC",
         # softmax.cu
         "(long long)batch * heads * q_seq",
-        "(((long long)bb * m.bias_d1 + bn) * q_seq + i) * total_seq",
+        "(((long long)bb * m.bias_d1 + bn) * q_seq + r.i) * total_seq",
         "m.keep + (long long)b * total_seq",
-        "m.keep + ((long long)b * q_seq + i) * total_seq",
+        "m.keep + ((long long)b * q_seq + r.i) * total_seq",
+        "scores_BNST + row * total_seq",
+        "probs_BNST + row * total_seq",
+        "(long long)blockIdx.x * WARPS + threadIdx.x / 32",
+        "row += (long long)gridDim.x * WARPS",
         # common.cuh: grid-stride loops
         "(long long)blockIdx.x * blockDim.x + threadIdx.x",
         "(long long)gridDim.x * blockDim.x",
@@ -66,8 +73,9 @@ def test_linear_indices_promote_before_every_int_product(required):
         "(long long)(b * cur_seq + sc)",
         "(long long)(b * seq + s)",
         "(long long)(bb * m.bias_d1 + bn)",
-        "(long long)(b * q_seq + i)",
-        "bias_NH[h * dim + d]",
+        "(long long)(b * q_seq + r.i)",
+        "bias_NH + h * dim + d",
+        "(long long)(idx",
         "blockIdx.x * blockDim.x + threadIdx.x;",  # an int grid index
     ],
 )
@@ -100,15 +108,24 @@ def test_every_subscript_with_a_product_is_64_bit():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
     """Instantiate every name expression the backend asks NVRTC for, and compile for sm_90 (offline check)."""
-    instantiations = []
-    for kernel, params in {
+    signatures = {
         "build_dense_BNTH": "const float*, int, const float*, const float*, {T}*, float*, int, int, int, int, int",
         "context_to_BSD": "const float*, float*, int, int, int, int",
+        "masked_softmax_warp": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
+        "float, int, int, int, int, int, int",
         "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
         "float, int, int, int, int, int, int, int",
-    }.items():
+    }
+    variants = {"build_dense_BNTH": (1, 4), "context_to_BSD": (1, 4), "masked_softmax_warp": (1, 2, 4, 8, 16, 32),
+                "masked_softmax": (None,)}  # fmt: skip
+    instantiations = []
+    for kernel, params in signatures.items():
         for element in ("float", "__half", "__nv_bfloat16"):
-            instantiations.append(f"template __global__ void {kernel}<{element}>({params.format(T=element)});")
+            for variant in variants[kernel]:
+                arguments = element if variant is None else f"{element}, {variant}"
+                instantiations.append(
+                    f"template __global__ void {kernel}<{arguments}>({params.format(T=element)});"
+                )
     unit = tmp_path / "all.cu"
     unit.write_text('#include "layout.cu"\n#include "softmax.cu"\n' + "\n".join(instantiations) + "\n")
     done = subprocess.run(
@@ -177,7 +194,24 @@ def test_plan_sizes_and_grids():
         "probs_BNST": 2 * 2 * 3 * 5 * 2,
         "context_BNSH": 2 * 2 * 3 * 6 * 4,
     }
-    assert plan.grids["masked_softmax"] == 12
-    assert plan.row_cache and plan.softmax_shared_bytes == 5 * 4
+    assert plan.softmax_cols_per_lane == 1 and plan.grids["masked_softmax"] == 3  # 4 rows (warps) per block
+    assert not plan.row_cache and plan.softmax_shared_bytes == 0
+    assert (plan.vec_qk, plan.vec_v) == (4, 1)  # 8 % 4 == 0, 6 % 4 != 0
     with pytest.raises(MhaInputError, match="dtype 'float64'"):
         plan_launch(Geometry(1, 1, 1, 0, 1, 8, 8), "float64")
+
+
+@pytest.mark.parametrize(
+    "total, cols_per_lane, row_cache",
+    [(1, 1, False), (32, 1, False), (33, 2, False), (448, 16, False), (1024, 32, False), (1025, 0, True),
+     (8192, 0, True), (8193, 0, False)],
+)  # fmt: skip
+def test_softmax_variant_follows_the_row_length(total, cols_per_lane, row_cache):
+    plan = plan_launch(Geometry(batch=2, q_seq=3, kv_seq=total, past_seq=0, num_heads=2, head_size=59,
+                                v_head_size=59), "float16")  # fmt: skip
+    assert plan.softmax_cols_per_lane == cols_per_lane
+    assert plan.row_cache == row_cache
+    assert plan.grids["masked_softmax"] == (3 if cols_per_lane else 12)
+    assert plan.softmax_shared_bytes == (total * 4 if row_cache else 0)
+    assert (plan.vec_qk, plan.vec_v) == (1, 1)
+    assert plan.grids["build k_BNTH"] == -(-2 * 2 * total * 59 // LAUNCH_BLOCK)

@@ -277,12 +277,14 @@ class CudaBackend:
         """Steps 2-5: only launches on the stream (no allocation, no synchronization)."""
         # Step 2: layout movers.
         kv_bnsh = problem.kv_layout == "BNSH"
-        self._build(plan, "build q_BNSH", dev_in["query"], False, None, dev_in.get("bias_q"), ops["q_BNSH"], None,
-                    plan.q_seq, 0, plan.head_size)  # fmt: skip
-        self._build(plan, "build k_BNTH", dev_in["key"], kv_bnsh, dev_in.get("past_key"), dev_in.get("bias_k"),
-                    ops["k_BNTH"], ops["present_key"], plan.kv_seq, plan.past_seq, plan.head_size)  # fmt: skip
-        self._build(plan, "build v_BNTH", dev_in["value"], kv_bnsh, dev_in.get("past_value"), dev_in.get("bias_v"),
-                    ops["v_BNTH"], ops["present_value"], plan.kv_seq, plan.past_seq, plan.v_head_size)  # fmt: skip
+        self._build(plan, "build q_BNSH", plan.vec_qk, dev_in["query"], False, None, dev_in.get("bias_q"),
+                    ops["q_BNSH"], None, plan.q_seq, 0, plan.head_size)  # fmt: skip
+        self._build(plan, "build k_BNTH", plan.vec_qk, dev_in["key"], kv_bnsh, dev_in.get("past_key"),
+                    dev_in.get("bias_k"), ops["k_BNTH"], ops["present_key"], plan.kv_seq, plan.past_seq,
+                    plan.head_size)  # fmt: skip
+        self._build(plan, "build v_BNTH", plan.vec_v, dev_in["value"], kv_bnsh, dev_in.get("past_value"),
+                    dev_in.get("bias_v"), ops["v_BNTH"], ops["present_value"], plan.kv_seq, plan.past_seq,
+                    plan.v_head_size)  # fmt: skip
 
         # Step 3: scores.
         handle = cupy.cuda.device.get_cublas_handle()
@@ -293,16 +295,16 @@ class CudaBackend:
             self._softmax(problem, plan, dev_in, ops["scores_BNST"], ops["probs_BNST"])
             # Step 5: context and output.
             gemm.context_gemm(handle, plan, ops["probs_BNST"], ops["v_BNTH"], ops["context_BNSH"])
-        get_kernel(self.device_id, "context_to_BSD", plan.dtype)(
+        get_kernel(self.device_id, "context_to_BSD", plan.dtype, plan.vec_v)(
             (plan.grids["context_to_BSD"],), (LAUNCH_BLOCK,),
             (_ptr(ops["context_BNSH"]), _ptr(dev_out["output"]),
              _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.v_head_size)),
         )  # fmt: skip
 
-    def _build(self, plan: LaunchPlan, grid_name: str, cur: int, cur_is_bnsh: bool, past: Optional[int],
+    def _build(self, plan: LaunchPlan, grid_name: str, vec: int, cur: int, cur_is_bnsh: bool, past: Optional[int],
                bias: Optional[int], dst: int, dst_f32: Optional[int], cur_seq: int, past_seq: int,
                dim: int) -> None:  # fmt: skip
-        get_kernel(self.device_id, "build_dense_BNTH", plan.dtype)(
+        get_kernel(self.device_id, "build_dense_BNTH", plan.dtype, vec)(
             (plan.grids[grid_name],), (LAUNCH_BLOCK,),
             (_ptr(cur), _i32(int(cur_is_bnsh)), _ptr(past), _ptr(bias), _ptr(dst), _ptr(dst_f32),
              _i32(plan.batch), _i32(plan.heads), _i32(cur_seq), _i32(past_seq), _i32(dim)),
@@ -316,11 +318,16 @@ class CudaBackend:
         kind = MASK_KINDS[None if mask is None else mask.kind]
         lengths = dev_in.get("mask") if kind == MASK_KINDS["key_lengths"] else None
         keep = dev_in.get("mask") if kind in (MASK_KINDS["keys_BT"], MASK_KINDS["keys_BST"]) else None
-        get_kernel(self.device_id, "masked_softmax", plan.dtype)(
-            (plan.grids["masked_softmax"],), (SOFTMAX_THREADS,),
-            (_ptr(scores_BNST), _ptr(probs_BNST), _ptr(dev_in.get("attention_bias")), _i32(d0), _i32(d1),
-             _i32(kind), _ptr(lengths), _ptr(keep), np.float32(problem.mask_filter_value), _i32(int(problem.causal)),
-             _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.total_seq), _i32(plan.past_seq),
-             _i32(int(plan.row_cache))),
-            shared_mem=plan.softmax_shared_bytes,
+        args = (
+            _ptr(scores_BNST), _ptr(probs_BNST), _ptr(dev_in.get("attention_bias")), _i32(d0), _i32(d1),
+            _i32(kind), _ptr(lengths), _ptr(keep), np.float32(problem.mask_filter_value), _i32(int(problem.causal)),
+            _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.total_seq), _i32(plan.past_seq),
         )  # fmt: skip
+        grid, block = (plan.grids["masked_softmax"],), (SOFTMAX_THREADS,)
+        if plan.softmax_cols_per_lane:  # rows of at most 1024 keys: one warp per row, the row in registers
+            cols = plan.softmax_cols_per_lane
+            get_kernel(self.device_id, "masked_softmax_warp", plan.dtype, cols)(grid, block, args)
+        else:
+            get_kernel(self.device_id, "masked_softmax", plan.dtype)(
+                grid, block, args + (_i32(int(plan.row_cache)),), shared_mem=plan.softmax_shared_bytes
+            )

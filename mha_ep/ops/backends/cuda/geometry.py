@@ -20,6 +20,9 @@ from mha_ep.ops.problem import Geometry
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FLOAT32_BYTES = 4
 SOFTMAX_THREADS = 128  # kernels/softmax.cu SOFTMAX_THREADS
+WARP = 32
+WARP_SOFTMAX_COLS_PER_LANE = (1, 2, 4, 8, 16, 32)  # instantiated masked_softmax_warp variants: T <= 1024
+VEC_WIDTH = 4  # layout kernels move 4 consecutive floats per thread when the head size allows it
 ROW_CACHE_MAX_BYTES = 32 * 1024  # shared-memory row cache of the softmax (under the 48 KiB default limit)
 MAX_GRID_BLOCKS = 2**31 - 1  # gridDim.x limit; grid-stride loops cover anything beyond the launched grid
 
@@ -63,7 +66,10 @@ class LaunchPlan:
     v_head_size: int
     batch_heads: int  # B*N: the GEMMs' batch count
     rows: int  # B*N*S: the softmax's rows (one block each)
-    row_cache: bool  # the softmax keeps a row of logits in shared memory
+    row_cache: bool  # the block softmax keeps a row of logits in shared memory
+    softmax_cols_per_lane: int  # masked_softmax_warp variant; 0 = rows too long, use the block kernel
+    vec_qk: int  # VEC of the Q and K layout kernels (head_size % 4 == 0 -> 4)
+    vec_v: int  # VEC of the V layout kernel and of context_to_BSD (v_head_size % 4 == 0 -> 4)
     grids: dict = field(default_factory=dict)  # kernel launch name -> blocks
     nbytes: dict = field(default_factory=dict)  # device buffer name -> bytes
 
@@ -96,12 +102,16 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
         "scores_BNST": b * n * s * t,
         "context_BNSH": b * n * s * hv,
     }
+    vec_qk = VEC_WIDTH if h % VEC_WIDTH == 0 else 1
+    vec_v = VEC_WIDTH if hv % VEC_WIDTH == 0 else 1
+    cols_per_lane = next((c for c in WARP_SOFTMAX_COLS_PER_LANE if WARP * c >= t), 0)
+    rows_per_block = SOFTMAX_THREADS // WARP if cols_per_lane else 1
     grids = {
-        "build q_BNSH": checked_grid(counts["q_BNSH"], "q_BNSH build"),
-        "build k_BNTH": checked_grid(counts["k_BNTH"], "k_BNTH build"),
-        "build v_BNTH": checked_grid(counts["v_BNTH"], "v_BNTH build"),
-        "context_to_BSD": checked_grid(counts["context_BNSH"], "context_to_BSD"),
-        "masked_softmax": min(rows, MAX_GRID_BLOCKS),
+        "build q_BNSH": checked_grid(counts["q_BNSH"] // vec_qk, "q_BNSH build"),
+        "build k_BNTH": checked_grid(counts["k_BNTH"] // vec_qk, "k_BNTH build"),
+        "build v_BNTH": checked_grid(counts["v_BNTH"] // vec_v, "v_BNTH build"),
+        "context_to_BSD": checked_grid(counts["context_BNSH"] // vec_v, "context_to_BSD"),
+        "masked_softmax": min(-(-rows // rows_per_block), MAX_GRID_BLOCKS),
     }
     nbytes = {
         "q_BNSH": checked_bytes(counts["q_BNSH"], elem, "q_BNSH scratch"),
@@ -125,7 +135,10 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
         v_head_size=hv,
         batch_heads=batch_heads,
         rows=rows,
-        row_cache=t * FLOAT32_BYTES <= ROW_CACHE_MAX_BYTES,
+        row_cache=cols_per_lane == 0 and t * FLOAT32_BYTES <= ROW_CACHE_MAX_BYTES,
+        softmax_cols_per_lane=cols_per_lane,
+        vec_qk=vec_qk,
+        vec_v=vec_v,
         grids=grids,
         nbytes=nbytes,
     )

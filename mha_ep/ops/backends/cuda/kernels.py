@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Optional
 
 import cupy
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 COMMON_HEADER = "common.cuh"
 ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-# source file -> the templated kernels it defines
-KERNEL_FILES = {
-    "layout.cu": ("build_dense_BNTH", "context_to_BSD"),
-    "softmax.cu": ("masked_softmax",),
+# kernel -> (source file, its template arguments after the element type; None: the element type alone)
+KERNELS = {
+    "build_dense_BNTH": ("layout.cu", (1, 4)),  # VEC
+    "context_to_BSD": ("layout.cu", (1, 4)),  # VEC
+    "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE
+    "masked_softmax": ("softmax.cu", (None,)),
 }
 COMPILE_OPTIONS = ()  # accurate expf: no fast-math
 
 _modules: dict[tuple[int, str], cupy.RawModule] = {}
-_functions: dict[tuple[int, str, str], cupy.RawKernel] = {}  # (device, kernel, dtype): the per-call lookup
+_functions: dict[tuple, cupy.RawKernel] = {}  # (device, kernel, dtype, variant): the per-call lookup
 _lock = threading.Lock()
 
 
@@ -34,15 +37,9 @@ def kernel_source(file_name: str) -> str:
     return text.replace(f'#include "{COMMON_HEADER}"', header)
 
 
-def name_expression(kernel: str, dtype: str) -> str:
-    return f"{kernel}<{ELEMENT_TYPES[dtype]}>"
-
-
-def _file_of(kernel: str) -> str:
-    for file_name, kernels in KERNEL_FILES.items():
-        if kernel in kernels:
-            return file_name
-    raise KeyError(f"no kernel source defines {kernel!r}")
+def name_expression(kernel: str, dtype: str, variant: Optional[int] = None) -> str:
+    arguments = ELEMENT_TYPES[dtype] if variant is None else f"{ELEMENT_TYPES[dtype]}, {variant}"
+    return f"{kernel}<{arguments}>"
 
 
 def _module(device_id: int, file_name: str) -> cupy.RawModule:
@@ -50,7 +47,13 @@ def _module(device_id: int, file_name: str) -> cupy.RawModule:
     with _lock:
         module = _modules.get(key)
         if module is None:
-            expressions = [name_expression(k, d) for k in KERNEL_FILES[file_name] for d in ELEMENT_TYPES]
+            expressions = [
+                name_expression(kernel, dtype, variant)
+                for kernel, (source, variants) in KERNELS.items()
+                if source == file_name
+                for variant in variants
+                for dtype in ELEMENT_TYPES
+            ]
             module = cupy.RawModule(
                 code=kernel_source(file_name), options=COMPILE_OPTIONS, name_expressions=expressions
             )
@@ -58,11 +61,11 @@ def _module(device_id: int, file_name: str) -> cupy.RawModule:
     return module
 
 
-def get_kernel(device_id: int, kernel: str, dtype: str) -> cupy.RawKernel:
-    """The compiled ``kernel<T>`` for ``dtype`` on ``device_id`` (call with that device current)."""
-    key = (device_id, kernel, dtype)
+def get_kernel(device_id: int, kernel: str, dtype: str, variant: Optional[int] = None) -> cupy.RawKernel:
+    """The compiled ``kernel<T[, variant]>`` for ``dtype`` on ``device_id`` (call with that device current)."""
+    key = (device_id, kernel, dtype, variant)
     function = _functions.get(key)
     if function is None:
-        function = _module(device_id, _file_of(kernel)).get_function(name_expression(kernel, dtype))
+        function = _module(device_id, KERNELS[kernel][0]).get_function(name_expression(kernel, dtype, variant))
         _functions[key] = function
     return function

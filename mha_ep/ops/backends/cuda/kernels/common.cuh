@@ -54,3 +54,46 @@ __device__ __forceinline__ void unravel4(long long idx, bool fits_u32, int n0, i
 }
 
 #define U32_LIMIT 4294967295LL
+
+// VEC consecutive floats: one 16-byte access when VEC == 4 (the host guarantees 16-byte alignment then), else
+// scalar accesses.
+template <int VEC>
+__device__ __forceinline__ void load_floats(const float* __restrict__ p, float* v) {
+  if constexpr (VEC == 4) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    v[0] = x.x;
+    v[1] = x.y;
+    v[2] = x.z;
+    v[3] = x.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) v[k] = p[k];
+  }
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_floats(float* __restrict__ p, const float* v) {
+  if constexpr (VEC == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) p[k] = v[k];
+  }
+}
+
+// VEC values of ELEM: one 8-byte store for four 2-byte elements, one 16-byte store for four floats.
+template <typename ELEM, int VEC>
+__device__ __forceinline__ void store_elems(ELEM* __restrict__ p, const ELEM* v) {
+  if constexpr (VEC == 4 && sizeof(ELEM) == 2) {
+    uint2 packed;
+    memcpy(&packed, v, sizeof(packed));
+    *reinterpret_cast<uint2*>(p) = packed;
+  } else if constexpr (VEC == 4 && sizeof(ELEM) == 4) {
+    float4 packed;
+    memcpy(&packed, v, sizeof(packed));
+    *reinterpret_cast<float4*>(p) = packed;
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) p[k] = v[k];
+  }
+}

@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   constexpr int THREADS = BLOCK_M * 2;    // one warp per 16 query rows
   constexpr int LD = HEAD_DIM + SMEM_PAD; // shared-memory row stride, elements
   constexpr int D_STEPS = HEAD_DIM / 16;  // k-steps of Q.K^T
-  constexpr int S_TILES = BLOCK_N / 8;    // n8 tiles of S
-  constexpr int O_TILES = HEAD_DIM / 8;   // n8 tiles of O
+  constexpr int S_PAIRS = BLOCK_N / 16;   // pairs of n8 tiles of S (one k16 slice of P each)
+  constexpr int O_PAIRS = HEAD_DIM / 16;  // pairs of n8 tiles of O
   extern __shared__ __align__(16) unsigned char smem_raw[];
   ELEM* q_tile = reinterpret_cast<ELEM*>(smem_raw);  // BLOCK_M x LD
   ELEM* k_tile = q_tile + BLOCK_M * LD;               // BLOCK_N x LD
@@ -281,9 +281,11 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     ldmatrix_x4(q_frag[ks], q_tile + (warp * 16 + (lane & 15)) * LD + ks * 16 + (lane >> 4) * 8);
   }
 
-  float o_acc[O_TILES][4];
+  float o_acc[O_PAIRS][2][4];  // O columns dp * 16 + hf * 8 + 2 tig (+1), rows g (c = 0, 1) and g + 8 (c = 2, 3)
 #pragma unroll
-  for (int t = 0; t < O_TILES; ++t) o_acc[t][0] = o_acc[t][1] = o_acc[t][2] = o_acc[t][3] = 0.0f;
+  for (int dp = 0; dp < O_PAIRS; ++dp)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) o_acc[dp][hf][0] = o_acc[dp][hf][1] = o_acc[dp][hf][2] = o_acc[dp][hf][3] = 0.0f;
   float row_max[2] = {NEG_INFINITY, NEG_INFINITY};  // m_i: running max of the logits seen so far
   float row_sum[2] = {0.0f, 0.0f};                  // l_i: this thread's part of sum exp(x - m_i)
 
@@ -303,41 +305,46 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     cp_async_commit();
 
     // Step 2: S = Q . K^T (fp32 accumulators).
-    float s_acc[S_TILES][4];
+    float s_acc[S_PAIRS][2][4];  // keys n0 + np * 16 + hf * 8 + 2 tig (+1), rows as o_acc
 #pragma unroll
-    for (int t = 0; t < S_TILES; ++t) s_acc[t][0] = s_acc[t][1] = s_acc[t][2] = s_acc[t][3] = 0.0f;
+    for (int np = 0; np < S_PAIRS; ++np)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) s_acc[np][hf][0] = s_acc[np][hf][1] = s_acc[np][hf][2] = s_acc[np][hf][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < D_STEPS; ++ks) {
 #pragma unroll
-      for (int np = 0; np < S_TILES / 2; ++np) {
-        unsigned kb[4];
+      for (int np = 0; np < S_PAIRS; ++np) {
+        unsigned kb[4];  // B fragments of keys np*16 + 0..7 (kb[0], kb[1]) and np*16 + 8..15 (kb[2], kb[3])
         ldmatrix_x4(kb, k_tile + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
-        Mma<ELEM>::run(s_acc[2 * np], q_frag[ks], kb[0], kb[1]);
-        Mma<ELEM>::run(s_acc[2 * np + 1], q_frag[ks], kb[2], kb[3]);
+        Mma<ELEM>::run(s_acc[np][0], q_frag[ks], kb[0], kb[1]);
+        Mma<ELEM>::run(s_acc[np][1], q_frag[ks], kb[2], kb[3]);
       }
     }
 
     // Steps 2-4: x = scale * q.k, then attention bias, causal and padding; keys past T are not in the row.
     const bool masked_tile = tile_needs_mask(mp, m0, n0, BLOCK_N);
 #pragma unroll
-    for (int t = 0; t < S_TILES; ++t) {
+    for (int np = 0; np < S_PAIRS; ++np)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int r = c >> 1;
-        const int j = n0 + t * 8 + tig * 2 + (c & 1);
-        float x = s_acc[t][c] * scale;
-        if (masked_tile) x = (j < total_seq) ? masked_logit(x, mp, masks[r], rows[r], j) : NEG_INFINITY;
-        s_acc[t][c] = x;
-      }
-    }
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = c >> 1;
+          const int j = n0 + np * 16 + hf * 8 + tig * 2 + (c & 1);
+          float x = s_acc[np][hf][c] * scale;
+          if (masked_tile) x = (j < total_seq) ? masked_logit(x, mp, masks[r], rows[r], j) : NEG_INFINITY;
+          s_acc[np][hf][c] = x;
+        }
 
     // Online softmax, step A: the tile's row max (a row lives in the 4 threads of a quad).
     float tile_max[2] = {NEG_INFINITY, NEG_INFINITY};
 #pragma unroll
-    for (int t = 0; t < S_TILES; ++t) {
-      tile_max[0] = fmaxf(tile_max[0], fmaxf(s_acc[t][0], s_acc[t][1]));
-      tile_max[1] = fmaxf(tile_max[1], fmaxf(s_acc[t][2], s_acc[t][3]));
-    }
+    for (int np = 0; np < S_PAIRS; ++np)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        tile_max[0] = fmaxf(tile_max[0], fmaxf(s_acc[np][hf][0], s_acc[np][hf][1]));
+        tile_max[1] = fmaxf(tile_max[1], fmaxf(s_acc[np][hf][2], s_acc[np][hf][3]));
+      }
     float alpha[2];
     float max_used[2];
 #pragma unroll
@@ -354,25 +361,28 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     // Step C: p = exp(x - m_new); l = alpha * l + sum p (this thread's columns; the quad sums at the end).
     float tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int t = 0; t < S_TILES; ++t) {
+    for (int np = 0; np < S_PAIRS; ++np)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int r = c >> 1;
-        const float p = exp2f((s_acc[t][c] - max_used[r]) * LOG2E);
-        s_acc[t][c] = p;
-        tile_sum[r] += p;
-      }
-    }
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = c >> 1;
+          const float p = exp2f((s_acc[np][hf][c] - max_used[r]) * LOG2E);
+          s_acc[np][hf][c] = p;
+          tile_sum[r] += p;
+        }
 #pragma unroll
     for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * alpha[r] + tile_sum[r];
     // Step D: rescale the accumulator O by alpha.
 #pragma unroll
-    for (int t = 0; t < O_TILES; ++t) {
-      o_acc[t][0] *= alpha[0];
-      o_acc[t][1] *= alpha[0];
-      o_acc[t][2] *= alpha[1];
-      o_acc[t][3] *= alpha[1];
-    }
+    for (int dp = 0; dp < O_PAIRS; ++dp)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        o_acc[dp][hf][0] *= alpha[0];
+        o_acc[dp][hf][1] *= alpha[0];
+        o_acc[dp][hf][2] *= alpha[1];
+        o_acc[dp][hf][3] *= alpha[1];
+      }
 
     // V of this tile has landed and every warp is done reading K: prefetch the next K tile.
     cp_async_wait_all();
@@ -385,17 +395,19 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
 
     // Step E: O += P . V, P rounded to ELEM (as the three-phase path rounds its probabilities).
 #pragma unroll
-    for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
-      const unsigned p_frag[4] = {Mma<ELEM>::pack(s_acc[2 * kt][0], s_acc[2 * kt][1]),
-                                  Mma<ELEM>::pack(s_acc[2 * kt][2], s_acc[2 * kt][3]),
-                                  Mma<ELEM>::pack(s_acc[2 * kt + 1][0], s_acc[2 * kt + 1][1]),
-                                  Mma<ELEM>::pack(s_acc[2 * kt + 1][2], s_acc[2 * kt + 1][3])};
+    // The C fragments of S's n-tile pair kt are P's A fragment of k-slice kt: a0 = (row g, keys 2 tig, +1) of
+    // the first n-tile, a1 = row g + 8 of it, a2 / a3 the same of the second n-tile.
+    for (int kt = 0; kt < S_PAIRS; ++kt) {
+      const unsigned p_frag[4] = {Mma<ELEM>::pack(s_acc[kt][0][0], s_acc[kt][0][1]),
+                                  Mma<ELEM>::pack(s_acc[kt][0][2], s_acc[kt][0][3]),
+                                  Mma<ELEM>::pack(s_acc[kt][1][0], s_acc[kt][1][1]),
+                                  Mma<ELEM>::pack(s_acc[kt][1][2], s_acc[kt][1][3])};
 #pragma unroll
-      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-        unsigned vb[4];
+      for (int dp = 0; dp < O_PAIRS; ++dp) {
+        unsigned vb[4];  // B fragments of O columns dp*16 + 0..7 (vb[0], vb[1]) and dp*16 + 8..15 (vb[2], vb[3])
         ldmatrix_x4_trans(vb, v_tile + (kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * 16 + (lane >> 4) * 8);
-        Mma<ELEM>::run(o_acc[2 * dp], p_frag, vb[0], vb[1]);
-        Mma<ELEM>::run(o_acc[2 * dp + 1], p_frag, vb[2], vb[3]);
+        Mma<ELEM>::run(o_acc[dp][0], p_frag, vb[0], vb[1]);
+        Mma<ELEM>::run(o_acc[dp][1], p_frag, vb[2], vb[3]);
       }
     }
   }
@@ -413,13 +425,16 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     if (rows[r] >= q_seq) continue;
     const float inv = 1.0f / row_sum[r];
     const long long out_row = (((long long)b * q_seq + rows[r]) * heads + h) * v_head_size;
+    const int c0 = r + r;  // accumulator slots of this row: c0, c0 + 1
 #pragma unroll
-    for (int t = 0; t < O_TILES; ++t) {
-      const int d = t * 8 + tig * 2;
-      if (d >= v_head_size) continue;
-      const float2 pair = make_float2(round_to<ELEM>(o_acc[t][2 * r] * inv), round_to<ELEM>(o_acc[t][2 * r + 1] * inv));
-      *reinterpret_cast<float2*>(out_BSD + out_row + d) = pair;
-    }
+    for (int dp = 0; dp < O_PAIRS; ++dp)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int d = dp * 16 + hf * 8 + tig * 2;
+        if (d >= v_head_size) continue;
+        const float2 pair = make_float2(round_to<ELEM>(o_acc[dp][hf][c0] * inv), round_to<ELEM>(o_acc[dp][hf][c0 + 1] * inv));
+        *reinterpret_cast<float2*>(out_BSD + out_row + d) = pair;
+      }
   }
 }
 
@@ -447,7 +462,10 @@ __device__ __forceinline__ void load_tile_transposed(float* dst, const IN* src, 
     load_chunk<float, IN>(chunk, valid ? src + (long long)r * stride_s + d0 : src, valid ? bias_d + d0 : nullptr,
                           valid);
 #pragma unroll
-    for (int e = 0; e < LOAD_CHUNK; ++e) dst[(d0 + e) * F32_LDT + r] = chunk[e];
+    for (int e = 0; e < LOAD_CHUNK; ++e) {
+      const int at = (d0 + e) * F32_LDT + r;  // shared-memory offset (< 48K floats)
+      dst[at] = chunk[e];
+    }
   }
 }
 
@@ -501,11 +519,13 @@ __global__ void __launch_bounds__(F32_THREADS)
   // Step 1 (loads): Q once (transposed, + b_q).
   load_tile_transposed<IN, F32_BLOCK_M, HEAD_DIM>(q_t, q_rows, stride_qs, q_seq - m0, head_size, bias_q_h);
 
-  float o_acc[4][O_GROUPS * O_VEC];
+  float o_acc[4][O_GROUPS][O_VEC];
 #pragma unroll
   for (int ii = 0; ii < 4; ++ii)
 #pragma unroll
-    for (int e = 0; e < O_GROUPS * O_VEC; ++e) o_acc[ii][e] = 0.0f;
+    for (int dd = 0; dd < O_GROUPS; ++dd)
+#pragma unroll
+      for (int e = 0; e < O_VEC; ++e) o_acc[ii][dd][e] = 0.0f;
   float row_max[4] = {NEG_INFINITY, NEG_INFINITY, NEG_INFINITY, NEG_INFINITY};  // m_i
   float row_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                   // l_i (this thread's part)
 
@@ -574,7 +594,9 @@ __global__ void __launch_bounds__(F32_THREADS)
       }
       row_sum[ii] = row_sum[ii] * alpha + tile_sum;
 #pragma unroll
-      for (int e = 0; e < O_GROUPS * O_VEC; ++e) o_acc[ii][e] *= alpha;  // step D
+      for (int dd = 0; dd < O_GROUPS; ++dd)
+#pragma unroll
+        for (int e = 0; e < O_VEC; ++e) o_acc[ii][dd][e] *= alpha;  // step D
     }
     // P to shared memory, key-major: p_t[key][row].
 #pragma unroll
@@ -599,12 +621,13 @@ __global__ void __launch_bounds__(F32_THREADS)
           vv[2] = v4.z;
           vv[3] = v4.w;
         } else {
-          vv[0] = v_s[jk * LDV + tx + 16 * dd];
+          const int at = jk * LDV + tx + 16 * dd;  // shared-memory offset
+          vv[0] = v_s[at];
         }
 #pragma unroll
         for (int ii = 0; ii < 4; ++ii)
 #pragma unroll
-          for (int e = 0; e < O_VEC; ++e) o_acc[ii][dd * O_VEC + e] = fmaf(pv[ii], vv[e], o_acc[ii][dd * O_VEC + e]);
+          for (int e = 0; e < O_VEC; ++e) o_acc[ii][dd][e] = fmaf(pv[ii], vv[e], o_acc[ii][dd][e]);
       }
     }
   }
@@ -625,7 +648,7 @@ __global__ void __launch_bounds__(F32_THREADS)
 #pragma unroll
       for (int e = 0; e < O_VEC; ++e) {
         const int d = (tx + 16 * dd) * O_VEC + e;
-        if (d < v_head_size) out_BSD[out_row + d] = o_acc[ii][dd * O_VEC + e] * inv;
+        if (d < v_head_size) out_BSD[out_row + d] = o_acc[ii][dd][e] * inv;
       }
   }
 }

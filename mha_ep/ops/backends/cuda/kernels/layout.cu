@@ -16,51 +16,72 @@
 //   4. the float sum is rounded once to ELEM and stored; when dst_f32_BNTH is given, the same rounded value is
 //      also stored as float32 (the present_key / present_value output the host downloads).
 // The query uses this kernel too, with P = 0: (B, S, D) + b_q -> (B, N, S, H).
-template <typename ELEM>
+// VEC: consecutive d handled by one thread (4: 16-byte loads; the host picks it when dim % 4 == 0, which with its
+// 256-byte aligned buffers makes every access aligned). Several values per thread keep loads in flight.
+template <typename ELEM, int VEC>
 __global__ void build_dense_BNTH(const float* __restrict__ cur, int cur_is_bnsh,
                                  const float* __restrict__ past_BNPH, const float* __restrict__ bias_NH,
                                  ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH, int batch,
                                  int heads, int cur_seq, int past_seq, int dim) {
   const int total = past_seq + cur_seq;  // the host checked that P + L fits an int
-  const long long count = (long long)batch * heads * total * dim;
+  const int groups = dim / VEC;          // VEC-wide groups of one row
+  const long long count = (long long)batch * heads * total * groups;
   const bool fits_u32 = count <= U32_LIMIT;
   for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
-    // Step 0: destination coordinates (b, h, s, d) of this element.
-    int d, s, h, b;
-    unravel4(idx, fits_u32, dim, total, heads, d, s, h, b);
-    float value;
+    // Step 0: destination coordinates (b, h, s, d..d+VEC) of this group.
+    int g, s, h, b;
+    unravel4(idx, fits_u32, groups, total, heads, g, s, h, b);
+    const int d = g * VEC;
+    float value[VEC];
     if (s < past_seq) {
       // Step 1: the past rows.
-      value = past_BNPH[(((long long)b * heads + h) * past_seq + s) * dim + d];
+      load_floats<VEC>(past_BNPH + (((long long)b * heads + h) * past_seq + s) * dim + d, value);
     } else {
       // Step 2: the current rows, from either layout.
       const int sc = s - past_seq;
       if (cur_is_bnsh) {
-        value = cur[(((long long)b * heads + h) * cur_seq + sc) * dim + d];
+        load_floats<VEC>(cur + (((long long)b * heads + h) * cur_seq + sc) * dim + d, value);
       } else {
-        value = cur[(((long long)b * cur_seq + sc) * heads + h) * dim + d];
+        load_floats<VEC>(cur + (((long long)b * cur_seq + sc) * heads + h) * dim + d, value);
       }
       // Step 3: the bias of this head and dim.
-      if (bias_NH != nullptr) value += bias_NH[(long long)h * dim + d];
+      if (bias_NH != nullptr) {
+        float bias[VEC];
+        load_floats<VEC>(bias_NH + (long long)h * dim + d, bias);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) value[k] += bias[k];
+      }
     }
     // Step 4: one rounding to the compute dtype, mirrored into the float32 present buffer when asked for.
-    const ELEM stored = from_float<ELEM>(value);
-    dst_BNTH[idx] = stored;
-    if (dst_f32_BNTH != nullptr) dst_f32_BNTH[idx] = to_float<ELEM>(stored);
+    const long long dst = idx * VEC;
+    ELEM stored[VEC];
+    float rounded[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      stored[k] = from_float<ELEM>(value[k]);
+      rounded[k] = to_float<ELEM>(stored[k]);
+    }
+    store_elems<ELEM, VEC>(dst_BNTH + dst, stored);
+    if (dst_f32_BNTH != nullptr) store_floats<VEC>(dst_f32_BNTH + dst, rounded);
   }
 }
 
 // Context (B, N, S, Hv) float32 accumulators of the P.V GEMM -> output (B, S, N*Hv) float32, each value rounded
-// to ELEM first (the node's output dtype; the Cast back to it in the graph is then exact).
-template <typename ELEM>
+// to ELEM first (the node's output dtype; the Cast back to it in the graph is then exact). VEC as above.
+template <typename ELEM, int VEC>
 __global__ void context_to_BSD(const float* __restrict__ ctx_BNSH, float* __restrict__ out_BSD, int batch,
                                int heads, int seq, int dim) {
-  const long long count = (long long)batch * seq * heads * dim;
+  const int groups = dim / VEC;
+  const long long count = (long long)batch * seq * heads * groups;
   const bool fits_u32 = count <= U32_LIMIT;
   for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
     // The destination index walks (b, s, h, d): writes are coalesced, reads are coalesced within one head.
-    int d, h, s, b;
-    unravel4(idx, fits_u32, dim, heads, seq, d, h, s, b);
-    out_BSD[idx] = round_to<ELEM>(ctx_BNSH[(((long long)b * heads + h) * seq + s) * dim + d]);
+    int g, h, s, b;
+    unravel4(idx, fits_u32, groups, heads, seq, g, h, s, b);
+    float value[VEC];
+    load_floats<VEC>(ctx_BNSH + (((long long)b * heads + h) * seq + s) * dim + g * VEC, value);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) value[k] = round_to<ELEM>(value[k]);
+    store_floats<VEC>(out_BSD + idx * VEC, value);
   }
 }

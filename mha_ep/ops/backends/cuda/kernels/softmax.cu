@@ -1,5 +1,8 @@
 // Masked softmax of the mha_ep attention pipeline: scores (B, N, S, T) float32 -> probabilities (B, N, S, T) in
-// the compute dtype ELEM. One block per score row (b, h, i); everything is float32 until the final store.
+// the compute dtype ELEM; everything is float32 until the final store. Two kernels, one semantics:
+//   masked_softmax_warp<ELEM, COLS_PER_LANE>: one warp per row, the row in registers (T <= 32 * COLS_PER_LANE,
+//       at most 1024): all loads in flight at once, shuffle-only reductions;
+//   masked_softmax<ELEM>: one block per row, for long rows (shared-memory row cache up to ROW_CACHE_MAX_BYTES).
 //
 // Semantics (ORT 1.31.1 CPU, semantics doc 3.4-3.6), per score x = scale * q.k (the GEMM's alpha):
 //   1. x += attention_bias[b|0, h|0, i, j]             (broadcast over dims 0/1 of size 1)
@@ -57,17 +60,105 @@ __device__ float block_reduce(float value, OP op) {
   return result;
 }
 
+// One score row (b, h, i): its query index and its slices of the bias and mask inputs.
+struct RowSlices {
+  int i;                           // query position
+  const float* bias_row_T;         // attention_bias row, or null
+  const unsigned char* keep_row_T; // keep flags of the row (MASK_KEYS_BT / MASK_KEYS_BST), or null
+  int key_length;                  // MASK_KEY_LENGTHS: keys j >= key_length are padded
+};
+
+__device__ __forceinline__ RowSlices row_slices(const MaskArgs& m, long long row, int heads, int q_seq,
+                                                int total_seq) {
+  RowSlices r;
+  r.i = (int)(row % q_seq);
+  const long long bh = row / q_seq;
+  const int h = (int)(bh % heads);
+  const int b = (int)(bh / heads);
+  r.bias_row_T = nullptr;
+  if (m.attention_bias != nullptr) {
+    const int bb = (m.bias_d0 == 1) ? 0 : b;
+    const int bn = (m.bias_d1 == 1) ? 0 : h;
+    r.bias_row_T = m.attention_bias + (((long long)bb * m.bias_d1 + bn) * q_seq + r.i) * total_seq;
+  }
+  r.keep_row_T = nullptr;
+  if (m.mask_kind == MASK_KEYS_BT) r.keep_row_T = m.keep + (long long)b * total_seq;
+  if (m.mask_kind == MASK_KEYS_BST) r.keep_row_T = m.keep + ((long long)b * q_seq + r.i) * total_seq;
+  r.key_length = (m.mask_kind == MASK_KEY_LENGTHS) ? m.key_lengths_B[b] : total_seq;
+  return r;
+}
+
 // Steps 1-3 for one score: the masked logit.
-__device__ __forceinline__ float masked_logit(float x, const MaskArgs& m, const float* bias_row_T,
-                                              const unsigned char* keep_row_T, int key_length, int i, int j,
-                                              int q_seq, int past_seq) {
-  if (bias_row_T != nullptr) x += bias_row_T[j];                                      // step 1
-  const bool padded = (m.mask_kind == MASK_KEY_LENGTHS) ? (j >= key_length)
-                      : (keep_row_T != nullptr)        ? (keep_row_T[j] == 0)
+__device__ __forceinline__ float masked_logit(float x, const MaskArgs& m, const RowSlices& r, int j, int q_seq,
+                                              int past_seq) {
+  if (r.bias_row_T != nullptr) x += r.bias_row_T[j];                                      // step 1
+  const bool padded = (m.mask_kind == MASK_KEY_LENGTHS) ? (j >= r.key_length)
+                      : (r.keep_row_T != nullptr)      ? (r.keep_row_T[j] == 0)
                                                        : false;
-  if (padded) x += m.mask_filter_value;                                               // step 2
-  if (m.causal && i < q_seq - 1 && j > past_seq + i) x = FLOAT32_LOWEST;              // step 3
+  if (padded) x += m.mask_filter_value;                                                   // step 2
+  if (m.causal && r.i < q_seq - 1 && j > past_seq + r.i) x = FLOAT32_LOWEST;              // step 3
   return x;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// One warp per row; lane l owns columns j = l + 32 k, k < COLS_PER_LANE (coalesced), kept in registers.
+template <typename ELEM, int COLS_PER_LANE>
+__global__ void __launch_bounds__(SOFTMAX_THREADS)
+    masked_softmax_warp(const float* __restrict__ scores_BNST, ELEM* __restrict__ probs_BNST,
+                        const float* __restrict__ attention_bias, int bias_d0, int bias_d1, int mask_kind,
+                        const int* __restrict__ key_lengths_B, const unsigned char* __restrict__ keep,
+                        float mask_filter_value, int causal, int batch, int heads, int q_seq, int total_seq,
+                        int past_seq) {
+  const MaskArgs m{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value, causal};
+  const int lane = threadIdx.x & 31;
+  const int WARPS = SOFTMAX_THREADS / 32;
+  const long long rows = (long long)batch * heads * q_seq;
+  for (long long row = (long long)blockIdx.x * WARPS + threadIdx.x / 32; row < rows;
+       row += (long long)gridDim.x * WARPS) {
+    const RowSlices r = row_slices(m, row, heads, q_seq, total_seq);
+    const float* scores_T = scores_BNST + row * total_seq;
+    ELEM* probs_T = probs_BNST + row * total_seq;
+    // Load every score of this lane first (independent loads in flight); columns past T hold -inf.
+    float x[COLS_PER_LANE];
+#pragma unroll
+    for (int k = 0; k < COLS_PER_LANE; ++k) {
+      const int j = lane + 32 * k;
+      x[k] = (j < total_seq) ? scores_T[j] : NEG_INFINITY;
+    }
+    // Steps 1-3 and the row maximum.
+    float row_max = NEG_INFINITY;
+#pragma unroll
+    for (int k = 0; k < COLS_PER_LANE; ++k) {
+      const int j = lane + 32 * k;
+      if (j < total_seq) x[k] = masked_logit(x[k], m, r, j, q_seq, past_seq);
+      row_max = fmaxf(row_max, x[k]);
+    }
+    row_max = warp_max(row_max);
+    // Step 4: exponentials, their sum (columns past T add exp(-inf) = 0), the division and one rounding.
+    float row_sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < COLS_PER_LANE; ++k) {
+      x[k] = expf(x[k] - row_max);
+      if (lane + 32 * k < total_seq) row_sum += x[k];
+    }
+    row_sum = warp_sum(row_sum);
+#pragma unroll
+    for (int k = 0; k < COLS_PER_LANE; ++k) {
+      const int j = lane + 32 * k;
+      if (j < total_seq) probs_T[j] = from_float<ELEM>(x[k] / row_sum);
+    }
+  }
 }
 
 // row_cache: the masked logits, then their exponentials, stay in dynamic shared memory (total_seq floats) between
@@ -84,28 +175,14 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
   const MaskArgs m{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value, causal};
   const long long rows = (long long)batch * heads * q_seq;
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-    // Row coordinates (b, h, i) and the row's slices of the score, bias and mask inputs.
-    const int i = (int)(row % q_seq);
-    const long long bh = row / q_seq;
-    const int h = (int)(bh % heads);
-    const int b = (int)(bh / heads);
+    const RowSlices r = row_slices(m, row, heads, q_seq, total_seq);
     const float* scores_T = scores_BNST + row * total_seq;
     ELEM* probs_T = probs_BNST + row * total_seq;
-    const float* bias_row_T = nullptr;
-    if (m.attention_bias != nullptr) {
-      const int bb = (m.bias_d0 == 1) ? 0 : b;
-      const int bn = (m.bias_d1 == 1) ? 0 : h;
-      bias_row_T = m.attention_bias + (((long long)bb * m.bias_d1 + bn) * q_seq + i) * total_seq;
-    }
-    const unsigned char* keep_row_T = nullptr;
-    if (m.mask_kind == MASK_KEYS_BT) keep_row_T = m.keep + (long long)b * total_seq;
-    if (m.mask_kind == MASK_KEYS_BST) keep_row_T = m.keep + ((long long)b * q_seq + i) * total_seq;
-    const int key_length = (m.mask_kind == MASK_KEY_LENGTHS) ? m.key_lengths_B[b] : total_seq;
-
     // Pass 1: masked logits (steps 1-3) and their maximum. fmaxf ignores NaN; a NaN logit still reaches the sum.
     float row_max = NEG_INFINITY;
+#pragma unroll 4
     for (int j = threadIdx.x; j < total_seq; j += SOFTMAX_THREADS) {
-      const float x = masked_logit(scores_T[j], m, bias_row_T, keep_row_T, key_length, i, j, q_seq, past_seq);
+      const float x = masked_logit(scores_T[j], m, r, j, q_seq, past_seq);
       if (row_cache) logits_T[j] = x;
       row_max = fmaxf(row_max, x);
     }
@@ -114,10 +191,9 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
     // Pass 2: exponentials (one expf per score) and their sum. An all -inf row gives exp(-inf - -inf) = NaN,
     // as in ORT (semantics 3.5: mask_filter_value -inf and a fully padded row).
     float row_sum = 0.0f;
+#pragma unroll 4
     for (int j = threadIdx.x; j < total_seq; j += SOFTMAX_THREADS) {
-      const float x = row_cache ? logits_T[j]
-                                : masked_logit(scores_T[j], m, bias_row_T, keep_row_T, key_length, i, j, q_seq,
-                                               past_seq);
+      const float x = row_cache ? logits_T[j] : masked_logit(scores_T[j], m, r, j, q_seq, past_seq);
       const float e = expf(x - row_max);
       if (row_cache) logits_T[j] = e;
       row_sum += e;
@@ -125,10 +201,10 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
     row_sum = block_reduce(row_sum, SumOp());
 
     // Pass 3: step 4's division, rounded once to the compute dtype.
+#pragma unroll 4
     for (int j = threadIdx.x; j < total_seq; j += SOFTMAX_THREADS) {
       const float e = row_cache ? logits_T[j]
-                                : expf(masked_logit(scores_T[j], m, bias_row_T, keep_row_T, key_length, i, j, q_seq,
-                                                    past_seq) - row_max);
+                                : expf(masked_logit(scores_T[j], m, r, j, q_seq, past_seq) - row_max);
       probs_T[j] = from_float<ELEM>(e / row_sum);
     }
     __syncthreads();  // logits_T is reused by the next row of this block

@@ -1,0 +1,256 @@
+"""The fused attention path of the cuda backend: one flash-style kernel (kernels/flash_attention.cu) in place of
+the three phases (scores GEMM -> masked softmax -> P.V GEMM) wherever it computes the same function.
+
+    reason = fused_unsupported_reason(problem)   # None: the fused path applies; else a sentence for a debug log
+    run_fused(device_id, problem, q=..., k=..., v=..., operand_dtype=..., attention_bias=..., mask=...,
+              out_BSD=..., stream=...)          # launches only: no allocation, no synchronization
+
+Layout legend (mha_ep/spec.py): B batch, S query length, L new key length, P past length, T = P + L, N heads,
+H head size, Hv value head size, D = N*H. An ``Operand`` is one of Q, K, V as a device address plus its layout:
+  "BSNH"  (B, seq, N*dim): the staged query / key / value as the op received them;
+  "BNSH"  (B, N, seq, dim): BNSH key/value, or the dense q_BNSH / k_BNTH / v_BNTH the layout mover builds.
+Its elements are ``operand_dtype``: float32 (the staged transport arrays; an f16/bf16 call rounds them to its
+dtype on load) or the call's dtype (the layout mover's buffers). A bias (float32, (N*dim,)) is added on load.
+
+Kernel choice: float16 / bfloat16 -> ``flash_attention_mma`` (tensor cores, mma.sync m16n8k16, fp32 accumulation);
+float32 -> ``flash_attention_fp32`` (CUDA cores, true fp32). Both are templated on the head tile HEAD_DIM (the
+smallest of HEAD_DIM_TILES that holds max(H, Hv); the rest is zero-filled) and compiled lazily, one NVRTC module
+per (device, instantiation), memoised for the life of the process.
+This module imports CuPy only when a kernel is launched, so ``fused_unsupported_reason`` runs on CPU machines.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from mha_ep.claim.rules import I32_MAX
+from mha_ep.ops.problem import MhaProblem
+
+ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+HEAD_DIM_TILES = (32, 64, 96, 128)  # HEAD_DIM instantiations; max(H, Hv) is zero-padded up to one of these
+HEAD_SIZE_MULTIPLE = 8  # 16-byte vector loads of 8 elements (kernels/flash_attention.cu LOAD_CHUNK)
+MMA_BLOCK_N = 64  # keys per tile of flash_attention_mma
+MMA_SMEM_PAD = 8  # kernels/flash_attention.cu SMEM_PAD
+FP32_THREADS = 256  # kernels/flash_attention.cu F32_THREADS / F32_BLOCK_M / F32_BLOCK_N / F32_LDT
+FP32_BLOCK_M = 64
+FP32_BLOCK_N = 64
+FP32_LDT = FP32_BLOCK_M + 4
+DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel needs its dynamic shared-memory limit raised
+MASK_KINDS = {None: 0, "key_lengths": 1, "keys_BT": 2, "keys_BST": 3}  # FlashMaskKind
+VECTOR_ALIGNMENT = 16  # bytes: every operand, row and head start must allow 16-byte loads
+SOURCE_FILE = "flash_attention.cu"
+
+
+# ------------------------------------------------------------------------------------------- the dispatch rule
+def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
+    """The HEAD_DIM instantiation for these head sizes, or None when none holds them."""
+    need = max(head_size, v_head_size)
+    return next((tile for tile in HEAD_DIM_TILES if tile >= need), None)
+
+
+def mma_block_m(q_seq: int) -> int:
+    """Query rows per block of the tensor-core kernel: 128 (8 warps), or 64 for short queries."""
+    return 64 if q_seq <= 64 else 128
+
+
+def block_m(problem: MhaProblem) -> int:
+    return FP32_BLOCK_M if problem.dtype == "float32" else mma_block_m(problem.geometry.q_seq)
+
+
+def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
+    """None when the fused kernel computes this call exactly as the three-phase path does; else why not.
+
+    The rules, in order:
+      1. the dtype has a kernel (float32, float16, bfloat16);
+      2. H and Hv are multiples of 8 (16-byte vector loads) and at most the largest head tile (128);
+      3. there is work and a key: B, N, S >= 1 and T >= 1 (T = 0 is ORT's all-zero output, left to the
+         three-phase path);
+      4. not causal with mask_filter_value = -inf: ORT's answer for a row whose allowed keys are all padded then
+         depends on the causal positions' exact float32-lowest logits (uniform over the future keys);
+      5. the launch grid (query tiles x B x N blocks) fits the kernel's int block index.
+    """
+    g = problem.geometry
+    if problem.dtype not in ELEMENT_TYPES:  # 1
+        return f"dtype {problem.dtype!r} has no fused kernel"
+    for name, size in (("head_size", g.head_size), ("v_head_size", g.v_head_size)):  # 2
+        if size % HEAD_SIZE_MULTIPLE:
+            return f"{name} {size} is not a multiple of {HEAD_SIZE_MULTIPLE}"
+    if head_dim_tile(g.head_size, g.v_head_size) is None:
+        return (f"head sizes (H={g.head_size}, Hv={g.v_head_size}) exceed {HEAD_DIM_TILES[-1]}, the largest head "
+                f"tile of the fused kernel")  # fmt: skip
+    if min(g.batch, g.num_heads, g.q_seq) == 0:  # 3
+        return "the call is empty (B, N or S is 0)"
+    if g.total_seq == 0:
+        return "the key sequence is empty (T = 0)"
+    if problem.causal and math.isinf(problem.mask_filter_value) and problem.mask_filter_value < 0:  # 4
+        return "causal with mask_filter_value = -inf (ORT's result depends on the exact causal fill values)"
+    blocks = -(-g.q_seq // block_m(problem)) * g.batch * g.num_heads  # 5
+    if blocks > I32_MAX:
+        return f"the launch grid ({blocks} blocks) exceeds {I32_MAX}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ operands
+@dataclass(frozen=True)
+class Operand:
+    """One of Q, K, V on the device: ``address`` of element (0, 0, 0, 0), its layout and its sizes."""
+
+    address: int
+    layout: str  # "BSNH" (B, seq, N*dim) | "BNSH" (B, N, seq, dim)
+    seq: int  # rows along the sequence axis (S for Q; T, or L for raw key/value)
+    dim: int  # head size of this operand (H, or Hv for V)
+    bias: Optional[int] = None  # device address of a float32 (N*dim,) bias to add on load, or None
+
+    def strides(self, num_heads: int) -> tuple[int, int, int]:
+        """(stride_b, stride_h, stride_s) in elements; the head dimension is contiguous."""
+        if self.layout == "BSNH":
+            return self.seq * num_heads * self.dim, self.dim, num_heads * self.dim
+        if self.layout == "BNSH":
+            return num_heads * self.seq * self.dim, self.seq * self.dim, self.dim
+        raise ValueError(f"operand layout must be 'BSNH' or 'BNSH', got {self.layout!r}")
+
+
+def shared_bytes(problem: MhaProblem) -> int:
+    g = problem.geometry
+    head_dim = head_dim_tile(g.head_size, g.v_head_size)
+    if problem.dtype == "float32":
+        return 4 * (2 * head_dim * FP32_LDT + FP32_BLOCK_N * head_dim + FP32_BLOCK_N * FP32_LDT)
+    rows = mma_block_m(g.q_seq) + 2 * MMA_BLOCK_N
+    return rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
+
+
+def kernel_name(problem: MhaProblem, operand_dtype: str) -> str:
+    """The NVRTC name expression of the instantiation this call launches."""
+    g = problem.geometry
+    head_dim = head_dim_tile(g.head_size, g.v_head_size)
+    elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
+    if problem.dtype == "float32":
+        return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
+    return f"flash_attention_mma<{elem}, {src}, {head_dim}, {mma_block_m(g.q_seq)}, {MMA_BLOCK_N}>"
+
+
+# ----------------------------------------------------------------------------------------------- the launch
+_kernels: dict = {}
+_lock = threading.Lock()
+
+
+def get_fused_kernel(device_id: int, name: str, shared: int):
+    """The compiled instantiation ``name`` on ``device_id`` with its dynamic shared-memory limit raised to
+    ``shared`` bytes when needed (call with that device current)."""
+    import cupy
+
+    from mha_ep.ops.backends.cuda.kernels import COMPILE_OPTIONS, kernel_source
+
+    key = (device_id, name)
+    with _lock:
+        kernel = _kernels.get(key)
+        if kernel is None:
+            module = cupy.RawModule(code=kernel_source(SOURCE_FILE), options=COMPILE_OPTIONS + ("--std=c++17",),
+                                    name_expressions=[name])  # fmt: skip
+            kernel = module.get_function(name)
+            _kernels[key] = kernel
+        if shared > DEFAULT_SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+    return kernel
+
+
+def _check_aligned(name: str, address: Optional[int], element_bytes: int, strides=()) -> None:
+    if address is not None and address % VECTOR_ALIGNMENT:
+        raise ValueError(f"fused attention: {name} address {address:#x} is not {VECTOR_ALIGNMENT}-byte aligned")
+    for stride in strides:
+        if (stride * element_bytes) % VECTOR_ALIGNMENT:
+            raise ValueError(f"fused attention: {name} stride {stride} is not a multiple of {VECTOR_ALIGNMENT} bytes")
+
+
+def run_fused(
+    device_id: int,
+    problem: MhaProblem,
+    *,
+    q: Operand,
+    k: Operand,
+    v: Operand,
+    operand_dtype: str,
+    attention_bias: Optional[int],
+    mask: Optional[int],
+    out_BSD: int,
+    stream=None,
+) -> None:
+    """Launch the fused kernel for ``problem`` (its dispatch rule must have said None).
+
+    q:  (B, S, N, H) as an Operand (BSNH or BNSH), + bias_q on load when ``q.bias`` is set;
+    k:  (B, T, N, H) or (B, N, T, H): all T keys (a past must already be concatenated: the layout mover's k_BNTH);
+    v:  the same with Hv;
+    operand_dtype: element type of q, k and v ("float32", or the call's dtype);
+    attention_bias: device float32 (B|1, N|1, S, T), or None;
+    mask: device padding mask of ``problem.padding_mask.kind``: int32 (B,) key lengths, uint8 (B, T) or (B, S, T)
+          keep flags; None when the call has none;
+    out_BSD: device float32 (B, S, N*Hv), every element written (rounded to the call's dtype first);
+    stream: a cupy Stream to launch on (default: the current stream).
+    """
+    import cupy
+
+    g = problem.geometry
+    n = g.num_heads
+    if q.seq != g.q_seq or k.seq != g.total_seq or v.seq != g.total_seq:
+        raise ValueError(f"fused attention: operand lengths (q {q.seq}, k {k.seq}, v {v.seq}) must be S={g.q_seq} "
+                         f"and T={g.total_seq}")  # fmt: skip
+    if (q.dim, k.dim, v.dim) != (g.head_size, g.head_size, g.v_head_size):
+        raise ValueError(f"fused attention: operand head sizes {(q.dim, k.dim, v.dim)} != (H, H, Hv)")
+    if operand_dtype not in ("float32", problem.dtype):
+        raise ValueError(f"fused attention: operand_dtype {operand_dtype!r} must be 'float32' or the call's dtype "
+                         f"{problem.dtype!r}")  # fmt: skip
+    in_bytes = ELEMENT_BYTES[operand_dtype]
+    strides = {name: op.strides(n) for name, op in (("q", q), ("k", k), ("v", v))}
+    for name, op in (("q", q), ("k", k), ("v", v)):
+        _check_aligned(name, op.address, in_bytes, strides[name])
+    mask_kind = MASK_KINDS[None if problem.padding_mask is None else problem.padding_mask.kind]
+    if (mask is None) != (mask_kind == 0):
+        raise ValueError("fused attention: a device mask must be given exactly when the call has a padding mask")
+    bias = problem.attention_bias
+    d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
+
+    name = kernel_name(problem, operand_dtype)
+    shared = shared_bytes(problem)
+    threads = FP32_THREADS if problem.dtype == "float32" else 2 * mma_block_m(g.q_seq)
+    blocks = -(-g.q_seq // block_m(problem)) * g.batch * n
+
+    def ptr(address: Optional[int]) -> np.uint64:
+        return np.uint64(0 if address is None else address)
+
+    i64, i32 = np.int64, np.int32
+    args = []
+    for op, (sb, sh, ss) in ((q, strides["q"]), (k, strides["k"]), (v, strides["v"])):
+        args += [ptr(op.address), i64(sb), i64(sh), i64(ss), ptr(op.bias)]
+    args += [
+        ptr(attention_bias), i32(d0), i32(d1),
+        i32(mask_kind),
+        ptr(mask if mask_kind == 1 else None),
+        ptr(mask if mask_kind in (2, 3) else None),
+        np.float32(problem.mask_filter_value),
+        i32(int(problem.causal)),
+        i32(int(bias is None)),  # skip_causal_tiles: exact only when no attention_bias can lift future logits
+        np.float32(problem.scale),
+        i32(g.batch), i32(n), i32(g.q_seq), i32(g.total_seq), i32(g.past_seq), i32(g.head_size),
+        i32(g.v_head_size),
+        ptr(out_BSD),
+    ]  # fmt: skip
+    with cupy.cuda.Device(device_id):
+        kernel = get_fused_kernel(device_id, name, shared)
+        if stream is None:
+            kernel((blocks,), (threads,), tuple(args), shared_mem=shared)
+        else:
+            with stream:
+                kernel((blocks,), (threads,), tuple(args), shared_mem=shared)
+
+
+def flop_count(problem: MhaProblem) -> int:
+    """4*B*N*S*T*H (halved for causal), the FLOP model of DESIGN.md."""
+    g = problem.geometry
+    flops = 4 * g.batch * g.num_heads * g.q_seq * g.total_seq * g.head_size
+    return flops // 2 if problem.causal else flops
