@@ -35,6 +35,7 @@ rules it did not have are marked "(ORT)" when they mirror a stock ORT input chec
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
@@ -499,8 +500,13 @@ RULES: tuple[Callable[[Call], None], ...] = (
 )
 
 
+@functools.lru_cache(maxsize=4096)
 def check(call: Call) -> Optional[Refusal]:
-    """Run every rule in order; the first refusal wins. None means the call is inside what mha_ep computes."""
+    """Run every rule in order; the first refusal wins. None means the call is inside what mha_ep computes.
+
+    The rules are pure functions of the (hashable) Call, so verdicts are memoised: a model's nodes see the same
+    shapes run after run, and the execute-time check then costs a dictionary lookup.
+    """
     for rule in RULES:
         try:
             rule(call)
