@@ -205,7 +205,7 @@ def node_model(
     outputs (OUTPUT_SLOTS); unwanted ones before a wanted one become "". ``float_dtype="bfloat16"`` wraps the node
     in Casts (module docstring); input dtypes are then given as "bfloat16" and declared as float32 at the boundary.
     """
-    attrs = dict(attrs or {"num_heads": 1})
+    attrs = dict({"num_heads": 1} if attrs is None else attrs)
     wrap_bf16 = float_dtype == "bfloat16"
     graph_inputs, node_inputs, nodes = [], [], []
     for slot in INPUT_SLOTS:
