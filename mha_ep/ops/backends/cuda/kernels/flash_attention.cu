@@ -35,8 +35,12 @@
 #include "common.cuh"
 
 #define LOG2E 1.4426950408889634f
+#ifndef FLOAT32_LOWEST
 #define FLOAT32_LOWEST (-3.402823466e+38f)
+#endif
+#ifndef NEG_INFINITY
 #define NEG_INFINITY __int_as_float(static_cast<int>(0xff800000u))  // NVRTC has no <cmath> INFINITY
+#endif
 #define CAUSAL_SKIP_MAX_FLOOR (-1.0e38f)  // row max above this: exp(x + FLOAT32_LOWEST - max) underflows to 0
 #define SMEM_PAD 8                        // elements added to each shared-memory row (ldmatrix bank spread)
 #define LOAD_CHUNK 8                      // elements per vector load (16 bytes of f16/bf16, 32 bytes of f32)

@@ -1,0 +1,477 @@
+"""The fused attention kernel (kernels/flash_attention.cu via cuda/fused.py) against the reference semantics.
+
+CPU tests: the dispatch rule's reasons, a 64-bit index audit of flash_attention.cu, and an nvcc compile of a few
+instantiations (skipped without nvcc). GPU tests (marked gpu; skipped cleanly without CuPy or a GPU) launch
+``run_fused`` directly on device copies of a problem's inputs, in two operand forms:
+  "staged": the float32 arrays as the op received them (BSNH, or BNSH key/value), bias added on load, rounded to
+            the call's dtype in the kernel (what the backend stages);
+  "dense":  q_BNSH / k_BNTH / v_BNTH in the call's dtype with bias and past applied (what the layout mover builds).
+Every output is poisoned with NaN first. Tolerances:
+  float32   vs run_reference:          |fused - ref| <= 1e-5 * max(1, |ref|)
+  float16   vs run_reference:          |fused - ref| <= 4e-3 * max(1, |ref|)
+  bfloat16  vs run_reference(float64): err(fused) <= 2 * err(naive bf16 implementation) + 1e-4
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pytest
+
+from mha_ep.ops.backends.cuda import fused
+from mha_ep.ops.backends.reference import run_reference, softmax_lastaxis, to_BNSH
+from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, build_problem
+
+KERNEL_DIR = Path(fused.__file__).parent / "kernels"
+SOURCE = (KERNEL_DIR / "flash_attention.cu").read_text()
+DTYPES = ("float32", "float16", "bfloat16")
+RELATIVE_TOLERANCE = {"float32": 1e-5, "float16": 4e-3}
+BF16_NOISE_FLOOR = 1e-4
+
+
+# ----------------------------------------------------------------------------------------------- problems
+def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values exactly representable in ``dtype`` (round to nearest even)."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        bits = x.view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+        return rounded.view(np.float32)
+    return x
+
+
+@dataclass
+class Case:
+    b: int = 2
+    s: int = 5
+    l: int = 7  # noqa: E741 - the legend's L
+    p: Optional[int] = None  # past length; None = no past inputs (only the dense form can read a past)
+    n: int = 2
+    h: int = 64
+    hv: Optional[int] = None
+    layout: str = "BSNH"
+    bias: bool = True
+    mask: Optional[str] = None  # "lengths" | "lengths_3b2" | "BT" | "BST"
+    attention_bias: Optional[tuple] = None  # (dim 0 is B, dim 1 is N)
+    causal: bool = False
+    mask_filter_value: Optional[float] = None
+    full_padding: bool = False  # batch 0 has every key padded
+    seed: int = 0
+    attrs: dict = field(default_factory=dict)
+
+
+def make_problem(case: Case, dtype: str) -> MhaProblem:
+    rng = np.random.default_rng(case.seed)
+    hv = case.hv or case.h
+    b, s, length, n = case.b, case.s, case.l, case.n
+    p = case.p or 0
+    t = p + length
+
+    def rand(*shape, scale=1.0):
+        return round_to_dtype(rng.standard_normal(shape).astype(np.float32) * scale, dtype)
+
+    query = rand(b, s, n * case.h)
+    if case.layout == "BSNH":
+        key, value = rand(b, length, n * case.h), rand(b, length, n * hv)
+    else:
+        key, value = rand(b, n, length, case.h), rand(b, n, length, hv)
+    bias = rand(2 * n * case.h + n * hv, scale=0.5) if case.bias else None
+    mask = None
+    if case.mask is not None:
+        lengths = rng.integers(1, t + 1, size=b).astype(np.int32)
+        lengths[-1] = max(1, t // 2)  # at least one batch really padded
+        if case.full_padding:
+            lengths[0] = 0
+        if case.mask == "lengths":
+            mask = lengths
+        elif case.mask == "lengths_3b2":
+            mask = np.concatenate([lengths, rng.integers(0, t, size=2 * b + 2)]).astype(np.int32)
+        elif case.mask == "BT":
+            mask = (rng.random((b, t)) > 0.3).astype(np.int32) * rng.integers(1, 3, size=(b, t)).astype(np.int32)
+            mask[:, 0] = 1
+            if case.full_padding:
+                mask[0] = -rng.integers(0, 2, size=t)  # 0 and negative both mean padded
+        elif case.mask == "BST":
+            mask = (rng.random((b, s, t)) > 0.3).astype(np.int32)
+            mask[:, :, 0] = 1
+            if case.full_padding:
+                mask[0] = 0
+    attention_bias = None
+    if case.attention_bias is not None:
+        full_b, full_n = case.attention_bias
+        attention_bias = rand(b if full_b else 1, n if full_n else 1, s, t, scale=2.0)
+    past_key = past_value = None
+    if case.p is not None:
+        past_key, past_value = rand(b, n, p, case.h), rand(b, n, p, hv)
+    attrs = {"num_heads": n, "unidirectional": int(case.causal), **case.attrs}
+    if case.mask_filter_value is not None:
+        attrs["mask_filter_value"] = case.mask_filter_value
+    arrays = [query, key, value, bias, mask, attention_bias, past_key, past_value]
+    want_presents = case.p is not None  # ORT needs both presents with a past (semantics 3.9)
+    return build_problem(attrs, arrays, dtype, (True, want_presents, want_presents, False))
+
+
+def dense_operands(problem: MhaProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q_BNSH, k_BNTH, v_BNTH as the layout mover builds them: bias added in float32, one rounding to the dtype."""
+    g, dt = problem.geometry, problem.dtype
+    n = g.num_heads
+
+    def biased(x, bias):
+        return round_to_dtype(x if bias is None else x + bias, dt)
+
+    q = to_BNSH(biased(problem.query_BSD, problem.bias_q), n)
+    if problem.kv_layout == "BSNH":
+        k = to_BNSH(biased(problem.key, problem.bias_k), n)
+        v = to_BNSH(biased(problem.value, problem.bias_v), n)
+    else:
+        k, v = problem.key, problem.value
+    if problem.past_key_BNPH is not None:
+        k = np.concatenate([problem.past_key_BNPH, k], axis=2)
+        v = np.concatenate([problem.past_value_BNPH, v], axis=2)
+    return (np.ascontiguousarray(q, np.float32), np.ascontiguousarray(k, np.float32),
+            np.ascontiguousarray(v, np.float32))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ GPU harness
+@pytest.fixture(scope="module")
+def cupy_module():
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # noqa: BLE001 - no driver, no device
+        pytest.skip(f"no usable CUDA GPU ({type(error).__name__})")
+    if count == 0:
+        pytest.skip("no CUDA GPU is visible")
+    return cupy
+
+
+def to_device(cupy, array: np.ndarray, dtype: str):
+    """A device copy of float32 values in ``dtype`` (bfloat16 travels as its upper 16 bits)."""
+    array = np.ascontiguousarray(array, np.float32)
+    if dtype == "float16":
+        return cupy.asarray(array.astype(np.float16))
+    if dtype == "bfloat16":
+        return cupy.asarray((round_to_dtype(array, "bfloat16").view(np.uint32) >> 16).astype(np.uint16))
+    return cupy.asarray(array)
+
+
+def run_fused_on_gpu(cupy, problem: MhaProblem, form: str) -> np.ndarray:
+    """Output (B, S, Dv) float32 of the fused kernel on device copies of ``problem`` in operand ``form``."""
+    g = problem.geometry
+    keep = []  # device arrays stay alive until the kernel is done
+
+    def dev(array, dtype="float32"):
+        if array is None:
+            return None
+        device_array = to_device(cupy, array, dtype)
+        keep.append(device_array)
+        return device_array.data.ptr
+
+    if form == "staged":
+        assert problem.past_key_BNPH is None, "a past needs the dense form"
+        kv_seq = g.kv_seq
+        q = fused.Operand(dev(problem.query_BSD), "BSNH", g.q_seq, g.head_size, dev(problem.bias_q))
+        k = fused.Operand(dev(problem.key), problem.kv_layout, kv_seq, g.head_size, dev(problem.bias_k))
+        v = fused.Operand(dev(problem.value), problem.kv_layout, kv_seq, g.v_head_size, dev(problem.bias_v))
+        operand_dtype = "float32"
+    else:
+        q_BNSH, k_BNTH, v_BNTH = dense_operands(problem)
+        q = fused.Operand(dev(q_BNSH, problem.dtype), "BNSH", g.q_seq, g.head_size)
+        k = fused.Operand(dev(k_BNTH, problem.dtype), "BNSH", g.total_seq, g.head_size)
+        v = fused.Operand(dev(v_BNTH, problem.dtype), "BNSH", g.total_seq, g.v_head_size)
+        operand_dtype = problem.dtype
+    mask = None
+    if problem.padding_mask is not None:
+        staged = np.int32 if problem.padding_mask.kind == "key_lengths" else np.uint8
+        mask_device = cupy.asarray(np.ascontiguousarray(problem.padding_mask.data, staged))
+        keep.append(mask_device)
+        mask = mask_device.data.ptr
+    out = cupy.full((g.batch, g.q_seq, g.v_hidden), np.nan, dtype=cupy.float32)  # poison
+    stream = cupy.cuda.Stream(non_blocking=True)
+    fused.run_fused(0, problem, q=q, k=k, v=v, operand_dtype=operand_dtype,
+                    attention_bias=dev(problem.attention_bias), mask=mask, out_BSD=out.data.ptr,
+                    stream=stream)  # fmt: skip
+    stream.synchronize()
+    return cupy.asnumpy(out)
+
+
+def naive_low_precision(problem: MhaProblem) -> np.ndarray:
+    """Every intermediate stored in the call's dtype (float32 arithmetic inside each step): the naive baseline."""
+    g, dt = problem.geometry, problem.dtype
+    r = lambda x: round_to_dtype(np.asarray(x, np.float32), dt)  # noqa: E731
+    q, k, v = dense_operands(problem)
+    scores = r(np.matmul(q, k.transpose(0, 1, 3, 2)) * np.float32(problem.scale))
+    if problem.attention_bias is not None:
+        scores = r(scores + problem.attention_bias)
+    if problem.padding_mask is not None:
+        keep = problem.padding_mask.keep_BST(g.q_seq, g.total_seq)[:, None]
+        scores = r(np.where(keep, scores, scores + np.float32(problem.mask_filter_value)))
+    if problem.causal:
+        rows, cols = np.arange(g.q_seq)[:, None], np.arange(g.total_seq)[None, :]
+        scores = np.where((cols > g.past_seq + rows) & (rows < g.q_seq - 1), np.float32(FLOAT32_LOWEST), scores)
+    probs = r(softmax_lastaxis(scores.astype(np.float32)))
+    return r(np.matmul(probs, v)).transpose(0, 2, 1, 3).reshape(g.batch, g.q_seq, g.v_hidden)
+
+
+def assert_matches_reference(problem: MhaProblem, got: np.ndarray) -> None:
+    g = problem.geometry
+    assert got.shape == (g.batch, g.q_seq, g.v_hidden)
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} unwritten/NaN output elements"
+    if problem.dtype in RELATIVE_TOLERANCE:
+        want = run_reference(problem).output_BSDv
+        tolerance = RELATIVE_TOLERANCE[problem.dtype]
+        excess = np.abs(got - want) / np.maximum(1.0, np.abs(want))
+        assert excess.max() <= tolerance, f"max relative error {excess.max():.3g} > {tolerance}"
+        return
+    oracle = run_reference(problem, np.float64).output_BSDv
+    err_fused = float(np.abs(got - oracle).max())
+    err_naive = float(np.abs(naive_low_precision(problem) - oracle).max())
+    assert err_fused <= 2 * err_naive + BF16_NOISE_FLOOR, (
+        f"bf16 error vs float64 oracle {err_fused:.3g} > 2 x naive bf16 error {err_naive:.3g} + {BF16_NOISE_FLOOR}"
+    )
+
+
+# -------------------------------------------------------------------------------------------------- cases
+CASES = {
+    "S1_T203_H64_lengths": Case(b=2, s=1, l=203, n=3, h=64, mask="lengths"),
+    "S113_T203_H40_keysBT_bias_BN": Case(b=2, s=113, l=203, n=2, h=40, mask="BT", attention_bias=(True, True)),
+    "S113_T1_H80": Case(b=2, s=113, l=1, n=2, h=80),
+    "S1023_T1024_H64_plain": Case(b=1, s=1023, l=1024, n=2, h=64),
+    "S1023_T1024_H128_causal_past1": Case(b=1, s=1023, l=1023, p=1, n=2, h=128, causal=True, bias=False),
+    "S1023_T1024_H96_keysBST_bias_1N": Case(b=1, s=1023, l=1024, n=2, h=96, mask="BST", attention_bias=(False, True)),
+    "H80_lengths_3b2_bias_B1": Case(b=3, s=37, l=203, n=2, h=80, mask="lengths_3b2", attention_bias=(True, False)),
+    "vhead24_ne_head40_bias_11": Case(b=2, s=17, l=29, n=4, h=40, hv=24, attention_bias=(False, False)),
+    "bnsh_cross_keysBT": Case(b=2, s=11, l=203, n=4, h=64, layout="BNSH", mask="BT"),
+    "causal_with_past_lengths": Case(b=2, s=9, l=9, p=7, n=2, h=64, causal=True, mask="lengths"),
+    "causal_L_ne_S_top_left_last_row_free": Case(b=1, s=200, l=300, n=2, h=64, causal=True),
+    "causal_with_attention_bias": Case(b=2, s=150, l=150, n=2, h=64, causal=True, attention_bias=(True, True)),
+    "causal_over_padding_scale_attr": Case(b=2, s=130, l=130, n=2, h=32, causal=True, mask="BT",
+                                           attrs={"scale": 0.3}),  # fmt: skip
+    "minus_inf_filter_partial_padding": Case(b=2, s=70, l=90, n=2, h=32, mask="lengths", mask_filter_value=-np.inf),
+    "causal_lowest_filter_fully_padded": Case(b=2, s=200, l=200, n=1, h=64, causal=True, mask="lengths",
+                                              full_padding=True, mask_filter_value=float(FLOAT32_LOWEST)),  # fmt: skip
+}
+FORMS = ("staged", "dense")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_fused_matches_reference(cupy_module, case_name, dtype, form):
+    case = CASES[case_name]
+    if form == "staged" and case.p is not None:
+        pytest.skip("a past is read from the dense (layout mover's) K/V cache only")
+    if dtype == "bfloat16" and case.mask_filter_value == FLOAT32_LOWEST:
+        pytest.skip("the naive bf16 baseline rounds float32 lowest to -inf (NaN rows): no 2x-naive bound exists")
+    problem = make_problem(case, dtype)
+    assert fused.fused_unsupported_reason(problem) is None
+    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, form))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask", ["lengths", "BT", "BST"])
+def test_fully_padded_rows_are_softmax_of_raw_scores(cupy_module, dtype, mask, form):
+    """mask_filter_value is added in float32: a fully padded row is softmax of the raw scores, never uniform."""
+    case = Case(b=2, s=70, l=130, n=2, h=64, bias=False, mask=mask, full_padding=True, seed=3)
+    problem = make_problem(case, dtype)
+    got = run_fused_on_gpu(cupy_module, problem, form)
+    raw = replace(problem, padding_mask=None)
+    want = run_reference(raw, np.float64).output_BSDv[0]  # batch 0: every key padded
+    value_BNLH = to_BNSH(problem.value, case.n)
+    uniform = np.broadcast_to(value_BNLH[0].mean(axis=1)[None], (case.s, case.n, case.h)).reshape(case.s, -1)
+    tolerance = {"float32": 1e-3, "float16": 4e-3, "bfloat16": 2e-2}[dtype]  # 1e-3: float32 spacing at 10000
+    err_raw, err_uniform = np.abs(got[0] - want).max(), np.abs(got[0] - uniform).max()
+    assert err_raw <= tolerance, f"fully padded row differs from softmax(raw scores) by {err_raw:.3g}"
+    assert err_uniform > 20 * tolerance, f"fully padded row collapsed to uniform (distance {err_uniform:.3g})"
+    if dtype == "float16":
+        assert_matches_reference(problem, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_minus_inf_fully_padded_row_is_nan_like_ort(cupy_module, dtype):
+    problem = make_problem(Case(b=2, s=3, l=75, n=1, h=32, mask="lengths", full_padding=True,
+                                mask_filter_value=-np.inf), dtype)  # fmt: skip
+    got = run_fused_on_gpu(cupy_module, problem, "staged")
+    assert np.isnan(got[0]).all()
+    want = run_reference(problem).output_BSDv[1]
+    tolerance = RELATIVE_TOLERANCE.get(dtype, 2e-2)
+    assert np.abs(got[1] - want).max() <= tolerance
+
+
+@pytest.mark.gpu
+def test_causal_tiles_are_skipped_only_when_exact(cupy_module):
+    """Lowest filter + causal + fully padded batch: every logit of batch 0's rows is ~lowest, so the causal
+    future tiles hold equal logits and ORT's row is uniform over all T keys; skipping them would be wrong."""
+    problem = make_problem(CASES["causal_lowest_filter_fully_padded"], "float32")
+    got = run_fused_on_gpu(cupy_module, problem, "staged")
+    value_mean = to_BNSH(problem.value + problem.bias_v, 1)[0, 0].mean(axis=0)
+    np.testing.assert_allclose(got[0, 0], value_mean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_operand_checks(cupy_module):
+    problem = make_problem(Case(), "float16")
+    g = problem.geometry
+    op = fused.Operand(256, "BSNH", g.q_seq, g.head_size)
+    kv = fused.Operand(256, "BSNH", g.total_seq, g.head_size)
+    with pytest.raises(ValueError, match="operand_dtype 'bfloat16'"):
+        fused.run_fused(0, problem, q=op, k=kv, v=kv, operand_dtype="bfloat16", attention_bias=None, mask=None,
+                        out_BSD=0)  # fmt: skip
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        fused.run_fused(0, problem, q=replace(op, address=258), k=kv, v=kv, operand_dtype="float16",
+                        attention_bias=None, mask=None, out_BSD=0)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- dispatch rule (CPU)
+def problem_with(h=64, hv=None, n=2, dtype="float16", causal=False, mask_filter_value=None, l=7):  # noqa: E741
+    hv = hv or h
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((1, 5, n * h)).astype(np.float32),
+              rng.standard_normal((1, l, n * h)).astype(np.float32),
+              rng.standard_normal((1, l, n * hv)).astype(np.float32)]  # fmt: skip
+    attrs = {"num_heads": n, "unidirectional": int(causal)}
+    if mask_filter_value is not None:
+        attrs["mask_filter_value"] = mask_filter_value
+    return build_problem(attrs, arrays, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [8, 40, 64, 80, 96, 128])
+def test_fused_applies_to_supported_calls(dtype, h):
+    assert fused.fused_unsupported_reason(problem_with(h=h, dtype=dtype)) is None
+    assert fused.fused_unsupported_reason(problem_with(h=h, dtype=dtype, causal=True)) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(h=59, n=1), "head_size 59 is not a multiple of 8"),
+        (dict(h=64, hv=20), "v_head_size 20 is not a multiple of 8"),
+        (dict(h=160, n=1), r"head sizes \(H=160, Hv=160\) exceed 128, the largest head tile of the fused kernel"),
+        (dict(h=64, hv=136), r"head sizes \(H=64, Hv=136\) exceed 128, the largest head tile of the fused kernel"),
+        (dict(causal=True, mask_filter_value=-np.inf),
+         r"causal with mask_filter_value = -inf \(ORT's result depends on the exact causal fill values\)"),
+    ],
+)
+def test_fused_not_used_reasons(kwargs, reason):
+    got = fused.fused_unsupported_reason(problem_with(**kwargs))
+    assert got is not None and re.fullmatch(reason, got), got
+
+
+def test_minus_inf_filter_without_causal_stays_fused():
+    assert fused.fused_unsupported_reason(problem_with(mask_filter_value=-np.inf)) is None
+
+
+def test_launch_choices():
+    small, large = problem_with(h=40), make_problem(Case(s=300, l=10, h=96), "bfloat16")
+    assert fused.kernel_name(small, "float16") == "flash_attention_mma<__half, __half, 64, 64, 64>"
+    assert fused.kernel_name(large, "float32") == "flash_attention_mma<__nv_bfloat16, float, 96, 128, 64>"
+    assert fused.kernel_name(problem_with(h=128, dtype="float32"), "float32") == (
+        "flash_attention_fp32<float, float, 128>"
+    )
+    assert fused.shared_bytes(large) == (128 + 2 * 64) * (96 + 8) * 2
+    assert fused.Operand(0, "BSNH", 7, 40).strides(3) == (7 * 3 * 40, 40, 3 * 40)
+    assert fused.Operand(0, "BNSH", 7, 40).strides(3) == (3 * 7 * 40, 7 * 40, 40)
+
+
+# ------------------------------------------------------------------------------------- source audit (CPU)
+def code_only(text: str) -> str:
+    return "\n".join(line.split("//")[0] for line in text.splitlines())
+
+
+CODE = code_only(SOURCE)
+
+
+@pytest.mark.parametrize(
+    "required",
+    [
+        "(long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs",
+        "(long long)b * stride_kb + (long long)h * stride_kh",
+        "(long long)b * stride_vb + (long long)h * stride_vh",
+        "(long long)n0 * stride_vs",
+        "(long long)(n0 + BLOCK_N) * stride_ks",
+        "(long long)r * stride_s + d0",
+        "(((long long)b * q_seq + rows[r]) * heads + h) * v_head_size",
+        "(((long long)b * q_seq + rows[ii]) * heads + h) * v_head_size",
+        "(((long long)bb * p.bias_d1 + bn) * p.q_seq + i) * p.total_seq",
+        "p.keep + (long long)b * p.total_seq",
+        "p.keep + ((long long)b * p.q_seq + i) * p.total_seq",
+        "(long long)h * head_size",
+        "(long long)h * v_head_size",
+        "(long long)blockIdx.x / q_tiles",
+    ],
+)
+def test_flash_attention_promotes_before_every_global_product(required):
+    assert required in CODE, f"flash_attention.cu must promote before multiplying: {required}"
+
+
+def test_flash_attention_strides_are_64_bit_parameters():
+    strides = re.findall(r"(\w+(?:\s+\w+)?)\s+(stride_[qkv][bhs])\b", CODE)
+    declared = {(kind, name) for kind, name in strides if kind in ("long long", "int", "unsigned")}
+    assert declared and all(kind == "long long" for kind, _ in declared), declared
+    for line in CODE.splitlines():  # every product with a stride starts from a 64-bit factor
+        if re.search(r"\*\s*stride_", line):
+            assert "(long long)" in line, f"int product with a stride: {line.strip()}"
+
+
+def test_flash_attention_never_casts_an_int_product():
+    pattern = re.compile(r"\(\s*(?:long long|int64_t|size_t)\s*\)\s*\([^()]*\*")
+    assert not pattern.findall(CODE)
+
+
+def test_flash_attention_subscripts_with_products_are_64_bit():
+    long_long_names = set(re.findall(r"long long\s+(\w+)", CODE))
+    offenders = [
+        sub
+        for sub in re.findall(r"\[([^\[\]]*\*[^\[\]]*)\]", CODE)
+        if "(long long)" not in sub and not any(re.search(rf"\b{var}\b", sub) for var in long_long_names)
+    ]
+    assert not offenders, offenders
+
+
+def test_flash_attention_semantics_are_spelled_out():
+    """Named constants and the ORT-specific rules are in the kernel (guards against a silent simplification)."""
+    assert "#define LOG2E 1.4426950408889634f" in CODE
+    assert "x += FLOAT32_LOWEST;" in CODE  # causal: lowest in the additive mask, replacing padding
+    assert "x += p.mask_filter_value;" in CODE  # padding: added, never substituted
+    assert "i < p.q_seq - 1 && j > p.past_seq + i" in CODE  # ORT CPU's causal rows and offset
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in CODE
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in CODE
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_flash_attention_compiles_with_nvcc(tmp_path):
+    """A few of the instantiations fused.py asks NVRTC for, compiled for sm_90 (offline check)."""
+    params = ("const {I}*, long long, long long, long long, const float*, const {I}*, long long, long long, "
+              "long long, const float*, const {I}*, long long, long long, long long, const float*, const float*, "
+              "int, int, int, const int*, const unsigned char*, float, int, int, float, int, int, int, int, int, int, "
+              "int, float*")  # fmt: skip
+    names = [
+        "flash_attention_mma<__half, __half, 64, 128, 64>",
+        "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64>",
+        "flash_attention_fp32<float, float, 64>",
+    ]
+    lines = ['#include "flash_attention.cu"']
+    for name in names:
+        source_type = "float" if ", float, " in name or name.startswith("flash_attention_fp32") else name.split("<")[1].split(",")[0]
+        lines.append(f"template __global__ void {name}({params.format(I=source_type)});")
+    unit = tmp_path / "unit.cu"
+    unit.write_text("\n".join(lines) + "\n")
+    done = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", f"-I{KERNEL_DIR}", str(unit), "-o", str(tmp_path / "a.cubin")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
