@@ -4,10 +4,9 @@
 
 Per shape it reports
   dev µs:   device time of the attention itself (layout kernels, both GEMMs, softmax, output kernel), inputs
-            already on the device: the work captured once in a CUDA graph, replayed ``repeats`` times between two
-            CUDA events on the backend's stream (CudaBackend.time_device "graph");
-  stream µs: the same work submitted eagerly from Python ``repeats`` times between the events (adds the gaps the
-            host's launch rate leaves on the GPU);
+            already on the device: ``repeats`` back-to-back submissions between two CUDA events on the backend's
+            stream (CudaBackend.time_device). Small shapes are launch-bound: there it includes the gaps Python's
+            launch cost leaves on the GPU (per-kernel sums: run this module under ncu with --repeats 1);
   TFLOP/s:  4*B*N*S*T*H / dev time (half for causal), the FLOP model of DESIGN.md;
   host µs:  median wall time of ``backend.run(problem)``: host float32 arrays in, host float32 arrays out;
   host GB/s: bytes in + out (float32) / host time.
@@ -75,25 +74,18 @@ def main(argv=None) -> None:
     from mha_ep.ops.backends.cuda import CudaBackend
 
     backend = CudaBackend(args.device)
-    print(f"device: {backend.device}; dev = kernels+GEMMs only (CUDA events), host = backend.run numpy->numpy")
-    print("| shape (B,S,T,N,H) dtype extra | dev µs | stream µs | TFLOP/s | host µs | host GB/s |")
-    print("|---|---|---|---|---|---|")
+    print(f"device: {backend.device}; dev = kernels+GEMMs (CUDA events), host = backend.run numpy->numpy")
+    print("| shape (B,S,T,N,H) dtype extra | dev µs | TFLOP/s | host µs | host GB/s |")
+    print("|---|---|---|---|---|")
     for label, b, s, t, n, h, dtype, extra in ANCHORS:
         if args.only is not None and args.only not in label:
             continue
         problem = anchor_problem(b, s, t, n, h, dtype, extra)
-        timings = backend.time_device(problem, repeats=args.repeats)
-        dev = timings["graph"] or timings["stream"]
+        dev = backend.time_device(problem, repeats=args.repeats)
         host = host_time(backend, problem, max(5, args.repeats // 2))
         flops = 4 * b * n * s * t * h / (2 if extra == "causal" else 1)
         nbytes = 4 * (2 * b * s * n * h + 2 * b * t * n * h)
-        if timings["graph_error"]:
-            print(f"graph capture failed for {label}: {timings['graph_error']}")
-        graph = "n/a" if timings["graph"] is None else f"{timings['graph'] * 1e6:.1f}"
-        print(
-            f"| {label} | {graph} | {timings['stream'] * 1e6:.1f} | {flops / dev / 1e12:.1f} | {host * 1e6:.0f} "
-            f"| {nbytes / host / 1e9:.2f} |"
-        )
+        print(f"| {label} | {dev * 1e6:.1f} | {flops / dev / 1e12:.1f} | {host * 1e6:.0f} | {nbytes / host / 1e9:.2f} |")
 
 
 if __name__ == "__main__":
