@@ -347,3 +347,20 @@ def test_create_backend_builds_the_cuda_backend(cupy_module):
     assert backend.name == "cuda"
     problem = make_problem(Case(), "float32")
     assert_matches(problem, backend.run(problem))
+
+
+def test_out_of_device_memory_names_the_buffer_and_releases_everything(backend, cupy_module):
+    """scores_BNST of 1 x 1 x 200000 x 200000 float32 is 160 GB, more than the card: a clean MhaEpError."""
+    from mha_ep.errors import MhaEpError
+
+    length = 200_000
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal((1, length, 8), dtype=np.float32) for _ in range(3)]
+    problem = build_problem({"num_heads": 1}, arrays, "float32")
+    pool = cupy_module.get_default_memory_pool()
+    baseline = pool.used_bytes()
+    with pytest.raises(MhaEpError, match="out of device memory allocating scores_BNST"):
+        backend.run(problem)
+    assert pool.used_bytes() == baseline
+    small = make_problem(Case(), "float32")
+    assert_matches(small, backend.run(small))

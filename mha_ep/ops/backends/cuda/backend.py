@@ -43,6 +43,13 @@ MASK_KINDS = {None: 0, "key_lengths": 1, "keys_BT": 2, "keys_BST": 3}  # kernels
 POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float32
 COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
 SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
+CUDA_ERRORS = (
+    cupy.cuda.runtime.CUDARuntimeError,
+    cupy.cuda.driver.CUDADriverError,
+    cupy.cuda.memory.OutOfMemoryError,
+    cupy.cuda.compiler.CompileException,
+    gemm.cublas.CUBLASError,
+)
 
 
 class CupyScratchRuntime:
@@ -149,9 +156,16 @@ class CudaBackend:
 
     # ------------------------------------------------------------------------------------------------- the call
     def run(self, problem: MhaProblem) -> MhaResult:
+        """Raises MhaInputError for sizes the kernels cannot take, MhaEpError for CUDA failures (out of memory,
+        compile, launch, cuBLAS); every device allocation of the call is released either way."""
         plan = cached_plan(problem.geometry, problem.dtype)
-        with self._lock, cupy.cuda.Device(self.device_id), self._stream:
-            return self._run(problem, plan)
+        try:
+            with self._lock, cupy.cuda.Device(self.device_id), self._stream:
+                return self._run(problem, plan)
+        except MhaEpError:
+            raise
+        except CUDA_ERRORS as error:
+            raise MhaEpError(f"cuda backend on {self.device}: {type(error).__name__}: {error}") from error
 
     def _run(self, problem: MhaProblem, plan: LaunchPlan) -> MhaResult:
         with MhaScratch(self._runtime) as scratch:
@@ -172,8 +186,8 @@ class CudaBackend:
         out_segments, out_bytes = pack_layout(output_entries(problem))
         self._pinned_in.ensure(in_bytes)
         self._pinned_out.ensure(out_bytes)
-        in_base = scratch.allocate(in_bytes)
-        out_base = scratch.allocate(out_bytes)
+        in_base = self._allocate_bytes(scratch, "the staged inputs", in_bytes)
+        out_base = self._allocate_bytes(scratch, "the outputs", out_bytes)
         self._poison(scratch, out_base, out_bytes)
         if in_bytes <= SINGLE_UPLOAD_BYTES:  # small calls: plain copies, then one upload for everything
             for name, _, _, array in inputs:
@@ -234,9 +248,17 @@ class CudaBackend:
 
     # ----------------------------------------------------------------------------------------- device pipeline
     def _allocate(self, scratch: MhaScratch, name: str, plan: LaunchPlan) -> int:
-        address = scratch.allocate(plan.nbytes[name])
+        address = self._allocate_bytes(scratch, name, plan.nbytes[name])
         self._poison(scratch, address, plan.nbytes[name])
         return address
+
+    def _allocate_bytes(self, scratch: MhaScratch, name: str, nbytes: int) -> int:
+        try:
+            return scratch.allocate(nbytes)
+        except cupy.cuda.memory.OutOfMemoryError as error:
+            raise MhaEpError(
+                f"cuda backend on {self.device}: out of device memory allocating {name} ({nbytes} bytes): {error}"
+            ) from error
 
     def _poison(self, scratch: MhaScratch, address: int, nbytes: int) -> None:
         if self.poison_device_buffers and nbytes:
