@@ -167,7 +167,7 @@ __device__ __forceinline__ void load_tile(ELEM* tile, const IN* src, long long s
       }
     }
     ELEM chunk[LOAD_CHUNK];
-    load_chunk<ELEM, IN>(chunk, g, valid ? bias_d + d0 : nullptr, valid);
+    load_chunk<ELEM, IN>(chunk, g, (valid && bias_d != nullptr) ? bias_d + d0 : nullptr, valid);
 #pragma unroll
     for (int piece = 0; piece < (int)(LOAD_CHUNK * sizeof(ELEM) / 16); ++piece) {
       reinterpret_cast<uint4*>(dst)[piece] = reinterpret_cast<const uint4*>(chunk)[piece];
@@ -463,7 +463,7 @@ __device__ __forceinline__ void load_tile_transposed(float* dst, const IN* src, 
     const int d0 = (c % CHUNKS_PER_ROW) * LOAD_CHUNK;
     const bool valid = r < rows_valid && d0 < dim;
     float chunk[LOAD_CHUNK];
-    load_chunk<float, IN>(chunk, valid ? src + (long long)r * stride_s + d0 : src, valid ? bias_d + d0 : nullptr,
+    load_chunk<float, IN>(chunk, valid ? src + (long long)r * stride_s + d0 : src, (valid && bias_d != nullptr) ? bias_d + d0 : nullptr,
                           valid);
 #pragma unroll
     for (int e = 0; e < LOAD_CHUNK; ++e) {
