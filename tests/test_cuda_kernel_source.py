@@ -113,11 +113,11 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
         "context_to_BSD": "const float*, float*, int, int, int, int",
         "masked_softmax_warp": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
         "float, int, int, int, int, int, int",
-        "masked_softmax_block": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
-        "float, int, int, int, int, int, int",
+        "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
+        "float, int, int, int, int, int, int, int",
     }
     variants = {"build_dense_BNTH": (1, 4), "context_to_BSD": (1, 4), "masked_softmax_warp": (1, 2, 4, 8, 16, 32),
-                "masked_softmax_block": (16, 32, 64, 0)}  # fmt: skip
+                "masked_softmax": (None,)}  # fmt: skip
     instantiations = []
     for kernel, params in signatures.items():
         for element in ("float", "__half", "__nv_bfloat16"):
@@ -162,7 +162,7 @@ def test_host_geometry_allows_products_above_i32_when_each_int_argument_fits():
     assert plan.nbytes["k_BNTH"] == 65_536 * 2 * 65_536 * 4 * 4 == 137_438_953_472
     assert plan.nbytes["scores_BNST"] > I32_MAX
     assert plan.rows == 65_536 * 2 * 2
-    assert (plan.softmax_cols_per_lane, plan.softmax_cols_per_thread) == (0, 0)  # 65536 keys: re-read rows
+    assert not plan.row_cache  # a 65536-key row is too long for the shared-memory cache
 
 
 @pytest.mark.parametrize(
@@ -195,21 +195,23 @@ def test_plan_sizes_and_grids():
         "context_BNSH": 2 * 2 * 3 * 6 * 4,
     }
     assert plan.softmax_cols_per_lane == 1 and plan.grids["masked_softmax"] == 3  # 4 rows (warps) per block
-    assert plan.softmax_cols_per_thread == 0
+    assert not plan.row_cache and plan.softmax_shared_bytes == 0
     assert (plan.vec_qk, plan.vec_v) == (4, 1)  # 8 % 4 == 0, 6 % 4 != 0
     with pytest.raises(MhaInputError, match="dtype 'float64'"):
         plan_launch(Geometry(1, 1, 1, 0, 1, 8, 8), "float64")
 
 
 @pytest.mark.parametrize(
-    "total, cols_per_lane, cols_per_thread",
-    [(1, 1, 0), (32, 1, 0), (33, 2, 0), (448, 16, 0), (1024, 32, 0), (1025, 0, 16), (2048, 0, 16), (2049, 0, 32),
-     (4096, 0, 32), (8192, 0, 64), (8193, 0, 0)],
+    "total, cols_per_lane, row_cache",
+    [(1, 1, False), (32, 1, False), (33, 2, False), (448, 16, False), (1024, 32, False), (1025, 0, True),
+     (8192, 0, True), (8193, 0, False)],
 )  # fmt: skip
-def test_softmax_variant_follows_the_row_length(total, cols_per_lane, cols_per_thread):
+def test_softmax_variant_follows_the_row_length(total, cols_per_lane, row_cache):
     plan = plan_launch(Geometry(batch=2, q_seq=3, kv_seq=total, past_seq=0, num_heads=2, head_size=59,
                                 v_head_size=59), "float16")  # fmt: skip
-    assert (plan.softmax_cols_per_lane, plan.softmax_cols_per_thread) == (cols_per_lane, cols_per_thread)
+    assert plan.softmax_cols_per_lane == cols_per_lane
+    assert plan.row_cache == row_cache
     assert plan.grids["masked_softmax"] == (3 if cols_per_lane else 12)
+    assert plan.softmax_shared_bytes == (total * 4 if row_cache else 0)
     assert (plan.vec_qk, plan.vec_v) == (1, 1)
     assert plan.grids["build k_BNTH"] == -(-2 * 2 * total * 59 // LAUNCH_BLOCK)

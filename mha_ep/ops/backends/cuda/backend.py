@@ -334,6 +334,7 @@ class CudaBackend:
         if plan.softmax_cols_per_lane:  # rows of at most 1024 keys: one warp per row, the row in registers
             cols = plan.softmax_cols_per_lane
             get_kernel(self.device_id, "masked_softmax_warp", plan.dtype, cols)(grid, block, args)
-        else:  # longer rows: one block per row
-            cols = plan.softmax_cols_per_thread
-            get_kernel(self.device_id, "masked_softmax_block", plan.dtype, cols)(grid, block, args)
+        else:  # longer rows: one block per row, the row cached in shared memory when it fits
+            get_kernel(self.device_id, "masked_softmax", plan.dtype)(
+                grid, block, args + (_i32(int(plan.row_cache)),), shared_mem=plan.softmax_shared_bytes
+            )

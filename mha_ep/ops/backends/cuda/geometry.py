@@ -22,8 +22,8 @@ FLOAT32_BYTES = 4
 SOFTMAX_THREADS = 128  # kernels/softmax.cu SOFTMAX_THREADS
 WARP = 32
 WARP_SOFTMAX_COLS_PER_LANE = (1, 2, 4, 8, 16, 32)  # instantiated masked_softmax_warp variants: T <= 1024
-BLOCK_SOFTMAX_COLS_PER_THREAD = (16, 32, 64)  # instantiated register variants of masked_softmax_block: T <= 8192
 VEC_WIDTH = 4  # layout kernels move 4 consecutive floats per thread when the head size allows it
+ROW_CACHE_MAX_BYTES = 32 * 1024  # shared-memory row cache of the softmax (under the 48 KiB default limit)
 MAX_GRID_BLOCKS = 2**31 - 1  # gridDim.x limit; grid-stride loops cover anything beyond the launched grid
 
 
@@ -66,12 +66,16 @@ class LaunchPlan:
     v_head_size: int
     batch_heads: int  # B*N: the GEMMs' batch count
     rows: int  # B*N*S: the softmax's rows (one block each)
-    softmax_cols_per_lane: int  # masked_softmax_warp variant; 0 = rows too long, use masked_softmax_block
-    softmax_cols_per_thread: int  # masked_softmax_block variant; 0 = rows re-read from the scores (T > 8192)
+    row_cache: bool  # the block softmax keeps a row of logits in shared memory
+    softmax_cols_per_lane: int  # masked_softmax_warp variant; 0 = rows too long, use the block kernel
     vec_qk: int  # VEC of the Q and K layout kernels (head_size % 4 == 0 -> 4)
     vec_v: int  # VEC of the V layout kernel and of context_to_BSD (v_head_size % 4 == 0 -> 4)
     grids: dict = field(default_factory=dict)  # kernel launch name -> blocks
     nbytes: dict = field(default_factory=dict)  # device buffer name -> bytes
+
+    @property
+    def softmax_shared_bytes(self) -> int:
+        return self.total_seq * FLOAT32_BYTES if self.row_cache else 0
 
 
 def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
@@ -101,8 +105,6 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
     vec_qk = VEC_WIDTH if h % VEC_WIDTH == 0 else 1
     vec_v = VEC_WIDTH if hv % VEC_WIDTH == 0 else 1
     cols_per_lane = next((c for c in WARP_SOFTMAX_COLS_PER_LANE if WARP * c >= t), 0)
-    in_registers = (c for c in BLOCK_SOFTMAX_COLS_PER_THREAD if SOFTMAX_THREADS * c >= t)
-    cols_per_thread = 0 if cols_per_lane else next(in_registers, 0)
     rows_per_block = SOFTMAX_THREADS // WARP if cols_per_lane else 1
     grids = {
         "build q_BNSH": checked_grid(counts["q_BNSH"] // vec_qk, "q_BNSH build"),
@@ -133,8 +135,8 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
         v_head_size=hv,
         batch_heads=batch_heads,
         rows=rows,
+        row_cache=cols_per_lane == 0 and t * FLOAT32_BYTES <= ROW_CACHE_MAX_BYTES,
         softmax_cols_per_lane=cols_per_lane,
-        softmax_cols_per_thread=cols_per_thread,
         vec_qk=vec_qk,
         vec_v=vec_v,
         grids=grids,

@@ -21,7 +21,7 @@ KERNELS = {
     "build_dense_BNTH": ("layout.cu", (1, 4)),  # VEC
     "context_to_BSD": ("layout.cu", (1, 4)),  # VEC
     "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE
-    "masked_softmax_block": ("softmax.cu", (16, 32, 64, 0)),  # COLS_PER_THREAD (0: rows re-read, any length)
+    "masked_softmax": ("softmax.cu", (None,)),
 }
 COMPILE_OPTIONS = ()  # accurate expf: no fast-math
 
