@@ -2,18 +2,19 @@
 
 Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-default stream:
   1. stage:   every input (float32 values; mask as int32 lengths or uint8 keep flags) is copied into one pinned
-              buffer and uploaded segment by segment with async copies (the copy of segment k+1 overlaps the DMA
-              of segment k);
+              buffer by a few threads in 4 MiB chunks, each chunk's async upload starting as soon as it is copied
+              (calls under 1 MiB: plain copies and one upload);
   2. layout:  build_dense_BNTH makes q_BNSH (+ b_q), k_BNTH and v_BNTH (past prepended, + b_k / b_v for BSNH
               key/value) in the compute dtype, rounding float32 to it on the device; a wanted present is written
               as float32 in the same pass (for float32 calls k_BNTH / v_BNTH *are* the present buffers);
   3. scores:  cuBLAS scores_BNST = scale * Q.K^T in float32 (fp32 accumulation);
-  4. softmax: masked_softmax adds attention_bias and the compact padding mask in float32, applies ORT's causal
-              rule, and writes probs_BNST in the compute dtype (no dense mask is materialised);
+  4. softmax: masked_softmax_warp (T <= 1024, a warp per row in registers) or masked_softmax (a block per row)
+              adds attention_bias and the compact padding mask in float32, applies ORT's causal rule, and writes
+              probs_BNST in the compute dtype (no dense mask is materialised);
   5. context: cuBLAS context_BNSH = P.V in float32; context_to_BSD rounds it to the compute dtype into the
               (B, S, Dv) float32 output;
   6. return:  one async download of [output | present_key | present_value] into a pinned buffer, one stream
-              synchronize, and copies into fresh numpy arrays.
+              synchronize, and (threaded) copies into fresh numpy arrays.
 Every per-call device buffer is owned by an MhaScratch and released exactly once on every path.
 """
 
