@@ -151,19 +151,19 @@ def check_vs_oracle(config: MhaConfig, backend: str, seed: int) -> None:
 
 
 # -------------------------------------------------------------------------------------------- property tests
-@settings(max_examples=100, **RANDOM_SETTINGS)
+@settings(max_examples=150, **RANDOM_SETTINGS)
 @given(config=configs("float32"), seed=st.integers(0, 2**31 - 1))
 def test_random_float32_matches_stock_ort(backend, config, seed):
     check_vs_stock(config, backend, seed)
 
 
-@settings(max_examples=50, **RANDOM_SETTINGS)
+@settings(max_examples=75, **RANDOM_SETTINGS)
 @given(config=configs("float16"), seed=st.integers(0, 2**31 - 1))
 def test_random_float16_matches_stock_ort(backend, config, seed):
     check_vs_stock(config, backend, seed)
 
 
-@settings(max_examples=50, **RANDOM_SETTINGS)
+@settings(max_examples=75, **RANDOM_SETTINGS)
 @given(config=configs("bfloat16"), seed=st.integers(0, 2**31 - 1))
 def test_random_bfloat16_matches_float64_oracle(backend, config, seed):
     check_vs_oracle(config, backend, seed)
