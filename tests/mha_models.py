@@ -354,7 +354,9 @@ def oracle_float64(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict[s
     from mha_ep.ops.problem import build_problem
 
     outputs = (True, config.presents, config.presents, False)
-    arrays = [None if a is None else np.asarray(a, np.float32) if a.dtype.kind == "f" else a for a in slot_arrays(feeds)]
+    arrays = [
+        None if a is None else np.asarray(a, np.float32) if a.dtype.kind == "f" else a for a in slot_arrays(feeds)
+    ]
     problem = build_problem(attributes(config), arrays, config.dtype, outputs)
     result = run_reference(problem, np.float64)
     out = {"output": result.output_BSDv}

@@ -13,8 +13,8 @@ The grid is ``no_kv_cache_test_cases`` and ``kv_cache_test_cases`` of onnxruntim
 
 As in benchmark_mha's model: ``scale`` = 1/sqrt(H) written out as an attribute (all its digits must reach the op:
 with 6 significant digits, 1/sqrt(80) alone cost 1.1e-5 here before 1c6ddbf), ``mask_filter_value`` = -inf, int32
-mask, right padding lengths randint(1, T+1). Unlike test_mha.py nothing is zeroed before comparing (all rows, all present
-entries are compared), the inputs are N(0, 1) instead of N(0, 0.1), and the oracle is stock ORT itself.
+mask, right padding lengths randint(1, T+1). Unlike test_mha.py nothing is zeroed before comparing (all rows, all
+present entries are compared), the inputs are N(0, 1) instead of N(0, 0.1), and the oracle is stock ORT itself.
 
 Runtime: the whole grid runs uncapped; its largest config (kv_cache B3 S=L=512 N16 H256) costs about 3 s on 2 cores
 and the file about 45 s, so no per-config cap is needed.

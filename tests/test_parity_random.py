@@ -49,8 +49,9 @@ from mha_models import (
 BF16_TOLERANCE = 2.0**-8 + 1e-5
 HEAD_SIZES = (1, 3, 8, 40, 59)
 V_HEAD_SIZES = (None, 1, 5, 16)
-# explicit scale = factor / sqrt(H), all digits (see the module docstring); the factor keeps the scores O(1) so that 1e-5 measures the kernel, not float32 noise amplified by a very peaked softmax (with a
-# scale of 1.5 at H = 40, stock ORT itself is 8e-6 away from float64)
+# explicit scale = factor / sqrt(H), all digits (see the module docstring); the factor keeps the scores O(1), so
+# that 1e-5 measures the kernel and not float32 noise amplified by a very peaked softmax (with a scale of 1.5 at
+# H = 40, stock ORT itself is 8e-6 away from float64)
 SCALE_FACTORS = (None, 0.5, 0.75, 1.5)
 MASK_FILTER_VALUES = (None, -10000.0, float("-inf"))
 RANDOM_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
