@@ -163,7 +163,7 @@ def to_device(cupy, array: np.ndarray, dtype: str):
     return cupy.asarray(array)
 
 
-def run_fused_on_gpu(cupy, problem: MhaProblem, form: str) -> np.ndarray:
+def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndarray:
     """Output (B, S, Dv) float32 of the fused kernel on device copies of ``problem`` in operand ``form``."""
     g = problem.geometry
     keep = []  # device arrays stay alive until the kernel is done
@@ -198,7 +198,7 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str) -> np.ndarray:
     stream = cupy.cuda.Stream(non_blocking=True)
     fused.run_fused(0, problem, q=q, k=k, v=v, operand_dtype=operand_dtype,
                     attention_bias=dev(problem.attention_bias), mask=mask, out_BSD=out.data.ptr,
-                    stream=stream)  # fmt: skip
+                    stream=stream, tile=tile)  # fmt: skip
     stream.synchronize()
     return cupy.asnumpy(out)
 
@@ -275,6 +275,20 @@ def test_fused_matches_reference(cupy_module, case_name, dtype, form):
     problem = make_problem(case, dtype)
     assert fused.fused_unsupported_reason(problem) is None
     assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, form))
+
+
+TILE_CASES = ("S113_T203_H40_keysBT_bias_BN", "S1023_T1024_H128_causal_past1", "causal_over_padding_scale_attr",
+              "causal_L_ne_S_top_left_last_row_free", "vhead24_ne_head40_bias_11")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(128, 64), (64, 128), (128, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case_name", TILE_CASES)
+def test_other_mma_tiles_match_reference(cupy_module, case_name, dtype, tile):
+    """The tiles the timing script compares compute the same function as the default one."""
+    problem = make_problem(CASES[case_name], dtype)
+    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", fused.MmaTile(*tile)))
 
 
 @pytest.mark.gpu
@@ -377,11 +391,14 @@ def test_minus_inf_filter_without_causal_stays_fused():
 def test_launch_choices():
     small, large = problem_with(h=40), make_problem(Case(s=300, l=10, h=96), "bfloat16")
     assert fused.kernel_name(small, "float16") == "flash_attention_mma<__half, __half, 64, 64, 64>"
-    assert fused.kernel_name(large, "float32") == "flash_attention_mma<__nv_bfloat16, float, 96, 128, 64>"
+    assert fused.kernel_name(large, "float32") == "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64>"
+    wide = fused.MmaTile(128, 128)
+    assert fused.kernel_name(large, "float32", wide) == "flash_attention_mma<__nv_bfloat16, float, 96, 128, 128>"
+    assert fused.shared_bytes(large, wide) == (128 + 2 * 128) * (96 + 8) * 2
     assert fused.kernel_name(problem_with(h=128, dtype="float32"), "float32") == (
         "flash_attention_fp32<float, float, 128>"
     )
-    assert fused.shared_bytes(large) == (128 + 2 * 64) * (96 + 8) * 2
+    assert fused.shared_bytes(large) == (64 + 2 * 64) * (96 + 8) * 2
     assert fused.Operand(0, "BSNH", 7, 40).strides(3) == (7 * 3 * 40, 40, 3 * 40)
     assert fused.Operand(0, "BNSH", 7, 40).strides(3) == (3 * 7 * 40, 7 * 40, 40)
 

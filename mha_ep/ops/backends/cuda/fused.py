@@ -35,7 +35,7 @@ ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bflo
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 HEAD_DIM_TILES = (32, 64, 96, 128)  # HEAD_DIM instantiations; max(H, Hv) is zero-padded up to one of these
 HEAD_SIZE_MULTIPLE = 8  # 16-byte vector loads of 8 elements (kernels/flash_attention.cu LOAD_CHUNK)
-MMA_BLOCK_N = 64  # keys per tile of flash_attention_mma
+MMA_BLOCK_N = 64  # keys per step of flash_attention_mma (default tile)
 MMA_SMEM_PAD = 8  # kernels/flash_attention.cu SMEM_PAD
 FP32_THREADS = 256  # kernels/flash_attention.cu F32_THREADS / F32_BLOCK_M / F32_BLOCK_N / F32_LDT
 FP32_BLOCK_M = 64
@@ -54,13 +54,21 @@ def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
     return next((tile for tile in HEAD_DIM_TILES if tile >= need), None)
 
 
-def mma_block_m(q_seq: int) -> int:
-    """Query rows per block of the tensor-core kernel: 128 (8 warps), or 64 for short queries."""
-    return 64 if q_seq <= 64 else 128
+@dataclass(frozen=True)
+class MmaTile:
+    """Tile of flash_attention_mma: BLOCK_M query rows (one warp per 16) x BLOCK_N keys per step."""
+
+    block_m: int = 64
+    block_n: int = MMA_BLOCK_N
 
 
-def block_m(problem: MhaProblem) -> int:
-    return FP32_BLOCK_M if problem.dtype == "float32" else mma_block_m(problem.geometry.q_seq)
+# 64 query rows (4 warps) per block: at 166-230 registers per thread an SM then holds 2-3 independent blocks,
+# whose softmax and tensor-core phases interleave (one 8-warp block per SM runs them in lockstep).
+DEFAULT_MMA_TILE = MmaTile()
+
+
+def block_m(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
+    return FP32_BLOCK_M if problem.dtype == "float32" else (tile or DEFAULT_MMA_TILE).block_m
 
 
 def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
@@ -116,23 +124,25 @@ class Operand:
         raise ValueError(f"operand layout must be 'BSNH' or 'BNSH', got {self.layout!r}")
 
 
-def shared_bytes(problem: MhaProblem) -> int:
+def shared_bytes(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
     g = problem.geometry
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
     if problem.dtype == "float32":
         return 4 * (2 * head_dim * FP32_LDT + FP32_BLOCK_N * head_dim + FP32_BLOCK_N * FP32_LDT)
-    rows = mma_block_m(g.q_seq) + 2 * MMA_BLOCK_N
+    tile = tile or DEFAULT_MMA_TILE
+    rows = tile.block_m + 2 * tile.block_n
     return rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
 
 
-def kernel_name(problem: MhaProblem, operand_dtype: str) -> str:
+def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[MmaTile] = None) -> str:
     """The NVRTC name expression of the instantiation this call launches."""
     g = problem.geometry
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
     elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
     if problem.dtype == "float32":
         return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
-    return f"flash_attention_mma<{elem}, {src}, {head_dim}, {mma_block_m(g.q_seq)}, {MMA_BLOCK_N}>"
+    tile = tile or DEFAULT_MMA_TILE
+    return f"flash_attention_mma<{elem}, {src}, {head_dim}, {tile.block_m}, {tile.block_n}>"
 
 
 # ----------------------------------------------------------------------------------------------- the launch
@@ -180,6 +190,7 @@ def run_fused(
     mask: Optional[int],
     out_BSD: int,
     stream=None,
+    tile: Optional[MmaTile] = None,
 ) -> None:
     """Launch the fused kernel for ``problem`` (its dispatch rule must have said None).
 
@@ -191,7 +202,8 @@ def run_fused(
     mask: device padding mask of ``problem.padding_mask.kind``: int32 (B,) key lengths, uint8 (B, T) or (B, S, T)
           keep flags; None when the call has none;
     out_BSD: device float32 (B, S, N*Hv), every element written (rounded to the call's dtype first);
-    stream: a cupy Stream to launch on (default: the current stream).
+    stream: a cupy Stream to launch on (default: the current stream);
+    tile: the tensor-core kernel's tile (default DEFAULT_MMA_TILE; the timing script compares others).
     """
     import cupy
 
@@ -215,10 +227,10 @@ def run_fused(
     bias = problem.attention_bias
     d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
 
-    name = kernel_name(problem, operand_dtype)
-    shared = shared_bytes(problem)
-    threads = FP32_THREADS if problem.dtype == "float32" else 2 * mma_block_m(g.q_seq)
-    blocks = -(-g.q_seq // block_m(problem)) * g.batch * n
+    name = kernel_name(problem, operand_dtype, tile)
+    shared = shared_bytes(problem, tile)
+    threads = FP32_THREADS if problem.dtype == "float32" else 2 * block_m(problem, tile)
+    blocks = -(-g.q_seq // block_m(problem, tile)) * g.batch * n
 
     def ptr(address: Optional[int]) -> np.uint64:
         return np.uint64(0 if address is None else address)

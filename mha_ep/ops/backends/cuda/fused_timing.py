@@ -3,16 +3,20 @@ three-phase path, all measured in one run on one GPU.
 
     PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.fused_timing [--repeats 50] [--no-torch] [--no-three-phase]
 
-Columns (µs = median over ``repeats`` launches, each between its own pair of CUDA events, after warm-up; inputs
-already on the device, random normals rounded to the dtype, never zeros):
-  fused:          flash_attention_* alone, on the dense operands the layout mover builds (q_BNSH, k_BNTH, v_BNTH
-                  in the call's dtype); the fused path's kernel-only time;
+Timing: a CUDA graph of GRAPH_LAUNCHES back-to-back launches is captured after warm-up and replayed ``repeats``
+times, each replay between its own pair of CUDA events; µs = median replay time / GRAPH_LAUNCHES. (Timing single
+launches from Python adds the host's launch gap to every sample: 50-80 µs on the device machine's host.) Inputs are
+already on the device: random normals rounded to the dtype, never zeros. Columns:
+  fused:          flash_attention_* alone with the default tile, on the dense operands the layout mover builds
+                  (q_BNSH, k_BNTH, v_BNTH in the call's dtype); the fused path's kernel-only time;
+  tiles:          f16/bf16 only: the same for each tile of TILES (BLOCK_M x BLOCK_N), best marked *;
   TFLOP/s:        4*B*N*S*T*H / fused time (halved for causal), DESIGN.md's FLOP model;
   fused staged:   the same kernel reading the staged float32 BSNH arrays directly (rounding on load): the whole
                   device part of a call that needs no layout step;
   3-phase:        CudaBackend.time_device (layout kernels + cuBLAS + softmax + output kernel; its own mean);
   torch SDPA:     torch.nn.functional.scaled_dot_product_attention on (B, N, S, H) tensors of the dtype (padding as a
-                  boolean attn_mask, attention_bias as an additive float mask, causal as is_causal);
+                  boolean attn_mask, attention_bias as an additive float mask, causal as is_causal), timed the same
+                  way through a torch CUDA graph (back-to-back launches when capture fails);
   ORT CUDA dev:   DESIGN.md's anchor (measured 2026-11-29), with the target met (<=) or missed;
   max|Δ| torch:   largest absolute difference between the fused output and torch's (a sanity check).
 """
@@ -58,19 +62,61 @@ def anchor_problem(b, s, t, n, h, dtype, extra, seed=0):
     return build_problem(attrs, arrays, dtype, (True, False, False, False))
 
 
-def median_us(cupy, launch, repeats: int, warmup: int = 5) -> float:
-    """Median device time of ``launch()`` in µs: one event pair per launch on the current stream."""
+GRAPH_LAUNCHES = 10
+TILES = (fused.MmaTile(64, 64), fused.MmaTile(128, 64), fused.MmaTile(64, 128), fused.MmaTile(128, 128))
+
+
+def graph_us(cupy, launch, repeats: int, warmup: int = 3) -> float:
+    """Per-launch device time in µs of ``launch(stream)``, from replays of a captured graph (see the docstring)."""
+    stream = cupy.cuda.Stream(non_blocking=True)
     for _ in range(warmup):
-        launch()
+        launch(stream)
+    stream.synchronize()
+    stream.begin_capture()
+    for _ in range(GRAPH_LAUNCHES):
+        launch(stream)
+    graph = stream.end_capture()
+    graph.launch(stream)
     pairs = []
     for _ in range(repeats):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        launch()
-        stop.record()
+        start.record(stream)
+        graph.launch(stream)
+        stop.record(stream)
         pairs.append((start, stop))
-    pairs[-1][1].synchronize()
-    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in pairs])) * 1e3
+    stream.synchronize()
+    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in pairs])) * 1e3 / GRAPH_LAUNCHES
+
+
+def torch_graph_us(torch, launch, repeats: int) -> float:
+    """The same for a torch launch; back-to-back launches between two events when graph capture fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            launch()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_LAUNCHES):
+                launch()
+        replay = graph.replay
+    except Exception:  # noqa: BLE001 - some SDPA backends refuse capture
+        def replay():
+            for _ in range(GRAPH_LAUNCHES):
+                launch()
+    replay()
+    samples = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) * 1e3 / GRAPH_LAUNCHES)
+    return float(np.median(samples))
 
 
 class Anchor:
@@ -90,8 +136,9 @@ class Anchor:
             self.mask = cupy.asarray(problem.padding_mask.data.astype(np.uint8))
         self.attention_bias = None if problem.attention_bias is None else cupy.asarray(problem.attention_bias)
         self.out = cupy.full((b, s, g.v_hidden), np.nan, dtype=cupy.float32)
+        cupy.cuda.Device().synchronize()  # the timed launches run on other (non-blocking) streams
 
-    def launch(self, form: str) -> None:
+    def launch(self, form: str, stream=None, tile=None) -> None:
         g, p = self.problem.geometry, self.problem
         if form == "dense":
             ops = [(self.q_BNSH, g.q_seq), (self.k_BNTH, g.total_seq), (self.v_BNTH, g.total_seq)]
@@ -102,7 +149,8 @@ class Anchor:
         q, k, v = (fused.Operand(a.data.ptr, layout, seq, g.head_size) for a, seq in ops)
         fused.run_fused(0, p, q=q, k=k, v=v, operand_dtype=operand_dtype,
                         attention_bias=None if self.attention_bias is None else self.attention_bias.data.ptr,
-                        mask=None if self.mask is None else self.mask.data.ptr, out_BSD=self.out.data.ptr)  # fmt: skip
+                        mask=None if self.mask is None else self.mask.data.ptr, out_BSD=self.out.data.ptr,
+                        stream=stream, tile=tile)  # fmt: skip
 
 
 def torch_sdpa(torch, anchor: Anchor, extra):
@@ -150,17 +198,23 @@ def main(argv=None) -> None:
         backend = CudaBackend(0)
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"device: {name}; µs = median of {args.repeats} launches (CUDA events), operands on the device")
-    print("| shape (B,S,T,N,H) dtype extra | fused µs | TFLOP/s | fused staged µs | 3-phase µs | torch SDPA µs "
-          "| fused/torch thr. | ORT CUDA dev µs | <= ORT | max|Δ| torch |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape (B,S,T,N,H) dtype extra | fused µs | TFLOP/s | tiles µs (BMxBN) | fused staged µs | 3-phase µs "
+          "| torch SDPA µs | fused/torch thr. | ORT CUDA dev µs | <= ORT | max|Δ| torch |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, b, s, t, n, h, dtype, extra, ort_us, _ in ANCHORS:
         if args.only and args.only not in label:
             continue
         problem = anchor_problem(b, s, t, n, h, dtype, extra)
         anchor = Anchor(cupy, problem)
-        fused_us = median_us(cupy, lambda: anchor.launch("dense"), args.repeats)
+        fused_us = graph_us(cupy, lambda st: anchor.launch("dense", st), args.repeats)
         fused_out = cupy.asnumpy(anchor.out)
-        staged_us = median_us(cupy, lambda: anchor.launch("staged"), args.repeats)
+        staged_us = graph_us(cupy, lambda st: anchor.launch("staged", st), args.repeats)
+        tiles = "-"
+        if dtype != "float32":
+            per_tile = {tile: graph_us(cupy, lambda st, tile=tile: anchor.launch("dense", st, tile), args.repeats)
+                        for tile in TILES}  # fmt: skip
+            best = min(per_tile, key=per_tile.get)
+            tiles = " ".join(f"{t.block_m}x{t.block_n}:{us:.1f}{'*' if t == best else ''}" for t, us in per_tile.items())
         tflops = fused.flop_count(problem) / (fused_us * 1e-6) / 1e12
         three = "n/a"
         if backend is not None:
@@ -171,20 +225,11 @@ def main(argv=None) -> None:
         torch_us, ratio, delta = "n/a", "n/a", "n/a"
         if torch is not None:
             launch, result = torch_sdpa(torch, anchor, extra)
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            samples = []
-            for i in range(args.repeats + 5):
-                start.record()
-                launch()
-                stop.record()
-                stop.synchronize()
-                if i >= 5:
-                    samples.append(start.elapsed_time(stop) * 1e3)
-            t_us = float(np.median(samples))
+            t_us = torch_graph_us(torch, launch, args.repeats)
             torch_us, ratio = f"{t_us:.1f}", f"{t_us / fused_us:.2f}"
             delta = f"{float(np.nanmax(np.abs(fused_out - result.cpu().numpy()))):.2e}"
         finite = "" if np.isfinite(fused_out).all() else " NON-FINITE OUTPUT"
-        print(f"| {label} | {fused_us:.1f} | {tflops:.1f} | {staged_us:.1f} | {three} | {torch_us} | {ratio} | "
+        print(f"| {label} | {fused_us:.1f} | {tflops:.1f} | {tiles} | {staged_us:.1f} | {three} | {torch_us} | {ratio} | "
               f"{ort_us} | {'yes' if fused_us <= ort_us else 'MISS'} | {delta}{finite} |")  # fmt: skip
 
 
