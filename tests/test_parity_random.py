@@ -257,3 +257,14 @@ def test_float_attributes_reach_the_op_exactly():
     exact = run_reference(build_problem(attributes(config), slot_arrays(feeds))).output_BSDv
     actual = run_plugin(config, feeds, "reference", ["output"])
     assert_outputs_match(actual, {"output": exact}, 1e-7, f"[reference via bridge vs run_reference] {config.short()}")
+
+
+@pytest.mark.parametrize("kv_layout", ["BSNH", "BNSH"])
+def test_past_without_presents_gets_the_right_answer(kv_layout, backend, rng):
+    """Stock ORT CPU computes wrong outputs for a past without both present outputs (semantics 3.9); the plugin
+    computes the right answer, which is stock ORT's output for the same call with the presents requested."""
+    config = with_(BASE, kv_layout=kv_layout, bias=True, mask="2d", causal=True, has_past=True, past_seq=3)
+    feeds = random_feeds(config, rng)
+    right = stock_outputs(with_(config, presents=True), feeds)["output"]
+    actual = run_plugin(config, feeds, backend, ["output"])
+    assert_outputs_match(actual, {"output": right}, PARITY_TOLERANCE["float32"], f"[{backend}] {config.short()}")
