@@ -1,7 +1,8 @@
 """``mha-ep bench anchors``: the DESIGN.md anchor shapes, a sequence-length sweep, and the shipped models.
 
 Columns (µs per call, median; "–" where a provider is absent or a row is too big for it):
-  kernel      plugin device time, inputs already on the GPU (CudaBackend.time_device, CUDA-graph replay)
+  kernel      plugin device time, inputs already on the GPU (CudaBackend.time_device: back-to-back submissions
+              between CUDA events, so small shapes include the host's launch gaps)
   TFLOP/s     FLOP model 4*B*N*S*T*H (halved for causal) / kernel time
   host        plugin host-to-host: mha_ep.InferenceSession.run, numpy in and out (f16 rows: float16 numpy)
   floor       the bridge floor: a do-nothing Python op in the same graph moving the same bytes (echo)
@@ -229,8 +230,7 @@ def bench_row(label, b, s, t, n, h, dtype, extra, backend, bandwidth, repeats, w
     heavy = flops(b, s, t, n, h) > CPU_FLOP_LIMIT
     host_repeats = max(3, repeats // 4) if heavy else repeats
     row = {"label": label, "shape": [b, s, t, n, h], "dtype": dtype, "extra": extra}
-    timing = backend.time_device(problem, repeats=repeats)
-    kernel = timing["graph"] or timing["stream"]
+    kernel = backend.time_device(problem, repeats=repeats)
     row["kernel_us"] = kernel * 1e6
     row["tflops"] = flops(b, s, t, n, h, causal) / kernel / 1e12
     session = mha_ep.InferenceSession(model, backend=backend.name)
