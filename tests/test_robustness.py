@@ -389,13 +389,6 @@ def test_other_python_ops_keep_working_beside_the_array_hook():
 
 
 @pytest.mark.parametrize("kind", ["str_array", "object_array"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="mha_ep's array result hook (mha_ep/ops/registration.py, _array_result_hook) hands string outputs to the "
-    "C++ bridge as numpy arrays; for rank >= 2 the bridge's pybind11 cast fails and the process aborts "
-    "('terminate called after throwing an instance of pybind11::cast_error', SIGABRT). The stock hook passes "
-    "flatten().tolist() and works. Fix: string/object outputs -> r.reshape(-1).tolist().",
-)
 def test_string_op_with_a_rank_2_output_keeps_working_beside_the_array_hook(kind):
     """A (2, 2) string output of an ordinary Python op, after mha_ep installed its hook: the stock hook runs it."""
     result = run_script(

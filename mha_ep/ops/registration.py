@@ -83,7 +83,8 @@ def _array_result_hook(k_id, feed, attributes):
 
     The C++ side accepts numpy arrays (a 4M-float output: 9 ms instead of 367 ms, DESIGN.md). It reads the buffer
     in C order, so outputs are made contiguous. Every other Python op in the process goes through this hook too,
-    so it keeps the stock hook's contract: tuple of outputs or a single output, strings as object arrays.
+    so it keeps the stock hook's contract: a tuple of outputs or a single output; string outputs take the stock
+    ``tolist`` path (measured: a rank-2 string array handed over as an array aborts the process).
     """
     from onnxruntime_extensions._ocos import Opdef
 
@@ -94,9 +95,12 @@ def _array_result_hook(k_id, feed, attributes):
     results = rv if isinstance(rv, tuple) else (rv,)
     flat = []
     for r in results:
-        r = np.ascontiguousarray(np.asarray(r))
+        r = np.asarray(r)
         flat.append(r.shape)
-        flat.append(r)
+        if r.dtype.kind in "OUS":  # strings: the stock conversion (the bridge cannot cast a rank >= 2 str array)
+            flat.append(r.reshape(-1).tolist())
+        else:
+            flat.append(np.ascontiguousarray(r))
     return (k_id,) + tuple(flat)
 
 
