@@ -394,11 +394,11 @@ def test_launch_choices():
     assert fused.kernel_name(large, "float32") == "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64>"
     wide = fused.MmaTile(128, 128)
     assert fused.kernel_name(large, "float32", wide) == "flash_attention_mma<__nv_bfloat16, float, 96, 128, 128>"
-    assert fused.shared_bytes(large, wide) == (128 + 2 * 128) * (96 + 8) * 2
+    assert fused.shared_bytes(large, wide) == (128 + 3 * 128) * (96 + 8) * 2
     assert fused.kernel_name(problem_with(h=128, dtype="float32"), "float32") == (
         "flash_attention_fp32<float, float, 128>"
     )
-    assert fused.shared_bytes(large) == (64 + 2 * 64) * (96 + 8) * 2
+    assert fused.shared_bytes(large) == (64 + 3 * 64) * (96 + 8) * 2
     assert fused.Operand(0, "BSNH", 7, 40).strides(3) == (7 * 3 * 40, 40, 3 * 40)
     assert fused.Operand(0, "BNSH", 7, 40).strides(3) == (3 * 7 * 40, 7 * 40, 40)
 

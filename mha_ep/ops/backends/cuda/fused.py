@@ -130,7 +130,7 @@ def shared_bytes(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
     if problem.dtype == "float32":
         return 4 * (2 * head_dim * FP32_LDT + FP32_BLOCK_N * head_dim + FP32_BLOCK_N * FP32_LDT)
     tile = tile or DEFAULT_MMA_TILE
-    rows = tile.block_m + 2 * tile.block_n
+    rows = tile.block_m + 3 * tile.block_n  # Q, two K buffers, V
     return rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
 
 

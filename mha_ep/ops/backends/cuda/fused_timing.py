@@ -197,7 +197,8 @@ def main(argv=None) -> None:
 
         backend = CudaBackend(0)
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"device: {name}; µs = median of {args.repeats} launches (CUDA events), operands on the device")
+    print(f"device: {name}; µs per launch = median of {args.repeats} CUDA-graph replays of {GRAPH_LAUNCHES} launches / "
+          f"{GRAPH_LAUNCHES}; operands on the device")
     print("| shape (B,S,T,N,H) dtype extra | fused µs | TFLOP/s | tiles µs (BMxBN) | fused staged µs | 3-phase µs "
           "| torch SDPA µs | fused/torch thr. | ORT CUDA dev µs | <= ORT | max|Δ| torch |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")

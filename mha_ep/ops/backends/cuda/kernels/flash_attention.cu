@@ -123,6 +123,8 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+// Wait until at most the newest committed group is still in flight.
+__device__ __forceinline__ void cp_async_wait_all_but_newest() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
 // LOAD_CHUNK elements of `src` (+ bias), rounded to ELEM, into registers (zeros when !valid).
 template <typename ELEM, typename IN>
@@ -224,8 +226,10 @@ template <> struct Mma<__nv_bfloat16> {
 //   layout), and O += P . V with V fragments from ldmatrix.trans.
 // Thread fragment coordinates: g = lane / 4 owns rows g and g + 8 of its warp's 16; tig = lane % 4 owns the
 // column pair 2 tig, 2 tig + 1 of each 8-wide n-tile.
-// K and V move with cp.async (when the operand is already ELEM without bias): V of tile j loads while S of tile
-// j is computed, K of tile j+1 while P.V of tile j is.
+// K and V move with cp.async (when the operand is already ELEM without bias) into shared memory: K double
+// buffered, so K of tile j+1 loads during the whole of step j; V of tile j loads while S of tile j is computed.
+// Fragments of one k-step are read with ldmatrix before its mma instructions are issued (in-order issue would
+// otherwise stall every mma on the ldmatrix just before it).
 template <typename ELEM, typename IN, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(BLOCK_M * 2)
     flash_attention_mma(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
@@ -245,8 +249,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   constexpr int O_PAIRS = HEAD_DIM / 16;  // pairs of n8 tiles of O
   extern __shared__ __align__(16) unsigned char smem_raw[];
   ELEM* q_tile = reinterpret_cast<ELEM*>(smem_raw);  // BLOCK_M x LD
-  ELEM* k_tile = q_tile + BLOCK_M * LD;               // BLOCK_N x LD
-  ELEM* v_tile = k_tile + BLOCK_N * LD;               // BLOCK_N x LD
+  ELEM* k_tiles = q_tile + BLOCK_M * LD;              // 2 x BLOCK_N x LD (tile j in buffer j % 2)
+  ELEM* v_tile = k_tiles + 2 * BLOCK_N * LD;          // BLOCK_N x LD
 
   // Block coordinates: consecutive blocks share (b, h) (K/V reuse in L2); the last query tile, the longest under
   // causal masking, starts first.
@@ -275,7 +279,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
 
   // Step 1 (loads): the Q tile and the first K tile.
   load_tile<ELEM, IN, BLOCK_M, HEAD_DIM, LD, THREADS>(q_tile, q_rows, stride_qs, q_seq - m0, head_size, bias_q_h);
-  load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(k_tile, k_rows, stride_ks, total_seq, head_size, bias_k_h);
+  load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(k_tiles, k_rows, stride_ks, total_seq, head_size, bias_k_h);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -294,19 +298,27 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   float row_sum[2] = {0.0f, 0.0f};                  // l_i: this thread's part of sum exp(x - m_i)
 
   int key_end = causal_key_end(mp, m0, BLOCK_M, skip_causal_tiles);
-  for (int n0 = 0; n0 < total_seq; n0 += BLOCK_N) {
+  for (int n0 = 0, step = 0; n0 < total_seq; n0 += BLOCK_N, ++step) {
     if (n0 >= key_end) {
       // Every remaining key is in the causal future of every row here: skip when no row max is near lowest.
       const bool dominated = row_max[0] > CAUSAL_SKIP_MAX_FLOOR && row_max[1] > CAUSAL_SKIP_MAX_FLOOR;
       if (__syncthreads_and(dominated)) break;
       key_end = total_seq;
     }
-    // K of this tile has landed (cp.async) and every warp is done with the previous V tile.
+    const ELEM* k_tile = k_tiles + (step & 1) * BLOCK_N * LD;
+    // K of this tile has landed (cp.async), and every warp is done with the previous V tile and with the K buffer
+    // the next tile goes to (it held tile step-1).
     cp_async_wait_all();
     __syncthreads();
     load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(v_tile, v_rows + (long long)n0 * stride_vs, stride_vs,
                                                        total_seq - n0, v_head_size, bias_v_h);
     cp_async_commit();
+    if (n0 + BLOCK_N < total_seq) {
+      load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(k_tiles + ((step + 1) & 1) * BLOCK_N * LD,
+                                                         k_rows + (long long)(n0 + BLOCK_N) * stride_ks, stride_ks,
+                                                         total_seq - n0 - BLOCK_N, head_size, bias_k_h);
+    }
+    cp_async_commit();  // (an empty group after the last tile keeps the group count uniform)
 
     // Step 2: S = Q . K^T (fp32 accumulators).
     float s_acc[S_PAIRS][2][4];  // keys n0 + np * 16 + hf * 8 + 2 tig (+1), rows as o_acc
@@ -316,12 +328,15 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       for (int hf = 0; hf < 2; ++hf) s_acc[np][hf][0] = s_acc[np][hf][1] = s_acc[np][hf][2] = s_acc[np][hf][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < D_STEPS; ++ks) {
+      unsigned kb[S_PAIRS][4];  // B fragments of keys np*16 + 0..7 (kb[np][0..1]) and np*16 + 8..15 (kb[np][2..3])
 #pragma unroll
       for (int np = 0; np < S_PAIRS; ++np) {
-        unsigned kb[4];  // B fragments of keys np*16 + 0..7 (kb[0], kb[1]) and np*16 + 8..15 (kb[2], kb[3])
-        ldmatrix_x4(kb, k_tile + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
-        Mma<ELEM>::run(s_acc[np][0], q_frag[ks], kb[0], kb[1]);
-        Mma<ELEM>::run(s_acc[np][1], q_frag[ks], kb[2], kb[3]);
+        ldmatrix_x4(kb[np], k_tile + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
+      }
+#pragma unroll
+      for (int np = 0; np < S_PAIRS; ++np) {
+        Mma<ELEM>::run(s_acc[np][0], q_frag[ks], kb[np][0], kb[np][1]);
+        Mma<ELEM>::run(s_acc[np][1], q_frag[ks], kb[np][2], kb[np][3]);
       }
     }
 
@@ -388,14 +403,9 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
         o_acc[dp][hf][3] *= alpha[1];
       }
 
-    // V of this tile has landed and every warp is done reading K: prefetch the next K tile.
-    cp_async_wait_all();
+    // V of this tile has landed (the next K tile, committed after it, may still be in flight).
+    cp_async_wait_all_but_newest();
     __syncthreads();
-    if (n0 + BLOCK_N < total_seq) {
-      load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(k_tile, k_rows + (long long)(n0 + BLOCK_N) * stride_ks,
-                                                         stride_ks, total_seq - n0 - BLOCK_N, head_size, bias_k_h);
-    }
-    cp_async_commit();
 
     // Step E: O += P . V, P rounded to ELEM (as the three-phase path rounds its probabilities).
 #pragma unroll
@@ -406,12 +416,15 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
                                   Mma<ELEM>::pack(s_acc[kt][0][2], s_acc[kt][0][3]),
                                   Mma<ELEM>::pack(s_acc[kt][1][0], s_acc[kt][1][1]),
                                   Mma<ELEM>::pack(s_acc[kt][1][2], s_acc[kt][1][3])};
+      unsigned vb[O_PAIRS][4];  // B fragments of O columns dp*16 + 0..7 (vb[dp][0..1]) and dp*16 + 8..15
 #pragma unroll
       for (int dp = 0; dp < O_PAIRS; ++dp) {
-        unsigned vb[4];  // B fragments of O columns dp*16 + 0..7 (vb[0], vb[1]) and dp*16 + 8..15 (vb[2], vb[3])
-        ldmatrix_x4_trans(vb, v_tile + (kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * 16 + (lane >> 4) * 8);
-        Mma<ELEM>::run(o_acc[dp][0], p_frag, vb[0], vb[1]);
-        Mma<ELEM>::run(o_acc[dp][1], p_frag, vb[2], vb[3]);
+        ldmatrix_x4_trans(vb[dp], v_tile + (kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * 16 + (lane >> 4) * 8);
+      }
+#pragma unroll
+      for (int dp = 0; dp < O_PAIRS; ++dp) {
+        Mma<ELEM>::run(o_acc[dp][0], p_frag, vb[dp][0], vb[dp][1]);
+        Mma<ELEM>::run(o_acc[dp][1], p_frag, vb[dp][2], vb[dp][3]);
       }
     }
   }
