@@ -365,6 +365,45 @@ def oracle_float64(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict[s
     return out
 
 
+def naive_same_dtype(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """A naive implementation in ``config.dtype`` (the yardstick of flash-attention's tests for reduced precision):
+    every stage is rounded to the dtype - Q+b_q, K+b_k, V+b_v, scale*QK^T, +attention_bias, +mask (added in float32
+    first), the probabilities and the output - with float32 accumulation inside the two GEMMs and the softmax."""
+    from mha_ep.ops.backends.reference import additive_mask_BST, softmax_lastaxis, to_BNSH
+    from mha_ep.ops.problem import build_problem
+
+    def rnd(x):
+        return round_to(np.asarray(x, np.float32), config.dtype).astype(np.float32)
+
+    outputs = (True, config.presents, config.presents, False)
+    problem = build_problem(attributes(config), slot_arrays(feeds), config.dtype, outputs)
+    n = config.num_heads
+    query = problem.query_BSD + (0 if problem.bias_q is None else problem.bias_q)
+    q_BNSH = to_BNSH(rnd(query), n)
+    if problem.kv_layout == "BSNH":
+        key = problem.key + (0 if problem.bias_k is None else problem.bias_k)
+        value = problem.value + (0 if problem.bias_v is None else problem.bias_v)
+        k_BNLH, v_BNLH = to_BNSH(rnd(key), n), to_BNSH(rnd(value), n)
+    else:
+        k_BNLH, v_BNLH = rnd(problem.key), rnd(problem.value)
+    if problem.past_key_BNPH is not None:
+        k_BNLH = np.concatenate([problem.past_key_BNPH, k_BNLH], axis=2)
+        v_BNLH = np.concatenate([problem.past_value_BNPH, v_BNLH], axis=2)
+    scores = rnd(np.matmul(q_BNSH, k_BNLH.transpose(0, 1, 3, 2)) * np.float32(problem.scale))
+    if problem.attention_bias is not None:
+        scores = rnd(scores + problem.attention_bias)
+    mask_BST = additive_mask_BST(problem)
+    if mask_BST is not None:
+        scores = rnd(scores + mask_BST[:, None])
+    probs = rnd(softmax_lastaxis(scores))
+    g = problem.geometry
+    out = rnd(np.matmul(probs, v_BNLH).transpose(0, 2, 1, 3).reshape(g.batch, g.q_seq, g.v_hidden))
+    result = {"output": out}
+    if config.presents:
+        result["present_key"], result["present_value"] = k_BNLH, v_BNLH
+    return result
+
+
 def stock_counterpart(config: MhaConfig, feeds: Mapping[str, np.ndarray]):
     """(model, feeds) that stock ORT can run for ``config``: its M type constraint is int32 only, so an int64
     key_padding_mask becomes the same values in int32 (every value fits). Everything else is unchanged."""

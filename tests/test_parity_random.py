@@ -11,7 +11,7 @@ length 0, mask_filter_value default / -10000 / -inf (NaN rows must be NaN on bot
 explicit scale, static and symbolic input shapes.
 
 Tolerances, relative to max(1, |expected|): float32 1e-5 and float16 4e-3 (tests/conftest.PARITY_TOLERANCE);
-bfloat16 vs the float64 oracle: BF16_TOLERANCE (below).
+bfloat16 vs the float64 oracle: 2 x the error of a naive bf16 implementation + BF16_TOLERANCE (below).
 
 Explicit ``scale`` values are factor/sqrt(H) with all their digits: the onnxruntime-extensions bridge passes float
 attributes as text with 6 significant digits, which mha_ep works around (``test_float_attributes_reach_the_op_exactly``
@@ -38,14 +38,18 @@ from mha_models import (
     MhaConfig,
     assert_outputs_match,
     build_model,
+    naive_same_dtype,
     oracle_float64,
     random_feeds,
     stock_outputs,
     with_,
 )
 
-# bfloat16 vs float64: the plugin computes in float32 from bf16 values and rounds each output once to bf16, so its
-# error is at most half a bf16 ulp, 2**-8 relative to |x| (hence to max(1, |x|)), plus a float32 compute floor.
+# bfloat16 vs float64 (flash-attention's rule, STYLE.md): error <= 2 x the error of a naive bf16 implementation
+# (mha_models.naive_same_dtype: every stage rounded to bf16) + a floor. The floor is what the most exact plugin
+# still has: computing in float32 from bf16 values and rounding each output once costs at most half a bf16 ulp,
+# 2**-8 relative to |x| (hence to max(1, |x|)), plus float32 noise. The reference backend stays under the floor
+# alone; the cuda backend rounds Q/K/V and the probabilities to bf16 and lands between the two.
 BF16_TOLERANCE = 2.0**-8 + 1e-5
 HEAD_SIZES = (1, 3, 8, 40, 59)
 V_HEAD_SIZES = (None, 1, 5, 16)
@@ -144,11 +148,18 @@ def check_vs_stock(config: MhaConfig, backend: str, seed: int) -> None:
 
 
 def check_vs_oracle(config: MhaConfig, backend: str, seed: int) -> None:
+    """bfloat16 vs float64: error <= 2 x the error of a naive bf16 implementation + BF16_TOLERANCE (the floor)."""
+    from conftest import max_rel_error
+
     rng = np.random.default_rng(seed)
     feeds = random_feeds(config, rng, any_mask_values=bool(seed % 2))
     expected = oracle_float64(config, feeds)
+    naive = naive_same_dtype(config, feeds)
+    naive_error = max(max_rel_error(naive[name], expected[name]) for name in expected)
+    tolerance = 2.0 * naive_error + BF16_TOLERANCE
     actual = run_plugin(config, feeds, backend, list(expected))
-    compare(config, feeds, actual, expected, BF16_TOLERANCE, f"[{backend}] seed={seed} {config.short()} vs float64")
+    context = f"[{backend}] seed={seed} {config.short()} vs float64 (naive bf16 error {naive_error:.3g})"
+    compare(config, feeds, actual, expected, tolerance, context)
 
 
 # -------------------------------------------------------------------------------------------- property tests
