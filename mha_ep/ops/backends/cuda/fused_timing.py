@@ -181,9 +181,20 @@ def main(argv=None) -> None:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-three-phase", action="store_true")
     parser.add_argument("--only", default=None, help="substring of the anchor labels to run")
+    parser.add_argument("--launch-only", action="store_true",
+                        help="one fused launch per anchor and no timing (for a profiler such as ncu)")  # fmt: skip
     args = parser.parse_args(argv)
 
     import cupy
+
+    if args.launch_only:
+        for label, b, s, t, n, h, dtype, extra, _, _ in ANCHORS:
+            if args.only is None or args.only in label:
+                anchor = Anchor(cupy, anchor_problem(b, s, t, n, h, dtype, extra))
+                anchor.launch("dense")
+                cupy.cuda.Device().synchronize()
+                print(f"launched: {label}")
+        return
 
     torch = None
     if not args.no_torch:
