@@ -11,9 +11,9 @@
       ``mha_ep.ops.backends.reference.run_reference`` or by giving the session a fake backend object: through
       ``mha_ep.InferenceSession`` it surfaces as ``MhaRunError`` carrying the RuntimeError's text and the session
       works on the next run; through a plain ORT session it is logged (with the traceback) and the outputs are NaN.
-(c) Ordinary onnxruntime-extensions Python ops (one returning strings, as a str array and as an object array; one
-    returning a non-contiguous float array; one with two outputs) keep working in a process where mha_ep installed
-    its array result hook, before and after an MHA run.
+(c) Ordinary onnxruntime-extensions Python ops (one returning strings, as a str array and as an object array, of
+    rank 1 and rank 2; one returning a non-contiguous float array; one with two outputs) keep working in a process
+    where mha_ep installed its array result hook, before and after an MHA run.
 """
 
 from __future__ import annotations
@@ -390,7 +390,8 @@ def test_other_python_ops_keep_working_beside_the_array_hook():
 
 @pytest.mark.parametrize("kind", ["str_array", "object_array"])
 def test_string_op_with_a_rank_2_output_keeps_working_beside_the_array_hook(kind):
-    """A (2, 2) string output of an ordinary Python op, after mha_ep installed its hook: the stock hook runs it."""
+    """A (2, 2) string output of an ordinary Python op, after mha_ep installed its hook (the stock hook runs it).
+    It aborted the process (pybind11::cast_error, SIGABRT) until 265d5a0 sent string outputs down the tolist path."""
     result = run_script(
         f"""
     import numpy as np, onnxruntime as ort
