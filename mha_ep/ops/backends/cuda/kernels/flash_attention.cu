@@ -177,6 +177,14 @@ __device__ __forceinline__ void load_tile(ELEM* tile, const IN* src, long long s
   }
 }
 
+// 2^x on the special-function unit alone (ex2.approx, about 2 ulp; flushes results below 2^-126 to 0, which
+// changes no softmax sum: every term is <= 1 and the row max contributes exactly 1).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ------------------------------------------------------------------------------------ tensor-core helpers
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
@@ -341,19 +349,24 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     }
 
     // Steps 2-4: x = scale * q.k, then attention bias, causal and padding; keys past T are not in the row.
+    // A plain tile (no bias or mask term, every key in range, scale > 0) keeps the raw dot products: its x is
+    // scale * acc, folded into the exponent of step C, and max(x) = scale * max(acc) (rounding is monotonic).
     const bool masked_tile = tile_needs_mask(mp, m0, n0, BLOCK_N);
+    const bool plain_tile = !masked_tile && scale > 0.0f;
+    if (!plain_tile) {
 #pragma unroll
-    for (int np = 0; np < S_PAIRS; ++np)
+      for (int np = 0; np < S_PAIRS; ++np)
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
+        for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int r = c >> 1;
-          const int j = n0 + np * 16 + hf * 8 + tig * 2 + (c & 1);
-          float x = s_acc[np][hf][c] * scale;
-          if (masked_tile) x = (j < total_seq) ? masked_logit(x, mp, masks[r], rows[r], j) : NEG_INFINITY;
-          s_acc[np][hf][c] = x;
-        }
+          for (int c = 0; c < 4; ++c) {
+            const int r = c >> 1;
+            const int j = n0 + np * 16 + hf * 8 + tig * 2 + (c & 1);
+            float x = s_acc[np][hf][c] * scale;
+            if (masked_tile) x = (j < total_seq) ? masked_logit(x, mp, masks[r], rows[r], j) : NEG_INFINITY;
+            s_acc[np][hf][c] = x;
+          }
+    }
 
     // Online softmax, step A: the tile's row max (a row lives in the 4 threads of a quad).
     float tile_max[2] = {NEG_INFINITY, NEG_INFINITY};
@@ -370,26 +383,47 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     for (int r = 0; r < 2; ++r) {
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      if (plain_tile) tile_max[r] *= scale;  // max of x = scale * acc
       // Step B: the new running max m_new and the rescale factor alpha = exp(m_old - m_new) of what was summed
       // so far. A row with no finite logit yet keeps m = -inf; it subtracts 0 instead (exp(-inf) = 0, no NaN).
       const float m_new = fmaxf(row_max[r], tile_max[r]);
       max_used[r] = (m_new == NEG_INFINITY) ? 0.0f : m_new;
-      alpha[r] = exp2f((row_max[r] - max_used[r]) * LOG2E);
+      alpha[r] = fast_exp2((row_max[r] - max_used[r]) * LOG2E);
       row_max[r] = m_new;
     }
     // Step C: p = exp(x - m_new); l = alpha * l + sum p (this thread's columns; the quad sums at the end).
+    // Plain tiles evaluate exp(scale * acc - m) as 2^(acc * scale*log2e - m*log2e), one FFMA per score, when
+    // m*log2e cannot overflow for any row of the warp; everything else takes x - m first.
+    const bool fold = plain_tile && __all_sync(0xffffffffu, fabsf(max_used[0]) < 1e30f && fabsf(max_used[1]) < 1e30f);
     float tile_sum[2] = {0.0f, 0.0f};
+    if (fold) {
+      const float scale_log2 = scale * LOG2E;
+      const float neg_max_log2[2] = {-max_used[0] * LOG2E, -max_used[1] * LOG2E};
 #pragma unroll
-    for (int np = 0; np < S_PAIRS; ++np)
+      for (int np = 0; np < S_PAIRS; ++np)
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
+        for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int r = c >> 1;
-          const float p = exp2f((s_acc[np][hf][c] - max_used[r]) * LOG2E);
-          s_acc[np][hf][c] = p;
-          tile_sum[r] += p;
-        }
+          for (int c = 0; c < 4; ++c) {
+            const int r = c >> 1;
+            const float p = fast_exp2(fmaf(s_acc[np][hf][c], scale_log2, neg_max_log2[r]));
+            s_acc[np][hf][c] = p;
+            tile_sum[r] += p;
+          }
+    } else {
+#pragma unroll
+      for (int np = 0; np < S_PAIRS; ++np)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int r = c >> 1;
+            const float x = plain_tile ? s_acc[np][hf][c] * scale : s_acc[np][hf][c];
+            const float p = fast_exp2((x - max_used[r]) * LOG2E);
+            s_acc[np][hf][c] = p;
+            tile_sum[r] += p;
+          }
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * alpha[r] + tile_sum[r];
     // Step D: rescale the accumulator O by alpha.
