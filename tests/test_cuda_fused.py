@@ -398,6 +398,8 @@ def test_launch_choices():
     assert fused.kernel_name(problem_with(h=128, dtype="float32"), "float32") == (
         "flash_attention_fp32<float, float, 128>"
     )
+    assert fused.kernel_name(problem_with(h=128), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128>"
+    assert fused.kernel_name(problem_with(h=120), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128>"
     assert fused.shared_bytes(large) == (64 + 3 * 64) * (96 + 8) * 2
     assert fused.Operand(0, "BSNH", 7, 40).strides(3) == (7 * 3 * 40, 40, 3 * 40)
     assert fused.Operand(0, "BNSH", 7, 40).strides(3) == (3 * 7 * 40, 7 * 40, 40)

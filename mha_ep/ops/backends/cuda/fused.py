@@ -62,13 +62,20 @@ class MmaTile:
     block_n: int = MMA_BLOCK_N
 
 
-# 64 query rows (4 warps) per block: at 166-230 registers per thread an SM then holds 2-3 independent blocks,
-# whose softmax and tensor-core phases interleave (one 8-warp block per SM runs them in lockstep).
+# Default tiles, from fused_timing's tile comparison on the H200 (2026-11-29): 64 x 64 (4 warps; 168 registers,
+# so 3 independent blocks per SM whose softmax and tensor-core phases interleave) was fastest on every head-64
+# anchor (e.g. S=T=4096: 377 µs against 453 for 128 x 64); for head 128, 128 x 128 (625 µs against 727).
 DEFAULT_MMA_TILE = MmaTile()
+WIDE_HEAD_MMA_TILE = MmaTile(128, 128)
+
+
+def default_tile(problem: MhaProblem) -> MmaTile:
+    g = problem.geometry
+    return WIDE_HEAD_MMA_TILE if head_dim_tile(g.head_size, g.v_head_size) == 128 else DEFAULT_MMA_TILE
 
 
 def block_m(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
-    return FP32_BLOCK_M if problem.dtype == "float32" else (tile or DEFAULT_MMA_TILE).block_m
+    return FP32_BLOCK_M if problem.dtype == "float32" else (tile or default_tile(problem)).block_m
 
 
 def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
@@ -129,7 +136,7 @@ def shared_bytes(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
     if problem.dtype == "float32":
         return 4 * (2 * head_dim * FP32_LDT + FP32_BLOCK_N * head_dim + FP32_BLOCK_N * FP32_LDT)
-    tile = tile or DEFAULT_MMA_TILE
+    tile = tile or default_tile(problem)
     rows = tile.block_m + 3 * tile.block_n  # Q, two K buffers, V
     return rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
 
@@ -141,7 +148,7 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[MmaTile]
     elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
     if problem.dtype == "float32":
         return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
-    tile = tile or DEFAULT_MMA_TILE
+    tile = tile or default_tile(problem)
     return f"flash_attention_mma<{elem}, {src}, {head_dim}, {tile.block_m}, {tile.block_n}>"
 
 
@@ -203,7 +210,7 @@ def run_fused(
           keep flags; None when the call has none;
     out_BSD: device float32 (B, S, N*Hv), every element written (rounded to the call's dtype first);
     stream: a cupy Stream to launch on (default: the current stream);
-    tile: the tensor-core kernel's tile (default DEFAULT_MMA_TILE; the timing script compares others).
+    tile: the tensor-core kernel's tile (default: default_tile(problem); the timing script compares others).
     """
     import cupy
 
