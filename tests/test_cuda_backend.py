@@ -40,11 +40,11 @@ def cupy_module():
     return cupy
 
 
-@pytest.fixture(scope="module")
-def backend(cupy_module):
+@pytest.fixture(scope="module", params=["fused", "three-phase"])
+def backend(cupy_module, request):
     from mha_ep.ops.backends.cuda import CudaBackend
 
-    return CudaBackend(0, poison_device_buffers=True)
+    return CudaBackend(0, poison_device_buffers=True, fused_path=request.param == "fused")
 
 
 # ----------------------------------------------------------------------------------------------- problems

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import os
 import threading
 from typing import Optional
@@ -31,7 +32,7 @@ import numpy as np
 
 from mha_ep.claim.rules import LAUNCH_BLOCK
 from mha_ep.errors import MhaEpError
-from mha_ep.ops.backends.cuda import gemm
+from mha_ep.ops.backends.cuda import fused, gemm
 from mha_ep.ops.backends.cuda.geometry import SOFTMAX_THREADS, LaunchPlan, plan_launch
 from mha_ep.ops.backends.cuda.kernels import get_kernel
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
@@ -42,6 +43,7 @@ MEMCPY_HOST_TO_DEVICE = 1
 MEMCPY_DEVICE_TO_HOST = 2
 MASK_KINDS = {None: 0, "key_lengths": 1, "keys_BT": 2, "keys_BST": 3}  # kernels/softmax.cu MaskKind
 POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float32
+log = logging.getLogger("mha_ep")
 COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
 SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
 CUDA_ERRORS = (
@@ -139,12 +141,15 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, device_id: int = 0, poison_device_buffers: bool = False):
+    def __init__(self, device_id: int = 0, poison_device_buffers: bool = False, fused_path: bool = True):
+        """``fused_path=False`` keeps every call on the three-phase path (tests run the parity suites on both;
+        the environment variable MHA_EP_THREE_PHASE=1 does the same for backends that mha_ep creates)."""
         count = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= device_id < count:
             raise MhaEpError(f"cuda backend: device_id {device_id} is out of range: {count} CUDA GPU(s) visible")
         self.device_id = device_id
         self.poison_device_buffers = poison_device_buffers
+        self.fused_path = fused_path and os.environ.get("MHA_EP_THREE_PHASE") != "1"
         with cupy.cuda.Device(device_id):
             props = cupy.cuda.runtime.getDeviceProperties(device_id)
             self.device = f"cuda:{device_id} {props['name'].decode()}"
@@ -172,7 +177,7 @@ class CudaBackend:
         with MhaScratch(self._runtime) as scratch:
             dev_in, dev_out, out_segments, out_base, out_bytes = self._stage(problem, scratch)
             # Steps 2-5 on the device.
-            ops = self._operands(plan, scratch, dev_out)
+            ops = self._operands(problem, plan, scratch, dev_out)
             scratch.mark_stream_use()  # from here on, any failure must wait for the stream before freeing
             self._attention(problem, plan, ops, dev_in, dev_out)
             # Step 6: one download, one synchronize.
@@ -213,7 +218,7 @@ class CudaBackend:
         plan = cached_plan(problem.geometry, problem.dtype)
         with self._lock, cupy.cuda.Device(self.device_id), self._stream, MhaScratch(self._runtime) as scratch:
             dev_in, dev_out, _, _, _ = self._stage(problem, scratch)
-            ops = self._operands(plan, scratch, dev_out)
+            ops = self._operands(problem, plan, scratch, dev_out)
             scratch.mark_stream_use()
             seconds = self._time_events(lambda: self._attention(problem, plan, ops, dev_in, dev_out), repeats, warmup)
             scratch.finish_stream_use()
@@ -266,8 +271,9 @@ class CudaBackend:
             scratch.mark_stream_use()
             cupy.cuda.runtime.memsetAsync(address, POISON_BYTE, nbytes, self._stream.ptr)
 
-    def _operands(self, plan: LaunchPlan, scratch: MhaScratch, dev_out: dict) -> dict:
-        """Device addresses of the attention operands (scratch, or the present outputs themselves)."""
+    def _operands(self, problem: MhaProblem, plan: LaunchPlan, scratch: MhaScratch, dev_out: dict) -> dict:
+        """Device addresses of the attention operands (scratch, or the present outputs themselves); the
+        three-phase buffers (scores, probabilities, context) only when the fused kernel does not apply."""
         f32_call = plan.dtype == "float32"
         ops = {"q_BNSH": self._allocate(scratch, "q_BNSH", plan)}
         # A float32 call's K/V operands are the present outputs themselves; otherwise they are scratch and the
@@ -277,8 +283,12 @@ class CudaBackend:
                 ops[operand], ops[present] = dev_out[present], None
             else:
                 ops[operand], ops[present] = self._allocate(scratch, operand, plan), dev_out.get(present)
-        for name in ("scores_BNST", "probs_BNST", "context_BNSH"):
-            ops[name] = self._allocate(scratch, name, plan)
+        ops["fused_unsupported"] = (
+            fused.fused_unsupported_reason(problem) if self.fused_path else "the three-phase path was asked for"
+        )
+        if ops["fused_unsupported"] is not None:
+            for name in ("scores_BNST", "probs_BNST", "context_BNSH"):
+                ops[name] = self._allocate(scratch, name, plan)
         return ops
 
     def _attention(self, problem: MhaProblem, plan: LaunchPlan, ops: dict, dev_in: dict, dev_out: dict) -> None:
@@ -293,6 +303,20 @@ class CudaBackend:
         self._build(plan, "build v_BNTH", plan.vec_v, dev_in["value"], kv_bnsh, dev_in.get("past_value"),
                     dev_in.get("bias_v"), ops["v_BNTH"], ops["present_value"], plan.kv_seq, plan.past_seq,
                     plan.v_head_size)  # fmt: skip
+
+        # Steps 3-5 in one flash-attention kernel wherever it computes the same function (fused.py's rule).
+        reason = ops["fused_unsupported"]
+        if reason is None:
+            fused.run_fused(
+                self.device_id, problem,
+                q=fused.Operand(ops["q_BNSH"], "BNSH", plan.q_seq, plan.head_size),
+                k=fused.Operand(ops["k_BNTH"], "BNSH", plan.total_seq, plan.head_size),
+                v=fused.Operand(ops["v_BNTH"], "BNSH", plan.total_seq, plan.v_head_size),
+                operand_dtype=plan.dtype, attention_bias=dev_in.get("attention_bias"),
+                mask=dev_in.get("mask"), out_BSD=dev_out["output"], stream=self._stream,
+            )  # fmt: skip
+            return
+        log.debug("fused path not used: %s; three-phase path", reason)
 
         # Step 3: scores.
         handle = cupy.cuda.device.get_cublas_handle()
