@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizers", required=True, help="folder with whisper/ and minilm/ tokenizer files")
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--out", default=None, help="where to rebuild the models (default: a temporary folder)")
+    parser.add_argument("--which", nargs="+", default=["whisper", "minilm"], choices=["whisper", "minilm"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"])
     args = parser.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="mha_ep_real_")
     device_models.unpack(args.packs, out)
@@ -33,11 +35,13 @@ def main(argv=None) -> int:
     bert.minilm_dir = lambda: tokenizers / "minilm"
     ctranslate2.whisper_model_dir = lambda: tokenizers / "whisper"
     status = 0
-    print("== Whisper tiny.en, fp32, stock ORT vs plugin", flush=True)
-    status |= whisper_transcribe.main(["--models", out, "--dtype", "fp32", "--backend", args.backend]) or 0
-    print("== all-MiniLM-L6-v2, fp32, 1D and 2D masks, stock ORT vs plugin", flush=True)
-    status |= minilm_embeddings.main(["--models", out, "--mask", "1d", "2d", "--dtype", "fp32",
-                                      "--backend", args.backend]) or 0
+    if "whisper" in args.which:
+        print(f"== Whisper tiny.en, {args.dtype}, stock ORT vs plugin ({args.backend})", flush=True)
+        status |= whisper_transcribe.main(["--models", out, "--dtype", args.dtype, "--backend", args.backend]) or 0
+    if "minilm" in args.which:
+        print(f"== all-MiniLM-L6-v2, {args.dtype}, 1D and 2D masks, stock ORT vs plugin ({args.backend})", flush=True)
+        status |= minilm_embeddings.main(["--models", out, "--mask", "1d", "2d", "--dtype", args.dtype,
+                                          "--backend", args.backend]) or 0
     return status
 
 
