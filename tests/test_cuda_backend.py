@@ -318,7 +318,10 @@ def test_failure_after_launch_releases_scratch_and_backend_stays_usable(backend,
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure after the layout kernels were submitted")
 
-    monkeypatch.setattr(gemm, "context_gemm", broken)
+    from mha_ep.ops.backends.cuda import fused
+
+    # the last launch of whichever path runs: the fused kernel, or the three-phase path's P.V GEMM
+    monkeypatch.setattr(*((fused, "run_fused") if backend.fused_path else (gemm, "context_gemm")), broken)
     with pytest.raises(RuntimeError, match="injected failure"):
         backend.run(problem)
     assert pool.used_bytes() == baseline
@@ -349,9 +352,12 @@ def test_create_backend_builds_the_cuda_backend(cupy_module):
     assert_matches(problem, backend.run(problem))
 
 
-def test_out_of_device_memory_names_the_buffer_and_releases_everything(backend, cupy_module):
+def test_out_of_device_memory_names_the_buffer_and_releases_everything(cupy_module):
     """scores_BNST of 1 x 1 x 200000 x 200000 float32 is 160 GB, more than the card: a clean MhaEpError."""
     from mha_ep.errors import MhaEpError
+    from mha_ep.ops.backends.cuda import CudaBackend
+
+    backend = CudaBackend(0, fused_path=False)  # the fused path allocates no scores buffer to run out on
 
     length = 200_000
     rng = np.random.default_rng(7)
