@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     else:
         from mha_ep import bench_gpu
 
-        return bench_gpu.main(rest + ["--repeats", str(args.repeats)])
+        return bench_gpu.main(rest + ["--repeats", str(args.repeat)])
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
