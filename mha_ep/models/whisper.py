@@ -19,7 +19,7 @@ step L cross-attention MHA and L self-attention ``com.microsoft::Attention``; th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict
 
 import onnx
 

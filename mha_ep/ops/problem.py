@@ -195,7 +195,7 @@ def output_shapes(
     """Best-effort shapes of (output, present_key, present_value) for poisoning a failed call; () when unknown."""
     try:
         n = int(attributes.get("num_heads", 0))
-        query, key, value = arrays[0], arrays[1], arrays[2]
+        query, value = arrays[0], arrays[2]
         b, s = query.shape[0], query.shape[1]
         if value is not None and value.ndim == 4:
             dv, length, hv = value.shape[1] * value.shape[3], value.shape[2], value.shape[3]
