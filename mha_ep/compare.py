@@ -53,15 +53,16 @@ class CompareReport:
     nodes: List[Comparison] = field(default_factory=list)
     stock_ms: float = 0.0
     plugin_ms: float = 0.0
-    oracle: str = "stock ORT CPU"
+    oracle: Optional[str] = "stock ORT CPU"  # None: stock ORT could not run the model
     notes: List[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.outputs + self.nodes)
+        """True when an oracle ran and every output (and node) is within tolerance."""
+        return self.oracle is not None and all(c.passed for c in self.outputs + self.nodes)
 
     def text(self) -> str:
-        lines = [f"== {self.model}: plugin ({self.backend}) vs {self.oracle}", self.partition.report()]
+        lines = [f"== {self.model}: plugin ({self.backend}) vs {self.oracle or 'no oracle'}", self.partition.report()]
         if self.nodes:
             lines.append("per claimed node, in graph order:")
             lines.extend(c.line() for c in self.nodes)
@@ -69,7 +70,8 @@ class CompareReport:
         lines.extend(c.line() for c in self.outputs)
         lines.append(f"  time per run: stock {self.stock_ms:.2f} ms, plugin {self.plugin_ms:.2f} ms")
         lines.extend(f"  note: {n}" for n in self.notes)
-        lines.append(f"  {'PASS' if self.passed else 'FAIL'}")
+        verdict = "NO ORACLE" if self.oracle is None else "PASS" if self.passed else "FAIL"
+        lines.append(f"  {verdict}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -187,9 +189,12 @@ def compare(
         stock = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"])
         stock_outputs, report.stock_ms = _timed_run(stock, feeds, repeat)
     except Exception as error:  # noqa: BLE001 - e.g. bfloat16 MHA, which stock ORT cannot run
-        report.oracle = "nothing (stock ORT could not run the model)"
-        report.notes.append(f"stock ORT failed: {str(error).splitlines()[0][:300]}")
-        report.outputs.append(Comparison("<stock ORT run>", "-", (), float("inf"), float("inf"), 0.0))
+        report.oracle = None
+        report.notes.append(
+            f"stock ORT cannot run this model, so there is nothing to compare against: "
+            f"{str(error).splitlines()[0][:300]} (single-node bfloat16 parity is checked against a float64 "
+            f"reference in tests/test_parity_random.py)"
+        )
         return report
     names = [o.name for o in plugin.get_outputs()]
     by_name_plugin: Dict[str, np.ndarray] = dict(zip(names, plugin_outputs))

@@ -107,3 +107,22 @@ def test_cli_compare_exit_status_and_json(tmp_path):
     data = json.loads(done.stdout)
     assert data["passed"] and data["claimed"] == 2 and len(data["nodes"]) == 2
     assert data["outputs"][0]["shape"] == [2, 5, 8]
+
+
+def test_cli_compare_says_when_stock_ort_cannot_be_the_oracle(tmp_path):
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain="com.microsoft", num_heads=2)
+    graph = helper.make_graph(
+        [helper.make_node("Cast", [f"{x}32"], [x], to=TP.BFLOAT16) for x in "qkv"]
+        + [node, helper.make_node("Cast", ["o"], ["o32"], to=TP.FLOAT)],
+        "bf16",
+        [helper.make_tensor_value_info(f"{x}32", TP.FLOAT, [1, 3, 8]) for x in "qkv"],
+        [helper.make_tensor_value_info("o32", TP.FLOAT, [1, 3, 8])],
+    )
+    model = helper.make_model(
+        graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    source = tmp_path / "bf16.onnx"
+    onnx.save(model, source)
+    done = run_cli("compare", str(source), "--backend", "reference")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "stock ORT cannot run this model" in done.stdout and "NO ORACLE" in done.stdout
