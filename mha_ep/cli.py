@@ -16,6 +16,8 @@ import sys
 
 import numpy as np
 
+from mha_ep.errors import MhaEpError
+
 
 def _dims(values):
     dims = {}
@@ -27,15 +29,23 @@ def _dims(values):
     return dims
 
 
-def cmd_partition(args) -> int:
-    import onnx
+def load_feeds(path: str) -> dict:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no feeds file at {path!r}") from None
+    except Exception as error:  # noqa: BLE001
+        raise ValueError(f"{path!r} is not a readable .npz of feeds: {error}") from None
 
-    from mha_ep.partition import partition
+
+def cmd_partition(args) -> int:
+    from mha_ep.partition import partition, save_model
 
     result = partition(args.model, lift_attention=args.lift_attention)
     print(result.to_json() if args.json else result.report())
     if args.output:
-        onnx.save(result.model, args.output)
+        save_model(result.model, args.output)
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
@@ -43,7 +53,7 @@ def cmd_partition(args) -> int:
 def cmd_compare(args) -> int:
     from mha_ep.compare import compare
 
-    feeds = dict(np.load(args.feeds)) if args.feeds else None
+    feeds = load_feeds(args.feeds) if args.feeds else None
     report = compare(
         args.model,
         feeds=feeds,
@@ -113,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError, MhaEpError) as error:  # bad input: one line, no traceback
+        print(f"mha-ep {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -145,6 +145,19 @@ def expose_mha_outputs(model: onnx.ModelProto) -> List[str]:
     return exposed
 
 
+def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None:
+    """Every graph input that is not an initializer has a feed, and no feed names an unknown input."""
+    initializers = {init.name for init in model.graph.initializer}
+    needed = [v.name for v in model.graph.input if v.name not in initializers]
+    missing = [name for name in needed if name not in feeds]
+    unknown = sorted(set(feeds) - {v.name for v in model.graph.input})
+    if missing or unknown:
+        raise ValueError(
+            f"feeds do not fit the model: missing {missing or 'none'}, unknown {unknown or 'none'}; "
+            f"the model's inputs are {needed}"
+        )
+
+
 def _timed_run(session, feeds, repeat: int):
     outputs = session.run(None, feeds)
     start = time.perf_counter()
@@ -181,6 +194,7 @@ def compare(
     graph_outputs = [o.name for o in original.graph.output]
     exposed = expose_mha_outputs(original) if per_node else []
     feeds = dict(feeds) if feeds is not None else random_feeds(original, seed=seed, dims=dims)
+    check_feeds(original, feeds)
 
     plugin = InferenceSession(original, backend=backend, device_id=device_id)
     plugin_outputs, plugin_ms = _timed_run(plugin, feeds, repeat)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import List, Union
 
@@ -79,9 +80,35 @@ class PartitionResult:
 
 
 def load_model(model: Union[onnx.ModelProto, str, os.PathLike]) -> onnx.ModelProto:
+    """A private copy of ``model`` (a ModelProto or a path); a clear ValueError when the path is not an ONNX model."""
     if isinstance(model, onnx.ModelProto):
         return copy.deepcopy(model)
-    return onnx.load(os.fspath(model))
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no ONNX model at {path!r}")
+    try:
+        return onnx.load(path)
+    except Exception as error:  # noqa: BLE001 - protobuf's DecodeError and friends
+        raise ValueError(f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from None
+
+
+def save_model(model: onnx.ModelProto, path: Union[str, os.PathLike]) -> None:
+    """Write ``model`` to ``path`` whole or not at all (a temporary file beside it, then a rename)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(prefix=".mha_ep_", suffix=".onnx", dir=folder)
+    os.close(handle)
+    try:
+        if model.ByteSize() > 2**31 - 2**24:
+            location = os.path.basename(path) + ".data"
+            onnx.save(model, temporary, save_as_external_data=True, location=location)
+        else:
+            onnx.save(model, temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
 
 
 def is_ort_mha(node: onnx.NodeProto) -> bool:
@@ -133,6 +160,12 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
         known = {v.name for v in graph.value_info} | {v.name for v in graph.output}
         graph.value_info.extend(v for v in value_infos if v.name not in known)
         add_plugin_domain(model)
+    nested = sum(is_ort_mha(n) for n in nested_nodes(graph))
+    if nested:
+        notes.append(
+            f"{nested} MultiHeadAttention node(s) inside control-flow subgraphs (If/Loop/Scan) are left to ORT: "
+            "the pass partitions the main graph only"
+        )
     if any(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node):
         count = sum(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node)
         notes.append(
@@ -140,6 +173,16 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
             + ("" if lift_attention else "; partition(..., lift_attention=True) rewrites them into MatMuls + MHA")
         )
     return PartitionResult(model, decisions, lifted, notes)
+
+
+def nested_nodes(graph: onnx.GraphProto):
+    """Every node inside the subgraphs of ``graph``'s nodes, recursively (not the main graph's own nodes)."""
+    for node in graph.node:
+        for attr in node.attribute:
+            subgraphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+            for sub in subgraphs:
+                yield from sub.node
+                yield from nested_nodes(sub)
 
 
 def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:

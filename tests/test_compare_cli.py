@@ -126,3 +126,47 @@ def test_cli_compare_says_when_stock_ort_cannot_be_the_oracle(tmp_path):
     done = run_cli("compare", str(source), "--backend", "reference")
     assert done.returncode == 2, done.stdout + done.stderr
     assert "stock ORT cannot run this model" in done.stdout and "NO ORACLE" in done.stdout
+
+
+def test_cli_bad_paths_and_feeds_are_one_line_errors(tmp_path):
+    done = run_cli("partition", str(tmp_path / "missing.onnx"))
+    assert done.returncode == 2 and "error: no ONNX model at" in done.stderr and "Traceback" not in done.stderr
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a model")
+    done = run_cli("compare", str(garbage))
+    assert done.returncode == 2 and "is not a readable ONNX model" in done.stderr
+    source, feeds = tmp_path / "chain.onnx", tmp_path / "feeds.npz"
+    onnx.save(chain_model(), source)
+    np.savez(feeds, input_ids=np.zeros((2, 4), np.int64))
+    done = run_cli("compare", str(source), "--feeds", str(feeds), "--backend", "reference")
+    assert done.returncode == 2 and "missing ['attention_mask']" in done.stderr, done.stderr
+
+
+def test_partition_notes_mha_nodes_inside_subgraphs():
+    inner = helper.make_graph(
+        [helper.make_node("MultiHeadAttention", ["x", "x", "x"], ["y"], domain="com.microsoft", num_heads=2)],
+        "then", [], [helper.make_tensor_value_info("y", TP.FLOAT, [1, 3, 8])],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["z"])], "else", [], [helper.make_tensor_value_info("z", TP.FLOAT, [1, 3, 8])]
+    )
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["out"], then_branch=inner, else_branch=other)],
+        "g",
+        [helper.make_tensor_value_info("c", TP.BOOL, []), helper.make_tensor_value_info("x", TP.FLOAT, [1, 3, 8])],
+        [helper.make_tensor_value_info("out", TP.FLOAT, [1, 3, 8])],
+    )
+    model = helper.make_model(
+        graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    result = mha_ep.partition(model)
+    assert result.decisions == []
+    assert "1 MultiHeadAttention node(s) inside control-flow subgraphs" in result.report()
+
+
+def test_cli_partition_output_is_written_whole(tmp_path):
+    source, target = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(chain_model(), source)
+    assert run_cli("partition", str(source), "-o", str(target)).returncode == 0
+    onnx.checker.check_model(onnx.load(target))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mha_ep_")] == []
