@@ -2,7 +2,8 @@
 
 One device call carries at most 64 MiB, and the real models are 30-200 MB each. ``pack`` writes every model's
 graph without weights, plus the weights deduplicated across models (the Whisper decoders share most of theirs)
-into numbered chunks below a size limit; a float32 tensor whose values are all exact in float16 (Whisper tiny.en
+into numbered chunks below a size limit (a 2-D tensor that is another's transpose, like a tied lm_head, is stored
+once); a float32 tensor whose values are all exact in float16 (Whisper tiny.en
 ships float16 weights, upcast by the export) travels as float16. ``unpack`` rebuilds the models and checks each
 tensor's SHA-256 against the original's.
 
@@ -21,6 +22,10 @@ import sys
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+
+def fingerprint(array: np.ndarray) -> str:
+    return hashlib.sha256(array.tobytes() + str(array.dtype).encode() + str(array.shape).encode()).hexdigest()
 
 
 def pack(out_dir: str, models: list[str], chunk_mb: float) -> None:
@@ -42,10 +47,15 @@ def pack(out_dir: str, models: list[str], chunk_mb: float) -> None:
         names = []
         for init in model.graph.initializer:
             array = numpy_helper.to_array(init)
-            digest = hashlib.sha256(array.tobytes() + str(array.dtype).encode() + str(array.shape).encode()).hexdigest()
+            digest = fingerprint(array)
             names.append((init.name, digest))
             if digest in index["tensors"]:
                 continue
+            if array.ndim == 2:  # a tied lm_head is the embedding transposed: store it once
+                twin = fingerprint(np.ascontiguousarray(array.T))
+                if twin in index["tensors"]:
+                    index["tensors"][digest] = {"transpose_of": twin}
+                    continue
             stored = array
             if array.dtype == np.float32 and np.array_equal(array.astype(np.float16).astype(np.float32), array):
                 stored = array.astype(np.float16)
@@ -82,12 +92,16 @@ def unpack(pack_dirs: list[str], out_dir: str) -> None:
         model = onnx.load(files[entry["graph"]])
         for name, digest in entry["initializers"]:
             t = index["tensors"][digest]
+            transpose = "transpose_of" in t
+            if transpose:
+                t = index["tensors"][t["transpose_of"]]
             if t["chunk"] not in chunks:
                 chunks[t["chunk"]] = np.fromfile(files[f"chunk_{t['chunk']:03d}.bin"], np.uint8)
             raw = chunks[t["chunk"]][t["offset"] : t["offset"] + t["bytes"]]
             array = raw.view(t["stored"]).astype(t["dtype"]).reshape(t["shape"])
-            check = hashlib.sha256(array.tobytes() + str(array.dtype).encode() + str(array.shape).encode()).hexdigest()
-            if check != digest:
+            if transpose:
+                array = np.ascontiguousarray(array.T)
+            if fingerprint(array) != digest:
                 raise SystemExit(f"{entry['file']}: tensor {name} does not match the original (sha256)")
             model.graph.initializer.append(numpy_helper.from_array(array, name))
         onnx.save(model, os.path.join(out_dir, entry["file"]))
