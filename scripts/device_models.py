@@ -32,16 +32,7 @@ def pack(out_dir: str, models: list[str], chunk_mb: float) -> None:
     os.makedirs(out_dir, exist_ok=True)
     limit = int(chunk_mb * 2**20)
     index = {"tensors": {}, "models": []}
-    chunk_id, chunk, chunk_size = 0, [], 0
-
-    def flush():
-        nonlocal chunk_id, chunk, chunk_size
-        if chunk:
-            with open(os.path.join(out_dir, f"chunk_{chunk_id:03d}.bin"), "wb") as handle:
-                for blob in chunk:
-                    handle.write(blob)
-            chunk_id, chunk, chunk_size = chunk_id + 1, [], 0
-
+    blobs = {}  # digest -> bytes, assigned to chunks at the end (first fit, largest first)
     for path in models:
         model = onnx.load(path)
         names = []
@@ -59,25 +50,35 @@ def pack(out_dir: str, models: list[str], chunk_mb: float) -> None:
             stored = array
             if array.dtype == np.float32 and np.array_equal(array.astype(np.float16).astype(np.float32), array):
                 stored = array.astype(np.float16)
-            blob = np.ascontiguousarray(stored).tobytes()
-            if chunk_size + len(blob) > limit:
-                flush()
-            index["tensors"][digest] = {
-                "chunk": chunk_id, "offset": chunk_size, "bytes": len(blob), "stored": str(stored.dtype),
-                "dtype": str(array.dtype), "shape": list(array.shape),
-            }
-            chunk.append(blob)
-            chunk_size += len(blob)
+            blobs[digest] = np.ascontiguousarray(stored).tobytes()
+            index["tensors"][digest] = {"stored": str(stored.dtype), "dtype": str(array.dtype), "shape": list(array.shape)}
         del model.graph.initializer[:]
         graph_file = os.path.basename(path) + ".graph"
         onnx.save(model, os.path.join(out_dir, graph_file))
         index["models"].append({"file": os.path.basename(path), "graph": graph_file, "initializers": names})
         print(f"packed {path}", file=sys.stderr)
-    flush()
+    chunks: list[list[str]] = []
+    sizes: list[int] = []
+    for digest in sorted(blobs, key=lambda d: -len(blobs[d])):
+        size = len(blobs[digest])
+        if size > limit:
+            raise SystemExit(f"a tensor of {size} bytes exceeds the chunk limit of {limit} bytes")
+        slot = next((i for i, used in enumerate(sizes) if used + size <= limit), None)
+        if slot is None:
+            chunks.append([])
+            sizes.append(0)
+            slot = len(chunks) - 1
+        index["tensors"][digest].update(chunk=slot, offset=sizes[slot], bytes=size)
+        chunks[slot].append(digest)
+        sizes[slot] += size
+    for slot, digests in enumerate(chunks):
+        with open(os.path.join(out_dir, f"chunk_{slot:03d}.bin"), "wb") as handle:
+            for digest in digests:
+                handle.write(blobs[digest])
     with open(os.path.join(out_dir, "index.json"), "w") as handle:
         json.dump(index, handle)
-    sizes = [os.path.getsize(os.path.join(out_dir, f)) for f in sorted(os.listdir(out_dir))]
-    print(f"{len(index['tensors'])} unique tensors in {chunk_id} chunk(s); {sum(sizes) / 2**20:.1f} MiB in all")
+    total = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
+    print(f"{len(blobs)} unique tensors in {len(chunks)} chunk(s); {total / 2**20:.1f} MiB in all")
 
 
 def unpack(pack_dirs: list[str], out_dir: str) -> None:
