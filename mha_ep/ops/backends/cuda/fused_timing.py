@@ -28,7 +28,7 @@ import argparse
 import numpy as np
 
 from mha_ep.ops.backends.cuda import fused
-from mha_ep.ops.problem import build_problem
+from mha_ep.ops.backends.cuda.timing import anchor_problem  # the same inputs as the three-phase timing
 
 # (label, B, S, T, N, H, dtype, extra, ORT CUDA dev µs, torch SDPA dev µs) from DESIGN.md
 ANCHORS = (
@@ -43,23 +43,6 @@ ANCHORS = (
     ("1,1,448,6,64 f32 (Whisper decode step)", 1, 1, 448, 6, 64, "float32", None, 63.6, 47.0),
     ("4,1500,1500,6,64 f16 (Whisper encoder)", 4, 1500, 1500, 6, 64, "float16", None, 69.8, 53.0),
 )
-
-
-def anchor_problem(b, s, t, n, h, dtype, extra, seed=0):
-    rng = np.random.default_rng(seed)
-    cast = {"float32": np.float32, "float16": np.float16}[dtype]
-
-    def rand(*shape):
-        return rng.standard_normal(shape, dtype=np.float32).astype(cast).astype(np.float32)
-
-    arrays = [rand(b, s, n * h), rand(b, t, n * h), rand(b, t, n * h), None, None, None, None, None]
-    if extra == "mask2d":
-        lengths = rng.integers(t // 2, t + 1, size=b)
-        arrays[4] = (np.arange(t)[None, :] < lengths[:, None]).astype(np.int32)
-    if extra == "attn_bias":
-        arrays[5] = rand(b, 1, s, t)
-    attrs = {"num_heads": n, "unidirectional": int(extra == "causal")}
-    return build_problem(attrs, arrays, dtype, (True, False, False, False))
 
 
 GRAPH_LAUNCHES = 10
