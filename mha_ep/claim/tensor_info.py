@@ -35,7 +35,14 @@ class TensorInfo:
 
     @classmethod
     def of_array(cls, array) -> "TensorInfo":
-        return cls(str(array.dtype), tuple(int(d) for d in array.shape))
+        dtype = array.dtype
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:  # str(dtype) costs microseconds; the op calls this on every input of every call
+            name = _DTYPE_NAMES.setdefault(dtype, str(dtype))
+        return cls(name, tuple(array.shape))
+
+
+_DTYPE_NAMES: dict = {}
 
 
 def format_shape(shape: Shape) -> str:
