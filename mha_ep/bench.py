@@ -5,6 +5,8 @@
                            and the plugin op's fixed per-call overhead on a tiny MHA call
     mha-ep bench anchors   the DESIGN.md anchor shapes, a sequence sweep (JSON + PNG), every provider present
                            (GPU; see mha_ep/bench_gpu.py for the columns)
+    mha-ep bench models    whole models host to host: shipped BERT/Whisper, real MiniLM and Whisper tiny.en when
+                           built; plugin vs ORT CPU (and ORT CUDA); any backend (mha_ep/bench_models.py)
 
 Byte model of the hook rows: bytes out = 4 * elements (float32); GB/s = bytes out / time per call.
 """
@@ -122,12 +124,16 @@ def bench_mha_overhead(repeat: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mha-ep bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("what", choices=["hook", "anchors"], help="which benchmark")
+    parser.add_argument("what", choices=["hook", "anchors", "models"], help="which benchmark")
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--json", help="also write the numbers to this JSON file")
     args, rest = parser.parse_known_args(argv)
     if args.what == "hook":
         result = bench_hook(args.repeat)
+    elif args.what == "models":
+        from mha_ep import bench_models
+
+        return bench_models.main(rest + ["--repeats", str(args.repeat)] + (["--json", args.json] if args.json else []))
     else:
         from mha_ep import bench_gpu
 

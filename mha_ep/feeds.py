@@ -32,15 +32,25 @@ def _dim_value(dim, dims: Mapping[str, int], name: str) -> int:
 
 
 def vocabulary_sizes(model: onnx.ModelProto) -> Dict[str, int]:
-    """Graph input -> rows of the embedding table that a Gather reads with it."""
+    """Graph input -> rows of the embedding table it indexes (through Cast/Identity chains): a Gather on an
+    initializer, or EmbedLayerNormalization's word (input 0) and segment (input 1) ids."""
     initializers = {init.name: init for init in model.graph.initializer}
+    source = {v.name: v.name for v in model.graph.input}
+    for node in model.graph.node:  # graph order is topological, so one pass follows every chain
+        if node.op_type in ("Cast", "Identity") and node.input and node.input[0] in source:
+            source[node.output[0]] = source[node.input[0]]
     sizes: Dict[str, int] = {}
+
+    def note(tensor: str, table: str) -> None:
+        if tensor in source and table in initializers:
+            sizes[source[tensor]] = int(initializers[table].dims[0])
+
     for node in model.graph.node:
-        if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in initializers:
-            sizes[node.input[1]] = int(initializers[node.input[0]].dims[0])
-        if node.op_type == "EmbedLayerNormalization" and node.input and len(node.input) > 2:
-            if node.input[2] in initializers:  # word embedding
-                sizes[node.input[0]] = int(initializers[node.input[2]].dims[0])
+        if node.op_type == "Gather" and len(node.input) > 1:
+            note(node.input[1], node.input[0])
+        if node.op_type == "EmbedLayerNormalization" and len(node.input) > 4:
+            note(node.input[0], node.input[2])  # word embedding
+            note(node.input[1], node.input[4])  # segment embedding
     return sizes
 
 

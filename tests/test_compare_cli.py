@@ -170,3 +170,23 @@ def test_cli_partition_output_is_written_whole(tmp_path):
     assert run_cli("partition", str(source), "-o", str(target)).returncode == 0
     onnx.checker.check_model(onnx.load(target))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mha_ep_")] == []
+
+
+def test_bench_models_runs_the_shipped_models(tmp_path):
+    out = tmp_path / "models.json"
+    done = run_cli("bench", "models", "--shipped-only", "--backend", "reference", "--repeat", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["file"] for r in rows] == [
+        "bert_small_mask2d_fp32.onnx", "whisper_small_decoder_fp32.onnx", "whisper_small_encoder_fp32.onnx"
+    ]
+    assert all(r["declined"] == 0 and r["max_rel_error"] < 1e-4 and r["plugin_ms"] > 0 for r in rows)
+    assert "| BERT small (shipped), B=8 S=128, 2D mask | 2/2 |" in done.stdout
+
+
+def test_random_feeds_follow_casts_to_the_embedding_tables():
+    from mha_ep.feeds import vocabulary_sizes
+    from mha_ep.models import manifest
+
+    model = onnx.load(manifest.model_path(manifest.entries()["bert_small_mask1d_fp32.onnx"]))
+    assert vocabulary_sizes(model) == {"input_ids": 1000, "token_type_ids": 2}
