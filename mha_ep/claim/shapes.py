@@ -83,12 +83,12 @@ def infer_static_infos(model: onnx.ModelProto) -> Dict[str, TensorInfo]:
     try:
         inferred = symbolic_shape_inference(model)
     except Exception as error:  # noqa: BLE001 - any failure means: try the next method
-        log.debug("symbolic shape inference failed (%s); falling back to ONNX shape inference", error)
+        log.debug("mha_ep: symbolic shape inference failed (%s); falling back to ONNX shape inference", error)
     if inferred is None:
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
         except Exception as error:  # noqa: BLE001
-            log.debug("ONNX shape inference failed (%s); using recorded shapes only", error)
+            log.debug("mha_ep: ONNX shape inference failed (%s); using recorded shapes only", error)
             inferred = model
     infos = collect_infos(model)
     infos.update(collect_infos(inferred))

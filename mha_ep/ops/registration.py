@@ -78,7 +78,7 @@ def fail(node_name, error, arrays, attributes, context) -> tuple:
         if context is not None:
             context.record(node_name, message)
         else:
-            log.error("node %r failed; its outputs are NaN: %s", node_name, message)
+            log.error("mha_ep: node %r failed; its outputs are NaN: %s", node_name, message)
     except BaseException:  # noqa: BLE001
         pass
     shapes = output_shapes(attributes, arrays)

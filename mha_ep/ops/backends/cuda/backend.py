@@ -316,7 +316,7 @@ class CudaBackend:
                 mask=dev_in.get("mask"), out_BSD=dev_out["output"], stream=self._stream,
             )  # fmt: skip
             return
-        log.debug("fused path not used: %s; three-phase path", reason)
+        log.debug("mha_ep: fused path not used: %s; three-phase path", reason)
 
         # Step 3: scores.
         handle = cupy.cuda.device.get_cublas_handle()
