@@ -29,6 +29,8 @@ def describe_backend(backend: str, device_id: int) -> str:
 def run_demo(backend: str = "auto", device_id: int = 0, per_node: bool = False, out=sys.stdout) -> int:
     entries = manifest.load()["models"]
     print(f"mha_ep demo: {len(entries)} shipped models; backend: {describe_backend(backend, device_id)}", file=out)
+    if backend == "auto":  # said above, so the sessions need not say it again
+        backend = "cuda" if cuda_unavailable_reason(device_id) is None else "reference"
     rows = []
     started = time.perf_counter()
     for index, entry in enumerate(entries, 1):
