@@ -24,6 +24,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 import onnxruntime
+from packaging.version import Version
 import pytest
 
 import mha_ep
@@ -364,6 +365,11 @@ def feeds_of(inputs: Dict[str, object], rng: np.random.Generator, values=None) -
     return feeds
 
 
+# The stock-ORT error strings asserted here are those of ORT 1.31.1 (semantics doc 2.6); older ORTs (Python 3.10
+# tops out at 1.23) word them differently and even crash (SIGFPE) on some of these inputs, so only 1.31+ is asked.
+STOCK_ORT_IS_THE_REFERENCE = Version(onnxruntime.__version__) >= Version("1.31")
+
+
 def stock_error(model, feeds) -> str:
     """Stock ORT's error for this call (load or run), or "" when it runs."""
     try:
@@ -391,7 +397,7 @@ def check_not_claimed(c: BadCase, rng: np.random.Generator) -> None:
     after = [n.SerializeToString() for n in result.model.graph.node]
     assert after == original, f"{c.name}: the declined node changed:\n{result.model.graph.node}"
     assert all(n.domain == "com.microsoft" for n in result.model.graph.node if n.op_type == "MultiHeadAttention")
-    if huge(c):
+    if huge(c) or not STOCK_ORT_IS_THE_REFERENCE:
         return
     error = stock_error(model, feeds_of(c.bad, rng, c.values))
     if c.ort_error is None:

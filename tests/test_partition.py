@@ -177,7 +177,8 @@ def test_float16_model_matches_stock_through_the_transport(rng):
 
 def test_bfloat16_model_runs_where_stock_ort_cannot(rng):
     model = two_node_model("bfloat16")
-    with pytest.raises(Exception, match="NOT_IMPLEMENTED|Could not find an implementation"):
+    # ORT 1.31: no bfloat16 kernel; ORT <= 1.23 (the newest for Python 3.10): bfloat16 not in the schema
+    with pytest.raises(Exception, match=r"NOT_IMPLEMENTED|Could not find an implementation|tensor\(bfloat16\)"):
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     # feed float32 values through a bf16 model whose inputs we widen to float32 + Cast, so NumPy can carry them
     session = mha_ep.InferenceSession(model, backend="reference")
