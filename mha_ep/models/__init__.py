@@ -12,3 +12,15 @@
 
 Only the builders need torch; the shipped models, the manifest, transcription and embeddings run without it.
 """
+
+
+def run_tool(main) -> int:
+    """Run a model tool's ``main``; a missing optional dependency is one line naming what to install."""
+    import sys
+
+    try:
+        return main()
+    except ImportError as error:
+        hint = "" if "pip install" in str(error) else '; the model tools need the models extra: pip install -e ".[models]"'
+        print(f"error: {error}{hint}", file=sys.stderr)
+        return 2

@@ -186,4 +186,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mha_ep.models import run_tool
+
+    sys.exit(run_tool(main))
