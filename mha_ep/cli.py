@@ -63,6 +63,8 @@ def cmd_compare(args) -> int:
         seed=args.seed,
         dims=_dims(args.dim),
         lift_attention=args.lift_attention,
+        runs=args.runs,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
     if report.oracle is None:
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-node", action="store_true", help="report every claimed node's output error")
     p.add_argument("--feeds", help=".npz file with the feeds (default: random, valid for the model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=1, help="random feed sets to try (worst error reported)")
     p.add_argument("--dim", action="append", help="value of a symbolic dim for random feeds, NAME=VALUE")
     p.add_argument("--lift-attention", action="store_true")
     p.add_argument("--json", action="store_true")

@@ -190,3 +190,17 @@ def test_random_feeds_follow_casts_to_the_embedding_tables():
 
     model = onnx.load(manifest.model_path(manifest.entries()["bert_small_mask1d_fp32.onnx"]))
     assert vocabulary_sizes(model) == {"input_ids": 1000, "token_type_ids": 2}
+
+
+def test_compare_over_many_feed_sets_reports_the_worst_and_shows_progress(tmp_path):
+    lines = []
+    report = mha_ep.compare(chain_model(), backend="reference", per_node=True, runs=3, repeat=1, progress=lines.append)
+    assert report.passed, report.text()
+    assert lines == ["[1/3] feeds seed 0", "[2/3] feeds seed 1", "[3/3] feeds seed 2"]
+    single = [mha_ep.compare(chain_model(), backend="reference", seed=s, repeat=1).outputs[0].max_rel for s in range(3)]
+    assert report.outputs[0].max_rel == max(single)
+    assert "worst of 3 feed sets" in report.text()
+    source = tmp_path / "chain.onnx"
+    onnx.save(chain_model(), source)
+    done = run_cli("compare", str(source), "--backend", "reference", "--runs", "2")
+    assert done.returncode == 0 and "[2/2] feeds seed 1" in done.stderr, done.stderr
