@@ -511,5 +511,5 @@ def check(call: Call) -> Optional[Refusal]:
         try:
             rule(call)
         except Refusal as refusal:
-            return refusal
+            return refusal.with_traceback(None)  # memoised: keep no frames alive
     return None
