@@ -19,14 +19,16 @@ import numpy as np
 from mha_ep.errors import MhaEpError
 
 
+def parse_dim(item: str) -> tuple:
+    """--dim NAME=VALUE -> (NAME, VALUE); argparse turns the error into a one-line usage message."""
+    name, _, value = item.partition("=")
+    if not name or not value.isdigit():
+        raise argparse.ArgumentTypeError(f"--dim expects NAME=VALUE with a whole number, got {item!r}")
+    return name, int(value)
+
+
 def _dims(values):
-    dims = {}
-    for item in values or []:
-        name, _, value = item.partition("=")
-        if not value:
-            raise argparse.ArgumentTypeError(f"--dim expects NAME=VALUE, got {item!r}")
-        dims[name] = int(value)
-    return dims
+    return dict(values or [])
 
 
 def load_feeds(path: str) -> dict:
@@ -112,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feeds", help=".npz file with the feeds (default: random, valid for the model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", type=int, default=1, help="random feed sets to try (worst error reported)")
-    p.add_argument("--dim", action="append", help="value of a symbolic dim for random feeds, NAME=VALUE")
+    p.add_argument("--dim", action="append", type=parse_dim, help="value of a symbolic dim for random feeds, NAME=VALUE")
     p.add_argument("--lift-attention", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compare)
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, MhaEpError) as error:  # bad input: one line, no traceback
+    except (OSError, ValueError, MhaEpError) as error:  # bad input: one line, no traceback
         print(f"mha-ep {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -14,21 +14,52 @@ import onnx
 
 from mha_ep.claim.shapes import dtype_name
 
-DEFAULT_DIMS = {"batch": 2, "sequence": 8}
+DEFAULT_BATCH = 2
+DEFAULT_SEQUENCE = 8
+DEFAULT_PAST = 4
 FALLBACK_DIM = 4
 
 
-def _dim_value(dim, dims: Mapping[str, int], name: str) -> int:
-    if dim.HasField("dim_value"):
-        return int(dim.dim_value)
-    param = dim.dim_param
-    if param in dims:
-        return int(dims[param])
+def default_dim(param: str) -> int:
+    """A value for a symbolic dim nobody named: batch 2, sequence 8, past 4, anything else 4.
+
+    ``total*`` dims are not decided here: resolve_dims makes them past + sequence (ORT's decoder convention).
+    """
     lowered = param.lower()
-    for key, value in DEFAULT_DIMS.items():
-        if key in lowered:
-            return value
+    if "batch" in lowered:
+        return DEFAULT_BATCH
+    if lowered.startswith("past"):
+        return DEFAULT_PAST
+    if "seq" in lowered or "len" in lowered:
+        return DEFAULT_SEQUENCE
     return FALLBACK_DIM
+
+
+def resolve_dims(model: onnx.ModelProto, dims: Optional[Mapping[str, int]] = None) -> Dict[str, int]:
+    """A value for every dim_param of the model's inputs: the caller's, else a default; a ``total*`` dim is the
+    matching ``past*`` dim + the sequence dim, so masks of length T = P + L fit (e.g. total_sequence_length =
+    past_sequence_length + sequence_length)."""
+    values = dict(dims or {})
+    params = [
+        d.dim_param
+        for value in model.graph.input
+        for d in value.type.tensor_type.shape.dim
+        if not d.HasField("dim_value") and d.dim_param
+    ]
+    for param in params:
+        if param not in values and not param.lower().startswith("total"):
+            values[param] = default_dim(param)
+    for param in params:
+        if param in values:
+            continue
+        suffix = param[len("total"):]  # "_sequence_length", "_decode_len", ...
+        past = next((v for k, v in values.items() if k.lower().startswith("past") and k.endswith(suffix)), DEFAULT_PAST)
+        current = next(
+            (v for k, v in values.items() if not k.lower().startswith("past") and suffix.endswith(k.lstrip("_"))),
+            DEFAULT_SEQUENCE,
+        )
+        values[param] = past + current
+    return values
 
 
 def vocabulary_sizes(model: onnx.ModelProto) -> Dict[str, int]:
@@ -58,7 +89,7 @@ def random_feeds(
     model: onnx.ModelProto, seed: int = 0, dims: Optional[Mapping[str, int]] = None
 ) -> Dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    dims = dict(dims or {})
+    dims = resolve_dims(model, dims)
     initializer_names = {init.name for init in model.graph.initializer}
     vocab = vocabulary_sizes(model)
     feeds: Dict[str, np.ndarray] = {}
@@ -66,9 +97,10 @@ def random_feeds(
         if value.name in initializer_names:
             continue
         tensor = value.type.tensor_type
-        shape = tuple(_dim_value(d, dims, value.name) for d in tensor.shape.dim)
+        shape = tuple(int(d.dim_value) if d.HasField("dim_value") else dims.get(d.dim_param, FALLBACK_DIM)
+                      for d in tensor.shape.dim)  # fmt: skip
         dtype = dtype_name(tensor.elem_type)
-        feeds[value.name] = _random_tensor(rng, value.name, shape, dtype, vocab.get(value.name))
+        feeds[value.name] = np.asarray(_random_tensor(rng, value.name, shape, dtype, vocab.get(value.name)))
     return feeds
 
 

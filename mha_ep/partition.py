@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import List, Union
+from typing import List, Optional, Union
 
 import numpy as np
 import onnx
@@ -92,18 +92,32 @@ def load_model(model: Union[onnx.ModelProto, str, os.PathLike]) -> onnx.ModelPro
         raise ValueError(f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from None
 
 
+def _default_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def save_model(model: onnx.ModelProto, path: Union[str, os.PathLike]) -> None:
     """Write ``model`` to ``path`` whole or not at all (a temporary file beside it, then a rename)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write the model to {path!r}: it is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write the model to {path!r}: folder {folder!r} does not exist")
+    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else _default_file_mode()
     handle, temporary = tempfile.mkstemp(prefix=".mha_ep_", suffix=".onnx", dir=folder)
     os.close(handle)
     try:
         if model.ByteSize() > 2**31 - 2**24:
             location = os.path.basename(path) + ".data"
+            if os.path.exists(os.path.join(folder, location)):  # onnx.save appends to an existing data file
+                os.unlink(os.path.join(folder, location))
             onnx.save(model, temporary, save_as_external_data=True, location=location)
         else:
             onnx.save(model, temporary)
+        os.chmod(temporary, mode)  # mkstemp makes 0600; the file gets the mode a plain save would give it
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
@@ -185,12 +199,34 @@ def nested_nodes(graph: onnx.GraphProto):
                 yield from nested_nodes(sub)
 
 
+ONNX_ATTRIBUTE_TYPE = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT}
+
+
+def attribute_type_refusal(node: onnx.NodeProto) -> Optional[Decision]:
+    """ORT's attributes must have their schema's ONNX type (the plugin's bridge reads them by that type)."""
+    kinds = {a.name: a.kind for a in spec.ORT_ATTRIBUTES}
+    for attr in node.attribute:
+        if attr.name in kinds and attr.type != ONNX_ATTRIBUTE_TYPE[kinds[attr.name]]:
+            expected = onnx.AttributeProto.AttributeType.Name(ONNX_ATTRIBUTE_TYPE[kinds[attr.name]])
+            got = onnx.AttributeProto.AttributeType.Name(attr.type)
+            return Decision(
+                node.name, False,
+                f"mha_ep MultiHeadAttention: attribute {attr.name} has ONNX type {got}, expected {expected} "
+                f"(ORT's schema rejects it too)",
+                attr.name,
+            )  # fmt: skip
+    return None
+
+
 def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
+    refusal = attribute_type_refusal(node)
+    if refusal is not None:
+        return refusal
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     inputs = [(infos.get(name) or TensorInfo()) if name else None for name in node.input]
     outputs = [bool(name) for name in node.output] + [False] * (len(spec.OUTPUTS) - len(node.output))
     decision = decide(attributes, inputs, outputs, node.name)
-    if decision.claimed and (not inputs or inputs[0].dtype is None):
+    if decision.claimed and inputs[0].dtype is None:
         # The rules accept an unknown dtype, but the transport (rule 5) must know it.
         return Decision(
             node.name,

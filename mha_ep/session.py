@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import onnx
 
-from mha_ep.errors import MhaRunError
+from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.context import run_context
 from mha_ep.ops.registration import attach, resolve_backend
 from mha_ep.partition import PartitionResult, partition
@@ -53,12 +53,38 @@ class InferenceSession:
 
     def run(self, output_names, input_feed, run_options=None):
         """Like onnxruntime's ``run``; raises MhaRunError when a claimed node fails (the session stays usable)."""
+        options = self._options(run_options)
+        return self._guarded(lambda: self._session.run(output_names, input_feed, options), options)
+
+    def run_with_iobinding(self, iobinding, run_options=None):
+        """Like onnxruntime's ``run_with_iobinding``, with this session's backend and error channel."""
+        options = self._options(run_options)
+        return self._guarded(lambda: self._session.run_with_iobinding(iobinding, options), options)
+
+    def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
+        """Like onnxruntime's ``run_with_ort_values``, with this session's backend and error channel."""
+        options = self._options(run_options)
+        return self._guarded(
+            lambda: self._session.run_with_ort_values(output_names, input_dict_ort_values, options), options
+        )
+
+    def run_async(self, *args, **kwargs):
+        raise MhaEpError(
+            "mha_ep.InferenceSession.run_async is not supported: ORT runs it on a thread of its own, where this "
+            "session's backend and error channel cannot follow; call run() from a thread of yours instead"
+        )
+
+    @staticmethod
+    def _options(run_options):
         import onnxruntime as ort
 
-        options = run_options if run_options is not None else ort.RunOptions()
+        return run_options if run_options is not None else ort.RunOptions()
+
+    def _guarded(self, call, options):
+        """Run ``call`` with this session's backend on this thread; turn a claimed node's error into MhaRunError."""
         with run_context(self.backend, options) as context:
             try:
-                outputs = self._session.run(output_names, input_feed, options)
+                result = call()
             except Exception as error:
                 if context.errors:
                     options.terminate = False
@@ -69,7 +95,7 @@ class InferenceSession:
             options.terminate = False
             node, message = context.errors[0]
             raise MhaRunError(node, message)
-        return outputs
+        return result
 
     def __getattr__(self, name):
         return getattr(self._session, name)

@@ -9,7 +9,7 @@ The order follows the original CUDA execution provider's ``unsupported_reason`` 
 rules it did not have are marked "(ORT)" when they mirror a stock ORT input check (semantics doc section 2.6) and
 "(mha_ep)" when they are ours.
 
-  Rule  1  attributes: num_heads present and > 0 (and fits a CUDA int)
+  Rule  1  attributes: num_heads present and > 0 (and fits a CUDA int); each ORT attribute of its ONNX kind
   Rule  2  every static dim of inputs 0-7 is > 0 and fits a CUDA int; sizes fit bytes and a launch grid
            (mha_ep: a past of length 0 is allowed)
   Rule  3  query dtype is float32, float16 or bfloat16
@@ -17,7 +17,7 @@ rules it did not have are marked "(ORT)" when they mirror a stock ORT input chec
   Rule  5  key_padding_mask is int32 or int64
   Rule  6  no past_sequence_length / cache_indirection (DecoderMaskedMHA inputs)
   Rule  7  (mha_ep) the qk output (output 3) is not requested
-  Rule  8  query is rank 3 (no packed QKV)
+  Rule  8  query is supplied and rank 3 (no packed QKV)
   Rule  9  key and value are both supplied (no packed QKV / packed KV)
   Rule 10  key and value are rank 3 or 4, (ORT) the same rank
   Rule 11  query hidden divisible by num_heads
@@ -77,10 +77,19 @@ class NodeAttributes:
 
 
 def attributes_from_mapping(attrs: Mapping[str, object]) -> NodeAttributes:
-    """Rule 1. Read ORT's attributes (absent ones take ORT's defaults)."""
+    """Rule 1. Read ORT's attributes (absent ones take ORT's defaults); each must be a number of its kind."""
     num_heads = attrs.get("num_heads")
     if num_heads is None:
         raise Refusal("missing required `num_heads` attribute", "num_heads")
+    for spec_attr in spec.ORT_ATTRIBUTES:
+        value = attrs.get(spec_attr.name, spec_attr.default)
+        kinds = (int,) if spec_attr.kind == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise Refusal(
+                f"attribute {spec_attr.name} must be {'an int' if spec_attr.kind == 'int' else 'a float'}, "
+                f"got {type(value).__name__} {value!r}",
+                spec_attr.name,
+            )
     num_heads = int(num_heads)
     if num_heads <= 0:
         raise Refusal(f"num_heads must be > 0, got {num_heads}", "num_heads")
@@ -252,6 +261,8 @@ def rule_no_qk_output(call: Call) -> None:
 
 def rule_query_rank(call: Call) -> None:
     """Rule 8."""
+    if not call.present("query"):
+        raise Refusal("query (input 0) is required", "query")
     rank = call.rank("query")
     if rank is not None and rank != 3:
         raise Refusal(

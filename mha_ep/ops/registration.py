@@ -186,6 +186,9 @@ def register(session_options, backend: str = "auto", device_id: int = 0):
     Loads the onnxruntime-extensions custom-op library and declares our op. ``backend`` becomes the process
     default used by plain ``onnxruntime.InferenceSession`` objects; ``mha_ep.InferenceSession`` binds its own
     backend per session. Raises BackendUnavailableError for ``backend="cuda"`` without CuPy or a usable GPU.
+
+    Do not also register the onnxruntime-extensions library on the same options yourself (for its tokenizer or
+    audio ops): this call loads it, and ORT refuses a second load ("Failed to add kernel ... Conflicting").
     """
     chosen = resolve_backend(backend, device_id)
     attach(session_options, chosen, device_id)
