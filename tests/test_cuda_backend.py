@@ -286,3 +286,21 @@ def test_out_of_device_memory_names_the_buffer_and_releases_everything(cupy_modu
     assert pool.used_bytes() == baseline
     small = make_problem(Case(), "float32")
     assert_matches(small, backend.run(small))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_causal_lowest_is_added_under_a_huge_negative_attention_bias(backend, dtype):
+    """A Hugging Face style combined mask passed as attention_bias (float32 min at padded and future keys) with
+    unidirectional=1: ORT adds lowest at future keys to score + bias, so a row that only sees padding still
+    ranks its keys by score + bias. Setting the logit to lowest instead (the three-phase softmax once did)
+    changes such rows; found by review, checked on the CPU against stock ORT (tests/test_edge_cases.py)."""
+    rng = np.random.default_rng(11)
+    b, s, n, h = 2, 6, 2, 64
+    lowest = np.finfo(np.float32).min
+    future = np.triu(np.ones((s, s), bool), 1)
+    bias = np.where(future, lowest, 0.0).astype(np.float32)[None, None].repeat(b, 0)
+    bias[0, :, :, :3] = lowest  # left padding of batch 0: its first rows see only padded keys
+    arrays = [round_to_dtype(rng.standard_normal((b, s, n * h)).astype(np.float32), dtype) for _ in range(3)]
+    problem = build_problem({"num_heads": n, "unidirectional": 1}, arrays + [None, None, bias, None, None], dtype)
+    assert_matches(problem, backend.run(problem))

@@ -198,3 +198,25 @@ def test_cli_partition_output_to_a_directory_is_a_one_line_error(tmp_path):
     (tmp_path / "out").mkdir()
     done = run_cli("partition", str(source), "-o", str(tmp_path / "out"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_causal_lowest_is_added_to_a_huge_negative_attention_bias(backend, rng):
+    """ORT adds its causal mask (lowest at future keys) to score + attention_bias; with a Hugging Face style
+    combined mask as attention_bias (float32 min at padded and future keys), rows that see only padding are
+    decided by score + bias + lowest. Every backend (and on the GPU both cuda paths) must give stock ORT's rows."""
+    b, s, n, h = 2, 5, 2, 8
+    lowest = np.finfo(np.float32).min
+    bias = np.where(np.triu(np.ones((s, s), bool), 1), lowest, 0.0).astype(np.float32)[None, None].repeat(b, 0)
+    bias[0, :, :, :2] = lowest  # left padding of batch 0
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "attention_bias"], ["out"],
+                            domain="com.microsoft", name="mha", num_heads=n, unidirectional=1)  # fmt: skip
+    inputs = [helper.make_tensor_value_info(x, TP.FLOAT, [b, s, n * h]) for x in "qkv"]
+    inputs.append(helper.make_tensor_value_info("attention_bias", TP.FLOAT, [b, 1, s, s]))
+    model = model_of([node], inputs, [helper.make_tensor_value_info("out", TP.FLOAT, [b, s, n * h])])
+    feeds = {x: rng.standard_normal((b, s, n * h)).astype(np.float32) for x in "qkv"}
+    feeds["attention_bias"] = bias
+    import onnxruntime
+
+    expected = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    actual = mha_ep.InferenceSession(model, backend=backend).run(None, feeds)[0]
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)

@@ -77,7 +77,7 @@ class MhaProblem:
     dtype: str  # element type of the node: float32 | float16 | bfloat16
     scale: float  # resolved: attribute, or 1/sqrt(H) when the attribute is 0
     mask_filter_value: float
-    causal: bool  # unidirectional and S > 1; ORT CPU: rows i < S-1, keys j > P + i get FLOAT32_LOWEST (set)
+    causal: bool  # unidirectional and S > 1; ORT CPU: rows i < S-1, keys j > P + i: the additive mask is FLOAT32_LOWEST
     query_BSD: np.ndarray  # (B, S, D)
     key: np.ndarray  # (B, L, D) when kv_layout == "BSNH"; (B, N, L, H) when "BNSH"
     value: np.ndarray  # (B, L, Dv) or (B, N, L, Hv)

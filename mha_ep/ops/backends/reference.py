@@ -5,8 +5,9 @@
     2. scores_BNST = scale * Q·Kᵀ in float32 (ORT: the GEMM's alpha).
     3. scores += attention_bias, broadcast over B and N when those dims are 1.
     4. scores += mask_BST: a padded key gets mask_filter_value (added, not substituted: a fully padded row becomes
-       softmax of the raw scores); causal rows i < S-1 get FLOAT32_LOWEST at keys j > P + i (set, overriding
-       padding; the last query row is never causally masked, which matters only when L != S).
+       softmax of the raw scores); causal rows i < S-1 hold FLOAT32_LOWEST at keys j > P + i in the mask (in place
+       of the padding value there), which is then added like the rest; the last query row is never causally
+       masked, which matters only when L != S.
     5. probs = softmax over T, max-subtracted, in float32.
     6. out = probs·V, written as (B, S, N·Hv).
 float16/bfloat16 calls arrive as float32 values of that dtype and are computed in float32, as ORT's CPU kernel
@@ -87,11 +88,12 @@ def run_reference(problem: MhaProblem, compute_dtype=np.float32) -> MhaResult:
         k_BNTH, v_BNTH = k_BNLH, v_BNLH
 
     scores_BNST = np.matmul(q_BNSH, k_BNTH.transpose(0, 1, 3, 2)) * f32(problem.scale)
-    if problem.attention_bias is not None:
-        scores_BNST = scores_BNST + problem.attention_bias.astype(f32, copy=False)
-    mask_BST = additive_mask_BST(problem, f32)
-    if mask_BST is not None:
-        scores_BNST = scores_BNST + mask_BST[:, None]
+    with np.errstate(over="ignore"):  # lowest + a huge negative bias is -inf in ORT's float32 too
+        if problem.attention_bias is not None:
+            scores_BNST = scores_BNST + problem.attention_bias.astype(f32, copy=False)
+        mask_BST = additive_mask_BST(problem, f32)
+        if mask_BST is not None:
+            scores_BNST = scores_BNST + mask_BST[:, None]
     probs_BNST = softmax_lastaxis(scores_BNST.astype(f32, copy=False))
     out_BNSH = np.matmul(probs_BNST, v_BNTH)
     out_BSDv = np.ascontiguousarray(out_BNSH.transpose(0, 2, 1, 3)).reshape(g.batch, g.q_seq, g.v_hidden)

@@ -9,8 +9,10 @@
 //   1. x += attention_bias[b|0, h|0, i, j]             (broadcast over dims 0/1 of size 1)
 //   2. x += mask_filter_value where key j is padded      (ADDED in float32, never substituted: a fully padded row
 //                                                         stays softmax of the raw scores, at every dtype)
-//   3. x  = FLOAT32_LOWEST where causal, i < S-1, j > P+i (SET, overriding the padding; the last row is never
-//                                                         causally masked)
+//   3. x += FLOAT32_LOWEST where causal, i < S-1, j > P+i (ORT's additive mask holds lowest there in place of the
+//                                                         padding value, and is ADDED like step 2: score + bias
+//                                                         still count, e.g. under a bias of -inf; the last row is
+//                                                         never causally masked). Steps 2 and 3 exclude each other.
 //   4. p  = exp(x - max) / sum(exp(x - max))              (max-subtracted, float32, accurate expf, two-pass)
 // The padding mask is read in its compact form (no materialised B x S x T mask):
 //   MASK_KIND 0 none; 1 key lengths int32 (B,), keep j < len[b]; 2 keep uint8 (B, T); 3 keep uint8 (B, S, T).
@@ -96,8 +98,12 @@ __device__ __forceinline__ float masked_logit(float x, const MaskArgs& m, const 
   const bool padded = (m.mask_kind == MASK_KEY_LENGTHS) ? (j >= r.key_length)
                       : (r.keep_row_T != nullptr)      ? (r.keep_row_T[j] == 0)
                                                        : false;
-  if (padded) x += m.mask_filter_value;                                                   // step 2
-  if (m.causal && r.i < q_seq - 1 && j > past_seq + r.i) x = FLOAT32_LOWEST;              // step 3
+  const bool future = m.causal && r.i < q_seq - 1 && j > past_seq + r.i;
+  if (future) {
+    x += FLOAT32_LOWEST;                                                                  // step 3
+  } else if (padded) {
+    x += m.mask_filter_value;                                                             // step 2
+  }
   return x;
 }
 
