@@ -22,7 +22,8 @@ and V after the bias add, as MHA's ``present_key``/``present_value`` do.
 
 Rules (a node is lifted only when every rule passes; otherwise it stays byte for byte and the reason is recorded):
   Rule 1  attributes: no ``do_rotary``, no ``past_present_share_buffer``; ``num_heads`` > 0
-  Rule 2  ``weights`` is an initializer (sliced at build time) or its hidden sizes are known statically
+  Rule 2  ``weights`` is an initializer (sliced at build time; one that is also a graph input is read at run time)
+          or its hidden sizes are known statically
   Rule 3  ``qkv_hidden_sizes``, when given, has q == k (MHA needs key hidden == query hidden), all divisible by
           num_heads, and v == q when ``present`` is used (the combined present stacks K and V)
   Rule 4  no ``past`` input (Attention's combined past, with its causal offset, is not lifted: the Whisper graphs
@@ -192,9 +193,12 @@ def plan_lift(model: onnx.ModelProto) -> List[LiftDecision]:
 
 def _decide(model: onnx.ModelProto):
     g = model.graph
-    inits = {i.name: i for i in g.initializer}
+    # An initializer that is also a graph input is only a default the caller may override (IR >= 4) or a
+    # required input (IR 3): it is read at run time, never sliced at build time.
+    graph_inputs = {i.name for i in g.input}
+    inits = {i.name: i for i in g.initializer if i.name not in graph_inputs}
     shapes = _shape_map(model)
-    used = {name for n in g.node for name in n.input} | {o.name for o in g.output}
+    used = _names_read(g) | {o.name for o in g.output}
     out = []
     for node in g.node:
         if node.op_type != ATTENTION or node.domain != ORT_DOMAIN:
@@ -207,6 +211,17 @@ def _decide(model: onnx.ModelProto):
             continue
         out.append((LiftDecision(name, True), plan))
     return out
+
+
+def _names_read(graph: onnx.GraphProto) -> set:
+    """Every tensor name a node reads, in ``graph`` and in its subgraphs (which may read outer-scope names)."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                names |= _names_read(sub)
+    return names
 
 
 def _unique(base: str, taken: set) -> str:
@@ -242,13 +257,19 @@ def _rewrite(plan: _Plan, model: onnx.ModelProto, taken: set, shapes) -> Tuple[l
         else:
             nodes.append(helper.make_node("Split", [_input(node, A_WEIGHTS)], w_names, split_name, axis=1, split=list(sizes)))
 
-    elem = _elem_type(model, x) or _elem_type(model, node.output[0]) or onnx.TensorProto.FLOAT
+    # The Q/K/V element type: the input's or output's, else the weights' (a float16 model's intermediate input
+    # has no value_info); when none is known, no value_info is written (a wrong one would fail the load).
+    elem = _elem_type(model, x) or _elem_type(model, node.output[0])
+    if not elem and plan.weights is not None:
+        elem = helper.np_dtype_to_tensor_dtype(plan.weights.dtype)
+    if not elem:
+        elem = _elem_type(model, _input(node, A_WEIGHTS))
     x_shape = shapes.get(x)
     qkv = []
     for p, w, hidden in zip("qkv", w_names, (dq, dk, dv)):
         out = _unique(f"{base}/lift/{p}", taken)
         nodes.append(helper.make_node("MatMul", [x, w], [out], _unique(f"{base}/lift/{p}_matmul", taken)))
-        if x_shape is not None and len(x_shape) == 3:
+        if elem and x_shape is not None and len(x_shape) == 3:
             infos.append(helper.make_tensor_value_info(out, elem, [x_shape[0], x_shape[1], hidden]))
         qkv.append(out)
 
@@ -312,8 +333,8 @@ def lift_attention(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
         lifted += 1
     del g.node[:]
     g.node.extend(new_nodes)
-    # Drop packed weights that nothing reads any more.
-    used = {t for n in g.node for t in n.input} | {o.name for o in g.output}
+    # Drop packed weights that nothing reads any more (subgraphs and graph inputs count as readers).
+    used = _names_read(g) | {o.name for o in g.output} | {i.name for i in g.input}
     keep = [i for i in g.initializer if i.name in used]
     if len(keep) != len(g.initializer):
         del g.initializer[:]

@@ -96,13 +96,39 @@ def _layer_indices(variables, prefix: str) -> int:
     return n
 
 
+class _Tracked(dict):
+    """A dict that remembers which keys were read (to find weight variables the mapping left unused)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        if key in self:
+            self.read.add(key)
+        return super().get(key, default)
+
+
+def unused_weight_variables(variables: Dict[str, np.ndarray], read: set, aliases: Dict[str, str]) -> list:
+    """Variables of a weight kind (more than one element, or a quantization ``*_scale``) the mapping never read."""
+    read = set(read) | {aliases[a] for a in read if a in aliases}
+    return sorted(
+        name for name, array in variables.items()
+        if name not in read and (name.endswith("_scale") or np.asarray(array).size > 1)
+    )  # fmt: skip
+
+
 def whisper_state_dict(variables: Dict[str, np.ndarray], aliases: Dict[str, str]) -> Dict[str, np.ndarray]:
     """Map CTranslate2 WhisperSpec variables onto transformers' WhisperForConditionalGeneration parameter names.
 
     CTranslate2 fuses projections: encoder and decoder self-attention ``linear_0`` is q|k|v stacked on the output
     axis (k's bias is zero: Whisper's k_proj has none), cross-attention ``linear_0`` is q and ``linear_1`` is k|v.
     """
-    v = dict(variables)
+    v = _Tracked(variables)
     for alias, target in aliases.items():
         v.setdefault(alias, variables[target])
     out: Dict[str, np.ndarray] = {}
@@ -158,6 +184,13 @@ def whisper_state_dict(variables: Dict[str, np.ndarray], aliases: Dict[str, str]
         lin(f"{d}.fc2", f"{s}/ffn/linear_1")
     ln(f"{m}.decoder.layer_norm", "decoder/layer_norm")
     out["proj_out.weight"] = v.get("decoder/projection/weight", v["decoder/embeddings/weight"])
+    unused = unused_weight_variables(variables, v.read, aliases)
+    if unused:
+        raise ValueError(
+            f"model.bin has weight variables the Whisper mapping does not use: {unused[:5]}"
+            + (f" (+{len(unused) - 5} more)" if len(unused) > 5 else "")
+            + "; a quantized CTranslate2 model (int8 weights + *_scale) is not supported: convert it unquantized"
+        )
     return out
 
 
