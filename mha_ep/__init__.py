@@ -3,7 +3,7 @@
     result = mha_ep.partition("model.onnx")            # claim-time gate + graph pass; result.report()
     sess = mha_ep.InferenceSession("model.onnx")       # partition + register + onnxruntime session
     options = mha_ep.register(onnxruntime.SessionOptions(), backend="cuda")   # for your own sessions
-    report = mha_ep.compare("model.onnx")              # stock ORT vs plugin, per output (and per node)
+    report = mha_ep.compare("model.onnx", per_node=True)   # stock ORT vs plugin, per output and per node
 
 Where things live: spec.py (the contract), claim/ (the gate and the shared rules), partition.py (the pass),
 ops/ (the op, execute-time validation, backends: reference = NumPy, cuda = CuPy), compare.py, cli.py.

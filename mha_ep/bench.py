@@ -123,21 +123,22 @@ def bench_mha_overhead(repeat: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mha-ep bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("what", choices=["hook", "anchors", "models"], help="which benchmark")
-    parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--json", help="also write the numbers to this JSON file")
-    args, rest = parser.parse_known_args(argv)
-    if args.what == "hook":
-        result = bench_hook(args.repeat)
-    elif args.what == "models":
-        from mha_ep import bench_models
-
-        return bench_models.main(rest + ["--repeats", str(args.repeat)] + (["--json", args.json] if args.json else []))
-    else:
+    """``mha-ep bench WHAT [options]``: each benchmark parses its own options (``mha-ep bench WHAT --help``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "anchors":
         from mha_ep import bench_gpu
 
-        return bench_gpu.main(rest + ["--repeats", str(args.repeat)])
+        return bench_gpu.main(argv[1:])
+    if argv and argv[0] == "models":
+        from mha_ep import bench_models
+
+        return bench_models.main(argv[1:])
+    parser = argparse.ArgumentParser(prog="mha-ep bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("what", choices=["hook", "anchors", "models"], help="which benchmark; WHAT --help for its options")
+    parser.add_argument("--repeats", "--repeat", type=int, default=30, help="hook: timed runs per row")
+    parser.add_argument("--json", help="hook: also write the numbers to this JSON file")
+    args = parser.parse_args(argv)
+    result = bench_hook(args.repeats)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

@@ -307,7 +307,7 @@ def plot_sweep(rows, path) -> Optional[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mha-ep bench anchors", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", "--repeat", type=int, default=20)
     parser.add_argument("--device-id", type=int, default=0)
     parser.add_argument("--out", default="mha_ep_bench", help="folder for bench.json and sweep.png")
     parser.add_argument("--only", help="run only anchor rows whose label contains this text")

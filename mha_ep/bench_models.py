@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import onnx
 from mha_ep.bench_gpu import median_seconds, ort_cuda_available
 from mha_ep.compare import errors
 from mha_ep.feeds import random_feeds
+from mha_ep.models.export import default_out_dir
 from mha_ep.models.manifest import DEFAULT_DIR
 
 
@@ -48,10 +48,6 @@ ROWS = (
     ModelRow("Whisper tiny.en encoder, B=1 (30 s)", "whisper_tiny_en_encoder_fp32.onnx", {"batch": 1},
              build="python -m mha_ep.models.build whisper --which tiny-en"),  # fmt: skip
 )
-
-
-def default_models_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mha_ep" / "models"
 
 
 def bench_row(row: ModelRow, path: Path, backend: str, device_id: int, repeats: int) -> dict:
@@ -81,8 +77,10 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     parser.add_argument("--device-id", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--models-dir", default=str(default_models_dir()), help="where the real models were built")
+    parser.add_argument("--repeats", "--repeat", type=int, default=10)
+    parser.add_argument("--models-dir", default=str(default_out_dir()),
+                        help="where the real models were built (the builder's default: $MHA_EP_CACHE, else "
+                             "$XDG_CACHE_HOME/mha_ep/models, else ~/.cache/mha_ep/models)")  # fmt: skip
     parser.add_argument("--shipped-only", action="store_true", help="only the models shipped in the package")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)

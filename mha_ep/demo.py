@@ -31,6 +31,8 @@ def run_demo(backend: str = "auto", device_id: int = 0, per_node: bool = False, 
     print(f"mha_ep demo: {len(entries)} shipped models; backend: {describe_backend(backend, device_id)}", file=out)
     if backend == "auto":  # said above, so the sessions need not say it again
         backend = "cuda" if cuda_unavailable_reason(device_id) is None else "reference"
+    elif backend == "cuda" and cuda_unavailable_reason(device_id) is not None:
+        return 2  # the header said why
     rows = []
     started = time.perf_counter()
     for index, entry in enumerate(entries, 1):

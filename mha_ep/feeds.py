@@ -46,6 +46,11 @@ def resolve_dims(model: onnx.ModelProto, dims: Optional[Mapping[str, int]] = Non
         for d in value.type.tensor_type.shape.dim
         if not d.HasField("dim_value") and d.dim_param
     ]
+    unknown = sorted(set(values) - set(params))
+    if unknown:
+        raise ValueError(
+            f"unknown dim(s) {unknown}: the model's symbolic input dims are {sorted(set(params)) or 'none'}"
+        )
     for param in params:
         if param not in values and not param.lower().startswith("total"):
             values[param] = default_dim(param)

@@ -5,8 +5,8 @@ Rules of the pass (the code refers to them by number):
      claim gate (mha_ep/claim), made on the static dtypes and shapes that shape inference finds.
   2. A declined node, and every node that is not MHA, stays byte for byte.
   3. A claimed node becomes ``mha_ep::MultiHeadAttention`` with the same name and attributes (ORT's defaults
-     written out, since the bridge requires every declared attribute) and the same tensor names, plus the
-     ``mha_ep_*`` attributes of mha_ep/spec.py.
+     written out, since the bridge requires every declared attribute) and, for float32 nodes, the same tensor
+     names (float16/bfloat16 nodes: rule 5), plus the ``mha_ep_*`` attributes of mha_ep/spec.py.
   4. Absent optional inputs are fed from zero-size placeholder initializers; unused outputs get placeholder names.
   5. float16/bfloat16 nodes: float inputs pass through Cast(to=float32) and outputs come back through Cast(to=the
      node's dtype), exact both ways. One Cast per tensor, shared by every claimed node that reads it.

@@ -10,6 +10,7 @@ rules it did not have are marked "(ORT)" when they mirror a stock ORT input chec
 "(mha_ep)" when they are ours.
 
   Rule  1  attributes: num_heads present and > 0 (and fits a CUDA int); each ORT attribute of its ONNX kind
+           (``attributes_from_mapping``, run before the rest; every later rule is a ``rule_*`` in ``RULES``)
   Rule  2  every static dim of inputs 0-7 is > 0 and fits a CUDA int; sizes fit bytes and a launch grid
            (mha_ep: a past of length 0 is allowed)
   Rule  3  query dtype is float32, float16 or bfloat16

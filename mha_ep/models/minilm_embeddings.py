@@ -30,7 +30,10 @@ SENTENCES = [
 
 
 def tokenize(sentences: Sequence[str]) -> Dict[str, np.ndarray]:
-    from tokenizers import Tokenizer
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("the tokenizers package is missing: pip install -e '.[cpu,models]'") from None
 
     from mha_ep.models.bert import minilm_dir
 

@@ -123,7 +123,10 @@ class Transcriber:
 
 
 def tokenizer():
-    from tokenizers import Tokenizer
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("the tokenizers package is missing: pip install -e '.[cpu,models]'") from None
 
     from mha_ep.models.ctranslate2 import whisper_model_dir
 
