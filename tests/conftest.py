@@ -26,6 +26,19 @@ def backend(request) -> str:
     return request.param
 
 
+@pytest.fixture(scope="module")
+def cupy_module():
+    """CuPy with a usable GPU, or a clean skip (the GPU tests of the cuda backend and the fused kernel)."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # noqa: BLE001 - no driver, no device
+        pytest.skip(f"no usable CUDA GPU ({type(error).__name__})")
+    if count == 0:
+        pytest.skip("no CUDA GPU is visible")
+    return cupy
+
+
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     """Fresh random inputs per test, reproducible from the test's name (printed on failure by pytest)."""

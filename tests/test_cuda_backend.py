@@ -28,18 +28,6 @@ BF16_NOISE_FLOOR = 1e-4
 
 
 # ------------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def cupy_module():
-    cupy = pytest.importorskip("cupy")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # noqa: BLE001 - no driver, no device
-        pytest.skip(f"no usable CUDA GPU ({type(error).__name__})")
-    if count == 0:
-        pytest.skip("no CUDA GPU is visible")
-    return cupy
-
-
 @pytest.fixture(scope="module", params=["fused", "three-phase"])
 def backend(cupy_module, request):
     from mha_ep.ops.backends.cuda import CudaBackend

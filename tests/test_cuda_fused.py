@@ -64,18 +64,6 @@ def dense_operands(problem: MhaProblem) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 # ------------------------------------------------------------------------------------------------ GPU harness
-@pytest.fixture(scope="module")
-def cupy_module():
-    cupy = pytest.importorskip("cupy")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # noqa: BLE001 - no driver, no device
-        pytest.skip(f"no usable CUDA GPU ({type(error).__name__})")
-    if count == 0:
-        pytest.skip("no CUDA GPU is visible")
-    return cupy
-
-
 def to_device(cupy, array: np.ndarray, dtype: str):
     """A device copy of float32 values in ``dtype`` (bfloat16 travels as its upper 16 bits)."""
     array = np.ascontiguousarray(array, np.float32)
