@@ -1,4 +1,5 @@
-"""Random MhaProblems for the cuda backend's and the fused kernel's GPU tests (a helper, not a test module).
+"""Random MhaProblems and the naive same-dtype baseline for the cuda backend's and the fused kernel's GPU tests
+(a helper, not a test module).
 
 ``Case`` names a configuration in the layout legend of mha_ep/spec.py; ``make_problem`` draws fresh random inputs
 (never zeros) rounded to the call's dtype, with a real padding pattern for every mask kind.
@@ -11,7 +12,8 @@ from typing import Optional
 
 import numpy as np
 
-from mha_ep.ops.problem import MhaProblem, build_problem
+from mha_ep.ops.backends.reference import softmax_lastaxis, to_BNSH
+from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, build_problem
 
 
 def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -98,3 +100,43 @@ def make_problem(case: Case, dtype: str, presents: Optional[bool] = None) -> Mha
     want = case.presents if presents is None else presents
     outputs = (True, want, want, False)
     return build_problem(attrs, arrays, dtype, outputs)
+
+
+def dense_operands(problem: MhaProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q_BNSH, k_BNTH, v_BNTH as the layout mover builds them: bias added in float32, one rounding to the dtype."""
+    g, dt = problem.geometry, problem.dtype
+    n = g.num_heads
+
+    def biased(x, bias):
+        return round_to_dtype(x if bias is None else x + bias, dt)
+
+    q = to_BNSH(biased(problem.query_BSD, problem.bias_q), n)
+    if problem.kv_layout == "BSNH":
+        k = to_BNSH(biased(problem.key, problem.bias_k), n)
+        v = to_BNSH(biased(problem.value, problem.bias_v), n)
+    else:
+        k, v = problem.key, problem.value
+    if problem.past_key_BNPH is not None:
+        k = np.concatenate([problem.past_key_BNPH, k], axis=2)
+        v = np.concatenate([problem.past_value_BNPH, v], axis=2)
+    return (np.ascontiguousarray(q, np.float32), np.ascontiguousarray(k, np.float32),
+            np.ascontiguousarray(v, np.float32))  # fmt: skip
+
+
+def naive_low_precision(problem: MhaProblem) -> list:
+    """[output (+ present_key, present_value when wanted)] with every intermediate stored in the call's dtype (float32 arithmetic inside each step): the naive baseline."""
+    g, dt = problem.geometry, problem.dtype
+    r = lambda x: round_to_dtype(np.asarray(x, np.float32), dt)  # noqa: E731
+    q, k, v = dense_operands(problem)
+    scores = r(np.matmul(q, k.transpose(0, 1, 3, 2)) * np.float32(problem.scale))
+    if problem.attention_bias is not None:
+        scores = r(scores + problem.attention_bias)
+    if problem.padding_mask is not None:
+        keep = problem.padding_mask.keep_BST(g.q_seq, g.total_seq)[:, None]
+        scores = r(np.where(keep, scores, scores + np.float32(problem.mask_filter_value)))
+    if problem.causal:
+        rows, cols = np.arange(g.q_seq)[:, None], np.arange(g.total_seq)[None, :]
+        scores = np.where((cols > g.past_seq + rows) & (rows < g.q_seq - 1), np.float32(FLOAT32_LOWEST), scores)
+    probs = r(softmax_lastaxis(scores.astype(np.float32)))
+    out = r(np.matmul(probs, v)).transpose(0, 2, 1, 3).reshape(g.batch, g.q_seq, g.v_hidden)
+    return [out, k, v] if problem.want_present_key else [out]

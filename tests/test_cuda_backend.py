@@ -16,9 +16,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cuda_cases import Case, make_problem, round_to_dtype
-from mha_ep.ops.backends.reference import ReferenceBackend, run_reference, softmax_lastaxis, to_BNSH
-from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, build_problem
+from cuda_cases import Case, make_problem, naive_low_precision, round_to_dtype
+from mha_ep.ops.backends.reference import ReferenceBackend, run_reference, to_BNSH
+from mha_ep.ops.problem import MhaProblem, build_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -37,36 +37,6 @@ def backend(cupy_module, request):
 
 # ----------------------------------------------------------------------------------------------- problems
 # ----------------------------------------------------------------------------------------------- checking
-def naive_low_precision(problem: MhaProblem, dtype: str) -> list[np.ndarray]:
-    """Every intermediate tensor stored in ``dtype`` (float32 arithmetic inside each step): the naive baseline."""
-    r = lambda x: round_to_dtype(np.asarray(x, np.float32), dtype)  # noqa: E731
-    g = problem.geometry
-    q = to_BNSH(r(problem.query_BSD + (0 if problem.bias_q is None else problem.bias_q)), g.num_heads)
-    if problem.kv_layout == "BSNH":
-        k = to_BNSH(r(problem.key + (0 if problem.bias_k is None else problem.bias_k)), g.num_heads)
-        v = to_BNSH(r(problem.value + (0 if problem.bias_v is None else problem.bias_v)), g.num_heads)
-    else:
-        k, v = problem.key, problem.value
-    if problem.past_key_BNPH is not None:
-        k = np.concatenate([problem.past_key_BNPH, k], axis=2)
-        v = np.concatenate([problem.past_value_BNPH, v], axis=2)
-    scores = r(np.matmul(q, k.transpose(0, 1, 3, 2)) * np.float32(problem.scale))
-    if problem.attention_bias is not None:
-        scores = r(scores + problem.attention_bias)
-    if problem.padding_mask is not None:
-        keep = problem.padding_mask.keep_BST(g.q_seq, g.total_seq)[:, None]
-        scores = r(np.where(keep, scores, scores + np.float32(problem.mask_filter_value)))
-    if problem.causal:
-        rows, cols = np.arange(g.q_seq)[:, None], np.arange(g.total_seq)[None, :]
-        scores = np.where((cols > g.past_seq + rows) & (rows < g.q_seq - 1), np.float32(FLOAT32_LOWEST), scores)
-    probs = r(softmax_lastaxis(scores.astype(np.float32)))
-    out = r(np.matmul(probs, v)).transpose(0, 2, 1, 3).reshape(g.batch, g.q_seq, g.v_hidden)
-    results = [out]
-    if problem.want_present_key:
-        results += [k, v]
-    return results
-
-
 def result_arrays(result) -> list[np.ndarray]:
     arrays = [result.output_BSDv]
     if result.present_key_BNTH is not None:
@@ -91,7 +61,7 @@ def assert_matches(problem: MhaProblem, result) -> None:
             assert excess.max() <= tolerance, f"{name}: max relative error {excess.max():.3g} > {tolerance}"
         return
     oracle = result_arrays(run_reference(problem, np.float64))
-    naive = naive_low_precision(problem, problem.dtype)
+    naive = naive_low_precision(problem)
     for name, o, c, nv in zip(names, oracle, got, naive):
         assert c.shape == o.shape, name
         err_cuda = float(np.abs(c - o).max())

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 import cuda_cases
-from cuda_cases import Case, round_to_dtype
+from cuda_cases import Case, dense_operands, naive_low_precision, round_to_dtype
 from mha_ep.ops.backends.cuda import fused
-from mha_ep.ops.backends.reference import run_reference, softmax_lastaxis, to_BNSH
+from mha_ep.ops.backends.reference import run_reference, to_BNSH
 from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, build_problem
 
 KERNEL_DIR = Path(fused.__file__).parent / "kernels"
@@ -40,27 +40,6 @@ BF16_NOISE_FLOOR = 1e-4
 def make_problem(case: Case, dtype: str) -> MhaProblem:
     """Presents are wanted exactly when there is a past (ORT needs both presents with a past, semantics 3.9)."""
     return cuda_cases.make_problem(case, dtype, presents=case.p is not None)
-
-
-def dense_operands(problem: MhaProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """q_BNSH, k_BNTH, v_BNTH as the layout mover builds them: bias added in float32, one rounding to the dtype."""
-    g, dt = problem.geometry, problem.dtype
-    n = g.num_heads
-
-    def biased(x, bias):
-        return round_to_dtype(x if bias is None else x + bias, dt)
-
-    q = to_BNSH(biased(problem.query_BSD, problem.bias_q), n)
-    if problem.kv_layout == "BSNH":
-        k = to_BNSH(biased(problem.key, problem.bias_k), n)
-        v = to_BNSH(biased(problem.value, problem.bias_v), n)
-    else:
-        k, v = problem.key, problem.value
-    if problem.past_key_BNPH is not None:
-        k = np.concatenate([problem.past_key_BNPH, k], axis=2)
-        v = np.concatenate([problem.past_value_BNPH, v], axis=2)
-    return (np.ascontiguousarray(q, np.float32), np.ascontiguousarray(k, np.float32),
-            np.ascontiguousarray(v, np.float32))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ GPU harness
@@ -114,24 +93,6 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndar
     return cupy.asnumpy(out)
 
 
-def naive_low_precision(problem: MhaProblem) -> np.ndarray:
-    """Every intermediate stored in the call's dtype (float32 arithmetic inside each step): the naive baseline."""
-    g, dt = problem.geometry, problem.dtype
-    r = lambda x: round_to_dtype(np.asarray(x, np.float32), dt)  # noqa: E731
-    q, k, v = dense_operands(problem)
-    scores = r(np.matmul(q, k.transpose(0, 1, 3, 2)) * np.float32(problem.scale))
-    if problem.attention_bias is not None:
-        scores = r(scores + problem.attention_bias)
-    if problem.padding_mask is not None:
-        keep = problem.padding_mask.keep_BST(g.q_seq, g.total_seq)[:, None]
-        scores = r(np.where(keep, scores, scores + np.float32(problem.mask_filter_value)))
-    if problem.causal:
-        rows, cols = np.arange(g.q_seq)[:, None], np.arange(g.total_seq)[None, :]
-        scores = np.where((cols > g.past_seq + rows) & (rows < g.q_seq - 1), np.float32(FLOAT32_LOWEST), scores)
-    probs = r(softmax_lastaxis(scores.astype(np.float32)))
-    return r(np.matmul(probs, v)).transpose(0, 2, 1, 3).reshape(g.batch, g.q_seq, g.v_hidden)
-
-
 def assert_matches_reference(problem: MhaProblem, got: np.ndarray) -> None:
     g = problem.geometry
     assert got.shape == (g.batch, g.q_seq, g.v_hidden)
@@ -144,7 +105,7 @@ def assert_matches_reference(problem: MhaProblem, got: np.ndarray) -> None:
         return
     oracle = run_reference(problem, np.float64).output_BSDv
     err_fused = float(np.abs(got - oracle).max())
-    err_naive = float(np.abs(naive_low_precision(problem) - oracle).max())
+    err_naive = float(np.abs(naive_low_precision(problem)[0] - oracle).max())
     assert err_fused <= 2 * err_naive + BF16_NOISE_FLOOR, (
         f"bf16 error vs float64 oracle {err_fused:.3g} > 2 x naive bf16 error {err_naive:.3g} + {BF16_NOISE_FLOOR}"
     )
