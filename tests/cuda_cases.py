@@ -39,7 +39,7 @@ class Case:
     hv: Optional[int] = None
     layout: str = "BSNH"
     bias: bool = True
-    mask: Optional[str] = None  # "lengths" | "lengths_3b2" | "BT" | "BST"
+    mask: Optional[str] = None  # "lengths" | "lengths_3b2" | "BT" | "BT_prefix" | "BST"
     attention_bias: Optional[tuple] = None  # (d0 is B, d1 is N) flags
     causal: bool = False
     presents: bool = False
@@ -76,6 +76,8 @@ def make_problem(case: Case, dtype: str, presents: Optional[bool] = None) -> Mha
             mask = lengths
         elif case.mask == "lengths_3b2":
             mask = np.concatenate([lengths, rng.integers(0, t, size=2 * b + 2)]).astype(np.int32)
+        elif case.mask == "BT_prefix":  # (B, T) flags shaped like key lengths: whole key tiles kept or padded
+            mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.int32)
         elif case.mask == "BT":
             mask = (rng.random((b, t)) > 0.3).astype(np.int32) * rng.integers(1, 3, size=(b, t)).astype(np.int32)
             mask[:, 0] = 1

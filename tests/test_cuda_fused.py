@@ -128,6 +128,12 @@ CASES = {
     "causal_over_padding_scale_attr": Case(b=2, s=130, l=130, n=2, h=32, causal=True, mask="BT",
                                            attrs={"scale": 0.3}),  # fmt: skip
     "minus_inf_filter_partial_padding": Case(b=2, s=70, l=90, n=2, h=32, mask="lengths", mask_filter_value=-np.inf),
+    # whole key tiles padded after the kept ones: the tensor-core kernel's underflow skip (mask_filter_value -10000)
+    # and the per-tile classification of key lengths and (B, T) flags; -2 keeps padded keys visible in the sum
+    "lengths_whole_padded_tiles": Case(b=3, s=65, l=700, n=2, h=64, mask="lengths"),
+    "keysBT_prefix_whole_padded_tiles": Case(b=3, s=65, l=700, n=2, h=64, mask="BT_prefix"),
+    "keysBT_prefix_small_filter": Case(b=3, s=65, l=700, n=2, h=64, mask="BT_prefix", mask_filter_value=-2.0),
+    "H128_bias_T260_vector_copies": Case(b=1, s=130, l=260, n=2, h=128, attention_bias=(True, True)),
     "causal_lowest_filter_fully_padded": Case(b=2, s=200, l=200, n=1, h=64, causal=True, mask="lengths",
                                               full_padding=True, mask_filter_value=float(FLOAT32_LOWEST)),  # fmt: skip
 }
@@ -154,7 +160,7 @@ TILE_CASES = ("S113_T203_H40_keysBT_bias_BN", "S1023_T1024_H128_causal_past1", "
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(128, 64), (64, 128), (128, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", [(128, 64), (64, 128), (128, 128)], ids=lambda t: fused.MmaTile(*t).label)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case_name", TILE_CASES)
 def test_other_mma_tiles_match_reference(cupy_module, case_name, dtype, tile):
@@ -218,6 +224,13 @@ def test_operand_checks(cupy_module):
     with pytest.raises(ValueError, match="not 16-byte aligned"):
         fused.run_fused(0, problem, q=replace(op, address=258), k=kv, v=kv, operand_dtype="float16",
                         attention_bias=None, mask=None, out_BSD=0)  # fmt: skip
+    biased = make_problem(Case(h=128, attention_bias=(True, True)), "float16")
+    q128 = fused.Operand(256, "BSNH", g.q_seq, 128)
+    kv128 = fused.Operand(256, "BSNH", g.total_seq, 128)
+    with pytest.raises(ValueError, match=r"tile 128x128 needs 278528 bytes of shared memory for this call, more than "
+                                         r"the 232448 a block can have"):  # fmt: skip
+        fused.run_fused(0, biased, q=q128, k=kv128, v=kv128, operand_dtype="float16", attention_bias=256, mask=None,
+                        out_BSD=0, tile=fused.MmaTile(128, 128))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- dispatch rule (CPU)
@@ -262,17 +275,30 @@ def test_minus_inf_filter_without_causal_stays_fused():
 
 def test_launch_choices():
     small, large = problem_with(h=40), make_problem(Case(s=300, l=10, h=96), "bfloat16")
-    assert fused.kernel_name(small, "float16") == "flash_attention_mma<__half, __half, 64, 64, 64>"
-    assert fused.kernel_name(large, "float32") == "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64>"
+    assert fused.kernel_name(small, "float16") == "flash_attention_mma<__half, __half, 64, 64, 64, 0>"
+    assert fused.kernel_name(large, "float32") == "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64, 0>"
     wide = fused.MmaTile(128, 128)
-    assert fused.kernel_name(large, "float32", wide) == "flash_attention_mma<__nv_bfloat16, float, 96, 128, 128>"
+    assert fused.kernel_name(large, "float32", wide) == "flash_attention_mma<__nv_bfloat16, float, 96, 128, 128, 0>"
+    assert (wide.threads, fused.DEFAULT_MMA_TILE.threads) == (256, 128)
     assert fused.shared_bytes(large, wide) == (128 + 3 * 128) * (96 + 8) * 2
     assert fused.kernel_name(problem_with(h=128, dtype="float32"), "float32") == (
         "flash_attention_fp32<float, float, 128>"
     )
-    assert fused.kernel_name(problem_with(h=128), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128>"
-    assert fused.kernel_name(problem_with(h=120), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128>"
+    assert fused.kernel_name(problem_with(h=128), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128, 0>"
+    assert fused.kernel_name(problem_with(h=120), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128, 0>"
     assert fused.shared_bytes(large) == (64 + 3 * 64) * (96 + 8) * 2
+    # an attention_bias adds two float32 tiles; head 128 then takes the 64 x 64 tile (128 x 128 would not fit)
+    biased = make_problem(Case(s=300, l=10, h=128, attention_bias=(True, True)), "float16")
+    assert fused.default_tile(biased) == fused.MmaTile(64, 64)
+    assert fused.kernel_name(biased, "float16") == "flash_attention_mma<__half, __half, 128, 64, 64, 2>"
+    padded = make_problem(Case(s=300, l=10, h=64, mask="BT"), "bfloat16")
+    assert fused.kernel_name(padded, "bfloat16") == "flash_attention_mma<__nv_bfloat16, __nv_bfloat16, 64, 64, 64, 1>"
+    assert fused.shared_bytes(biased) == (64 + 3 * 64) * (128 + 8) * 2 + 2 * 64 * (64 + 8) * 4
+    assert fused.shared_bytes(biased, wide) > fused.SHARED_LIMIT
+    # float32: Q + K and V double buffered up to head 64, single buffered above, + P transposed
+    assert fused.shared_bytes(problem_with(h=64, dtype="float32")) == 4 * (64 * 68 + 2 * (64 * 68 + 64 * 64) + 64 * 68)
+    assert fused.shared_bytes(problem_with(h=96, dtype="float32")) == 4 * (64 * 100 + (64 * 100 + 64 * 96) + 64 * 68)
+    assert all(fused.shared_bytes(problem_with(h=h, dtype="float32")) <= fused.SHARED_LIMIT // 2 for h in (32, 64))
     assert fused.Operand(0, "BSNH", 7, 40).strides(3) == (7 * 3 * 40, 40, 3 * 40)
     assert fused.Operand(0, "BNSH", 7, 40).strides(3) == (3 * 7 * 40, 7 * 40, 40)
 
@@ -295,7 +321,9 @@ CODE = code_only(SOURCE)
         "(long long)(n0 + BLOCK_N) * stride_ks",
         "(long long)r * stride_s + d0",
         "(((long long)b * q_seq + rows[r]) * heads + h) * v_head_size",
-        "(((long long)b * q_seq + rows[ii]) * heads + h) * v_head_size",
+        "(((long long)b * q_seq + row) * heads + h) * v_head_size",
+        "(((long long)bb * bias_d1 + bn) * q_seq + m0) * total_seq",
+        "bias_rows + (long long)r * total_seq + n0 + col",
         "(((long long)bb * p.bias_d1 + bn) * p.q_seq + i) * p.total_seq",
         "p.keep + (long long)b * p.total_seq",
         "p.keep + ((long long)b * p.q_seq + i) * p.total_seq",
@@ -350,8 +378,9 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
               "int, int, int, const int*, const unsigned char*, float, int, int, float, int, int, int, int, int, int, "
               "int, float*")  # fmt: skip
     names = [
-        "flash_attention_mma<__half, __half, 64, 128, 64>",
-        "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64>",
+        "flash_attention_mma<__half, __half, 64, 128, 64, 0>",
+        "flash_attention_mma<__half, __half, 64, 64, 64, 3>",
+        "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64, 0>",
         "flash_attention_fp32<float, float, 64>",
     ]
     lines = ['#include "flash_attention.cu"']

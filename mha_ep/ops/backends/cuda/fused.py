@@ -37,10 +37,11 @@ HEAD_DIM_TILES = (32, 64, 96, 128)  # HEAD_DIM instantiations; max(H, Hv) is zer
 HEAD_SIZE_MULTIPLE = 8  # 16-byte vector loads of 8 elements (kernels/flash_attention.cu LOAD_CHUNK)
 MMA_BLOCK_N = 64  # keys per step of flash_attention_mma (default tile)
 MMA_SMEM_PAD = 8  # kernels/flash_attention.cu SMEM_PAD
-FP32_THREADS = 256  # kernels/flash_attention.cu F32_THREADS / F32_BLOCK_M / F32_BLOCK_N / F32_LDT
+FP32_THREADS = 256  # kernels/flash_attention.cu F32_THREADS / F32_BLOCK_M / F32_BLOCK_N / F32_LDT / F32Tiles
 FP32_BLOCK_M = 64
 FP32_BLOCK_N = 64
 FP32_LDT = FP32_BLOCK_M + 4
+BIAS_TILE_PAD = 8  # kernels/flash_attention.cu LDB = BLOCK_N + 8 (floats)
 DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel needs its dynamic shared-memory limit raised
 MASK_KINDS = {None: 0, "key_lengths": 1, "keys_BT": 2, "keys_BST": 3}  # FlashMaskKind
 VECTOR_ALIGNMENT = 16  # bytes: every operand, row and head start must allow 16-byte loads
@@ -61,17 +62,28 @@ class MmaTile:
     block_m: int = 64
     block_n: int = MMA_BLOCK_N
 
+    @property
+    def threads(self) -> int:
+        return self.block_m // 16 * 32
+
+    @property
+    def label(self) -> str:
+        return f"{self.block_m}x{self.block_n}"
+
 
 # Default tiles, from fused_timing's tile comparison on the H200 (2026-11-29): 64 x 64 (4 warps; 168 registers,
 # so 3 independent blocks per SM whose softmax and tensor-core phases interleave) was fastest on every head-64
-# anchor (e.g. S=T=4096: 377 µs against 453 for 128 x 64); for head 128, 128 x 128 (625 µs against 727).
+# anchor (e.g. S=T=4096: 377 µs against 453 for 128 x 64); for head 128, 128 x 128 (625 µs against 727), except
+# with an attention_bias, whose two shared-memory tiles (2 x 128 x 136 floats) would not fit beside it.
 DEFAULT_MMA_TILE = MmaTile()
 WIDE_HEAD_MMA_TILE = MmaTile(128, 128)
+SHARED_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_90 (sharedMemPerBlockOptin)
 
 
 def default_tile(problem: MhaProblem) -> MmaTile:
     g = problem.geometry
-    return WIDE_HEAD_MMA_TILE if head_dim_tile(g.head_size, g.v_head_size) == 128 else DEFAULT_MMA_TILE
+    wide = head_dim_tile(g.head_size, g.v_head_size) == 128 and problem.attention_bias is None
+    return WIDE_HEAD_MMA_TILE if wide else DEFAULT_MMA_TILE
 
 
 def block_m(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
@@ -131,14 +143,32 @@ class Operand:
         raise ValueError(f"operand layout must be 'BSNH' or 'BNSH', got {self.layout!r}")
 
 
+def fp32_kv_stages(head_dim: int) -> int:
+    """F32Tiles::KV_STAGES: K and V double buffered when two blocks of that size still fit an SM."""
+    return 2 if head_dim <= 64 else 1
+
+
 def shared_bytes(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
+    """Dynamic shared memory of the launch (mirrors the kernels' carving of smem_raw)."""
     g = problem.geometry
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
-    if problem.dtype == "float32":
-        return 4 * (2 * head_dim * FP32_LDT + FP32_BLOCK_N * head_dim + FP32_BLOCK_N * FP32_LDT)
+    if problem.dtype == "float32":  # F32Tiles: Q, stages x (K, V), P transposed
+        ld = head_dim + 4
+        stages = fp32_kv_stages(head_dim)
+        floats = FP32_BLOCK_M * ld + stages * (FP32_BLOCK_N * ld + FP32_BLOCK_N * head_dim) + FP32_BLOCK_N * FP32_LDT
+        return 4 * floats
     tile = tile or default_tile(problem)
     rows = tile.block_m + 3 * tile.block_n  # Q, two K buffers, V
-    return rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
+    nbytes = rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
+    if problem.attention_bias is not None:  # two float32 bias tiles
+        nbytes += 2 * tile.block_m * (tile.block_n + BIAS_TILE_PAD) * 4
+    return nbytes
+
+
+def mma_features(problem: MhaProblem) -> int:
+    """FlashFeatures of the call (kernels/flash_attention.cu): 1 with a padding mask, + 2 with an attention_bias.
+    Each combination is its own instantiation, compiled without the mask code it does not use."""
+    return (1 if problem.padding_mask is not None else 0) | (2 if problem.attention_bias is not None else 0)
 
 
 def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[MmaTile] = None) -> str:
@@ -149,7 +179,7 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[MmaTile]
     if problem.dtype == "float32":
         return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
     tile = tile or default_tile(problem)
-    return f"flash_attention_mma<{elem}, {src}, {head_dim}, {tile.block_m}, {tile.block_n}>"
+    return f"flash_attention_mma<{elem}, {src}, {head_dim}, {tile.block_m}, {tile.block_n}, {mma_features(problem)}>"
 
 
 # ----------------------------------------------------------------------------------------------- the launch
@@ -236,7 +266,11 @@ def run_fused(
 
     name = kernel_name(problem, operand_dtype, tile)
     shared = shared_bytes(problem, tile)
-    threads = FP32_THREADS if problem.dtype == "float32" else 2 * block_m(problem, tile)
+    if shared > SHARED_LIMIT:
+        chosen = tile or default_tile(problem)
+        raise ValueError(f"fused attention: tile {chosen.label} needs {shared} bytes of shared "
+                         f"memory for this call, more than the {SHARED_LIMIT} a block can have")  # fmt: skip
+    threads = FP32_THREADS if problem.dtype == "float32" else (tile or default_tile(problem)).threads
     blocks = -(-g.q_seq // block_m(problem, tile)) * g.batch * n
 
     def ptr(address: Optional[int]) -> np.uint64:

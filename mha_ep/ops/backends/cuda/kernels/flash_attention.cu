@@ -25,10 +25,24 @@
 // Padding mask (compact, never materialised): MASK_KIND 0 none; 1 key lengths int32 (B,), keep j < len[b];
 // 2 keep uint8 (B, T); 3 keep uint8 (B, S, T).
 //
-// Causal tile skipping: key tiles past the causal frontier of every row of a block hold only x + FLOAT32_LOWEST;
-// exp of that minus the row max is exactly 0 once every row max is above CAUSAL_SKIP_MAX_FLOOR, so such tiles are
-// skipped only after a block-wide vote says so (and only when the host allows it: no attention_bias, whose values
-// could lift those logits). Otherwise they are computed like any other tile.
+// Per key tile, the masks are classified once (TileMask): a tile whose keys are all kept, all in range, before the
+// causal frontier of every row, with no attention_bias, takes the plain path (x = scale * q.k folded into the
+// exponent); key lengths and (B, T) keep flags are voted per tile, so only a tile that mixes kept and padded keys
+// reads flags per element. The attention_bias tile of the next key step is copied into shared memory (cp.async,
+// double buffered beside K) while the current step computes.
+//
+// Work skipped, each exact for finite inputs:
+//   causal tiles: key tiles past the causal frontier of every row of a block hold only x + FLOAT32_LOWEST; exp of
+//     that minus the row max is exactly 0 once every row max is above CAUSAL_SKIP_MAX_FLOOR, so such tiles are
+//     skipped after a block-wide vote says so (only when the host allows it: no attention_bias, whose values could
+//     lift those logits); otherwise they are computed like any other tile;
+//   padded tiles (tensor-core kernel): on a tile whose keys are all padded (and in range, before every causal
+//     frontier, with no attention_bias) x = scale * q.k + mask_filter_value is monotonic in q.k, so the row's
+//     largest x comes from its largest q.k; when p = exp(x - m) of that x is 0 for every row of the warp (a padded
+//     tile after kept keys with mask_filter_value = -10000, say), every p of the tile is 0 and the max does not
+//     move: the warp skips the tile's masking, exponentials and P.V.
+//   Where ORT multiplies those zero probabilities by the values (0 * inf = NaN), a non-finite value or logit at a
+//   key whose probability is exactly 0 leaves this kernel's row finite: the one difference, for non-finite inputs.
 //
 // Index rule as in layout.cu: every product that can pass 2^31 is formed in long long by casting its FIRST factor,
 // `(long long)b * stride_b`, never `(long long)(b * stride_b)`.
@@ -87,25 +101,85 @@ __device__ __forceinline__ RowMask row_mask(const MaskParams& p, int b, int h, i
   return m;
 }
 
-// Steps 3-4 for one in-range score x = scale * q.k of row i, key j.
-__device__ __forceinline__ float masked_logit(float x, const MaskParams& p, const RowMask& m, int i, int j) {
-  if (m.bias_T != nullptr) x += m.bias_T[j];                                          // step 3
-  const bool future = p.causal && i < p.q_seq - 1 && j > p.past_seq + i;
-  const bool padded = (j >= m.key_length) || (m.keep_T != nullptr && m.keep_T[j] == 0);
+// Mask inputs an instantiation of flash_attention_mma is compiled for (its FEATURES template argument).
+enum FlashFeatures { FLASH_PLAIN = 0, FLASH_WITH_PADDING = 1, FLASH_WITH_BIAS = 2 };
+
+// How the masks touch one key tile [n0, n0 + block_n) of query rows [m0, m0 + block_m) (uniform over the block).
+enum TilePadding { TILE_KEEP_ALL = 0, TILE_PAD_ALL = 1, TILE_PAD_MIXED = 2 };
+struct TileMask {
+  bool plain;      // no term of steps 3-4 and every key in range: x = scale * q.k
+  bool in_range;   // every key of the tile is < total_seq
+  bool causal;     // some row of the block has keys of this tile in its causal future
+  int padding;     // TilePadding of the tile's in-range keys
+};
+
+// The tile's padding: key lengths compare once; (B, T) keep flags are voted by the warp (every warp of the block
+// reads the same flags, so every warp reaches the same answer); (B, S, T) flags are read per element.
+__device__ __forceinline__ int tile_padding(const MaskParams& p, int b, int n0, int block_n, int lane) {
+  if (p.mask_kind == FLASH_MASK_NONE) return TILE_KEEP_ALL;
+  const int end = min(n0 + block_n, p.total_seq);
+  if (p.mask_kind == FLASH_MASK_KEY_LENGTHS) {
+    const int length = p.key_lengths_B[b];
+    if (end <= length) return TILE_KEEP_ALL;
+    return (n0 >= length) ? TILE_PAD_ALL : TILE_PAD_MIXED;
+  }
+  if (p.mask_kind == FLASH_MASK_KEYS_BT) {
+    const unsigned char* keep_T = p.keep + (long long)b * p.total_seq;
+    bool any_kept = false;
+    bool any_padded = false;
+    for (int j = n0 + lane; j < end; j += 32) {
+      const bool kept = keep_T[j] != 0;
+      any_kept = any_kept || kept;
+      any_padded = any_padded || !kept;
+    }
+    any_kept = __any_sync(0xffffffffu, any_kept);
+    any_padded = __any_sync(0xffffffffu, any_padded);
+    if (!any_padded) return TILE_KEEP_ALL;
+    return any_kept ? TILE_PAD_MIXED : TILE_PAD_ALL;
+  }
+  return TILE_PAD_MIXED;
+}
+
+__device__ __forceinline__ TileMask tile_mask(const MaskParams& p, int b, int m0, int n0, int block_n, int lane) {
+  TileMask t;
+  t.in_range = n0 + block_n <= p.total_seq;
+  t.causal = p.causal && n0 + block_n - 1 > p.past_seq + m0;
+  t.padding = tile_padding(p, b, n0, block_n, lane);
+  t.plain = t.in_range && !t.causal && t.padding == TILE_KEEP_ALL && p.attention_bias == nullptr;
+  return t;
+}
+
+// Step 4 for one in-range logit x of row i, key j (attention_bias, step 3, already added).
+__device__ __forceinline__ float masked_logit(float x, const MaskParams& p, const RowMask& m, const TileMask& t, int i,
+                                              int j) {
+  const bool future = t.causal && i < p.q_seq - 1 && j > p.past_seq + i;
+  bool padded = t.padding == TILE_PAD_ALL;
+  if (t.padding == TILE_PAD_MIXED) padded = (j >= m.key_length) || (m.keep_T != nullptr && m.keep_T[j] == 0);
   if (future) {
-    x += FLOAT32_LOWEST;                                                              // step 4, causal
+    x += FLOAT32_LOWEST;  // step 4, causal
   } else if (padded) {
-    x += p.mask_filter_value;                                                         // step 4, padding
+    x += p.mask_filter_value;  // step 4, padding
   }
   return x;
 }
 
-// Does any score of key tile [n0, n0 + BLOCK_N) of query rows [m0, m0 + BLOCK_M) need steps 3-4 or the
-// out-of-range fill? (Otherwise the tile takes the plain x = scale * q.k path.)
-__device__ __forceinline__ bool tile_needs_mask(const MaskParams& p, int m0, int n0, int block_n) {
-  if (p.attention_bias != nullptr || p.mask_kind != FLASH_MASK_NONE) return true;
-  if (n0 + block_n > p.total_seq) return true;
-  return p.causal && n0 + block_n - 1 > p.past_seq + m0;
+// Step 4 for one in-range logit x of row i, key j of a tile that mixes kept and padded keys (or whose padding
+// was not classified): the key's own padding flag.
+__device__ __forceinline__ float masked_logit_per_key(float x, const MaskParams& p, const RowMask& m, int i, int j) {
+  const bool future = p.causal && i < p.q_seq - 1 && j > p.past_seq + i;
+  const bool padded = (j >= m.key_length) || (m.keep_T != nullptr && m.keep_T[j] == 0);
+  if (future) {
+    x += FLOAT32_LOWEST;  // step 4, causal
+  } else if (padded) {
+    x += p.mask_filter_value;  // step 4, padding
+  }
+  return x;
+}
+
+// x of a padded key (step 4 without bias or causal): two roundings, never contracted into one FMA, so the row's
+// largest x is padded_logit of its largest q.k (both operations are monotonic).
+__device__ __forceinline__ float padded_logit(float acc, float scale, float mask_filter_value) {
+  return __fadd_rn(__fmul_rn(acc, scale), mask_filter_value);
 }
 
 // First key index that no row of the block [m0, m0 + block_m) may attend (causal frontier), or total_seq.
@@ -177,6 +251,39 @@ __device__ __forceinline__ void load_tile(ELEM* tile, const IN* src, long long s
   }
 }
 
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
+}
+
+// The attention_bias tile of query rows [m0, m0 + ROWS) x keys [n0, n0 + COLS) into shared memory `tile` (row
+// stride LDB floats), asynchronously (cp.async; the caller commits and waits); zeros outside (S, T) (rows >= S are
+// never stored, keys >= T become -inf). `bias_rows` points at (row m0, key 0) of this (b, h)'s (S, T) slice.
+// 16-byte copies when every row starts 16-byte aligned (T % 4 == 0 and an aligned base), 4-byte copies otherwise.
+template <int ROWS, int COLS, int LDB, int THREADS>
+__device__ __forceinline__ void load_bias_tile(float* tile, const float* bias_rows, int rows_valid, int total_seq,
+                                               int n0, bool vec4) {
+  if (vec4) {
+    constexpr int GROUPS = COLS / 4;
+    for (int c = threadIdx.x; c < ROWS * GROUPS; c += THREADS) {
+      const int r = c / GROUPS;
+      const int col = (c % GROUPS) * 4;
+      const bool valid = r < rows_valid && n0 + col < total_seq;  // T % 4 == 0: a group is all in or all out
+      const float* g = valid ? bias_rows + (long long)r * total_seq + n0 + col : bias_rows;
+      cp_async_16(tile + r * LDB + col, g, valid);
+    }
+  } else {
+    for (int c = threadIdx.x; c < ROWS * COLS; c += THREADS) {
+      const int r = c / COLS;
+      const int col = c % COLS;
+      const bool valid = r < rows_valid && n0 + col < total_seq;
+      const float* g = valid ? bias_rows + (long long)r * total_seq + n0 + col : bias_rows;
+      cp_async_4(tile + r * LDB + col, g, valid);
+    }
+  }
+}
+
 // 2^x on the special-function unit alone (ex2.approx, about 2 ulp; flushes results below 2^-126 to 0, which
 // changes no softmax sum: every term is <= 1 and the row max contributes exactly 1).
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -236,9 +343,10 @@ template <> struct Mma<__nv_bfloat16> {
 // column pair 2 tig, 2 tig + 1 of each 8-wide n-tile.
 // K and V move with cp.async (when the operand is already ELEM without bias) into shared memory: K double
 // buffered, so K of tile j+1 loads during the whole of step j; V of tile j loads while S of tile j is computed.
+// An attention_bias tile (BLOCK_M x BLOCK_N float32) travels with K, double buffered after V.
 // Fragments of one k-step are read with ldmatrix before its mma instructions are issued (in-order issue would
 // otherwise stall every mma on the ldmatrix just before it).
-template <typename ELEM, typename IN, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+template <typename ELEM, typename IN, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int FEATURES>
 __global__ void __launch_bounds__(BLOCK_M * 2)
     flash_attention_mma(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
                         const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
@@ -249,7 +357,12 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
                         const unsigned char* __restrict__ keep, float mask_filter_value, int causal,
                         int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
                         int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
-  static_assert(HEAD_DIM % 16 == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "tiles are multiples of 16");
+  static_assert(HEAD_DIM % 16 == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 32 == 0, "tiles are multiples of 16 (keys: 32)");
+  // Each instantiation carries only the mask code its calls need (FlashFeatures; the host passes attention_bias
+  // exactly when FEATURES has FLASH_WITH_BIAS and a padding mask exactly when it has FLASH_WITH_PADDING): the tile
+  // classification and the bias tiles cost the plain kernel's loop up to 20% when compiled in but unused (H200).
+  constexpr bool WITH_PADDING = (FEATURES & FLASH_WITH_PADDING) != 0;
+  constexpr bool WITH_BIAS = (FEATURES & FLASH_WITH_BIAS) != 0;
   constexpr int THREADS = BLOCK_M * 2;    // one warp per 16 query rows
   constexpr int LD = HEAD_DIM + SMEM_PAD; // shared-memory row stride, elements
   constexpr int D_STEPS = HEAD_DIM / 16;  // k-steps of Q.K^T
@@ -259,6 +372,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   ELEM* q_tile = reinterpret_cast<ELEM*>(smem_raw);  // BLOCK_M x LD
   ELEM* k_tiles = q_tile + BLOCK_M * LD;              // 2 x BLOCK_N x LD (tile j in buffer j % 2)
   ELEM* v_tile = k_tiles + 2 * BLOCK_N * LD;          // BLOCK_N x LD
+  constexpr int LDB = BLOCK_N + 8;                    // bias tile row stride, floats
+  float* bias_tiles = reinterpret_cast<float*>(v_tile + BLOCK_N * LD);  // 2 x BLOCK_M x LDB, with attention_bias
 
   // Block coordinates: consecutive blocks share (b, h) (K/V reuse in L2); the last query tile, the longest under
   // causal masking, starts first.
@@ -284,10 +399,23 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   const int row_lo = m0 + warp * 16 + g;  // this thread's two query rows
   const int rows[2] = {row_lo, row_lo + 8};
   const RowMask masks[2] = {row_mask(mp, b, h, rows[0]), row_mask(mp, b, h, rows[1])};
+  constexpr bool has_bias = WITH_BIAS;
+  const float* bias_rows = nullptr;  // attention_bias at (b|0, h|0, row m0, key 0)
+  bool bias_vec4 = false;
+  if constexpr (has_bias) {
+    const int bb = (bias_d0 == 1) ? 0 : b;
+    const int bn = (bias_d1 == 1) ? 0 : h;
+    bias_rows = attention_bias + (((long long)bb * bias_d1 + bn) * q_seq + m0) * total_seq;
+    bias_vec4 = (total_seq % 4 == 0) && (reinterpret_cast<unsigned long long>(attention_bias) % 16 == 0);
+  }
+  const int bias_at[2] = {(warp * 16 + g) * LDB + tig * 2, (warp * 16 + g + 8) * LDB + tig * 2};
 
-  // Step 1 (loads): the Q tile and the first K tile.
+  // Step 1 (loads): the Q tile, the first K tile and its attention_bias tile.
   load_tile<ELEM, IN, BLOCK_M, HEAD_DIM, LD, THREADS>(q_tile, q_rows, stride_qs, q_seq - m0, head_size, bias_q_h);
   load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(k_tiles, k_rows, stride_ks, total_seq, head_size, bias_k_h);
+  if constexpr (has_bias) {
+    load_bias_tile<BLOCK_M, BLOCK_N, LDB, THREADS>(bias_tiles, bias_rows, q_seq - m0, total_seq, 0, bias_vec4);
+  }
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -314,10 +442,22 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       key_end = total_seq;
     }
     const ELEM* k_tile = k_tiles + (step & 1) * BLOCK_N * LD;
-    // K of this tile has landed (cp.async), and every warp is done with the previous V tile and with the K buffer
-    // the next tile goes to (it held tile step-1).
+    const float* bias_tile = bias_tiles + (step & 1) * BLOCK_M * LDB;
+    // K (and the bias tile) of this step have landed (cp.async), and every warp is done with the previous V tile
+    // and with the K and bias buffers the next tile goes to (they held tile step-1).
     cp_async_wait_all();
     __syncthreads();
+    // How the masks touch this key tile: with a mask input, classified before the loads and tensor-core work are
+    // issued; the plain instantiation decides after its S tile, where the decision cost least on the H200.
+    TileMask tm;
+    if constexpr (WITH_PADDING) {
+      tm = tile_mask(mp, b, m0, n0, BLOCK_N, lane);
+    } else if constexpr (WITH_BIAS) {
+      tm.in_range = n0 + BLOCK_N <= total_seq;
+      tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
+      tm.padding = TILE_KEEP_ALL;
+      tm.plain = false;
+    }
     load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(v_tile, v_rows + (long long)n0 * stride_vs, stride_vs,
                                                        total_seq - n0, v_head_size, bias_v_h);
     cp_async_commit();
@@ -325,6 +465,10 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(k_tiles + ((step + 1) & 1) * BLOCK_N * LD,
                                                          k_rows + (long long)(n0 + BLOCK_N) * stride_ks, stride_ks,
                                                          total_seq - n0 - BLOCK_N, head_size, bias_k_h);
+      if constexpr (has_bias) {
+        load_bias_tile<BLOCK_M, BLOCK_N, LDB, THREADS>(bias_tiles + ((step + 1) & 1) * BLOCK_M * LDB, bias_rows,
+                                                       q_seq - m0, total_seq, n0 + BLOCK_N, bias_vec4);
+      }
     }
     cp_async_commit();  // (an empty group after the last tile keeps the group count uniform)
 
@@ -351,9 +495,18 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     // Steps 2-4: x = scale * q.k, then attention bias, causal and padding; keys past T are not in the row.
     // A plain tile (no bias or mask term, every key in range, scale > 0) keeps the raw dot products: its x is
     // scale * acc, folded into the exponent of step C, and max(x) = scale * max(acc) (rounding is monotonic).
-    const bool masked_tile = tile_needs_mask(mp, m0, n0, BLOCK_N);
-    const bool plain_tile = !masked_tile && scale > 0.0f;
-    if (!plain_tile) {
+    // A padded tile (every key padded, in range, before every causal frontier, no attention_bias, scale > 0)
+    // keeps the raw dot products until its row maxima say whether any p can be nonzero (see the header).
+    if constexpr (FEATURES == FLASH_PLAIN) {
+      tm.in_range = n0 + BLOCK_N <= total_seq;
+      tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
+      tm.padding = TILE_KEEP_ALL;
+      tm.plain = tm.in_range && !tm.causal;
+    }
+    const bool plain_tile = tm.plain && scale > 0.0f;
+    const bool padded_tile = WITH_PADDING && !has_bias && !tm.plain && tm.in_range && !tm.causal &&
+                             tm.padding == TILE_PAD_ALL && scale > 0.0f;
+    if (!plain_tile && !padded_tile) {
 #pragma unroll
       for (int np = 0; np < S_PAIRS; ++np)
 #pragma unroll
@@ -363,7 +516,15 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
             const int r = c >> 1;
             const int j = n0 + np * 16 + hf * 8 + tig * 2 + (c & 1);
             float x = s_acc[np][hf][c] * scale;
-            if (masked_tile) x = (j < total_seq) ? masked_logit(x, mp, masks[r], rows[r], j) : NEG_INFINITY;
+            if (!tm.plain) {
+              if (j < total_seq) {
+                if constexpr (has_bias) x += bias_tile[bias_at[r] + np * 16 + hf * 8 + (c & 1)];  // step 3
+                x = (tm.padding == TILE_PAD_MIXED) ? masked_logit_per_key(x, mp, masks[r], rows[r], j)
+                                                   : masked_logit(x, mp, masks[r], tm, rows[r], j);
+              } else {
+                x = NEG_INFINITY;
+              }
+            }
             s_acc[np][hf][c] = x;
           }
     }
@@ -384,6 +545,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
       if (plain_tile) tile_max[r] *= scale;  // max of x = scale * acc
+      if (padded_tile) tile_max[r] = padded_logit(tile_max[r], scale, mask_filter_value);  // monotonic in acc
       // Step B: the new running max m_new and the rescale factor alpha = exp(m_old - m_new) of what was summed
       // so far. A row with no finite logit yet keeps m = -inf; it subtracts 0 instead (exp(-inf) = 0, no NaN).
       const float m_new = fmaxf(row_max[r], tile_max[r]);
@@ -391,12 +553,30 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       alpha[r] = fast_exp2((row_max[r] - max_used[r]) * LOG2E);
       row_max[r] = m_new;
     }
+    // A padded tile whose every p would be 0 adds nothing (O, l and m stay): skip to the barrier before step E.
+    bool skip_tile = false;
+    if (padded_tile) {
+      bool zero = true;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) zero = zero && fast_exp2((tile_max[r] - max_used[r]) * LOG2E) == 0.0f;
+      skip_tile = __all_sync(0xffffffffu, zero);
+      if (!skip_tile) {
+#pragma unroll
+        for (int np = 0; np < S_PAIRS; ++np)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s_acc[np][hf][c] = padded_logit(s_acc[np][hf][c], scale, mask_filter_value);
+      }
+    }
     // Step C: p = exp(x - m_new); l = alpha * l + sum p (this thread's columns; the quad sums at the end).
     // Plain tiles evaluate exp(scale * acc - m) as 2^(acc * scale*log2e - m*log2e), one FFMA per score, when
     // m*log2e cannot overflow for any row of the warp; everything else takes x - m first.
     const bool fold = plain_tile && __all_sync(0xffffffffu, fabsf(max_used[0]) < 1e30f && fabsf(max_used[1]) < 1e30f);
     float tile_sum[2] = {0.0f, 0.0f};
-    if (fold) {
+    if (skip_tile) {
+      alpha[0] = alpha[1] = 1.0f;  // (m did not move; a row still at -inf has l = 0 and O = 0 either way)
+    } else if (fold) {
       const float scale_log2 = scale * LOG2E;
       const float neg_max_log2[2] = {-max_used[0] * LOG2E, -max_used[1] * LOG2E};
 #pragma unroll
@@ -440,6 +620,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     // V of this tile has landed (the next K tile, committed after it, may still be in flight).
     cp_async_wait_all_but_newest();
     __syncthreads();
+    if (skip_tile) continue;  // (after the barrier: every warp passes each barrier once per tile)
 
     // Step E: O += P . V, P rounded to ELEM (as the three-phase path rounds its probabilities).
 #pragma unroll
@@ -491,37 +672,33 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
 
 // ---------------------------------------------------------------------------------------- f32: CUDA cores
 // One block of 256 threads = F32_BLOCK_M (64) query rows x F32_BLOCK_N (64) keys per step, as a 16 x 16 thread
-// grid (ty = tid / 16, tx = tid % 16). Thread (ty, tx) owns rows 4 ty .. 4 ty + 3 and, of S, keys 4 tx .. 4 tx + 3
-// (a 4 x 4 register tile); of O, the columns (tx + 16 dd) * O_VEC + e. Q and K sit transposed in shared memory
-// (d-major) so both 4-vectors of the S update are single 16-byte loads; P goes through shared memory
-// transposed (key-major) for the O update. Row max and sum reduce over the 16 threads of a row (one half warp).
+// grid (ty = tid / 16, tx = tid % 16). Thread (ty, tx) owns rows 4 ty .. 4 ty + 3 and, of S, keys tx + 16 jj
+// (jj = 0..3; a 4 x 4 register tile); of O, the columns (tx + 16 dd) * O_VEC + e.
+// Q, K and V sit row-major in shared memory, copied there with cp.async (the same load_tile as the tensor-core
+// kernel); the S update reads 4 consecutive d of a Q row and of a K row as 16-byte loads (rows padded by 4 floats:
+// the 16 K rows of a half warp fall in distinct banks). P goes through shared memory transposed (key-major) for
+// the O update. Row max and sum reduce over the 16 threads of a row (one half warp).
+// Pipeline: with HEAD_DIM <= 64, K and V are double buffered (F32_KV_STAGES 2): the tiles of step j+1 load while
+// step j computes, and two blocks fit an SM (the register budget of 256 threads x 128 registers allows two). Wider
+// heads load each step's K and V at its start (one buffer; the tiles would not fit twice).
 #define F32_THREADS 256
 #define F32_BLOCK_M 64
 #define F32_BLOCK_N 64
-#define F32_LDT (F32_BLOCK_M + 4)  // row stride of the transposed tiles (floats; 16-byte aligned rows)
+#define F32_LDT (F32_BLOCK_M + 4)  // row stride of the transposed P tile (floats; 16-byte aligned rows)
 
-// A ROWS x HEAD_DIM float32 tile (+ bias) stored transposed: dst[d * F32_LDT + r]; zeros outside (rows_valid, dim).
-template <typename IN, int ROWS, int HEAD_DIM>
-__device__ __forceinline__ void load_tile_transposed(float* dst, const IN* src, long long stride_s, int rows_valid,
-                                                     int dim, const float* bias_d) {
-  constexpr int CHUNKS_PER_ROW = HEAD_DIM / LOAD_CHUNK;
-  for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += F32_THREADS) {
-    const int r = c / CHUNKS_PER_ROW;
-    const int d0 = (c % CHUNKS_PER_ROW) * LOAD_CHUNK;
-    const bool valid = r < rows_valid && d0 < dim;
-    float chunk[LOAD_CHUNK];
-    load_chunk<float, IN>(chunk, valid ? src + (long long)r * stride_s + d0 : src, (valid && bias_d != nullptr) ? bias_d + d0 : nullptr,
-                          valid);
-#pragma unroll
-    for (int e = 0; e < LOAD_CHUNK; ++e) {
-      const int at = (d0 + e) * F32_LDT + r;  // shared-memory offset (< 48K floats)
-      dst[at] = chunk[e];
-    }
-  }
-}
+template <int HEAD_DIM> struct F32Tiles {
+  static constexpr int LDQ = HEAD_DIM + 4;  // Q and K row stride (floats)
+  static constexpr int LDV = HEAD_DIM;      // V row stride
+  static constexpr int KV_STAGES = HEAD_DIM <= 64 ? 2 : 1;
+  static constexpr int Q_FLOATS = F32_BLOCK_M * LDQ;
+  static constexpr int K_FLOATS = F32_BLOCK_N * LDQ;
+  static constexpr int V_FLOATS = F32_BLOCK_N * LDV;
+  static constexpr int P_FLOATS = F32_BLOCK_N * F32_LDT;
+  static constexpr int FLOATS = Q_FLOATS + KV_STAGES * (K_FLOATS + V_FLOATS) + P_FLOATS;  // fused.py shared_bytes
+};
 
 template <typename ELEM, typename IN, int HEAD_DIM>
-__global__ void __launch_bounds__(F32_THREADS)
+__global__ void __launch_bounds__(F32_THREADS, 2)
     flash_attention_fp32(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
                          const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
                          long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
@@ -533,14 +710,17 @@ __global__ void __launch_bounds__(F32_THREADS)
                          int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
   static_assert(same_type<ELEM, float>::value, "the CUDA-core kernel computes in float32");
   static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM is a multiple of 16");
+  using Tiles = F32Tiles<HEAD_DIM>;
+  constexpr int LDQ = Tiles::LDQ;
+  constexpr int LDV = Tiles::LDV;
+  constexpr int STAGES = Tiles::KV_STAGES;
   constexpr int O_VEC = (HEAD_DIM % 64 == 0) ? 4 : 1;  // O columns per group: 16-byte V loads when they fit
   constexpr int O_GROUPS = HEAD_DIM / (16 * O_VEC);
-  constexpr int LDV = HEAD_DIM;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* q_t = reinterpret_cast<float*>(smem_raw);  // HEAD_DIM x F32_LDT (Q transposed)
-  float* k_t = q_t + HEAD_DIM * F32_LDT;             // HEAD_DIM x F32_LDT (K transposed)
-  float* v_s = k_t + HEAD_DIM * F32_LDT;             // F32_BLOCK_N x LDV
-  float* p_t = v_s + F32_BLOCK_N * LDV;              // F32_BLOCK_N x F32_LDT (P transposed)
+  float* q_s = reinterpret_cast<float*>(smem_raw);  // F32_BLOCK_M x LDQ
+  float* k_s = q_s + Tiles::Q_FLOATS;               // STAGES x F32_BLOCK_N x LDQ (tile j in buffer j % STAGES)
+  float* v_s = k_s + STAGES * Tiles::K_FLOATS;      // STAGES x F32_BLOCK_N x LDV
+  float* p_t = v_s + STAGES * Tiles::V_FLOATS;      // F32_BLOCK_N x F32_LDT (P transposed)
 
   const int q_tiles = (q_seq + F32_BLOCK_M - 1) / F32_BLOCK_M;
   const long long bh = (long long)blockIdx.x / q_tiles;
@@ -549,6 +729,7 @@ __global__ void __launch_bounds__(F32_THREADS)
   const int h = (int)(bh % heads);
   const int ty = threadIdx.x / 16;
   const int tx = threadIdx.x % 16;
+  const int lane = threadIdx.x % 32;
 
   const IN* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
   const IN* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
@@ -559,16 +740,22 @@ __global__ void __launch_bounds__(F32_THREADS)
 
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
                       causal, q_seq, total_seq, past_seq};
-  int rows[4];
-  RowMask masks[4];
-#pragma unroll
-  for (int ii = 0; ii < 4; ++ii) {
-    rows[ii] = m0 + ty * 4 + ii;
-    masks[ii] = row_mask(mp, b, h, rows[ii]);
-  }
+  const int row0 = m0 + ty * 4;  // this thread's rows: row0 + ii (mask row slices formed where a tile needs them)
 
-  // Step 1 (loads): Q once (transposed, + b_q).
-  load_tile_transposed<IN, F32_BLOCK_M, HEAD_DIM>(q_t, q_rows, stride_qs, q_seq - m0, head_size, bias_q_h);
+  // K and V of the key tile at n0 into buffer `stage` (asynchronous for float32 input without bias).
+  auto load_kv = [&](int n0, int stage) {
+    load_tile<float, IN, F32_BLOCK_N, HEAD_DIM, LDQ, F32_THREADS>(k_s + stage * Tiles::K_FLOATS,
+                                                                 k_rows + (long long)n0 * stride_ks, stride_ks,
+                                                                 total_seq - n0, head_size, bias_k_h);
+    load_tile<float, IN, F32_BLOCK_N, HEAD_DIM, LDV, F32_THREADS>(v_s + stage * Tiles::V_FLOATS,
+                                                                 v_rows + (long long)n0 * stride_vs, stride_vs,
+                                                                 total_seq - n0, v_head_size, bias_v_h);
+  };
+
+  // Step 1 (loads): Q once (+ b_q), and with two stages the first K and V tiles.
+  load_tile<float, IN, F32_BLOCK_M, HEAD_DIM, LDQ, F32_THREADS>(q_s, q_rows, stride_qs, q_seq - m0, head_size, bias_q_h);
+  if (STAGES == 2) load_kv(0, 0);
+  cp_async_commit();
 
   float o_acc[4][O_GROUPS][O_VEC];
 #pragma unroll
@@ -581,7 +768,7 @@ __global__ void __launch_bounds__(F32_THREADS)
   float row_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                   // l_i (this thread's part)
 
   int key_end = causal_key_end(mp, m0, F32_BLOCK_M, skip_causal_tiles);
-  for (int n0 = 0; n0 < total_seq; n0 += F32_BLOCK_N) {
+  for (int n0 = 0, step = 0; n0 < total_seq; n0 += F32_BLOCK_N, ++step) {
     if (n0 >= key_end) {
       bool dominated = true;
 #pragma unroll
@@ -589,41 +776,68 @@ __global__ void __launch_bounds__(F32_THREADS)
       if (__syncthreads_and(dominated)) break;
       key_end = total_seq;
     }
-    __syncthreads();  // every thread is done with the previous K, V and P tiles
-    load_tile_transposed<IN, F32_BLOCK_N, HEAD_DIM>(k_t, k_rows + (long long)n0 * stride_ks, stride_ks,
-                                                   total_seq - n0, head_size, bias_k_h);
-    load_tile<float, IN, F32_BLOCK_N, HEAD_DIM, LDV, F32_THREADS>(v_s, v_rows + (long long)n0 * stride_vs,
-                                                                 stride_vs, total_seq - n0, v_head_size, bias_v_h);
-    cp_async_commit();
+    const int stage = (STAGES == 2) ? (step & 1) : 0;
+    if (STAGES == 1) {
+      __syncthreads();  // every thread is done with the previous K, V and P tiles
+      load_kv(n0, 0);
+      cp_async_commit();
+    }
+    // This step's K and V have landed, and every thread is done with the previous step (its P tile, and with
+    // two stages the buffers the next tile goes to).
     cp_async_wait_all();
     __syncthreads();
+    if (STAGES == 2) {
+      if (n0 + F32_BLOCK_N < total_seq) load_kv(n0 + F32_BLOCK_N, stage ^ 1);
+      cp_async_commit();
+    }
+    const float* k_tile = k_s + stage * Tiles::K_FLOATS;
+    const float* v_tile = v_s + stage * Tiles::V_FLOATS;
 
-    // Step 2: the 4 x 4 score tile, x = scale * q.k in fp32 FFMA.
+    // Step 2: the 4 x 4 score tile, x = scale * q.k in fp32 FFMA, 4 consecutive d per pass.
     float s[4][4];
 #pragma unroll
     for (int ii = 0; ii < 4; ++ii) s[ii][0] = s[ii][1] = s[ii][2] = s[ii][3] = 0.0f;
-#pragma unroll 8
-    for (int d = 0; d < HEAD_DIM; ++d) {
-      const float4 qa = *reinterpret_cast<const float4*>(q_t + d * F32_LDT + ty * 4);
-      const float4 kb = *reinterpret_cast<const float4*>(k_t + d * F32_LDT + tx * 4);
-      const float qv[4] = {qa.x, qa.y, qa.z, qa.w};
-      const float kv[4] = {kb.x, kb.y, kb.z, kb.w};
+#pragma unroll 4
+    for (int d = 0; d < HEAD_DIM; d += 4) {
+      float4 qa[4];
+      float4 kb[4];
+#pragma unroll
+      for (int ii = 0; ii < 4; ++ii) qa[ii] = *reinterpret_cast<const float4*>(q_s + (ty * 4 + ii) * LDQ + d);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) kb[jj] = *reinterpret_cast<const float4*>(k_tile + (tx + 16 * jj) * LDQ + d);
 #pragma unroll
       for (int ii = 0; ii < 4; ++ii)
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) s[ii][jj] = fmaf(qv[ii], kv[jj], s[ii][jj]);
+        for (int jj = 0; jj < 4; ++jj) {
+          s[ii][jj] = fmaf(qa[ii].x, kb[jj].x, s[ii][jj]);
+          s[ii][jj] = fmaf(qa[ii].y, kb[jj].y, s[ii][jj]);
+          s[ii][jj] = fmaf(qa[ii].z, kb[jj].z, s[ii][jj]);
+          s[ii][jj] = fmaf(qa[ii].w, kb[jj].w, s[ii][jj]);
+        }
     }
     // Steps 2-4: scale, attention bias, causal and padding; keys past T are not in the row.
-    const bool masked_tile = tile_needs_mask(mp, m0, n0, F32_BLOCK_N);
+    const TileMask tm = tile_mask(mp, b, m0, n0, F32_BLOCK_N, lane);
 #pragma unroll
-    for (int ii = 0; ii < 4; ++ii)
+    for (int ii = 0; ii < 4; ++ii) {
+      if (tm.plain) {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) s[ii][jj] *= scale;
+        continue;
+      }
+      const RowMask mask = row_mask(mp, b, h, row0 + ii);
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        const int j = n0 + tx * 4 + jj;
+        const int j = n0 + tx + 16 * jj;
         float x = s[ii][jj] * scale;
-        if (masked_tile) x = (j < total_seq) ? masked_logit(x, mp, masks[ii], rows[ii], j) : NEG_INFINITY;
+        if (j < total_seq) {
+          if (mask.bias_T != nullptr) x += mask.bias_T[j];  // step 3
+          x = masked_logit(x, mp, mask, tm, row0 + ii, j);
+        } else {
+          x = NEG_INFINITY;
+        }
         s[ii][jj] = x;
       }
+    }
 
     // Online softmax per row (steps A-D as in flash_attention_mma; a row spans the 16 tx threads).
 #pragma unroll
@@ -652,7 +866,7 @@ __global__ void __launch_bounds__(F32_THREADS)
     // P to shared memory, key-major: p_t[key][row].
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
-      *reinterpret_cast<float4*>(p_t + (tx * 4 + jj) * F32_LDT + ty * 4) =
+      *reinterpret_cast<float4*>(p_t + (tx + 16 * jj) * F32_LDT + ty * 4) =
           make_float4(s[0][jj], s[1][jj], s[2][jj], s[3][jj]);
     }
     __syncthreads();
@@ -666,14 +880,14 @@ __global__ void __launch_bounds__(F32_THREADS)
       for (int dd = 0; dd < O_GROUPS; ++dd) {
         float vv[O_VEC];
         if constexpr (O_VEC == 4) {
-          const float4 v4 = *reinterpret_cast<const float4*>(v_s + jk * LDV + (tx + 16 * dd) * 4);
+          const float4 v4 = *reinterpret_cast<const float4*>(v_tile + jk * LDV + (tx + 16 * dd) * 4);
           vv[0] = v4.x;
           vv[1] = v4.y;
           vv[2] = v4.z;
           vv[3] = v4.w;
         } else {
           const int at = jk * LDV + tx + 16 * dd;  // shared-memory offset
-          vv[0] = v_s[at];
+          vv[0] = v_tile[at];
         }
 #pragma unroll
         for (int ii = 0; ii < 4; ++ii)
@@ -682,6 +896,7 @@ __global__ void __launch_bounds__(F32_THREADS)
       }
     }
   }
+  cp_async_wait_all();  // a prefetch of a skipped tile may still be in flight
 
   // Step F: out = O / l (l summed over the row's 16 threads); float32 output, no rounding needed.
 #pragma unroll
@@ -691,9 +906,10 @@ __global__ void __launch_bounds__(F32_THREADS)
   }
 #pragma unroll
   for (int ii = 0; ii < 4; ++ii) {
-    if (rows[ii] >= q_seq) continue;
+    const int row = row0 + ii;
+    if (row >= q_seq) continue;
     const float inv = 1.0f / row_sum[ii];
-    const long long out_row = (((long long)b * q_seq + rows[ii]) * heads + h) * v_head_size;
+    const long long out_row = (((long long)b * q_seq + row) * heads + h) * v_head_size;
 #pragma unroll
     for (int dd = 0; dd < O_GROUPS; ++dd)
 #pragma unroll
