@@ -1,8 +1,9 @@
 """``mha-ep bench anchors``: the DESIGN.md anchor shapes, a sequence-length sweep, and the shipped models.
 
 Columns (µs per call, median; "–" where a provider is absent or a row is too big for it):
-  kernel      plugin device time, inputs already on the GPU (CudaBackend.time_device: back-to-back submissions
-              between CUDA events, so small shapes include the host's launch gaps)
+  kernel      plugin device time, inputs already on the GPU (CudaBackend.time_device: layout movers + fused kernel
+              replayed as a CUDA graph; three-phase calls from back-to-back submissions, which include the host's
+              launch gaps on small shapes)
   TFLOP/s     FLOP model 4*B*N*S*T*H (halved for causal) / kernel time
   host        plugin host-to-host: mha_ep.InferenceSession.run, numpy in and out (f16 rows: float16 numpy)
   floor       the bridge floor: a do-nothing Python op in the same graph moving the same bytes (echo)

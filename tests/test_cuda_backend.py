@@ -262,3 +262,13 @@ def test_causal_lowest_is_added_under_a_huge_negative_attention_bias(backend, dt
     arrays = [round_to_dtype(rng.standard_normal((b, s, n * h)).astype(np.float32), dtype) for _ in range(3)]
     problem = build_problem({"num_heads": n, "unidirectional": 1}, arrays + [None, None, bias, None, None], dtype)
     assert_matches(problem, backend.run(problem))
+
+
+@pytest.mark.gpu
+def test_time_device_measures_and_leaves_the_backend_answering(backend):
+    """time_device replays a captured graph on the fused path and times submissions on the three-phase path; the
+    backend's stream is usable afterwards either way."""
+    problem = make_problem(Case(b=2, s=33, l=40, n=2, h=64, mask="lengths", attention_bias=(True, False)), "float16")
+    seconds = backend.time_device(problem, repeats=3, warmup=1)
+    assert 0.0 < seconds < 0.1, seconds
+    assert_matches(problem, backend.run(problem))

@@ -46,6 +46,7 @@ POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float
 log = logging.getLogger("mha_ep")
 COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
 SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
+GRAPH_LAUNCHES = 10  # submissions per captured graph in time_device
 CUDA_ERRORS = (
     cupy.cuda.runtime.CUDARuntimeError,
     cupy.cuda.driver.CUDADriverError,
@@ -210,19 +211,53 @@ class CudaBackend:
         return dev_in, dev_out, out_segments, out_base, out_bytes
 
     def time_device(self, problem: MhaProblem, repeats: int = 20, warmup: int = 3) -> float:
-        """Mean device seconds of steps 2-5 (kernels and GEMMs; inputs already on the device): ``repeats``
-        submissions between two CUDA events on the backend's stream. When the kernels are shorter than Python's
-        launch cost (small shapes), this includes the gaps the host leaves on the GPU. (CuPy refuses cuBLAS calls
-        during stream capture, so a CUDA-graph replay that would remove those gaps is not available here.)
+        """Device seconds per call of steps 2-5 (kernels and GEMMs; inputs already on the device).
+
+        On the fused path (layout movers + the fused kernel, launches only) GRAPH_LAUNCHES submissions are captured
+        into a CUDA graph and the graph is replayed ``repeats`` times between two CUDA events: device time without
+        the gaps Python's launches leave on the GPU. The three-phase path calls cuBLAS, which CuPy refuses during
+        stream capture; it is timed from ``repeats`` back-to-back submissions, so for small shapes it includes
+        those gaps (as does the fused path should a capture fail).
         """
         plan = cached_plan(problem.geometry, problem.dtype)
         with self._lock, cupy.cuda.Device(self.device_id), self._stream, MhaScratch(self._runtime) as scratch:
             dev_in, dev_out, _, _, _ = self._stage(problem, scratch)
             ops = self._operands(problem, plan, scratch, dev_out)
             scratch.mark_stream_use()
-            seconds = self._time_events(lambda: self._attention(problem, plan, ops, dev_in, dev_out), repeats, warmup)
+
+            def submit():
+                self._attention(problem, plan, ops, dev_in, dev_out)
+
+            seconds = None
+            if ops["fused_unsupported"] is None:
+                seconds = self._time_graph(submit, repeats, warmup)
+            if seconds is None:
+                seconds = self._time_events(submit, repeats, warmup)
             scratch.finish_stream_use()
             return seconds
+
+    def _time_graph(self, submit, repeats: int, warmup: int) -> Optional[float]:
+        """Seconds per submission from replays of a captured graph, or None when the capture fails."""
+        for _ in range(warmup):
+            submit()  # compiles and caches every kernel before the capture
+        try:
+            self._stream.begin_capture()
+            try:
+                for _ in range(GRAPH_LAUNCHES):
+                    submit()
+            finally:
+                graph = self._stream.end_capture()
+        except cupy.cuda.runtime.CUDARuntimeError as error:
+            log.debug("mha_ep: graph capture for time_device failed (%s); timing submissions", error)
+            return None
+        graph.launch(self._stream)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(self._stream)
+        for _ in range(repeats):
+            graph.launch(self._stream)
+        stop.record(self._stream)
+        stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / (repeats * GRAPH_LAUNCHES)
 
     def _time_events(self, submit, repeats: int, warmup: int) -> float:
         for _ in range(warmup):

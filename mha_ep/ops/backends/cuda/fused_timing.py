@@ -13,7 +13,8 @@ already on the device: random normals rounded to the dtype, never zeros. Columns
   TFLOP/s:        4*B*N*S*T*H / fused time (halved for causal), DESIGN.md's FLOP model;
   fused staged:   the same kernel reading the staged float32 BSNH arrays directly (rounding on load): the whole
                   device part of a call that needs no layout step;
-  3-phase:        CudaBackend.time_device (layout kernels + cuBLAS + softmax + output kernel; its own mean);
+  3-phase:        CudaBackend.time_device with the fused path switched off (layout kernels + cuBLAS + softmax +
+                  output kernel, back-to-back submissions: its own mean);
   torch SDPA:     torch.nn.functional.scaled_dot_product_attention on (B, N, S, H) tensors of the dtype (padding as a
                   boolean attn_mask, attention_bias as an additive float mask, causal as is_causal), timed the same
                   way through a torch CUDA graph (back-to-back launches when capture fails);
@@ -190,7 +191,7 @@ def main(argv=None) -> None:
     if not args.no_three_phase:
         from mha_ep.ops.backends.cuda import CudaBackend
 
-        backend = CudaBackend(0)
+        backend = CudaBackend(0, fused_path=False)  # the column compares against the three-phase path
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"device: {name}; µs per launch = median of {args.repeats} CUDA-graph replays of {GRAPH_LAUNCHES} launches / "
           f"{GRAPH_LAUNCHES}; operands on the device")

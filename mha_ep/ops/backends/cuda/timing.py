@@ -3,10 +3,11 @@
     PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.timing [--repeats 20]
 
 Per shape it reports
-  dev µs:   device time of the attention itself (layout kernels, both GEMMs, softmax, output kernel), inputs
-            already on the device: ``repeats`` back-to-back submissions between two CUDA events on the backend's
-            stream (CudaBackend.time_device). Small shapes are launch-bound: there it includes the gaps Python's
-            launch cost leaves on the GPU (per-kernel sums: run this module under ncu with --repeats 1);
+  dev µs:   device time of the attention itself, inputs already on the device (CudaBackend.time_device): on the
+            fused path (layout movers + fused kernel) from CUDA-graph replays; on the three-phase path (layout
+            kernels, both GEMMs, softmax, output kernel) from ``repeats`` back-to-back submissions between two
+            CUDA events, which on small shapes includes the gaps Python's launch cost leaves on the GPU
+            (per-kernel sums: run this module under ncu with --repeats 1);
   TFLOP/s:  4*B*N*S*T*H / dev time (half for causal), the FLOP model of DESIGN.md;
   host µs:  median wall time of ``backend.run(problem)``: host float32 arrays in, host float32 arrays out;
   host GB/s: bytes in + out (float32) / host time.
