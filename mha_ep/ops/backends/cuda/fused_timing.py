@@ -2,6 +2,12 @@
 three-phase path, all measured in one run on one GPU.
 
     PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.fused_timing [--repeats 50] [--no-torch] [--no-three-phase]
+    PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.fused_timing --compare OTHER.cu [MORE.cu ...] [--only TEXT]
+
+``--compare`` times kernel sources side by side instead: the shipped flash_attention.cu and each OTHER.cu (the same
+kernel names and parameters, e.g. an older revision from ``git show REV:path`` or an experiment), every one on the
+same inputs and default tile, with each output's largest |Δ| from the shipped kernel's. The kernel's speed moves
+with code that never runs (the compiler schedules the whole loop), so a change is judged by this table.
 
 Timing: a CUDA graph of GRAPH_LAUNCHES back-to-back launches is captured after warm-up and replayed ``repeats``
 times, each replay between its own pair of CUDA events; µs = median replay time / GRAPH_LAUNCHES. (Timing single
@@ -160,6 +166,60 @@ def torch_sdpa(torch, anchor: Anchor, extra):
     return launch, result
 
 
+def source_getter(cupy, source: str):
+    """A stand-in for fused.get_fused_kernel that compiles ``source`` (a flash_attention.cu text)."""
+    from mha_ep.ops.backends.cuda.kernels import COMMON_HEADER, COMPILE_OPTIONS, KERNEL_DIR
+
+    header = (KERNEL_DIR / COMMON_HEADER).read_text().replace("#pragma once\n", "")
+    code = source.replace(f'#include "{COMMON_HEADER}"', header)
+    compiled = {}
+
+    def get(device_id, name, shared):
+        kernel = compiled.get(name)
+        if kernel is None:
+            module = cupy.RawModule(code=code, options=COMPILE_OPTIONS + ("--std=c++17",), name_expressions=[name])
+            kernel = compiled[name] = module.get_function(name)
+        if shared > fused.DEFAULT_SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        return kernel
+
+    return get
+
+
+def compare_sources(cupy, paths, repeats: int, only=None) -> None:
+    """The --compare table: µs per launch of the shipped kernel and of each source in ``paths``."""
+    from pathlib import Path
+
+    from mha_ep.ops.backends.cuda.kernels import KERNEL_DIR
+
+    sources = {"shipped": (KERNEL_DIR / fused.SOURCE_FILE).read_text()}
+    sources.update({Path(path).name: Path(path).read_text() for path in paths})
+    getters = {label: source_getter(cupy, text) for label, text in sources.items()}
+    print(f"µs per launch (median of {repeats} graph replays / {GRAPH_LAUNCHES}); max|Δ| from the shipped kernel")
+    print("| shape (B,S,T,N,H) dtype extra | " + " | ".join(getters) + " |")
+    print("|---|" + "---|" * len(getters))
+    shipped_getter = fused.get_fused_kernel
+    try:
+        for label, b, s, t, n, h, dtype, extra, _, _ in ANCHORS:
+            if only and only not in label:
+                continue
+            anchor = Anchor(cupy, anchor_problem(b, s, t, n, h, dtype, extra))
+            cells, reference = [], None
+            for name, getter in getters.items():
+                fused.get_fused_kernel = getter
+                try:
+                    us = graph_us(cupy, lambda st: anchor.launch("dense", st), repeats)
+                except Exception as error:  # noqa: BLE001 - an experiment that fails to build is a table cell
+                    cells.append(f"{type(error).__name__}: {str(error).splitlines()[0][:60]}")
+                    continue
+                out = cupy.asnumpy(anchor.out)
+                reference = out if reference is None else reference
+                cells.append(f"{us:.1f} (Δ {float(np.nanmax(np.abs(out - reference))):.1e})")
+            print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+    finally:
+        fused.get_fused_kernel = shipped_getter
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=50)
@@ -168,9 +228,15 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default=None, help="substring of the anchor labels to run")
     parser.add_argument("--launch-only", action="store_true",
                         help="one fused launch per anchor and no timing (for a profiler such as ncu)")  # fmt: skip
+    parser.add_argument("--compare", nargs="+", metavar="SOURCE.cu", default=None,
+                        help="time these flash_attention.cu variants beside the shipped one (see above)")  # fmt: skip
     args = parser.parse_args(argv)
 
     import cupy
+
+    if args.compare:
+        compare_sources(cupy, args.compare, args.repeats, args.only)
+        return
 
     if args.launch_only:
         for label, b, s, t, n, h, dtype, extra, _, _ in ANCHORS:
