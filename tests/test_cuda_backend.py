@@ -272,3 +272,20 @@ def test_time_device_measures_and_leaves_the_backend_answering(backend):
     seconds = backend.time_device(problem, repeats=3, warmup=1)
     assert 0.0 < seconds < 0.1, seconds
     assert_matches(problem, backend.run(problem))
+
+
+@pytest.mark.gpu
+def test_time_device_reports_cuda_errors_as_mha_ep_errors(backend, cupy_module, monkeypatch):
+    from mha_ep.errors import MhaEpError
+    from mha_ep.ops.backends.cuda import fused, gemm
+
+    problem = make_problem(Case(s=32, l=32), "float16")
+
+    def broken(*args, **kwargs):
+        raise cupy_module.cuda.runtime.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(*((fused, "run_fused") if backend.fused_path else (gemm, "context_gemm")), broken)
+    with pytest.raises(MhaEpError, match=r"cuda backend on .*CUDARuntimeError"):
+        backend.time_device(problem, repeats=2, warmup=1)
+    monkeypatch.undo()
+    assert_matches(problem, backend.run(problem))

@@ -220,21 +220,26 @@ class CudaBackend:
         those gaps (as does the fused path should a capture fail).
         """
         plan = cached_plan(problem.geometry, problem.dtype)
-        with self._lock, cupy.cuda.Device(self.device_id), self._stream, MhaScratch(self._runtime) as scratch:
-            dev_in, dev_out, _, _, _ = self._stage(problem, scratch)
-            ops = self._operands(problem, plan, scratch, dev_out)
-            scratch.mark_stream_use()
+        try:
+            with self._lock, cupy.cuda.Device(self.device_id), self._stream, MhaScratch(self._runtime) as scratch:
+                dev_in, dev_out, _, _, _ = self._stage(problem, scratch)
+                ops = self._operands(problem, plan, scratch, dev_out)
+                scratch.mark_stream_use()
 
-            def submit():
-                self._attention(problem, plan, ops, dev_in, dev_out)
+                def submit():
+                    self._attention(problem, plan, ops, dev_in, dev_out)
 
-            seconds = None
-            if ops["fused_unsupported"] is None:
-                seconds = self._time_graph(submit, repeats, warmup)
-            if seconds is None:
-                seconds = self._time_events(submit, repeats, warmup)
-            scratch.finish_stream_use()
-            return seconds
+                seconds = None
+                if ops["fused_unsupported"] is None:
+                    seconds = self._time_graph(submit, repeats, warmup)
+                if seconds is None:
+                    seconds = self._time_events(submit, repeats, warmup)
+                scratch.finish_stream_use()
+                return seconds
+        except MhaEpError:
+            raise
+        except CUDA_ERRORS as error:  # as run() reports them
+            raise MhaEpError(f"cuda backend on {self.device}: {type(error).__name__}: {error}") from error
 
     def _time_graph(self, submit, repeats: int, warmup: int) -> Optional[float]:
         """Seconds per submission from replays of a captured graph, or None when the capture fails."""
