@@ -300,10 +300,11 @@ def _rewrite(plan: _Plan, model: onnx.ModelProto, taken: set, shapes) -> Tuple[l
     return nodes, inits, infos
 
 
-def lift_attention(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
+def lift_attention(model: onnx.ModelProto, in_place: bool = False) -> Tuple[onnx.ModelProto, int]:
     """Rewrite every liftable ``com.microsoft::Attention`` node into Q/K/V MatMuls + ``MultiHeadAttention``.
 
-    Returns ``(new_model, lifted_count)``; the input model is not modified. Nodes that fail a rule of the module
+    Returns ``(new_model, lifted_count)``; the input model is not modified unless ``in_place`` (for a caller that
+    owns its copy: a deep copy of Whisper tiny's 190 MB decoder costs about 0.5 s). Nodes that fail a rule of the module
     docstring stay unchanged (see ``plan_lift`` for the reasons). The MHA node keeps the Attention node's name and
     its output name, so downstream nodes and per-node reports are unaffected. Packed weights that are no longer
     used by any node are dropped.
@@ -312,7 +313,7 @@ def lift_attention(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, int]:
     plans = {id_: p for id_, (_, p) in enumerate(decisions) if p is not None}
     if not plans:
         return model, 0
-    new = copy.deepcopy(model)
+    new = model if in_place else copy.deepcopy(model)
     g = new.graph
     shapes = _shape_map(model)
     taken = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}

@@ -141,7 +141,7 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
     if lift_attention:
         from mha_ep.lift import lift_attention as lift
 
-        model, lifted = lift(model)
+        model, lifted = lift(model, in_place=True)  # model is this call's private copy (load_model)
     infos = infer_static_infos(model)
     graph = model.graph
     decisions: List[Decision] = []

@@ -199,6 +199,22 @@ def test_mixed_graph_lifts_only_what_it_can():
         np.testing.assert_allclose(g_, w_, rtol=0, atol=2e-5)
 
 
+def test_in_place_lift_rewrites_the_given_model_and_partition_leaves_its_input_alone():
+    from mha_ep import partition
+
+    model, _ = attention_model(unidirectional=1, present=True, mask=("2d",))
+    original = model.SerializeToString()
+    copied, count = lift_attention(model)
+    assert count == 1 and model.SerializeToString() == original
+    in_place, count = lift_attention(model, in_place=True)
+    assert count == 1 and in_place is model
+    assert in_place.SerializeToString() == copied.SerializeToString()
+    fresh, _ = attention_model(unidirectional=1, present=True, mask=("2d",))
+    before = fresh.SerializeToString()
+    result = partition(fresh, lift_attention=True)
+    assert result.lifted_attention == 1 and fresh.SerializeToString() == before
+
+
 def test_model_without_attention_is_returned_as_is():
     x = helper.make_tensor_value_info("x", F32, [2])
     y = helper.make_tensor_value_info("y", F32, [2])
