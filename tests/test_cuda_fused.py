@@ -269,6 +269,23 @@ def test_fused_not_used_reasons(kwargs, reason):
     assert got is not None and re.fullmatch(reason, got), got
 
 
+def test_mask_operands_must_match_the_call():
+    plain = problem_with()
+    biased = make_problem(Case(attention_bias=(True, True)), "float16")
+    padded = make_problem(Case(mask="lengths"), "float16")
+    fused.check_mask_operands(plain, None, None)
+    fused.check_mask_operands(biased, 256, None)
+    fused.check_mask_operands(padded, None, 256)
+    with pytest.raises(ValueError, match="a device attention_bias must be given exactly when the call has one"):
+        fused.check_mask_operands(plain, 256, None)
+    with pytest.raises(ValueError, match="a device attention_bias must be given exactly when the call has one"):
+        fused.check_mask_operands(biased, None, None)
+    with pytest.raises(ValueError, match="a device mask must be given exactly when the call has a padding mask"):
+        fused.check_mask_operands(padded, None, None)
+    with pytest.raises(ValueError, match="a device mask must be given exactly when the call has a padding mask"):
+        fused.check_mask_operands(plain, None, 256)
+
+
 def test_minus_inf_filter_without_causal_stays_fused():
     assert fused.fused_unsupported_reason(problem_with(mask_filter_value=-np.inf)) is None
 

@@ -171,6 +171,15 @@ def mma_features(problem: MhaProblem) -> int:
     return (1 if problem.padding_mask is not None else 0) | (2 if problem.attention_bias is not None else 0)
 
 
+def check_mask_operands(problem: MhaProblem, attention_bias: Optional[int], mask: Optional[int]) -> None:
+    """The device mask and attention_bias must be given exactly when the call has them: the instantiation
+    (mma_features) is compiled for that combination and would ignore, or read through a null pointer, the other."""
+    if (mask is None) != (problem.padding_mask is None):
+        raise ValueError("fused attention: a device mask must be given exactly when the call has a padding mask")
+    if (attention_bias is None) != (problem.attention_bias is None):
+        raise ValueError("fused attention: a device attention_bias must be given exactly when the call has one")
+
+
 def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[MmaTile] = None) -> str:
     """The NVRTC name expression of the instantiation this call launches."""
     g = problem.geometry
@@ -258,9 +267,8 @@ def run_fused(
     strides = {name: op.strides(n) for name, op in (("q", q), ("k", k), ("v", v))}
     for name, op in (("q", q), ("k", k), ("v", v)):
         _check_aligned(name, op.address, in_bytes, strides[name])
+    check_mask_operands(problem, attention_bias, mask)
     mask_kind = MASK_KINDS[None if problem.padding_mask is None else problem.padding_mask.kind]
-    if (mask is None) != (mask_kind == 0):
-        raise ValueError("fused attention: a device mask must be given exactly when the call has a padding mask")
     bias = problem.attention_bias
     d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
 
