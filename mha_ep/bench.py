@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -25,14 +23,9 @@ ECHO_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)  # float32 elements returned p
 
 
 def _median_ms(fn, repeat: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000.0)
-    return statistics.median(times)
+    from mha_ep.bench_gpu import median_seconds
+
+    return median_seconds(fn, repeat, warmup) * 1000.0
 
 
 def _echo_session():

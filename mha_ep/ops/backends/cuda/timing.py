@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from mha_ep.ops.backends.cuda.fused import flop_count
 from mha_ep.ops.problem import build_problem
 
 # (label, B, S, T, N, H, dtype, extra)
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
         problem = anchor_problem(b, s, t, n, h, dtype, extra)
         dev = backend.time_device(problem, repeats=args.repeats)
         host = host_time(backend, problem, max(5, args.repeats // 2))
-        flops = 4 * b * n * s * t * h / (2 if extra == "causal" else 1)
+        flops = flop_count(problem)
         nbytes = 4 * (2 * b * s * n * h + 2 * b * t * n * h)
         print(f"| {label} | {dev * 1e6:.1f} | {flops / dev / 1e12:.1f} | {host * 1e6:.0f} | {nbytes / host / 1e9:.2f} |")
 
