@@ -32,6 +32,12 @@ def _sha256(path: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------- BERT
+def _artifact_fields(info: dict, path: Path, command: str) -> dict:
+    """The manifest fields every built model has: its interface and graph summary, its digest, how it was made."""
+    keys = ("inputs", "outputs", "mha_nodes", "attention_nodes", "op_counts", "bytes")
+    return {**{key: info[key] for key in keys}, "sha256": _sha256(path), "command": command}
+
+
 def bert_input_roles(config) -> dict:
     return {
         "input_ids": {
@@ -97,14 +103,7 @@ def build_bert(which: str, masks, dtypes, out: Path, command: str) -> list:
                         "type_vocab_size": cfg.type_vocab_size,
                     },
                     "dims": {"batch": {"example": 3}, "sequence": {"example": 16, "max": cfg.max_position_embeddings}},
-                    "inputs": info["inputs"],
-                    "outputs": info["outputs"],
-                    "mha_nodes": info["mha_nodes"],
-                    "attention_nodes": info["attention_nodes"],
-                    "op_counts": info["op_counts"],
-                    "bytes": info["bytes"],
-                    "sha256": _sha256(path),
-                    "command": command,
+                    **_artifact_fields(info, path, command),
                 }
             )
     return entries
@@ -209,14 +208,7 @@ def build_whisper(which: str, parts, dtypes, out: Path, command: str, lift: bool
                     },
                     "attention_before_lift": res["attention_before_lift"],
                     "lifted": res["lifted"],
-                    "inputs": info["inputs"],
-                    "outputs": info["outputs"],
-                    "mha_nodes": info["mha_nodes"],
-                    "attention_nodes": info["attention_nodes"],
-                    "op_counts": info["op_counts"],
-                    "bytes": info["bytes"],
-                    "sha256": _sha256(path),
-                    "command": command,
+                    **_artifact_fields(info, path, command),
                 }
             )
     return entries
