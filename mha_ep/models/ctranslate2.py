@@ -150,6 +150,16 @@ def whisper_state_dict(variables: Dict[str, np.ndarray], aliases: Dict[str, str]
         if np.any(b[d : 2 * d] != 0):
             raise ValueError(f"{src}: the k part of the fused bias is not zero, but Whisper's k_proj has no bias")
 
+    def self_attention(dst: str, src: str):
+        ln(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
+        split_qkv(f"{dst}.self_attn", f"{src}/self_attention/linear_0")
+        lin(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+
+    def feed_forward(dst: str, src: str):
+        ln(f"{dst}.final_layer_norm", f"{src}/ffn/layer_norm")
+        lin(f"{dst}.fc1", f"{src}/ffn/linear_0")
+        lin(f"{dst}.fc2", f"{src}/ffn/linear_1")
+
     m = "model"
     out[f"{m}.encoder.conv1.weight"] = v["encoder/conv1/weight"]
     out[f"{m}.encoder.conv1.bias"] = v["encoder/conv1/bias"]
@@ -158,20 +168,14 @@ def whisper_state_dict(variables: Dict[str, np.ndarray], aliases: Dict[str, str]
     out[f"{m}.encoder.embed_positions.weight"] = v["encoder/position_encodings/encodings"]
     for i in range(_layer_indices(v, "encoder")):
         s, d = f"encoder/layer_{i}", f"{m}.encoder.layers.{i}"
-        ln(f"{d}.self_attn_layer_norm", f"{s}/self_attention/layer_norm")
-        split_qkv(f"{d}.self_attn", f"{s}/self_attention/linear_0")
-        lin(f"{d}.self_attn.out_proj", f"{s}/self_attention/linear_1")
-        ln(f"{d}.final_layer_norm", f"{s}/ffn/layer_norm")
-        lin(f"{d}.fc1", f"{s}/ffn/linear_0")
-        lin(f"{d}.fc2", f"{s}/ffn/linear_1")
+        self_attention(d, s)
+        feed_forward(d, s)
     ln(f"{m}.encoder.layer_norm", "encoder/layer_norm")
     out[f"{m}.decoder.embed_tokens.weight"] = v["decoder/embeddings/weight"]
     out[f"{m}.decoder.embed_positions.weight"] = v["decoder/position_encodings/encodings"]
     for i in range(_layer_indices(v, "decoder")):
         s, d = f"decoder/layer_{i}", f"{m}.decoder.layers.{i}"
-        ln(f"{d}.self_attn_layer_norm", f"{s}/self_attention/layer_norm")
-        split_qkv(f"{d}.self_attn", f"{s}/self_attention/linear_0")
-        lin(f"{d}.self_attn.out_proj", f"{s}/self_attention/linear_1")
+        self_attention(d, s)
         ln(f"{d}.encoder_attn_layer_norm", f"{s}/attention/layer_norm")
         lin(f"{d}.encoder_attn.q_proj", f"{s}/attention/linear_0")
         w, b = v[f"{s}/attention/linear_1/weight"], v[f"{s}/attention/linear_1/bias"]
@@ -179,9 +183,7 @@ def whisper_state_dict(variables: Dict[str, np.ndarray], aliases: Dict[str, str]
         out[f"{d}.encoder_attn.k_proj.weight"], out[f"{d}.encoder_attn.v_proj.weight"] = w[:half], w[half:]
         out[f"{d}.encoder_attn.v_proj.bias"] = b[half:]
         lin(f"{d}.encoder_attn.out_proj", f"{s}/attention/linear_2")
-        ln(f"{d}.final_layer_norm", f"{s}/ffn/layer_norm")
-        lin(f"{d}.fc1", f"{s}/ffn/linear_0")
-        lin(f"{d}.fc2", f"{s}/ffn/linear_1")
+        feed_forward(d, s)
     ln(f"{m}.decoder.layer_norm", "decoder/layer_norm")
     out["proj_out.weight"] = v.get("decoder/projection/weight", v["decoder/embeddings/weight"])
     unused = unused_weight_variables(variables, v.read, aliases)
