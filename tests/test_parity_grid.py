@@ -52,26 +52,21 @@ def _iteration(i: int, lengths):
     )
 
 
+def _shared_fields(it: dict) -> dict:
+    """MhaConfig fields both grids take from an iteration (test_mha.py: mask_filter_value -inf, scale 1/sqrt(H))."""
+    return dict(batch=it["batch"], num_heads=it["num_heads"], head_size=it["head_size"], mask=it["mask"],
+                attention_bias=it["attention_bias"], mask_filter_value=float("-inf"),
+                scale=1.0 / math.sqrt(it["head_size"]))  # fmt: skip
+
+
 def no_kv_cache_configs():
     for i in range(ITERATIONS):
         it = _iteration(i, NO_CACHE_SEQ)
         for kv_layout in ("BSNH", "BNSH"):
             for causal in (True, False):
                 for bias in (True, False):
-                    yield MhaConfig(
-                        batch=it["batch"],
-                        q_seq=it["length"],
-                        kv_seq=it["length"],
-                        num_heads=it["num_heads"],
-                        head_size=it["head_size"],
-                        kv_layout=kv_layout,
-                        causal=causal,
-                        bias=bias,
-                        mask=it["mask"],
-                        attention_bias=it["attention_bias"],
-                        mask_filter_value=float("-inf"),
-                        scale=1.0 / math.sqrt(it["head_size"]),
-                    )
+                    yield MhaConfig(q_seq=it["length"], kv_seq=it["length"], kv_layout=kv_layout, causal=causal,
+                                    bias=bias, **_shared_fields(it))
 
 
 def kv_cache_configs():
@@ -81,22 +76,8 @@ def kv_cache_configs():
             for has_past in (True, False):
                 for bias in (True, False):
                     length = 1 if has_past else it["length"]
-                    yield MhaConfig(
-                        batch=it["batch"],
-                        q_seq=length,
-                        kv_seq=length,
-                        past_seq=it["length"] if has_past else 0,
-                        has_past=has_past,
-                        presents=True,
-                        num_heads=it["num_heads"],
-                        head_size=it["head_size"],
-                        causal=causal,
-                        bias=bias,
-                        mask=it["mask"],
-                        attention_bias=it["attention_bias"],
-                        mask_filter_value=float("-inf"),
-                        scale=1.0 / math.sqrt(it["head_size"]),
-                    )
+                    yield MhaConfig(q_seq=length, kv_seq=length, past_seq=it["length"] if has_past else 0,
+                                    has_past=has_past, presents=True, causal=causal, bias=bias, **_shared_fields(it))
 
 
 NO_KV_CACHE = list(no_kv_cache_configs())
