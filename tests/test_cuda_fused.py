@@ -227,7 +227,7 @@ def test_operand_checks(cupy_module):
     biased = make_problem(Case(h=128, attention_bias=(True, True)), "float16")
     q128 = fused.Operand(256, "BSNH", g.q_seq, 128)
     kv128 = fused.Operand(256, "BSNH", g.total_seq, 128)
-    with pytest.raises(ValueError, match=r"tile 128x128 needs 278528 bytes of shared memory for this call, more than "
+    with pytest.raises(ValueError, match=r"tile 128x128 needs 313344 bytes of shared memory for this call, more than "
                                          r"the 232448 a block can have"):  # fmt: skip
         fused.run_fused(0, biased, q=q128, k=kv128, v=kv128, operand_dtype="float16", attention_bias=256, mask=None,
                         out_BSD=0, tile=fused.MmaTile(128, 128))  # fmt: skip
@@ -286,6 +286,17 @@ def test_mask_operands_must_match_the_call():
         fused.check_mask_operands(plain, None, 256)
 
 
+def test_operands_in_the_call_dtype_carry_no_projection_bias():
+    half, single = problem_with(), problem_with(dtype="float32")
+    plain = fused.Operand(256, "BNSH", 5, 64)
+    biased = fused.Operand(256, "BSNH", 7, 64, bias=512)
+    fused.check_operand_bias(half, "float32", {"q": biased, "k": biased})  # rounded on load: bias added there
+    fused.check_operand_bias(single, "float32", {"q": biased})  # the float32 kernel adds it on load
+    fused.check_operand_bias(half, "float16", {"q": plain, "k": plain, "v": plain})
+    with pytest.raises(ValueError, match=r"operands k, v are float16 and carry a projection bias"):
+        fused.check_operand_bias(half, "float16", {"q": plain, "k": biased, "v": biased})
+
+
 def test_minus_inf_filter_without_causal_stays_fused():
     assert fused.fused_unsupported_reason(problem_with(mask_filter_value=-np.inf)) is None
 
@@ -297,20 +308,20 @@ def test_launch_choices():
     wide = fused.MmaTile(128, 128)
     assert fused.kernel_name(large, "float32", wide) == "flash_attention_mma<__nv_bfloat16, float, 96, 128, 128, 0>"
     assert (wide.threads, fused.DEFAULT_MMA_TILE.threads) == (256, 128)
-    assert fused.shared_bytes(large, wide) == (128 + 3 * 128) * (96 + 8) * 2
+    assert fused.shared_bytes(large, wide) == (128 + 4 * 128) * (96 + 8) * 2
     assert fused.kernel_name(problem_with(h=128, dtype="float32"), "float32") == (
         "flash_attention_fp32<float, float, 128>"
     )
     assert fused.kernel_name(problem_with(h=128), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128, 0>"
     assert fused.kernel_name(problem_with(h=120), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128, 0>"
-    assert fused.shared_bytes(large) == (64 + 3 * 64) * (96 + 8) * 2
+    assert fused.shared_bytes(large) == (64 + 4 * 64) * (96 + 8) * 2
     # an attention_bias adds two float32 tiles; head 128 then takes the 64 x 64 tile (128 x 128 would not fit)
     biased = make_problem(Case(s=300, l=10, h=128, attention_bias=(True, True)), "float16")
     assert fused.default_tile(biased) == fused.MmaTile(64, 64)
     assert fused.kernel_name(biased, "float16") == "flash_attention_mma<__half, __half, 128, 64, 64, 2>"
     padded = make_problem(Case(s=300, l=10, h=64, mask="BT"), "bfloat16")
     assert fused.kernel_name(padded, "bfloat16") == "flash_attention_mma<__nv_bfloat16, __nv_bfloat16, 64, 64, 64, 1>"
-    assert fused.shared_bytes(biased) == (64 + 3 * 64) * (128 + 8) * 2 + 2 * 64 * (64 + 8) * 4
+    assert fused.shared_bytes(biased) == (64 + 4 * 64) * (128 + 8) * 2 + 2 * 64 * (64 + 8) * 4
     assert fused.shared_bytes(biased, wide) > fused.SHARED_LIMIT
     # float32: Q + K and V double buffered up to head 64, single buffered above, + P transposed
     assert fused.shared_bytes(problem_with(h=64, dtype="float32")) == 4 * (64 * 68 + 2 * (64 * 68 + 64 * 64) + 64 * 68)
@@ -335,7 +346,9 @@ CODE = code_only(SOURCE)
         "(long long)b * stride_kb + (long long)h * stride_kh",
         "(long long)b * stride_vb + (long long)h * stride_vh",
         "(long long)n0 * stride_vs",
-        "(long long)(n0 + BLOCK_N) * stride_ks",
+        "(long long)n0 * stride_ks",
+        "(long long)row0 * stride + col",
+        "(long long)first * stride_s",
         "(long long)r * stride_s + d0",
         "(((long long)b * q_seq + rows[r]) * heads + h) * v_head_size",
         "(((long long)b * q_seq + row) * heads + h) * v_head_size",

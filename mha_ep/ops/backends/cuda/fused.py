@@ -71,10 +71,11 @@ class MmaTile:
         return f"{self.block_m}x{self.block_n}"
 
 
-# Default tiles, from fused_timing's tile comparison on the H200 (2026-11-29): 64 x 64 (4 warps; 168 registers,
-# so 3 independent blocks per SM whose softmax and tensor-core phases interleave) was fastest on every head-64
-# anchor (e.g. S=T=4096: 377 µs against 453 for 128 x 64); for head 128, 128 x 128 (625 µs against 727), except
-# with an attention_bias, whose two shared-memory tiles (2 x 128 x 136 floats) would not fit beside it.
+# Default tiles, from fused_timing's tile comparison on the H200 (2026-11-30, K and V double buffered): 64 x 64
+# (4 warps; 137 registers, so 3 independent blocks per SM whose softmax and tensor-core phases interleave) was
+# fastest on every head-64 anchor but the masked one (S=T=4096: 271.5 µs against 352.5 for 128 x 64, 274.7 for
+# 64 x 128, 325.6 for 128 x 128); for head 128, 128 x 128 (536.6 µs against 580.0 for 64 x 64), except with an
+# attention_bias, whose two shared-memory tiles (2 x 128 x 136 floats) would not fit beside it.
 DEFAULT_MMA_TILE = MmaTile()
 WIDE_HEAD_MMA_TILE = MmaTile(128, 128)
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_90 (sharedMemPerBlockOptin)
@@ -158,7 +159,7 @@ def shared_bytes(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
         floats = FP32_BLOCK_M * ld + stages * (FP32_BLOCK_N * ld + FP32_BLOCK_N * head_dim) + FP32_BLOCK_N * FP32_LDT
         return 4 * floats
     tile = tile or default_tile(problem)
-    rows = tile.block_m + 3 * tile.block_n  # Q, two K buffers, V
+    rows = tile.block_m + 4 * tile.block_n  # Q, two K buffers, two V buffers
     nbytes = rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
     if problem.attention_bias is not None:  # two float32 bias tiles
         nbytes += 2 * tile.block_m * (tile.block_n + BIAS_TILE_PAD) * 4
@@ -178,6 +179,17 @@ def check_mask_operands(problem: MhaProblem, attention_bias: Optional[int], mask
         raise ValueError("fused attention: a device mask must be given exactly when the call has a padding mask")
     if (attention_bias is None) != (problem.attention_bias is None):
         raise ValueError("fused attention: a device attention_bias must be given exactly when the call has one")
+
+
+def check_operand_bias(problem: MhaProblem, operand_dtype: str, operands: dict) -> None:
+    """Operands already in the call's dtype come without projection bias (the layout mover added it): the
+    tensor-core kernel copies them into shared memory as they are (AsyncTileCopy) and would not add one."""
+    if problem.dtype == "float32" or operand_dtype != problem.dtype:
+        return
+    biased = [name for name, op in operands.items() if op.bias is not None]
+    if biased:
+        raise ValueError(f"fused attention: operands {', '.join(biased)} are {operand_dtype} and carry a projection "
+                         f"bias; add it when building them (only float32 operands take bias_q/k/v on load)")  # fmt: skip
 
 
 def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[MmaTile] = None) -> str:
@@ -268,6 +280,7 @@ def run_fused(
     for name, op in (("q", q), ("k", k), ("v", v)):
         _check_aligned(name, op.address, in_bytes, strides[name])
     check_mask_operands(problem, attention_bias, mask)
+    check_operand_bias(problem, operand_dtype, {"q": q, "k": k, "v": v})
     mask_kind = MASK_KINDS[None if problem.padding_mask is None else problem.padding_mask.kind]
     bias = problem.attention_bias
     d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])

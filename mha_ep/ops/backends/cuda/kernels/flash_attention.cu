@@ -29,7 +29,7 @@
 // causal frontier of every row, with no attention_bias, takes the plain path (x = scale * q.k folded into the
 // exponent); key lengths and (B, T) keep flags are voted per tile, so only a tile that mixes kept and padded keys
 // reads flags per element. The attention_bias tile of the next key step is copied into shared memory (cp.async,
-// double buffered beside K) while the current step computes.
+// double buffered beside K and V) while the current step computes.
 //
 // Work skipped, each exact for finite inputs:
 //   causal tiles: key tiles past the causal frontier of every row of a block hold only x + FLOAT32_LOWEST; exp of
@@ -257,32 +257,95 @@ __device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src,
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
 }
 
-// The attention_bias tile of query rows [m0, m0 + ROWS) x keys [n0, n0 + COLS) into shared memory `tile` (row
-// stride LDB floats), asynchronously (cp.async; the caller commits and waits); zeros outside (S, T) (rows >= S are
-// never stored, keys >= T become -inf). `bias_rows` points at (row m0, key 0) of this (b, h)'s (S, T) slice.
-// 16-byte copies when every row starts 16-byte aligned (T % 4 == 0 and an aligned base), 4-byte copies otherwise.
-template <int ROWS, int COLS, int LDB, int THREADS>
-__device__ __forceinline__ void load_bias_tile(float* tile, const float* bias_rows, int rows_valid, int total_seq,
-                                               int n0, bool vec4) {
-  if (vec4) {
-    constexpr int GROUPS = COLS / 4;
-    for (int c = threadIdx.x; c < ROWS * GROUPS; c += THREADS) {
-      const int r = c / GROUPS;
-      const int col = (c % GROUPS) * 4;
-      const bool valid = r < rows_valid && n0 + col < total_seq;  // T % 4 == 0: a group is all in or all out
-      const float* g = valid ? bias_rows + (long long)r * total_seq + n0 + col : bias_rows;
-      cp_async_16(tile + r * LDB + col, g, valid);
-    }
-  } else {
-    for (int c = threadIdx.x; c < ROWS * COLS; c += THREADS) {
-      const int r = c / COLS;
-      const int col = c % COLS;
-      const bool valid = r < rows_valid && n0 + col < total_seq;
-      const float* g = valid ? bias_rows + (long long)r * total_seq + n0 + col : bias_rows;
-      cp_async_4(tile + r * LDB + col, g, valid);
+// One thread's share of copying ROWS x HEAD_DIM tiles of an ELEM operand (no bias to add) into shared memory
+// with cp.async, addresses formed once: the thread copies the 16-byte chunk at column `col` of rows
+// row0, row0 + ROW_STEP, ... of every tile, so a tile costs one address per pass and no division.
+// Rows past `rows_valid` and columns past the head size are zero-filled, as load_tile does.
+template <typename ELEM, int ROWS, int HEAD_DIM, int LD, int THREADS> struct AsyncTileCopy {
+  static constexpr int CHUNK = 16 / (int)sizeof(ELEM);  // elements per cp.async
+  static constexpr int CHUNKS_PER_ROW = HEAD_DIM / CHUNK;
+  static constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+  static constexpr int PASSES = ROWS / ROW_STEP;
+  static constexpr bool APPLIES = HEAD_DIM % CHUNK == 0 && THREADS % CHUNKS_PER_ROW == 0 && ROWS % ROW_STEP == 0;
+  const ELEM* src;        // (row0, col) of row 0 of the operand
+  long long stride_s;     // elements from one sequence row to the next
+  long long pass_stride;  // ROW_STEP rows
+  int row0;
+  int smem_at;            // (row0, col) in a tile
+  bool col_valid;
+
+  __device__ __forceinline__ AsyncTileCopy(const ELEM* rows, long long stride, int dim) {
+    row0 = threadIdx.x / CHUNKS_PER_ROW;
+    const int col = (threadIdx.x % CHUNKS_PER_ROW) * CHUNK;
+    col_valid = col < dim;
+    stride_s = stride;
+    pass_stride = stride * ROW_STEP;
+    src = rows + (long long)row0 * stride + col;
+    smem_at = row0 * LD + col;
+  }
+  // Sequence rows [first, first + ROWS) into `tile`; rows at or after `first + rows_valid` are zero-filled.
+  __device__ __forceinline__ void copy(ELEM* tile, int first, int rows_valid) const {
+    const ELEM* g = src + (long long)first * stride_s;
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const bool valid = col_valid && row0 + pass * ROW_STEP < rows_valid;
+      cp_async_16(tile + smem_at + pass * ROW_STEP * LD, valid ? g : src, valid);
+      g += pass_stride;
     }
   }
+};
+
+// The attention_bias tile of query rows [m0, m0 + ROWS) x keys [n0, n0 + COLS) into shared memory `tile` (row
+// stride LDB floats) with 4-byte cp.async (the caller commits and waits), for rows that are not 16-byte aligned
+// (BiasTileCopy takes the rest); zeros outside (S, T) (rows >= S are never stored, keys >= T become -inf).
+// `bias_rows` points at (row m0, key 0) of this (b, h)'s (S, T) slice.
+template <int ROWS, int COLS, int LDB, int THREADS>
+__device__ __forceinline__ void load_bias_tile(float* tile, const float* bias_rows, int rows_valid, int total_seq,
+                                               int n0) {
+  for (int c = threadIdx.x; c < ROWS * COLS; c += THREADS) {
+    const int r = c / COLS;
+    const int col = c % COLS;
+    const bool valid = r < rows_valid && n0 + col < total_seq;
+    const float* g = valid ? bias_rows + (long long)r * total_seq + n0 + col : bias_rows;
+    cp_async_4(tile + r * LDB + col, g, valid);
+  }
 }
+
+// One thread's share of copying the ROWS x COLS float32 attention_bias tiles of a block (its query rows fixed,
+// the keys advancing) with 16-byte cp.async, addresses formed once: the vec4 case of load_bias_tile (T % 4 == 0
+// and an aligned base, so a 4-key chunk is all in or all out of range).
+template <int ROWS, int COLS, int LDB, int THREADS> struct BiasTileCopy {
+  static constexpr int CHUNKS_PER_ROW = COLS / 4;
+  static constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+  static constexpr int PASSES = ROWS / ROW_STEP;
+  static_assert(COLS % 4 == 0 && THREADS % CHUNKS_PER_ROW == 0 && ROWS % ROW_STEP == 0, "tile not divisible");
+  const float* src;       // (row0, col) of key 0
+  long long pass_stride;  // ROW_STEP bias rows
+  int row0;
+  int col;
+  int smem_at;
+  int rows_valid;
+
+  __device__ __forceinline__ BiasTileCopy(const float* bias_rows, int total_seq, int rows_valid_) {
+    row0 = threadIdx.x / CHUNKS_PER_ROW;
+    col = (threadIdx.x % CHUNKS_PER_ROW) * 4;
+    pass_stride = (long long)total_seq * ROW_STEP;
+    src = bias_rows + (long long)row0 * total_seq + col;
+    smem_at = row0 * LDB + col;
+    rows_valid = rows_valid_;
+  }
+  // Keys [n0, n0 + COLS) into `tile`; rows past rows_valid and keys past total_seq are zero-filled.
+  __device__ __forceinline__ void copy(float* tile, int n0, int total_seq) const {
+    const bool col_valid = n0 + col < total_seq;
+    const float* g = src + n0;
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const bool valid = col_valid && row0 + pass * ROW_STEP < rows_valid;
+      cp_async_16(tile + smem_at + pass * ROW_STEP * LDB, valid ? g : src, valid);
+      g += pass_stride;
+    }
+  }
+};
 
 // 2^x on the special-function unit alone (ex2.approx, about 2 ulp; flushes results below 2^-126 to 0, which
 // changes no softmax sum: every term is <= 1 and the row max contributes exactly 1).
@@ -341,9 +404,12 @@ template <> struct Mma<__nv_bfloat16> {
 //   layout), and O += P . V with V fragments from ldmatrix.trans.
 // Thread fragment coordinates: g = lane / 4 owns rows g and g + 8 of its warp's 16; tig = lane % 4 owns the
 // column pair 2 tig, 2 tig + 1 of each 8-wide n-tile.
-// K and V move with cp.async (when the operand is already ELEM without bias) into shared memory: K double
-// buffered, so K of tile j+1 loads during the whole of step j; V of tile j loads while S of tile j is computed.
-// An attention_bias tile (BLOCK_M x BLOCK_N float32) travels with K, double buffered after V.
+// K and V (and an attention_bias tile, BLOCK_M x BLOCK_N float32) are double buffered in shared memory: the tiles
+// of step j+1 are copied while step j computes, so a step has one barrier (its tiles have landed, and every warp
+// is done with the buffers the next copies overwrite). ELEM operands (which the host passes without projection
+// bias) and 16-byte-aligned bias rows move with cp.async from addresses each thread forms once (AsyncTileCopy,
+// BiasTileCopy): on the H200 the per-chunk address arithmetic of a generic copy loop cost the plain S=T=4096 row
+// 30% (388 -> 272 µs with the second V buffer). Float32 operands (rounded to ELEM, + bias) go through load_tile.
 // Fragments of one k-step are read with ldmatrix before its mma instructions are issued (in-order issue would
 // otherwise stall every mma on the ldmatrix just before it).
 template <typename ELEM, typename IN, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int FEATURES>
@@ -358,6 +424,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
                         int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
                         int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 32 == 0, "tiles are multiples of 16 (keys: 32)");
+  static_assert((BLOCK_N & (BLOCK_N - 1)) == 0, "BLOCK_N is a power of two (the row max reduces as a tree)");
   // Each instantiation carries only the mask code its calls need (FlashFeatures; the host passes attention_bias
   // exactly when FEATURES has FLASH_WITH_BIAS and a padding mask exactly when it has FLASH_WITH_PADDING): the tile
   // classification and the bias tiles cost the plain kernel's loop up to 20% when compiled in but unused (H200).
@@ -371,9 +438,9 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   ELEM* q_tile = reinterpret_cast<ELEM*>(smem_raw);  // BLOCK_M x LD
   ELEM* k_tiles = q_tile + BLOCK_M * LD;              // 2 x BLOCK_N x LD (tile j in buffer j % 2)
-  ELEM* v_tile = k_tiles + 2 * BLOCK_N * LD;          // BLOCK_N x LD
+  ELEM* v_tiles = k_tiles + 2 * BLOCK_N * LD;         // 2 x BLOCK_N x LD (tile j in buffer j % 2)
   constexpr int LDB = BLOCK_N + 8;                    // bias tile row stride, floats
-  float* bias_tiles = reinterpret_cast<float*>(v_tile + BLOCK_N * LD);  // 2 x BLOCK_M x LDB, with attention_bias
+  float* bias_tiles = reinterpret_cast<float*>(v_tiles + 2 * BLOCK_N * LD);  // 2 x BLOCK_M x LDB (attention_bias)
 
   // Block coordinates: consecutive blocks share (b, h) (K/V reuse in L2); the last query tile, the longest under
   // causal masking, starts first.
@@ -410,12 +477,38 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   }
   const int bias_at[2] = {(warp * 16 + g) * LDB + tig * 2, (warp * 16 + g + 8) * LDB + tig * 2};
 
-  // Step 1 (loads): the Q tile, the first K tile and its attention_bias tile.
+  // K, V (and attention_bias) of the key tile at n0 into buffer `buffer`: ELEM operands (which the host passes
+  // without projection bias) through AsyncTileCopy's precomputed addresses, anything else through load_tile.
+  using KvCopy = AsyncTileCopy<ELEM, BLOCK_N, HEAD_DIM, LD, THREADS>;
+  constexpr bool ASYNC_KV = same_type<IN, ELEM>::value && KvCopy::APPLIES;
+  const KvCopy k_copy(reinterpret_cast<const ELEM*>(k_rows), stride_ks, head_size);
+  const KvCopy v_copy(reinterpret_cast<const ELEM*>(v_rows), stride_vs, v_head_size);
+  const BiasTileCopy<BLOCK_M, BLOCK_N, LDB, THREADS> bias_copy(bias_rows, total_seq, q_seq - m0);
+  auto load_kv = [&](int n0, int buffer) {
+    ELEM* k_dst = k_tiles + buffer * BLOCK_N * LD;
+    ELEM* v_dst = v_tiles + buffer * BLOCK_N * LD;
+    if constexpr (ASYNC_KV) {
+      k_copy.copy(k_dst, n0, total_seq - n0);
+      v_copy.copy(v_dst, n0, total_seq - n0);
+    } else {
+      load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(k_dst, k_rows + (long long)n0 * stride_ks, stride_ks,
+                                                         total_seq - n0, head_size, bias_k_h);
+      load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(v_dst, v_rows + (long long)n0 * stride_vs, stride_vs,
+                                                         total_seq - n0, v_head_size, bias_v_h);
+    }
+    if constexpr (has_bias) {
+      float* bias_dst = bias_tiles + buffer * BLOCK_M * LDB;
+      if (bias_vec4) {
+        bias_copy.copy(bias_dst, n0, total_seq);
+      } else {
+        load_bias_tile<BLOCK_M, BLOCK_N, LDB, THREADS>(bias_dst, bias_rows, q_seq - m0, total_seq, n0);
+      }
+    }
+  };
+
+  // Step 1 (loads): the Q tile and the first key tile.
   load_tile<ELEM, IN, BLOCK_M, HEAD_DIM, LD, THREADS>(q_tile, q_rows, stride_qs, q_seq - m0, head_size, bias_q_h);
-  load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(k_tiles, k_rows, stride_ks, total_seq, head_size, bias_k_h);
-  if constexpr (has_bias) {
-    load_bias_tile<BLOCK_M, BLOCK_N, LDB, THREADS>(bias_tiles, bias_rows, q_seq - m0, total_seq, 0, bias_vec4);
-  }
+  load_kv(0, 0);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -441,10 +534,12 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       if (__syncthreads_and(dominated)) break;
       key_end = total_seq;
     }
-    const ELEM* k_tile = k_tiles + (step & 1) * BLOCK_N * LD;
-    const float* bias_tile = bias_tiles + (step & 1) * BLOCK_M * LDB;
-    // K (and the bias tile) of this step have landed (cp.async), and every warp is done with the previous V tile
-    // and with the K and bias buffers the next tile goes to (they held tile step-1).
+    const int buffer = step & 1;
+    const ELEM* k_tile = k_tiles + buffer * BLOCK_N * LD;
+    const ELEM* v_tile = v_tiles + buffer * BLOCK_N * LD;
+    const float* bias_tile = bias_tiles + buffer * BLOCK_M * LDB;
+    // This step's K, V (and bias) tiles have landed (cp.async, issued one step ago), and every warp is done with
+    // the buffers the next tile goes to (they held tile step-1): the one barrier of the step.
     cp_async_wait_all();
     __syncthreads();
     // How the masks touch this key tile: with a mask input, classified before the loads and tensor-core work are
@@ -458,19 +553,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       tm.padding = TILE_KEEP_ALL;
       tm.plain = false;
     }
-    load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(v_tile, v_rows + (long long)n0 * stride_vs, stride_vs,
-                                                       total_seq - n0, v_head_size, bias_v_h);
+    if (n0 + BLOCK_N < total_seq) load_kv(n0 + BLOCK_N, buffer ^ 1);  // lands while this step computes
     cp_async_commit();
-    if (n0 + BLOCK_N < total_seq) {
-      load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(k_tiles + ((step + 1) & 1) * BLOCK_N * LD,
-                                                         k_rows + (long long)(n0 + BLOCK_N) * stride_ks, stride_ks,
-                                                         total_seq - n0 - BLOCK_N, head_size, bias_k_h);
-      if constexpr (has_bias) {
-        load_bias_tile<BLOCK_M, BLOCK_N, LDB, THREADS>(bias_tiles + ((step + 1) & 1) * BLOCK_M * LDB, bias_rows,
-                                                       q_seq - m0, total_seq, n0 + BLOCK_N, bias_vec4);
-      }
-    }
-    cp_async_commit();  // (an empty group after the last tile keeps the group count uniform)
 
     // Step 2: S = Q . K^T (fp32 accumulators).
     float s_acc[S_PAIRS][2][4];  // keys n0 + np * 16 + hf * 8 + 2 tig (+1), rows as o_acc
@@ -530,14 +614,21 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     }
 
     // Online softmax, step A: the tile's row max (a row lives in the 4 threads of a quad).
-    float tile_max[2] = {NEG_INFINITY, NEG_INFINITY};
+    // (a pairwise tree: the maxima of independent n-tile pairs first, so no chain of S_PAIRS dependent steps)
+    float pair_max[2][S_PAIRS];
 #pragma unroll
-    for (int np = 0; np < S_PAIRS; ++np)
+    for (int np = 0; np < S_PAIRS; ++np) {
+      pair_max[0][np] = fmaxf(fmaxf(s_acc[np][0][0], s_acc[np][0][1]), fmaxf(s_acc[np][1][0], s_acc[np][1][1]));
+      pair_max[1][np] = fmaxf(fmaxf(s_acc[np][0][2], s_acc[np][0][3]), fmaxf(s_acc[np][1][2], s_acc[np][1][3]));
+    }
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        tile_max[0] = fmaxf(tile_max[0], fmaxf(s_acc[np][hf][0], s_acc[np][hf][1]));
-        tile_max[1] = fmaxf(tile_max[1], fmaxf(s_acc[np][hf][2], s_acc[np][hf][3]));
+    for (int width = S_PAIRS / 2; width > 0; width /= 2)
+#pragma unroll
+      for (int np = 0; np < width; ++np) {
+        pair_max[0][np] = fmaxf(pair_max[0][np], pair_max[0][np + width]);
+        pair_max[1][np] = fmaxf(pair_max[1][np], pair_max[1][np + width]);
       }
+    float tile_max[2] = {pair_max[0][0], pair_max[1][0]};
     float alpha[2];
     float max_used[2];
 #pragma unroll
@@ -617,10 +708,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
         o_acc[dp][hf][3] *= alpha[1];
       }
 
-    // V of this tile has landed (the next K tile, committed after it, may still be in flight).
-    cp_async_wait_all_but_newest();
-    __syncthreads();
-    if (skip_tile) continue;  // (after the barrier: every warp passes each barrier once per tile)
+    if (skip_tile) continue;
 
     // Step E: O += P . V, P rounded to ELEM (as the three-phase path rounds its probabilities).
 #pragma unroll
