@@ -16,12 +16,15 @@ Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-de
   6. return:  one async download of [output | present_key | present_value] into a pinned buffer, one stream
               synchronize, and (threaded) copies into fresh numpy arrays.
 Every per-call device buffer is owned by an MhaScratch and released exactly once on every path.
+A call shape seen before on the fused path replays steps 2-5 as a captured CUDA graph on buffers kept for that
+shape (replay.py: the rules, and why).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
+from dataclasses import dataclass
 import logging
 import os
 import threading
@@ -35,6 +38,7 @@ from mha_ep.errors import MhaEpError
 from mha_ep.ops.backends.cuda import fused, gemm
 from mha_ep.ops.backends.cuda.geometry import SOFTMAX_THREADS, LaunchPlan, plan_launch
 from mha_ep.ops.backends.cuda.kernels import get_kernel
+from mha_ep.ops.backends.cuda.replay import REPLAY_MAX_BYTES, ReplayCache, replay_key
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
 from mha_ep.ops.backends.cuda.staging import PinnedStaging, Segment, copy_in_chunks, pack_layout, parallel_copy
 from mha_ep.ops.problem import MhaProblem, MhaResult
@@ -47,6 +51,7 @@ log = logging.getLogger("mha_ep")
 COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
 SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
 GRAPH_LAUNCHES = 10  # submissions per captured graph in time_device
+REPLAY_VERDICTS = 1024  # replay keys whose eligibility is remembered (forgotten all at once beyond)
 CUDA_ERRORS = (
     cupy.cuda.runtime.CUDARuntimeError,
     cupy.cuda.driver.CUDADriverError,
@@ -133,6 +138,32 @@ def output_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple]]:
     return entries
 
 
+@dataclass
+class ReplayEntry:
+    """One replayed call shape: its device buffers (owned by ``scratch`` until the entry is released), where the
+    inputs and outputs sit in them, and the captured graph of steps 2-5."""
+
+    scratch: MhaScratch
+    stream: cupy.cuda.Stream  # the backend's stream, which may still be using the buffers
+    graph: object  # cupy.cuda.Graph
+    in_segments: dict
+    in_bytes: int
+    in_base: int
+    out_segments: dict
+    out_bytes: int
+    out_base: int
+
+
+def release_replay_entry(entry: ReplayEntry) -> None:
+    """ReplayCache's release: wait until the stream no longer uses the entry's buffers, then free them. (A plain
+    function: a bound method would make backend -> cache -> backend a cycle, which holds device memory until the
+    cyclic garbage collector runs.)"""
+    try:
+        entry.stream.synchronize()
+    finally:
+        entry.scratch.release()
+
+
 class CudaBackend:
     """CuPy backend. All work of an instance runs on ``cuda:<device_id>`` and on the instance's own stream.
 
@@ -142,9 +173,12 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, device_id: int = 0, poison_device_buffers: bool = False, fused_path: bool = True):
+    def __init__(self, device_id: int = 0, poison_device_buffers: bool = False, fused_path: bool = True,
+                 replay: bool = True):  # fmt: skip
         """``fused_path=False`` keeps every call on the three-phase path (tests run the parity suites on both;
-        the environment variable MHA_EP_THREE_PHASE=1 does the same for backends that mha_ep creates)."""
+        the environment variable MHA_EP_THREE_PHASE=1 does the same for backends that mha_ep creates).
+        ``replay=False`` runs every call the ordinary way (no per-shape buffers kept, no graph; poisoned device
+        buffers imply it)."""
         count = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= device_id < count:
             raise MhaEpError(f"cuda backend: device_id {device_id} is out of range: {count} CUDA GPU(s) visible")
@@ -160,6 +194,8 @@ class CudaBackend:
         self._pinned_out = PinnedStaging(cupy.cuda.alloc_pinned_memory)
         self._lock = threading.Lock()  # the pinned buffers and the stream serve one call at a time
         self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="mha_ep_copy")
+        self.replays = ReplayCache(release_replay_entry) if replay and not poison_device_buffers else None
+        self._replay_eligible: dict = {}  # replay key -> whether rules 2 allow it (bounded: REPLAY_VERDICTS)
 
     # ------------------------------------------------------------------------------------------------- the call
     def run(self, problem: MhaProblem) -> MhaResult:
@@ -175,6 +211,17 @@ class CudaBackend:
             raise MhaEpError(f"cuda backend on {self.device}: {type(error).__name__}: {error}") from error
 
     def _run(self, problem: MhaProblem, plan: LaunchPlan) -> MhaResult:
+        key = self._replay_key(problem, plan)
+        if key is not None:
+            entry = self.replays.lookup(key)
+            if entry is None and self.replays.should_capture(key):
+                entry = self._capture(problem, plan, key)
+            if entry is not None:
+                try:
+                    return self._run_replay(problem, entry)
+                except BaseException:
+                    self.replays.discard(key)  # its buffers may be in any state now
+                    raise
         with MhaScratch(self._runtime) as scratch:
             dev_in, dev_out, out_segments, out_base, out_bytes = self._stage(problem, scratch)
             # Steps 2-5 on the device.
@@ -196,19 +243,86 @@ class CudaBackend:
         in_base = self._allocate_bytes(scratch, "the staged inputs", in_bytes)
         out_base = self._allocate_bytes(scratch, "the outputs", out_bytes)
         self._poison(scratch, out_base, out_bytes)
+        self._upload_inputs(inputs, in_segments, in_bytes, in_base, scratch.upload)
+        dev_in = {name: in_base + seg.offset for name, seg in in_segments.items()}
+        dev_out = {name: out_base + seg.offset for name, seg in out_segments.items()}
+        return dev_in, dev_out, out_segments, out_base, out_bytes
+
+    def _upload_inputs(self, inputs, in_segments: dict, in_bytes: int, in_base: int, upload) -> None:
+        """The inputs into the pinned buffer and up to ``in_base`` (``upload(src, nbytes, dst)`` queues one copy)."""
         if in_bytes <= SINGLE_UPLOAD_BYTES:  # small calls: plain copies, then one upload for everything
             for name, _, _, array in inputs:
                 np.copyto(self._pinned_in.view(in_segments[name]), array, casting="same_kind")
-            scratch.upload(self._pinned_in.address, in_bytes, in_base)
+            upload(self._pinned_in.address, in_bytes, in_base)
         else:  # large calls: each chunk's DMA starts as soon as the copy threads have put it in the pinned buffer
             for name, _, _, array in inputs:
                 segment = in_segments[name]
                 for offset, nbytes in copy_in_chunks(self._pinned_in.view(segment), array, self._copier):
                     offset += segment.offset
-                    scratch.upload(self._pinned_in.address + offset, nbytes, in_base + offset)
-        dev_in = {name: in_base + seg.offset for name, seg in in_segments.items()}
-        dev_out = {name: out_base + seg.offset for name, seg in out_segments.items()}
-        return dev_in, dev_out, out_segments, out_base, out_bytes
+                    upload(self._pinned_in.address + offset, nbytes, in_base + offset)
+
+    # ------------------------------------------------------------------------------------------ replayed calls
+    def _replay_key(self, problem: MhaProblem, plan: LaunchPlan):
+        """replay.py's key when the call may be replayed (rules 2 and 4), else None; the rules' verdict is
+        remembered per key."""
+        if self.replays is None or not self.fused_path:
+            return None
+        inputs = input_entries(problem)
+        key = replay_key(problem, inputs)
+        if key is None:
+            return None
+        eligible = self._replay_eligible.get(key)
+        if eligible is None:
+            device_bytes = sum(a.nbytes for _, _, _, a in inputs) + sum(
+                int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in output_entries(problem)
+            ) + sum(plan.nbytes[name] for name in ("q_BNSH", "k_BNTH", "v_BNTH"))  # fmt: skip
+            eligible = fused.fused_unsupported_reason(problem) is None and device_bytes <= REPLAY_MAX_BYTES
+            if len(self._replay_eligible) >= REPLAY_VERDICTS:
+                self._replay_eligible.clear()
+            self._replay_eligible[key] = eligible
+        return key if eligible else None
+
+    def _capture(self, problem: MhaProblem, plan: LaunchPlan, key) -> Optional[ReplayEntry]:
+        """Buffers for this shape and the graph of its steps 2-5 (kernels compiled by the call seen before);
+        None, and the shape runs the ordinary way from now on, when the capture fails."""
+        scratch = MhaScratch(self._runtime)
+        try:
+            inputs = input_entries(problem)
+            in_segments, in_bytes = pack_layout([(n, d, s) for n, d, s, _ in inputs])
+            out_segments, out_bytes = pack_layout(output_entries(problem))
+            in_base = self._allocate_bytes(scratch, "the staged inputs", in_bytes)
+            out_base = self._allocate_bytes(scratch, "the outputs", out_bytes)
+            dev_in = {name: in_base + seg.offset for name, seg in in_segments.items()}
+            dev_out = {name: out_base + seg.offset for name, seg in out_segments.items()}
+            ops = self._operands(problem, plan, scratch, dev_out)
+            self._stream.begin_capture()
+            try:
+                self._attention(problem, plan, ops, dev_in, dev_out)
+            finally:
+                graph = self._stream.end_capture()
+        except (MhaEpError, *CUDA_ERRORS) as error:
+            scratch.release()
+            self.replays.refuse(key)
+            log.debug("mha_ep: no replay for this call shape, its capture failed: %s", error)
+            return None
+        except BaseException:
+            scratch.release()
+            raise
+        entry = ReplayEntry(scratch, self._stream, graph, in_segments, in_bytes, in_base, out_segments, out_bytes,
+                            out_base)  # fmt: skip
+        self.replays.add(key, entry)
+        return entry
+
+    def _run_replay(self, problem: MhaProblem, entry: ReplayEntry) -> MhaResult:
+        """Steps 1 and 6 as in _run; steps 2-5 are one graph launch on the entry's buffers."""
+        self._pinned_in.ensure(entry.in_bytes)
+        self._pinned_out.ensure(entry.out_bytes)
+        self._upload_inputs(input_entries(problem), entry.in_segments, entry.in_bytes, entry.in_base,
+                            self._runtime.upload)  # fmt: skip
+        entry.graph.launch(self._stream)
+        self._runtime.download(entry.out_base, entry.out_bytes, self._pinned_out.address)
+        self._runtime.synchronize()
+        return self._result(entry.out_segments)
 
     def time_device(self, problem: MhaProblem, repeats: int = 20, warmup: int = 3) -> float:
         """Device seconds per call of steps 2-5 (kernels and GEMMs; inputs already on the device).
