@@ -75,7 +75,7 @@ class MmaTile:
 # (4 warps; 137 registers, so 3 independent blocks per SM whose softmax and tensor-core phases interleave) was
 # fastest on every head-64 anchor but the attention_bias row (59.3 µs, 57.1 for 128 x 128) (S=T=4096: 271.5 µs against 352.5 for 128 x 64, 274.7 for
 # 64 x 128, 325.6 for 128 x 128); for head 128, 128 x 128 (536.6 µs against 580.0 for 64 x 64), except with an
-# attention_bias, whose two shared-memory tiles (2 x 128 x 136 floats) would not fit beside it.
+# attention_bias, whose shared-memory tile (128 x 136 floats) would not fit beside it.
 DEFAULT_MMA_TILE = MmaTile()
 WIDE_HEAD_MMA_TILE = MmaTile(128, 128)
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_90 (sharedMemPerBlockOptin)
@@ -161,8 +161,8 @@ def shared_bytes(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
     tile = tile or default_tile(problem)
     rows = tile.block_m + 4 * tile.block_n  # Q, two K buffers, two V buffers
     nbytes = rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
-    if problem.attention_bias is not None:  # two float32 bias tiles
-        nbytes += 2 * tile.block_m * (tile.block_n + BIAS_TILE_PAD) * 4
+    if problem.attention_bias is not None:  # one float32 bias tile
+        nbytes += tile.block_m * (tile.block_n + BIAS_TILE_PAD) * 4
     return nbytes
 
 

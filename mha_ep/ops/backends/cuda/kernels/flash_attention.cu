@@ -28,8 +28,8 @@
 // Per key tile, the masks are classified once (TileMask): a tile whose keys are all kept, all in range, before the
 // causal frontier of every row, with no attention_bias, takes the plain path (x = scale * q.k folded into the
 // exponent); key lengths and (B, T) keep flags are voted per tile, so only a tile that mixes kept and padded keys
-// reads flags per element. The attention_bias tile of the next key step is copied into shared memory (cp.async,
-// double buffered beside K and V) while the current step computes.
+// reads flags per element. A step's attention_bias tile is copied into shared memory (cp.async, one buffer) at
+// the step's start and waited for after its S tile, before the masks need it.
 //
 // Work skipped, each exact for finite inputs:
 //   causal tiles: key tiles past the causal frontier of every row of a block hold only x + FLOAT32_LOWEST; exp of
@@ -404,12 +404,15 @@ template <> struct Mma<__nv_bfloat16> {
 //   layout), and O += P . V with V fragments from ldmatrix.trans.
 // Thread fragment coordinates: g = lane / 4 owns rows g and g + 8 of its warp's 16; tig = lane % 4 owns the
 // column pair 2 tig, 2 tig + 1 of each 8-wide n-tile.
-// K and V (and an attention_bias tile, BLOCK_M x BLOCK_N float32) are double buffered in shared memory: the tiles
-// of step j+1 are copied while step j computes, so a step has one barrier (its tiles have landed, and every warp
-// is done with the buffers the next copies overwrite). ELEM operands (which the host passes without projection
-// bias) and 16-byte-aligned bias rows move with cp.async from addresses each thread forms once (AsyncTileCopy,
-// BiasTileCopy): on the H200 the per-chunk address arithmetic of a generic copy loop cost the plain S=T=4096 row
-// 30% (388 -> 272 µs with the second V buffer). Float32 operands (rounded to ELEM, + bias) go through load_tile.
+// K and V are double buffered in shared memory: the tiles of step j+1 are copied while step j computes, so a
+// plain step has one barrier (its tiles have landed, and every warp is done with the buffers the next copies
+// overwrite). An attention_bias tile (BLOCK_M x BLOCK_N float32) has one buffer, filled at the start of its own
+// step and waited for (a second barrier) after S = Q.K^T: two buffers would put 83 KB per block and leave two
+// blocks per SM instead of three (bias row on the H200: 55.5 µs with two, 47.5 with one).
+// ELEM operands (which the host passes without projection bias) and 16-byte-aligned bias rows move with cp.async
+// from addresses each thread forms once (AsyncTileCopy, BiasTileCopy): on the H200 the per-chunk address
+// arithmetic of a generic copy loop cost the plain S=T=4096 row 30% (388 -> 272 µs with the second V buffer).
+// Float32 operands (rounded to ELEM, + bias) go through load_tile.
 // Fragments of one k-step are read with ldmatrix before its mma instructions are issued (in-order issue would
 // otherwise stall every mma on the ldmatrix just before it).
 template <typename ELEM, typename IN, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int FEATURES>
@@ -440,7 +443,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   ELEM* k_tiles = q_tile + BLOCK_M * LD;              // 2 x BLOCK_N x LD (tile j in buffer j % 2)
   ELEM* v_tiles = k_tiles + 2 * BLOCK_N * LD;         // 2 x BLOCK_N x LD (tile j in buffer j % 2)
   constexpr int LDB = BLOCK_N + 8;                    // bias tile row stride, floats
-  float* bias_tiles = reinterpret_cast<float*>(v_tiles + 2 * BLOCK_N * LD);  // 2 x BLOCK_M x LDB (attention_bias)
+  float* bias_tile = reinterpret_cast<float*>(v_tiles + 2 * BLOCK_N * LD);  // BLOCK_M x LDB (attention_bias)
 
   // Block coordinates: consecutive blocks share (b, h) (K/V reuse in L2); the last query tile, the longest under
   // causal masking, starts first.
@@ -477,8 +480,9 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   }
   const int bias_at[2] = {(warp * 16 + g) * LDB + tig * 2, (warp * 16 + g + 8) * LDB + tig * 2};
 
-  // K, V (and attention_bias) of the key tile at n0 into buffer `buffer`: ELEM operands (which the host passes
-  // without projection bias) through AsyncTileCopy's precomputed addresses, anything else through load_tile.
+  // K and V of the key tile at n0 into buffer `buffer`: ELEM operands (which the host passes without projection
+  // bias) through AsyncTileCopy's precomputed addresses, anything else through load_tile; the attention_bias tile
+  // of the key tile at n0 into its one buffer.
   using KvCopy = AsyncTileCopy<ELEM, BLOCK_N, HEAD_DIM, LD, THREADS>;
   constexpr bool ASYNC_KV = same_type<IN, ELEM>::value && KvCopy::APPLIES;
   const KvCopy k_copy(reinterpret_cast<const ELEM*>(k_rows), stride_ks, head_size);
@@ -496,13 +500,12 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       load_tile<ELEM, IN, BLOCK_N, HEAD_DIM, LD, THREADS>(v_dst, v_rows + (long long)n0 * stride_vs, stride_vs,
                                                          total_seq - n0, v_head_size, bias_v_h);
     }
-    if constexpr (has_bias) {
-      float* bias_dst = bias_tiles + buffer * BLOCK_M * LDB;
-      if (bias_vec4) {
-        bias_copy.copy(bias_dst, n0, total_seq);
-      } else {
-        load_bias_tile<BLOCK_M, BLOCK_N, LDB, THREADS>(bias_dst, bias_rows, q_seq - m0, total_seq, n0);
-      }
+  };
+  auto load_bias = [&](int n0) {
+    if (bias_vec4) {
+      bias_copy.copy(bias_tile, n0, total_seq);
+    } else {
+      load_bias_tile<BLOCK_M, BLOCK_N, LDB, THREADS>(bias_tile, bias_rows, q_seq - m0, total_seq, n0);
     }
   };
 
@@ -537,7 +540,6 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     const int buffer = step & 1;
     const ELEM* k_tile = k_tiles + buffer * BLOCK_N * LD;
     const ELEM* v_tile = v_tiles + buffer * BLOCK_N * LD;
-    const float* bias_tile = bias_tiles + buffer * BLOCK_M * LDB;
     // This step's K, V (and bias) tiles have landed (cp.async, issued one step ago), and every warp is done with
     // the buffers the next tile goes to (they held tile step-1): the one barrier of the step.
     cp_async_wait_all();
@@ -552,6 +554,10 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
       tm.padding = TILE_KEEP_ALL;
       tm.plain = false;
+    }
+    if constexpr (has_bias) {
+      load_bias(n0);
+      cp_async_commit();
     }
     if (n0 + BLOCK_N < total_seq) load_kv(n0 + BLOCK_N, buffer ^ 1);  // lands while this step computes
     cp_async_commit();
@@ -586,6 +592,10 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
       tm.padding = TILE_KEEP_ALL;
       tm.plain = tm.in_range && !tm.causal;
+    }
+    if constexpr (has_bias) {  // this step's bias tile (the older of the two groups in flight) has landed
+      cp_async_wait_all_but_newest();
+      __syncthreads();
     }
     const bool plain_tile = tm.plain && scale > 0.0f;
     const bool padded_tile = WITH_PADDING && !has_bias && !tm.plain && tm.in_range && !tm.causal &&
