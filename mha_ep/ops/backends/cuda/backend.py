@@ -23,6 +23,7 @@ shape (replay.py: the rules, and why).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 from dataclasses import dataclass
 import logging
@@ -202,9 +203,16 @@ class CudaBackend:
         """Raises MhaInputError for sizes the kernels cannot take, MhaEpError for CUDA failures (out of memory,
         compile, launch, cuBLAS); every device allocation of the call is released either way."""
         plan = cached_plan(problem.geometry, problem.dtype)
+        with self._on_device():
+            return self._run(problem, plan)
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        """One call's hold of the backend (its lock, device and stream), with CUDA failures (out of memory,
+        compile, launch, cuBLAS) raised as MhaEpError naming the device."""
         try:
             with self._lock, cupy.cuda.Device(self.device_id), self._stream:
-                return self._run(problem, plan)
+                yield
         except MhaEpError:
             raise
         except CUDA_ERRORS as error:
@@ -334,26 +342,21 @@ class CudaBackend:
         those gaps (as does the fused path should a capture fail).
         """
         plan = cached_plan(problem.geometry, problem.dtype)
-        try:
-            with self._lock, cupy.cuda.Device(self.device_id), self._stream, MhaScratch(self._runtime) as scratch:
-                dev_in, dev_out, _, _, _ = self._stage(problem, scratch)
-                ops = self._operands(problem, plan, scratch, dev_out)
-                scratch.mark_stream_use()
+        with self._on_device(), MhaScratch(self._runtime) as scratch:
+            dev_in, dev_out, _, _, _ = self._stage(problem, scratch)
+            ops = self._operands(problem, plan, scratch, dev_out)
+            scratch.mark_stream_use()
 
-                def submit():
-                    self._attention(problem, plan, ops, dev_in, dev_out)
+            def submit():
+                self._attention(problem, plan, ops, dev_in, dev_out)
 
-                seconds = None
-                if ops["fused_unsupported"] is None:
-                    seconds = self._time_graph(submit, repeats, warmup)
-                if seconds is None:
-                    seconds = self._time_events(submit, repeats, warmup)
-                scratch.finish_stream_use()
-                return seconds
-        except MhaEpError:
-            raise
-        except CUDA_ERRORS as error:  # as run() reports them
-            raise MhaEpError(f"cuda backend on {self.device}: {type(error).__name__}: {error}") from error
+            seconds = None
+            if ops["fused_unsupported"] is None:
+                seconds = self._time_graph(submit, repeats, warmup)
+            if seconds is None:
+                seconds = self._time_events(submit, repeats, warmup)
+            scratch.finish_stream_use()
+            return seconds
 
     def _time_graph(self, submit, repeats: int, warmup: int) -> Optional[float]:
         """Seconds per submission from replays of a captured graph, or None when the capture fails."""
