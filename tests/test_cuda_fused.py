@@ -286,6 +286,17 @@ def test_mask_operands_must_match_the_call():
         fused.check_mask_operands(plain, None, 256)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", [Case(h=64), Case(h=64, attention_bias=(True, False)), Case(h=64, mask="BT"),
+                                  Case(h=64, mask="BT", attention_bias=(True, True)), Case(h=32)])  # fmt: skip
+def test_head_64_tiles_leave_room_for_three_blocks_per_sm(case, dtype):
+    """The measured reason for the one attention_bias buffer (BENCH.md): with two, two blocks fitted an SM."""
+    problem = make_problem(case, dtype)
+    assert fused.default_tile(problem) == fused.MmaTile(64, 64)
+    shared = fused.shared_bytes(problem)
+    assert fused.blocks_per_sm_by_shared_memory(shared) >= fused.BLOCKS_PER_SM_GOAL, shared
+
+
 def test_operands_in_the_call_dtype_carry_no_projection_bias():
     half, single = problem_with(), problem_with(dtype="float32")
     plain = fused.Operand(256, "BNSH", 5, 64)

@@ -79,6 +79,13 @@ class MmaTile:
 DEFAULT_MMA_TILE = MmaTile()
 WIDE_HEAD_MMA_TILE = MmaTile(128, 128)
 SHARED_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_90 (sharedMemPerBlockOptin)
+SM_SHARED_BYTES = 228 * 1024  # shared memory of one sm_90 SM; each resident block also reserves 1 KiB
+BLOCKS_PER_SM_GOAL = 3  # the head-64 tensor-core tiles are sized so that three blocks fit an SM (see above)
+
+
+def blocks_per_sm_by_shared_memory(shared: int) -> int:
+    """How many blocks of ``shared`` dynamic bytes fit one SM's shared memory (the 1 KiB reserve included)."""
+    return SM_SHARED_BYTES // (shared + 1024)
 
 
 def default_tile(problem: MhaProblem) -> MmaTile:
