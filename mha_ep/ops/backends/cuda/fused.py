@@ -259,7 +259,8 @@ def run_fused(
 ) -> None:
     """Launch the fused kernel for ``problem`` (its dispatch rule must have said None).
 
-    q:  (B, S, N, H) as an Operand (BSNH or BNSH), + bias_q on load when ``q.bias`` is set;
+    q:  (B, S, N, H) as an Operand (BSNH or BNSH), + bias_q on load when ``q.bias`` is set (float32 operands, or
+        a float32 call, only: check_operand_bias);
     k:  (B, T, N, H) or (B, N, T, H): all T keys (a past must already be concatenated: the layout mover's k_BNTH);
     v:  the same with Hv;
     operand_dtype: element type of q, k and v ("float32", or the call's dtype);
