@@ -25,10 +25,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-from dataclasses import dataclass
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Optional
 
 import cupy
