@@ -1,17 +1,27 @@
-"""Kernel sources (kernels/*.cu) compiled lazily through CuPy's NVRTC, templated on the compute dtype.
+"""Kernel sources (kernels/*.cu) compiled lazily through NVRTC, templated on the compute dtype.
 
 One ``cupy.RawModule`` per (device, source file), built on first use with the name expressions of every dtype and
-memoised for the life of the process: a call never compiles twice. ``#include "common.cuh"`` is inlined here, so the
-code CuPy hashes for its on-disk cache is the whole source (a header change is never served a stale binary).
+memoised for the life of the process: a call never compiles twice. Local ``#include "..."`` lines are inlined
+here (kernel_source), so the code CuPy hashes for its on-disk cache is the whole source (a header change is never
+served a stale binary).
+
+Architecture-specific kernels (the Hopper fused kernel's wgmma needs ``sm_90a`` code, which CuPy's NVRTC path
+cannot target: it always passes the device's plain ``sm_XY``) go through ``compile_arch_kernel``: NVRTC called
+directly, the cubin kept under ``kernel_cache_dir()`` keyed by a hash of the source, options and NVRTC version.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import cupy
+if TYPE_CHECKING:  # CuPy is imported where a kernel is built, so the source helpers run on CPU machines
+    import cupy
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 COMMON_HEADER = "common.cuh"
@@ -30,11 +40,28 @@ _functions: dict[tuple, cupy.RawKernel] = {}  # (device, kernel, dtype, variant)
 _lock = threading.Lock()
 
 
+LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[^\n]*\n', re.MULTILINE)
+CACHE_ENV = "MHA_EP_KERNEL_CACHE"  # where compile_arch_kernel keeps its cubins (default: ~/.cache/mha_ep/kernels)
+
+
+def expand_includes(text: str, seen: Optional[set] = None) -> str:
+    """``text`` with every local ``#include "file"`` (a file of KERNEL_DIR) replaced by that file, recursively,
+    each file once (``#pragma once``); system includes (``<...>``) stay."""
+    seen = set() if seen is None else seen
+
+    def inline(match: re.Match) -> str:
+        name = match.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return expand_includes((KERNEL_DIR / name).read_text().replace("#pragma once\n", ""), seen)
+
+    return LOCAL_INCLUDE.sub(inline, text)
+
+
 def kernel_source(file_name: str) -> str:
-    """The file's text with the shared header inlined."""
-    text = (KERNEL_DIR / file_name).read_text()
-    header = (KERNEL_DIR / COMMON_HEADER).read_text().replace("#pragma once\n", "")
-    return text.replace(f'#include "{COMMON_HEADER}"', header)
+    """The file's text with its local headers inlined."""
+    return expand_includes((KERNEL_DIR / file_name).read_text(), {file_name})
 
 
 def name_expression(kernel: str, dtype: str, variant: Optional[int] = None) -> str:
@@ -43,6 +70,8 @@ def name_expression(kernel: str, dtype: str, variant: Optional[int] = None) -> s
 
 
 def _module(device_id: int, file_name: str) -> cupy.RawModule:
+    import cupy
+
     key = (device_id, file_name)
     with _lock:
         module = _modules.get(key)
@@ -69,3 +98,89 @@ def get_kernel(device_id: int, kernel: str, dtype: str, variant: Optional[int] =
         function = _module(device_id, KERNELS[kernel][0]).get_function(name_expression(kernel, dtype, variant))
         _functions[key] = function
     return function
+
+
+# ------------------------------------------------------------------------------- architecture-specific kernels
+_arch_kernels: dict[tuple, tuple] = {}  # (device, code, name, options) -> (module, kernel): the module stays loaded
+
+
+def kernel_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mha_ep" / "kernels")
+
+
+def cuda_include_options() -> tuple:
+    """``-I`` of the CUDA headers (cuda_fp16.h, cuda_bf16.h) where CuPy finds them for its own NVRTC builds: the
+    toolkit beside the NVRTC library it loads (a system CUDA, or the nvidia/cu13 wheel)."""
+    from cupy import _environment
+
+    cuda_path = _environment.get_cuda_path()
+    include = Path(cuda_path) / "include" if cuda_path else None
+    return (f"-I{include}",) if include is not None and include.is_dir() else ()
+
+
+def _nvrtc_compile(code: str, name: str, options: tuple) -> tuple[bytes, str]:
+    """(cubin, lowered name) of template instantiation ``name`` in ``code``; raises with NVRTC's log."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(code, "mha_ep_kernel.cu", (), ())
+    try:
+        nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            log = nvrtc.getProgramLog(program)
+            raise RuntimeError(f"NVRTC could not compile {name} with {' '.join(options)}:\n{log}") from error
+        return nvrtc.getCUBIN(program), nvrtc.getLoweredName(program, name)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load(cubin_path: Path, lowered: str) -> tuple:
+    import cupy
+
+    module = cupy.RawModule(path=str(cubin_path))
+    return module, module.get_function(lowered)
+
+
+def compile_arch_kernel(device_id: int, code: str, name: str, arch: str, options: tuple = ()) -> cupy.RawKernel:
+    """Template instantiation ``name`` of kernel source ``code`` (local includes already inlined) compiled for
+    ``arch`` (e.g. "sm_90a") and loaded on ``device_id`` (call with that device current); memoised per process and
+    kept on disk across processes. Cache files are written to a temporary name and renamed into place (the cubin
+    last), so a reader never sees half of an entry; an unwritable cache directory only costs the recompile."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    options = tuple(options) + ("--std=c++17", "-ftz=true", f"--gpu-architecture={arch}") + cuda_include_options()
+    key = (device_id, code, name, options)
+    with _lock:
+        entry = _arch_kernels.get(key)
+        if entry is None:
+            fingerprint = "\0".join([code, name, *options, repr(nvrtc.getVersion())])
+            cubin_path = kernel_cache_dir() / f"{hashlib.sha256(fingerprint.encode()).hexdigest()[:32]}.cubin"
+            name_path = cubin_path.with_suffix(".name")
+            if cubin_path.exists() and name_path.exists():
+                entry = _load(cubin_path, name_path.read_text())
+            else:
+                cubin, lowered = _nvrtc_compile(code, name, options)
+                try:
+                    cubin_path.parent.mkdir(parents=True, exist_ok=True)
+                    _write_atomically(name_path, lowered.encode())
+                    _write_atomically(cubin_path, cubin)
+                    entry = _load(cubin_path, lowered)
+                except OSError:  # no usable cache directory: load from a file that goes away
+                    with tempfile.TemporaryDirectory() as tmp:
+                        path = Path(tmp) / "kernel.cubin"
+                        path.write_bytes(cubin)
+                        entry = _load(path, lowered)
+            _arch_kernels[key] = entry
+    return entry[1]
