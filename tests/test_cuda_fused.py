@@ -1,7 +1,9 @@
 """The fused attention kernel (kernels/flash_attention.cu via cuda/fused.py) against the reference semantics.
 
-CPU tests: the dispatch rule's reasons, a 64-bit index audit of flash_attention.cu, and an nvcc compile of a few
-instantiations (skipped without nvcc). GPU tests (marked gpu; skipped cleanly without CuPy or a GPU) launch
+CPU tests: the dispatch rule's reasons and the kernel choice (flash_attention_wgmma on compute capability 9.0,
+flash_attention_mma elsewhere), a 64-bit index audit of the fused kernels' sources, and an nvcc compile of a few
+instantiations (skipped without nvcc). On an H200, dense f16/bf16 operands run flash_attention_wgmma by default;
+the mma kernel is run there by naming its tile. GPU tests (marked gpu; skipped cleanly without CuPy or a GPU) launch
 ``run_fused`` directly on device copies of a problem's inputs, in two operand forms:
   "staged": the float32 arrays as the op received them (BSNH, or BNSH key/value), bias added on load, rounded to
             the call's dtype in the kernel (what the backend stages);
@@ -17,6 +19,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +33,9 @@ from mha_ep.ops.backends.reference import run_reference, to_BNSH
 from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, build_problem
 
 KERNEL_DIR = Path(fused.__file__).parent / "kernels"
-SOURCE = (KERNEL_DIR / "flash_attention.cu").read_text()
+FUSED_FILES = ("flash_attention.cu", "flash_common.cuh", "flash_attention_wgmma.cu")  # the fused kernels' code
+SOURCE = "\n".join((KERNEL_DIR / name).read_text() for name in FUSED_FILES)
+REPO = Path(__file__).resolve().parent.parent
 DTYPES = ("float32", "float16", "bfloat16")
 RELATIVE_TOLERANCE = {"float32": 1e-5, "float16": 4e-3}
 BF16_NOISE_FLOOR = 1e-4
@@ -170,6 +175,36 @@ def test_other_mma_tiles_match_reference(cupy_module, case_name, dtype, tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_mma_kernel_matches_reference_on_dense_operands(cupy_module, case_name, dtype):
+    """flash_attention_mma named by its default tile, where a Hopper device would otherwise run the wgmma kernel."""
+    case = CASES[case_name]
+    if dtype == "bfloat16" and case.mask_filter_value == FLOAT32_LOWEST:
+        pytest.skip("the naive bf16 baseline rounds float32 lowest to -inf (NaN rows): no 2x-naive bound exists")
+    problem = make_problem(case, dtype)
+    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", fused.default_tile(problem)))
+
+
+WGMMA_CASES = [name for name, case in CASES.items() if fused.head_dim_tile(case.h, case.hv or case.h) in (64, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case_name", WGMMA_CASES)
+def test_wgmma_tiles_match_reference(cupy_module, case_name, dtype, block_n):
+    """Both key tiles of flash_attention_wgmma (default and the one the timing script compares), every mask."""
+    if fused.device_capability(0) != fused.HOPPER_CAPABILITY:
+        pytest.skip("flash_attention_wgmma runs on compute capability 9.0 only")
+    case = CASES[case_name]
+    if dtype == "bfloat16" and case.mask_filter_value == FLOAT32_LOWEST:
+        pytest.skip("the naive bf16 baseline rounds float32 lowest to -inf (NaN rows): no 2x-naive bound exists")
+    problem = make_problem(case, dtype)
+    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", fused.WgmmaTile(block_n)))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask", ["lengths", "BT", "BST"])
@@ -224,6 +259,10 @@ def test_operand_checks(cupy_module):
     with pytest.raises(ValueError, match="not 16-byte aligned"):
         fused.run_fused(0, problem, q=replace(op, address=258), k=kv, v=kv, operand_dtype="float16",
                         attention_bias=None, mask=None, out_BSD=0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"tile wg64x128 needs the wgmma kernel, which cannot run this call: "
+                                         r"operands are float32 \(rounded to float16 on load"):  # fmt: skip
+        fused.run_fused(0, problem, q=op, k=kv, v=kv, operand_dtype="float32", attention_bias=None, mask=None,
+                        out_BSD=0, tile=fused.WgmmaTile(128))  # fmt: skip
     biased = make_problem(Case(h=128, attention_bias=(True, True)), "float16")
     q128 = fused.Operand(256, "BSNH", g.q_seq, 128)
     kv128 = fused.Operand(256, "BSNH", g.total_seq, 128)
@@ -295,6 +334,58 @@ def test_head_64_tiles_leave_room_for_three_blocks_per_sm(case, dtype):
     assert fused.default_tile(problem) == fused.MmaTile(64, 64)
     shared = fused.shared_bytes(problem)
     assert fused.blocks_per_sm_by_shared_memory(shared) >= fused.BLOCKS_PER_SM_GOAL, shared
+
+
+@pytest.mark.parametrize(
+    "kwargs, operand_dtype, capability, reason",
+    [
+        (dict(h=64), "float16", "90", None),
+        (dict(h=40, dtype="bfloat16"), "bfloat16", "90", None),  # zero-padded up to the 64 tile
+        (dict(h=128, hv=120), "float16", "90", None),
+        (dict(h=64, dtype="float32"), "float32", "90", "dtype 'float32' is not a tensor-core dtype"),
+        (dict(h=64), "float32", "90", r"operands are float32 \(rounded to float16 on load: the mma kernel's load path\)"),
+        (dict(h=64), "float16", "89", r"compute capability 8.9 is not 9.0 \(wgmma is sm_90a code\)"),
+        (dict(h=64), "float16", "100", r"compute capability 10.0 is not 9.0 \(wgmma is sm_90a code\)"),
+        (dict(h=32), "float16", "90", r"head tile 32 is not one of \(64, 128\)"),
+        (dict(h=96), "float16", "90", r"head tile 96 is not one of \(64, 128\)"),
+    ],
+)
+def test_wgmma_kernel_choice(kwargs, operand_dtype, capability, reason):
+    problem = problem_with(**kwargs)
+    got = fused.wgmma_unsupported_reason(problem, operand_dtype, capability)
+    assert (got is None) if reason is None else (got is not None and re.fullmatch(reason, got)), got
+    tile = fused.choose_tile(problem, operand_dtype, capability)
+    if reason is None:
+        assert tile == fused.DEFAULT_WGMMA_TILES[fused.head_dim_tile(kwargs["h"], kwargs.get("hv") or kwargs["h"])]
+    else:
+        assert tile == fused.default_tile(problem)
+
+
+def test_wgmma_launch_choices():
+    plain = problem_with(h=64)
+    assert fused.kernel_name(plain, "float16", fused.WgmmaTile(128)) == "flash_attention_wgmma<__half, 64, 128, 0>"
+    padded_biased = make_problem(Case(h=128, mask="BT", attention_bias=(True, True)), "bfloat16")
+    assert fused.kernel_name(padded_biased, "bfloat16", fused.WgmmaTile(64)) == (
+        "flash_attention_wgmma<__nv_bfloat16, 128, 64, 3>"
+    )
+    # Q + 2 K + 2 V unpadded rows, 1 KiB of alignment slack, and the float32 bias tile as the mma kernel's
+    assert fused.shared_bytes(plain, fused.WgmmaTile(128)) == 1024 + (64 + 4 * 128) * 64 * 2
+    assert fused.shared_bytes(padded_biased, fused.WgmmaTile(64)) == 1024 + (64 + 4 * 64) * 128 * 2 + 64 * 72 * 4
+    assert (fused.WgmmaTile().threads, fused.WgmmaTile().block_m, fused.WgmmaTile(64).label) == (128, 64, "wg64x64")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "case, blocks",
+    [(Case(h=64), 3), (Case(h=64, mask="BST"), 3), (Case(h=64, attention_bias=(True, True)), 2),
+     (Case(h=128), 2), (Case(h=128, mask="BT", attention_bias=(True, False)), 2)],
+)  # fmt: skip
+def test_wgmma_default_tiles_fit_the_blocks_their_registers_are_cut_for(case, dtype, blocks):
+    """kernels/flash_attention_wgmma.cu min_blocks: 3 per SM for head 64 without a bias tile, 2 otherwise."""
+    problem = make_problem(case, dtype)
+    tile = fused.choose_tile(problem, dtype, fused.HOPPER_CAPABILITY)
+    assert isinstance(tile, fused.WgmmaTile)
+    assert fused.blocks_per_sm_by_shared_memory(fused.shared_bytes(problem, tile)) == blocks
 
 
 def test_operands_in_the_call_dtype_carry_no_projection_bias():
@@ -392,11 +483,15 @@ def test_flash_attention_never_casts_an_int_product():
 
 
 def test_flash_attention_subscripts_with_products_are_64_bit():
+    """Every subscript with a product indexes in 64 bits, except those of register arrays (fixed small sizes)."""
     long_long_names = set(re.findall(r"long long\s+(\w+)", CODE))
+    register_arrays = set(re.findall(r"\b(?:float|unsigned)\s+(\w+)\[", CODE))
     offenders = [
-        sub
-        for sub in re.findall(r"\[([^\[\]]*\*[^\[\]]*)\]", CODE)
-        if "(long long)" not in sub and not any(re.search(rf"\b{var}\b", sub) for var in long_long_names)
+        (array, sub)
+        for array, sub in re.findall(r"(\w+)\[([^\[\]]*\*[^\[\]]*)\]", CODE)
+        if array not in register_arrays
+        and "(long long)" not in sub
+        and not any(re.search(rf"\b{var}\b", sub) for var in long_long_names)
     ]
     assert not offenders, offenders
 
@@ -409,11 +504,31 @@ def test_flash_attention_semantics_are_spelled_out():
     assert "i < p.q_seq - 1 && j > p.past_seq + i" in CODE  # ORT CPU's causal rows and offset
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in CODE
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in CODE
+    assert CODE.count("masked_logit_per_key(x, mp, masks[r], rows[r], j)") == 2  # both tensor-core kernels
+    assert "fence.proxy.async.shared::cta" in CODE  # cp.async writes made visible to wgmma's async proxy
+
+
+def test_wgmma_wrappers_are_generated():
+    """kernels/wgmma_ops.cuh is what scripts/gen_wgmma_ops.py writes (edit the script, not the header)."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_wgmma_ops.py"), "--check"], capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_kernel_sources_inline_every_local_header():
+    """What NVRTC compiles is one self-contained text: no local #include is left, each header once."""
+    from mha_ep.ops.backends.cuda.kernels import kernel_source
+
+    for name in (fused.SOURCE_FILE, fused.WGMMA_SOURCE_FILE):
+        text = kernel_source(name)
+        assert not re.search(r'^#include "', text, re.MULTILINE), name
+        assert text.count("struct MaskParams {") == 1
+        assert text.count("__device__ __forceinline__ T from_float(float x);") == 1
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_flash_attention_compiles_with_nvcc(tmp_path):
-    """A few of the instantiations fused.py asks NVRTC for, compiled for sm_90 (offline check)."""
+    """A few of the instantiations fused.py asks NVRTC for, compiled for sm_90a (offline check)."""
     params = ("const {I}*, long long, long long, long long, const float*, const {I}*, long long, long long, "
               "long long, const float*, const {I}*, long long, long long, long long, const float*, const float*, "
               "int, int, int, const int*, const unsigned char*, float, int, int, float, int, int, int, int, int, int, "
@@ -423,15 +538,19 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
         "flash_attention_mma<__half, __half, 64, 64, 64, 3>",
         "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64, 0>",
         "flash_attention_fp32<float, float, 64>",
+        "flash_attention_wgmma<__half, 64, 128, 0>",
+        "flash_attention_wgmma<__nv_bfloat16, 128, 64, 3>",
     ]
-    lines = ['#include "flash_attention.cu"']
+    lines = ['#include "flash_attention.cu"', '#include "flash_attention_wgmma.cu"']
     for name in names:
         source_type = "float" if ", float, " in name or name.startswith("flash_attention_fp32") else name.split("<")[1].split(",")[0]
+        if name.startswith("flash_attention_wgmma"):  # (no IN type: operands in the call's dtype)
+            source_type = name.split("<")[1].split(",")[0]
         lines.append(f"template __global__ void {name}({params.format(I=source_type)});")
     unit = tmp_path / "unit.cu"
     unit.write_text("\n".join(lines) + "\n")
     done = subprocess.run(
-        ["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", f"-I{KERNEL_DIR}", str(unit), "-o", str(tmp_path / "a.cubin")],
+        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", f"-I{KERNEL_DIR}", str(unit), "-o", str(tmp_path / "a.cubin")],
         capture_output=True,
         text=True,
     )

@@ -12,10 +12,13 @@ H head size, Hv value head size, D = N*H. An ``Operand`` is one of Q, K, V as a 
 Its elements are ``operand_dtype``: float32 (the staged transport arrays; an f16/bf16 call rounds them to its
 dtype on load) or the call's dtype (the layout mover's buffers). A bias (float32, (N*dim,)) is added on load.
 
-Kernel choice: float16 / bfloat16 -> ``flash_attention_mma`` (tensor cores, mma.sync m16n8k16, fp32 accumulation);
-float32 -> ``flash_attention_fp32`` (CUDA cores, true fp32). Both are templated on the head tile HEAD_DIM (the
-smallest of HEAD_DIM_TILES that holds max(H, Hv); the rest is zero-filled) and compiled lazily, one NVRTC module
-per (device, instantiation), memoised for the life of the process.
+Kernel choice (choose_tile): float32 -> ``flash_attention_fp32`` (CUDA cores, true fp32); float16 / bfloat16 ->
+``flash_attention_wgmma`` (kernels/flash_attention_wgmma.cu: Hopper's warpgroup MMA, sm_90a code) where
+``wgmma_unsupported_reason`` says None (a compute capability 9.0 device, operands in the call's dtype, head tile 64
+or 128), else ``flash_attention_mma`` (tensor cores, mma.sync m16n8k16; any sm_80+ GPU). All accumulate in fp32,
+are templated on the head tile HEAD_DIM (the smallest of HEAD_DIM_TILES that holds max(H, Hv); the rest is
+zero-filled) and are compiled lazily, one NVRTC module per (device, instantiation), memoised for the life of the
+process (the sm_90a ones also on disk: kernels.compile_arch_kernel).
 This module imports CuPy only when a kernel is launched, so ``fused_unsupported_reason`` runs on CPU machines.
 """
 
@@ -46,6 +49,7 @@ DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel needs its dynamic shared
 MASK_KINDS = {None: 0, "key_lengths": 1, "keys_BT": 2, "keys_BST": 3}  # FlashMaskKind
 VECTOR_ALIGNMENT = 16  # bytes: every operand, row and head start must allow 16-byte loads
 SOURCE_FILE = "flash_attention.cu"
+SMALLEST_BLOCK_M = 64  # query rows per block of every fused kernel's smallest tile
 
 
 # ------------------------------------------------------------------------------------------- the dispatch rule
@@ -83,6 +87,31 @@ SM_SHARED_BYTES = 228 * 1024  # shared memory of one sm_90 SM; each resident blo
 BLOCKS_PER_SM_GOAL = 3  # the head-64 tensor-core tiles are sized so that three blocks fit an SM (see above)
 
 
+# The Hopper kernel: one warpgroup of 128 threads per 64 query rows; key tiles of 128 keys for head 64 and of
+# 64 for head 128 (the tiles that leave room for three and two blocks per SM: WGMMA_MIN_BLOCKS).
+HOPPER_CAPABILITY = "90"  # wgmma.mma_async is sm_90a code, which runs on compute capability 9.0 only
+HOPPER_ARCH = "sm_90a"
+WGMMA_SOURCE_FILE = "flash_attention_wgmma.cu"
+WGMMA_HEAD_DIMS = (64, 128)  # whole 64-element swizzle atoms
+WGMMA_SMEM_ALIGN = 1024  # kernels/flash_attention_wgmma.cu: tiles start 1024-byte aligned (128-byte swizzle)
+
+
+@dataclass(frozen=True)
+class WgmmaTile:
+    """Tile of flash_attention_wgmma: 64 query rows (one warpgroup) x BLOCK_N keys per step."""
+
+    block_n: int = 128
+    block_m: int = 64
+    threads: int = 128
+
+    @property
+    def label(self) -> str:
+        return f"wg{self.block_m}x{self.block_n}"
+
+
+DEFAULT_WGMMA_TILES = {64: WgmmaTile(128), 128: WgmmaTile(64)}  # by head tile
+
+
 def blocks_per_sm_by_shared_memory(shared: int) -> int:
     """How many blocks of ``shared`` dynamic bytes fit one SM's shared memory (the 1 KiB reserve included)."""
     return SM_SHARED_BYTES // (shared + 1024)
@@ -94,8 +123,33 @@ def default_tile(problem: MhaProblem) -> MmaTile:
     return WIDE_HEAD_MMA_TILE if wide else DEFAULT_MMA_TILE
 
 
-def block_m(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
+def block_m(problem: MhaProblem, tile=None) -> int:
     return FP32_BLOCK_M if problem.dtype == "float32" else (tile or default_tile(problem)).block_m
+
+
+def wgmma_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability: str) -> Optional[str]:
+    """None when flash_attention_wgmma runs this fused call on a device of compute ``capability`` ("90" for 9.0);
+    else why flash_attention_mma does. For a call fused_unsupported_reason already accepted."""
+    if problem.dtype not in ("float16", "bfloat16"):
+        return f"dtype {problem.dtype!r} is not a tensor-core dtype"
+    if operand_dtype != problem.dtype:
+        return f"operands are {operand_dtype} (rounded to {problem.dtype} on load: the mma kernel's load path)"
+    if capability != HOPPER_CAPABILITY:
+        return f"compute capability {capability[:-1]}.{capability[-1:]} is not 9.0 (wgmma is sm_90a code)"
+    g = problem.geometry
+    head_dim = head_dim_tile(g.head_size, g.v_head_size)
+    if head_dim not in WGMMA_HEAD_DIMS:
+        return f"head tile {head_dim} is not one of {WGMMA_HEAD_DIMS}"
+    return None
+
+
+def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str):
+    """The tile, and with it the kernel, of a fused call: a WgmmaTile where wgmma_unsupported_reason says None,
+    else flash_attention_mma's default tile (float32 calls ignore it)."""
+    if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
+        g = problem.geometry
+        return DEFAULT_WGMMA_TILES[head_dim_tile(g.head_size, g.v_head_size)]
+    return default_tile(problem)
 
 
 def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
@@ -108,7 +162,7 @@ def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
          three-phase path);
       4. not causal with mask_filter_value = -inf: ORT's answer for a row whose allowed keys are all padded then
          depends on the causal positions' exact float32-lowest logits (uniform over the future keys);
-      5. the launch grid (query tiles x B x N blocks) fits the kernel's int block index.
+      5. the launch grid (query tiles x B x N blocks, at the smallest tile of any kernel) fits an int block index.
     """
     g = problem.geometry
     if problem.dtype not in ELEMENT_TYPES:  # 1
@@ -125,7 +179,7 @@ def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
         return "the key sequence is empty (T = 0)"
     if problem.causal and math.isinf(problem.mask_filter_value) and problem.mask_filter_value < 0:  # 4
         return "causal with mask_filter_value = -inf (ORT's result depends on the exact causal fill values)"
-    blocks = -(-g.q_seq // block_m(problem)) * g.batch * g.num_heads  # 5
+    blocks = -(-g.q_seq // SMALLEST_BLOCK_M) * g.batch * g.num_heads  # 5
     if blocks > I32_MAX:
         return f"the launch grid ({blocks} blocks) exceeds {I32_MAX}"
     return None
@@ -156,7 +210,7 @@ def fp32_kv_stages(head_dim: int) -> int:
     return 2 if head_dim <= 64 else 1
 
 
-def shared_bytes(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
+def shared_bytes(problem: MhaProblem, tile=None) -> int:
     """Dynamic shared memory of the launch (mirrors the kernels' carving of smem_raw)."""
     g = problem.geometry
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
@@ -167,7 +221,10 @@ def shared_bytes(problem: MhaProblem, tile: Optional[MmaTile] = None) -> int:
         return 4 * floats
     tile = tile or default_tile(problem)
     rows = tile.block_m + 4 * tile.block_n  # Q, two K buffers, two V buffers
-    nbytes = rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
+    if isinstance(tile, WgmmaTile):  # unpadded swizzled rows, aligned to 1024 bytes inside the allocation
+        nbytes = WGMMA_SMEM_ALIGN + rows * head_dim * ELEMENT_BYTES[problem.dtype]
+    else:
+        nbytes = rows * (head_dim + MMA_SMEM_PAD) * ELEMENT_BYTES[problem.dtype]
     if problem.attention_bias is not None:  # one float32 bias tile
         nbytes += tile.block_m * (tile.block_n + BIAS_TILE_PAD) * 4
     return nbytes
@@ -199,36 +256,54 @@ def check_operand_bias(problem: MhaProblem, operand_dtype: str, operands: dict) 
                          f"bias; add it when building them (only float32 operands take bias_q/k/v on load)")  # fmt: skip
 
 
-def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[MmaTile] = None) -> str:
-    """The NVRTC name expression of the instantiation this call launches."""
+def kernel_name(problem: MhaProblem, operand_dtype: str, tile=None) -> str:
+    """The NVRTC name expression of the instantiation this call launches (tile None: the mma default tile)."""
     g = problem.geometry
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
     elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
     if problem.dtype == "float32":
         return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
     tile = tile or default_tile(problem)
+    if isinstance(tile, WgmmaTile):
+        return f"flash_attention_wgmma<{elem}, {head_dim}, {tile.block_n}, {mma_features(problem)}>"
     return f"flash_attention_mma<{elem}, {src}, {head_dim}, {tile.block_m}, {tile.block_n}, {mma_features(problem)}>"
 
 
 # ----------------------------------------------------------------------------------------------- the launch
 _kernels: dict = {}
+_capabilities: dict = {}
 _lock = threading.Lock()
+
+
+def device_capability(device_id: int) -> str:
+    """Compute capability of ``device_id`` as CuPy spells it ("90" for 9.0), asked once per device."""
+    capability = _capabilities.get(device_id)
+    if capability is None:
+        import cupy
+
+        capability = _capabilities[device_id] = cupy.cuda.Device(device_id).compute_capability
+    return capability
 
 
 def get_fused_kernel(device_id: int, name: str, shared: int):
     """The compiled instantiation ``name`` on ``device_id`` with its dynamic shared-memory limit raised to
-    ``shared`` bytes when needed (call with that device current)."""
+    ``shared`` bytes when needed (call with that device current). flash_attention_wgmma instantiations are
+    compiled for sm_90a (kernels.compile_arch_kernel); the others through CuPy's NVRTC path."""
     import cupy
 
-    from mha_ep.ops.backends.cuda.kernels import COMPILE_OPTIONS, kernel_source
+    from mha_ep.ops.backends.cuda.kernels import COMPILE_OPTIONS, compile_arch_kernel, kernel_source
 
     key = (device_id, name)
     with _lock:
         kernel = _kernels.get(key)
         if kernel is None:
-            module = cupy.RawModule(code=kernel_source(SOURCE_FILE), options=COMPILE_OPTIONS + ("--std=c++17",),
-                                    name_expressions=[name])  # fmt: skip
-            kernel = module.get_function(name)
+            if name.startswith("flash_attention_wgmma<"):
+                kernel = compile_arch_kernel(device_id, kernel_source(WGMMA_SOURCE_FILE), name, HOPPER_ARCH,
+                                             COMPILE_OPTIONS)  # fmt: skip
+            else:
+                module = cupy.RawModule(code=kernel_source(SOURCE_FILE), options=COMPILE_OPTIONS + ("--std=c++17",),
+                                        name_expressions=[name])  # fmt: skip
+                kernel = module.get_function(name)
             _kernels[key] = kernel
         if shared > DEFAULT_SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
@@ -255,7 +330,7 @@ def run_fused(
     mask: Optional[int],
     out_BSD: int,
     stream=None,
-    tile: Optional[MmaTile] = None,
+    tile=None,
 ) -> None:
     """Launch the fused kernel for ``problem`` (its dispatch rule must have said None).
 
@@ -269,7 +344,8 @@ def run_fused(
           keep flags; None when the call has none;
     out_BSD: device float32 (B, S, N*Hv), every element written (rounded to the call's dtype first);
     stream: a cupy Stream to launch on (default: the current stream);
-    tile: the tensor-core kernel's tile (default: default_tile(problem); the timing script compares others).
+    tile: f16/bf16 only: the kernel and its tile, an MmaTile or a WgmmaTile (default: choose_tile for this device;
+          the timing script and the tests name others; a WgmmaTile must pass wgmma_unsupported_reason).
     """
     import cupy
 
@@ -293,13 +369,20 @@ def run_fused(
     bias = problem.attention_bias
     d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
 
+    if problem.dtype != "float32":
+        if tile is None:
+            tile = choose_tile(problem, operand_dtype, device_capability(device_id))
+        elif isinstance(tile, WgmmaTile):
+            reason = wgmma_unsupported_reason(problem, operand_dtype, device_capability(device_id))
+            if reason is not None:
+                raise ValueError(f"fused attention: tile {tile.label} needs the wgmma kernel, which cannot run this "
+                                 f"call: {reason}")  # fmt: skip
     name = kernel_name(problem, operand_dtype, tile)
     shared = shared_bytes(problem, tile)
     if shared > SHARED_LIMIT:
-        chosen = tile or default_tile(problem)
-        raise ValueError(f"fused attention: tile {chosen.label} needs {shared} bytes of shared "
+        raise ValueError(f"fused attention: tile {tile.label} needs {shared} bytes of shared "
                          f"memory for this call, more than the {SHARED_LIMIT} a block can have")  # fmt: skip
-    threads = FP32_THREADS if problem.dtype == "float32" else (tile or default_tile(problem)).threads
+    threads = FP32_THREADS if problem.dtype == "float32" else tile.threads
     blocks = -(-g.q_seq // block_m(problem, tile)) * g.batch * n
 
     def ptr(address: Optional[int]) -> np.uint64:

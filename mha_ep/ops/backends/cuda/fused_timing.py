@@ -4,8 +4,9 @@ three-phase path, all measured in one run on one GPU.
     PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.fused_timing [--repeats 50] [--no-torch] [--no-three-phase]
     PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.fused_timing --compare OTHER.cu [MORE.cu ...] [--only TEXT]
 
-``--compare`` times kernel sources side by side instead: the shipped flash_attention.cu and each OTHER.cu (the same
-kernel names and parameters, e.g. an older revision from ``git show REV:path`` or an experiment), every one on the
+``--compare`` times kernel sources side by side instead: the shipped kernels and each OTHER.cu (a variant of
+flash_attention.cu or flash_attention_wgmma.cu with the same kernel names and parameters, e.g. an older revision
+from ``git show REV:path`` or an experiment; kernels it does not define are the shipped ones), every one on the
 same inputs and default tile, with each output's largest |Δ| from the shipped kernel's. The kernel's speed moves
 with code that never runs (the compiler schedules the whole loop), so a change is judged by this table.
 
@@ -13,11 +14,13 @@ Timing: a CUDA graph of GRAPH_LAUNCHES back-to-back launches is captured after w
 times, each replay between its own pair of CUDA events; µs = median replay time / GRAPH_LAUNCHES. (Timing single
 launches from Python adds the host's launch gap to every sample: 50-80 µs on the device machine's host.) Inputs are
 already on the device: random normals rounded to the dtype, never zeros. Columns:
-  fused:          flash_attention_* alone with the default tile, on the dense operands the layout mover builds
-                  (q_BNSH, k_BNTH, v_BNTH in the call's dtype); the fused path's kernel-only time;
-  tiles:          f16/bf16 only: the same for each tile of TILES (BLOCK_M x BLOCK_N), best marked *;
+  fused:          flash_attention_* alone with the kernel and tile run_fused chooses on this device, on the dense
+                  operands the layout mover builds (q_BNSH, k_BNTH, v_BNTH in the call's dtype); the fused path's
+                  kernel-only time;
+  tiles:          f16/bf16 only: the same for each tile of TILES (BLOCK_M x BLOCK_N; "wg": the wgmma kernel, on
+                  a compute capability 9.0 device), best marked *;
   TFLOP/s:        4*B*N*S*T*H / fused time (halved for causal), DESIGN.md's FLOP model;
-  fused staged:   the same kernel reading the staged float32 BSNH arrays directly (rounding on load): the whole
+  fused staged:   flash_attention_mma reading the staged float32 BSNH arrays directly (rounding on load): the whole
                   device part of a call that needs no layout step;
   3-phase:        CudaBackend.time_device with the fused path switched off (layout kernels + cuBLAS + softmax +
                   output kernel, back-to-back submissions: its own mean);
@@ -54,7 +57,8 @@ ANCHORS = (
 
 GRAPH_LAUNCHES = 10
 TILE_AGREEMENT = 1e-2  # largest |Δ| between a tile's output and the default tile's (fp32 accumulation, P in f16)
-TILES = (fused.MmaTile(64, 64), fused.MmaTile(128, 64), fused.MmaTile(64, 128), fused.MmaTile(128, 128))
+TILES = (fused.MmaTile(64, 64), fused.MmaTile(128, 64), fused.MmaTile(64, 128), fused.MmaTile(128, 128),
+         fused.WgmmaTile(64), fused.WgmmaTile(128))  # fmt: skip
 
 
 def graph_us(cupy, launch, repeats: int, warmup: int = 3) -> float:
@@ -166,19 +170,26 @@ def torch_sdpa(torch, anchor: Anchor, extra):
     return launch, result
 
 
-def source_getter(cupy, source: str):
-    """A stand-in for fused.get_fused_kernel that compiles ``source`` (a flash_attention.cu text)."""
-    from mha_ep.ops.backends.cuda.kernels import COMMON_HEADER, COMPILE_OPTIONS, KERNEL_DIR
+def source_getter(cupy, source: str, shipped):
+    """A stand-in for fused.get_fused_kernel that compiles the kernels ``source`` defines (a variant of
+    flash_attention.cu or of flash_attention_wgmma.cu) and takes the others from ``shipped``."""
+    from mha_ep.ops.backends.cuda.kernels import COMPILE_OPTIONS, compile_arch_kernel, expand_includes
 
-    header = (KERNEL_DIR / COMMON_HEADER).read_text().replace("#pragma once\n", "")
-    code = source.replace(f'#include "{COMMON_HEADER}"', header)
+    code = expand_includes(source)
     compiled = {}
 
     def get(device_id, name, shared):
+        family = name.split("<")[0]
+        if f"{family}(" not in code:
+            return shipped(device_id, name, shared)
         kernel = compiled.get(name)
         if kernel is None:
-            module = cupy.RawModule(code=code, options=COMPILE_OPTIONS + ("--std=c++17",), name_expressions=[name])
-            kernel = compiled[name] = module.get_function(name)
+            if family == "flash_attention_wgmma":
+                kernel = compile_arch_kernel(device_id, code, name, fused.HOPPER_ARCH, COMPILE_OPTIONS)
+            else:
+                module = cupy.RawModule(code=code, options=COMPILE_OPTIONS + ("--std=c++17",), name_expressions=[name])
+                kernel = module.get_function(name)
+            compiled[name] = kernel
         if shared > fused.DEFAULT_SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
         return kernel
@@ -187,18 +198,15 @@ def source_getter(cupy, source: str):
 
 
 def compare_sources(cupy, paths, repeats: int, only=None) -> None:
-    """The --compare table: µs per launch of the shipped kernel and of each source in ``paths``."""
+    """The --compare table: µs per launch of the shipped kernels and of each source in ``paths``."""
     from pathlib import Path
 
-    from mha_ep.ops.backends.cuda.kernels import KERNEL_DIR
-
-    sources = {"shipped": (KERNEL_DIR / fused.SOURCE_FILE).read_text()}
-    sources.update({Path(path).name: Path(path).read_text() for path in paths})
-    getters = {label: source_getter(cupy, text) for label, text in sources.items()}
+    shipped_getter = fused.get_fused_kernel
+    getters = {"shipped": shipped_getter}
+    getters.update({Path(path).name: source_getter(cupy, Path(path).read_text(), shipped_getter) for path in paths})
     print(f"µs per launch (median of {repeats} graph replays / {GRAPH_LAUNCHES}); max|Δ| from the shipped kernel")
     print("| shape (B,S,T,N,H) dtype extra | " + " | ".join(getters) + " |")
     print("|---|" + "---|" * len(getters))
-    shipped_getter = fused.get_fused_kernel
     try:
         for label, b, s, t, n, h, dtype, extra, _, _ in ANCHORS:
             if only and only not in label:

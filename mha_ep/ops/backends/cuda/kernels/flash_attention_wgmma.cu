@@ -1,0 +1,454 @@
+// Fused attention on Hopper's warpgroup MMA (wgmma.mma_async, sm_90a): flash_attention_mma's semantics, masks
+// and online softmax (flash_attention.cu's header states them; flash_common.cuh holds the shared pieces), with
+// the two products issued for a whole warpgroup from shared memory.
+//
+// Why: on the H200 the mma.sync loop alone (no copies, no exponentials, no barrier) took 210 µs on the S=T=4096
+// head-64 f16 row, above stock ORT CUDA's whole call (173 µs). wgmma reads K and V straight from shared memory
+// (no ldmatrix), issues one instruction per 64 x N x 16 product for four warps, and runs asynchronously to the
+// issuing threads (first run: 165 µs on that row, docs/BENCH.md).
+//
+// Scope (fused.py's wgmma rule): f16/bf16 operands already in the call's dtype (the layout mover's buffers; no
+// projection bias to add), HEAD_DIM 64 or 128 (max(H, Hv) zero-padded up to it), every mask of the mma kernel.
+//
+// Block = one warpgroup (4 warps, 128 threads) = BLOCK_M 64 query rows of one (b, h); key tiles of BLOCK_N keys.
+// Warp w owns rows 16 w .. 16 w + 15 (thread: rows g, g + 8; g = lane / 4, tig = lane % 4): the wgmma
+// accumulator layout is the m16n8 C layout of each warp, so S's n8 block i holds keys n0 + 8 i + 2 tig, +1 in
+// s[4 i], s[4 i + 1] (row g) and s[4 i + 2], s[4 i + 3] (row g + 8), as flash_attention_mma's s_acc.
+//   S (64 x BLOCK_N) = Q . K^T : HEAD_DIM / 16 x wgmma.m64nBLOCK_Nk16, Q and K from shared memory (K-major);
+//   O (64 x HEAD_DIM) += P . V : per 16 keys and 64 dims one wgmma.m64n64k16, P from registers (the S
+//                                accumulators packed as mma.m16n8k16's A fragments), V from shared memory read
+//                                in MN-major order.
+// Shared memory: every tile is stored in 64-element (128-byte) column atoms, [atom][row][128 B], each row in the
+// 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)); tiles start 1024-byte aligned. Q, two K and
+// two V buffers (double buffered: the tiles of step j+1 are copied with cp.async while step j computes), then one
+// float32 attention_bias tile (BLOCK_M x (BLOCK_N + 8)), as flash_attention_mma.
+// Descriptors: start >> 4 (bits 0-13), LBO >> 4 (16-29), SBO >> 4 (32-45), 128-byte swizzle (1 << 62).
+//   K-major (Q, K): SBO = 1024 (8 rows x 128 B), LBO unused in this swizzle (16); k-step ks reads atom ks / 4,
+//                   its start advanced by (ks % 4) x 32 bytes;
+//   MN-major (V):   SBO = 1024 (8 key rows), LBO unused (one 64-wide atom per instruction); the 16 keys of
+//                   slice kt start 16 rows = 2 KiB into the atom.
+// Checked against CUTLASS's make_gmma_desc canonical layouts (K-major B128 ((8,n),2):((8,SBO),1) and MN-major
+// B128 ((8,n),(8,k)):((1,LBO),(8,SBO)) in 16-byte units) and against flash_attention_mma on the H200.
+//
+// Differences from flash_attention_mma, both in how work is shared, not in what is computed:
+//   the padded-tile skip is voted by the whole block (__syncthreads_and), since a wgmma is issued by all four
+//   warps together; and cp.async writes reach wgmma (which reads through the async proxy) after a
+//   fence.proxy.async by each writing thread, before the step's barrier.
+//
+// Index rule as in layout.cu: every product that can pass 2^31 is formed in long long by casting its FIRST factor.
+#include "flash_common.cuh"
+#include "wgmma_ops.cuh"
+
+#define WGMMA_THREADS 128  // one warpgroup
+#define WGMMA_BLOCK_M 64   // query rows per block: the M of every wgmma
+#define ATOM_BYTES 128     // one swizzle atom row: 64 f16/bf16 elements
+
+namespace wgmma_detail {
+
+// cp.async writes go through the generic proxy; wgmma reads shared memory through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Compiler-level fences on registers a wgmma reads or writes: every access before stays before (CUTLASS's
+// warpgroup_fence_operand), placed around the asynchronous instructions.
+template <int N> __device__ __forceinline__ void fence_operands(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void fence_operands(unsigned (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// Shared-memory matrix descriptor of a tile in the 128-byte swizzle.
+__device__ __forceinline__ unsigned long long descriptor(unsigned smem_addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((smem_addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+         ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ unsigned long long swizzled_desc(unsigned smem_addr) { return descriptor(smem_addr, 16, 1024); }
+
+template <typename ELEM, int BLOCK_N> struct Ops;
+template <int BLOCK_N> struct Ops<__half, BLOCK_N> {
+  static __device__ __forceinline__ void s(float (&d)[BLOCK_N / 2], unsigned long long a, unsigned long long b,
+                                           int accumulate) {
+    if constexpr (BLOCK_N == 128) {
+      wgmma_ss_m64n128k16_f16(d, a, b, accumulate);
+    } else {
+      wgmma_ss_m64n64k16_f16(d, a, b, accumulate);
+    }
+  }
+  static __device__ __forceinline__ void o(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
+    wgmma_rs_m64n64k16_f16_transb(d, a, b);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);  // .x (low 16 bits) = lo: the lower key of the pair
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+};
+template <int BLOCK_N> struct Ops<__nv_bfloat16, BLOCK_N> {
+  static __device__ __forceinline__ void s(float (&d)[BLOCK_N / 2], unsigned long long a, unsigned long long b,
+                                           int accumulate) {
+    if constexpr (BLOCK_N == 128) {
+      wgmma_ss_m64n128k16_bf16(d, a, b, accumulate);
+    } else {
+      wgmma_ss_m64n64k16_bf16(d, a, b, accumulate);
+    }
+  }
+  static __device__ __forceinline__ void o(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
+    wgmma_rs_m64n64k16_bf16_transb(d, a, b);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+};
+
+// One thread's share of copying ROWS x HEAD_DIM ELEM tiles into the swizzled atom layout with cp.async, addresses
+// formed once: the thread copies 16-byte chunk `chunk` of rows row0, row0 + ROW_STEP, ... (ROW_STEP is a multiple
+// of 8, so every row it copies has the same swizzle). Rows past `rows_valid` and columns past the operand's head
+// size are zero-filled (they add nothing to a dot product or to P.V).
+template <typename ELEM, int ROWS, int HEAD_DIM> struct SwizzledTileCopy {
+  static constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+  static constexpr int ROW_STEP = WGMMA_THREADS / CHUNKS_PER_ROW;
+  static constexpr int PASSES = ROWS / ROW_STEP;
+  static_assert(ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "rows of one thread share a swizzle phase");
+  const ELEM* src;        // (row0, chunk) of sequence row 0
+  long long stride_s;     // elements from one sequence row to the next
+  long long pass_stride;  // ROW_STEP rows
+  int row0;
+  unsigned smem_at;  // byte offset of (row0, chunk) in a tile
+  bool col_valid;
+
+  __device__ __forceinline__ SwizzledTileCopy(const ELEM* rows, long long stride, int dim) {
+    row0 = threadIdx.x / CHUNKS_PER_ROW;
+    const int chunk = threadIdx.x % CHUNKS_PER_ROW;
+    col_valid = chunk * 8 < dim;
+    stride_s = stride;
+    pass_stride = stride * ROW_STEP;
+    src = rows + (long long)row0 * stride + chunk * 8;
+    const int atom = chunk / 8;
+    smem_at = atom * ROWS * ATOM_BYTES + row0 * ATOM_BYTES + (((chunk % 8) ^ (row0 % 8)) << 4);
+  }
+  // Sequence rows [first, first + ROWS) into the tile at shared address `tile`.
+  __device__ __forceinline__ void copy(unsigned tile, int first, int rows_valid) const {
+    const ELEM* g = src + (long long)first * stride_s;
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const bool valid = col_valid && row0 + pass * ROW_STEP < rows_valid;
+      const unsigned dst = tile + smem_at + pass * ROW_STEP * ATOM_BYTES;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(valid ? g : src),
+                   "r"(valid ? 16 : 0));
+      g += pass_stride;
+    }
+  }
+};
+
+// Blocks per SM the register budget is cut for: three head-64 blocks fit the shared memory without an
+// attention_bias tile; the others fit two.
+__host__ __device__ constexpr int min_blocks(int head_dim, int features) {
+  return (head_dim == 64 && (features & FLASH_WITH_BIAS) == 0) ? 3 : 2;
+}
+
+}  // namespace wgmma_detail
+
+template <typename ELEM, int HEAD_DIM, int BLOCK_N, int FEATURES>
+__global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_DIM, FEATURES))
+    flash_attention_wgmma(const ELEM* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
+                          const float* __restrict__ bias_q, const ELEM* __restrict__ k, long long stride_kb,
+                          long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
+                          const ELEM* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
+                          const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
+                          int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
+                          const unsigned char* __restrict__ keep, float mask_filter_value, int causal,
+                          int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
+                          int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
+  using namespace wgmma_detail;
+  static_assert(sizeof(ELEM) == 2, "f16/bf16 operands");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head tiles of whole 64-element atoms");
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tiles of the wgmma_ss widths");
+  constexpr bool WITH_PADDING = (FEATURES & FLASH_WITH_PADDING) != 0;
+  constexpr bool WITH_BIAS = (FEATURES & FLASH_WITH_BIAS) != 0;
+  constexpr int BLOCK_M = WGMMA_BLOCK_M;
+  constexpr int THREADS = WGMMA_THREADS;
+  constexpr int ATOMS = HEAD_DIM / 64;      // 64-element column atoms of a row
+  constexpr int D_STEPS = HEAD_DIM / 16;    // k-steps of Q.K^T
+  constexpr int S_BLOCKS = BLOCK_N / 8;     // n8 blocks of S
+  constexpr int K_SLICES = BLOCK_N / 16;    // k16 slices of P.V
+  constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;
+  constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;
+  constexpr int LDB = BLOCK_N + 8;          // bias tile row stride, floats
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned smem_raw_at = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
+  const unsigned q_tile = (smem_raw_at + 1023u) & ~1023u;  // Q_BYTES
+  const unsigned k_tiles = q_tile + Q_BYTES;                // 2 x KV_BYTES (tile j in buffer j % 2)
+  const unsigned v_tiles = k_tiles + 2 * KV_BYTES;          // 2 x KV_BYTES
+  float* bias_tile = reinterpret_cast<float*>(smem_raw + (v_tiles + 2 * KV_BYTES - smem_raw_at));  // BLOCK_M x LDB
+
+  // Block coordinates as flash_attention_mma: consecutive blocks share (b, h); the last query tile starts first.
+  const int q_tiles = (q_seq + BLOCK_M - 1) / BLOCK_M;
+  const long long bh = (long long)blockIdx.x / q_tiles;
+  const int m0 = (q_tiles - 1 - (int)((long long)blockIdx.x % q_tiles)) * BLOCK_M;
+  const int b = (int)(bh / heads);
+  const int h = (int)(bh % heads);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane >> 2;
+  const int tig = lane & 3;
+
+  const ELEM* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
+  const ELEM* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
+  const ELEM* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
+
+  const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
+                      causal, q_seq, total_seq, past_seq};
+  const int row_lo = m0 + warp * 16 + g;  // this thread's two query rows
+  const int rows[2] = {row_lo, row_lo + 8};
+  const RowMask masks[2] = {row_mask(mp, b, h, rows[0]), row_mask(mp, b, h, rows[1])};
+  const float* bias_rows = nullptr;  // attention_bias at (b|0, h|0, row m0, key 0)
+  bool bias_vec4 = false;
+  if constexpr (WITH_BIAS) {
+    const int bb = (bias_d0 == 1) ? 0 : b;
+    const int bn = (bias_d1 == 1) ? 0 : h;
+    bias_rows = attention_bias + (((long long)bb * bias_d1 + bn) * q_seq + m0) * total_seq;
+    bias_vec4 = (total_seq % 4 == 0) && (reinterpret_cast<unsigned long long>(attention_bias) % 16 == 0);
+  }
+  const int bias_at[2] = {(warp * 16 + g) * LDB + tig * 2, (warp * 16 + g + 8) * LDB + tig * 2};
+
+  const SwizzledTileCopy<ELEM, BLOCK_M, HEAD_DIM> q_copy(q_rows, stride_qs, head_size);
+  const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM> k_copy(k_rows, stride_ks, head_size);
+  const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM> v_copy(v_rows, stride_vs, v_head_size);
+  const BiasTileCopy<BLOCK_M, BLOCK_N, LDB, THREADS> bias_copy(bias_rows, total_seq, q_seq - m0);
+  auto load_bias = [&](int n0) {
+    if (bias_vec4) {
+      bias_copy.copy(bias_tile, n0, total_seq);
+    } else {
+      load_bias_tile<BLOCK_M, BLOCK_N, LDB, THREADS>(bias_tile, bias_rows, q_seq - m0, total_seq, n0);
+    }
+  };
+
+  // Step 1 (loads): the Q tile and the first key tile.
+  q_copy.copy(q_tile, 0, q_seq - m0);
+  k_copy.copy(k_tiles, 0, total_seq);
+  v_copy.copy(v_tiles, 0, total_seq);
+  cp_async_commit();
+
+  float o_acc[ATOMS][32];  // O dims 64 a + 8 i + 2 tig (+1): [a][4 i], [a][4 i + 1] row g; [a][4 i + 2, + 3] row g + 8
+#pragma unroll
+  for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o_acc[a][i] = 0.0f;
+  float row_max[2] = {NEG_INFINITY, NEG_INFINITY};  // m_i: running max of the logits seen so far
+  float row_sum[2] = {0.0f, 0.0f};                  // l_i: this thread's part of sum exp(x - m_i)
+
+  int key_end = causal_key_end(mp, m0, BLOCK_M, skip_causal_tiles);
+  for (int n0 = 0, step = 0; n0 < total_seq; n0 += BLOCK_N, ++step) {
+    if (n0 >= key_end) {
+      // Every remaining key is in the causal future of every row here: skip when no row max is near lowest.
+      const bool dominated = row_max[0] > CAUSAL_SKIP_MAX_FLOOR && row_max[1] > CAUSAL_SKIP_MAX_FLOOR;
+      if (__syncthreads_and(dominated)) break;
+      key_end = total_seq;
+    }
+    const int buffer = step & 1;
+    // This step's K and V (and Q on the first step) have landed and are visible to the async proxy, and every
+    // warp's wgmma of the previous step has completed (its wait below), so the next copies may overwrite the
+    // buffers it read: the one barrier of a plain step.
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    TileMask tm;
+    if constexpr (WITH_PADDING) {
+      tm = tile_mask(mp, b, m0, n0, BLOCK_N, lane);
+    } else if constexpr (WITH_BIAS) {
+      tm.in_range = n0 + BLOCK_N <= total_seq;
+      tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
+      tm.padding = TILE_KEEP_ALL;
+      tm.plain = false;
+    }
+    if constexpr (WITH_BIAS) {
+      load_bias(n0);
+      cp_async_commit();
+    }
+    if (n0 + BLOCK_N < total_seq) {  // lands while this step computes
+      k_copy.copy(k_tiles + (buffer ^ 1) * KV_BYTES, n0 + BLOCK_N, total_seq - n0 - BLOCK_N);
+      v_copy.copy(v_tiles + (buffer ^ 1) * KV_BYTES, n0 + BLOCK_N, total_seq - n0 - BLOCK_N);
+    }
+    cp_async_commit();
+
+    // Step 2: S = Q . K^T (raw dot products, fp32 accumulators).
+    float s[S_BLOCKS * 4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D_STEPS; ++ks) {
+      const unsigned k_at = (ks % 4) * 32;  // 16 elements into atom ks / 4
+      Ops<ELEM, BLOCK_N>::s(s, swizzled_desc(q_tile + (ks / 4) * BLOCK_M * ATOM_BYTES + k_at),
+                            swizzled_desc(k_tiles + buffer * KV_BYTES + (ks / 4) * BLOCK_N * ATOM_BYTES + k_at),
+                            ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_operands(s);
+
+    // Steps 2-4 as flash_attention_mma: plain tiles keep the raw dot products (scale folded into the exponent),
+    // padded tiles keep them until their row maxima say whether any p can be nonzero.
+    if constexpr (FEATURES == FLASH_PLAIN) {
+      tm.in_range = n0 + BLOCK_N <= total_seq;
+      tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
+      tm.padding = TILE_KEEP_ALL;
+      tm.plain = tm.in_range && !tm.causal;
+    }
+    if constexpr (WITH_BIAS) {  // this step's bias tile (the older of the two groups in flight) has landed
+      cp_async_wait_all_but_newest();
+      __syncthreads();
+    }
+    const bool plain_tile = tm.plain && scale > 0.0f;
+    const bool padded_tile = WITH_PADDING && !WITH_BIAS && !tm.plain && tm.in_range && !tm.causal &&
+                             tm.padding == TILE_PAD_ALL && scale > 0.0f;
+    if (!plain_tile && !padded_tile) {
+#pragma unroll
+      for (int i = 0; i < S_BLOCKS; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = c >> 1;
+          const int j = n0 + i * 8 + tig * 2 + (c & 1);
+          float x = s[4 * i + c] * scale;
+          if (!tm.plain) {
+            if (j < total_seq) {
+              if constexpr (WITH_BIAS) x += bias_tile[bias_at[r] + i * 8 + (c & 1)];  // step 3
+              x = (tm.padding == TILE_PAD_MIXED) ? masked_logit_per_key(x, mp, masks[r], rows[r], j)
+                                                 : masked_logit(x, mp, masks[r], tm, rows[r], j);
+            } else {
+              x = NEG_INFINITY;
+            }
+          }
+          s[4 * i + c] = x;
+        }
+    }
+
+    // Online softmax, step A: the tile's row max (four independent chains over the n8 blocks, then the quad).
+    float part_max[2][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      part_max[0][i] = fmaxf(s[4 * i], s[4 * i + 1]);
+      part_max[1][i] = fmaxf(s[4 * i + 2], s[4 * i + 3]);
+    }
+#pragma unroll
+    for (int i = 4; i < S_BLOCKS; ++i) {
+      part_max[0][i % 4] = fmaxf(part_max[0][i % 4], fmaxf(s[4 * i], s[4 * i + 1]));
+      part_max[1][i % 4] = fmaxf(part_max[1][i % 4], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    float tile_max[2] = {fmaxf(fmaxf(part_max[0][0], part_max[0][1]), fmaxf(part_max[0][2], part_max[0][3])),
+                         fmaxf(fmaxf(part_max[1][0], part_max[1][1]), fmaxf(part_max[1][2], part_max[1][3]))};
+    float alpha[2];
+    float max_used[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      if (plain_tile) tile_max[r] *= scale;  // max of x = scale * acc
+      if (padded_tile) tile_max[r] = padded_logit(tile_max[r], scale, mask_filter_value);  // monotonic in acc
+      // Step B: m_new and alpha = exp(m_old - m_new); a row with no finite logit yet subtracts 0 (no NaN).
+      const float m_new = fmaxf(row_max[r], tile_max[r]);
+      max_used[r] = (m_new == NEG_INFINITY) ? 0.0f : m_new;
+      alpha[r] = fast_exp2((row_max[r] - max_used[r]) * LOG2E);
+      row_max[r] = m_new;
+    }
+    // A padded tile whose every p would be 0 adds nothing (O, l and m stay). The vote is block-wide: the P.V
+    // wgmma is issued by all four warps or by none.
+    if (padded_tile) {
+      bool zero = true;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) zero = zero && fast_exp2((tile_max[r] - max_used[r]) * LOG2E) == 0.0f;
+      if (__syncthreads_and(zero)) continue;  // (m did not move; a row still at -inf has l = 0 and O = 0)
+#pragma unroll
+      for (int i = 0; i < S_BLOCKS * 4; ++i) s[i] = padded_logit(s[i], scale, mask_filter_value);
+    }
+    // Step C: p = exp(x - m_new); l = alpha * l + sum p (this thread's columns; the quad sums at the end).
+    const bool fold = plain_tile && __all_sync(0xffffffffu, fabsf(max_used[0]) < 1e30f && fabsf(max_used[1]) < 1e30f);
+    float tile_sum[2] = {0.0f, 0.0f};
+    if (fold) {
+      const float scale_log2 = scale * LOG2E;
+      const float neg_max_log2[2] = {-max_used[0] * LOG2E, -max_used[1] * LOG2E};
+#pragma unroll
+      for (int i = 0; i < S_BLOCKS * 4; ++i) {
+        const int r = (i >> 1) & 1;
+        const float p = fast_exp2(fmaf(s[i], scale_log2, neg_max_log2[r]));
+        s[i] = p;
+        tile_sum[r] += p;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < S_BLOCKS * 4; ++i) {
+        const int r = (i >> 1) & 1;
+        const float x = plain_tile ? s[i] * scale : s[i];
+        const float p = fast_exp2((x - max_used[r]) * LOG2E);
+        s[i] = p;
+        tile_sum[r] += p;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * alpha[r] + tile_sum[r];
+    // Step D: rescale the accumulator O by alpha.
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        o_acc[a][4 * i] *= alpha[0];
+        o_acc[a][4 * i + 1] *= alpha[0];
+        o_acc[a][4 * i + 2] *= alpha[1];
+        o_acc[a][4 * i + 3] *= alpha[1];
+      }
+
+    // Step E: O += P . V, P rounded to ELEM. P's A fragment of key slice kt is S's n8 blocks 2 kt, 2 kt + 1.
+    unsigned p_frag[K_SLICES][4];
+#pragma unroll
+    for (int kt = 0; kt < K_SLICES; ++kt) {
+      p_frag[kt][0] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt], s[8 * kt + 1]);
+      p_frag[kt][1] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 2], s[8 * kt + 3]);
+      p_frag[kt][2] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 4], s[8 * kt + 5]);
+      p_frag[kt][3] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 6], s[8 * kt + 7]);
+    }
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+    fence_operands(p_frag);
+    wgmma_fence();
+#pragma unroll
+    for (int kt = 0; kt < K_SLICES; ++kt)
+#pragma unroll
+      for (int a = 0; a < ATOMS; ++a) {
+        const unsigned at = v_tiles + buffer * KV_BYTES + a * BLOCK_N * ATOM_BYTES + kt * 16 * ATOM_BYTES;
+        Ops<ELEM, BLOCK_N>::o(o_acc[a], p_frag[kt], swizzled_desc(at));
+      }
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+  }
+  cp_async_wait_all();  // a prefetch of a skipped tile may still be in flight
+
+  // Step F: out = O / l (l summed over the quad), rounded to ELEM, stored as float32 BSNH.
+  // l = 0 (every logit -inf, mask_filter_value = -inf) gives 0/0 = NaN, as ORT's CPU kernel does.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= q_seq) continue;
+    const float inv = 1.0f / row_sum[r];
+    const long long out_row = (((long long)b * q_seq + rows[r]) * heads + h) * v_head_size;
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int d = a * 64 + i * 8 + tig * 2;
+        if (d >= v_head_size) continue;
+        const float2 pair = make_float2(round_to<ELEM>(o_acc[a][4 * i + 2 * r] * inv),
+                                        round_to<ELEM>(o_acc[a][4 * i + 2 * r + 1] * inv));
+        *reinterpret_cast<float2*>(out_BSD + out_row + d) = pair;
+      }
+  }
+}
