@@ -98,18 +98,31 @@ WGMMA_SMEM_ALIGN = 1024  # kernels/flash_attention_wgmma.cu: tiles start 1024-by
 
 @dataclass(frozen=True)
 class WgmmaTile:
-    """Tile of flash_attention_wgmma: 64 query rows (one warpgroup) x BLOCK_N keys per step."""
+    """Tile of flash_attention_wgmma: BLOCK_M query rows (one warpgroup of 128 threads per 64) x BLOCK_N keys per
+    step; the warpgroups of a block share its K and V tiles."""
 
     block_n: int = 128
     block_m: int = 64
-    threads: int = 128
+    overlap: bool = True  # the next tile's S runs beside this tile's softmax (kernel header: OVERLAP)
+
+    @property
+    def threads(self) -> int:
+        return self.block_m * 2
 
     @property
     def label(self) -> str:
-        return f"wg{self.block_m}x{self.block_n}"
+        return f"wg{self.block_m}x{self.block_n}{'' if self.overlap else 's'}"
 
 
-DEFAULT_WGMMA_TILES = {64: WgmmaTile(128), 128: WgmmaTile(64)}  # by head tile
+def default_wgmma_tile(problem: MhaProblem) -> WgmmaTile:
+    """From fused_timing's tile columns on the H200 (2026-11-30): head 64 takes 64 x 128 with overlap (S=T=4096:
+    172.6 µs against 208.2 for 64 x 64 and 232.5 for 128 x 128), or 64 x 64 with a mask or attention_bias
+    (8 x 512 with a 2D mask: 47.1 against 50.5); head 128 takes 128 x 64 without overlap, two blocks per SM
+    (4 x 2048: 289.3 against 335.5 for 64 x 64 with overlap)."""
+    g = problem.geometry
+    if head_dim_tile(g.head_size, g.v_head_size) == 128:
+        return WgmmaTile(64, 128, overlap=False)
+    return WgmmaTile(128 if mma_features(problem) == 0 else 64)
 
 
 def blocks_per_sm_by_shared_memory(shared: int) -> int:
@@ -147,8 +160,7 @@ def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str):
     """The tile, and with it the kernel, of a fused call: a WgmmaTile where wgmma_unsupported_reason says None,
     else flash_attention_mma's default tile (float32 calls ignore it)."""
     if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
-        g = problem.geometry
-        return DEFAULT_WGMMA_TILES[head_dim_tile(g.head_size, g.v_head_size)]
+        return default_wgmma_tile(problem)
     return default_tile(problem)
 
 
@@ -230,6 +242,14 @@ def shared_bytes(problem: MhaProblem, tile=None) -> int:
     return nbytes
 
 
+def wgmma_min_blocks(problem: MhaProblem, tile: WgmmaTile) -> int:
+    """Blocks per SM flash_attention_wgmma's registers are cut for (its __launch_bounds__; mirrors min_blocks in
+    kernels/flash_attention_wgmma.cu): as many as the shared memory holds, at most 3 blocks of one warpgroup, 2
+    of two, 1 of two that overlap their steps."""
+    most = 3 if tile.block_m == 64 else (1 if tile.overlap else 2)
+    return min(blocks_per_sm_by_shared_memory(shared_bytes(problem, tile)), most)
+
+
 def mma_features(problem: MhaProblem) -> int:
     """FlashFeatures of the call (kernels/flash_attention.cu): 1 with a padding mask, + 2 with an attention_bias.
     Each combination is its own instantiation, compiled without the mask code it does not use."""
@@ -265,7 +285,8 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile=None) -> str:
         return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
     tile = tile or default_tile(problem)
     if isinstance(tile, WgmmaTile):
-        return f"flash_attention_wgmma<{elem}, {head_dim}, {tile.block_n}, {mma_features(problem)}>"
+        return (f"flash_attention_wgmma<{elem}, {head_dim}, {tile.block_m}, {tile.block_n}, {mma_features(problem)}, "
+                f"{str(tile.overlap).lower()}>")  # fmt: skip
     return f"flash_attention_mma<{elem}, {src}, {head_dim}, {tile.block_m}, {tile.block_n}, {mma_features(problem)}>"
 
 

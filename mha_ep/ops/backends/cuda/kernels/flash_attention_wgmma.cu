@@ -5,22 +5,26 @@
 // Why: on the H200 the mma.sync loop alone (no copies, no exponentials, no barrier) took 210 µs on the S=T=4096
 // head-64 f16 row, above stock ORT CUDA's whole call (173 µs). wgmma reads K and V straight from shared memory
 // (no ldmatrix), issues one instruction per 64 x N x 16 product for four warps, and runs asynchronously to the
-// issuing threads (first run: 165 µs on that row, docs/BENCH.md).
+// issuing threads (that row: 171 µs; docs/BENCH.md).
 //
 // Scope (fused.py's wgmma rule): f16/bf16 operands already in the call's dtype (the layout mover's buffers; no
 // projection bias to add), HEAD_DIM 64 or 128 (max(H, Hv) zero-padded up to it), every mask of the mma kernel.
 //
-// Block = one warpgroup (4 warps, 128 threads) = BLOCK_M 64 query rows of one (b, h); key tiles of BLOCK_N keys.
-// Warp w owns rows 16 w .. 16 w + 15 (thread: rows g, g + 8; g = lane / 4, tig = lane % 4): the wgmma
-// accumulator layout is the m16n8 C layout of each warp, so S's n8 block i holds keys n0 + 8 i + 2 tig, +1 in
-// s[4 i], s[4 i + 1] (row g) and s[4 i + 2], s[4 i + 3] (row g + 8), as flash_attention_mma's s_acc.
+// Block = BLOCK_M / 64 warpgroups (4 warps, 128 threads each) = BLOCK_M query rows of one (b, h), sharing key
+// tiles of BLOCK_N keys. Warp w owns rows 16 w .. 16 w + 15 (thread: rows g, g + 8; g = lane / 4, tig = lane % 4)
+// and belongs to warpgroup w / 4, whose wgmma covers rows 64 (w / 4) ..: the wgmma accumulator layout is the m16n8
+// C layout of each warp, so S's n8 block i holds keys n0 + 8 i + 2 tig, +1 in s[4 i], s[4 i + 1] (row g) and
+// s[4 i + 2], s[4 i + 3] (row g + 8), as flash_attention_mma's s_acc.
 //   S (64 x BLOCK_N) = Q . K^T : HEAD_DIM / 16 x wgmma.m64nBLOCK_Nk16, Q and K from shared memory (K-major);
 //   O (64 x HEAD_DIM) += P . V : per 16 keys and 64 dims one wgmma.m64n64k16, P from registers (the S
 //                                accumulators packed as mma.m16n8k16's A fragments), V from shared memory read
 //                                in MN-major order.
+// OVERLAP (fused.py WgmmaTile.overlap): the P.V of key tile j-1 runs on the tensor cores while the threads do the
+// softmax of tile j (see the loop); it needs the registers of one more P, so two-warpgroup blocks without it fit
+// two to an SM.
 // Shared memory: every tile is stored in 64-element (128-byte) column atoms, [atom][row][128 B], each row in the
 // 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)); tiles start 1024-byte aligned. Q, two K and
-// two V buffers (double buffered: the tiles of step j+1 are copied with cp.async while step j computes), then one
+// two V buffers (double buffered: the next tiles are copied with cp.async while a step computes), then one
 // float32 attention_bias tile (BLOCK_M x (BLOCK_N + 8)), as flash_attention_mma.
 // Descriptors: start >> 4 (bits 0-13), LBO >> 4 (16-29), SBO >> 4 (32-45), 128-byte swizzle (1 << 62).
 //   K-major (Q, K): SBO = 1024 (8 rows x 128 B), LBO unused in this swizzle (16); k-step ks reads atom ks / 4,
@@ -39,9 +43,9 @@
 #include "flash_common.cuh"
 #include "wgmma_ops.cuh"
 
-#define WGMMA_THREADS 128  // one warpgroup
-#define WGMMA_BLOCK_M 64   // query rows per block: the M of every wgmma
-#define ATOM_BYTES 128     // one swizzle atom row: 64 f16/bf16 elements
+#define WARPGROUP_THREADS 128  // four warps issue one wgmma
+#define WARPGROUP_ROWS 64      // query rows of one warpgroup: the M of every wgmma
+#define ATOM_BYTES 128         // one swizzle atom row: 64 f16/bf16 elements
 
 namespace wgmma_detail {
 
@@ -50,6 +54,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Wait until at most the newest committed wgmma group is still running.
+__device__ __forceinline__ void wgmma_wait_all_but_newest() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 // Compiler-level fences on registers a wgmma reads or writes: every access before stays before (CUTLASS's
 // warpgroup_fence_operand), placed around the asynchronous instructions.
 template <int N> __device__ __forceinline__ void fence_operands(float (&r)[N]) {
@@ -110,9 +118,9 @@ template <int BLOCK_N> struct Ops<__nv_bfloat16, BLOCK_N> {
 // formed once: the thread copies 16-byte chunk `chunk` of rows row0, row0 + ROW_STEP, ... (ROW_STEP is a multiple
 // of 8, so every row it copies has the same swizzle). Rows past `rows_valid` and columns past the operand's head
 // size are zero-filled (they add nothing to a dot product or to P.V).
-template <typename ELEM, int ROWS, int HEAD_DIM> struct SwizzledTileCopy {
+template <typename ELEM, int ROWS, int HEAD_DIM, int THREADS> struct SwizzledTileCopy {
   static constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
-  static constexpr int ROW_STEP = WGMMA_THREADS / CHUNKS_PER_ROW;
+  static constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
   static constexpr int PASSES = ROWS / ROW_STEP;
   static_assert(ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "rows of one thread share a swizzle phase");
   const ELEM* src;        // (row0, chunk) of sequence row 0
@@ -146,16 +154,22 @@ template <typename ELEM, int ROWS, int HEAD_DIM> struct SwizzledTileCopy {
   }
 };
 
-// Blocks per SM the register budget is cut for: three head-64 blocks fit the shared memory without an
-// attention_bias tile; the others fit two.
-__host__ __device__ constexpr int min_blocks(int head_dim, int features) {
-  return (head_dim == 64 && (features & FLASH_WITH_BIAS) == 0) ? 3 : 2;
+// Blocks per SM the register budget is cut for: as many as fit the shared memory (fused.py shared_bytes), at
+// most 3 of one warpgroup or 2 of two; one of two warpgroups when they overlap (their registers: the S tile and
+// the previous P live at once would not fit twice; ptxas serializes the wgmma when starved, advisory C7512).
+__host__ __device__ constexpr int min_blocks(int head_dim, int block_m, int block_n, int features, bool overlap) {
+  const int shared = 1024 + (block_m + 4 * block_n) * head_dim * 2 +
+                     ((features & FLASH_WITH_BIAS) ? block_m * (block_n + 8) * 4 : 0);
+  const int by_shared = (228 * 1024) / (shared + 1024);
+  const int most = block_m == WARPGROUP_ROWS ? 3 : (overlap ? 1 : 2);
+  return by_shared > most ? most : by_shared;
 }
 
 }  // namespace wgmma_detail
 
-template <typename ELEM, int HEAD_DIM, int BLOCK_N, int FEATURES>
-__global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_DIM, FEATURES))
+template <typename ELEM, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int FEATURES, bool OVERLAP>
+__global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
+                                  wgmma_detail::min_blocks(HEAD_DIM, BLOCK_M, BLOCK_N, FEATURES, OVERLAP))
     flash_attention_wgmma(const ELEM* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
                           const float* __restrict__ bias_q, const ELEM* __restrict__ k, long long stride_kb,
                           long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
@@ -169,10 +183,10 @@ __global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_D
   static_assert(sizeof(ELEM) == 2, "f16/bf16 operands");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head tiles of whole 64-element atoms");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tiles of the wgmma_ss widths");
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two warpgroups");
   constexpr bool WITH_PADDING = (FEATURES & FLASH_WITH_PADDING) != 0;
   constexpr bool WITH_BIAS = (FEATURES & FLASH_WITH_BIAS) != 0;
-  constexpr int BLOCK_M = WGMMA_BLOCK_M;
-  constexpr int THREADS = WGMMA_THREADS;
+  constexpr int THREADS = BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS;
   constexpr int ATOMS = HEAD_DIM / 64;      // 64-element column atoms of a row
   constexpr int D_STEPS = HEAD_DIM / 16;    // k-steps of Q.K^T
   constexpr int S_BLOCKS = BLOCK_N / 8;     // n8 blocks of S
@@ -193,10 +207,11 @@ __global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_D
   const int m0 = (q_tiles - 1 - (int)((long long)blockIdx.x % q_tiles)) * BLOCK_M;
   const int b = (int)(bh / heads);
   const int h = (int)(bh % heads);
-  const int warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / 32;  // rows 16 warp .. 16 warp + 15 of the tile, in warpgroup warp / 4
   const int lane = threadIdx.x % 32;
   const int g = lane >> 2;
   const int tig = lane & 3;
+  const unsigned q_rows_at = q_tile + (warp / 4) * WARPGROUP_ROWS * ATOM_BYTES;  // this warpgroup's Q rows
 
   const ELEM* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
   const ELEM* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
@@ -217,9 +232,9 @@ __global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_D
   }
   const int bias_at[2] = {(warp * 16 + g) * LDB + tig * 2, (warp * 16 + g + 8) * LDB + tig * 2};
 
-  const SwizzledTileCopy<ELEM, BLOCK_M, HEAD_DIM> q_copy(q_rows, stride_qs, head_size);
-  const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM> k_copy(k_rows, stride_ks, head_size);
-  const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM> v_copy(v_rows, stride_vs, v_head_size);
+  const SwizzledTileCopy<ELEM, BLOCK_M, HEAD_DIM, THREADS> q_copy(q_rows, stride_qs, head_size);
+  const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM, THREADS> k_copy(k_rows, stride_ks, head_size);
+  const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM, THREADS> v_copy(v_rows, stride_vs, v_head_size);
   const BiasTileCopy<BLOCK_M, BLOCK_N, LDB, THREADS> bias_copy(bias_rows, total_seq, q_seq - m0);
   auto load_bias = [&](int n0) {
     if (bias_vec4) {
@@ -229,10 +244,15 @@ __global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_D
     }
   };
 
-  // Step 1 (loads): the Q tile and the first key tile.
+  // Step 1 (loads): the Q tile and the first K tile; with OVERLAP, V tile j is copied one step after K tile j
+  // (see the loop) and V buffer 1 is zero-filled for the first step's P.V (which has P = 0); else V tile 0.
   q_copy.copy(q_tile, 0, q_seq - m0);
   k_copy.copy(k_tiles, 0, total_seq);
-  v_copy.copy(v_tiles, 0, total_seq);
+  if constexpr (OVERLAP) {
+    v_copy.copy(v_tiles + KV_BYTES, 0, 0);
+  } else {
+    v_copy.copy(v_tiles, 0, total_seq);
+  }
   cp_async_commit();
 
   float o_acc[ATOMS][32];  // O dims 64 a + 8 i + 2 tig (+1): [a][4 i], [a][4 i + 1] row g; [a][4 i + 2, + 3] row g + 8
@@ -242,7 +262,38 @@ __global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_D
     for (int i = 0; i < 32; ++i) o_acc[a][i] = 0.0f;
   float row_max[2] = {NEG_INFINITY, NEG_INFINITY};  // m_i: running max of the logits seen so far
   float row_sum[2] = {0.0f, 0.0f};                  // l_i: this thread's part of sum exp(x - m_i)
+  // With OVERLAP: P of the previous key tile (the A fragments of its P.V; zeros before the first, with the
+  // zeroed V buffer 1) and the V buffer of that tile. Every step issues a P.V, so no wgmma sits on a path the
+  // compiler would have to treat as divergent (ptxas then serializes every wgmma of the kernel: advisory C7518).
+  // (Without OVERLAP each step's P lives in that step only.)
+  unsigned p_frag[K_SLICES][4];
+#pragma unroll
+  for (int kt = 0; kt < K_SLICES; ++kt) p_frag[kt][0] = p_frag[kt][1] = p_frag[kt][2] = p_frag[kt][3] = 0u;
+  int pv_buffer = 1;
 
+  // O += P . V from V buffer `v_buffer`, asynchronously (P's registers and O stay untouched until its wait).
+  auto issue_pv = [&](unsigned (&p)[K_SLICES][4], int v_buffer) {
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+    fence_operands(p);
+    wgmma_fence();
+#pragma unroll
+    for (int kt = 0; kt < K_SLICES; ++kt)
+#pragma unroll
+      for (int a = 0; a < ATOMS; ++a) {
+        const unsigned at = v_tiles + v_buffer * KV_BYTES + a * BLOCK_N * ATOM_BYTES + kt * 16 * ATOM_BYTES;
+        Ops<ELEM, BLOCK_N>::o(o_acc[a], p[kt], swizzled_desc(at));
+      }
+    wgmma_commit();
+  };
+
+  // With OVERLAP the loop is software-pipelined across key tiles (FlashAttention-3's intra-warpgroup overlap):
+  // step j issues S_j = Q . K_j^T and then O += P_{j-1} . V_{j-1}, and computes the masks and softmax of S_j
+  // while that P.V runs on the tensor cores; O is rescaled by step j's alpha once that P.V has completed. So step
+  // j reads K tile j and V tile j-1, and copies K tile j+1 and V tile j into the buffers that K tile j-1 and V
+  // tile j-2 left (both done: their wgmma completed before this step's barrier). Without OVERLAP (fewer live
+  // registers: two blocks of two warpgroups fit an SM) step j runs S_j, its softmax and O += P_j . V_j in turn,
+  // and copies K and V tile j+1.
   int key_end = causal_key_end(mp, m0, BLOCK_M, skip_causal_tiles);
   for (int n0 = 0, step = 0; n0 < total_seq; n0 += BLOCK_N, ++step) {
     if (n0 >= key_end) {
@@ -252,9 +303,9 @@ __global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_D
       key_end = total_seq;
     }
     const int buffer = step & 1;
-    // This step's K and V (and Q on the first step) have landed and are visible to the async proxy, and every
-    // warp's wgmma of the previous step has completed (its wait below), so the next copies may overwrite the
-    // buffers it read: the one barrier of a plain step.
+    // K tile j and V tile j-1 have landed and are visible to the async proxy, and every warpgroup's wgmma of the
+    // previous step has completed (its waits below), so the copies may overwrite the buffers they read: the one
+    // barrier of a plain step.
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();
@@ -271,24 +322,34 @@ __global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_D
       load_bias(n0);
       cp_async_commit();
     }
-    if (n0 + BLOCK_N < total_seq) {  // lands while this step computes
+    // (One condition per branch: with the K and V copies of the non-overlapped step under separate ones, ptxas
+    // precomputed the mask predicates of every step and the head-128 row took 334 instead of 290 µs, H200.)
+    if constexpr (OVERLAP) {
+      if (n0 + BLOCK_N < total_seq) k_copy.copy(k_tiles + (buffer ^ 1) * KV_BYTES, n0 + BLOCK_N, total_seq - n0 - BLOCK_N);
+      v_copy.copy(v_tiles + buffer * KV_BYTES, n0, total_seq - n0);
+    } else if (n0 + BLOCK_N < total_seq) {
       k_copy.copy(k_tiles + (buffer ^ 1) * KV_BYTES, n0 + BLOCK_N, total_seq - n0 - BLOCK_N);
       v_copy.copy(v_tiles + (buffer ^ 1) * KV_BYTES, n0 + BLOCK_N, total_seq - n0 - BLOCK_N);
     }
     cp_async_commit();
 
-    // Step 2: S = Q . K^T (raw dot products, fp32 accumulators).
+    // Step 2: S = Q . K^T (raw dot products, fp32 accumulators), then the previous tile's P.V behind it.
     float s[S_BLOCKS * 4];
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D_STEPS; ++ks) {
       const unsigned k_at = (ks % 4) * 32;  // 16 elements into atom ks / 4
-      Ops<ELEM, BLOCK_N>::s(s, swizzled_desc(q_tile + (ks / 4) * BLOCK_M * ATOM_BYTES + k_at),
+      Ops<ELEM, BLOCK_N>::s(s, swizzled_desc(q_rows_at + (ks / 4) * BLOCK_M * ATOM_BYTES + k_at),
                             swizzled_desc(k_tiles + buffer * KV_BYTES + (ks / 4) * BLOCK_N * ATOM_BYTES + k_at),
                             ks > 0);
     }
     wgmma_commit();
-    wgmma_wait_all();
+    if constexpr (OVERLAP) {
+      issue_pv(p_frag, pv_buffer);
+      wgmma_wait_all_but_newest();  // S is done; the P.V may still run
+    } else {
+      wgmma_wait_all();
+    }
     fence_operands(s);
 
     // Steps 2-4 as flash_attention_mma: plain tiles keep the raw dot products (scale folded into the exponent),
@@ -356,40 +417,55 @@ __global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_D
       row_max[r] = m_new;
     }
     // A padded tile whose every p would be 0 adds nothing (O, l and m stay). The vote is block-wide: the P.V
-    // wgmma is issued by all four warps or by none.
+    // wgmma is issued by all four warps of a warpgroup or by none.
+    bool skip_tile = false;
     if (padded_tile) {
       bool zero = true;
 #pragma unroll
       for (int r = 0; r < 2; ++r) zero = zero && fast_exp2((tile_max[r] - max_used[r]) * LOG2E) == 0.0f;
-      if (__syncthreads_and(zero)) continue;  // (m did not move; a row still at -inf has l = 0 and O = 0)
+      skip_tile = __syncthreads_and(zero);  // (m did not move; a row still at -inf has l = 0 and O = 0)
+      if (!skip_tile) {
 #pragma unroll
-      for (int i = 0; i < S_BLOCKS * 4; ++i) s[i] = padded_logit(s[i], scale, mask_filter_value);
-    }
-    // Step C: p = exp(x - m_new); l = alpha * l + sum p (this thread's columns; the quad sums at the end).
-    const bool fold = plain_tile && __all_sync(0xffffffffu, fabsf(max_used[0]) < 1e30f && fabsf(max_used[1]) < 1e30f);
-    float tile_sum[2] = {0.0f, 0.0f};
-    if (fold) {
-      const float scale_log2 = scale * LOG2E;
-      const float neg_max_log2[2] = {-max_used[0] * LOG2E, -max_used[1] * LOG2E};
-#pragma unroll
-      for (int i = 0; i < S_BLOCKS * 4; ++i) {
-        const int r = (i >> 1) & 1;
-        const float p = fast_exp2(fmaf(s[i], scale_log2, neg_max_log2[r]));
-        s[i] = p;
-        tile_sum[r] += p;
+        for (int i = 0; i < S_BLOCKS * 4; ++i) s[i] = padded_logit(s[i], scale, mask_filter_value);
       }
+    }
+    float tile_sum[2] = {0.0f, 0.0f};
+    if (skip_tile) {
+      alpha[0] = alpha[1] = 1.0f;
     } else {
+      // Step C: p = exp(x - m_new); l = alpha * l + sum p (this thread's columns; the quad sums at the end).
+      const bool fold =
+          plain_tile && __all_sync(0xffffffffu, fabsf(max_used[0]) < 1e30f && fabsf(max_used[1]) < 1e30f);
+      if (fold) {
+        const float scale_log2 = scale * LOG2E;
+        const float neg_max_log2[2] = {-max_used[0] * LOG2E, -max_used[1] * LOG2E};
 #pragma unroll
-      for (int i = 0; i < S_BLOCKS * 4; ++i) {
-        const int r = (i >> 1) & 1;
-        const float x = plain_tile ? s[i] * scale : s[i];
-        const float p = fast_exp2((x - max_used[r]) * LOG2E);
-        s[i] = p;
-        tile_sum[r] += p;
+        for (int i = 0; i < S_BLOCKS * 4; ++i) {
+          const int r = (i >> 1) & 1;
+          const float p = fast_exp2(fmaf(s[i], scale_log2, neg_max_log2[r]));
+          s[i] = p;
+          tile_sum[r] += p;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < S_BLOCKS * 4; ++i) {
+          const int r = (i >> 1) & 1;
+          const float x = plain_tile ? s[i] * scale : s[i];
+          const float p = fast_exp2((x - max_used[r]) * LOG2E);
+          s[i] = p;
+          tile_sum[r] += p;
+        }
       }
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * alpha[r] + tile_sum[r];
+
+    if constexpr (OVERLAP) {  // the previous tile's P.V has completed: O and P's registers are free again
+      wgmma_wait_all();
+#pragma unroll
+      for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+      fence_operands(p_frag);
+    }
     // Step D: rescale the accumulator O by alpha.
 #pragma unroll
     for (int a = 0; a < ATOMS; ++a)
@@ -400,33 +476,39 @@ __global__ void __launch_bounds__(WGMMA_THREADS, wgmma_detail::min_blocks(HEAD_D
         o_acc[a][4 * i + 2] *= alpha[1];
         o_acc[a][4 * i + 3] *= alpha[1];
       }
-
-    // Step E: O += P . V, P rounded to ELEM. P's A fragment of key slice kt is S's n8 blocks 2 kt, 2 kt + 1.
-    unsigned p_frag[K_SLICES][4];
+    // Step E (with OVERLAP issued by the next step, or after the loop): O += P . V with P rounded to ELEM; P's A
+    // fragment of key slice kt is S's n8 blocks 2 kt, 2 kt + 1. A skipped tile's P is zero.
+    auto pack_p = [&](unsigned (&p)[K_SLICES][4]) {
 #pragma unroll
-    for (int kt = 0; kt < K_SLICES; ++kt) {
-      p_frag[kt][0] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt], s[8 * kt + 1]);
-      p_frag[kt][1] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 2], s[8 * kt + 3]);
-      p_frag[kt][2] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 4], s[8 * kt + 5]);
-      p_frag[kt][3] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 6], s[8 * kt + 7]);
-    }
-#pragma unroll
-    for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
-    fence_operands(p_frag);
-    wgmma_fence();
-#pragma unroll
-    for (int kt = 0; kt < K_SLICES; ++kt)
-#pragma unroll
-      for (int a = 0; a < ATOMS; ++a) {
-        const unsigned at = v_tiles + buffer * KV_BYTES + a * BLOCK_N * ATOM_BYTES + kt * 16 * ATOM_BYTES;
-        Ops<ELEM, BLOCK_N>::o(o_acc[a], p_frag[kt], swizzled_desc(at));
+      for (int kt = 0; kt < K_SLICES; ++kt) {
+        p[kt][0] = skip_tile ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt], s[8 * kt + 1]);
+        p[kt][1] = skip_tile ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 2], s[8 * kt + 3]);
+        p[kt][2] = skip_tile ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 4], s[8 * kt + 5]);
+        p[kt][3] = skip_tile ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 6], s[8 * kt + 7]);
       }
-    wgmma_commit();
+    };
+    if constexpr (OVERLAP) {
+      pack_p(p_frag);
+      pv_buffer = buffer;
+    } else {
+      unsigned p_now[K_SLICES][4];
+      pack_p(p_now);
+      issue_pv(p_now, buffer);
+      wgmma_wait_all();
+#pragma unroll
+      for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+    }
+  }
+  if constexpr (OVERLAP) {  // the last tile's P.V (its V tile was copied in its own step)
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    issue_pv(p_frag, pv_buffer);
     wgmma_wait_all();
 #pragma unroll
     for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
   }
-  cp_async_wait_all();  // a prefetch of a skipped tile may still be in flight
+  cp_async_wait_all();  // (without OVERLAP) a prefetch of a skipped causal tile may still be in flight
 
   // Step F: out = O / l (l summed over the quad), rounded to ELEM, stored as float32 BSNH.
   // l = 0 (every logit -inf, mask_filter_value = -inf) gives 0/0 = NaN, as ORT's CPU kernel does.
