@@ -139,6 +139,27 @@ def output_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple]]:
     return entries
 
 
+@dataclass(frozen=True)
+class DeviceBuffers:
+    """A call's inputs, where they and its outputs sit in the packed layout, and the device buffers (bases)."""
+
+    inputs: list  # input_entries(problem)
+    in_segments: dict
+    in_bytes: int
+    in_base: int
+    out_segments: dict
+    out_bytes: int
+    out_base: int
+
+    @property
+    def dev_in(self) -> dict:
+        return {name: self.in_base + seg.offset for name, seg in self.in_segments.items()}
+
+    @property
+    def dev_out(self) -> dict:
+        return {name: self.out_base + seg.offset for name, seg in self.out_segments.items()}
+
+
 @dataclass
 class ReplayEntry:
     """One replayed call shape: its device buffers (owned by ``scratch`` until the entry is released), where the
@@ -241,20 +262,23 @@ class CudaBackend:
             scratch.finish_stream_use()
         return self._result(out_segments)
 
-    def _stage(self, problem: MhaProblem, scratch: MhaScratch):
-        """Step 1: device input and output buffers, and the inputs uploaded into the former."""
+    def _device_buffers(self, problem: MhaProblem, scratch: MhaScratch) -> DeviceBuffers:
+        """The call's packed input and output layouts and their device buffers, owned by ``scratch``."""
         inputs = input_entries(problem)
         in_segments, in_bytes = pack_layout([(n, d, s) for n, d, s, _ in inputs])
         out_segments, out_bytes = pack_layout(output_entries(problem))
-        self._pinned_in.ensure(in_bytes)
-        self._pinned_out.ensure(out_bytes)
         in_base = self._allocate_bytes(scratch, "the staged inputs", in_bytes)
         out_base = self._allocate_bytes(scratch, "the outputs", out_bytes)
-        self._poison(scratch, out_base, out_bytes)
-        self._upload_inputs(inputs, in_segments, in_bytes, in_base, scratch.upload)
-        dev_in = {name: in_base + seg.offset for name, seg in in_segments.items()}
-        dev_out = {name: out_base + seg.offset for name, seg in out_segments.items()}
-        return dev_in, dev_out, out_segments, out_base, out_bytes
+        return DeviceBuffers(inputs, in_segments, in_bytes, in_base, out_segments, out_bytes, out_base)
+
+    def _stage(self, problem: MhaProblem, scratch: MhaScratch):
+        """Step 1: device input and output buffers, and the inputs uploaded into the former."""
+        buffers = self._device_buffers(problem, scratch)
+        self._pinned_in.ensure(buffers.in_bytes)
+        self._pinned_out.ensure(buffers.out_bytes)
+        self._poison(scratch, buffers.out_base, buffers.out_bytes)
+        self._upload_inputs(buffers.inputs, buffers.in_segments, buffers.in_bytes, buffers.in_base, scratch.upload)
+        return buffers.dev_in, buffers.dev_out, buffers.out_segments, buffers.out_base, buffers.out_bytes
 
     def _upload_inputs(self, inputs, in_segments: dict, in_bytes: int, in_base: int, upload) -> None:
         """The inputs into the pinned buffer and up to ``in_base`` (``upload(src, nbytes, dst)`` queues one copy)."""
@@ -295,17 +319,11 @@ class CudaBackend:
         None, and the shape runs the ordinary way from now on, when the capture fails."""
         scratch = MhaScratch(self._runtime)
         try:
-            inputs = input_entries(problem)
-            in_segments, in_bytes = pack_layout([(n, d, s) for n, d, s, _ in inputs])
-            out_segments, out_bytes = pack_layout(output_entries(problem))
-            in_base = self._allocate_bytes(scratch, "the staged inputs", in_bytes)
-            out_base = self._allocate_bytes(scratch, "the outputs", out_bytes)
-            dev_in = {name: in_base + seg.offset for name, seg in in_segments.items()}
-            dev_out = {name: out_base + seg.offset for name, seg in out_segments.items()}
-            ops = self._operands(problem, plan, scratch, dev_out)
+            buffers = self._device_buffers(problem, scratch)
+            ops = self._operands(problem, plan, scratch, buffers.dev_out)
             self._stream.begin_capture()
             try:
-                self._attention(problem, plan, ops, dev_in, dev_out)
+                self._attention(problem, plan, ops, buffers.dev_in, buffers.dev_out)
             finally:
                 graph = self._stream.end_capture()
         except (MhaEpError, *CUDA_ERRORS) as error:
@@ -316,8 +334,8 @@ class CudaBackend:
         except BaseException:
             scratch.release()
             raise
-        entry = ReplayEntry(scratch, self._stream, graph, in_segments, in_bytes, in_base, out_segments, out_bytes,
-                            out_base)  # fmt: skip
+        entry = ReplayEntry(scratch, self._stream, graph, buffers.in_segments, buffers.in_bytes, buffers.in_base,
+                            buffers.out_segments, buffers.out_bytes, buffers.out_base)  # fmt: skip
         self.replays.add(key, entry)
         return entry
 
