@@ -118,6 +118,12 @@ def cuda_include_options() -> tuple:
     return (f"-I{include}",) if include is not None and include.is_dir() else ()
 
 
+def _nvrtc_version() -> tuple:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc.getVersion()
+
+
 def _nvrtc_compile(code: str, name: str, options: tuple) -> tuple[bytes, str]:
     """(cubin, lowered name) of template instantiation ``name`` in ``code``; raises with NVRTC's log."""
     from cupy_backends.cuda.libs import nvrtc
@@ -158,14 +164,12 @@ def compile_arch_kernel(device_id: int, code: str, name: str, arch: str, options
     ``arch`` (e.g. "sm_90a") and loaded on ``device_id`` (call with that device current); memoised per process and
     kept on disk across processes. Cache files are written to a temporary name and renamed into place (the cubin
     last), so a reader never sees half of an entry; an unwritable cache directory only costs the recompile."""
-    from cupy_backends.cuda.libs import nvrtc
-
     options = tuple(options) + ("--std=c++17", "-ftz=true", f"--gpu-architecture={arch}") + cuda_include_options()
     key = (device_id, code, name, options)
     with _lock:
         entry = _arch_kernels.get(key)
         if entry is None:
-            fingerprint = "\0".join([code, name, *options, repr(nvrtc.getVersion())])
+            fingerprint = "\0".join([code, name, *options, repr(_nvrtc_version())])
             cubin_path = kernel_cache_dir() / f"{hashlib.sha256(fingerprint.encode()).hexdigest()[:32]}.cubin"
             name_path = cubin_path.with_suffix(".name")
             if cubin_path.exists() and name_path.exists():
