@@ -568,3 +568,40 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
         text=True,
     )
     assert done.returncode == 0, done.stderr
+
+
+WGMMA_DEFAULT_CASES = {  # one call per default tile and feature set the H200 runs
+    "head64_plain": Case(h=64),
+    "head64_mask": Case(h=64, mask="BT"),
+    "head64_bias_mask": Case(h=64, mask="lengths", attention_bias=(True, True)),
+    "head128_plain": Case(h=128),
+    "head128_bias": Case(h=128, attention_bias=(True, False)),
+}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma_defaults_compile_without_spills_or_serialized_wgmma(tmp_path, dtype):
+    """ptxas's verdict on the instantiations choose_tile picks on an H200: no spilled registers, and none of the
+    'Potential Performance Loss' advisories (C7510-C7520) that mean every wgmma of the kernel is serialized
+    (a wgmma on a divergent path, too few registers: each cost the 4096 row tens of percent when it happened)."""
+    names = sorted({fused.kernel_name(problem, dtype, fused.choose_tile(problem, dtype, fused.HOPPER_CAPABILITY))
+                    for problem in (make_problem(case, dtype) for case in WGMMA_DEFAULT_CASES.values())})  # fmt: skip
+    elem = fused.ELEMENT_TYPES[dtype]
+    params = ", ".join([f"const {elem}*", "long long", "long long", "long long", "const float*"] * 3 +
+                       ["const float*", "int", "int", "int", "const int*", "const unsigned char*", "float", "int",
+                        "int", "float"] + ["int"] * 7 + ["float*"])  # fmt: skip
+    unit = tmp_path / "unit.cu"
+    unit.write_text("\n".join(['#include "flash_attention_wgmma.cu"'] +
+                              [f"template __global__ void {name}({params});" for name in names]) + "\n")  # fmt: skip
+    done = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",
+         str(tmp_path / "a.cubin")],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = done.stdout + done.stderr
+    assert "Performance Loss" not in report, report
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(spills) == len(names) and all(s == ("0", "0") for s in spills), (names, spills)
