@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -87,8 +87,8 @@ SM_SHARED_BYTES = 228 * 1024  # shared memory of one sm_90 SM; each resident blo
 BLOCKS_PER_SM_GOAL = 3  # the head-64 tensor-core tiles are sized so that three blocks fit an SM (see above)
 
 
-# The Hopper kernel: one warpgroup of 128 threads per 64 query rows; key tiles of 128 keys for head 64 and of
-# 64 for head 128 (the tiles that leave room for three and two blocks per SM: WGMMA_MIN_BLOCKS).
+# The Hopper kernel: one warpgroup of 128 threads per 64 query rows; its measured tiles are default_wgmma_tile's,
+# the blocks per SM its registers are cut for wgmma_min_blocks's.
 HOPPER_CAPABILITY = "90"  # wgmma.mma_async is sm_90a code, which runs on compute capability 9.0 only
 HOPPER_ARCH = "sm_90a"
 WGMMA_SOURCE_FILE = "flash_attention_wgmma.cu"
@@ -114,6 +114,9 @@ class WgmmaTile:
         return f"wg{self.block_m}x{self.block_n}{'' if self.overlap else 's'}"
 
 
+Tile = Union[MmaTile, WgmmaTile]  # the tile names the tensor-core kernel too
+
+
 def default_wgmma_tile(problem: MhaProblem) -> WgmmaTile:
     """From fused_timing's tile columns on the H200 (2026-11-30): head 64 takes 64 x 128 with overlap (S=T=4096:
     172.6 µs against 208.2 for 64 x 64 and 232.5 for 128 x 128), or 64 x 64 with a mask or attention_bias
@@ -136,7 +139,7 @@ def default_tile(problem: MhaProblem) -> MmaTile:
     return WIDE_HEAD_MMA_TILE if wide else DEFAULT_MMA_TILE
 
 
-def block_m(problem: MhaProblem, tile=None) -> int:
+def block_m(problem: MhaProblem, tile: Optional[Tile] = None) -> int:
     return FP32_BLOCK_M if problem.dtype == "float32" else (tile or default_tile(problem)).block_m
 
 
@@ -156,7 +159,7 @@ def wgmma_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability
     return None
 
 
-def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str):
+def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str) -> Tile:
     """The tile, and with it the kernel, of a fused call: a WgmmaTile where wgmma_unsupported_reason says None,
     else flash_attention_mma's default tile (float32 calls ignore it)."""
     if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
@@ -222,7 +225,7 @@ def fp32_kv_stages(head_dim: int) -> int:
     return 2 if head_dim <= 64 else 1
 
 
-def shared_bytes(problem: MhaProblem, tile=None) -> int:
+def shared_bytes(problem: MhaProblem, tile: Optional[Tile] = None) -> int:
     """Dynamic shared memory of the launch (mirrors the kernels' carving of smem_raw)."""
     g = problem.geometry
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
@@ -276,7 +279,7 @@ def check_operand_bias(problem: MhaProblem, operand_dtype: str, operands: dict) 
                          f"bias; add it when building them (only float32 operands take bias_q/k/v on load)")  # fmt: skip
 
 
-def kernel_name(problem: MhaProblem, operand_dtype: str, tile=None) -> str:
+def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = None) -> str:
     """The NVRTC name expression of the instantiation this call launches (tile None: the mma default tile)."""
     g = problem.geometry
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
@@ -351,7 +354,7 @@ def run_fused(
     mask: Optional[int],
     out_BSD: int,
     stream=None,
-    tile=None,
+    tile: Optional[Tile] = None,
 ) -> None:
     """Launch the fused kernel for ``problem`` (its dispatch rule must have said None).
 
