@@ -539,13 +539,17 @@ def test_kernel_sources_inline_every_local_header():
         assert text.count("__device__ __forceinline__ T from_float(float x);") == 1
 
 
+def kernel_parameters(operand_type: str) -> str:
+    """The parameter list every fused kernel shares (flash_attention_mma / _fp32 / _wgmma), for explicit
+    instantiations: Q, K, V as (pointer, three strides, bias) in ``operand_type``, then masks, scalars, output."""
+    operand = [f"const {operand_type}*", "long long", "long long", "long long", "const float*"]
+    rest = ["const float*", "int", "int", "int", "const int*", "const unsigned char*", "float", "int", "int", "float"]
+    return ", ".join(operand * 3 + rest + ["int"] * 7 + ["float*"])
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_flash_attention_compiles_with_nvcc(tmp_path):
     """A few of the instantiations fused.py asks NVRTC for, compiled for sm_90a (offline check)."""
-    params = ("const {I}*, long long, long long, long long, const float*, const {I}*, long long, long long, "
-              "long long, const float*, const {I}*, long long, long long, long long, const float*, const float*, "
-              "int, int, int, const int*, const unsigned char*, float, int, int, float, int, int, int, int, int, int, "
-              "int, float*")  # fmt: skip
     names = [
         "flash_attention_mma<__half, __half, 64, 128, 64, 0>",
         "flash_attention_mma<__half, __half, 64, 64, 64, 3>",
@@ -559,7 +563,7 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
         source_type = "float" if ", float, " in name or name.startswith("flash_attention_fp32") else name.split("<")[1].split(",")[0]
         if name.startswith("flash_attention_wgmma"):  # (no IN type: operands in the call's dtype)
             source_type = name.split("<")[1].split(",")[0]
-        lines.append(f"template __global__ void {name}({params.format(I=source_type)});")
+        lines.append(f"template __global__ void {name}({kernel_parameters(source_type)});")
     unit = tmp_path / "unit.cu"
     unit.write_text("\n".join(lines) + "\n")
     done = subprocess.run(
@@ -587,10 +591,7 @@ def test_wgmma_defaults_compile_without_spills_or_serialized_wgmma(tmp_path, dty
     (a wgmma on a divergent path, too few registers: each cost the 4096 row tens of percent when it happened)."""
     names = sorted({fused.kernel_name(problem, dtype, fused.choose_tile(problem, dtype, fused.HOPPER_CAPABILITY))
                     for problem in (make_problem(case, dtype) for case in WGMMA_DEFAULT_CASES.values())})  # fmt: skip
-    elem = fused.ELEMENT_TYPES[dtype]
-    params = ", ".join([f"const {elem}*", "long long", "long long", "long long", "const float*"] * 3 +
-                       ["const float*", "int", "int", "int", "const int*", "const unsigned char*", "float", "int",
-                        "int", "float"] + ["int"] * 7 + ["float*"])  # fmt: skip
+    params = kernel_parameters(fused.ELEMENT_TYPES[dtype])
     unit = tmp_path / "unit.cu"
     unit.write_text("\n".join(['#include "flash_attention_wgmma.cu"'] +
                               [f"template __global__ void {name}({params});" for name in names]) + "\n")  # fmt: skip
