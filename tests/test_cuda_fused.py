@@ -33,7 +33,8 @@ from mha_ep.ops.backends.reference import run_reference, to_BNSH
 from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, build_problem
 
 KERNEL_DIR = Path(fused.__file__).parent / "kernels"
-FUSED_FILES = ("flash_attention.cu", "flash_common.cuh", "flash_attention_wgmma.cu")  # the fused kernels' code
+FUSED_FILES = ("flash_attention.cu", "flash_common.cuh", "wgmma_common.cuh", "flash_attention_wgmma.cu",
+               "flash_attention_ws.cu")  # the fused kernels' code
 SOURCE = "\n".join((KERNEL_DIR / name).read_text() for name in FUSED_FILES)
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = ("float32", "float16", "bfloat16")
@@ -208,6 +209,54 @@ def test_wgmma_tiles_match_reference(cupy_module, case_name, dtype, tile):
     assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", tile))
 
 
+WS_CASES = {  # plain calls: flash_attention_ws has no mask code
+    "S1023_T1024_H64_plain": CASES["S1023_T1024_H64_plain"],
+    # 144 query tiles of 128 rows: more than one per block on a 132-SM GPU (the persistent loop, the Q buffer's
+    # release and refill); 8 key tiles, the last one partial (104 keys)
+    "S300_T1000_H64_more_tiles_than_sms": Case(b=4, s=300, l=1000, n=12, h=64),
+    "S1_T7_H48_one_partial_key_tile": Case(b=2, s=1, l=7, n=3, h=48),
+    "S130_T128_H128_hv64_one_full_key_tile": Case(b=2, s=130, l=128, n=2, h=128, hv=64),
+    "S200_T300_H128_bnsh_scale_attr": Case(b=1, s=200, l=300, n=2, h=128, layout="BNSH", attrs={"scale": 0.05}),
+}
+
+
+def ws_tiles() -> list:
+    return [fused.WsTile(), fused.WsTile(64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ws_tiles(), ids=lambda t: t.label)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case_name", list(WS_CASES))
+def test_warp_specialized_kernel_matches_reference(cupy_module, case_name, dtype, tile):
+    """flash_attention_ws (producer warpgroup, two ping-ponging consumers, persistent blocks) on plain calls."""
+    if fused.device_capability(0) != fused.HOPPER_CAPABILITY:
+        pytest.skip("flash_attention_ws runs on compute capability 9.0 only")
+    problem = make_problem(WS_CASES[case_name], dtype)
+    assert fused.ws_unsupported_reason(problem, dtype, fused.HOPPER_CAPABILITY) is None
+    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", tile))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [fused.WgmmaTile(128), fused.WsTile()], ids=lambda t: t.label)
+def test_huge_bf16_logits_do_not_fold_the_scale(cupy_module, tile):
+    """Logits near 1e33 (bf16 Q and K scaled by 2^56, exactly): folding the scale into the exponent's FMA would
+    lose the row max's difference (exp2 of +-1e26: inf or 0); the kernels fall back to (x - max) for such rows.
+    The answer is each row's value at its largest logit (every other p underflows to 0)."""
+    if fused.device_capability(0) != fused.HOPPER_CAPABILITY:
+        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
+    base = make_problem(Case(b=1, s=70, l=203, n=2, h=64, bias=False, seed=3), "bfloat16")
+    problem = replace(base, query_BSD=base.query_BSD * 2.0**56, key=base.key * 2.0**56)
+    got = run_fused_on_gpu(cupy_module, problem, "dense", tile)
+    n = problem.geometry.num_heads
+    logits = np.einsum("bnsh,bnth->bnst", to_BNSH(problem.query_BSD, n).astype(np.float64),
+                       to_BNSH(problem.key, n).astype(np.float64))  # fmt: skip
+    assert np.abs(logits).max() * problem.scale > 1e30
+    top = logits.argmax(axis=-1)  # (B, N, S)
+    want = np.take_along_axis(to_BNSH(problem.value, n), top[..., None], axis=2)  # (B, N, S, Hv)
+    np.testing.assert_array_equal(got, want.transpose(0, 2, 1, 3).reshape(got.shape))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -359,10 +408,67 @@ def test_wgmma_kernel_choice(kwargs, operand_dtype, capability, reason):
     got = fused.wgmma_unsupported_reason(problem, operand_dtype, capability)
     assert (got is None) if reason is None else (got is not None and re.fullmatch(reason, got)), got
     tile = fused.choose_tile(problem, operand_dtype, capability)
-    if reason is None:
-        assert tile == fused.default_wgmma_tile(problem)
+    if reason is None:  # (head tile 128 plain calls take the warp-specialized kernel: test_warp_specialized_choice)
+        assert tile == (fused.WsTile() if fused.head_dim_tile(problem.geometry.head_size, problem.geometry.v_head_size)
+                        == 128 else fused.default_wgmma_tile(problem))  # fmt: skip
     else:
         assert tile == fused.default_tile(problem)
+        assert fused.ws_unsupported_reason(problem, operand_dtype, capability) == got
+
+
+def large_query_problem(s: int, n: int, **case) -> MhaProblem:
+    """A head-64 call with ceil(s / 128) * n query tiles of 128 rows (B = 1, 8 keys: small arrays)."""
+    return make_problem(Case(b=1, s=s, l=8, n=n, h=64, **case), "float16")
+
+
+@pytest.mark.parametrize(
+    "problem_of, expected",
+    [
+        (lambda: problem_with(h=128), fused.WsTile()),
+        (lambda: problem_with(h=120, hv=128), fused.WsTile()),
+        (lambda: problem_with(h=64), fused.WgmmaTile(128)),  # 1 query tile: the wgmma kernel's 64-row blocks
+        (lambda: large_query_problem(4224, 12), fused.WsTile()),  # 33 x 12 = 396 tiles: WS_HEAD64_MIN_TILES
+        (lambda: large_query_problem(4096, 12), fused.WgmmaTile(128)),  # 384 tiles
+        (lambda: large_query_problem(4096, 16), fused.WsTile()),  # the S=T=4096 anchor's 512 tiles
+        (lambda: make_problem(Case(s=300, l=300, h=128, causal=True), "float16"), fused.WgmmaTile(64, 128, False)),
+        (lambda: make_problem(Case(h=128, mask="BT"), "float16"), fused.WgmmaTile(64, 128, False)),
+        (lambda: large_query_problem(4096, 16, mask="lengths"), fused.WgmmaTile(64)),
+    ],
+)  # fmt: skip
+def test_warp_specialized_choice(problem_of, expected):
+    """flash_attention_ws takes plain Hopper calls of head tile 128, and of head tile 64 with enough query tiles."""
+    problem = problem_of()
+    assert fused.choose_tile(problem, problem.dtype, fused.HOPPER_CAPABILITY) == expected
+    assert fused.choose_tile(problem, problem.dtype, "89") == fused.default_tile(problem)
+
+
+@pytest.mark.parametrize(
+    "problem_of, reason",
+    [
+        (lambda: make_problem(Case(h=64, mask="lengths"), "float16"), "the call has a padding mask"),
+        (lambda: make_problem(Case(h=64, attention_bias=(True, True)), "bfloat16"), "the call has an attention_bias"),
+        (lambda: make_problem(Case(s=9, l=9, h=128, causal=True), "float16"), "the call is causal"),
+        (lambda: make_problem(Case(h=128, attrs={"scale": -0.5}), "float16"),
+         r"scale -0.5 is not positive \(the kernel takes max\(scale \* s\) as scale \* max\(s\)\)"),
+        (lambda: problem_with(h=96), r"head tile 96 is not one of \(64, 128\)"),
+    ],
+)  # fmt: skip
+def test_warp_specialized_reasons(problem_of, reason):
+    problem = problem_of()
+    got = fused.ws_unsupported_reason(problem, problem.dtype, fused.HOPPER_CAPABILITY)
+    assert got is not None and re.fullmatch(reason, got), got
+
+
+def test_warp_specialized_launch_choices():
+    plain, wide = problem_with(h=64), make_problem(Case(h=128, hv=64), "bfloat16")
+    assert fused.kernel_name(plain, "float16", fused.WsTile()) == "flash_attention_ws<__half, 64, 128>"
+    assert fused.kernel_name(wide, "bfloat16", fused.WsTile(64)) == "flash_attention_ws<__nv_bfloat16, 128, 64>"
+    # 1 KiB alignment slack, Q (128 rows), 2 stages x (K, V), 10 mbarriers of 8 bytes
+    assert fused.shared_bytes(wide, fused.WsTile()) == 1024 + (128 + 2 * 2 * 128) * 128 * 2 + 80
+    assert fused.shared_bytes(plain, fused.WsTile(64)) == 1024 + (128 + 2 * 2 * 64) * 64 * 2 + 80
+    assert fused.shared_bytes(wide, fused.WsTile()) <= fused.SHARED_LIMIT
+    assert (fused.WsTile().threads, fused.WsTile().block_m, fused.WsTile(64).label) == (384, 128, "ws128x64")
+    assert fused.query_tiles(wide, 128) == 2 * 2 and fused.query_tiles(wide, 64) == 2 * 2
 
 
 def test_wgmma_launch_choices():
@@ -390,7 +496,7 @@ def test_wgmma_launch_choices():
     "case, tile, blocks",
     [(Case(h=64), fused.WgmmaTile(128), 3), (Case(h=64, mask="BST"), fused.WgmmaTile(64), 3),
      (Case(h=64, attention_bias=(True, True)), fused.WgmmaTile(64), 3),
-     (Case(h=128), fused.WgmmaTile(64, 128, False), 2),
+     (Case(s=9, l=9, h=128, causal=True), fused.WgmmaTile(64, 128, False), 2),
      (Case(h=128, mask="BT", attention_bias=(True, False)), fused.WgmmaTile(64, 128, False), 1)],
 )  # fmt: skip
 def test_wgmma_default_tiles_and_their_blocks_per_sm(case, tile, blocks, dtype):
@@ -532,7 +638,7 @@ def test_kernel_sources_inline_every_local_header():
     """What NVRTC compiles is one self-contained text: no local #include is left, each header once."""
     from mha_ep.ops.backends.cuda.kernels import kernel_source
 
-    for name in (fused.SOURCE_FILE, fused.WGMMA_SOURCE_FILE):
+    for name in (fused.SOURCE_FILE, fused.WGMMA_SOURCE_FILE, fused.WS_SOURCE_FILE):
         text = kernel_source(name)
         assert not re.search(r'^#include "', text, re.MULTILINE), name
         assert text.count("struct MaskParams {") == 1
@@ -557,11 +663,13 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
         "flash_attention_fp32<float, float, 64>",
         "flash_attention_wgmma<__half, 64, 64, 128, 0, true>",
         "flash_attention_wgmma<__nv_bfloat16, 128, 128, 64, 3, false>",
+        "flash_attention_ws<__half, 128, 128>",
+        "flash_attention_ws<__nv_bfloat16, 64, 64>",
     ]
-    lines = ['#include "flash_attention.cu"', '#include "flash_attention_wgmma.cu"']
+    lines = ['#include "flash_attention.cu"', '#include "flash_attention_wgmma.cu"', '#include "flash_attention_ws.cu"']
     for name in names:
         source_type = "float" if ", float, " in name or name.startswith("flash_attention_fp32") else name.split("<")[1].split(",")[0]
-        if name.startswith("flash_attention_wgmma"):  # (no IN type: operands in the call's dtype)
+        if name.startswith(("flash_attention_wgmma", "flash_attention_ws")):  # (operands in the call's dtype)
             source_type = name.split("<")[1].split(",")[0]
         lines.append(f"template __global__ void {name}({kernel_parameters(source_type)});")
     unit = tmp_path / "unit.cu"
@@ -578,7 +686,8 @@ WGMMA_DEFAULT_CASES = {  # one call per default tile and feature set the H200 ru
     "head64_plain": Case(h=64),
     "head64_mask": Case(h=64, mask="BT"),
     "head64_bias_mask": Case(h=64, mask="lengths", attention_bias=(True, True)),
-    "head128_plain": Case(h=128),
+    "head128_causal": Case(s=9, l=9, h=128, causal=True),
+    "head128_plain": Case(h=128),  # flash_attention_ws
     "head128_bias": Case(h=128, attention_bias=(True, False)),
 }
 
@@ -593,7 +702,7 @@ def test_wgmma_defaults_compile_without_spills_or_serialized_wgmma(tmp_path, dty
                     for problem in (make_problem(case, dtype) for case in WGMMA_DEFAULT_CASES.values())})  # fmt: skip
     params = kernel_parameters(fused.ELEMENT_TYPES[dtype])
     unit = tmp_path / "unit.cu"
-    unit.write_text("\n".join(['#include "flash_attention_wgmma.cu"'] +
+    unit.write_text("\n".join(['#include "flash_attention_wgmma.cu"', '#include "flash_attention_ws.cu"'] +
                               [f"template __global__ void {name}({params});" for name in names]) + "\n")  # fmt: skip
     done = subprocess.run(
         ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",

@@ -15,7 +15,10 @@ dtype on load) or the call's dtype (the layout mover's buffers). A bias (float32
 Kernel choice (choose_tile): float32 -> ``flash_attention_fp32`` (CUDA cores, true fp32); float16 / bfloat16 ->
 ``flash_attention_wgmma`` (kernels/flash_attention_wgmma.cu: Hopper's warpgroup MMA, sm_90a code) where
 ``wgmma_unsupported_reason`` says None (a compute capability 9.0 device, operands in the call's dtype, head tile 64
-or 128), else ``flash_attention_mma`` (tensor cores, mma.sync m16n8k16; any sm_80+ GPU). All accumulate in fp32,
+or 128), else ``flash_attention_mma`` (tensor cores, mma.sync m16n8k16; any sm_80+ GPU). Plain Hopper calls (no
+padding mask, no attention_bias, not causal; ``ws_unsupported_reason``) with head tile 128, or head tile 64 and
+enough query tiles to fill the GPU (``prefers_warp_specialized``), take ``flash_attention_ws`` instead
+(kernels/flash_attention_ws.cu: a producer warpgroup and two ping-ponging consumers, persistent). All accumulate in fp32,
 are templated on the head tile HEAD_DIM (the smallest of HEAD_DIM_TILES that holds max(H, Hv); the rest is
 zero-filled) and are compiled lazily, one NVRTC module per (device, instantiation), memoised for the life of the
 process (the sm_90a ones also on disk: kernels.compile_arch_kernel).
@@ -114,7 +117,39 @@ class WgmmaTile:
         return f"wg{self.block_m}x{self.block_n}{'' if self.overlap else 's'}"
 
 
-Tile = Union[MmaTile, WgmmaTile]  # the tile names the tensor-core kernel too
+WS_SOURCE_FILE = "flash_attention_ws.cu"
+WS_BLOCK_M = 128  # kernels/flash_attention_ws.cu: WS_BLOCK_M, WS_THREADS, WS_STAGES
+WS_THREADS = 384
+WS_STAGES = 2
+WS_BARRIER_BYTES = 8 * (2 + 4 * WS_STAGES)  # q_full, q_empty, full/empty x K/V x stages
+# Head 64 takes flash_attention_ws from this many 128-row query tiles on (three per SM of a 132-SM H100/H200):
+# fused_timing on the H200 (2026-11-30, .device experiment): S=T=4096 x 16 heads (512 tiles) 162 µs against 171
+# for the wgmma default; 8 x 512 x 12 heads (384 tiles) 21.7 against 21.9; 4 x 1500 x 6 heads (288 tiles) 51.9
+# against 49.3. With fewer tiles a persistent 128-row block per SM leaves more of the GPU idle in the last round.
+WS_HEAD64_MIN_TILES = 3 * 132
+
+
+@dataclass(frozen=True)
+class WsTile:
+    """Tile of flash_attention_ws: 128 query rows (two consumer warpgroups) x BLOCK_N keys per step, one
+    persistent block of three warpgroups per SM."""
+
+    block_n: int = 128
+
+    @property
+    def block_m(self) -> int:
+        return WS_BLOCK_M
+
+    @property
+    def threads(self) -> int:
+        return WS_THREADS
+
+    @property
+    def label(self) -> str:
+        return f"ws{WS_BLOCK_M}x{self.block_n}"
+
+
+Tile = Union[MmaTile, WgmmaTile, WsTile]  # the tile names the tensor-core kernel too
 
 
 def default_wgmma_tile(problem: MhaProblem) -> WgmmaTile:
@@ -159,9 +194,44 @@ def wgmma_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability
     return None
 
 
+def ws_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability: str) -> Optional[str]:
+    """None when flash_attention_ws can run this fused call (wgmma's rule, and a plain call: the kernel has no
+    mask code); else why not. For a call fused_unsupported_reason already accepted."""
+    reason = wgmma_unsupported_reason(problem, operand_dtype, capability)
+    if reason is not None:
+        return reason
+    if problem.padding_mask is not None:
+        return "the call has a padding mask"
+    if problem.attention_bias is not None:
+        return "the call has an attention_bias"
+    if problem.causal:
+        return "the call is causal"
+    if not problem.scale > 0.0:
+        return f"scale {problem.scale} is not positive (the kernel takes max(scale * s) as scale * max(s))"
+    return None
+
+
+def query_tiles(problem: MhaProblem, rows: int) -> int:
+    """Blocks of ``rows`` query rows of one (b, h) the call has: ceil(S / rows) * B * N."""
+    g = problem.geometry
+    return -(-g.q_seq // rows) * g.batch * g.num_heads
+
+
+def prefers_warp_specialized(problem: MhaProblem) -> bool:
+    """Head tile 128 always (4 x 2048 x 16 heads: 237 µs against 288 for the wgmma default, H200); head 64 from
+    WS_HEAD64_MIN_TILES query tiles on (see there)."""
+    g = problem.geometry
+    if head_dim_tile(g.head_size, g.v_head_size) == 128:
+        return True
+    return query_tiles(problem, WS_BLOCK_M) >= WS_HEAD64_MIN_TILES
+
+
 def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str) -> Tile:
-    """The tile, and with it the kernel, of a fused call: a WgmmaTile where wgmma_unsupported_reason says None,
-    else flash_attention_mma's default tile (float32 calls ignore it)."""
+    """The tile, and with it the kernel, of a fused call: a WsTile where ws_unsupported_reason says None and
+    prefers_warp_specialized, else a WgmmaTile where wgmma_unsupported_reason says None, else
+    flash_attention_mma's default tile (float32 calls ignore it)."""
+    if ws_unsupported_reason(problem, operand_dtype, capability) is None and prefers_warp_specialized(problem):
+        return WsTile()
     if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
         return default_wgmma_tile(problem)
     return default_tile(problem)
@@ -235,6 +305,9 @@ def shared_bytes(problem: MhaProblem, tile: Optional[Tile] = None) -> int:
         floats = FP32_BLOCK_M * ld + stages * (FP32_BLOCK_N * ld + FP32_BLOCK_N * head_dim) + FP32_BLOCK_N * FP32_LDT
         return 4 * floats
     tile = tile or default_tile(problem)
+    if isinstance(tile, WsTile):  # Q, WS_STAGES x (K, V), the mbarriers; no bias tile (plain calls only)
+        rows = tile.block_m + 2 * WS_STAGES * tile.block_n
+        return WGMMA_SMEM_ALIGN + rows * head_dim * ELEMENT_BYTES[problem.dtype] + WS_BARRIER_BYTES
     rows = tile.block_m + 4 * tile.block_n  # Q, two K buffers, two V buffers
     if isinstance(tile, WgmmaTile):  # unpadded swizzled rows, aligned to 1024 bytes inside the allocation
         nbytes = WGMMA_SMEM_ALIGN + rows * head_dim * ELEMENT_BYTES[problem.dtype]
@@ -287,6 +360,8 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = 
     if problem.dtype == "float32":
         return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
     tile = tile or default_tile(problem)
+    if isinstance(tile, WsTile):
+        return f"flash_attention_ws<{elem}, {head_dim}, {tile.block_n}>"
     if isinstance(tile, WgmmaTile):
         return (f"flash_attention_wgmma<{elem}, {head_dim}, {tile.block_m}, {tile.block_n}, {mma_features(problem)}, "
                 f"{str(tile.overlap).lower()}>")  # fmt: skip
@@ -296,6 +371,7 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = 
 # ----------------------------------------------------------------------------------------------- the launch
 _kernels: dict = {}
 _capabilities: dict = {}
+_sm_counts: dict = {}
 _lock = threading.Lock()
 
 
@@ -309,28 +385,50 @@ def device_capability(device_id: int) -> str:
     return capability
 
 
-def get_fused_kernel(device_id: int, name: str, shared: int):
-    """The compiled instantiation ``name`` on ``device_id`` with its dynamic shared-memory limit raised to
-    ``shared`` bytes when needed (call with that device current). flash_attention_wgmma instantiations are
-    compiled for sm_90a (kernels.compile_arch_kernel); the others through CuPy's NVRTC path."""
+def device_sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of ``device_id`` (the persistent kernel's grid), asked once per device."""
+    count = _sm_counts.get(device_id)
+    if count is None:
+        import cupy
+
+        count = _sm_counts[device_id] = int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+    return count
+
+
+ARCH_SOURCES = {"flash_attention_wgmma<": WGMMA_SOURCE_FILE, "flash_attention_ws<": WS_SOURCE_FILE}  # sm_90a code
+
+
+def compile_fused_kernel(device_id: int, name: str, code: Optional[str] = None):
+    """Compile instantiation ``name`` from ``code`` (default: the shipped file of its kernel family):
+    flash_attention_wgmma and flash_attention_ws for sm_90a (kernels.compile_arch_kernel, cached on disk), the
+    others through CuPy's NVRTC path. No memoisation here (get_fused_kernel's)."""
     import cupy
 
     from mha_ep.ops.backends.cuda.kernels import COMPILE_OPTIONS, compile_arch_kernel, kernel_source
 
+    arch_source = next((file for prefix, file in ARCH_SOURCES.items() if name.startswith(prefix)), None)
+    if arch_source is not None:
+        return compile_arch_kernel(device_id, code or kernel_source(arch_source), name, HOPPER_ARCH, COMPILE_OPTIONS)
+    module = cupy.RawModule(code=code or kernel_source(SOURCE_FILE), options=COMPILE_OPTIONS + ("--std=c++17",),
+                            name_expressions=[name])  # fmt: skip
+    return module.get_function(name)
+
+
+def raise_shared_limit(kernel, shared: int) -> None:
+    """Let ``kernel`` launch with ``shared`` dynamic bytes (above 48 KiB a kernel must opt in)."""
+    if shared > DEFAULT_SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+
+
+def get_fused_kernel(device_id: int, name: str, shared: int):
+    """The compiled instantiation ``name`` on ``device_id`` (compile_fused_kernel, memoised for the process) with
+    its dynamic shared-memory limit raised to ``shared`` bytes when needed (call with that device current)."""
     key = (device_id, name)
     with _lock:
         kernel = _kernels.get(key)
         if kernel is None:
-            if name.startswith("flash_attention_wgmma<"):
-                kernel = compile_arch_kernel(device_id, kernel_source(WGMMA_SOURCE_FILE), name, HOPPER_ARCH,
-                                             COMPILE_OPTIONS)  # fmt: skip
-            else:
-                module = cupy.RawModule(code=kernel_source(SOURCE_FILE), options=COMPILE_OPTIONS + ("--std=c++17",),
-                                        name_expressions=[name])  # fmt: skip
-                kernel = module.get_function(name)
-            _kernels[key] = kernel
-        if shared > DEFAULT_SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:
-            kernel.max_dynamic_shared_size_bytes = shared
+            kernel = _kernels[key] = compile_fused_kernel(device_id, name)
+        raise_shared_limit(kernel, shared)
     return kernel
 
 
@@ -368,8 +466,9 @@ def run_fused(
           keep flags; None when the call has none;
     out_BSD: device float32 (B, S, N*Hv), every element written (rounded to the call's dtype first);
     stream: a cupy Stream to launch on (default: the current stream);
-    tile: f16/bf16 only: the kernel and its tile, an MmaTile or a WgmmaTile (default: choose_tile for this device;
-          the timing script and the tests name others; a WgmmaTile must pass wgmma_unsupported_reason).
+    tile: f16/bf16 only: the kernel and its tile, an MmaTile, WgmmaTile or WsTile (default: choose_tile for this
+          device; the timing script and the tests name others; a WgmmaTile must pass wgmma_unsupported_reason,
+          a WsTile ws_unsupported_reason).
     """
     import cupy
 
@@ -396,18 +495,22 @@ def run_fused(
     if problem.dtype != "float32":
         if tile is None:
             tile = choose_tile(problem, operand_dtype, device_capability(device_id))
-        elif isinstance(tile, WgmmaTile):
-            reason = wgmma_unsupported_reason(problem, operand_dtype, device_capability(device_id))
+        elif isinstance(tile, (WgmmaTile, WsTile)):
+            rule = ws_unsupported_reason if isinstance(tile, WsTile) else wgmma_unsupported_reason
+            reason = rule(problem, operand_dtype, device_capability(device_id))
             if reason is not None:
-                raise ValueError(f"fused attention: tile {tile.label} needs the wgmma kernel, which cannot run this "
-                                 f"call: {reason}")  # fmt: skip
+                kernel = "warp-specialized" if isinstance(tile, WsTile) else "wgmma"
+                raise ValueError(f"fused attention: tile {tile.label} needs the {kernel} kernel, which cannot run "
+                                 f"this call: {reason}")  # fmt: skip
     name = kernel_name(problem, operand_dtype, tile)
     shared = shared_bytes(problem, tile)
     if shared > SHARED_LIMIT:
         raise ValueError(f"fused attention: tile {tile.label} needs {shared} bytes of shared "
                          f"memory for this call, more than the {SHARED_LIMIT} a block can have")  # fmt: skip
     threads = FP32_THREADS if problem.dtype == "float32" else tile.threads
-    blocks = -(-g.q_seq // block_m(problem, tile)) * g.batch * n
+    blocks = query_tiles(problem, block_m(problem, tile))
+    if isinstance(tile, WsTile):  # persistent: one block per SM walks the query tiles
+        blocks = min(blocks, device_sm_count(device_id))
 
     def ptr(address: Optional[int]) -> np.uint64:
         return np.uint64(0 if address is None else address)

@@ -1,0 +1,387 @@
+// Fused attention on Hopper, warp-specialized (FlashAttention-3's scheme, with cp.async in place of TMA), for
+// plain calls: no padding mask, no attention_bias, not causal, scale > 0 (fused.py ws_unsupported_reason). Same
+// arithmetic as flash_attention_wgmma's plain tiles (S and P.V on wgmma, fp32 online softmax, P rounded to ELEM
+// for P.V, out = O / l rounded to ELEM), same kernel parameters (the mask ones unused), same layouts (its header
+// states the swizzle, descriptors and accumulator layout; wgmma_common.cuh holds the shared pieces).
+//
+// Why: flash_attention_wgmma syncs the whole block before each key tile's buffers are reused, so its warpgroups
+// reach their softmax together and leave the tensor cores idle together; with head 128 its registers also rule
+// out overlapping the steps. On the H200's 4,2048,2048,16,128 f16 row it took 288 µs against stock ORT CUDA's
+// 234 µs; this kernel takes about 237 (docs/BENCH.md). Measured variants (.device experiments, same row): one
+// block per tile instead of persistent 243 µs; without ping-pong 262; without the overlap 259; 3 K/V stages 239;
+// 176 or 192 keys per step 236-242 (192 spills at 232 registers).
+//
+// Block = 3 warpgroups (384 threads), one SM each (shared memory: Q 128 rows + 2 stages of K and V tiles):
+//   warpgroup 0, producer (registers cut to 40, setmaxnreg): copies the block's Q tile (128 query rows) and its
+//     K and V tiles of BLOCK_N keys into a ring of STAGES buffers with cp.async (16-byte chunks, 128-byte
+//     swizzle); each copy arrives on a "full" mbarrier when it lands (cp.async.mbarrier.arrive.noinc); a buffer
+//     is refilled after both consumers arrived on its "empty" mbarrier, the Q tile after both released it;
+//   warpgroups 1 and 2, consumers (registers raised to 232): 64 query rows each. Per key tile j a consumer waits
+//     for K_j and V_{j-1}, issues S_j = Q . K_j^T and O += P_{j-1} . V_{j-1} (two commit groups), waits for S_j,
+//     releases K_j, runs the softmax of S_j while the P.V still runs (intra-warpgroup overlap), waits for it,
+//     releases V_{j-1}, rescales O and packs P_j. The first tile has no P.V before it, the last P.V none after.
+//   Ping-pong: the consumers take turns issuing their wgmma (named barriers 1 and 2, 256 threads: one consumer's
+//     sync and the other's arrive), so one's softmax runs while the other's products hold the tensor cores.
+//   Persistent: gridDim.x blocks (fused.py: the SM count, at most the tile count) walk the (b, h, query tile) list
+//     with stride gridDim.x, in flash_attention_wgmma's order; the producer loads the next tile's Q, K and V while
+//     the consumers finish and store the previous one.
+// Proxy rule: cp.async writes are generic-proxy writes and wgmma reads through the async proxy, so a consumer
+// executes fence.proxy.async after acquiring a "full" barrier, before its wgmma.
+// The keys past T of the last tile are -inf (K rows past T are zero-filled; V rows too, so P.V adds nothing).
+//
+// Index rule as in layout.cu: every product that can pass 2^31 is formed in long long by casting its FIRST factor.
+#include "wgmma_common.cuh"
+
+#define WS_THREADS 384
+#define WS_PRODUCER_REGISTERS 40
+#define WS_CONSUMER_REGISTERS 232  // 40 + 2 x 232 = 504 of the 512 a thread slot of the SM's register file allows
+#define WS_STAGES 2
+#define WS_BLOCK_M 128  // two consumers of WARPGROUP_ROWS
+
+namespace ws_detail {
+using namespace wgmma_detail;
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWS_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@p bra WS_DONE;\nbra WS_WAIT;\nWS_DONE:\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// One arrival of this thread on the mbarrier once all of its earlier cp.async have completed.
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Ping-pong turns: consumer c waits on barrier 1 + c (its 128 threads sync, the other consumer's 128 arrive).
+__device__ __forceinline__ void turn_wait(int consumer) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int consumer) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+}
+// Consumer 0's arrival on its own barrier before its first wait: it takes the first turn. (Each consumer waits
+// once per turn; consumer 0 waits once more at the end, for consumer 1's last pass.)
+__device__ __forceinline__ void first_turn_to_consumer_0() { asm volatile("bar.arrive 1, 256;\n" ::: "memory"); }
+
+template <typename ELEM, int HEAD_DIM, int BLOCK_N>
+__device__ __forceinline__ void issue_s(float (&s)[BLOCK_N / 2], unsigned q_rows_at, unsigned k_at) {
+#pragma unroll
+  for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+    const unsigned in_atom = (ks % 4) * 32;  // 16 elements into atom ks / 4
+    Ops<ELEM, BLOCK_N>::s(s, swizzled_desc(q_rows_at + (ks / 4) * WS_BLOCK_M * ATOM_BYTES + in_atom),
+                          swizzled_desc(k_at + (ks / 4) * BLOCK_N * ATOM_BYTES + in_atom), ks > 0);
+  }
+}
+template <typename ELEM, int ATOMS, int BLOCK_N>
+__device__ __forceinline__ void issue_pv(float (&o_acc)[ATOMS][32], const unsigned (&p)[BLOCK_N / 16][4],
+                                         unsigned v_at) {
+#pragma unroll
+  for (int kt = 0; kt < BLOCK_N / 16; ++kt)
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a)
+      Ops<ELEM, BLOCK_N>::o(o_acc[a], p[kt], swizzled_desc(v_at + a * BLOCK_N * ATOM_BYTES + kt * 16 * ATOM_BYTES));
+}
+
+// The online softmax of one S tile in place: s becomes p = exp(scale * s - m_new) (fp32, unnormalized); updates
+// the rows' running max m and sum l (this thread's columns) and returns alpha = exp(m_old - m_new). As the plain
+// tiles of flash_attention_wgmma: scale > 0, so max(scale * s) = scale * max(s); the scale is folded into the
+// exponent's FMA unless a row max is so large that the fold would lose the difference.
+template <int BLOCK_N>
+__device__ __forceinline__ void softmax_tile(float (&s)[BLOCK_N / 2], int n0, int total_seq, int tig, float scale,
+                                             float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2]) {
+  constexpr int S_BLOCKS = BLOCK_N / 8;
+  if (n0 + BLOCK_N > total_seq) {
+#pragma unroll
+    for (int i = 0; i < S_BLOCKS; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        if (n0 + 8 * i + 2 * tig + (c & 1) >= total_seq) s[4 * i + c] = NEG_INFINITY;
+  }
+  float part_max[2][4];  // four independent chains over the n8 blocks, then the quad
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    part_max[0][i] = fmaxf(s[4 * i], s[4 * i + 1]);
+    part_max[1][i] = fmaxf(s[4 * i + 2], s[4 * i + 3]);
+  }
+#pragma unroll
+  for (int i = 4; i < S_BLOCKS; ++i) {
+    part_max[0][i % 4] = fmaxf(part_max[0][i % 4], fmaxf(s[4 * i], s[4 * i + 1]));
+    part_max[1][i % 4] = fmaxf(part_max[1][i % 4], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+  }
+  float max_used[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float tile_max = fmaxf(fmaxf(part_max[r][0], part_max[r][1]), fmaxf(part_max[r][2], part_max[r][3]));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const float m_new = fmaxf(row_max[r], tile_max * scale);
+    max_used[r] = (m_new == NEG_INFINITY) ? 0.0f : m_new;  // (no finite logit yet: subtract 0, no NaN)
+    alpha[r] = fast_exp2((row_max[r] - max_used[r]) * LOG2E);
+    row_max[r] = m_new;
+  }
+  float tile_sum[2] = {0.0f, 0.0f};
+  if (__all_sync(0xffffffffu, fabsf(max_used[0]) < 1e30f && fabsf(max_used[1]) < 1e30f)) {
+    const float scale_log2 = scale * LOG2E;
+    const float neg_max_log2[2] = {-max_used[0] * LOG2E, -max_used[1] * LOG2E};
+#pragma unroll
+    for (int i = 0; i < S_BLOCKS * 4; ++i) {
+      const int r = (i >> 1) & 1;
+      const float p = fast_exp2(fmaf(s[i], scale_log2, neg_max_log2[r]));
+      s[i] = p;
+      tile_sum[r] += p;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < S_BLOCKS * 4; ++i) {
+      const int r = (i >> 1) & 1;
+      const float p = fast_exp2((s[i] * scale - max_used[r]) * LOG2E);
+      s[i] = p;
+      tile_sum[r] += p;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * alpha[r] + tile_sum[r];
+}
+
+template <int ATOMS>
+__device__ __forceinline__ void rescale(float (&o_acc)[ATOMS][32], const float (&alpha)[2]) {
+#pragma unroll
+  for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      o_acc[a][4 * i] *= alpha[0];
+      o_acc[a][4 * i + 1] *= alpha[0];
+      o_acc[a][4 * i + 2] *= alpha[1];
+      o_acc[a][4 * i + 3] *= alpha[1];
+    }
+}
+
+// P's A fragment of key slice kt is S's n8 blocks 2 kt, 2 kt + 1, rounded to ELEM.
+template <typename ELEM, int BLOCK_N>
+__device__ __forceinline__ void pack_p(unsigned (&p)[BLOCK_N / 16][4], const float (&s)[BLOCK_N / 2]) {
+#pragma unroll
+  for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
+    p[kt][0] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt], s[8 * kt + 1]);
+    p[kt][1] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 2], s[8 * kt + 3]);
+    p[kt][2] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 4], s[8 * kt + 5]);
+    p[kt][3] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 6], s[8 * kt + 7]);
+  }
+}
+
+template <int ATOMS>
+__device__ __forceinline__ void fence_accumulators(float (&o_acc)[ATOMS][32]) {
+#pragma unroll
+  for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+}
+
+}  // namespace ws_detail
+
+template <typename ELEM, int HEAD_DIM, int BLOCK_N>
+__global__ void __launch_bounds__(WS_THREADS, 1)
+    flash_attention_ws(const ELEM* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
+                       const float* __restrict__ bias_q, const ELEM* __restrict__ k, long long stride_kb,
+                       long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
+                       const ELEM* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
+                       const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
+                       int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
+                       const unsigned char* __restrict__ keep, float mask_filter_value, int causal,
+                       int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
+                       int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
+  using namespace wgmma_detail;
+  using namespace ws_detail;
+  static_assert(sizeof(ELEM) == 2, "f16/bf16 operands");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head tiles of whole 64-element atoms");
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tiles of the wgmma_ss widths");
+  constexpr int ATOMS = HEAD_DIM / 64;
+  constexpr int Q_BYTES = WS_BLOCK_M * HEAD_DIM * 2;
+  constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned smem_raw_at = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
+  const unsigned q_tile = (smem_raw_at + 1023u) & ~1023u;  // Q_BYTES
+  const unsigned k_tiles = q_tile + Q_BYTES;                // WS_STAGES x KV_BYTES
+  const unsigned v_tiles = k_tiles + WS_STAGES * KV_BYTES;  // WS_STAGES x KV_BYTES
+  const unsigned bars = v_tiles + WS_STAGES * KV_BYTES;     // 8-byte mbarriers (fused.py shared_bytes)
+  const unsigned q_full = bars;
+  const unsigned q_empty = bars + 8u;
+  auto full_k = [&](int stage) { return bars + 8u * (2 + stage); };
+  auto full_v = [&](int stage) { return bars + 8u * (2 + WS_STAGES + stage); };
+  auto empty_k = [&](int stage) { return bars + 8u * (2 + 2 * WS_STAGES + stage); };
+  auto empty_v = [&](int stage) { return bars + 8u * (2 + 3 * WS_STAGES + stage); };
+
+  const int q_tiles = (q_seq + WS_BLOCK_M - 1) / WS_BLOCK_M;
+  const long long tiles = (long long)q_tiles * batch * heads;
+  const int n_tiles = (total_seq + BLOCK_N - 1) / BLOCK_N;
+  const int wg = threadIdx.x / WARPGROUP_THREADS;
+
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, WARPGROUP_THREADS);      // the producer's threads, once their copies landed
+    mbar_init(q_empty, 2 * WARPGROUP_THREADS);  // both consumers
+    for (int stage = 0; stage < WS_STAGES; ++stage) {
+      mbar_init(full_k(stage), WARPGROUP_THREADS);
+      mbar_init(full_v(stage), WARPGROUP_THREADS);
+      mbar_init(empty_k(stage), 2 * WARPGROUP_THREADS);
+      mbar_init(empty_v(stage), 2 * WARPGROUP_THREADS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  // K/V tile number `it` over all of this block's query tiles: buffer it % WS_STAGES, its (it / WS_STAGES)-th
+  // use; the barriers of that buffer complete once per use, so their phase parity is (it / WS_STAGES) & 1.
+  if (wg == 0) {  // ------------------------------------------------------------------------------ producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGISTERS));
+    int it = 0;
+    int done = 0;
+    for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
+      const long long bh = tile / q_tiles;
+      const int m0 = (q_tiles - 1 - (int)(tile % q_tiles)) * WS_BLOCK_M;
+      const int b = (int)(bh / heads);
+      const int h = (int)(bh % heads);
+      const ELEM* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
+      const ELEM* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
+      const ELEM* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
+      if (done > 0) mbar_wait(q_empty, (done - 1) & 1);
+      {
+        const SwizzledTileCopy<ELEM, WS_BLOCK_M, HEAD_DIM, WARPGROUP_THREADS> q_copy(q_rows, stride_qs, head_size);
+        q_copy.copy(q_tile, 0, q_seq - m0);
+        cp_async_arrive(q_full);
+      }
+      const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM, WARPGROUP_THREADS> k_copy(k_rows, stride_ks, head_size);
+      const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM, WARPGROUP_THREADS> v_copy(v_rows, stride_vs, v_head_size);
+      for (int j = 0; j < n_tiles; ++j, ++it) {
+        const int stage = it % WS_STAGES;
+        const int use = it / WS_STAGES;
+        const int n0 = j * BLOCK_N;
+        if (use > 0) mbar_wait(empty_k(stage), (use - 1) & 1);
+        k_copy.copy(k_tiles + stage * KV_BYTES, n0, total_seq - n0);
+        cp_async_arrive(full_k(stage));
+        if (use > 0) mbar_wait(empty_v(stage), (use - 1) & 1);
+        v_copy.copy(v_tiles + stage * KV_BYTES, n0, total_seq - n0);
+        cp_async_arrive(full_v(stage));
+      }
+    }
+    cp_async_wait_all();  // (the block's shared memory must outlive the copies)
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------------------ consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGISTERS));
+  const int c = wg - 1;                                     // rows 64 c .. 64 c + 63 of the query tile
+  const int warp = (threadIdx.x - WARPGROUP_THREADS) / 32;  // rows 16 warp .. 16 warp + 15
+  const int lane = threadIdx.x % 32;
+  const int g = lane >> 2;
+  const int tig = lane & 3;
+  const unsigned q_rows_at = q_tile + c * WARPGROUP_ROWS * ATOM_BYTES;
+  if (c == 0) first_turn_to_consumer_0();
+  int it = 0;
+  int done = 0;
+  for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
+    const long long bh = tile / q_tiles;
+    const int m0 = (q_tiles - 1 - (int)(tile % q_tiles)) * WS_BLOCK_M;
+    const int b = (int)(bh / heads);
+    const int h = (int)(bh % heads);
+    const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
+    float o_acc[ATOMS][32];
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) o_acc[a][i] = 0.0f;
+    float row_max[2] = {NEG_INFINITY, NEG_INFINITY};
+    float row_sum[2] = {0.0f, 0.0f};
+    float alpha[2];
+    float s[BLOCK_N / 2];
+    unsigned p[BLOCK_N / 16][4];
+    mbar_wait(q_full, done & 1);
+
+    {  // key tile 0: S only
+      const int stage = it % WS_STAGES;
+      mbar_wait(full_k(stage), (it / WS_STAGES) & 1);
+      fence_proxy_async();
+      turn_wait(c);
+      wgmma_fence();
+      issue_s<ELEM, HEAD_DIM, BLOCK_N>(s, q_rows_at, k_tiles + stage * KV_BYTES);
+      wgmma_commit();
+      turn_pass(c);
+      wgmma_wait_all();
+      fence_operands(s);
+      mbar_arrive(empty_k(stage));
+      if (n_tiles == 1) mbar_arrive(q_empty);
+      softmax_tile<BLOCK_N>(s, 0, total_seq, tig, scale, row_max, row_sum, alpha);
+      pack_p<ELEM, BLOCK_N>(p, s);
+    }
+    for (int j = 1; j < n_tiles; ++j) {
+      const int stage = (it + j) % WS_STAGES;
+      const int prev = (it + j - 1) % WS_STAGES;
+      mbar_wait(full_k(stage), ((it + j) / WS_STAGES) & 1);
+      mbar_wait(full_v(prev), ((it + j - 1) / WS_STAGES) & 1);
+      fence_proxy_async();
+      fence_accumulators(o_acc);
+      fence_operands(p);
+      turn_wait(c);
+      wgmma_fence();
+      issue_s<ELEM, HEAD_DIM, BLOCK_N>(s, q_rows_at, k_tiles + stage * KV_BYTES);
+      wgmma_commit();
+      issue_pv<ELEM, ATOMS, BLOCK_N>(o_acc, p, v_tiles + prev * KV_BYTES);
+      wgmma_commit();
+      turn_pass(c);
+      wgmma_wait_all_but_newest();  // S_j is done; the P.V may still run
+      fence_operands(s);
+      mbar_arrive(empty_k(stage));
+      if (j == n_tiles - 1) mbar_arrive(q_empty);  // this consumer's last read of the Q tile
+      softmax_tile<BLOCK_N>(s, j * BLOCK_N, total_seq, tig, scale, row_max, row_sum, alpha);
+      wgmma_wait_all();
+      fence_accumulators(o_acc);
+      fence_operands(p);
+      mbar_arrive(empty_v(prev));
+      rescale<ATOMS>(o_acc, alpha);
+      pack_p<ELEM, BLOCK_N>(p, s);
+    }
+    {  // the last tile's P.V
+      const int prev = (it + n_tiles - 1) % WS_STAGES;
+      mbar_wait(full_v(prev), ((it + n_tiles - 1) / WS_STAGES) & 1);
+      fence_proxy_async();
+      fence_accumulators(o_acc);
+      fence_operands(p);
+      turn_wait(c);
+      wgmma_fence();
+      issue_pv<ELEM, ATOMS, BLOCK_N>(o_acc, p, v_tiles + prev * KV_BYTES);
+      wgmma_commit();
+      turn_pass(c);
+      wgmma_wait_all();
+      fence_accumulators(o_acc);
+      mbar_arrive(empty_v(prev));
+    }
+    it += n_tiles;
+
+    // out = O / l (l summed over the quad), rounded to ELEM, stored as float32 BSNH.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (rows[r] >= q_seq) continue;
+      const float inv = 1.0f / row_sum[r];
+      const long long out_row = (((long long)b * q_seq + rows[r]) * heads + h) * v_head_size;
+#pragma unroll
+      for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int d = a * 64 + i * 8 + tig * 2;
+          if (d >= v_head_size) continue;
+          const float2 pair = make_float2(round_to<ELEM>(o_acc[a][4 * i + 2 * r] * inv),
+                                          round_to<ELEM>(o_acc[a][4 * i + 2 * r + 1] * inv));
+          *reinterpret_cast<float2*>(out_BSD + out_row + d) = pair;
+        }
+    }
+  }
+  if (c == 0) turn_wait(0);  // consumer 1's last pass
+}

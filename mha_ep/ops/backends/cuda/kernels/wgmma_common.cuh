@@ -1,0 +1,119 @@
+// Pieces shared by the Hopper kernels (flash_attention_wgmma.cu, flash_attention_ws.cu): wgmma fences and waits,
+// shared-memory descriptors of the 128-byte swizzle, the Ops wrappers per element type and the swizzled cp.async
+// tile copy. The layouts they assume are stated in flash_attention_wgmma.cu's header.
+#pragma once
+#include "flash_common.cuh"
+#include "wgmma_ops.cuh"
+
+#define WARPGROUP_THREADS 128  // four warps issue one wgmma
+#define WARPGROUP_ROWS 64      // query rows of one warpgroup: the M of every wgmma
+#define ATOM_BYTES 128         // one swizzle atom row: 64 f16/bf16 elements
+
+namespace wgmma_detail {
+
+// cp.async writes go through the generic proxy; wgmma reads shared memory through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Wait until at most the newest committed wgmma group is still running.
+__device__ __forceinline__ void wgmma_wait_all_but_newest() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
+// Compiler-level fences on registers a wgmma reads or writes: every access before stays before (CUTLASS's
+// warpgroup_fence_operand), placed around the asynchronous instructions.
+template <int N> __device__ __forceinline__ void fence_operands(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void fence_operands(unsigned (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// Shared-memory matrix descriptor of a tile in the 128-byte swizzle.
+__device__ __forceinline__ unsigned long long descriptor(unsigned smem_addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((smem_addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+         ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ unsigned long long swizzled_desc(unsigned smem_addr) { return descriptor(smem_addr, 16, 1024); }
+
+template <typename ELEM, int BLOCK_N> struct Ops;
+template <int BLOCK_N> struct Ops<__half, BLOCK_N> {
+  static __device__ __forceinline__ void s(float (&d)[BLOCK_N / 2], unsigned long long a, unsigned long long b,
+                                           int accumulate) {
+    if constexpr (BLOCK_N == 128) {
+      wgmma_ss_m64n128k16_f16(d, a, b, accumulate);
+    } else {
+      wgmma_ss_m64n64k16_f16(d, a, b, accumulate);
+    }
+  }
+  static __device__ __forceinline__ void o(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
+    wgmma_rs_m64n64k16_f16_transb(d, a, b);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);  // .x (low 16 bits) = lo: the lower key of the pair
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+};
+template <int BLOCK_N> struct Ops<__nv_bfloat16, BLOCK_N> {
+  static __device__ __forceinline__ void s(float (&d)[BLOCK_N / 2], unsigned long long a, unsigned long long b,
+                                           int accumulate) {
+    if constexpr (BLOCK_N == 128) {
+      wgmma_ss_m64n128k16_bf16(d, a, b, accumulate);
+    } else {
+      wgmma_ss_m64n64k16_bf16(d, a, b, accumulate);
+    }
+  }
+  static __device__ __forceinline__ void o(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
+    wgmma_rs_m64n64k16_bf16_transb(d, a, b);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+};
+
+// One thread's share of copying ROWS x HEAD_DIM ELEM tiles into the swizzled atom layout with cp.async, addresses
+// formed once: the thread copies 16-byte chunk `chunk` of rows row0, row0 + ROW_STEP, ... (ROW_STEP is a multiple
+// of 8, so every row it copies has the same swizzle). Rows past `rows_valid` and columns past the operand's head
+// size are zero-filled (they add nothing to a dot product or to P.V).
+template <typename ELEM, int ROWS, int HEAD_DIM, int THREADS> struct SwizzledTileCopy {
+  static constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+  static constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+  static constexpr int PASSES = ROWS / ROW_STEP;
+  static_assert(ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "rows of one thread share a swizzle phase");
+  const ELEM* src;        // (row0, chunk) of sequence row 0
+  long long stride_s;     // elements from one sequence row to the next
+  long long pass_stride;  // ROW_STEP rows
+  int row0;
+  unsigned smem_at;  // byte offset of (row0, chunk) in a tile
+  bool col_valid;
+
+  __device__ __forceinline__ SwizzledTileCopy(const ELEM* rows, long long stride, int dim) {
+    row0 = threadIdx.x / CHUNKS_PER_ROW;
+    const int chunk = threadIdx.x % CHUNKS_PER_ROW;
+    col_valid = chunk * 8 < dim;
+    stride_s = stride;
+    pass_stride = stride * ROW_STEP;
+    src = rows + (long long)row0 * stride + chunk * 8;
+    const int atom = chunk / 8;
+    smem_at = atom * ROWS * ATOM_BYTES + row0 * ATOM_BYTES + (((chunk % 8) ^ (row0 % 8)) << 4);
+  }
+  // Sequence rows [first, first + ROWS) into the tile at shared address `tile`.
+  __device__ __forceinline__ void copy(unsigned tile, int first, int rows_valid) const {
+    const ELEM* g = src + (long long)first * stride_s;
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const bool valid = col_valid && row0 + pass * ROW_STEP < rows_valid;
+      const unsigned dst = tile + smem_at + pass * ROW_STEP * ATOM_BYTES;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(valid ? g : src),
+                   "r"(valid ? 16 : 0));
+      g += pass_stride;
+    }
+  }
+};
+
+}  // namespace wgmma_detail
