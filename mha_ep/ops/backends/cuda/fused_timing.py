@@ -5,7 +5,7 @@ three-phase path, all measured in one run on one GPU.
     PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.fused_timing --compare OTHER.cu [MORE.cu ...] [--only TEXT]
 
 ``--compare`` times kernel sources side by side instead: the shipped kernels and each OTHER.cu (a variant of
-flash_attention.cu or flash_attention_wgmma.cu with the same kernel names and parameters, e.g. an older revision
+flash_attention.cu, flash_attention_wgmma.cu or flash_attention_ws.cu with the same kernel names and parameters, e.g. an older revision
 from ``git show REV:path`` or an experiment; kernels it does not define are the shipped ones), every one on the
 same inputs and default tile, with each output's largest |Δ| from the shipped kernel's. The kernel's speed moves
 with code that never runs (the compiler schedules the whole loop), so a change is judged by this table.
@@ -18,8 +18,8 @@ already on the device: random normals rounded to the dtype, never zeros. Columns
                   operands the layout mover builds (q_BNSH, k_BNTH, v_BNTH in the call's dtype); the fused path's
                   kernel-only time;
   tiles:          f16/bf16 only: the same for each tile of TILES (BLOCK_M x BLOCK_N; "wg": the wgmma kernel, on
-                  a compute capability 9.0 device, with a trailing "s" when its steps do not overlap), best
-                  marked *;
+                  a compute capability 9.0 device, with a trailing "s" when its steps do not overlap; "ws": the
+                  warp-specialized kernel, plain calls only), best marked *;
   TFLOP/s:        4*B*N*S*T*H / fused time (halved for causal), DESIGN.md's FLOP model;
   fused staged:   flash_attention_mma reading the staged float32 BSNH arrays directly (rounding on load): the whole
                   device part of a call that needs no layout step;
@@ -59,7 +59,8 @@ ANCHORS = (
 GRAPH_LAUNCHES = 10
 TILE_AGREEMENT = 1e-2  # largest |Δ| between a tile's output and the default tile's (fp32 accumulation, P in f16)
 TILES = (fused.MmaTile(64, 64), fused.MmaTile(128, 64), fused.MmaTile(64, 128), fused.MmaTile(128, 128),
-         fused.WgmmaTile(64), fused.WgmmaTile(128), fused.WgmmaTile(64, 128, False), fused.WgmmaTile(128, 128, False))  # fmt: skip
+         fused.WgmmaTile(64), fused.WgmmaTile(128), fused.WgmmaTile(64, 128, False), fused.WgmmaTile(128, 128, False),
+         fused.WsTile())  # fmt: skip
 
 
 def graph_us(cupy, launch, repeats: int, warmup: int = 3) -> float:
@@ -171,28 +172,21 @@ def torch_sdpa(torch, anchor: Anchor, extra):
     return launch, result
 
 
-def source_getter(cupy, source: str, shipped):
+def source_getter(source: str, shipped):
     """A stand-in for fused.get_fused_kernel that compiles the kernels ``source`` defines (a variant of
-    flash_attention.cu or of flash_attention_wgmma.cu) and takes the others from ``shipped``."""
-    from mha_ep.ops.backends.cuda.kernels import COMPILE_OPTIONS, compile_arch_kernel, expand_includes
+    flash_attention.cu, flash_attention_wgmma.cu or flash_attention_ws.cu) and takes the others from ``shipped``."""
+    from mha_ep.ops.backends.cuda.kernels import expand_includes
 
     code = expand_includes(source)
     compiled = {}
 
     def get(device_id, name, shared):
-        family = name.split("<")[0]
-        if f"{family}(" not in code:
+        if f"{name.split('<')[0]}(" not in code:
             return shipped(device_id, name, shared)
         kernel = compiled.get(name)
         if kernel is None:
-            if family == "flash_attention_wgmma":
-                kernel = compile_arch_kernel(device_id, code, name, fused.HOPPER_ARCH, COMPILE_OPTIONS)
-            else:
-                module = cupy.RawModule(code=code, options=COMPILE_OPTIONS + ("--std=c++17",), name_expressions=[name])
-                kernel = module.get_function(name)
-            compiled[name] = kernel
-        if shared > fused.DEFAULT_SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:
-            kernel.max_dynamic_shared_size_bytes = shared
+            kernel = compiled[name] = fused.compile_fused_kernel(device_id, name, code)
+        fused.raise_shared_limit(kernel, shared)
         return kernel
 
     return get
@@ -204,7 +198,7 @@ def compare_sources(cupy, paths, repeats: int, only=None) -> None:
 
     shipped_getter = fused.get_fused_kernel
     getters = {"shipped": shipped_getter}
-    getters.update({Path(path).name: source_getter(cupy, Path(path).read_text(), shipped_getter) for path in paths})
+    getters.update({Path(path).name: source_getter(Path(path).read_text(), shipped_getter) for path in paths})
     print(f"µs per launch (median of {repeats} graph replays / {GRAPH_LAUNCHES}); max|Δ| from the shipped kernel")
     print("| shape (B,S,T,N,H) dtype extra | " + " | ".join(getters) + " |")
     print("|---|" + "---|" * len(getters))
@@ -287,7 +281,7 @@ def main(argv=None) -> None:
             for tile in TILES:
                 try:
                     per_tile[tile] = graph_us(cupy, lambda st, tile=tile: anchor.launch("dense", st, tile), args.repeats)
-                except ValueError as error:  # a tile whose shared memory does not fit this call
+                except ValueError as error:  # a tile whose kernel cannot run this call, or whose shared memory does not fit it
                     notes[tile] = f"{tile.label}:n/a ({error})"
                     continue
                 drift = float(np.nanmax(np.abs(cupy.asnumpy(anchor.out) - fused_out)))
