@@ -36,6 +36,7 @@ from mha_ep.ops.backends.cuda.fused import flop_count
 from mha_ep.ops.backends.cuda.timing import ANCHORS, anchor_problem
 
 CPU_FLOP_LIMIT = 5e10
+ORT_DEV_REPEATS = 20  # device-resident ORT CUDA runs are short: more samples than the host columns get
 SWEEP = (256, 512, 1024, 2048, 4096)  # S = T, B=1, N=16, H=64, float16
 
 
@@ -161,24 +162,35 @@ def transport_bytes(problem) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------------------- other providers
 def ort_cuda_available() -> bool:
+    """onnxruntime lists the CUDA provider (a GPU build); its CUDA libraries are preloaded from the Python
+    environment where the build offers that (onnxruntime-gpu >= 1.21: ``preload_dlls``)."""
     try:
         import onnxruntime as ort
 
-        return "CUDAExecutionProvider" in ort.get_available_providers()
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return False
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+        return True
     except Exception:  # noqa: BLE001
         return False
 
 
-def time_ort_cuda(model, feeds, repeats) -> tuple[Optional[float], Optional[float]]:
+def time_ort_cuda(model, feeds, repeats, dev_repeats) -> tuple[Optional[float], Optional[float]]:
+    """(device-resident, host-to-host) seconds per run of stock ORT on CUDA; (None, None) when the session did not
+    get the CUDA provider (ORT falls back to the CPU when the CUDA libraries do not load: that is no CUDA time)."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider"])
+    if "CUDAExecutionProvider" not in session.get_providers():
+        log(f"stock ORT: the session runs on {session.get_providers()}, not CUDA; no ORT CUDA column for this row")
+        return None, None
     host = median_seconds(lambda: session.run(None, feeds), repeats)
     binding = session.io_binding()
     for name, array in feeds.items():
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
     binding.bind_output("output", "cuda")
-    dev = median_seconds(lambda: session.run_with_iobinding(binding), repeats)
+    dev = median_seconds(lambda: session.run_with_iobinding(binding), dev_repeats)
     return dev, host
 
 
@@ -247,8 +259,9 @@ def bench_row(label, b, s, t, n, h, dtype, extra, backend, bandwidth, repeats, w
         row["ort_cpu_us"] = median_seconds(lambda: stock.run(None, feeds), max(3, repeats // 4)) * 1e6
     row["ort_cuda_dev_us"] = row["ort_cuda_host_us"] = None
     if ort_cuda_available():
-        dev, host = time_ort_cuda(model, feeds, host_repeats)
-        row["ort_cuda_dev_us"], row["ort_cuda_host_us"] = dev * 1e6, host * 1e6
+        dev, host = time_ort_cuda(model, feeds, host_repeats, max(repeats, ORT_DEV_REPEATS))
+        if dev is not None:
+            row["ort_cuda_dev_us"], row["ort_cuda_host_us"] = dev * 1e6, host * 1e6
     sdpa = time_sdpa(problem, dtype, extra, repeats)
     row["sdpa_us"] = None if sdpa is None else sdpa * 1e6
     return row
