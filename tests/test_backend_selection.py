@@ -62,8 +62,9 @@ def test_session_binds_its_own_backend(rng):
         def __init__(self):
             self.calls = 0
 
-        def run(self, problem):
+        def run(self, problem, borrow_outputs=False):
             self.calls += 1
+            self.borrowed = borrow_outputs
             return create_backend("reference").run(problem)
 
     session = mha_ep.InferenceSession(tiny_model(), backend="reference")
@@ -73,6 +74,7 @@ def test_session_binds_its_own_backend(rng):
     feeds = {n: rng.standard_normal((1, 3, 8)).astype(np.float32) for n in "qkv"}
     session.run(None, feeds)
     assert recording.calls == 1
+    assert recording.borrowed  # the op lets the backend hand over views: the bridge copies them at once
 
 
 def test_register_twice_on_the_same_options_loads_the_library_once():

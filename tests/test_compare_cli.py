@@ -62,7 +62,7 @@ def test_compare_flags_a_wrong_backend():
     class OffByOne:
         name, device = "off-by-one", "test"
 
-        def run(self, problem):
+        def run(self, problem, borrow_outputs=False):
             from mha_ep.ops.backends.reference import run_reference
 
             result = run_reference(problem)

@@ -146,6 +146,29 @@ def test_results_are_fresh_arrays_not_the_staging_buffer(backend):
     np.testing.assert_array_equal(first.output_BSDv, kept)
 
 
+def test_borrowed_outputs_are_the_calling_threads_buffer(backend):
+    """borrow_outputs=True (the plugin op): views of this thread's pinned buffer, right values, overwritten by the
+    same thread's next borrowing call only; calls of other threads and plain calls leave them alone."""
+    import threading
+
+    first_problem = make_problem(Case(seed=1, presents=True, p=2), "float16")
+    first = backend.run(first_problem, borrow_outputs=True)
+    assert_matches(first_problem, first)
+    kept = first.output_BSDv.copy()
+    assert not first.output_BSDv.flags.owndata
+
+    other = make_problem(Case(seed=2, presents=True, p=2), "float16")
+    worker = threading.Thread(target=lambda: backend.run(other, borrow_outputs=True))
+    worker.start()
+    worker.join()
+    backend.run(other)  # a plain call: fresh arrays, its own staging
+    np.testing.assert_array_equal(first.output_BSDv, kept)
+
+    second = backend.run(other, borrow_outputs=True)
+    assert_matches(other, second)
+    assert np.shares_memory(second.output_BSDv, first.output_BSDv)  # the same buffer, reused
+
+
 def test_device_string_and_device_range(backend, cupy_module):
     from mha_ep.errors import MhaEpError
     from mha_ep.ops.backends.cuda import CudaBackend

@@ -211,7 +211,7 @@ BUGGY_BACKENDS = """
         name = "broken"
         device = "nowhere"
 
-        def run(self, problem):
+        def run(self, problem, borrow_outputs=False):
             raise RuntimeError("fake backend failure 9001")
 """
 

@@ -44,7 +44,7 @@ def execute(arrays: list, attributes: dict) -> tuple:
             backend = resolve_backend("auto", 0)
             set_default_backend(backend)
         problem = build_problem(ort_attributes, by_slot, dtype, outputs)
-        result = backend.run(problem)
+        result = backend.run(problem, borrow_outputs=True)  # the bridge copies the arrays before this thread's next call
         return (
             result.output_BSDv,
             result.present_key_BNTH if result.present_key_BNTH is not None else EMPTY,

@@ -20,7 +20,10 @@ class Backend(Protocol):
     name: str
     device: str
 
-    def run(self, problem: MhaProblem) -> MhaResult: ...
+    def run(self, problem: MhaProblem, borrow_outputs: bool = False) -> MhaResult:
+        """``borrow_outputs``: the result may alias memory of the backend that the calling thread's next call
+        reuses (the caller copies it at once); otherwise the arrays are the caller's."""
+        ...
 
 
 def cuda_unavailable_reason(device_id: int = 0) -> Optional[str]:

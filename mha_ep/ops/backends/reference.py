@@ -25,8 +25,8 @@ class ReferenceBackend:
     name = "reference"
     device = "cpu (NumPy)"
 
-    def run(self, problem: MhaProblem) -> MhaResult:
-        return run_reference(problem)
+    def run(self, problem: MhaProblem, borrow_outputs: bool = False) -> MhaResult:
+        return run_reference(problem)  # (fresh arrays either way)
 
 
 def to_BNSH(x_BSD: np.ndarray, num_heads: int) -> np.ndarray:

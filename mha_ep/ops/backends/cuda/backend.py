@@ -14,7 +14,9 @@ Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-de
   5. context: cuBLAS context_BNSH = P.V in float32; context_to_BSD rounds it to the compute dtype into the
               (B, S, Dv) float32 output;
   6. return:  one async download of [output | present_key | present_value] into a pinned buffer, one stream
-              synchronize, and (threaded) copies into fresh numpy arrays.
+              synchronize, and (threaded) copies into fresh numpy arrays; or, for a caller that copies them
+              at once (the plugin op: the bridge copies every returned array into ORT's output tensor), views
+              of a pinned buffer of the calling thread (``run(problem, borrow_outputs=True)``).
 Every per-call device buffer is owned by an MhaScratch and released exactly once on every path.
 A call shape seen before on the fused path replays steps 2-5 as a captured CUDA graph on buffers kept for that
 shape (replay.py: the rules, and why).
@@ -214,18 +216,31 @@ class CudaBackend:
         self._runtime = CupyScratchRuntime(self._stream)
         self._pinned_in = PinnedStaging(cupy.cuda.alloc_pinned_memory)
         self._pinned_out = PinnedStaging(cupy.cuda.alloc_pinned_memory)
+        self._borrowed_out = threading.local()  # per thread: the pinned buffer borrowed outputs are views of
         self._lock = threading.Lock()  # the pinned buffers and the stream serve one call at a time
         self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="mha_ep_copy")
         self.replays = ReplayCache(release_replay_entry) if replay and not poison_device_buffers else None
         self._replay_eligible: dict = {}  # replay key -> whether rules 2 allow it (bounded: REPLAY_VERDICTS)
 
     # ------------------------------------------------------------------------------------------------- the call
-    def run(self, problem: MhaProblem) -> MhaResult:
+    def run(self, problem: MhaProblem, borrow_outputs: bool = False) -> MhaResult:
         """Raises MhaInputError for sizes the kernels cannot take, MhaEpError for CUDA failures (out of memory,
-        compile, launch, cuBLAS); every device allocation of the call is released either way."""
+        compile, launch, cuBLAS); every device allocation of the call is released either way.
+
+        ``borrow_outputs``: the result's arrays are views of a pinned buffer of the calling thread, valid until
+        the same thread's next borrowing call of this backend (no copy into fresh arrays: for a caller that
+        copies them at once, as the plugin op's bridge does). Other threads never write that buffer."""
         plan = cached_plan(problem.geometry, problem.dtype)
         with self._on_device():
-            return self._run(problem, plan)
+            return self._run(problem, plan, self._output_staging(borrow_outputs), borrow_outputs)
+
+    def _output_staging(self, borrow: bool) -> PinnedStaging:
+        if not borrow:
+            return self._pinned_out
+        staging = getattr(self._borrowed_out, "staging", None)
+        if staging is None:
+            staging = self._borrowed_out.staging = PinnedStaging(cupy.cuda.alloc_pinned_memory)
+        return staging
 
     @contextlib.contextmanager
     def _on_device(self):
@@ -239,7 +254,7 @@ class CudaBackend:
         except CUDA_ERRORS as error:
             raise MhaEpError(f"cuda backend on {self.device}: {type(error).__name__}: {error}") from error
 
-    def _run(self, problem: MhaProblem, plan: LaunchPlan) -> MhaResult:
+    def _run(self, problem: MhaProblem, plan: LaunchPlan, out: PinnedStaging, borrow: bool) -> MhaResult:
         key = self._replay_key(problem, plan)
         if key is not None:
             entry = self.replays.lookup(key)
@@ -247,20 +262,20 @@ class CudaBackend:
                 entry = self._capture(problem, plan, key)
             if entry is not None:
                 try:
-                    return self._run_replay(problem, entry)
+                    return self._run_replay(problem, entry, out, borrow)
                 except BaseException:
                     self.replays.discard(key)  # its buffers may be in any state now
                     raise
         with MhaScratch(self._runtime) as scratch:
-            dev_in, dev_out, out_segments, out_base, out_bytes = self._stage(problem, scratch)
+            dev_in, dev_out, out_segments, out_base, out_bytes = self._stage(problem, scratch, out)
             # Steps 2-5 on the device.
             ops = self._operands(problem, plan, scratch, dev_out)
             scratch.mark_stream_use()  # from here on, any failure must wait for the stream before freeing
             self._attention(problem, plan, ops, dev_in, dev_out)
             # Step 6: one download, one synchronize.
-            self._runtime.download(out_base, out_bytes, self._pinned_out.address)
+            self._runtime.download(out_base, out_bytes, out.address)
             scratch.finish_stream_use()
-        return self._result(out_segments)
+        return self._result(out_segments, out, borrow)
 
     def _device_buffers(self, problem: MhaProblem, scratch: MhaScratch) -> DeviceBuffers:
         """The call's packed input and output layouts and their device buffers, owned by ``scratch``."""
@@ -271,11 +286,11 @@ class CudaBackend:
         out_base = self._allocate_bytes(scratch, "the outputs", out_bytes)
         return DeviceBuffers(inputs, in_segments, in_bytes, in_base, out_segments, out_bytes, out_base)
 
-    def _stage(self, problem: MhaProblem, scratch: MhaScratch):
+    def _stage(self, problem: MhaProblem, scratch: MhaScratch, out: PinnedStaging):
         """Step 1: device input and output buffers, and the inputs uploaded into the former."""
         buffers = self._device_buffers(problem, scratch)
         self._pinned_in.ensure(buffers.in_bytes)
-        self._pinned_out.ensure(buffers.out_bytes)
+        out.ensure(buffers.out_bytes)
         self._poison(scratch, buffers.out_base, buffers.out_bytes)
         self._upload_inputs(buffers.inputs, buffers.in_segments, buffers.in_bytes, buffers.in_base, scratch.upload)
         return buffers.dev_in, buffers.dev_out, buffers.out_segments, buffers.out_base, buffers.out_bytes
@@ -339,16 +354,16 @@ class CudaBackend:
         self.replays.add(key, entry)
         return entry
 
-    def _run_replay(self, problem: MhaProblem, entry: ReplayEntry) -> MhaResult:
+    def _run_replay(self, problem: MhaProblem, entry: ReplayEntry, out: PinnedStaging, borrow: bool) -> MhaResult:
         """Steps 1 and 6 as in _run; steps 2-5 are one graph launch on the entry's buffers."""
         self._pinned_in.ensure(entry.in_bytes)
-        self._pinned_out.ensure(entry.out_bytes)
+        out.ensure(entry.out_bytes)
         self._upload_inputs(input_entries(problem), entry.in_segments, entry.in_bytes, entry.in_base,
                             self._runtime.upload)  # fmt: skip
         entry.graph.launch(self._stream)
-        self._runtime.download(entry.out_base, entry.out_bytes, self._pinned_out.address)
+        self._runtime.download(entry.out_base, entry.out_bytes, out.address)
         self._runtime.synchronize()
-        return self._result(entry.out_segments)
+        return self._result(entry.out_segments, out, borrow)
 
     def time_device(self, problem: MhaProblem, repeats: int = 20, warmup: int = 3) -> float:
         """Device seconds per call of steps 2-5 (kernels and GEMMs; inputs already on the device).
@@ -410,15 +425,17 @@ class CudaBackend:
         stop.synchronize()
         return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
 
-    def _result(self, out_segments: dict[str, Segment]) -> MhaResult:
+    def _result(self, out_segments: dict[str, Segment], out: PinnedStaging, borrow: bool) -> MhaResult:
         def take(name: str) -> Optional[np.ndarray]:
             segment = out_segments.get(name)
             if segment is None:
                 return None
+            if borrow:
+                return out.view(segment)
             if segment.nbytes <= SINGLE_UPLOAD_BYTES:
-                return self._pinned_out.view(segment).copy()
+                return out.view(segment).copy()
             array = np.empty(segment.shape, np.float32)
-            parallel_copy(array, self._pinned_out.view(segment), self._copier)
+            parallel_copy(array, out.view(segment), self._copier)
             return array
 
         return MhaResult(
