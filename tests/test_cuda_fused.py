@@ -518,6 +518,19 @@ def test_operands_in_the_call_dtype_carry_no_projection_bias():
         fused.check_operand_bias(half, "float16", {"q": plain, "k": biased, "v": biased})
 
 
+@pytest.mark.parametrize(
+    "case, dtype, staged",
+    [(Case(), "float32", True), (Case(layout="BNSH", mask="BT", attention_bias=(True, True)), "float32", True),
+     (Case(p=3), "float32", False), (Case(presents=True), "float32", False), (Case(), "float16", False),
+     (Case(), "bfloat16", False)],
+)  # fmt: skip
+def test_float32_calls_without_past_read_the_staged_inputs(case, dtype, staged):
+    """The backend skips the layout movers exactly there (a past needs concatenating, a present writing, and the
+    tensor-core kernels read operands in the call's dtype)."""
+    problem = cuda_cases.make_problem(case, dtype)
+    assert fused.reads_staged_inputs(problem) == staged
+
+
 def test_minus_inf_filter_without_causal_stays_fused():
     assert fused.fused_unsupported_reason(problem_with(mask_filter_value=-np.inf)) is None
 

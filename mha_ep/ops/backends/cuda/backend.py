@@ -6,7 +6,9 @@ Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-de
               (calls under 1 MiB: plain copies and one upload);
   2. layout:  build_dense_BNTH makes q_BNSH (+ b_q), k_BNTH and v_BNTH (past prepended, + b_k / b_v for BSNH
               key/value) in the compute dtype, rounding float32 to it on the device; a wanted present is written
-              as float32 in the same pass (for float32 calls k_BNTH / v_BNTH *are* the present buffers);
+              as float32 in the same pass (for float32 calls k_BNTH / v_BNTH *are* the present buffers). Fused
+              float32 calls without past or presents skip this step: their kernel reads the staged arrays
+              (fused.reads_staged_inputs);
   3. scores:  cuBLAS scores_BNST = scale * Q.K^T in float32 (fp32 accumulation);
   4. softmax: masked_softmax_warp (T <= 1024, a warp per row in registers) or masked_softmax (a block per row)
               adds attention_bias and the compact padding mask in float32, applies ORT's causal rule, and writes
@@ -376,7 +378,7 @@ class CudaBackend:
         """
         plan = cached_plan(problem.geometry, problem.dtype)
         with self._on_device(), MhaScratch(self._runtime) as scratch:
-            dev_in, dev_out, _, _, _ = self._stage(problem, scratch)
+            dev_in, dev_out, _, _, _ = self._stage(problem, scratch, self._pinned_out)
             ops = self._operands(problem, plan, scratch, dev_out)
             scratch.mark_stream_use()
 
@@ -465,9 +467,15 @@ class CudaBackend:
 
     def _operands(self, problem: MhaProblem, plan: LaunchPlan, scratch: MhaScratch, dev_out: dict) -> dict:
         """Device addresses of the attention operands (scratch, or the present outputs themselves); the
-        three-phase buffers (scores, probabilities, context) only when the fused kernel does not apply."""
+        three-phase buffers (scores, probabilities, context) only when the fused kernel does not apply; none
+        when the fused kernel reads the staged inputs themselves (fused.reads_staged_inputs)."""
+        fused_unsupported = (
+            fused.fused_unsupported_reason(problem) if self.fused_path else "the three-phase path was asked for"
+        )
+        if fused_unsupported is None and fused.reads_staged_inputs(problem):
+            return {"fused_unsupported": None, "staged": True}
         f32_call = plan.dtype == "float32"
-        ops = {"q_BNSH": self._allocate(scratch, "q_BNSH", plan)}
+        ops = {"q_BNSH": self._allocate(scratch, "q_BNSH", plan), "staged": False}
         # A float32 call's K/V operands are the present outputs themselves; otherwise they are scratch and the
         # present (when wanted) is their exact float32 image, written in the same pass.
         for operand, present in (("k_BNTH", "present_key"), ("v_BNTH", "present_value")):
@@ -475,16 +483,25 @@ class CudaBackend:
                 ops[operand], ops[present] = dev_out[present], None
             else:
                 ops[operand], ops[present] = self._allocate(scratch, operand, plan), dev_out.get(present)
-        ops["fused_unsupported"] = (
-            fused.fused_unsupported_reason(problem) if self.fused_path else "the three-phase path was asked for"
-        )
-        if ops["fused_unsupported"] is not None:
+        ops["fused_unsupported"] = fused_unsupported
+        if fused_unsupported is not None:
             for name in ("scores_BNST", "probs_BNST", "context_BNSH"):
                 ops[name] = self._allocate(scratch, name, plan)
         return ops
 
     def _attention(self, problem: MhaProblem, plan: LaunchPlan, ops: dict, dev_in: dict, dev_out: dict) -> None:
         """Steps 2-5: only launches on the stream (no allocation, no synchronization)."""
+        if ops["staged"]:  # steps 2-5 in one kernel reading the staged arrays (bias added on load)
+            fused.run_fused(
+                self.device_id, problem,
+                q=fused.Operand(dev_in["query"], "BSNH", plan.q_seq, plan.head_size, dev_in.get("bias_q")),
+                k=fused.Operand(dev_in["key"], problem.kv_layout, plan.kv_seq, plan.head_size, dev_in.get("bias_k")),
+                v=fused.Operand(dev_in["value"], problem.kv_layout, plan.kv_seq, plan.v_head_size,
+                                dev_in.get("bias_v")),
+                operand_dtype="float32", attention_bias=dev_in.get("attention_bias"), mask=dev_in.get("mask"),
+                out_BSD=dev_out["output"], stream=self._stream,
+            )  # fmt: skip
+            return
         # Step 2: layout movers.
         kv_bnsh = problem.kv_layout == "BNSH"
         self._build(plan, "build q_BNSH", plan.vec_qk, dev_in["query"], False, None, dev_in.get("bias_q"),

@@ -270,6 +270,15 @@ def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
     return None
 
 
+def reads_staged_inputs(problem: MhaProblem) -> bool:
+    """Whether a fused call skips the layout movers: a float32 call with no past and no present wanted, whose
+    kernel (flash_attention_fp32) reads the staged float32 query/key/value in their own layout and adds the
+    projection bias on load, the same float32 additions the movers make. (An f16/bf16 call's tensor-core
+    kernels read operands in the call's dtype, which only the movers produce here; a past needs concatenating.)"""
+    return (problem.dtype == "float32" and problem.past_key_BNPH is None and problem.past_value_BNPH is None
+            and not problem.want_present_key and not problem.want_present_value)  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------------ operands
 @dataclass(frozen=True)
 class Operand:
