@@ -126,6 +126,7 @@ WS_BARRIER_BYTES = 8 * (2 + 4 * WS_STAGES)  # q_full, q_empty, full/empty x K/V 
 # fused_timing on the H200 (2026-11-30, .device experiment): S=T=4096 x 16 heads (512 tiles) 162 µs against 171
 # for the wgmma default; 8 x 512 x 12 heads (384 tiles) 21.7 against 21.9; 4 x 1500 x 6 heads (288 tiles) 51.9
 # against 49.3. With fewer tiles a persistent 128-row block per SM leaves more of the GPU idle in the last round.
+# (A close call: on two other H200s the 4096 row took 177 with it against 172-175 for the wgmma tiles; BENCH.md.)
 WS_HEAD64_MIN_TILES = 3 * 132
 
 
