@@ -93,10 +93,10 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
 
   // Block coordinates as flash_attention_mma: consecutive blocks share (b, h); the last query tile starts first.
   const int q_tiles = (q_seq + BLOCK_M - 1) / BLOCK_M;
-  const long long bh = (long long)blockIdx.x / q_tiles;
-  const int m0 = (q_tiles - 1 - (int)((long long)blockIdx.x % q_tiles)) * BLOCK_M;
-  const int b = (int)(bh / heads);
-  const int h = (int)(bh % heads);
+  const TileCoords tc = tile_coords(blockIdx.x, q_tiles, heads, BLOCK_M);
+  const int b = tc.b;
+  const int h = tc.h;
+  const int m0 = tc.m0;
   const int warp = threadIdx.x / 32;  // rows 16 warp .. 16 warp + 15 of the tile, in warpgroup warp / 4
   const int lane = threadIdx.x % 32;
   const int g = lane >> 2;
@@ -357,15 +357,7 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
       fence_operands(p_frag);
     }
     // Step D: rescale the accumulator O by alpha.
-#pragma unroll
-    for (int a = 0; a < ATOMS; ++a)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        o_acc[a][4 * i] *= alpha[0];
-        o_acc[a][4 * i + 1] *= alpha[0];
-        o_acc[a][4 * i + 2] *= alpha[1];
-        o_acc[a][4 * i + 3] *= alpha[1];
-      }
+    rescale_rows<ATOMS>(o_acc, alpha);
     // Step E (with OVERLAP issued by the next step, or after the loop): O += P . V with P rounded to ELEM; P's A
     // fragment of key slice kt is S's n8 blocks 2 kt, 2 kt + 1. A skipped tile's P is zero.
     auto pack_p = [&](unsigned (&p)[K_SLICES][4]) {
@@ -400,27 +392,6 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
   }
   cp_async_wait_all();  // (without OVERLAP) a prefetch of a skipped causal tile may still be in flight
 
-  // Step F: out = O / l (l summed over the quad), rounded to ELEM, stored as float32 BSNH.
-  // l = 0 (every logit -inf, mask_filter_value = -inf) gives 0/0 = NaN, as ORT's CPU kernel does.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (rows[r] >= q_seq) continue;
-    const float inv = 1.0f / row_sum[r];
-    const long long out_row = (((long long)b * q_seq + rows[r]) * heads + h) * v_head_size;
-#pragma unroll
-    for (int a = 0; a < ATOMS; ++a)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int d = a * 64 + i * 8 + tig * 2;
-        if (d >= v_head_size) continue;
-        const float2 pair = make_float2(round_to<ELEM>(o_acc[a][4 * i + 2 * r] * inv),
-                                        round_to<ELEM>(o_acc[a][4 * i + 2 * r + 1] * inv));
-        *reinterpret_cast<float2*>(out_BSD + out_row + d) = pair;
-      }
-  }
+  // Step F: out = O / l, rounded to ELEM, stored as float32 BSNH (wgmma_common.cuh store_rows).
+  store_rows<ELEM, ATOMS>(o_acc, row_sum, rows, q_seq, b, h, heads, v_head_size, tig, out_BSD);
 }

@@ -150,19 +150,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BLOCK_N / 2], int n0, in
   for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * alpha[r] + tile_sum[r];
 }
 
-template <int ATOMS>
-__device__ __forceinline__ void rescale(float (&o_acc)[ATOMS][32], const float (&alpha)[2]) {
-#pragma unroll
-  for (int a = 0; a < ATOMS; ++a)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      o_acc[a][4 * i] *= alpha[0];
-      o_acc[a][4 * i + 1] *= alpha[0];
-      o_acc[a][4 * i + 2] *= alpha[1];
-      o_acc[a][4 * i + 3] *= alpha[1];
-    }
-}
-
 // P's A fragment of key slice kt is S's n8 blocks 2 kt, 2 kt + 1, rounded to ELEM.
 template <typename ELEM, int BLOCK_N>
 __device__ __forceinline__ void pack_p(unsigned (&p)[BLOCK_N / 16][4], const float (&s)[BLOCK_N / 2]) {
@@ -240,10 +227,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     int it = 0;
     int done = 0;
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
-      const long long bh = tile / q_tiles;
-      const int m0 = (q_tiles - 1 - (int)(tile % q_tiles)) * WS_BLOCK_M;
-      const int b = (int)(bh / heads);
-      const int h = (int)(bh % heads);
+      const TileCoords tc = tile_coords(tile, q_tiles, heads, WS_BLOCK_M);
+      const int b = tc.b;
+      const int h = tc.h;
+      const int m0 = tc.m0;
       const ELEM* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
       const ELEM* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
       const ELEM* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
@@ -283,11 +270,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   int it = 0;
   int done = 0;
   for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
-    const long long bh = tile / q_tiles;
-    const int m0 = (q_tiles - 1 - (int)(tile % q_tiles)) * WS_BLOCK_M;
-    const int b = (int)(bh / heads);
-    const int h = (int)(bh % heads);
-    const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
+    const TileCoords tc = tile_coords(tile, q_tiles, heads, WS_BLOCK_M);
+    const int b = tc.b;
+    const int h = tc.h;
+    const int rows[2] = {tc.m0 + warp * 16 + g, tc.m0 + warp * 16 + g + 8};
     float o_acc[ATOMS][32];
 #pragma unroll
     for (int a = 0; a < ATOMS; ++a)
@@ -340,7 +326,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
       fence_accumulators(o_acc);
       fence_operands(p);
       mbar_arrive(empty_v(prev));
-      rescale<ATOMS>(o_acc, alpha);
+      rescale_rows<ATOMS>(o_acc, alpha);
       pack_p<ELEM, BLOCK_N>(p, s);
     }
     {  // the last tile's P.V
@@ -360,28 +346,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     }
     it += n_tiles;
 
-    // out = O / l (l summed over the quad), rounded to ELEM, stored as float32 BSNH.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (rows[r] >= q_seq) continue;
-      const float inv = 1.0f / row_sum[r];
-      const long long out_row = (((long long)b * q_seq + rows[r]) * heads + h) * v_head_size;
-#pragma unroll
-      for (int a = 0; a < ATOMS; ++a)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int d = a * 64 + i * 8 + tig * 2;
-          if (d >= v_head_size) continue;
-          const float2 pair = make_float2(round_to<ELEM>(o_acc[a][4 * i + 2 * r] * inv),
-                                          round_to<ELEM>(o_acc[a][4 * i + 2 * r + 1] * inv));
-          *reinterpret_cast<float2*>(out_BSD + out_row + d) = pair;
-        }
-    }
+    store_rows<ELEM, ATOMS>(o_acc, row_sum, rows, q_seq, b, h, heads, v_head_size, tig, out_BSD);
   }
   if (c == 0) turn_wait(0);  // consumer 1's last pass
 }

@@ -116,4 +116,63 @@ template <typename ELEM, int ROWS, int HEAD_DIM, int THREADS> struct SwizzledTil
   }
 };
 
+// Query tile `tile` of a launch over (b, h, query tile) in flash_attention_mma's order: consecutive tiles share
+// (b, h), and the last query tile of a head comes first (its causal rows see the most keys).
+struct TileCoords {
+  int b;
+  int h;
+  int m0;  // first query row
+};
+__device__ __forceinline__ TileCoords tile_coords(long long tile, int q_tiles, int heads, int block_m) {
+  const long long bh = tile / q_tiles;
+  TileCoords t;
+  t.m0 = (q_tiles - 1 - (int)(tile % q_tiles)) * block_m;
+  t.b = (int)(bh / heads);
+  t.h = (int)(bh % heads);
+  return t;
+}
+
+// O *= alpha per row: [a][4 i], [a][4 i + 1] are row g, [a][4 i + 2, + 3] row g + 8.
+template <int ATOMS>
+__device__ __forceinline__ void rescale_rows(float (&o_acc)[ATOMS][32], const float (&alpha)[2]) {
+#pragma unroll
+  for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      o_acc[a][4 * i] *= alpha[0];
+      o_acc[a][4 * i + 1] *= alpha[0];
+      o_acc[a][4 * i + 2] *= alpha[1];
+      o_acc[a][4 * i + 3] *= alpha[1];
+    }
+}
+
+// out = O / l (l summed over the quad), rounded to ELEM, stored as float32 BSNH for this thread's two rows
+// (rows past q_seq are not stored). l = 0 (every logit -inf) gives 0/0 = NaN, as ORT's CPU kernel does.
+template <typename ELEM, int ATOMS>
+__device__ __forceinline__ void store_rows(const float (&o_acc)[ATOMS][32], float (&row_sum)[2], const int (&rows)[2],
+                                           int q_seq, int b, int h, int heads, int v_head_size, int tig,
+                                           float* __restrict__ out_BSD) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= q_seq) continue;
+    const float inv = 1.0f / row_sum[r];
+    const long long out_row = (((long long)b * q_seq + rows[r]) * heads + h) * v_head_size;
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int d = a * 64 + i * 8 + tig * 2;
+        if (d >= v_head_size) continue;
+        const float2 pair = make_float2(round_to<ELEM>(o_acc[a][4 * i + 2 * r] * inv),
+                                        round_to<ELEM>(o_acc[a][4 * i + 2 * r + 1] * inv));
+        *reinterpret_cast<float2*>(out_BSD + out_row + d) = pair;
+      }
+  }
+}
+
 }  // namespace wgmma_detail
