@@ -27,6 +27,7 @@ This module imports CuPy only when a kernel is launched, so ``fused_unsupported_
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import numpy as np
 from mha_ep.claim.rules import I32_MAX
 from mha_ep.ops.problem import MhaProblem
 
+log = logging.getLogger("mha_ep")
 ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 HEAD_DIM_TILES = (32, 64, 96, 128)  # HEAD_DIM instantiations; max(H, Hv) is zero-padded up to one of these
@@ -521,6 +523,9 @@ def run_fused(
     blocks = query_tiles(problem, block_m(problem, tile))
     if isinstance(tile, WsTile):  # persistent: one block per SM walks the query tiles
         blocks = min(blocks, device_sm_count(device_id))
+
+    log.debug("mha_ep: fused path: %s, %d blocks x %d threads, %d bytes of shared memory", name, blocks, threads,
+              shared)  # (the three-phase path says why it was taken: backend.py)
 
     def ptr(address: Optional[int]) -> np.uint64:
         return np.uint64(0 if address is None else address)
