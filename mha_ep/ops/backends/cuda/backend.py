@@ -167,7 +167,8 @@ class DeviceBuffers:
 @dataclass
 class ReplayEntry:
     """One replayed call shape: its device buffers (owned by ``scratch`` until the entry is released), where the
-    inputs and outputs sit in them, and the captured graph of steps 2-5."""
+    inputs and outputs sit in them, and the captured graph of steps 2-5. (DeviceBuffers' layout fields without its
+    ``inputs``: an entry outlives the call that captured it and must not keep that call's host arrays alive.)"""
 
     scratch: MhaScratch
     stream: cupy.cuda.Stream  # the backend's stream, which may still be using the buffers
