@@ -7,7 +7,8 @@ the mma kernel is run there by naming its tile. GPU tests (marked gpu; skipped c
 ``run_fused`` directly on device copies of a problem's inputs, in two operand forms:
   "staged": the float32 arrays as the op received them (BSNH, or BNSH key/value), bias added on load, rounded to
             the call's dtype in the kernel (what the backend stages);
-  "dense":  q_BNSH / k_BNTH / v_BNTH in the call's dtype with bias and past applied (what the layout mover builds).
+  "dense":  q_BNSH / k_BNTH / v_BNTH in the call's dtype with bias and past applied (what the layout mover builds);
+  "dense_BSNH": the same values in BSNH (the strided reads of flash_attention_ws's 4D TMA maps).
 Every output is poisoned with NaN first. Tolerances:
   float32   vs run_reference:          |fused - ref| <= 1e-5 * max(1, |ref|)
   float16   vs run_reference:          |fused - ref| <= 4e-3 * max(1, |ref|)
@@ -78,11 +79,18 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndar
         k = fused.Operand(dev(problem.key), problem.kv_layout, kv_seq, g.head_size, dev(problem.bias_k))
         v = fused.Operand(dev(problem.value), problem.kv_layout, kv_seq, g.v_head_size, dev(problem.bias_v))
         operand_dtype = "float32"
-    else:
+    elif form == "dense":
         q_BNSH, k_BNTH, v_BNTH = dense_operands(problem)
         q = fused.Operand(dev(q_BNSH, problem.dtype), "BNSH", g.q_seq, g.head_size)
         k = fused.Operand(dev(k_BNTH, problem.dtype), "BNSH", g.total_seq, g.head_size)
         v = fused.Operand(dev(v_BNTH, problem.dtype), "BNSH", g.total_seq, g.v_head_size)
+        operand_dtype = problem.dtype
+    else:
+        assert form == "dense_BSNH", form
+        q_BSNH, k_BTNH, v_BTNH = (x.transpose(0, 2, 1, 3) for x in dense_operands(problem))
+        q = fused.Operand(dev(q_BSNH, problem.dtype), "BSNH", g.q_seq, g.head_size)
+        k = fused.Operand(dev(k_BTNH, problem.dtype), "BSNH", g.total_seq, g.head_size)
+        v = fused.Operand(dev(v_BTNH, problem.dtype), "BSNH", g.total_seq, g.v_head_size)
         operand_dtype = problem.dtype
     mask = None
     if problem.padding_mask is not None:
@@ -225,16 +233,18 @@ def ws_tiles() -> list:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["dense", "dense_BSNH"])
 @pytest.mark.parametrize("tile", ws_tiles(), ids=lambda t: t.label)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case_name", list(WS_CASES))
-def test_warp_specialized_kernel_matches_reference(cupy_module, case_name, dtype, tile):
-    """flash_attention_ws (producer warpgroup, two ping-ponging consumers, persistent blocks) on plain calls."""
+def test_warp_specialized_kernel_matches_reference(cupy_module, case_name, dtype, tile, form):
+    """flash_attention_ws (TMA producer, two ping-ponging consumers, persistent blocks) on plain calls, its
+    operands in BNSH and in BSNH (the TMA maps follow the strides)."""
     if fused.device_capability(0) != fused.HOPPER_CAPABILITY:
         pytest.skip("flash_attention_ws runs on compute capability 9.0 only")
     problem = make_problem(WS_CASES[case_name], dtype)
     assert fused.ws_unsupported_reason(problem, dtype, fused.HOPPER_CAPABILITY) is None
-    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", tile))
+    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, form, tile))
 
 
 @pytest.mark.gpu
@@ -658,12 +668,14 @@ def test_kernel_sources_inline_every_local_header():
         assert text.count("__device__ __forceinline__ T from_float(float x);") == 1
 
 
-def kernel_parameters(operand_type: str) -> str:
-    """The parameter list every fused kernel shares (flash_attention_mma / _fp32 / _wgmma), for explicit
-    instantiations: Q, K, V as (pointer, three strides, bias) in ``operand_type``, then masks, scalars, output."""
+def kernel_parameters(operand_type: str, name: str = "") -> str:
+    """The parameter list every fused kernel shares (flash_attention_mma / _fp32 / _wgmma / _ws), for explicit
+    instantiations: Q, K, V as (pointer, three strides, bias) in ``operand_type``, then masks, scalars, output;
+    flash_attention_ws (``name``) adds its three TMA tensor maps."""
     operand = [f"const {operand_type}*", "long long", "long long", "long long", "const float*"]
     rest = ["const float*", "int", "int", "int", "const int*", "const unsigned char*", "float", "int", "int", "float"]
-    return ", ".join(operand * 3 + rest + ["int"] * 7 + ["float*"])
+    maps = ["const __grid_constant__ TensorMap"] * 3 if name.startswith("flash_attention_ws<") else []
+    return ", ".join(operand * 3 + rest + ["int"] * 7 + ["float*"] + maps)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -684,7 +696,7 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
         source_type = "float" if ", float, " in name or name.startswith("flash_attention_fp32") else name.split("<")[1].split(",")[0]
         if name.startswith(("flash_attention_wgmma", "flash_attention_ws")):  # (operands in the call's dtype)
             source_type = name.split("<")[1].split(",")[0]
-        lines.append(f"template __global__ void {name}({kernel_parameters(source_type)});")
+        lines.append(f"template __global__ void {name}({kernel_parameters(source_type, name)});")
     unit = tmp_path / "unit.cu"
     unit.write_text("\n".join(lines) + "\n")
     done = subprocess.run(
@@ -713,10 +725,11 @@ def test_wgmma_defaults_compile_without_spills_or_serialized_wgmma(tmp_path, dty
     (a wgmma on a divergent path, too few registers: each cost the 4096 row tens of percent when it happened)."""
     names = sorted({fused.kernel_name(problem, dtype, fused.choose_tile(problem, dtype, fused.HOPPER_CAPABILITY))
                     for problem in (make_problem(case, dtype) for case in WGMMA_DEFAULT_CASES.values())})  # fmt: skip
-    params = kernel_parameters(fused.ELEMENT_TYPES[dtype])
+    elem = fused.ELEMENT_TYPES[dtype]
     unit = tmp_path / "unit.cu"
     unit.write_text("\n".join(['#include "flash_attention_wgmma.cu"', '#include "flash_attention_ws.cu"'] +
-                              [f"template __global__ void {name}({params});" for name in names]) + "\n")  # fmt: skip
+                              [f"template __global__ void {name}({kernel_parameters(elem, name)});"
+                               for name in names]) + "\n")  # fmt: skip
     done = subprocess.run(
         ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",
          str(tmp_path / "a.cubin")],

@@ -18,7 +18,8 @@ Kernel choice (choose_tile): float32 -> ``flash_attention_fp32`` (CUDA cores, tr
 or 128), else ``flash_attention_mma`` (tensor cores, mma.sync m16n8k16; any sm_80+ GPU). Plain Hopper calls (no
 padding mask, no attention_bias, not causal; ``ws_unsupported_reason``) with head tile 128, or head tile 64 and
 enough query tiles to fill the GPU (``prefers_warp_specialized``), take ``flash_attention_ws`` instead
-(kernels/flash_attention_ws.cu: a producer warpgroup and two ping-ponging consumers, persistent). All accumulate in fp32,
+(kernels/flash_attention_ws.cu: a producer warpgroup loading with TMA, whose tensor maps tma.py encodes, and two
+ping-ponging consumers, persistent). All accumulate in fp32,
 are templated on the head tile HEAD_DIM (the smallest of HEAD_DIM_TILES that holds max(H, Hv); the rest is
 zero-filled) and are compiled lazily, one NVRTC module per (device, instantiation), memoised for the life of the
 process (the sm_90a ones also on disk: kernels.compile_arch_kernel).
@@ -36,6 +37,7 @@ from typing import Optional, Union
 import numpy as np
 
 from mha_ep.claim.rules import I32_MAX
+from mha_ep.ops.backends.cuda import tma
 from mha_ep.ops.problem import MhaProblem
 
 log = logging.getLogger("mha_ep")
@@ -302,6 +304,19 @@ class Operand:
         raise ValueError(f"operand layout must be 'BSNH' or 'BNSH', got {self.layout!r}")
 
 
+def ws_tensor_maps(problem: MhaProblem, operand_dtype: str, tile: "WsTile", operands: dict) -> list:
+    """flash_attention_ws's three extra parameters: the encoded TMA maps (tma.encode) of q, k and v, boxes of
+    WS_BLOCK_M query rows and of tile.block_n key rows."""
+    g = problem.geometry
+    maps = []
+    for name, op in operands.items():
+        spec = tma.TileMap.for_operand(name, op.address, operand_dtype, dim=op.dim, seq=op.seq, heads=g.num_heads,
+                                       batch=g.batch, strides=op.strides(g.num_heads),
+                                       box_rows=WS_BLOCK_M if name == "q" else tile.block_n)  # fmt: skip
+        maps.append(tma.encode(spec))
+    return maps
+
+
 def fp32_kv_stages(head_dim: int) -> int:
     """F32Tiles::KV_STAGES: K and V double buffered when two blocks of that size still fit an SM."""
     return 2 if head_dim <= 64 else 1
@@ -547,6 +562,8 @@ def run_fused(
         i32(g.v_head_size),
         ptr(out_BSD),
     ]  # fmt: skip
+    if isinstance(tile, WsTile):
+        args += ws_tensor_maps(problem, operand_dtype, tile, {"q": q, "k": k, "v": v})
     with cupy.cuda.Device(device_id):
         kernel = get_fused_kernel(device_id, name, shared)
         if stream is None:

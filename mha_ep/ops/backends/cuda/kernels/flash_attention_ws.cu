@@ -1,20 +1,23 @@
-// Fused attention on Hopper, warp-specialized (FlashAttention-3's scheme, with cp.async in place of TMA), for
-// plain calls: no padding mask, no attention_bias, not causal, scale > 0 (fused.py ws_unsupported_reason). Same
-// arithmetic as flash_attention_wgmma's plain tiles (S and P.V on wgmma, fp32 online softmax, P rounded to ELEM
-// for P.V, out = O / l rounded to ELEM), same kernel parameters (the mask ones unused), same layouts (its header
-// states the swizzle, descriptors and accumulator layout; wgmma_common.cuh holds the shared pieces).
+// Fused attention on Hopper, warp-specialized (FlashAttention-3's scheme: TMA loads, a producer warpgroup, two
+// ping-ponging consumers), for plain calls: no padding mask, no attention_bias, not causal, scale > 0 (fused.py
+// ws_unsupported_reason). Same arithmetic as flash_attention_wgmma's plain tiles (S and P.V on wgmma, fp32 online
+// softmax, P rounded to ELEM for P.V, out = O / l rounded to ELEM), same kernel parameters (the mask ones unused)
+// plus three TMA tensor maps, same shared-memory layouts (flash_attention_wgmma.cu's header states the swizzle,
+// descriptors and accumulator layout; wgmma_common.cuh holds the shared pieces).
 //
 // Why: flash_attention_wgmma syncs the whole block before each key tile's buffers are reused, so its warpgroups
 // reach their softmax together and leave the tensor cores idle together; with head 128 its registers also rule
 // out overlapping the steps. On the H200's 4,2048,2048,16,128 f16 row it took 288 µs against stock ORT CUDA's
 // 234 µs; this kernel takes about 237 (docs/BENCH.md). Measured variants (.device experiments, same row): one
 // block per tile instead of persistent 243 µs; without ping-pong 262; without the overlap 259; 3 K/V stages 239;
-// 176 or 192 keys per step 236-242 (192 spills at 232 registers).
+// 176 or 192 keys per step 236-242 (192 spills at 232 registers). TMA in place of the producer's cp.async
+// (2026-11-30, .device experiment, one machine): 253.6 -> 232.2 µs, and S=T=4096 x 16 heads x 64 176.5 -> 166.9.
 //
 // Block = 3 warpgroups (384 threads), one SM each (shared memory: Q 128 rows + 2 stages of K and V tiles):
-//   warpgroup 0, producer (registers cut to 40, setmaxnreg): copies the block's Q tile (128 query rows) and its
-//     K and V tiles of BLOCK_N keys into a ring of STAGES buffers with cp.async (16-byte chunks, 128-byte
-//     swizzle); each copy arrives on a "full" mbarrier when it lands (cp.async.mbarrier.arrive.noinc); a buffer
+//   warpgroup 0, producer (registers cut to 40, setmaxnreg; one thread works): loads the block's Q tile (128
+//     query rows) and its K and V tiles of BLOCK_N keys into a ring of STAGES buffers with TMA
+//     (cp.async.bulk.tensor, one box of 64 columns per swizzle atom, 128-byte swizzle: the layout the wgmma
+//     descriptors read); each load completes on a "full" mbarrier that expects its bytes (expect_tx); a buffer
 //     is refilled after both consumers arrived on its "empty" mbarrier, the Q tile after both released it;
 //   warpgroups 1 and 2, consumers (registers raised to 232): 64 query rows each. Per key tile j a consumer waits
 //     for K_j and V_{j-1}, issues S_j = Q . K_j^T and O += P_{j-1} . V_{j-1} (two commit groups), waits for S_j,
@@ -25,9 +28,11 @@
 //   Persistent: gridDim.x blocks (fused.py: the SM count, at most the tile count) walk the (b, h, query tile) list
 //     with stride gridDim.x, in flash_attention_wgmma's order; the producer loads the next tile's Q, K and V while
 //     the consumers finish and store the previous one.
-// Proxy rule: cp.async writes are generic-proxy writes and wgmma reads through the async proxy, so a consumer
-// executes fence.proxy.async after acquiring a "full" barrier, before its wgmma.
-// The keys past T of the last tile are -inf (K rows past T are zero-filled; V rows too, so P.V adds nothing).
+// TMA writes and wgmma reads both go through the async proxy, and a "full" barrier's completion makes the bytes
+// visible: no proxy fence. Tensor maps (fused.py operand_tensor_map, encoded by the driver: tma.py): 4D over an
+// operand's (dim, seq, head, batch) with its own strides, so BSNH and BNSH read alike; a box is 64 columns x
+// rows x 1 x 1. Out of bounds TMA fills zeros: K and V rows past T (so P.V adds nothing; their logits are set to
+// -inf), Q rows past S, and the columns past H or Hv of a head tile (so they add nothing to Q.K^T).
 //
 // Index rule as in layout.cu: every product that can pass 2^31 is formed in long long by casting its FIRST factor.
 #include "wgmma_common.cuh"
@@ -37,6 +42,11 @@
 #define WS_CONSUMER_REGISTERS 232  // 40 + 2 x 232 = 504 of the 512 a thread slot of the SM's register file allows
 #define WS_STAGES 2
 #define WS_BLOCK_M 128  // two consumers of WARPGROUP_ROWS
+
+// A CUtensorMap (cuda.h): 128 opaque bytes, 64-byte aligned, passed by value as a __grid_constant__ parameter.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
 
 namespace ws_detail {
 using namespace wgmma_detail;
@@ -56,8 +66,28 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
 }
 // One arrival of this thread on the mbarrier once all of its earlier cp.async have completed.
-__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+// This thread's arrival on the mbarrier, which from now on also waits for `bytes` of asynchronous copies.
+__device__ __forceinline__ void mbar_expect_bytes(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
+}
+// One TMA load of the box at (column, row, head, batch) of `map` into shared memory `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int column, int row, int head, int batch,
+                                         unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}],"
+      " [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(column), "r"(row), "r"(head), "r"(batch), "r"(bar)
+      : "memory");
+}
+// The ATOMS boxes (64 columns each) of a tile of `rows` rows from `row` on, atom a at dst + a * rows * ATOM_BYTES.
+template <int ATOMS>
+__device__ __forceinline__ void tma_load_tile(unsigned dst, int rows, const TensorMap& map, int row, int head,
+                                              int batch, unsigned bar) {
+#pragma unroll
+  for (int a = 0; a < ATOMS; ++a) tma_load(dst + a * rows * ATOM_BYTES, map, 64 * a, row, head, batch, bar);
 }
 // Ping-pong turns: consumer c waits on barrier 1 + c (its 128 threads sync, the other consumer's 128 arrive).
 __device__ __forceinline__ void turn_wait(int consumer) {
@@ -180,7 +210,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
                        int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
                        const unsigned char* __restrict__ keep, float mask_filter_value, int causal,
                        int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                       int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
+                       int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD,
+                       const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                       const __grid_constant__ TensorMap v_map) {
   using namespace wgmma_detail;
   using namespace ws_detail;
   static_assert(sizeof(ELEM) == 2, "f16/bf16 operands");
@@ -208,11 +240,11 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   const int wg = threadIdx.x / WARPGROUP_THREADS;
 
   if (threadIdx.x == 0) {
-    mbar_init(q_full, WARPGROUP_THREADS);      // the producer's threads, once their copies landed
+    mbar_init(q_full, 1);                       // the producer thread's expect_tx, then the bytes
     mbar_init(q_empty, 2 * WARPGROUP_THREADS);  // both consumers
     for (int stage = 0; stage < WS_STAGES; ++stage) {
-      mbar_init(full_k(stage), WARPGROUP_THREADS);
-      mbar_init(full_v(stage), WARPGROUP_THREADS);
+      mbar_init(full_k(stage), 1);
+      mbar_init(full_v(stage), 1);
       mbar_init(empty_k(stage), 2 * WARPGROUP_THREADS);
       mbar_init(empty_v(stage), 2 * WARPGROUP_THREADS);
     }
@@ -224,38 +256,29 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   // use; the barriers of that buffer complete once per use, so their phase parity is (it / WS_STAGES) & 1.
   if (wg == 0) {  // ------------------------------------------------------------------------------ producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGISTERS));
+    if (threadIdx.x != 0) return;  // one thread issues every load
+    prefetch_tensor_map(q_map);
+    prefetch_tensor_map(k_map);
+    prefetch_tensor_map(v_map);
     int it = 0;
     int done = 0;
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
       const TileCoords tc = tile_coords(tile, q_tiles, heads, WS_BLOCK_M);
-      const int b = tc.b;
-      const int h = tc.h;
-      const int m0 = tc.m0;
-      const ELEM* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
-      const ELEM* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
-      const ELEM* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
       if (done > 0) mbar_wait(q_empty, (done - 1) & 1);
-      {
-        const SwizzledTileCopy<ELEM, WS_BLOCK_M, HEAD_DIM, WARPGROUP_THREADS> q_copy(q_rows, stride_qs, head_size);
-        q_copy.copy(q_tile, 0, q_seq - m0);
-        cp_async_arrive(q_full);
-      }
-      const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM, WARPGROUP_THREADS> k_copy(k_rows, stride_ks, head_size);
-      const SwizzledTileCopy<ELEM, BLOCK_N, HEAD_DIM, WARPGROUP_THREADS> v_copy(v_rows, stride_vs, v_head_size);
+      mbar_expect_bytes(q_full, Q_BYTES);
+      tma_load_tile<ATOMS>(q_tile, WS_BLOCK_M, q_map, tc.m0, tc.h, tc.b, q_full);
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const int stage = it % WS_STAGES;
         const int use = it / WS_STAGES;
-        const int n0 = j * BLOCK_N;
         if (use > 0) mbar_wait(empty_k(stage), (use - 1) & 1);
-        k_copy.copy(k_tiles + stage * KV_BYTES, n0, total_seq - n0);
-        cp_async_arrive(full_k(stage));
+        mbar_expect_bytes(full_k(stage), KV_BYTES);
+        tma_load_tile<ATOMS>(k_tiles + stage * KV_BYTES, BLOCK_N, k_map, j * BLOCK_N, tc.h, tc.b, full_k(stage));
         if (use > 0) mbar_wait(empty_v(stage), (use - 1) & 1);
-        v_copy.copy(v_tiles + stage * KV_BYTES, n0, total_seq - n0);
-        cp_async_arrive(full_v(stage));
+        mbar_expect_bytes(full_v(stage), KV_BYTES);
+        tma_load_tile<ATOMS>(v_tiles + stage * KV_BYTES, BLOCK_N, v_map, j * BLOCK_N, tc.h, tc.b, full_v(stage));
       }
     }
-    cp_async_wait_all();  // (the block's shared memory must outlive the copies)
-    return;
+    return;  // (the consumers wait for every load's bytes before the block can end)
   }
 
   // ------------------------------------------------------------------------------------------------ consumers
@@ -289,7 +312,6 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     {  // key tile 0: S only
       const int stage = it % WS_STAGES;
       mbar_wait(full_k(stage), (it / WS_STAGES) & 1);
-      fence_proxy_async();
       turn_wait(c);
       wgmma_fence();
       issue_s<ELEM, HEAD_DIM, BLOCK_N>(s, q_rows_at, k_tiles + stage * KV_BYTES);
@@ -307,7 +329,6 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
       const int prev = (it + j - 1) % WS_STAGES;
       mbar_wait(full_k(stage), ((it + j) / WS_STAGES) & 1);
       mbar_wait(full_v(prev), ((it + j - 1) / WS_STAGES) & 1);
-      fence_proxy_async();
       fence_accumulators(o_acc);
       fence_operands(p);
       turn_wait(c);
@@ -332,7 +353,6 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     {  // the last tile's P.V
       const int prev = (it + n_tiles - 1) % WS_STAGES;
       mbar_wait(full_v(prev), ((it + n_tiles - 1) / WS_STAGES) & 1);
-      fence_proxy_async();
       fence_accumulators(o_acc);
       fence_operands(p);
       turn_wait(c);
