@@ -229,7 +229,7 @@ WS_CASES = {  # plain calls: flash_attention_ws has no mask code
 
 
 def ws_tiles() -> list:
-    return [fused.WsTile(), fused.WsTile(64)]
+    return [fused.WsTile(), fused.WsTile(64), fused.WsTile(consumers=3), fused.WsTile(64, consumers=3)]
 
 
 @pytest.mark.gpu
@@ -244,11 +244,17 @@ def test_warp_specialized_kernel_matches_reference(cupy_module, case_name, dtype
         pytest.skip("flash_attention_ws runs on compute capability 9.0 only")
     problem = make_problem(WS_CASES[case_name], dtype)
     assert fused.ws_unsupported_reason(problem, dtype, fused.HOPPER_CAPABILITY) is None
+    reason = fused.ws_tile_unsupported_reason(problem, tile)
+    if reason is not None:
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            run_fused_on_gpu(cupy_module, problem, form, tile)
+        return
     assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, form, tile))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [fused.WgmmaTile(128), fused.WsTile()], ids=lambda t: t.label)
+@pytest.mark.parametrize("tile", [fused.WgmmaTile(128), fused.WsTile(), fused.WsTile(consumers=3)],
+                         ids=lambda t: t.label)
 def test_huge_bf16_logits_do_not_fold_the_scale(cupy_module, tile):
     """Logits near 1e33 (bf16 Q and K scaled by 2^56, exactly): folding the scale into the exponent's FMA would
     lose the row max's difference (exp2 of +-1e26: inf or 0); the kernels fall back to (x - max) for such rows.
@@ -437,9 +443,15 @@ def large_query_problem(s: int, n: int, **case) -> MhaProblem:
         (lambda: problem_with(h=128), fused.WsTile()),
         (lambda: problem_with(h=120, hv=128), fused.WsTile()),
         (lambda: problem_with(h=64), fused.WgmmaTile(128)),  # 1 query tile: the wgmma kernel's 64-row blocks
-        (lambda: large_query_problem(4224, 12), fused.WsTile()),  # 33 x 12 = 396 tiles: WS_HEAD64_MIN_TILES
-        (lambda: large_query_problem(4096, 12), fused.WgmmaTile(128)),  # 384 tiles
-        (lambda: large_query_problem(4096, 16), fused.WsTile()),  # the S=T=4096 anchor's 512 tiles
+        # three consumers where their rounds x 192 rows x WS3_ROW_COST are under two consumers' rounds x 128:
+        (lambda: large_query_problem(4096, 16), fused.WsTile(consumers=3)),  # 352 tiles (3 rounds) against 512 (4)
+        (lambda: large_query_problem(4096, 12), fused.WsTile(consumers=3)),  # 264 tiles (2 rounds) against 384 (3)
+        (lambda: large_query_problem(1500, 24), fused.WsTile(consumers=3)),  # the Whisper encoder row's 192 tiles
+        # else two consumers from WS_HEAD64_MIN_TILES 128-row tiles on, the wgmma kernel below that:
+        (lambda: large_query_problem(512, 192), fused.WsTile()),  # 768 tiles (6 rounds) against 576 x 192 rows (5)
+        (lambda: large_query_problem(512, 99), fused.WsTile()),  # 396 tiles: WS_HEAD64_MIN_TILES
+        (lambda: large_query_problem(512, 96), fused.WgmmaTile(128)),  # 384 tiles (the 8,512,512,12 anchor's)
+        (lambda: large_query_problem(2048, 16), fused.WgmmaTile(128)),  # 256 tiles; three: 176 (2 rounds, 384 rows)
         (lambda: make_problem(Case(s=300, l=300, h=128, causal=True), "float16"), fused.WgmmaTile(64, 128, False)),
         (lambda: make_problem(Case(h=128, mask="BT"), "float16"), fused.WgmmaTile(64, 128, False)),
         (lambda: large_query_problem(4096, 16, mask="lengths"), fused.WgmmaTile(64)),
@@ -469,15 +481,38 @@ def test_warp_specialized_reasons(problem_of, reason):
     assert got is not None and re.fullmatch(reason, got), got
 
 
+@pytest.mark.parametrize(
+    "case, tile, reason",
+    [
+        (Case(h=64), fused.WsTile(consumers=3), None),
+        (Case(h=40), fused.WsTile(64, consumers=3), None),  # head tile 64
+        (Case(h=128), fused.WsTile(), None),
+        (Case(h=128), fused.WsTile(consumers=3),
+         r"three consumer warpgroups need head tile 64 \(their 160 registers\), this call's is 128"),
+        (Case(h=64, hv=120), fused.WsTile(consumers=3), r"three consumer warpgroups need head tile 64 .* is 128"),
+        (Case(h=64), fused.WsTile(consumers=4), "4 consumer warpgroups: flash_attention_ws has two or three"),
+        (Case(h=64), fused.WsTile(192), "192 keys per step: flash_attention_ws takes 64 or 128"),
+    ],
+)  # fmt: skip
+def test_warp_specialized_tile_reasons(case, tile, reason):
+    """Which WsTiles flash_attention_ws has an instantiation for (run_fused raises with the reason)."""
+    got = fused.ws_tile_unsupported_reason(make_problem(case, "float16"), tile)
+    assert (got is None) if reason is None else (got is not None and re.fullmatch(reason, got)), got
+
+
 def test_warp_specialized_launch_choices():
     plain, wide = problem_with(h=64), make_problem(Case(h=128, hv=64), "bfloat16")
-    assert fused.kernel_name(plain, "float16", fused.WsTile()) == "flash_attention_ws<__half, 64, 128>"
-    assert fused.kernel_name(wide, "bfloat16", fused.WsTile(64)) == "flash_attention_ws<__nv_bfloat16, 128, 64>"
-    # 1 KiB alignment slack, Q (128 rows), 2 stages x (K, V), 10 mbarriers of 8 bytes
+    three = fused.WsTile(consumers=3)
+    assert fused.kernel_name(plain, "float16", fused.WsTile()) == "flash_attention_ws<__half, 64, 128, 2>"
+    assert fused.kernel_name(wide, "bfloat16", fused.WsTile(64)) == "flash_attention_ws<__nv_bfloat16, 128, 64, 2>"
+    assert fused.kernel_name(plain, "float16", three) == "flash_attention_ws<__half, 64, 128, 3>"
+    # 1 KiB alignment slack, Q (128 or 192 rows), 2 stages x (K, V), 10 mbarriers of 8 bytes
     assert fused.shared_bytes(wide, fused.WsTile()) == 1024 + (128 + 2 * 2 * 128) * 128 * 2 + 80
     assert fused.shared_bytes(plain, fused.WsTile(64)) == 1024 + (128 + 2 * 2 * 64) * 64 * 2 + 80
+    assert fused.shared_bytes(plain, three) == 1024 + (192 + 2 * 2 * 128) * 64 * 2 + 80
     assert fused.shared_bytes(wide, fused.WsTile()) <= fused.SHARED_LIMIT
     assert (fused.WsTile().threads, fused.WsTile().block_m, fused.WsTile(64).label) == (384, 128, "ws128x64")
+    assert (three.threads, three.block_m, three.label) == (512, 192, "ws192x128")
     assert fused.query_tiles(wide, 128) == 2 * 2 and fused.query_tiles(wide, 64) == 2 * 2
 
 
@@ -688,8 +723,9 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
         "flash_attention_fp32<float, float, 64>",
         "flash_attention_wgmma<__half, 64, 64, 128, 0, true>",
         "flash_attention_wgmma<__nv_bfloat16, 128, 128, 64, 3, false>",
-        "flash_attention_ws<__half, 128, 128>",
-        "flash_attention_ws<__nv_bfloat16, 64, 64>",
+        "flash_attention_ws<__half, 128, 128, 2>",
+        "flash_attention_ws<__nv_bfloat16, 64, 64, 2>",
+        "flash_attention_ws<__half, 64, 128, 3>",
     ]
     lines = ['#include "flash_attention.cu"', '#include "flash_attention_wgmma.cu"', '#include "flash_attention_ws.cu"']
     for name in names:

@@ -85,6 +85,15 @@ def test_ws_launch_passes_the_maps_of_q_k_and_v(monkeypatch):
     assert recorded[1].strides == (N * 128 * 2, 128 * 2, 200 * N * 128 * 2)  # k in BSNH
 
 
+def test_three_consumer_tiles_load_192_query_rows(monkeypatch):
+    monkeypatch.setattr(tma, "encode", lambda spec: spec)
+    problem = make_problem(Case(b=B, s=S, l=200, n=N, h=64), "bfloat16")
+    ops = {name: fused.Operand(0x100000 * (i + 1), "BNSH", seq, 64)
+           for i, (name, seq) in enumerate((("q", S), ("k", 200), ("v", 200)))}  # fmt: skip
+    got = fused.ws_tensor_maps(problem, "bfloat16", fused.WsTile(consumers=3), ops)
+    assert [(spec.box_rows, spec.dtype) for spec in got] == [(192, "bfloat16"), (128, "bfloat16"), (128, "bfloat16")]
+
+
 @pytest.mark.gpu
 def test_the_driver_encodes_a_read_only_memoised_128_byte_record(cupy_module):
     buffer = cupy_module.zeros(B * N * S * H, dtype=cupy_module.float16)

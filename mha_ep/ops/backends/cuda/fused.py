@@ -101,6 +101,8 @@ HOPPER_ARCH = "sm_90a"
 WGMMA_SOURCE_FILE = "flash_attention_wgmma.cu"
 WGMMA_HEAD_DIMS = (64, 128)  # whole 64-element swizzle atoms
 WGMMA_SMEM_ALIGN = 1024  # kernels/flash_attention_wgmma.cu: tiles start 1024-byte aligned (128-byte swizzle)
+WARPGROUP_THREADS = 128  # kernels/wgmma_common.cuh: four warps issue one wgmma
+WARPGROUP_ROWS = 64  # query rows of one warpgroup: the M of every wgmma
 
 
 @dataclass(frozen=True)
@@ -122,9 +124,8 @@ class WgmmaTile:
 
 
 WS_SOURCE_FILE = "flash_attention_ws.cu"
-WS_BLOCK_M = 128  # kernels/flash_attention_ws.cu: WS_BLOCK_M, WS_THREADS, WS_STAGES
-WS_THREADS = 384
-WS_STAGES = 2
+WS_BLOCK_M = 128  # query rows of flash_attention_ws's default (two-consumer) tile: WsShape<2>::BLOCK_M
+WS_STAGES = 2  # kernels/flash_attention_ws.cu WS_STAGES
 WS_BARRIER_BYTES = 8 * (2 + 4 * WS_STAGES)  # q_full, q_empty, full/empty x K/V x stages
 # Head 64 takes flash_attention_ws from this many 128-row query tiles on (three per SM of a 132-SM H100/H200):
 # fused_timing on the H200 (2026-11-30, .device experiment): S=T=4096 x 16 heads (512 tiles) 162 µs against 171
@@ -132,26 +133,45 @@ WS_BARRIER_BYTES = 8 * (2 + 4 * WS_STAGES)  # q_full, q_empty, full/empty x K/V 
 # against 49.3. With fewer tiles a persistent 128-row block per SM leaves more of the GPU idle in the last round.
 # (A close call: on two other H200s the 4096 row took 177 with it against 172-175 for the wgmma tiles; BENCH.md.)
 WS_HEAD64_MIN_TILES = 3 * 132
+HOPPER_SM_COUNT = 132  # H100 SXM / H200: the rounds of a persistent launch in prefers_three_consumers
+# Time per query row and key of three consumers against two (head tile 64, TMA, H200, 2026-11-30 .device
+# experiment, same machine): 0.77-0.80 on six shapes once the rounds are counted (fused.prefers_three_consumers);
+# 0.85 leaves a margin, so three consumers are taken only where they clearly pay.
+WS3_ROW_COST = 0.85
 
 
 @dataclass(frozen=True)
 class WsTile:
-    """Tile of flash_attention_ws: 128 query rows (two consumer warpgroups) x BLOCK_N keys per step, one
-    persistent block of three warpgroups per SM."""
+    """Tile of flash_attention_ws: 64 query rows per consumer warpgroup (two, or three for head tile 64 only) x
+    BLOCK_N keys per step, one persistent block of consumers + 1 warpgroups per SM."""
 
     block_n: int = 128
+    consumers: int = 2
 
     @property
     def block_m(self) -> int:
-        return WS_BLOCK_M
+        return WARPGROUP_ROWS * self.consumers
 
     @property
     def threads(self) -> int:
-        return WS_THREADS
+        return WARPGROUP_THREADS * (self.consumers + 1)
 
     @property
     def label(self) -> str:
-        return f"ws{WS_BLOCK_M}x{self.block_n}"
+        return f"ws{self.block_m}x{self.block_n}"
+
+
+def ws_tile_unsupported_reason(problem: MhaProblem, tile: WsTile) -> Optional[str]:
+    """None when flash_attention_ws has an instantiation of ``tile`` for this call's head tile; else why not."""
+    g = problem.geometry
+    head_dim = head_dim_tile(g.head_size, g.v_head_size)
+    if tile.consumers not in (2, 3):
+        return f"{tile.consumers} consumer warpgroups: flash_attention_ws has two or three"
+    if tile.consumers == 3 and head_dim != 64:
+        return f"three consumer warpgroups need head tile 64 (their 160 registers), this call's is {head_dim}"
+    if tile.block_n not in (64, 128):
+        return f"{tile.block_n} keys per step: flash_attention_ws takes 64 or 128"
+    return None
 
 
 Tile = Union[MmaTile, WgmmaTile, WsTile]  # the tile names the tensor-core kernel too
@@ -222,6 +242,24 @@ def query_tiles(problem: MhaProblem, rows: int) -> int:
     return -(-g.q_seq // rows) * g.batch * g.num_heads
 
 
+def persistent_rounds(problem: MhaProblem, rows: int, sms: int = HOPPER_SM_COUNT) -> int:
+    """Query tiles of ``rows`` rows per SM of the busiest SM of a persistent launch: ceil(tiles / sms)."""
+    return -(-query_tiles(problem, rows) // sms)
+
+
+def prefers_three_consumers(problem: MhaProblem) -> bool:
+    """Head tile 64 takes three consumer warpgroups (192-row tiles) when the busiest SM's estimated time, rounds x
+    rows x WS3_ROW_COST, is under two consumers' (rounds x 128 rows). Measured (same machine, µs, two -> three):
+    S=T=4096 x 16 heads 167 -> 146, 2 x 4096 333 -> 297, S=T=8192 654 -> 578, 4 x 1500 x 6 heads 52 -> 41.5 (the
+    wgmma default 49.5); and where the rule says no: 8 x 512 x 12 heads 21.8 -> 25.1 (576 rows' rounds against
+    384), 16 x 512 x 12 42.0 -> 42.3, 1 x 2048 x 16 45.3 -> 52.3, 2 x 300 x 2 14.7 -> 16.0."""
+    g = problem.geometry
+    if head_dim_tile(g.head_size, g.v_head_size) != 64:
+        return False
+    three = persistent_rounds(problem, 3 * WARPGROUP_ROWS) * 3 * WARPGROUP_ROWS * WS3_ROW_COST
+    return three < persistent_rounds(problem, WS_BLOCK_M) * WS_BLOCK_M
+
+
 def prefers_warp_specialized(problem: MhaProblem) -> bool:
     """Head tile 128 always (4 x 2048 x 16 heads: 237 µs against 288 for the wgmma default, H200); head 64 from
     WS_HEAD64_MIN_TILES query tiles on (see there)."""
@@ -232,11 +270,14 @@ def prefers_warp_specialized(problem: MhaProblem) -> bool:
 
 
 def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str) -> Tile:
-    """The tile, and with it the kernel, of a fused call: a WsTile where ws_unsupported_reason says None and
-    prefers_warp_specialized, else a WgmmaTile where wgmma_unsupported_reason says None, else
-    flash_attention_mma's default tile (float32 calls ignore it)."""
-    if ws_unsupported_reason(problem, operand_dtype, capability) is None and prefers_warp_specialized(problem):
-        return WsTile()
+    """The tile, and with it the kernel, of a fused call: where ws_unsupported_reason says None, a three-consumer
+    WsTile where prefers_three_consumers, a two-consumer one where prefers_warp_specialized; else a WgmmaTile
+    where wgmma_unsupported_reason says None, else flash_attention_mma's default tile (float32 calls ignore it)."""
+    if ws_unsupported_reason(problem, operand_dtype, capability) is None:
+        if prefers_three_consumers(problem):
+            return WsTile(consumers=3)
+        if prefers_warp_specialized(problem):
+            return WsTile()
     if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
         return default_wgmma_tile(problem)
     return default_tile(problem)
@@ -306,13 +347,13 @@ class Operand:
 
 def ws_tensor_maps(problem: MhaProblem, operand_dtype: str, tile: "WsTile", operands: dict) -> list:
     """flash_attention_ws's three extra parameters: the encoded TMA maps (tma.encode) of q, k and v, boxes of
-    WS_BLOCK_M query rows and of tile.block_n key rows."""
+    tile.block_m query rows and of tile.block_n key rows."""
     g = problem.geometry
     maps = []
     for name, op in operands.items():
         spec = tma.TileMap.for_operand(name, op.address, operand_dtype, dim=op.dim, seq=op.seq, heads=g.num_heads,
                                        batch=g.batch, strides=op.strides(g.num_heads),
-                                       box_rows=WS_BLOCK_M if name == "q" else tile.block_n)  # fmt: skip
+                                       box_rows=tile.block_m if name == "q" else tile.block_n)  # fmt: skip
         maps.append(tma.encode(spec))
     return maps
 
@@ -388,7 +429,7 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = 
         return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
     tile = tile or default_tile(problem)
     if isinstance(tile, WsTile):
-        return f"flash_attention_ws<{elem}, {head_dim}, {tile.block_n}>"
+        return f"flash_attention_ws<{elem}, {head_dim}, {tile.block_n}, {tile.consumers}>"
     if isinstance(tile, WgmmaTile):
         return (f"flash_attention_wgmma<{elem}, {head_dim}, {tile.block_m}, {tile.block_n}, {mma_features(problem)}, "
                 f"{str(tile.overlap).lower()}>")  # fmt: skip
@@ -523,6 +564,9 @@ def run_fused(
         if tile is None:
             tile = choose_tile(problem, operand_dtype, device_capability(device_id))
         elif isinstance(tile, (WgmmaTile, WsTile)):
+            reason = ws_tile_unsupported_reason(problem, tile) if isinstance(tile, WsTile) else None
+            if reason is not None:
+                raise ValueError(f"fused attention: tile {tile.label}: {reason}")
             rule = ws_unsupported_reason if isinstance(tile, WsTile) else wgmma_unsupported_reason
             reason = rule(problem, operand_dtype, device_capability(device_id))
             if reason is not None:

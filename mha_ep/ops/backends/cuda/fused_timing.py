@@ -19,7 +19,7 @@ already on the device: random normals rounded to the dtype, never zeros. Columns
                   kernel-only time;
   tiles:          f16/bf16 only: the same for each tile of TILES (BLOCK_M x BLOCK_N; "wg": the wgmma kernel, on
                   a compute capability 9.0 device, with a trailing "s" when its steps do not overlap; "ws": the
-                  warp-specialized kernel, plain calls only), best marked *;
+                  warp-specialized kernel, plain calls only: ws128 two consumers, ws192 three), best marked *;
   TFLOP/s:        4*B*N*S*T*H / fused time (halved for causal), DESIGN.md's FLOP model;
   fused staged:   flash_attention_mma reading the staged float32 BSNH arrays directly (rounding on load): the whole
                   device part of a call that needs no layout step;
@@ -60,7 +60,7 @@ GRAPH_LAUNCHES = 10
 TILE_AGREEMENT = 1e-2  # largest |Δ| between a tile's output and the default tile's (fp32 accumulation, P in f16)
 TILES = (fused.MmaTile(64, 64), fused.MmaTile(128, 64), fused.MmaTile(64, 128), fused.MmaTile(128, 128),
          fused.WgmmaTile(64), fused.WgmmaTile(128), fused.WgmmaTile(64, 128, False), fused.WgmmaTile(128, 128, False),
-         fused.WsTile())  # fmt: skip
+         fused.WsTile(), fused.WsTile(consumers=3))  # fmt: skip
 
 
 def graph_us(cupy, launch, repeats: int, warmup: int = 3) -> float:

@@ -1,35 +1,39 @@
-// Fused attention on Hopper, warp-specialized (FlashAttention-3's scheme: TMA loads, a producer warpgroup, two
-// ping-ponging consumers), for plain calls: no padding mask, no attention_bias, not causal, scale > 0 (fused.py
-// ws_unsupported_reason). Same arithmetic as flash_attention_wgmma's plain tiles (S and P.V on wgmma, fp32 online
-// softmax, P rounded to ELEM for P.V, out = O / l rounded to ELEM), same kernel parameters (the mask ones unused)
-// plus three TMA tensor maps, same shared-memory layouts (flash_attention_wgmma.cu's header states the swizzle,
-// descriptors and accumulator layout; wgmma_common.cuh holds the shared pieces).
+// Fused attention on Hopper, warp-specialized (FlashAttention-3's scheme: TMA loads, a producer warpgroup, two or
+// three ping-ponging consumers), for plain calls: no padding mask, no attention_bias, not causal, scale > 0
+// (fused.py ws_unsupported_reason). Same arithmetic as flash_attention_wgmma's plain tiles (S and P.V on wgmma,
+// fp32 online softmax, P rounded to ELEM for P.V, out = O / l rounded to ELEM), same kernel parameters (the mask
+// ones unused) plus three TMA tensor maps, same shared-memory layouts (flash_attention_wgmma.cu's header states
+// the swizzle, descriptors and accumulator layout; wgmma_common.cuh holds the shared pieces).
 //
 // Why: flash_attention_wgmma syncs the whole block before each key tile's buffers are reused, so its warpgroups
 // reach their softmax together and leave the tensor cores idle together; with head 128 its registers also rule
 // out overlapping the steps. On the H200's 4,2048,2048,16,128 f16 row it took 288 µs against stock ORT CUDA's
-// 234 µs; this kernel takes about 237 (docs/BENCH.md). Measured variants (.device experiments, same row): one
+// 234 µs; this kernel takes about 230 (docs/BENCH.md). Measured variants (.device experiments, same row): one
 // block per tile instead of persistent 243 µs; without ping-pong 262; without the overlap 259; 3 K/V stages 239;
 // 176 or 192 keys per step 236-242 (192 spills at 232 registers). TMA in place of the producer's cp.async
 // (2026-11-30, .device experiment, one machine): 253.6 -> 232.2 µs, and S=T=4096 x 16 heads x 64 176.5 -> 166.9.
+// Three consumers (head 64 only, FA3's 192-row tiles; same machine): S=T=4096 x 16 heads 166.8 -> 146.3 µs,
+// 4 x 1500 x 6 heads 49.5 -> 41.5 (fused.py prefers_three_consumers says when their larger tiles pay).
 //
-// Block = 3 warpgroups (384 threads), one SM each (shared memory: Q 128 rows + 2 stages of K and V tiles):
-//   warpgroup 0, producer (registers cut to 40, setmaxnreg; one thread works): loads the block's Q tile (128
-//     query rows) and its K and V tiles of BLOCK_N keys into a ring of STAGES buffers with TMA
-//     (cp.async.bulk.tensor, one box of 64 columns per swizzle atom, 128-byte swizzle: the layout the wgmma
-//     descriptors read); each load completes on a "full" mbarrier that expects its bytes (expect_tx); a buffer
-//     is refilled after both consumers arrived on its "empty" mbarrier, the Q tile after both released it;
-//   warpgroups 1 and 2, consumers (registers raised to 232): 64 query rows each. Per key tile j a consumer waits
-//     for K_j and V_{j-1}, issues S_j = Q . K_j^T and O += P_{j-1} . V_{j-1} (two commit groups), waits for S_j,
-//     releases K_j, runs the softmax of S_j while the P.V still runs (intra-warpgroup overlap), waits for it,
-//     releases V_{j-1}, rescales O and packs P_j. The first tile has no P.V before it, the last P.V none after.
-//   Ping-pong: the consumers take turns issuing their wgmma (named barriers 1 and 2, 256 threads: one consumer's
-//     sync and the other's arrive), so one's softmax runs while the other's products hold the tensor cores.
+// Block = CONSUMERS + 1 warpgroups (384 or 512 threads), one SM each (shared memory: Q of BLOCK_M =
+// 64 x CONSUMERS rows + 2 stages of K and V tiles):
+//   warpgroup 0, producer (registers cut to 40 or 24, setmaxnreg; one thread works): loads the block's Q tile and
+//     its K and V tiles of BLOCK_N keys into a ring of STAGES buffers with TMA (cp.async.bulk.tensor, one box of
+//     64 columns per swizzle atom, 128-byte swizzle: the layout the wgmma descriptors read); each load completes
+//     on a "full" mbarrier that expects its bytes (expect_tx); a buffer is refilled after every consumer arrived
+//     on its "empty" mbarrier, the Q tile after every consumer released it;
+//   warpgroups 1.., consumers (registers raised to 232 or 160): 64 query rows each. Per key tile j a consumer
+//     waits for K_j and V_{j-1}, issues S_j = Q . K_j^T and O += P_{j-1} . V_{j-1} (two commit groups), waits
+//     for S_j, releases K_j, runs the softmax of S_j while the P.V still runs (intra-warpgroup overlap), waits for
+//     it, releases V_{j-1}, rescales O and packs P_j. The first tile has no P.V before it, the last P.V none after.
+//   Ping-pong: the consumers take turns issuing their wgmma, round a ring of named barriers 1.. (256 threads: one
+//     consumer's sync and the previous one's arrive), so one's softmax runs while another's products hold the
+//     tensor cores.
 //   Persistent: gridDim.x blocks (fused.py: the SM count, at most the tile count) walk the (b, h, query tile) list
 //     with stride gridDim.x, in flash_attention_wgmma's order; the producer loads the next tile's Q, K and V while
 //     the consumers finish and store the previous one.
 // TMA writes and wgmma reads both go through the async proxy, and a "full" barrier's completion makes the bytes
-// visible: no proxy fence. Tensor maps (fused.py operand_tensor_map, encoded by the driver: tma.py): 4D over an
+// visible: no proxy fence. Tensor maps (fused.py ws_tensor_maps, encoded by the driver: tma.py): 4D over an
 // operand's (dim, seq, head, batch) with its own strides, so BSNH and BNSH read alike; a box is 64 columns x
 // rows x 1 x 1. Out of bounds TMA fills zeros: K and V rows past T (so P.V adds nothing; their logits are set to
 // -inf), Q rows past S, and the columns past H or Hv of a head tile (so they add nothing to Q.K^T).
@@ -37,11 +41,18 @@
 // Index rule as in layout.cu: every product that can pass 2^31 is formed in long long by casting its FIRST factor.
 #include "wgmma_common.cuh"
 
-#define WS_THREADS 384
-#define WS_PRODUCER_REGISTERS 40
-#define WS_CONSUMER_REGISTERS 232  // 40 + 2 x 232 = 504 of the 512 a thread slot of the SM's register file allows
 #define WS_STAGES 2
-#define WS_BLOCK_M 128  // two consumers of WARPGROUP_ROWS
+
+// Per CONSUMERS (2 or 3 consumer warpgroups of WARPGROUP_ROWS query rows each): block rows, threads, and the
+// registers setmaxnreg gives the producer and each consumer. Two: 40 + 2 x 232 = 504, three: 24 + 3 x 160 = 504
+// of the 512 a thread slot of the SM's register file allows (x 128 threads).
+template <int CONSUMERS> struct WsShape {
+  static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
+  static constexpr int BLOCK_M = CONSUMERS * WARPGROUP_ROWS;
+  static constexpr int THREADS = (CONSUMERS + 1) * WARPGROUP_THREADS;
+  static constexpr int PRODUCER_REGISTERS = CONSUMERS == 2 ? 40 : 24;
+  static constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 232 : 160;
+};
 
 // A CUtensorMap (cuda.h): 128 opaque bytes, 64-byte aligned, passed by value as a __grid_constant__ parameter.
 struct alignas(64) TensorMap {
@@ -89,23 +100,25 @@ __device__ __forceinline__ void tma_load_tile(unsigned dst, int rows, const Tens
 #pragma unroll
   for (int a = 0; a < ATOMS; ++a) tma_load(dst + a * rows * ATOM_BYTES, map, 64 * a, row, head, batch, bar);
 }
-// Ping-pong turns: consumer c waits on barrier 1 + c (its 128 threads sync, the other consumer's 128 arrive).
+// Ping-pong turns round a ring: consumer c waits on barrier 1 + c (its 128 threads sync, the previous consumer's
+// 128 arrive) and passes the turn to consumer c + 1 (mod CONSUMERS).
 __device__ __forceinline__ void turn_wait(int consumer) {
   asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
 }
-__device__ __forceinline__ void turn_pass(int consumer) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+template <int CONSUMERS> __device__ __forceinline__ void turn_pass(int consumer) {
+  const int next = CONSUMERS == 2 ? 1 - consumer : (consumer + 1) % CONSUMERS;
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + next) : "memory");
 }
 // Consumer 0's arrival on its own barrier before its first wait: it takes the first turn. (Each consumer waits
-// once per turn; consumer 0 waits once more at the end, for consumer 1's last pass.)
+// once per turn; consumer 0 waits once more at the end, for the last consumer's last pass.)
 __device__ __forceinline__ void first_turn_to_consumer_0() { asm volatile("bar.arrive 1, 256;\n" ::: "memory"); }
 
-template <typename ELEM, int HEAD_DIM, int BLOCK_N>
+template <typename ELEM, int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ void issue_s(float (&s)[BLOCK_N / 2], unsigned q_rows_at, unsigned k_at) {
 #pragma unroll
   for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
     const unsigned in_atom = (ks % 4) * 32;  // 16 elements into atom ks / 4
-    Ops<ELEM, BLOCK_N>::s(s, swizzled_desc(q_rows_at + (ks / 4) * WS_BLOCK_M * ATOM_BYTES + in_atom),
+    Ops<ELEM, BLOCK_N>::s(s, swizzled_desc(q_rows_at + (ks / 4) * BLOCK_M * ATOM_BYTES + in_atom),
                           swizzled_desc(k_at + (ks / 4) * BLOCK_N * ATOM_BYTES + in_atom), ks > 0);
   }
 }
@@ -200,8 +213,8 @@ __device__ __forceinline__ void fence_accumulators(float (&o_acc)[ATOMS][32]) {
 
 }  // namespace ws_detail
 
-template <typename ELEM, int HEAD_DIM, int BLOCK_N>
-__global__ void __launch_bounds__(WS_THREADS, 1)
+template <typename ELEM, int HEAD_DIM, int BLOCK_N, int CONSUMERS>
+__global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
     flash_attention_ws(const ELEM* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
                        const float* __restrict__ bias_q, const ELEM* __restrict__ k, long long stride_kb,
                        long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
@@ -218,8 +231,11 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   static_assert(sizeof(ELEM) == 2, "f16/bf16 operands");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head tiles of whole 64-element atoms");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tiles of the wgmma_ss widths");
+  static_assert(CONSUMERS == 2 || HEAD_DIM == 64, "three consumers fit their 160 registers with head tile 64 only");
+  using Shape = WsShape<CONSUMERS>;
+  constexpr int BLOCK_M = Shape::BLOCK_M;
   constexpr int ATOMS = HEAD_DIM / 64;
-  constexpr int Q_BYTES = WS_BLOCK_M * HEAD_DIM * 2;
+  constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;
   constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned smem_raw_at = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
@@ -234,19 +250,19 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   auto empty_k = [&](int stage) { return bars + 8u * (2 + 2 * WS_STAGES + stage); };
   auto empty_v = [&](int stage) { return bars + 8u * (2 + 3 * WS_STAGES + stage); };
 
-  const int q_tiles = (q_seq + WS_BLOCK_M - 1) / WS_BLOCK_M;
+  const int q_tiles = (q_seq + BLOCK_M - 1) / BLOCK_M;
   const long long tiles = (long long)q_tiles * batch * heads;
   const int n_tiles = (total_seq + BLOCK_N - 1) / BLOCK_N;
   const int wg = threadIdx.x / WARPGROUP_THREADS;
 
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);                       // the producer thread's expect_tx, then the bytes
-    mbar_init(q_empty, 2 * WARPGROUP_THREADS);  // both consumers
+    mbar_init(q_empty, CONSUMERS * WARPGROUP_THREADS);  // every consumer
     for (int stage = 0; stage < WS_STAGES; ++stage) {
       mbar_init(full_k(stage), 1);
       mbar_init(full_v(stage), 1);
-      mbar_init(empty_k(stage), 2 * WARPGROUP_THREADS);
-      mbar_init(empty_v(stage), 2 * WARPGROUP_THREADS);
+      mbar_init(empty_k(stage), CONSUMERS * WARPGROUP_THREADS);
+      mbar_init(empty_v(stage), CONSUMERS * WARPGROUP_THREADS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -255,7 +271,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   // K/V tile number `it` over all of this block's query tiles: buffer it % WS_STAGES, its (it / WS_STAGES)-th
   // use; the barriers of that buffer complete once per use, so their phase parity is (it / WS_STAGES) & 1.
   if (wg == 0) {  // ------------------------------------------------------------------------------ producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGISTERS));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Shape::PRODUCER_REGISTERS));
     if (threadIdx.x != 0) return;  // one thread issues every load
     prefetch_tensor_map(q_map);
     prefetch_tensor_map(k_map);
@@ -263,10 +279,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     int it = 0;
     int done = 0;
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
-      const TileCoords tc = tile_coords(tile, q_tiles, heads, WS_BLOCK_M);
+      const TileCoords tc = tile_coords(tile, q_tiles, heads, BLOCK_M);
       if (done > 0) mbar_wait(q_empty, (done - 1) & 1);
       mbar_expect_bytes(q_full, Q_BYTES);
-      tma_load_tile<ATOMS>(q_tile, WS_BLOCK_M, q_map, tc.m0, tc.h, tc.b, q_full);
+      tma_load_tile<ATOMS>(q_tile, BLOCK_M, q_map, tc.m0, tc.h, tc.b, q_full);
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const int stage = it % WS_STAGES;
         const int use = it / WS_STAGES;
@@ -282,7 +298,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   }
 
   // ------------------------------------------------------------------------------------------------ consumers
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGISTERS));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Shape::CONSUMER_REGISTERS));
   const int c = wg - 1;                                     // rows 64 c .. 64 c + 63 of the query tile
   const int warp = (threadIdx.x - WARPGROUP_THREADS) / 32;  // rows 16 warp .. 16 warp + 15
   const int lane = threadIdx.x % 32;
@@ -293,7 +309,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   int it = 0;
   int done = 0;
   for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
-    const TileCoords tc = tile_coords(tile, q_tiles, heads, WS_BLOCK_M);
+    const TileCoords tc = tile_coords(tile, q_tiles, heads, BLOCK_M);
     const int b = tc.b;
     const int h = tc.h;
     const int rows[2] = {tc.m0 + warp * 16 + g, tc.m0 + warp * 16 + g + 8};
@@ -314,9 +330,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
       mbar_wait(full_k(stage), (it / WS_STAGES) & 1);
       turn_wait(c);
       wgmma_fence();
-      issue_s<ELEM, HEAD_DIM, BLOCK_N>(s, q_rows_at, k_tiles + stage * KV_BYTES);
+      issue_s<ELEM, HEAD_DIM, BLOCK_M, BLOCK_N>(s, q_rows_at, k_tiles + stage * KV_BYTES);
       wgmma_commit();
-      turn_pass(c);
+      turn_pass<CONSUMERS>(c);
       wgmma_wait_all();
       fence_operands(s);
       mbar_arrive(empty_k(stage));
@@ -333,11 +349,11 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
       fence_operands(p);
       turn_wait(c);
       wgmma_fence();
-      issue_s<ELEM, HEAD_DIM, BLOCK_N>(s, q_rows_at, k_tiles + stage * KV_BYTES);
+      issue_s<ELEM, HEAD_DIM, BLOCK_M, BLOCK_N>(s, q_rows_at, k_tiles + stage * KV_BYTES);
       wgmma_commit();
       issue_pv<ELEM, ATOMS, BLOCK_N>(o_acc, p, v_tiles + prev * KV_BYTES);
       wgmma_commit();
-      turn_pass(c);
+      turn_pass<CONSUMERS>(c);
       wgmma_wait_all_but_newest();  // S_j is done; the P.V may still run
       fence_operands(s);
       mbar_arrive(empty_k(stage));
@@ -359,7 +375,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
       wgmma_fence();
       issue_pv<ELEM, ATOMS, BLOCK_N>(o_acc, p, v_tiles + prev * KV_BYTES);
       wgmma_commit();
-      turn_pass(c);
+      turn_pass<CONSUMERS>(c);
       wgmma_wait_all();
       fence_accumulators(o_acc);
       mbar_arrive(empty_v(prev));
@@ -368,5 +384,5 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
 
     store_rows<ELEM, ATOMS>(o_acc, row_sum, rows, q_seq, b, h, heads, v_head_size, tig, out_BSD);
   }
-  if (c == 0) turn_wait(0);  // consumer 1's last pass
+  if (c == 0) turn_wait(0);  // the last consumer's last pass
 }
