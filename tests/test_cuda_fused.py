@@ -217,7 +217,7 @@ def test_wgmma_tiles_match_reference(cupy_module, case_name, dtype, tile):
     assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", tile))
 
 
-WS_CASES = {  # plain calls: flash_attention_ws has no mask code
+WS_CASES = {  # no padding mask or attention_bias: flash_attention_ws has no code for them
     "S1023_T1024_H64_plain": CASES["S1023_T1024_H64_plain"],
     # 144 query tiles of 128 rows: more than one per block on a 132-SM GPU (the persistent loop, the Q buffer's
     # release and refill); 8 key tiles, the last one partial (104 keys)
@@ -225,6 +225,12 @@ WS_CASES = {  # plain calls: flash_attention_ws has no mask code
     "S1_T7_H48_one_partial_key_tile": Case(b=2, s=1, l=7, n=3, h=48),
     "S130_T128_H128_hv64_one_full_key_tile": Case(b=2, s=130, l=128, n=2, h=128, hv=64),
     "S200_T300_H128_bnsh_scale_attr": Case(b=1, s=200, l=300, n=2, h=128, layout="BNSH", attrs={"scale": 0.05}),
+    # causal (float16 only): frontier tiles, the diagonal masked per key, work-sorted snake order over the blocks
+    "causal_S1023_T1024_H64_past1": Case(b=1, s=1023, l=1023, p=1, n=3, h=64, causal=True, bias=False),
+    "causal_S700_T700_H64_more_tiles_than_sms": Case(b=4, s=700, l=700, n=12, h=64, causal=True),
+    "causal_L_ne_S_last_row_free": Case(b=1, s=200, l=300, n=2, h=64, causal=True),
+    "causal_S130_T130_H128_past_presents": Case(b=2, s=130, l=130, p=70, n=2, h=128, causal=True),
+    "unidirectional_S1_past8_no_causal_mask": Case(b=2, s=1, l=1, p=8, n=2, h=64, causal=True),
 }
 
 
@@ -243,6 +249,9 @@ def test_warp_specialized_kernel_matches_reference(cupy_module, case_name, dtype
     if fused.device_capability(0) != fused.HOPPER_CAPABILITY:
         pytest.skip("flash_attention_ws runs on compute capability 9.0 only")
     problem = make_problem(WS_CASES[case_name], dtype)
+    if problem.causal and dtype == "bfloat16":
+        assert fused.ws_unsupported_reason(problem, dtype, fused.HOPPER_CAPABILITY).startswith("a causal bfloat16")
+        pytest.skip("causal bfloat16 calls keep flash_attention_wgmma (fused.ws_causal_unsupported_reason)")
     assert fused.ws_unsupported_reason(problem, dtype, fused.HOPPER_CAPABILITY) is None
     reason = fused.ws_tile_unsupported_reason(problem, tile)
     if reason is not None:
@@ -452,13 +461,18 @@ def large_query_problem(s: int, n: int, **case) -> MhaProblem:
         (lambda: large_query_problem(512, 99), fused.WsTile()),  # 396 tiles: WS_HEAD64_MIN_TILES
         (lambda: large_query_problem(512, 96), fused.WgmmaTile(128)),  # 384 tiles (the 8,512,512,12 anchor's)
         (lambda: large_query_problem(2048, 16), fused.WgmmaTile(128)),  # 256 tiles; three: 176 (2 rounds, 384 rows)
-        (lambda: make_problem(Case(s=300, l=300, h=128, causal=True), "float16"), fused.WgmmaTile(64, 128, False)),
+        # causal: float16 calls take the warp-specialized kernel by the same rules, bfloat16 ones keep wgmma
+        (lambda: make_problem(Case(s=300, l=300, h=128, causal=True), "float16"), fused.WsTile()),
+        (lambda: make_problem(Case(s=300, l=300, h=128, causal=True), "bfloat16"), fused.WgmmaTile(64, 128, False)),
+        (lambda: large_query_problem(4096, 16, causal=True), fused.WsTile(consumers=3)),
+        (lambda: large_query_problem(4096, 12, causal=True, attrs={"scale": 1e26}), fused.WgmmaTile(128)),
         (lambda: make_problem(Case(h=128, mask="BT"), "float16"), fused.WgmmaTile(64, 128, False)),
         (lambda: large_query_problem(4096, 16, mask="lengths"), fused.WgmmaTile(64)),
     ],
 )  # fmt: skip
 def test_warp_specialized_choice(problem_of, expected):
-    """flash_attention_ws takes plain Hopper calls of head tile 128, and of head tile 64 with enough query tiles."""
+    """flash_attention_ws takes Hopper calls without mask or attention_bias (causal too for float16) of head tile 128,
+    and of head tile 64 with enough query tiles (three consumers where their tiles pay)."""
     problem = problem_of()
     assert fused.choose_tile(problem, problem.dtype, fused.HOPPER_CAPABILITY) == expected
     assert fused.choose_tile(problem, problem.dtype, "89") == fused.default_tile(problem)
@@ -469,7 +483,11 @@ def test_warp_specialized_choice(problem_of, expected):
     [
         (lambda: make_problem(Case(h=64, mask="lengths"), "float16"), "the call has a padding mask"),
         (lambda: make_problem(Case(h=64, attention_bias=(True, True)), "bfloat16"), "the call has an attention_bias"),
-        (lambda: make_problem(Case(s=9, l=9, h=128, causal=True), "float16"), "the call is causal"),
+        (lambda: make_problem(Case(s=9, l=9, h=128, causal=True), "bfloat16"),
+         r"a causal bfloat16 call \(logits may reach float32 lowest; only float16 bounds them\)"),
+        (lambda: make_problem(Case(s=9, l=9, h=64, causal=True, attrs={"scale": 1e26}), "float16"),
+         r"a causal call whose logits may reach 2.75e\+37 \(scale 1e\+26\): only below 1e\+37 is -inf for "
+         r"future keys exact"),
         (lambda: make_problem(Case(h=128, attrs={"scale": -0.5}), "float16"),
          r"scale -0.5 is not positive \(the kernel takes max\(scale \* s\) as scale \* max\(s\)\)"),
         (lambda: problem_with(h=96), r"head tile 96 is not one of \(64, 128\)"),
@@ -503,9 +521,12 @@ def test_warp_specialized_tile_reasons(case, tile, reason):
 def test_warp_specialized_launch_choices():
     plain, wide = problem_with(h=64), make_problem(Case(h=128, hv=64), "bfloat16")
     three = fused.WsTile(consumers=3)
-    assert fused.kernel_name(plain, "float16", fused.WsTile()) == "flash_attention_ws<__half, 64, 128, 2>"
-    assert fused.kernel_name(wide, "bfloat16", fused.WsTile(64)) == "flash_attention_ws<__nv_bfloat16, 128, 64, 2>"
-    assert fused.kernel_name(plain, "float16", three) == "flash_attention_ws<__half, 64, 128, 3>"
+    causal = make_problem(Case(s=9, l=9, h=64, causal=True), "float16")
+    assert fused.kernel_name(plain, "float16", fused.WsTile()) == "flash_attention_ws<__half, 64, 128, 2, false>"
+    assert (fused.kernel_name(wide, "bfloat16", fused.WsTile(64))
+            == "flash_attention_ws<__nv_bfloat16, 128, 64, 2, false>")  # fmt: skip
+    assert fused.kernel_name(plain, "float16", three) == "flash_attention_ws<__half, 64, 128, 3, false>"
+    assert fused.kernel_name(causal, "float16", three) == "flash_attention_ws<__half, 64, 128, 3, true>"
     # 1 KiB alignment slack, Q (128 or 192 rows), 2 stages x (K, V), 10 mbarriers of 8 bytes
     assert fused.shared_bytes(wide, fused.WsTile()) == 1024 + (128 + 2 * 2 * 128) * 128 * 2 + 80
     assert fused.shared_bytes(plain, fused.WsTile(64)) == 1024 + (128 + 2 * 2 * 64) * 64 * 2 + 80
@@ -547,7 +568,7 @@ def test_wgmma_launch_choices():
 def test_wgmma_default_tiles_and_their_blocks_per_sm(case, tile, blocks, dtype):
     """The measured defaults (fused.default_wgmma_tile) and the blocks per SM their registers are cut for."""
     problem = make_problem(case, dtype)
-    assert fused.choose_tile(problem, dtype, fused.HOPPER_CAPABILITY) == tile
+    assert fused.default_wgmma_tile(problem) == tile
     assert fused.wgmma_min_blocks(problem, tile) == blocks
     assert fused.blocks_per_sm_by_shared_memory(fused.shared_bytes(problem, tile)) >= blocks
 
@@ -723,9 +744,9 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
         "flash_attention_fp32<float, float, 64>",
         "flash_attention_wgmma<__half, 64, 64, 128, 0, true>",
         "flash_attention_wgmma<__nv_bfloat16, 128, 128, 64, 3, false>",
-        "flash_attention_ws<__half, 128, 128, 2>",
-        "flash_attention_ws<__nv_bfloat16, 64, 64, 2>",
-        "flash_attention_ws<__half, 64, 128, 3>",
+        "flash_attention_ws<__half, 128, 128, 2, false>",
+        "flash_attention_ws<__nv_bfloat16, 64, 64, 2, false>",
+        "flash_attention_ws<__half, 64, 128, 3, true>",
     ]
     lines = ['#include "flash_attention.cu"', '#include "flash_attention_wgmma.cu"', '#include "flash_attention_ws.cu"']
     for name in names:

@@ -15,11 +15,12 @@ dtype on load) or the call's dtype (the layout mover's buffers). A bias (float32
 Kernel choice (choose_tile): float32 -> ``flash_attention_fp32`` (CUDA cores, true fp32); float16 / bfloat16 ->
 ``flash_attention_wgmma`` (kernels/flash_attention_wgmma.cu: Hopper's warpgroup MMA, sm_90a code) where
 ``wgmma_unsupported_reason`` says None (a compute capability 9.0 device, operands in the call's dtype, head tile 64
-or 128), else ``flash_attention_mma`` (tensor cores, mma.sync m16n8k16; any sm_80+ GPU). Plain Hopper calls (no
-padding mask, no attention_bias, not causal; ``ws_unsupported_reason``) with head tile 128, or head tile 64 and
-enough query tiles to fill the GPU (``prefers_warp_specialized``), take ``flash_attention_ws`` instead
-(kernels/flash_attention_ws.cu: a producer warpgroup loading with TMA, whose tensor maps tma.py encodes, and two
-ping-ponging consumers, persistent). All accumulate in fp32,
+or 128), else ``flash_attention_mma`` (tensor cores, mma.sync m16n8k16; any sm_80+ GPU). Hopper calls without
+padding mask or attention_bias (float16 ones also when causal; ``ws_unsupported_reason``) take
+``flash_attention_ws`` instead (kernels/flash_attention_ws.cu: a producer warpgroup loading with TMA, whose tensor
+maps tma.py encodes, and two or three ping-ponging consumers, persistent): three consumers for head tile 64 where
+their 192-row tiles pay (``prefers_three_consumers``), two for head tile 128, or head tile 64 with enough query
+tiles to fill the GPU (``prefers_warp_specialized``). All accumulate in fp32,
 are templated on the head tile HEAD_DIM (the smallest of HEAD_DIM_TILES that holds max(H, Hv); the rest is
 zero-filled) and are compiled lazily, one NVRTC module per (device, instantiation), memoised for the life of the
 process (the sm_90a ones also on disk: kernels.compile_arch_kernel).
@@ -220,8 +221,9 @@ def wgmma_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability
 
 
 def ws_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability: str) -> Optional[str]:
-    """None when flash_attention_ws can run this fused call (wgmma's rule, and a plain call: the kernel has no
-    mask code); else why not. For a call fused_unsupported_reason already accepted."""
+    """None when flash_attention_ws can run this fused call (wgmma's rule; no padding mask or attention_bias: the
+    kernel has no code for them; causal only where its -inf for future keys gives ORT's answer); else why not.
+    For a call fused_unsupported_reason already accepted."""
     reason = wgmma_unsupported_reason(problem, operand_dtype, capability)
     if reason is not None:
         return reason
@@ -229,10 +231,29 @@ def ws_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability: s
         return "the call has a padding mask"
     if problem.attention_bias is not None:
         return "the call has an attention_bias"
-    if problem.causal:
-        return "the call is causal"
     if not problem.scale > 0.0:
         return f"scale {problem.scale} is not positive (the kernel takes max(scale * s) as scale * max(s))"
+    if problem.causal:
+        return ws_causal_unsupported_reason(problem)
+    return None
+
+
+WS_CAUSAL_LOGIT_BOUND = 1.0e37  # |scale * q.k| below this: a row's largest allowed logit dominates float32 lowest
+FLOAT16_MAX = 65504.0
+
+
+def ws_causal_unsupported_reason(problem: MhaProblem) -> Optional[str]:
+    """flash_attention_ws sets a causal future logit to -inf and reads no key tile past a query tile's causal
+    frontier, where ORT adds float32 lowest. Both give those keys probability 0 exactly when each row's largest
+    allowed logit is far above lowest (-3.4e38), which float16 operands guarantee unless the scale is huge:
+    |scale * q.k| <= scale * H * 65504^2. bfloat16 reaches 3.4e38 itself, so its causal calls stay on
+    flash_attention_wgmma, which checks every row's max before it skips a tile."""
+    if problem.dtype != "float16":
+        return f"a causal {problem.dtype} call (logits may reach float32 lowest; only float16 bounds them)"
+    bound = problem.scale * problem.geometry.head_size * FLOAT16_MAX**2
+    if bound >= WS_CAUSAL_LOGIT_BOUND:
+        return (f"a causal call whose logits may reach {bound:.3g} (scale {problem.scale}): only below "
+                f"{WS_CAUSAL_LOGIT_BOUND:g} is -inf for future keys exact")  # fmt: skip
     return None
 
 
@@ -373,7 +394,7 @@ def shared_bytes(problem: MhaProblem, tile: Optional[Tile] = None) -> int:
         floats = FP32_BLOCK_M * ld + stages * (FP32_BLOCK_N * ld + FP32_BLOCK_N * head_dim) + FP32_BLOCK_N * FP32_LDT
         return 4 * floats
     tile = tile or default_tile(problem)
-    if isinstance(tile, WsTile):  # Q, WS_STAGES x (K, V), the mbarriers; no bias tile (plain calls only)
+    if isinstance(tile, WsTile):  # Q, WS_STAGES x (K, V), the mbarriers; no bias tile (no attention_bias)
         rows = tile.block_m + 2 * WS_STAGES * tile.block_n
         return WGMMA_SMEM_ALIGN + rows * head_dim * ELEMENT_BYTES[problem.dtype] + WS_BARRIER_BYTES
     rows = tile.block_m + 4 * tile.block_n  # Q, two K buffers, two V buffers
@@ -429,7 +450,8 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = 
         return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
     tile = tile or default_tile(problem)
     if isinstance(tile, WsTile):
-        return f"flash_attention_ws<{elem}, {head_dim}, {tile.block_n}, {tile.consumers}>"
+        return (f"flash_attention_ws<{elem}, {head_dim}, {tile.block_n}, {tile.consumers}, "
+                f"{str(problem.causal).lower()}>")  # fmt: skip
     if isinstance(tile, WgmmaTile):
         return (f"flash_attention_wgmma<{elem}, {head_dim}, {tile.block_m}, {tile.block_n}, {mma_features(problem)}, "
                 f"{str(tile.overlap).lower()}>")  # fmt: skip

@@ -63,8 +63,8 @@ class TileMap:
         s*stride_s) elements, ``strides`` = (stride_b, stride_h, stride_s) in elements (fused.Operand.strides);
         raises ValueError when TMA cannot read it (tile_map_problem)."""
         stride_b, stride_h, stride_s = strides
-        spec = cls(name, int(address), dtype, (dim, seq, heads, batch),
-                   (stride_s * ELEMENT_BYTES, stride_h * ELEMENT_BYTES, stride_b * ELEMENT_BYTES), box_rows)  # fmt: skip
+        byte_strides = (stride_s * ELEMENT_BYTES, stride_h * ELEMENT_BYTES, stride_b * ELEMENT_BYTES)
+        spec = cls(name, int(address), dtype, (dim, seq, heads, batch), byte_strides, box_rows)
         problem = tile_map_problem(spec)
         if problem is not None:
             raise ValueError(f"TMA tile map of operand {name}: {problem}")

@@ -1,6 +1,6 @@
 // Fused attention on Hopper, warp-specialized (FlashAttention-3's scheme: TMA loads, a producer warpgroup, two or
-// three ping-ponging consumers), for plain calls: no padding mask, no attention_bias, not causal, scale > 0
-// (fused.py ws_unsupported_reason). Same arithmetic as flash_attention_wgmma's plain tiles (S and P.V on wgmma,
+// three ping-ponging consumers), for calls without padding mask or attention_bias, scale > 0, causal or not
+// (fused.py ws_unsupported_reason; causal: CAUSAL, see CausalRows, ws_tile and causal_key_tiles). Same arithmetic as flash_attention_wgmma's plain tiles (S and P.V on wgmma,
 // fp32 online softmax, P rounded to ELEM for P.V, out = O / l rounded to ELEM), same kernel parameters (the mask
 // ones unused) plus three TMA tensor maps, same shared-memory layouts (flash_attention_wgmma.cu's header states
 // the swizzle, descriptors and accumulator layout; wgmma_common.cuh holds the shared pieces).
@@ -132,14 +132,73 @@ __device__ __forceinline__ void issue_pv(float (&o_acc)[ATOMS][32], const unsign
       Ops<ELEM, BLOCK_N>::o(o_acc[a], p[kt], swizzled_desc(v_at + a * BLOCK_N * ATOM_BYTES + kt * 16 * ATOM_BYTES));
 }
 
+// Causal masking of one consumer's rows (fused semantics, flash_common.cuh masked_logit): row i < S - 1 does not
+// see key j > past + i; the last row sees every key. Here a future logit becomes -inf where the other paths add
+// float32 lowest: the same probabilities (0), since every row sees key 0 and its max is a finite logit no smaller
+// than -1e38 (fused.py ws_unsupported_reason bounds the logits of the calls it lets through).
+struct CausalRows {
+  int first;    // the consumer's first query row
+  int rows[2];  // this thread's two rows
+  int q_seq;
+  int past_seq;
+  // Whether some row of the consumer has a future key in [n0, n0 + block_n).
+  __device__ __forceinline__ bool crosses(int n0, int block_n) const { return n0 + block_n - 1 > past_seq + first; }
+  __device__ __forceinline__ bool future(int r, int j) const {
+    return rows[r] < q_seq - 1 && j > past_seq + rows[r];
+  }
+};
+
+// The query tile of persistent step `step` (blockIdx.x, + gridDim.x, ...). Plain calls: tile_coords' order.
+// Causal calls: the tiles sorted by work, the last query tile of every (b, h) first (it sees the most keys), dealt
+// to the blocks in snake order (round r of gridDim.x tiles reversed when r is odd and whole), so each SM's sum of
+// tile sizes stays near the mean.
+template <bool CAUSAL>
+__device__ __forceinline__ TileCoords ws_tile(long long step, long long tiles, int q_tiles, int heads, int batch,
+                                              int block_m) {
+  if constexpr (!CAUSAL) {
+    return tile_coords(step, q_tiles, heads, block_m);
+  } else {
+    const long long blocks = gridDim.x;
+    const long long round = step / blocks;
+    const long long pos = step % blocks;
+    const bool reverse = (round & 1) && (round + 1) * blocks <= tiles;
+    const long long order = round * blocks + (reverse ? blocks - 1 - pos : pos);
+    const long long bh_count = (long long)batch * heads;
+    const long long bh = order % bh_count;
+    TileCoords t;
+    t.m0 = (q_tiles - 1 - (int)(order / bh_count)) * block_m;
+    t.b = (int)(bh / heads);
+    t.h = (int)(bh % heads);
+    return t;
+  }
+}
+
+// Key tiles of BLOCK_N a causal query tile at m0 reads: those before its causal frontier (as flash_common.cuh
+// causal_key_end: the tile holding the last row reads every key, `all_tiles`).
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ int causal_key_tiles(int m0, int q_seq, int total_seq, int past_seq, int all_tiles) {
+  if (m0 + BLOCK_M >= q_seq) return all_tiles;
+  return (min(total_seq, past_seq + m0 + BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
+}
+
 // The online softmax of one S tile in place: s becomes p = exp(scale * s - m_new) (fp32, unnormalized); updates
 // the rows' running max m and sum l (this thread's columns) and returns alpha = exp(m_old - m_new). As the plain
 // tiles of flash_attention_wgmma: scale > 0, so max(scale * s) = scale * max(s); the scale is folded into the
 // exponent's FMA unless a row max is so large that the fold would lose the difference.
-template <int BLOCK_N>
+template <int BLOCK_N, bool CAUSAL>
 __device__ __forceinline__ void softmax_tile(float (&s)[BLOCK_N / 2], int n0, int total_seq, int tig, float scale,
-                                             float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2]) {
+                                             const CausalRows& causal, float (&row_max)[2], float (&row_sum)[2],
+                                             float (&alpha)[2]) {
   constexpr int S_BLOCKS = BLOCK_N / 8;
+  if constexpr (CAUSAL) {
+    if (causal.crosses(n0, BLOCK_N)) {
+#pragma unroll
+      for (int i = 0; i < S_BLOCKS; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (causal.future(c >> 1, n0 + 8 * i + 2 * tig + (c & 1))) s[4 * i + c] = NEG_INFINITY;
+    }
+  }
   if (n0 + BLOCK_N > total_seq) {
 #pragma unroll
     for (int i = 0; i < S_BLOCKS; ++i)
@@ -213,7 +272,7 @@ __device__ __forceinline__ void fence_accumulators(float (&o_acc)[ATOMS][32]) {
 
 }  // namespace ws_detail
 
-template <typename ELEM, int HEAD_DIM, int BLOCK_N, int CONSUMERS>
+template <typename ELEM, int HEAD_DIM, int BLOCK_N, int CONSUMERS, bool CAUSAL>
 __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
     flash_attention_ws(const ELEM* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
                        const float* __restrict__ bias_q, const ELEM* __restrict__ k, long long stride_kb,
@@ -251,8 +310,8 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
   auto empty_v = [&](int stage) { return bars + 8u * (2 + 3 * WS_STAGES + stage); };
 
   const int q_tiles = (q_seq + BLOCK_M - 1) / BLOCK_M;
+  const int all_key_tiles = (total_seq + BLOCK_N - 1) / BLOCK_N;
   const long long tiles = (long long)q_tiles * batch * heads;
-  const int n_tiles = (total_seq + BLOCK_N - 1) / BLOCK_N;
   const int wg = threadIdx.x / WARPGROUP_THREADS;
 
   if (threadIdx.x == 0) {
@@ -279,7 +338,9 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
     int it = 0;
     int done = 0;
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
-      const TileCoords tc = tile_coords(tile, q_tiles, heads, BLOCK_M);
+      const TileCoords tc = ws_tile<CAUSAL>(tile, tiles, q_tiles, heads, batch, BLOCK_M);
+      const int n_tiles =
+          CAUSAL ? causal_key_tiles<BLOCK_M, BLOCK_N>(tc.m0, q_seq, total_seq, past_seq, all_key_tiles) : all_key_tiles;
       if (done > 0) mbar_wait(q_empty, (done - 1) & 1);
       mbar_expect_bytes(q_full, Q_BYTES);
       tma_load_tile<ATOMS>(q_tile, BLOCK_M, q_map, tc.m0, tc.h, tc.b, q_full);
@@ -309,10 +370,13 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
   int it = 0;
   int done = 0;
   for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
-    const TileCoords tc = tile_coords(tile, q_tiles, heads, BLOCK_M);
+    const TileCoords tc = ws_tile<CAUSAL>(tile, tiles, q_tiles, heads, batch, BLOCK_M);
+    const int n_tiles =
+        CAUSAL ? causal_key_tiles<BLOCK_M, BLOCK_N>(tc.m0, q_seq, total_seq, past_seq, all_key_tiles) : all_key_tiles;
     const int b = tc.b;
     const int h = tc.h;
     const int rows[2] = {tc.m0 + warp * 16 + g, tc.m0 + warp * 16 + g + 8};
+    const CausalRows causal_rows = {tc.m0 + c * WARPGROUP_ROWS, {rows[0], rows[1]}, q_seq, past_seq};
     float o_acc[ATOMS][32];
 #pragma unroll
     for (int a = 0; a < ATOMS; ++a)
@@ -337,7 +401,7 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
       fence_operands(s);
       mbar_arrive(empty_k(stage));
       if (n_tiles == 1) mbar_arrive(q_empty);
-      softmax_tile<BLOCK_N>(s, 0, total_seq, tig, scale, row_max, row_sum, alpha);
+      softmax_tile<BLOCK_N, CAUSAL>(s, 0, total_seq, tig, scale, causal_rows, row_max, row_sum, alpha);
       pack_p<ELEM, BLOCK_N>(p, s);
     }
     for (int j = 1; j < n_tiles; ++j) {
@@ -358,7 +422,7 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
       fence_operands(s);
       mbar_arrive(empty_k(stage));
       if (j == n_tiles - 1) mbar_arrive(q_empty);  // this consumer's last read of the Q tile
-      softmax_tile<BLOCK_N>(s, j * BLOCK_N, total_seq, tig, scale, row_max, row_sum, alpha);
+      softmax_tile<BLOCK_N, CAUSAL>(s, j * BLOCK_N, total_seq, tig, scale, causal_rows, row_max, row_sum, alpha);
       wgmma_wait_all();
       fence_accumulators(o_acc);
       fence_operands(p);
