@@ -456,9 +456,9 @@ def large_query_problem(s: int, n: int, **case) -> MhaProblem:
         (lambda: large_query_problem(4096, 16), fused.WsTile(consumers=3)),  # 352 tiles (3 rounds) against 512 (4)
         (lambda: large_query_problem(4096, 12), fused.WsTile(consumers=3)),  # 264 tiles (2 rounds) against 384 (3)
         (lambda: large_query_problem(1500, 24), fused.WsTile(consumers=3)),  # the Whisper encoder row's 192 tiles
-        # else two consumers from WS_HEAD64_MIN_TILES 128-row tiles on, the wgmma kernel below that:
+        # else two consumers from WS_HEAD64_TILES_PER_SM x 132 128-row tiles on, the wgmma kernel below that:
         (lambda: large_query_problem(512, 192), fused.WsTile()),  # 768 tiles (6 rounds) against 576 x 192 rows (5)
-        (lambda: large_query_problem(512, 99), fused.WsTile()),  # 396 tiles: WS_HEAD64_MIN_TILES
+        (lambda: large_query_problem(512, 99), fused.WsTile()),  # 396 tiles: 3 per SM
         (lambda: large_query_problem(512, 96), fused.WgmmaTile(128)),  # 384 tiles (the 8,512,512,12 anchor's)
         (lambda: large_query_problem(2048, 16), fused.WgmmaTile(128)),  # 256 tiles; three: 176 (2 rounds, 384 rows)
         # causal: float16 calls take the warp-specialized kernel by the same rules, bfloat16 ones keep wgmma
@@ -476,6 +476,18 @@ def test_warp_specialized_choice(problem_of, expected):
     problem = problem_of()
     assert fused.choose_tile(problem, problem.dtype, fused.HOPPER_CAPABILITY) == expected
     assert fused.choose_tile(problem, problem.dtype, "89") == fused.default_tile(problem)
+
+
+def test_the_warp_specialized_choice_counts_the_devices_sms():
+    """On a 114-SM H100 PCIe the S=T=4096 x 16 heads row takes two consumers: 352 192-row tiles are 4 rounds
+    (x 192 x 0.85 = 653 rows) against 512 128-row tiles' 5 (640 rows); 132 SMs make it 3 rounds against 4."""
+    problem = large_query_problem(4096, 16)
+    assert fused.choose_tile(problem, "float16", fused.HOPPER_CAPABILITY, 132) == fused.WsTile(consumers=3)
+    assert fused.choose_tile(problem, "float16", fused.HOPPER_CAPABILITY, 114) == fused.WsTile()
+    assert fused.persistent_rounds(problem, 192, 114) == 4 and fused.persistent_rounds(problem, 128, 114) == 5
+    fewer = large_query_problem(256, 180)  # 360 tiles of either size: at least 3 per SM of 114, not of 132
+    assert fused.choose_tile(fewer, "float16", fused.HOPPER_CAPABILITY, 114) == fused.WsTile()
+    assert fused.choose_tile(fewer, "float16", fused.HOPPER_CAPABILITY, 132) == fused.WgmmaTile(128)
 
 
 @pytest.mark.parametrize(

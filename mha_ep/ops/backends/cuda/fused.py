@@ -128,13 +128,14 @@ WS_SOURCE_FILE = "flash_attention_ws.cu"
 WS_BLOCK_M = 128  # query rows of flash_attention_ws's default (two-consumer) tile: WsShape<2>::BLOCK_M
 WS_STAGES = 2  # kernels/flash_attention_ws.cu WS_STAGES
 WS_BARRIER_BYTES = 8 * (2 + 4 * WS_STAGES)  # q_full, q_empty, full/empty x K/V x stages
-# Head 64 takes flash_attention_ws from this many 128-row query tiles on (three per SM of a 132-SM H100/H200):
+# Head 64 takes flash_attention_ws from WS_HEAD64_TILES_PER_SM 128-row query tiles per SM on (396 on a 132-SM
+# H100 SXM / H200):
 # fused_timing on the H200 (2026-11-30, .device experiment): S=T=4096 x 16 heads (512 tiles) 162 µs against 171
 # for the wgmma default; 8 x 512 x 12 heads (384 tiles) 21.7 against 21.9; 4 x 1500 x 6 heads (288 tiles) 51.9
 # against 49.3. With fewer tiles a persistent 128-row block per SM leaves more of the GPU idle in the last round.
 # (A close call: on two other H200s the 4096 row took 177 with it against 172-175 for the wgmma tiles; BENCH.md.)
-WS_HEAD64_MIN_TILES = 3 * 132
-HOPPER_SM_COUNT = 132  # H100 SXM / H200: the rounds of a persistent launch in prefers_three_consumers
+WS_HEAD64_TILES_PER_SM = 3
+HOPPER_SM_COUNT = 132  # H100 SXM / H200; choose_tile's default, run_fused passes the device's own count
 # Time per query row and key of three consumers against two (head tile 64, TMA, H200, 2026-11-30 .device
 # experiment, same machine): 0.77-0.80 on six shapes once the rounds are counted (fused.prefers_three_consumers);
 # 0.85 leaves a margin, so three consumers are taken only where they clearly pay.
@@ -268,36 +269,38 @@ def persistent_rounds(problem: MhaProblem, rows: int, sms: int = HOPPER_SM_COUNT
     return -(-query_tiles(problem, rows) // sms)
 
 
-def prefers_three_consumers(problem: MhaProblem) -> bool:
+def prefers_three_consumers(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> bool:
     """Head tile 64 takes three consumer warpgroups (192-row tiles) when the busiest SM's estimated time, rounds x
-    rows x WS3_ROW_COST, is under two consumers' (rounds x 128 rows). Measured (same machine, µs, two -> three):
+    rows x WS3_ROW_COST, is under two consumers' (rounds x 128 rows), on ``sms`` SMs. Measured (H200, same machine,
+    µs, two -> three):
     S=T=4096 x 16 heads 167 -> 146, 2 x 4096 333 -> 297, S=T=8192 654 -> 578, 4 x 1500 x 6 heads 52 -> 41.5 (the
     wgmma default 49.5); and where the rule says no: 8 x 512 x 12 heads 21.8 -> 25.1 (576 rows' rounds against
     384), 16 x 512 x 12 42.0 -> 42.3, 1 x 2048 x 16 45.3 -> 52.3, 2 x 300 x 2 14.7 -> 16.0."""
     g = problem.geometry
     if head_dim_tile(g.head_size, g.v_head_size) != 64:
         return False
-    three = persistent_rounds(problem, 3 * WARPGROUP_ROWS) * 3 * WARPGROUP_ROWS * WS3_ROW_COST
-    return three < persistent_rounds(problem, WS_BLOCK_M) * WS_BLOCK_M
+    three = persistent_rounds(problem, 3 * WARPGROUP_ROWS, sms) * 3 * WARPGROUP_ROWS * WS3_ROW_COST
+    return three < persistent_rounds(problem, WS_BLOCK_M, sms) * WS_BLOCK_M
 
 
-def prefers_warp_specialized(problem: MhaProblem) -> bool:
+def prefers_warp_specialized(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> bool:
     """Head tile 128 always (4 x 2048 x 16 heads: 237 µs against 288 for the wgmma default, H200); head 64 from
-    WS_HEAD64_MIN_TILES query tiles on (see there)."""
+    WS_HEAD64_TILES_PER_SM x ``sms`` query tiles on (see there)."""
     g = problem.geometry
     if head_dim_tile(g.head_size, g.v_head_size) == 128:
         return True
-    return query_tiles(problem, WS_BLOCK_M) >= WS_HEAD64_MIN_TILES
+    return query_tiles(problem, WS_BLOCK_M) >= WS_HEAD64_TILES_PER_SM * sms
 
 
-def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str) -> Tile:
-    """The tile, and with it the kernel, of a fused call: where ws_unsupported_reason says None, a three-consumer
-    WsTile where prefers_three_consumers, a two-consumer one where prefers_warp_specialized; else a WgmmaTile
-    where wgmma_unsupported_reason says None, else flash_attention_mma's default tile (float32 calls ignore it)."""
+def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str, sms: int = HOPPER_SM_COUNT) -> Tile:
+    """The tile, and with it the kernel, of a fused call on a device of compute ``capability`` with ``sms`` SMs:
+    where ws_unsupported_reason says None, a three-consumer WsTile where prefers_three_consumers, a two-consumer one
+    where prefers_warp_specialized; else a WgmmaTile where wgmma_unsupported_reason says None, else
+    flash_attention_mma's default tile (float32 calls ignore it)."""
     if ws_unsupported_reason(problem, operand_dtype, capability) is None:
-        if prefers_three_consumers(problem):
+        if prefers_three_consumers(problem, sms):
             return WsTile(consumers=3)
-        if prefers_warp_specialized(problem):
+        if prefers_warp_specialized(problem, sms):
             return WsTile()
     if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
         return default_wgmma_tile(problem)
@@ -584,7 +587,7 @@ def run_fused(
 
     if problem.dtype != "float32":
         if tile is None:
-            tile = choose_tile(problem, operand_dtype, device_capability(device_id))
+            tile = choose_tile(problem, operand_dtype, device_capability(device_id), device_sm_count(device_id))
         elif isinstance(tile, (WgmmaTile, WsTile)):
             reason = ws_tile_unsupported_reason(problem, tile) if isinstance(tile, WsTile) else None
             if reason is not None:
