@@ -19,7 +19,8 @@ already on the device: random normals rounded to the dtype, never zeros. Columns
                   kernel-only time;
   tiles:          f16/bf16 only: the same for each tile of TILES (BLOCK_M x BLOCK_N; "wg": the wgmma kernel, on
                   a compute capability 9.0 device, with a trailing "s" when its steps do not overlap; "ws": the
-                  warp-specialized kernel, plain calls only: ws128 two consumers, ws192 three), best marked *;
+                  warp-specialized kernel, no padding mask or attention_bias: ws128 two consumers, ws192 three),
+                  best marked *;
   TFLOP/s:        4*B*N*S*T*H / fused time (halved for causal), DESIGN.md's FLOP model;
   fused staged:   flash_attention_mma reading the staged float32 BSNH arrays directly (rounding on load): the whole
                   device part of a call that needs no layout step;

@@ -1,9 +1,10 @@
 // Fused attention on Hopper, warp-specialized (FlashAttention-3's scheme: TMA loads, a producer warpgroup, two or
 // three ping-ponging consumers), for calls without padding mask or attention_bias, scale > 0, causal or not
-// (fused.py ws_unsupported_reason; causal: CAUSAL, see CausalRows, ws_tile and causal_key_tiles). Same arithmetic as flash_attention_wgmma's plain tiles (S and P.V on wgmma,
-// fp32 online softmax, P rounded to ELEM for P.V, out = O / l rounded to ELEM), same kernel parameters (the mask
-// ones unused) plus three TMA tensor maps, same shared-memory layouts (flash_attention_wgmma.cu's header states
-// the swizzle, descriptors and accumulator layout; wgmma_common.cuh holds the shared pieces).
+// (fused.py ws_unsupported_reason; causal: CAUSAL, see CausalRows, ws_tile and causal_key_tiles). Same arithmetic
+// as flash_attention_wgmma's plain tiles (S and P.V on wgmma, fp32 online softmax, P rounded to ELEM for P.V,
+// out = O / l rounded to ELEM), same kernel parameters (the mask ones unused) plus three TMA tensor maps, same
+// shared-memory layouts (flash_attention_wgmma.cu's header states the swizzle, descriptors and accumulator
+// layout; wgmma_common.cuh holds the shared pieces).
 //
 // Why: flash_attention_wgmma syncs the whole block before each key tile's buffers are reused, so its warpgroups
 // reach their softmax together and leave the tensor cores idle together; with head 128 its registers also rule
@@ -184,7 +185,8 @@ __device__ __forceinline__ int causal_key_tiles(int m0, int q_seq, int total_seq
 // The online softmax of one S tile in place: s becomes p = exp(scale * s - m_new) (fp32, unnormalized); updates
 // the rows' running max m and sum l (this thread's columns) and returns alpha = exp(m_old - m_new). As the plain
 // tiles of flash_attention_wgmma: scale > 0, so max(scale * s) = scale * max(s); the scale is folded into the
-// exponent's FMA unless a row max is so large that the fold would lose the difference.
+// exponent's FMA unless a row max is so large that the fold would lose the difference. CAUSAL: a tile that
+// crosses the consumer's diagonal has its future logits set to -inf first.
 template <int BLOCK_N, bool CAUSAL>
 __device__ __forceinline__ void softmax_tile(float (&s)[BLOCK_N / 2], int n0, int total_seq, int tig, float scale,
                                              const CausalRows& causal, float (&row_max)[2], float (&row_sum)[2],
