@@ -94,6 +94,16 @@ def test_three_consumer_tiles_load_192_query_rows(monkeypatch):
     assert [(spec.box_rows, spec.dtype) for spec in got] == [(192, "bfloat16"), (128, "bfloat16"), (128, "bfloat16")]
 
 
+def test_a_driver_without_the_encoder_is_named(monkeypatch):
+    class OldDriver:  # a pre-CUDA-12 libcuda: no cuTensorMapEncodeTiled
+        pass
+
+    monkeypatch.setattr(tma, "_driver", [])
+    monkeypatch.setattr(tma.ctypes, "CDLL", lambda name: OldDriver())
+    with pytest.raises(RuntimeError, match=r"has no cuTensorMapEncodeTiled: .* need a CUDA 12 or newer driver"):
+        tma.encode.__wrapped__(replace(VALID, address=0x20000))
+
+
 @pytest.mark.gpu
 def test_the_driver_encodes_a_read_only_memoised_128_byte_record(cupy_module):
     buffer = cupy_module.zeros(B * N * S * H, dtype=cupy_module.float16)

@@ -99,7 +99,10 @@ def _libcuda():
     with _driver_lock:
         if not _driver:
             library = ctypes.CDLL("libcuda.so.1")
-            encode_tiled = library.cuTensorMapEncodeTiled
+            encode_tiled = getattr(library, "cuTensorMapEncodeTiled", None)
+            if encode_tiled is None:
+                raise RuntimeError("the CUDA driver (libcuda.so.1) has no cuTensorMapEncodeTiled: TMA tile maps, and "
+                                   "with them flash_attention_ws, need a CUDA 12 or newer driver")  # fmt: skip
             encode_tiled.restype = ctypes.c_int
             encode_tiled.argtypes = [
                 ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
