@@ -1,6 +1,6 @@
 // Fused attention on Hopper, warp-specialized (FlashAttention-3's scheme: TMA loads, a producer warpgroup, two or
 // three ping-ponging consumers), for calls without padding mask or attention_bias, scale > 0, causal or not
-// (fused.py ws_unsupported_reason; causal: CAUSAL, see CausalRows, ws_tile and causal_key_tiles). Same arithmetic
+// (fused.py ws_unsupported_reason; causal: CAUSAL, see CausalRows, ws_tile and key_tiles). Same arithmetic
 // as flash_attention_wgmma's plain tiles (S and P.V on wgmma, fp32 online softmax, P rounded to ELEM for P.V,
 // out = O / l rounded to ELEM), same kernel parameters (the mask ones unused) plus three TMA tensor maps, same
 // shared-memory layouts (flash_attention_wgmma.cu's header states the swizzle, descriptors and accumulator
@@ -174,11 +174,11 @@ __device__ __forceinline__ TileCoords ws_tile(long long step, long long tiles, i
   }
 }
 
-// Key tiles of BLOCK_N a causal query tile at m0 reads: those before its causal frontier (as flash_common.cuh
-// causal_key_end: the tile holding the last row reads every key, `all_tiles`).
-template <int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ int causal_key_tiles(int m0, int q_seq, int total_seq, int past_seq, int all_tiles) {
-  if (m0 + BLOCK_M >= q_seq) return all_tiles;
+// Key tiles of BLOCK_N the query tile at m0 reads: all of them (`all_tiles`), or for a causal call those before its
+// causal frontier (as flash_common.cuh causal_key_end: the tile holding the last row reads every key).
+template <bool CAUSAL, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ int key_tiles(int m0, int q_seq, int total_seq, int past_seq, int all_tiles) {
+  if (!CAUSAL || m0 + BLOCK_M >= q_seq) return all_tiles;
   return (min(total_seq, past_seq + m0 + BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
 }
 
@@ -341,8 +341,7 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
     int done = 0;
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
       const TileCoords tc = ws_tile<CAUSAL>(tile, tiles, q_tiles, heads, batch, BLOCK_M);
-      const int n_tiles =
-          CAUSAL ? causal_key_tiles<BLOCK_M, BLOCK_N>(tc.m0, q_seq, total_seq, past_seq, all_key_tiles) : all_key_tiles;
+      const int n_tiles = key_tiles<CAUSAL, BLOCK_M, BLOCK_N>(tc.m0, q_seq, total_seq, past_seq, all_key_tiles);
       if (done > 0) mbar_wait(q_empty, (done - 1) & 1);
       mbar_expect_bytes(q_full, Q_BYTES);
       tma_load_tile<ATOMS>(q_tile, BLOCK_M, q_map, tc.m0, tc.h, tc.b, q_full);
@@ -373,8 +372,7 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
   int done = 0;
   for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
     const TileCoords tc = ws_tile<CAUSAL>(tile, tiles, q_tiles, heads, batch, BLOCK_M);
-    const int n_tiles =
-        CAUSAL ? causal_key_tiles<BLOCK_M, BLOCK_N>(tc.m0, q_seq, total_seq, past_seq, all_key_tiles) : all_key_tiles;
+    const int n_tiles = key_tiles<CAUSAL, BLOCK_M, BLOCK_N>(tc.m0, q_seq, total_seq, past_seq, all_key_tiles);
     const int b = tc.b;
     const int h = tc.h;
     const int rows[2] = {tc.m0 + warp * 16 + g, tc.m0 + warp * 16 + g + 8};
