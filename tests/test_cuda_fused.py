@@ -609,6 +609,18 @@ def test_float32_calls_without_past_read_the_staged_inputs(case, dtype, staged):
     assert fused.reads_staged_inputs(problem) == staged
 
 
+def test_fp32_pipeline_takes_the_most_blocks_then_two_stages():
+    """The (stages, blocks) pairs measured fastest on the H200 at each head tile (fp32_pipeline's docstring)."""
+    chosen = {hd: fused.fp32_pipeline(hd) for hd in fused.HEAD_DIM_TILES}
+    assert chosen == {32: fused.Fp32Pipeline(1, 4), 64: fused.Fp32Pipeline(1, 3), 96: fused.Fp32Pipeline(1, 2),
+                      128: fused.Fp32Pipeline(2, 1)}  # fmt: skip
+    for hd, pipeline in chosen.items():  # the blocks the kernel's registers are cut for do fit the shared memory
+        shared = fused.fp32_shared_bytes(hd, pipeline.stages)
+        assert shared <= fused.SHARED_LIMIT
+        assert fused.blocks_per_sm_by_shared_memory(shared) >= pipeline.blocks
+    assert fused.FP32_THREADS == 128
+
+
 def test_minus_inf_filter_without_causal_stays_fused():
     assert fused.fused_unsupported_reason(problem_with(mask_filter_value=-np.inf)) is None
 
@@ -622,7 +634,7 @@ def test_launch_choices():
     assert (wide.threads, fused.DEFAULT_MMA_TILE.threads) == (256, 128)
     assert fused.shared_bytes(large, wide) == (128 + 4 * 128) * (96 + 8) * 2
     assert fused.kernel_name(problem_with(h=128, dtype="float32"), "float32") == (
-        "flash_attention_fp32<float, float, 128>"
+        "flash_attention_fp32<float, float, 128, 4, 8, 2, 1>"
     )
     assert fused.kernel_name(problem_with(h=128), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128, 0>"
     assert fused.kernel_name(problem_with(h=120), "float16") == "flash_attention_mma<__half, __half, 128, 128, 128, 0>"
@@ -635,9 +647,12 @@ def test_launch_choices():
     assert fused.kernel_name(padded, "bfloat16") == "flash_attention_mma<__nv_bfloat16, __nv_bfloat16, 64, 64, 64, 1>"
     assert fused.shared_bytes(biased) == (64 + 4 * 64) * (128 + 8) * 2 + 1 * 64 * (64 + 8) * 4
     assert fused.shared_bytes(biased, wide) > fused.SHARED_LIMIT
-    # float32: Q + K and V double buffered up to head 64, single buffered above, + P transposed
-    assert fused.shared_bytes(problem_with(h=64, dtype="float32")) == 4 * (64 * 68 + 2 * (64 * 68 + 64 * 64) + 64 * 68)
+    # float32: Q + K and V (single buffered for head 64 and 96, double for 128: fp32_pipeline) + P transposed
+    assert fused.shared_bytes(problem_with(h=64, dtype="float32")) == 4 * (64 * 68 + (64 * 68 + 64 * 64) + 64 * 68)
     assert fused.shared_bytes(problem_with(h=96, dtype="float32")) == 4 * (64 * 100 + (64 * 100 + 64 * 96) + 64 * 68)
+    assert fused.shared_bytes(problem_with(h=128, dtype="float32")) == 4 * (
+        64 * 132 + 2 * (64 * 132 + 64 * 128) + 64 * 68
+    )
     assert all(fused.shared_bytes(problem_with(h=h, dtype="float32")) <= fused.SHARED_LIMIT // 2 for h in (32, 64))
     assert fused.Operand(0, "BSNH", 7, 40).strides(3) == (7 * 3 * 40, 40, 3 * 40)
     assert fused.Operand(0, "BNSH", 7, 40).strides(3) == (3 * 7 * 40, 7 * 40, 40)
@@ -753,7 +768,8 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
         "flash_attention_mma<__half, __half, 64, 128, 64, 0>",
         "flash_attention_mma<__half, __half, 64, 64, 64, 3>",
         "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64, 0>",
-        "flash_attention_fp32<float, float, 64>",
+        "flash_attention_fp32<float, float, 64, 4, 8, 1, 3>",
+        "flash_attention_fp32<float, float, 128, 4, 8, 2, 1>",
         "flash_attention_wgmma<__half, 64, 64, 128, 0, true>",
         "flash_attention_wgmma<__nv_bfloat16, 128, 128, 64, 3, false>",
         "flash_attention_ws<__half, 128, 128, 2, false>",

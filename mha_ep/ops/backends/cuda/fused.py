@@ -48,10 +48,13 @@ HEAD_DIM_TILES = (32, 64, 96, 128)  # HEAD_DIM instantiations; max(H, Hv) is zer
 HEAD_SIZE_MULTIPLE = 8  # 16-byte vector loads of 8 elements (kernels/flash_attention.cu LOAD_CHUNK)
 MMA_BLOCK_N = 64  # keys per step of flash_attention_mma (default tile)
 MMA_SMEM_PAD = 8  # kernels/flash_attention.cu SMEM_PAD
-FP32_THREADS = 256  # kernels/flash_attention.cu F32_THREADS / F32_BLOCK_M / F32_BLOCK_N / F32_LDT / F32Tiles
-FP32_BLOCK_M = 64
+FP32_BLOCK_M = 64  # kernels/flash_attention.cu F32_BLOCK_M / F32_BLOCK_N / F32_LDT / F32Tiles / F32Shape
 FP32_BLOCK_N = 64
 FP32_LDT = FP32_BLOCK_M + 4
+FP32_ROWS = 4  # query rows per thread (ROWS) ...
+FP32_ROW_THREADS = 8  # ... and threads sharing a row (TX): a 4 x 8 score tile per thread (fp32_pipeline)
+FP32_THREADS = (FP32_BLOCK_M // FP32_ROWS) * FP32_ROW_THREADS  # 128
+FP32_MAX_BLOCKS = 4  # 4 blocks of 128 threads leave 128 registers a thread; 5 would leave 102
 BIAS_TILE_PAD = 8  # kernels/flash_attention.cu LDB = BLOCK_N + 8 (floats)
 DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel needs its dynamic shared-memory limit raised
 MASK_KINDS = {None: 0, "key_lengths": 1, "keys_BT": 2, "keys_BST": 3}  # FlashMaskKind
@@ -382,20 +385,40 @@ def ws_tensor_maps(problem: MhaProblem, operand_dtype: str, tile: "WsTile", oper
     return maps
 
 
-def fp32_kv_stages(head_dim: int) -> int:
-    """F32Tiles::KV_STAGES: K and V double buffered when two blocks of that size still fit an SM."""
-    return 2 if head_dim <= 64 else 1
+@dataclass(frozen=True)
+class Fp32Pipeline:
+    """flash_attention_fp32's STAGES (K/V buffers: 2 overlaps the next tile's loads with this one's math) and
+    MIN_BLOCKS (blocks per SM its registers are cut for)."""
+
+    stages: int
+    blocks: int
+
+
+def fp32_shared_bytes(head_dim: int, stages: int) -> int:
+    """F32Tiles::FLOATS in bytes: Q, stages x (K, V), P transposed."""
+    ld = head_dim + 4
+    return 4 * (FP32_BLOCK_M * ld + stages * (FP32_BLOCK_N * ld + FP32_BLOCK_N * head_dim) + FP32_BLOCK_N * FP32_LDT)
+
+
+def fp32_pipeline(head_dim: int) -> Fp32Pipeline:
+    """The most blocks an SM's shared memory holds (at most FP32_MAX_BLOCKS), then two stages if they keep that
+    count. Measured on the H200 (2026-11-30, .device/exp/f32/sweep.py, 4 x 8 tiles), this picks the fastest of
+    the (stages, blocks) pairs tried at every head tile: 32 -> (1, 4): 145 µs on 4 x 1024^2 x 8 heads, against
+    160 for (2, 3); 64 -> (1, 3): 197 µs on the 8,512 f32 anchor, against 205 for (2, 2); 96 -> (1, 2); 128 -> (2,
+    1): 283 µs on 2 x 1024^2 x 8 heads, against 314 for (1, 1)."""
+    blocks, stages = max(
+        (min(FP32_MAX_BLOCKS, blocks_per_sm_by_shared_memory(fp32_shared_bytes(head_dim, stages))), stages)
+        for stages in (1, 2)
+    )
+    return Fp32Pipeline(stages, blocks)
 
 
 def shared_bytes(problem: MhaProblem, tile: Optional[Tile] = None) -> int:
     """Dynamic shared memory of the launch (mirrors the kernels' carving of smem_raw)."""
     g = problem.geometry
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
-    if problem.dtype == "float32":  # F32Tiles: Q, stages x (K, V), P transposed
-        ld = head_dim + 4
-        stages = fp32_kv_stages(head_dim)
-        floats = FP32_BLOCK_M * ld + stages * (FP32_BLOCK_N * ld + FP32_BLOCK_N * head_dim) + FP32_BLOCK_N * FP32_LDT
-        return 4 * floats
+    if problem.dtype == "float32":
+        return fp32_shared_bytes(head_dim, fp32_pipeline(head_dim).stages)
     tile = tile or default_tile(problem)
     if isinstance(tile, WsTile):  # Q, WS_STAGES x (K, V), the mbarriers; no bias tile (no attention_bias)
         rows = tile.block_m + 2 * WS_STAGES * tile.block_n
@@ -450,7 +473,9 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = 
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
     elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
     if problem.dtype == "float32":
-        return f"flash_attention_fp32<{elem}, {src}, {head_dim}>"
+        pipeline = fp32_pipeline(head_dim)
+        return (f"flash_attention_fp32<{elem}, {src}, {head_dim}, {FP32_ROWS}, {FP32_ROW_THREADS}, {pipeline.stages}, "
+                f"{pipeline.blocks}>")  # fmt: skip
     tile = tile or default_tile(problem)
     if isinstance(tile, WsTile):
         return (f"flash_attention_ws<{elem}, {head_dim}, {tile.block_n}, {tile.consumers}, "

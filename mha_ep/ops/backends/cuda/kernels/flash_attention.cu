@@ -462,34 +462,42 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
 }
 
 // ---------------------------------------------------------------------------------------- f32: CUDA cores
-// One block of 256 threads = F32_BLOCK_M (64) query rows x F32_BLOCK_N (64) keys per step, as a 16 x 16 thread
-// grid (ty = tid / 16, tx = tid % 16). Thread (ty, tx) owns rows 4 ty .. 4 ty + 3 and, of S, keys tx + 16 jj
-// (jj = 0..3; a 4 x 4 register tile); of O, the columns (tx + 16 dd) * O_VEC + e.
+// One block = F32_BLOCK_M (64) query rows x F32_BLOCK_N (64) keys per step, as a (64 / ROWS) x TX thread grid
+// (ty = tid / TX, tx = tid % TX). Thread (ty, tx) owns rows ROWS ty .. ROWS ty + ROWS - 1 and, of S, keys
+// tx + TX jj (jj < 64 / TX: a ROWS x KEYS register tile); of O, the columns (tx + TX dd) * O_VEC + e.
+// Launched shape (fused.py FP32_ROWS, FP32_ROW_THREADS): ROWS 4, TX 8, 128 threads, a 4 x 8 tile. Each 16-byte
+// float a thread loads from shared memory feeds 2.67 FFMA, against the 4 x 4 tile's 2 (which ran at 44% of the FFMA
+// peak, about what its shared-memory traffic allows): 8,512 f32 anchor 218.7 -> 196.8 µs on the H200. STAGES and
+// MIN_BLOCKS come from fused.fp32_pipeline.
 // Q, K and V sit row-major in shared memory, copied there with cp.async (the same load_tile as the tensor-core
 // kernel); the S update reads 4 consecutive d of a Q row and of a K row as 16-byte loads (rows padded by 4 floats:
-// the 16 K rows of a half warp fall in distinct banks). P goes through shared memory transposed (key-major) for
-// the O update. Row max and sum reduce over the 16 threads of a row (one half warp).
-// Pipeline: with HEAD_DIM <= 64, K and V are double buffered (F32_KV_STAGES 2): the tiles of step j+1 load while
-// step j computes, and two blocks fit an SM (the register budget of 256 threads x 128 registers allows two). Wider
-// heads load each step's K and V at its start (one buffer; the tiles would not fit twice).
-#define F32_THREADS 256
+// the K rows of a quarter warp fall in distinct banks). P goes through shared memory transposed (key-major) for
+// the O update. Row max and sum reduce over the TX threads of a row (consecutive lanes).
+// Pipeline: with STAGES 2, K and V are double buffered: the tiles of step j+1 load while step j computes. With one
+// stage each step's K and V load at its start (more blocks fit an SM).
 #define F32_BLOCK_M 64
 #define F32_BLOCK_N 64
 #define F32_LDT (F32_BLOCK_M + 4)  // row stride of the transposed P tile (floats; 16-byte aligned rows)
 
-template <int HEAD_DIM> struct F32Tiles {
+template <int HEAD_DIM, int STAGES> struct F32Tiles {
   static constexpr int LDQ = HEAD_DIM + 4;  // Q and K row stride (floats)
   static constexpr int LDV = HEAD_DIM;      // V row stride
-  static constexpr int KV_STAGES = HEAD_DIM <= 64 ? 2 : 1;
   static constexpr int Q_FLOATS = F32_BLOCK_M * LDQ;
   static constexpr int K_FLOATS = F32_BLOCK_N * LDQ;
   static constexpr int V_FLOATS = F32_BLOCK_N * LDV;
   static constexpr int P_FLOATS = F32_BLOCK_N * F32_LDT;
-  static constexpr int FLOATS = Q_FLOATS + KV_STAGES * (K_FLOATS + V_FLOATS) + P_FLOATS;  // fused.py shared_bytes
+  static constexpr int FLOATS = Q_FLOATS + STAGES * (K_FLOATS + V_FLOATS) + P_FLOATS;  // fused.py shared_bytes
 };
 
-template <typename ELEM, typename IN, int HEAD_DIM>
-__global__ void __launch_bounds__(F32_THREADS, 2)
+template <int ROWS, int TX> struct F32Shape {
+  static_assert(ROWS % 4 == 0 && F32_BLOCK_M % ROWS == 0, "rows per thread: a multiple of 4 dividing the tile");
+  static_assert(TX == 8 || TX == 16, "a row spans 8 or 16 consecutive lanes");
+  static constexpr int THREADS = (F32_BLOCK_M / ROWS) * TX;  // fused.py FP32_THREADS for the launched shape
+  static constexpr int KEYS = F32_BLOCK_N / TX;              // keys of S per thread
+};
+
+template <typename ELEM, typename IN, int HEAD_DIM, int ROWS, int TX, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(F32Shape<ROWS, TX>::THREADS, MIN_BLOCKS)
     flash_attention_fp32(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
                          const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
                          long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
@@ -501,12 +509,16 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
                          int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
   static_assert(same_type<ELEM, float>::value, "the CUDA-core kernel computes in float32");
   static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM is a multiple of 16");
-  using Tiles = F32Tiles<HEAD_DIM>;
+  static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
+  using Tiles = F32Tiles<HEAD_DIM, STAGES>;
+  using Shape = F32Shape<ROWS, TX>;
+  constexpr int THREADS = Shape::THREADS;
+  constexpr int KEYS = Shape::KEYS;
   constexpr int LDQ = Tiles::LDQ;
   constexpr int LDV = Tiles::LDV;
-  constexpr int STAGES = Tiles::KV_STAGES;
-  constexpr int O_VEC = (HEAD_DIM % 64 == 0) ? 4 : 1;  // O columns per group: 16-byte V loads when they fit
-  constexpr int O_GROUPS = HEAD_DIM / (16 * O_VEC);
+  constexpr int O_VEC = (HEAD_DIM % (4 * TX) == 0) ? 4 : 1;  // O columns per group: 16-byte V loads when they fit
+  constexpr int O_GROUPS = HEAD_DIM / (TX * O_VEC);
+  constexpr int D_UNROLL = ROWS * KEYS > 16 ? 2 : 4;  // passes of the S update unrolled (registers of larger tiles)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* q_s = reinterpret_cast<float*>(smem_raw);  // F32_BLOCK_M x LDQ
   float* k_s = q_s + Tiles::Q_FLOATS;               // STAGES x F32_BLOCK_N x LDQ (tile j in buffer j % STAGES)
@@ -518,8 +530,8 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
   const int m0 = (q_tiles - 1 - (int)((long long)blockIdx.x % q_tiles)) * F32_BLOCK_M;
   const int b = (int)(bh / heads);
   const int h = (int)(bh % heads);
-  const int ty = threadIdx.x / 16;
-  const int tx = threadIdx.x % 16;
+  const int ty = threadIdx.x / TX;
+  const int tx = threadIdx.x % TX;
   const int lane = threadIdx.x % 32;
 
   const IN* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
@@ -531,39 +543,44 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
 
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
                       causal, q_seq, total_seq, past_seq};
-  const int row0 = m0 + ty * 4;  // this thread's rows: row0 + ii (mask row slices formed where a tile needs them)
+  const int row0 = m0 + ty * ROWS;  // this thread's rows: row0 + ii (mask row slices formed where a tile needs them)
 
   // K and V of the key tile at n0 into buffer `stage` (asynchronous for float32 input without bias).
   auto load_kv = [&](int n0, int stage) {
-    load_tile<float, IN, F32_BLOCK_N, HEAD_DIM, LDQ, F32_THREADS>(k_s + stage * Tiles::K_FLOATS,
-                                                                 k_rows + (long long)n0 * stride_ks, stride_ks,
-                                                                 total_seq - n0, head_size, bias_k_h);
-    load_tile<float, IN, F32_BLOCK_N, HEAD_DIM, LDV, F32_THREADS>(v_s + stage * Tiles::V_FLOATS,
-                                                                 v_rows + (long long)n0 * stride_vs, stride_vs,
-                                                                 total_seq - n0, v_head_size, bias_v_h);
+    load_tile<float, IN, F32_BLOCK_N, HEAD_DIM, LDQ, THREADS>(k_s + stage * Tiles::K_FLOATS,
+                                                             k_rows + (long long)n0 * stride_ks, stride_ks,
+                                                             total_seq - n0, head_size, bias_k_h);
+    load_tile<float, IN, F32_BLOCK_N, HEAD_DIM, LDV, THREADS>(v_s + stage * Tiles::V_FLOATS,
+                                                             v_rows + (long long)n0 * stride_vs, stride_vs,
+                                                             total_seq - n0, v_head_size, bias_v_h);
   };
 
   // Step 1 (loads): Q once (+ b_q), and with two stages the first K and V tiles.
-  load_tile<float, IN, F32_BLOCK_M, HEAD_DIM, LDQ, F32_THREADS>(q_s, q_rows, stride_qs, q_seq - m0, head_size, bias_q_h);
+  load_tile<float, IN, F32_BLOCK_M, HEAD_DIM, LDQ, THREADS>(q_s, q_rows, stride_qs, q_seq - m0, head_size, bias_q_h);
   if (STAGES == 2) load_kv(0, 0);
   cp_async_commit();
 
-  float o_acc[4][O_GROUPS][O_VEC];
+  float o_acc[ROWS][O_GROUPS][O_VEC];
 #pragma unroll
-  for (int ii = 0; ii < 4; ++ii)
+  for (int ii = 0; ii < ROWS; ++ii)
 #pragma unroll
     for (int dd = 0; dd < O_GROUPS; ++dd)
 #pragma unroll
       for (int e = 0; e < O_VEC; ++e) o_acc[ii][dd][e] = 0.0f;
-  float row_max[4] = {NEG_INFINITY, NEG_INFINITY, NEG_INFINITY, NEG_INFINITY};  // m_i
-  float row_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                   // l_i (this thread's part)
+  float row_max[ROWS];  // m_i
+  float row_sum[ROWS];  // l_i (this thread's part)
+#pragma unroll
+  for (int ii = 0; ii < ROWS; ++ii) {
+    row_max[ii] = NEG_INFINITY;
+    row_sum[ii] = 0.0f;
+  }
 
   int key_end = causal_key_end(mp, m0, F32_BLOCK_M, skip_causal_tiles);
   for (int n0 = 0, step = 0; n0 < total_seq; n0 += F32_BLOCK_N, ++step) {
     if (n0 >= key_end) {
       bool dominated = true;
 #pragma unroll
-      for (int ii = 0; ii < 4; ++ii) dominated = dominated && row_max[ii] > CAUSAL_SKIP_MAX_FLOOR;
+      for (int ii = 0; ii < ROWS; ++ii) dominated = dominated && row_max[ii] > CAUSAL_SKIP_MAX_FLOOR;
       if (__syncthreads_and(dominated)) break;
       key_end = total_seq;
     }
@@ -584,22 +601,24 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
     const float* k_tile = k_s + stage * Tiles::K_FLOATS;
     const float* v_tile = v_s + stage * Tiles::V_FLOATS;
 
-    // Step 2: the 4 x 4 score tile, x = scale * q.k in fp32 FFMA, 4 consecutive d per pass.
-    float s[4][4];
+    // Step 2: the ROWS x KEYS score tile, x = scale * q.k in fp32 FFMA, 4 consecutive d per pass.
+    float s[ROWS][KEYS];
 #pragma unroll
-    for (int ii = 0; ii < 4; ++ii) s[ii][0] = s[ii][1] = s[ii][2] = s[ii][3] = 0.0f;
-#pragma unroll 4
+    for (int ii = 0; ii < ROWS; ++ii)
+#pragma unroll
+      for (int jj = 0; jj < KEYS; ++jj) s[ii][jj] = 0.0f;
+#pragma unroll D_UNROLL
     for (int d = 0; d < HEAD_DIM; d += 4) {
-      float4 qa[4];
-      float4 kb[4];
+      float4 qa[ROWS];
+      float4 kb[KEYS];
 #pragma unroll
-      for (int ii = 0; ii < 4; ++ii) qa[ii] = *reinterpret_cast<const float4*>(q_s + (ty * 4 + ii) * LDQ + d);
+      for (int ii = 0; ii < ROWS; ++ii) qa[ii] = *reinterpret_cast<const float4*>(q_s + (ty * ROWS + ii) * LDQ + d);
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) kb[jj] = *reinterpret_cast<const float4*>(k_tile + (tx + 16 * jj) * LDQ + d);
+      for (int jj = 0; jj < KEYS; ++jj) kb[jj] = *reinterpret_cast<const float4*>(k_tile + (tx + TX * jj) * LDQ + d);
 #pragma unroll
-      for (int ii = 0; ii < 4; ++ii)
+      for (int ii = 0; ii < ROWS; ++ii)
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
+        for (int jj = 0; jj < KEYS; ++jj) {
           s[ii][jj] = fmaf(qa[ii].x, kb[jj].x, s[ii][jj]);
           s[ii][jj] = fmaf(qa[ii].y, kb[jj].y, s[ii][jj]);
           s[ii][jj] = fmaf(qa[ii].z, kb[jj].z, s[ii][jj]);
@@ -609,16 +628,16 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
     // Steps 2-4: scale, attention bias, causal and padding; keys past T are not in the row.
     const TileMask tm = tile_mask(mp, b, m0, n0, F32_BLOCK_N, lane);
 #pragma unroll
-    for (int ii = 0; ii < 4; ++ii) {
+    for (int ii = 0; ii < ROWS; ++ii) {
       if (tm.plain) {
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) s[ii][jj] *= scale;
+        for (int jj = 0; jj < KEYS; ++jj) s[ii][jj] *= scale;
         continue;
       }
       const RowMask mask = row_mask(mp, b, h, row0 + ii);
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        const int j = n0 + tx + 16 * jj;
+      for (int jj = 0; jj < KEYS; ++jj) {
+        const int j = n0 + tx + TX * jj;
         float x = s[ii][jj] * scale;
         if (j < total_seq) {
           if (mask.bias_T != nullptr) x += mask.bias_T[j];  // step 3
@@ -630,12 +649,19 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
       }
     }
 
-    // Online softmax per row (steps A-D as in flash_attention_mma; a row spans the 16 tx threads).
+    // Online softmax per row (steps A-D as in flash_attention_mma; a row spans the TX tx threads).
 #pragma unroll
-    for (int ii = 0; ii < 4; ++ii) {
-      float tile_max = fmaxf(fmaxf(s[ii][0], s[ii][1]), fmaxf(s[ii][2], s[ii][3]));  // step A
+    for (int ii = 0; ii < ROWS; ++ii) {
+      float pair_max[KEYS];  // step A: a pairwise tree over the thread's keys
 #pragma unroll
-      for (int offset = 8; offset > 0; offset >>= 1) {
+      for (int jj = 0; jj < KEYS; ++jj) pair_max[jj] = s[ii][jj];
+#pragma unroll
+      for (int width = 1; width < KEYS; width *= 2)
+#pragma unroll
+        for (int jj = 0; jj < KEYS; jj += 2 * width) pair_max[jj] = fmaxf(pair_max[jj], pair_max[jj + width]);
+      float tile_max = pair_max[0];
+#pragma unroll
+      for (int offset = TX / 2; offset > 0; offset >>= 1) {
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
       }
       const float m_new = fmaxf(row_max[ii], tile_max);  // step B
@@ -644,7 +670,7 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
       row_max[ii] = m_new;
       float tile_sum = 0.0f;  // step C
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
+      for (int jj = 0; jj < KEYS; ++jj) {
         s[ii][jj] = exp2f((s[ii][jj] - max_used) * LOG2E);
         tile_sum += s[ii][jj];
       }
@@ -656,32 +682,41 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
     }
     // P to shared memory, key-major: p_t[key][row].
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      *reinterpret_cast<float4*>(p_t + (tx + 16 * jj) * F32_LDT + ty * 4) =
-          make_float4(s[0][jj], s[1][jj], s[2][jj], s[3][jj]);
-    }
+    for (int jj = 0; jj < KEYS; ++jj)
+#pragma unroll
+      for (int r = 0; r < ROWS; r += 4) {
+        *reinterpret_cast<float4*>(p_t + (tx + TX * jj) * F32_LDT + ty * ROWS + r) =
+            make_float4(s[r][jj], s[r + 1][jj], s[r + 2][jj], s[r + 3][jj]);
+      }
     __syncthreads();
 
     // Step E: O += P . V in fp32 FFMA.
 #pragma unroll 4
     for (int jk = 0; jk < F32_BLOCK_N; ++jk) {
-      const float4 pa = *reinterpret_cast<const float4*>(p_t + jk * F32_LDT + ty * 4);
-      const float pv[4] = {pa.x, pa.y, pa.z, pa.w};
+      float pv[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; r += 4) {
+        const float4 pa = *reinterpret_cast<const float4*>(p_t + jk * F32_LDT + ty * ROWS + r);
+        pv[r] = pa.x;
+        pv[r + 1] = pa.y;
+        pv[r + 2] = pa.z;
+        pv[r + 3] = pa.w;
+      }
 #pragma unroll
       for (int dd = 0; dd < O_GROUPS; ++dd) {
         float vv[O_VEC];
         if constexpr (O_VEC == 4) {
-          const float4 v4 = *reinterpret_cast<const float4*>(v_tile + jk * LDV + (tx + 16 * dd) * 4);
+          const float4 v4 = *reinterpret_cast<const float4*>(v_tile + jk * LDV + (tx + TX * dd) * 4);
           vv[0] = v4.x;
           vv[1] = v4.y;
           vv[2] = v4.z;
           vv[3] = v4.w;
         } else {
-          const int at = jk * LDV + tx + 16 * dd;  // shared-memory offset
+          const int at = jk * LDV + tx + TX * dd;  // shared-memory offset
           vv[0] = v_tile[at];
         }
 #pragma unroll
-        for (int ii = 0; ii < 4; ++ii)
+        for (int ii = 0; ii < ROWS; ++ii)
 #pragma unroll
           for (int e = 0; e < O_VEC; ++e) o_acc[ii][dd][e] = fmaf(pv[ii], vv[e], o_acc[ii][dd][e]);
       }
@@ -689,14 +724,14 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
   }
   cp_async_wait_all();  // a prefetch of a skipped tile may still be in flight
 
-  // Step F: out = O / l (l summed over the row's 16 threads); float32 output, no rounding needed.
+  // Step F: out = O / l (l summed over the row's TX threads); float32 output, no rounding needed.
 #pragma unroll
-  for (int ii = 0; ii < 4; ++ii) {
+  for (int ii = 0; ii < ROWS; ++ii) {
 #pragma unroll
-    for (int offset = 8; offset > 0; offset >>= 1) row_sum[ii] += __shfl_xor_sync(0xffffffffu, row_sum[ii], offset);
+    for (int offset = TX / 2; offset > 0; offset >>= 1) row_sum[ii] += __shfl_xor_sync(0xffffffffu, row_sum[ii], offset);
   }
 #pragma unroll
-  for (int ii = 0; ii < 4; ++ii) {
+  for (int ii = 0; ii < ROWS; ++ii) {
     const int row = row0 + ii;
     if (row >= q_seq) continue;
     const float inv = 1.0f / row_sum[ii];
@@ -705,7 +740,7 @@ __global__ void __launch_bounds__(F32_THREADS, 2)
     for (int dd = 0; dd < O_GROUPS; ++dd)
 #pragma unroll
       for (int e = 0; e < O_VEC; ++e) {
-        const int d = (tx + 16 * dd) * O_VEC + e;
+        const int d = (tx + TX * dd) * O_VEC + e;
         if (d < v_head_size) out_BSD[out_row + d] = o_acc[ii][dd][e] * inv;
       }
   }
