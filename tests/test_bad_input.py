@@ -489,3 +489,25 @@ def test_every_rule_has_a_case():
     for rule, phrases in wording.items():
         for phrase in phrases:
             assert any(phrase in c.reason for c in CASES), f"{rule}: no case whose reason contains {phrase!r}"
+
+
+def test_execute_time_verdicts_are_memoised_per_signature_but_never_the_arrays():
+    """build_problem keeps the rules' verdict per (attributes, dtypes and shapes, outputs): a refused signature
+    is refused again with the same sentence, and an accepted one resolves each call's own arrays."""
+    from mha_ep.errors import MhaInputError
+    from mha_ep.ops.problem import build_problem, validated_call
+
+    rng = np.random.default_rng(5)
+    calls = [[rng.standard_normal(shape).astype(np.float32) for shape in (Q, K3, K3)] for _ in range(2)]
+    before = validated_call.cache_info().hits
+    problems = [build_problem({"num_heads": N}, arrays) for arrays in calls]
+    assert validated_call.cache_info().hits >= before + 1
+    for problem, arrays in zip(problems, calls):
+        assert problem.query_BSD is arrays[0] and problem.key is arrays[1] and problem.value is arrays[2]
+    bad = [calls[0][0], rng.standard_normal((B, L, D + 1)).astype(np.float32), calls[0][2]]
+    messages = []
+    for _ in range(2):
+        with pytest.raises(MhaInputError) as raised:
+            build_problem({"num_heads": N}, bad)
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1] and "key" in messages[0]

@@ -35,11 +35,15 @@ class TensorInfo:
 
     @classmethod
     def of_array(cls, array) -> "TensorInfo":
-        dtype = array.dtype
+        return cls.of_dtype(array.dtype, array.shape)
+
+    @classmethod
+    def of_dtype(cls, dtype, shape) -> "TensorInfo":
+        """From a NumPy dtype and a shape."""
         name = _DTYPE_NAMES.get(dtype)
-        if name is None:  # str(dtype) costs microseconds; the op calls this on every input of every call
+        if name is None:  # str(dtype) costs microseconds
             name = _DTYPE_NAMES.setdefault(dtype, str(dtype))
-        return cls(name, tuple(array.shape))
+        return cls(name, tuple(shape))
 
 
 _DTYPE_NAMES: dict = {}
