@@ -6,7 +6,8 @@ Columns (µs per call, median; "–" where a provider is absent or a row is too 
               launch gaps on small shapes)
   TFLOP/s     FLOP model 4*B*N*S*T*H (halved for causal) / kernel time
   host        plugin host-to-host: mha_ep.InferenceSession.run, numpy in and out (f16 rows: float16 numpy)
-  floor       the bridge floor: a do-nothing Python op in the same graph moving the same bytes (echo)
+  floor       the bridge floor: a do-nothing Python op in the same graph moving the same bytes (echo, in a
+              session with the plugin session's settings, timed in turns with the plugin's runs)
               + those bytes at the pinned bandwidth measured in this run + the kernel time
   host/floor  how close the plugin's own path is to that floor
   ort cpu     stock ORT CPU host-to-host (skipped above 5e10 FLOPs)
@@ -45,14 +46,22 @@ def log(message: str) -> None:
 
 
 def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
+    return paired_medians([fn], repeats, warmup)[0]
+
+
+def paired_medians(fns, repeats: int, warmup: int = 2) -> list[float]:
+    """Median seconds per call of each of ``fns``, timed in turns (a, b, a, b, ...) so that every function sees
+    the same state of a shared, noisy host (measured: a series timed after another can be 2x off)."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    samples = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for fn, series in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            series.append(time.perf_counter() - start)
+    return [statistics.median(series) for series in samples]
 
 
 # --------------------------------------------------------------------------------------------- models and feeds
@@ -102,8 +111,9 @@ def _echo_body(query, key, value, bias, key_padding_mask, attention_bias, past_k
     return out, empty, empty
 
 
-def echo_session(partitioned):
-    """The partitioned model with the plugin node turned into the echo op (Casts and bytes unchanged)."""
+def echo_session(partitioned, session_options=None):
+    """The partitioned model with the plugin node turned into the echo op (Casts and bytes unchanged), in a
+    session made with ``session_options`` (default: fresh ones)."""
     import onnxruntime as ort
     from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
@@ -127,9 +137,21 @@ def echo_session(partitioned):
             node.domain, node.op_type = "mha_ep.bench", "EchoMha"
     model.opset_import.append(helper.make_opsetid("mha_ep.bench", 1))
     del model.functions[:]
-    options = ort.SessionOptions()
+    options = session_options if session_options is not None else ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def plugin_like_options():
+    """Fresh SessionOptions with the settings mha_ep.register gives a plugin session (its intra-op spinning), for
+    the echo session of the floor."""
+    import onnxruntime as ort
+
+    from mha_ep.ops.registration import ORT_SPINNING
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry(ORT_SPINNING, "0")
+    return options
 
 
 def pinned_bandwidth(nbytes: int = 256 << 20) -> tuple[float, float]:
@@ -245,9 +267,9 @@ def bench_row(label, b, s, t, n, h, dtype, extra, backend, bandwidth, repeats, w
     row["tflops"] = flop_count(problem) / kernel / 1e12
     session = mha_ep.InferenceSession(model, backend=backend.name)
     session.backend = backend
-    row["host_us"] = median_seconds(lambda: session.run(None, feeds), host_repeats) * 1e6
-    echo = echo_session(session.model)
-    echo_s = median_seconds(lambda: echo.run(None, feeds), host_repeats)
+    echo = echo_session(session.model, plugin_like_options())
+    host_s, echo_s = paired_medians([lambda: session.run(None, feeds), lambda: echo.run(None, feeds)], host_repeats)
+    row["host_us"] = host_s * 1e6
     bytes_in, bytes_out = transport_bytes(problem)
     row["bytes_in"], row["bytes_out"] = bytes_in, bytes_out
     row["echo_us"] = echo_s * 1e6

@@ -83,3 +83,15 @@ def test_register_twice_on_the_same_options_loads_the_library_once():
     mha_ep.register(options, backend="reference")
     model = mha_ep.partition(tiny_model()).model
     ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def test_register_turns_intra_op_spinning_off_unless_the_caller_set_it():
+    options = ort.SessionOptions()
+    mha_ep.register(options, backend="reference")
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    chosen = ort.SessionOptions()
+    chosen.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    mha_ep.register(chosen, backend="reference")
+    assert chosen.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    session = mha_ep.InferenceSession(tiny_model(), backend="reference")
+    assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
