@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
-from mha_ep.ops.backends.cuda.staging import ALIGNMENT, PinnedStaging, copy_in_chunks, pack_layout, parallel_copy
+from mha_ep.ops.backends.cuda.staging import (
+    ALIGNMENT, PinnedStaging, copy_in_chunks, copy_pairs_in_chunks, pack_layout, parallel_copy,
+)
 
 ALLOCATIONS = 6
 
@@ -213,6 +215,29 @@ def test_copy_in_chunks_yields_each_chunk_in_order_once_copied(threads):
     assert seen[0][0] == 0 and sum(n for _, n in seen) == src.nbytes
     assert all(a + n == b for (a, n), (b, _) in zip(seen, seen[1:]))
     np.testing.assert_array_equal(dst, src)
+
+
+@pytest.mark.parametrize("threads", [0, 4])
+def test_copy_pairs_in_chunks_copies_every_pair_and_yields_its_chunks_in_order(threads):
+    """All pairs' chunks go to the threads at once; each chunk is reported once, complete, pair by pair."""
+    executor = concurrent.futures.ThreadPoolExecutor(threads) if threads else None
+    rng = np.random.default_rng(1)
+    sources = [rng.standard_normal(shape).astype(np.float32) for shape in ((2, 300, 50), (7,), (1000, 33))]
+    pairs = [(np.full(src.shape, np.nan, np.float32), src) for src in sources]
+    seen = {index: [] for index in range(len(pairs))}
+    order = []
+    for index, offset, nbytes in copy_pairs_in_chunks(pairs, executor, chunk_bytes=16_000):
+        dst, src = pairs[index]
+        assert np.array_equal(dst.reshape(-1).view(np.uint8)[offset : offset + nbytes],
+                              src.reshape(-1).view(np.uint8)[offset : offset + nbytes])  # fmt: skip
+        seen[index].append((offset, nbytes))
+        order.append(index)
+    assert order == sorted(order)
+    for index, (dst, src) in enumerate(pairs):
+        chunks = seen[index]
+        assert chunks[0][0] == 0 and sum(n for _, n in chunks) == src.nbytes
+        assert all(a + n == b for (a, n), (b, _) in zip(chunks, chunks[1:]))
+        np.testing.assert_array_equal(dst, src)
 
 
 def test_copy_in_chunks_waits_for_every_copy_when_closed_early():

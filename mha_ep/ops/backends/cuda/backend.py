@@ -2,8 +2,9 @@
 
 Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-default stream:
   1. stage:   every input (float32 values; mask as int32 lengths or uint8 keep flags) is copied into one pinned
-              buffer by a few threads in 4 MiB chunks, each chunk's async upload starting as soon as it is copied
-              (calls under 1 MiB: plain copies and one upload);
+              buffer in 4 MiB chunks, all inputs' chunks side by side on the copy threads, each chunk's async
+              upload starting as soon as it is copied (calls under 4 MiB: copies on the calling thread; under
+              1 MiB: plain copies and one upload);
   2. layout:  build_dense_BNTH makes q_BNSH (+ b_q), k_BNTH and v_BNTH (past prepended, + b_k / b_v for BSNH
               key/value) in the compute dtype, rounding float32 to it on the device; a wanted present is written
               as float32 in the same pass (for float32 calls k_BNTH / v_BNTH *are* the present buffers). Fused
@@ -45,7 +46,9 @@ from mha_ep.ops.backends.cuda.geometry import SOFTMAX_THREADS, LaunchPlan, plan_
 from mha_ep.ops.backends.cuda.kernels import get_kernel
 from mha_ep.ops.backends.cuda.replay import REPLAY_MAX_BYTES, ReplayCache, replay_key
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
-from mha_ep.ops.backends.cuda.staging import PinnedStaging, Segment, copy_in_chunks, pack_layout, parallel_copy
+from mha_ep.ops.backends.cuda.staging import (
+    COPY_CHUNK_BYTES, PinnedStaging, Segment, copy_pairs_in_chunks, pack_layout, parallel_copy,
+)
 from mha_ep.ops.problem import MhaProblem, MhaResult
 
 MEMCPY_HOST_TO_DEVICE = 1
@@ -304,12 +307,16 @@ class CudaBackend:
             for name, _, _, array in inputs:
                 np.copyto(self._pinned_in.view(in_segments[name]), array, casting="same_kind")
             upload(self._pinned_in.address, in_bytes, in_base)
-        else:  # large calls: each chunk's DMA starts as soon as the copy threads have put it in the pinned buffer
-            for name, _, _, array in inputs:
-                segment = in_segments[name]
-                for offset, nbytes in copy_in_chunks(self._pinned_in.view(segment), array, self._copier):
-                    offset += segment.offset
-                    upload(self._pinned_in.address + offset, nbytes, in_base + offset)
+            return
+        # Larger calls: each chunk's DMA starts as soon as it is in the pinned buffer. Above one chunk's worth the
+        # copy threads take every input's chunks side by side; below it the chunks are copied here, one by one
+        # (handing a few hundred KB to a thread cost more than copying it on the GPU machine's host).
+        segments = [in_segments[name] for name, _, _, _ in inputs]
+        pairs = [(self._pinned_in.view(segment), array) for segment, (_, _, _, array) in zip(segments, inputs)]
+        executor = self._copier if in_bytes > COPY_CHUNK_BYTES else None
+        for index, offset, nbytes in copy_pairs_in_chunks(pairs, executor):
+            offset += segments[index].offset
+            upload(self._pinned_in.address + offset, nbytes, in_base + offset)
 
     # ------------------------------------------------------------------------------------------ replayed calls
     def _replay_key(self, problem: MhaProblem, plan: LaunchPlan):

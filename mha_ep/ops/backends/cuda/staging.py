@@ -77,38 +77,59 @@ class PinnedStaging:
         return raw.view(segment.dtype).reshape(segment.shape)
 
 
+def copy_pairs_in_chunks(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Optional[concurrent.futures.Executor] = None,
+    chunk_bytes: int = COPY_CHUNK_BYTES,
+) -> Iterator[tuple[int, int, int]]:  # fmt: skip
+    """Copy each ``(dst, src)`` pair (same shape, ``dst`` C-contiguous) chunk by chunk, on ``executor``'s threads
+    when given. The chunks of *all* pairs are submitted at once, so a call's inputs are copied side by side: one
+    input at a time left most copy threads idle (a 12.6 MB input is three 4 MiB chunks). Measured in one plugin
+    session on the H200 host, runs timed in turns: 8,512 f32 anchor 11.9 -> 10.3 ms a run, Whisper-encoder f16
+    anchor 10.4 -> 8.8 ms.
+
+    Yields (pair index, byte offset in that ``dst``, byte count) of each chunk in submission order (pair by pair,
+    offsets ascending), as soon as that chunk is complete, so the caller can start the chunk's DMA while later
+    chunks are still being copied. Every submitted copy has finished when the generator is closed, also when the
+    caller stops early (no thread writes into a reused buffer later).
+    """
+    chunks = []  # (pair index, dst chunk, src chunk, byte offset, byte count)
+    for index, (dst, src) in enumerate(pairs):
+        if not dst.flags.c_contiguous:
+            raise ValueError("copy_in_chunks needs a C-contiguous destination")
+        dst_flat = dst.reshape(-1)
+        src_flat = np.asarray(src).reshape(-1)
+        count, itemsize = dst_flat.size, dst_flat.itemsize
+        per_chunk = max(1, chunk_bytes // itemsize)
+        for start in range(0, count, per_chunk):
+            stop = min(start + per_chunk, count)
+            chunks.append((index, dst_flat[start:stop], src_flat[start:stop], start * itemsize,
+                           (stop - start) * itemsize))  # fmt: skip
+    if executor is None or len(chunks) <= 1:
+        for index, dst_chunk, src_chunk, offset, nbytes in chunks:
+            np.copyto(dst_chunk, src_chunk, casting="same_kind")
+            yield index, offset, nbytes
+        return
+    futures = [executor.submit(np.copyto, dst_chunk, src_chunk, casting="same_kind")
+               for _, dst_chunk, src_chunk, _, _ in chunks]  # fmt: skip
+    try:
+        for (index, _, _, offset, nbytes), future in zip(chunks, futures):
+            future.result()
+            yield index, offset, nbytes
+    finally:
+        concurrent.futures.wait(futures)
+
+
 def copy_in_chunks(
     dst: np.ndarray, src: np.ndarray, executor: Optional[concurrent.futures.Executor] = None,
     chunk_bytes: int = COPY_CHUNK_BYTES,
 ) -> Iterator[tuple[int, int]]:  # fmt: skip
-    """Copy ``src`` into ``dst`` (same shape, C order) chunk by chunk, on ``executor``'s threads when given.
-
-    Yields (byte offset, byte count) of each chunk of ``dst`` in order, as soon as that chunk is complete, so the
-    caller can start the chunk's DMA while later chunks are still being copied. Every submitted copy has finished
-    when the generator is closed, also when the caller stops early (no thread writes into a reused buffer later).
-    """
-    if not dst.flags.c_contiguous:
-        raise ValueError("copy_in_chunks needs a C-contiguous destination")
-    dst_flat = dst.reshape(-1)
-    src_flat = np.asarray(src).reshape(-1)
-    count, itemsize = dst_flat.size, dst_flat.itemsize
-    per_chunk = max(1, chunk_bytes // itemsize)
-    ranges = [(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
-    if executor is None or len(ranges) <= 1:
-        for start, stop in ranges:
-            np.copyto(dst_flat[start:stop], src_flat[start:stop], casting="same_kind")
-            yield start * itemsize, (stop - start) * itemsize
-        return
-    futures = [
-        executor.submit(np.copyto, dst_flat[start:stop], src_flat[start:stop], casting="same_kind")
-        for start, stop in ranges
-    ]
+    """copy_pairs_in_chunks for one pair: yields (byte offset, byte count) of each chunk of ``dst`` in order."""
+    chunks = copy_pairs_in_chunks([(dst, src)], executor, chunk_bytes)
     try:
-        for (start, stop), future in zip(ranges, futures):
-            future.result()
-            yield start * itemsize, (stop - start) * itemsize
+        for _, offset, nbytes in chunks:
+            yield offset, nbytes
     finally:
-        concurrent.futures.wait(futures)
+        chunks.close()
 
 
 def parallel_copy(dst: np.ndarray, src: np.ndarray, executor: Optional[concurrent.futures.Executor] = None) -> None:
