@@ -142,15 +142,17 @@ def echo_session(partitioned, session_options=None):
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def plugin_like_options():
-    """Fresh SessionOptions with the settings mha_ep.register gives a plugin session (its intra-op spinning), for
-    the echo session of the floor."""
+def plugin_like_options(plugin_session):
+    """Fresh SessionOptions with the intra-op spinning setting of ``plugin_session`` (an mha_ep.InferenceSession:
+    mha_ep.register chose it), for the echo session of the floor."""
     import onnxruntime as ort
 
     from mha_ep.ops.registration import ORT_SPINNING
 
     options = ort.SessionOptions()
-    options.add_session_config_entry(ORT_SPINNING, "0")
+    options.add_session_config_entry(
+        ORT_SPINNING, plugin_session.get_session_options().get_session_config_entry(ORT_SPINNING)
+    )
     return options
 
 
@@ -267,7 +269,7 @@ def bench_row(label, b, s, t, n, h, dtype, extra, backend, bandwidth, repeats, w
     row["tflops"] = flop_count(problem) / kernel / 1e12
     session = mha_ep.InferenceSession(model, backend=backend.name)
     session.backend = backend
-    echo = echo_session(session.model, plugin_like_options())
+    echo = echo_session(session.model, plugin_like_options(session))
     host_s, echo_s = paired_medians([lambda: session.run(None, feeds), lambda: echo.run(None, feeds)], host_repeats)
     row["host_us"] = host_s * 1e6
     bytes_in, bytes_out = transport_bytes(problem)

@@ -23,7 +23,7 @@ def test_the_floor_echo_session_moves_the_plugin_bytes_with_the_plugin_sessions_
     model = bench_gpu.anchor_model(*row)
     feeds = bench_gpu.anchor_feeds(problem, row[5])
     plugin = mha_ep.InferenceSession(model, backend="reference")
-    echo = bench_gpu.echo_session(plugin.model, bench_gpu.plugin_like_options())
+    echo = bench_gpu.echo_session(plugin.model, bench_gpu.plugin_like_options(plugin))
     assert echo.get_session_options().get_session_config_entry(ORT_SPINNING) == (
         plugin.get_session_options().get_session_config_entry(ORT_SPINNING)
     )

@@ -101,23 +101,19 @@ class MhaResult:
     present_value_BNTHv: Optional[np.ndarray] = None  # float32 (B, N, T, Hv) when wanted
 
 
-def call_from_arrays(
-    attributes: Mapping[str, object],
-    arrays: Sequence[Optional[np.ndarray]],
-    dtype: str,
-    outputs: Sequence[bool],
-) -> Call:
-    """The rule input for concrete arrays. Float inputs are reported with the node's dtype (they travel as f32)."""
-    return call_from_signature(attributes, array_signature(arrays), dtype, outputs)
+def input_slots(arrays: Sequence[Optional[np.ndarray]]) -> list:
+    """``arrays`` padded with None to one entry per input slot of spec.INPUTS."""
+    return list(arrays) + [None] * (len(spec.INPUTS) - len(arrays))
 
 
-def array_signature(arrays: Sequence[Optional[np.ndarray]]) -> tuple:
+def array_signature(slots: Sequence[Optional[np.ndarray]]) -> tuple:
     """(dtype, shape) of each input slot (None for an absent one): all the rules see of the arrays."""
-    slots = list(arrays) + [None] * (len(spec.INPUTS) - len(arrays))
     return tuple(None if array is None else (array.dtype, array.shape) for array in slots)
 
 
 def call_from_signature(attributes: Mapping[str, object], signature: tuple, dtype: str, outputs: Sequence[bool]) -> Call:
+    """The rule input for one call signature (array_signature). Float inputs are reported with the node's dtype
+    (they travel as f32)."""
     infos = []
     for name, entry in zip(spec.INPUTS, signature):
         if entry is None:
@@ -152,14 +148,15 @@ def build_problem(
     outputs: Sequence[bool] = (True, False, False, False),
 ) -> MhaProblem:
     """Validate one call with the shared rules and resolve it. Raises MhaInputError naming the input."""
-    key = (tuple(attributes.items()), array_signature(arrays), dtype, tuple(bool(o) for o in outputs))
+    slots = input_slots(arrays)
+    signature = (tuple(attributes.items()), array_signature(slots), dtype, tuple(bool(o) for o in outputs))
     try:
-        call, reason = validated_call(*key)
+        call, reason = validated_call(*signature)
     except TypeError:  # an unhashable attribute value: the rules name it, unmemoised
-        call, reason = validated_call.__wrapped__(*key)
+        call, reason = validated_call.__wrapped__(*signature)
     if reason is not None:
         raise MhaInputError(reason)
-    by_name = dict(zip(spec.INPUTS, list(arrays) + [None] * (len(spec.INPUTS) - len(arrays))))
+    by_name = dict(zip(spec.INPUTS, slots))
     query, key, value = by_name["query"], by_name["key"], by_name["value"]
     attrs = call.attrs
     n = attrs.num_heads
