@@ -8,13 +8,20 @@ served a stale binary).
 Architecture-specific kernels (the Hopper fused kernel's wgmma needs ``sm_90a`` code, which CuPy's NVRTC path
 cannot target: it always passes the device's plain ``sm_XY``) go through ``compile_arch_kernel``: NVRTC called
 directly, the cubin kept under ``kernel_cache_dir()`` keyed by a hash of the source, options and NVRTC version.
+The cache is GPU code the process will run, so it is trusted only as far as it is private: a cache folder or entry
+that another user owns or may write (group- or world-writable) is refused with a warning and the kernel compiled
+in memory; each entry carries its cubin's SHA-256 in its own metadata, and an entry that does not match (a
+truncated or damaged file) is rebuilt.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -42,6 +49,9 @@ _lock = threading.Lock()
 
 LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[^\n]*\n', re.MULTILINE)
 CACHE_ENV = "MHA_EP_KERNEL_CACHE"  # where compile_arch_kernel keeps its cubins (default: ~/.cache/mha_ep/kernels)
+CACHE_DIR_MODE = 0o700  # a cache folder mha_ep creates is private to the user
+UNSAFE_MODE_BITS = stat.S_IWGRP | stat.S_IWOTH  # a cache folder or file others may write is refused
+log = logging.getLogger("mha_ep")
 
 
 def expand_includes(text: str, seen: Optional[set] = None) -> str:
@@ -159,32 +169,104 @@ def _load(cubin_path: Path, lowered: str) -> tuple:
     return module, module.get_function(lowered)
 
 
+def untrusted_reason(path: Path) -> Optional[str]:
+    """None when ``path`` (a cache folder or file) is the user's own and nobody else may write it; else why not.
+    (Not followed through a symbolic link: a link is judged as itself, and refused unless the user's.)"""
+    info = path.lstat()
+    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        return f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    if stat.S_ISLNK(info.st_mode):
+        info = path.stat()
+    if info.st_mode & UNSAFE_MODE_BITS:
+        return f"{path} is group- or world-writable (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+_warned: set = set()
+
+
+def _refuse(reason: str) -> None:
+    """Warn, once per reason and process, that a cache folder or entry is not used."""
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("mha_ep: kernel cache not used: %s; compiling in memory (chmod go-w, or set %s to a folder of "
+                    "your own)", reason, CACHE_ENV)  # fmt: skip
+
+
+def _cache_folder() -> Optional[Path]:
+    """The cache folder, created private when missing; None when it cannot be made or is not trusted."""
+    folder = kernel_cache_dir()
+    try:
+        folder.mkdir(mode=CACHE_DIR_MODE, parents=True, exist_ok=True)
+        reason = untrusted_reason(folder)
+    except OSError:
+        return None  # no usable cache directory: only the recompile is lost
+    if reason is not None:
+        _refuse(reason)
+        return None
+    return folder
+
+
+def _read_entry(cubin_path: Path, meta_path: Path) -> Optional[str]:
+    """The lowered kernel name of a whole, trusted entry whose cubin matches its checksum; None when there is no
+    such entry (missing, refused with a warning, or corrupt: the caller rebuilds it)."""
+    if not (cubin_path.exists() and meta_path.exists()):
+        return None
+    try:
+        for path in (meta_path, cubin_path):
+            reason = untrusted_reason(path)
+            if reason is not None:
+                _refuse(reason)
+                return None
+        meta = json.loads(meta_path.read_text())
+        if hashlib.sha256(cubin_path.read_bytes()).hexdigest() != meta["sha256"]:
+            raise ValueError("the cubin does not match its checksum")
+        return str(meta["lowered"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        log.warning("mha_ep: kernel cache entry %s is corrupt (%s); rebuilding it", cubin_path, error)
+        return None
+
+
+def _load_in_memory(cubin: bytes, lowered: str) -> tuple:
+    """Load ``cubin`` from a private temporary file that goes away again (no usable or trusted cache)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return _load(path, lowered)
+
+
 def compile_arch_kernel(device_id: int, code: str, name: str, arch: str, options: tuple = ()) -> cupy.RawKernel:
     """Template instantiation ``name`` of kernel source ``code`` (local includes already inlined) compiled for
     ``arch`` (e.g. "sm_90a") and loaded on ``device_id`` (call with that device current); memoised per process and
-    kept on disk across processes. Cache files are written to a temporary name and renamed into place (the cubin
-    last), so a reader never sees half of an entry; an unwritable cache directory only costs the recompile."""
+    kept on disk across processes. An entry is ``<key>.cubin`` and ``<key>.meta`` (the lowered name and the cubin's
+    SHA-256), each written to a temporary name and renamed into place, the metadata last, so a reader never sees
+    half of an entry; a corrupt entry is rebuilt, an untrusted folder or entry refused (module docstring), and an
+    unwritable cache directory only costs the recompile."""
     options = tuple(options) + ("--std=c++17", "-ftz=true", f"--gpu-architecture={arch}") + cuda_include_options()
     key = (device_id, code, name, options)
     with _lock:
         entry = _arch_kernels.get(key)
         if entry is None:
-            fingerprint = "\0".join([code, name, *options, repr(_nvrtc_version())])
-            cubin_path = kernel_cache_dir() / f"{hashlib.sha256(fingerprint.encode()).hexdigest()[:32]}.cubin"
-            name_path = cubin_path.with_suffix(".name")
-            if cubin_path.exists() and name_path.exists():
-                entry = _load(cubin_path, name_path.read_text())
-            else:
-                cubin, lowered = _nvrtc_compile(code, name, options)
-                try:
-                    cubin_path.parent.mkdir(parents=True, exist_ok=True)
-                    _write_atomically(name_path, lowered.encode())
-                    _write_atomically(cubin_path, cubin)
-                    entry = _load(cubin_path, lowered)
-                except OSError:  # no usable cache directory: load from a file that goes away
-                    with tempfile.TemporaryDirectory() as tmp:
-                        path = Path(tmp) / "kernel.cubin"
-                        path.write_bytes(cubin)
-                        entry = _load(path, lowered)
-            _arch_kernels[key] = entry
+            entry = _arch_kernels[key] = _cached_or_compiled(code, name, options)
     return entry[1]
+
+
+def _cached_or_compiled(code: str, name: str, options: tuple) -> tuple:
+    fingerprint = "\0".join([code, name, *options, repr(_nvrtc_version())])
+    folder = _cache_folder()
+    if folder is not None:
+        cubin_path = folder / f"{hashlib.sha256(fingerprint.encode()).hexdigest()[:32]}.cubin"
+        meta_path = cubin_path.with_suffix(".meta")
+        lowered = _read_entry(cubin_path, meta_path)
+        if lowered is not None:
+            return _load(cubin_path, lowered)
+    cubin, lowered = _nvrtc_compile(code, name, options)
+    if folder is not None:
+        try:
+            _write_atomically(cubin_path, cubin)
+            meta = {"lowered": lowered, "sha256": hashlib.sha256(cubin).hexdigest()}
+            _write_atomically(meta_path, json.dumps(meta).encode())
+            return _load(cubin_path, lowered)
+        except OSError:
+            pass  # an unwritable cache directory
+    return _load_in_memory(cubin, lowered)
