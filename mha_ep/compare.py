@@ -15,7 +15,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from mha_ep.claim.shapes import elem_type, infer_static_infos
+from mha_ep.claim.shapes import infer_static_infos
+from mha_ep.dtypes import elem_type
 from mha_ep.feeds import random_feeds
 from mha_ep.partition import PartitionResult, is_ort_mha, is_plugin_mha, load_model
 

@@ -1,5 +1,7 @@
 """Errors raised by mha_ep. Every message names the input, its shape and what was expected."""
 
+MESSAGE_PREFIX = "mha_ep MultiHeadAttention: "  # every refusal and input error starts with it
+
 
 class MhaEpError(RuntimeError):
     """Base class of every error mha_ep raises on purpose."""
@@ -19,5 +21,5 @@ class MhaRunError(MhaEpError):
     def __init__(self, node_name: str, message: str):
         self.node_name = node_name
         self.message = message
-        detail = message.removeprefix("mha_ep MultiHeadAttention: ")
+        detail = message.removeprefix(MESSAGE_PREFIX)
         super().__init__(f"mha_ep MultiHeadAttention node {node_name!r}: {detail}")

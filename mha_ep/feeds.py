@@ -12,7 +12,7 @@ from typing import Dict, Mapping, Optional
 import numpy as np
 import onnx
 
-from mha_ep.claim.shapes import dtype_name
+from mha_ep.dtypes import dtype_name
 
 DEFAULT_BATCH = 2
 DEFAULT_SEQUENCE = 8

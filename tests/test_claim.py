@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 from mha_ep.claim import Decision, TensorInfo, decide
+from mha_ep import limits
+from mha_ep.launch import LAUNCH_BLOCK
 from mha_ep.claim import rules
 
 U = TensorInfo()  # supplied, nothing known
@@ -107,14 +109,14 @@ def test_host_geometry_allows_products_above_i32_when_offsets_fit():
     batch = sequence = 65_536
     assert rules.checked_i32(batch, "batch") == batch
     elements = batch * sequence * 2 * 4
-    assert elements == 34_359_738_368 > rules.I32_MAX
+    assert elements == 34_359_738_368 > limits.I32_MAX
     assert rules.checked_bytes(elements, 4, "large MHA") == 137_438_953_472
 
 
 def test_checked_cuda_conversions_reject_i32_and_u32_overflow():
     with pytest.raises(rules.Refusal, match="past sequence length=2147483648"):
-        rules.checked_i32(rules.I32_MAX + 1, "past sequence length")
-    too_many_blocks = (rules.U32_MAX + 1) * rules.LAUNCH_BLOCK
+        rules.checked_i32(limits.I32_MAX + 1, "past sequence length")
+    too_many_blocks = (limits.U32_MAX + 1) * LAUNCH_BLOCK
     with pytest.raises(rules.Refusal, match="mask launch grid blocks"):
         rules.checked_grid(too_many_blocks, "mask launch")
 
@@ -122,7 +124,7 @@ def test_checked_cuda_conversions_reject_i32_and_u32_overflow():
 def test_claim_rejects_statically_known_zero_and_cuda_i32_geometry():
     zero = decide({"num_heads": 1}, shapes((1, 0, 4), (1, 1, 4), (1, 1, 4)))
     assert "query dim 1 must be > 0" in zero.reason
-    big = rules.I32_MAX + 1
+    big = limits.I32_MAX + 1
     oversized = decide({"num_heads": 1}, shapes((1, 1, big), (1, 1, big), (1, 1, big)))
     assert "query dim 2=2147483648" in oversized.reason
 
@@ -176,7 +178,7 @@ NOT_CLAIMED = {
         "past_key and past_value must be provided together",
     ),
     "rule_total_length": (
-        dict(inputs=[Q, f32(2, rules.I32_MAX, 8), f32(2, None, 8), None, None, None, f32(2, 2, 1, 4), f32(2, 2, 1, 4)]),
+        dict(inputs=[Q, f32(2, limits.I32_MAX, 8), f32(2, None, 8), None, None, None, f32(2, 2, 1, 4), f32(2, 2, 1, 4)]),
         "total sequence length=2147483648 exceeds CUDA i32 limits",
     ),
     "rule_bias": (dict(inputs=[Q, K, V, f32(23)]), "bias length 23 must equal 2*hidden + v_hidden = 24"),

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mha_ep.claim.rules import I32_MAX, LAUNCH_BLOCK, U32_MAX
+from mha_ep.launch import LAUNCH_BLOCK
+from mha_ep.limits import I32_MAX, U32_MAX
 from mha_ep.errors import MhaInputError
 from mha_ep.ops.backends.cuda import geometry
 from mha_ep.ops.backends.cuda.geometry import checked_bytes, checked_grid, checked_i32, plan_launch

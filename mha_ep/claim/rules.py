@@ -41,15 +41,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-from mha_ep import spec
+from mha_ep import limits, spec
 from mha_ep.claim.tensor_info import TensorInfo, format_shape
+from mha_ep.errors import MESSAGE_PREFIX as PREFIX
+from mha_ep.launch import ELEMENT_BYTES
 
-PREFIX = "mha_ep MultiHeadAttention: "
-I32_MAX = 2**31 - 1
-U32_MAX = 2**32 - 1
-ISIZE_MAX = 2**63 - 1
-LAUNCH_BLOCK = 256  # threads per block of the element-wise kernels; the grid-size rule uses it
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+DTYPE_BYTES = {**ELEMENT_BYTES, "int32": 4, "int64": 8}
 
 
 class Refusal(Exception):
@@ -105,26 +102,24 @@ def attributes_from_mapping(attrs: Mapping[str, object]) -> NodeAttributes:
 
 
 # ------------------------------------------------------------------------------------------- checked arithmetic
+def _refused(check, *args) -> int:
+    """One of mha_ep.limits' checks, its LimitError as this gate's Refusal."""
+    try:
+        return check(*args)
+    except limits.LimitError as error:
+        raise Refusal(error.reason, error.subject) from None
+
+
 def checked_i32(value: int, name: str) -> int:
-    if value > I32_MAX:
-        raise Refusal(f"{name}={value} exceeds CUDA i32 limits", name.split(" ")[0])
-    return value
+    return _refused(limits.checked_i32, value, name)
 
 
 def checked_bytes(elements: int, element_size: int, name: str) -> int:
-    nbytes = elements * element_size
-    if nbytes > ISIZE_MAX:
-        raise Refusal(f"{name} byte size {nbytes} exceeds isize::MAX", name.split(" ")[0])
-    return nbytes
+    return _refused(limits.checked_bytes, elements, element_size, name)
 
 
 def checked_grid(count: int, name: str) -> int:
-    blocks = -(-count // LAUNCH_BLOCK)
-    if blocks > U32_MAX:
-        raise Refusal(
-            f"{name} grid blocks={blocks} for element count {count} exceeds CUDA u32 limits", name.split(" ")[0]
-        )
-    return blocks
+    return _refused(limits.checked_grid, count, name)
 
 
 # ------------------------------------------------------------------------------------------------ the rule input

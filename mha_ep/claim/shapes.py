@@ -12,21 +12,9 @@ from typing import Dict
 import onnx
 
 from mha_ep.claim.tensor_info import TensorInfo
+from mha_ep.dtypes import dtype_name
 
 log = logging.getLogger("mha_ep")
-
-
-def dtype_name(elem_type: int) -> str | None:
-    if elem_type == onnx.TensorProto.UNDEFINED:
-        return None
-    name = onnx.TensorProto.DataType.Name(elem_type).lower()
-    return {"float": "float32", "double": "float64"}.get(name, name)
-
-
-def elem_type(name: str) -> int:
-    """Inverse of dtype_name: "float32" -> TensorProto.FLOAT, "bfloat16" -> TensorProto.BFLOAT16."""
-    onnx_name = {"float32": "FLOAT", "float64": "DOUBLE"}.get(name, name.upper())
-    return onnx.TensorProto.DataType.Value(onnx_name)
 
 
 def _info_from_type(type_proto: onnx.TypeProto) -> TensorInfo | None:

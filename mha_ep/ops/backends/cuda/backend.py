@@ -39,10 +39,10 @@ from typing import Optional
 import cupy
 import numpy as np
 
-from mha_ep.claim.rules import LAUNCH_BLOCK
 from mha_ep.errors import MhaEpError
+from mha_ep.launch import LAUNCH_BLOCK, SOFTMAX_THREADS, MaskKind
 from mha_ep.ops.backends.cuda import fused, gemm
-from mha_ep.ops.backends.cuda.geometry import SOFTMAX_THREADS, LaunchPlan, plan_launch
+from mha_ep.ops.backends.cuda.geometry import LaunchPlan, plan_launch
 from mha_ep.ops.backends.cuda.kernels import get_kernel
 from mha_ep.ops.backends.cuda.replay import REPLAY_MAX_BYTES, ReplayCache, replay_key
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
@@ -53,7 +53,6 @@ from mha_ep.ops.problem import MhaProblem, MhaResult
 
 MEMCPY_HOST_TO_DEVICE = 1
 MEMCPY_DEVICE_TO_HOST = 2
-MASK_KINDS = {None: 0, "key_lengths": 1, "keys_BT": 2, "keys_BST": 3}  # kernels/softmax.cu MaskKind
 POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float32
 log = logging.getLogger("mha_ep")
 COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
@@ -564,12 +563,12 @@ class CudaBackend:
         bias = problem.attention_bias
         d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
         mask = problem.padding_mask
-        kind = MASK_KINDS[None if mask is None else mask.kind]
-        lengths = dev_in.get("mask") if kind == MASK_KINDS["key_lengths"] else None
-        keep = dev_in.get("mask") if kind in (MASK_KINDS["keys_BT"], MASK_KINDS["keys_BST"]) else None
+        kind = MaskKind.of(None if mask is None else mask.kind)
+        lengths = dev_in.get("mask") if kind == MaskKind.KEY_LENGTHS else None
+        keep = dev_in.get("mask") if kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None
         args = (
             _ptr(scores_BNST), _ptr(probs_BNST), _ptr(dev_in.get("attention_bias")), _i32(d0), _i32(d1),
-            _i32(kind), _ptr(lengths), _ptr(keep), np.float32(problem.mask_filter_value), _i32(int(problem.causal)),
+            _i32(int(kind)), _ptr(lengths), _ptr(keep), np.float32(problem.mask_filter_value), _i32(int(problem.causal)),
             _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.total_seq), _i32(plan.past_seq),
         )  # fmt: skip
         grid, block = (plan.grids["masked_softmax"],), (SOFTMAX_THREADS,)

@@ -37,7 +37,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from mha_ep.claim.rules import I32_MAX
+from mha_ep.limits import I32_MAX
 from mha_ep.ops.backends.cuda import tma
 from mha_ep.ops.problem import MhaProblem
 

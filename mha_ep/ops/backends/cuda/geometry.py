@@ -3,7 +3,8 @@
 The kernels take ``int`` geometry and index with ``long long`` (kernels/*.cu); cuBLAS takes ``int`` m, n, k,
 leading dimensions and batch count, and ``long long`` strides. This module proves, for one call, that each int
 argument fits a CUDA int, each launch grid fits a u32 block count, and each buffer's byte size fits isize, using
-the shared checked arithmetic of mha_ep/claim/rules.py. A violation raises ``MhaInputError`` naming the quantity.
+the checked arithmetic the claim gate uses too (mha_ep/limits.py). A violation raises ``MhaInputError`` naming the
+quantity.
 
 Legend: B batch, S query length, L new key length, P past length, T = P + L, N heads, H head size, Hv value head
 size. This module must not import CuPy.
@@ -13,14 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mha_ep.claim import rules
-from mha_ep.errors import MhaInputError
+from mha_ep import limits
+from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
+from mha_ep.launch import ELEMENT_BYTES, SOFTMAX_THREADS, WARP
 from mha_ep.ops.problem import Geometry
 
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+PREFIX = MESSAGE_PREFIX + "cuda backend: "
 FLOAT32_BYTES = 4
-SOFTMAX_THREADS = 128  # kernels/softmax.cu SOFTMAX_THREADS
-WARP = 32
 WARP_SOFTMAX_COLS_PER_LANE = (1, 2, 4, 8, 16, 32)  # instantiated masked_softmax_warp variants: T <= 1024
 VEC_WIDTH = 4  # layout kernels move 4 consecutive floats per thread when the head size allows it
 ROW_CACHE_MAX_BYTES = 32 * 1024  # shared-memory row cache of the softmax (under the 48 KiB default limit)
@@ -28,26 +28,26 @@ MAX_GRID_BLOCKS = 2**31 - 1  # gridDim.x limit; grid-stride loops cover anything
 
 
 def _checked(check, *args) -> int:
-    """Run one of rules.checked_* and turn its Refusal into the backend's error type."""
+    """Run one of mha_ep.limits' checks; its LimitError is this backend's input error."""
     try:
         return check(*args)
-    except rules.Refusal as refusal:
-        raise MhaInputError(refusal.reason.replace(rules.PREFIX, rules.PREFIX + "cuda backend: ")) from None
+    except limits.LimitError as error:
+        raise MhaInputError(PREFIX + error.reason) from None
 
 
 def checked_i32(value: int, name: str) -> int:
     if value < 0:
-        raise MhaInputError(f"{rules.PREFIX}cuda backend: {name}={value} must be >= 0")
-    return _checked(rules.checked_i32, value, name)
+        raise MhaInputError(f"{PREFIX}{name}={value} must be >= 0")
+    return _checked(limits.checked_i32, value, name)
 
 
 def checked_bytes(elements: int, element_size: int, name: str) -> int:
-    return _checked(rules.checked_bytes, elements, element_size, name)
+    return _checked(limits.checked_bytes, elements, element_size, name)
 
 
 def checked_grid(count: int, name: str) -> int:
     """Blocks of LAUNCH_BLOCK threads for ``count`` elements (u32-checked), capped at the launchable grid."""
-    return min(max(_checked(rules.checked_grid, count, name), 1), MAX_GRID_BLOCKS)
+    return min(max(_checked(limits.checked_grid, count, name), 1), MAX_GRID_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class LaunchPlan:
 def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
     """Check every int argument, grid and buffer size of one call (raises MhaInputError)."""
     if dtype not in ELEMENT_BYTES:
-        raise MhaInputError(f"{rules.PREFIX}cuda backend: dtype {dtype!r} is not one of {tuple(ELEMENT_BYTES)}")
+        raise MhaInputError(f"{PREFIX}dtype {dtype!r} is not one of {tuple(ELEMENT_BYTES)}")
     g = geometry
     elem = ELEMENT_BYTES[dtype]
     b = checked_i32(g.batch, "batch")

@@ -27,12 +27,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from mha_ep.launch import ELEMENT_TYPES
+
 if TYPE_CHECKING:  # CuPy is imported where a kernel is built, so the source helpers run on CPU machines
     import cupy
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 COMMON_HEADER = "common.cuh"
-ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 # kernel -> (source file, its template arguments after the element type; None: the element type alone)
 KERNELS = {
     "build_dense_BNTH": ("layout.cu", (1, 4)),  # VEC
