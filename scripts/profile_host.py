@@ -15,8 +15,9 @@ import cProfile
 import pstats
 import sys
 
-from mha_ep.bench_gpu import anchor_feeds, anchor_model, echo_session, median_seconds
-from mha_ep.ops.backends.cuda.timing import ANCHORS, anchor_problem
+from mha_ep.bench.anchors import ANCHORS, anchor_problem
+from mha_ep.bench.gpu import anchor_feeds, anchor_model, echo_session
+from mha_ep.bench.timer import median_seconds
 
 
 def print_profile(profile: cProfile.Profile, calls: int, sort: str, top: int) -> None:
@@ -42,7 +43,8 @@ def main(argv=None) -> int:
 
     import mha_ep
 
-    label, b, s, t, n, h, dtype, extra = next(a for a in ANCHORS if args.only in a[0])
+    row = next(a for a in ANCHORS if args.only in a.label)
+    label, (b, s, t, n, h, dtype, extra) = row.label, row.shape
     problem = anchor_problem(b, s, t, n, h, dtype, extra)
     feeds = anchor_feeds(problem, dtype)
     session = mha_ep.InferenceSession(anchor_model(b, s, t, n, h, dtype, extra), backend=args.backend)

@@ -339,17 +339,22 @@ def test_causal_lowest_is_added_under_a_huge_negative_attention_bias(backend, dt
 
 
 @pytest.mark.gpu
-def test_time_device_measures_and_leaves_the_backend_answering(backend):
-    """time_device replays a captured graph on the fused path and times submissions on the three-phase path; the
-    backend's stream is usable afterwards either way."""
+def test_timing_the_prepared_call_measures_and_leaves_the_backend_answering(backend):
+    """The benchmarks' timer replays a captured graph of the prepared call on the fused path and times submissions
+    on the three-phase path; the backend's stream is usable afterwards either way."""
+    from mha_ep.bench.timer import backend_seconds
+
     problem = make_problem(Case(b=2, s=33, l=40, n=2, h=64, mask="lengths", attention_bias=(True, False)), "float16")
-    seconds = backend.time_device(problem, repeats=3, warmup=1)
+    with backend.prepared(problem) as call:
+        assert call.capturable == backend.fused_path
+    seconds = backend_seconds(backend, problem, repeats=3, warmup=1)
     assert 0.0 < seconds < 0.1, seconds
     assert_matches(problem, backend.run(problem))
 
 
 @pytest.mark.gpu
-def test_time_device_reports_cuda_errors_as_mha_ep_errors(backend, cupy_module, monkeypatch):
+def test_the_prepared_call_reports_cuda_errors_as_mha_ep_errors(backend, cupy_module, monkeypatch):
+    from mha_ep.bench.timer import backend_seconds
     from mha_ep.errors import MhaEpError
     from mha_ep.ops.backends.cuda import fused, gemm
 
@@ -360,6 +365,6 @@ def test_time_device_reports_cuda_errors_as_mha_ep_errors(backend, cupy_module, 
 
     monkeypatch.setattr(*((fused, "run_fused") if backend.fused_path else (gemm, "context_gemm")), broken)
     with pytest.raises(MhaEpError, match=r"cuda backend on .*CUDARuntimeError"):
-        backend.time_device(problem, repeats=2, warmup=1)
+        backend_seconds(backend, problem, repeats=2, warmup=1)
     monkeypatch.undo()
     assert_matches(problem, backend.run(problem))

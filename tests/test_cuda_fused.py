@@ -1,4 +1,5 @@
-"""The fused attention kernel (kernels/flash_attention.cu via cuda/fused.py) against the reference semantics.
+"""The fused attention kernels (kernels/flash_attention*.cu; cuda/dispatch.py chooses, cuda/fused.py launches) against
+the reference semantics.
 
 CPU tests: the dispatch rule's reasons and the kernel choice (flash_attention_wgmma on compute capability 9.0,
 flash_attention_mma elsewhere), a 64-bit index audit of the fused kernels' sources, and an nvcc compile of a few
@@ -29,7 +30,8 @@ import pytest
 
 import cuda_cases
 from cuda_cases import Case, dense_operands, naive_low_precision, round_to_dtype
-from mha_ep.ops.backends.cuda import fused
+from mha_ep.launch import ELEMENT_TYPES
+from mha_ep.ops.backends.cuda import dispatch, fused
 from mha_ep.ops.backends.reference import run_reference, to_BNSH
 from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, build_problem
 
@@ -165,7 +167,7 @@ def test_fused_matches_reference(cupy_module, case_name, dtype, form):
     if dtype == "bfloat16" and case.mask_filter_value == FLOAT32_LOWEST:
         pytest.skip("the naive bf16 baseline rounds float32 lowest to -inf (NaN rows): no 2x-naive bound exists")
     problem = make_problem(case, dtype)
-    assert fused.fused_unsupported_reason(problem) is None
+    assert dispatch.fused_unsupported_reason(problem) is None
     assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, form))
 
 
@@ -174,13 +176,13 @@ TILE_CASES = ("S113_T203_H40_keysBT_bias_BN", "S1023_T1024_H128_causal_past1", "
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(128, 64), (64, 128), (128, 128)], ids=lambda t: fused.MmaTile(*t).label)
+@pytest.mark.parametrize("tile", [(128, 64), (64, 128), (128, 128)], ids=lambda t: dispatch.MmaTile(*t).label)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case_name", TILE_CASES)
 def test_other_mma_tiles_match_reference(cupy_module, case_name, dtype, tile):
     """The tiles the timing script compares compute the same function as the default one."""
     problem = make_problem(CASES[case_name], dtype)
-    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", fused.MmaTile(*tile)))
+    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", dispatch.MmaTile(*tile)))
 
 
 @pytest.mark.gpu
@@ -192,21 +194,21 @@ def test_mma_kernel_matches_reference_on_dense_operands(cupy_module, case_name, 
     if dtype == "bfloat16" and case.mask_filter_value == FLOAT32_LOWEST:
         pytest.skip("the naive bf16 baseline rounds float32 lowest to -inf (NaN rows): no 2x-naive bound exists")
     problem = make_problem(case, dtype)
-    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", fused.default_tile(problem)))
+    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, "dense", dispatch.default_tile(problem)))
 
 
-WGMMA_CASES = [name for name, case in CASES.items() if fused.head_dim_tile(case.h, case.hv or case.h) in (64, 128)]
+WGMMA_CASES = [name for name, case in CASES.items() if dispatch.head_dim_tile(case.h, case.hv or case.h) in (64, 128)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [fused.WgmmaTile(n, m, overlap) for m in (64, 128) for n in (64, 128)
+@pytest.mark.parametrize("tile", [dispatch.WgmmaTile(n, m, overlap) for m in (64, 128) for n in (64, 128)
                                   for overlap in (True, False)], ids=lambda t: t.label)  # fmt: skip
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case_name", WGMMA_CASES)
 def test_wgmma_tiles_match_reference(cupy_module, case_name, dtype, tile):
     """Every tile of flash_attention_wgmma (one or two warpgroups, 64 or 128 keys per step, steps overlapped or
     not), every mask."""
-    if fused.device_capability(0) != fused.HOPPER_CAPABILITY:
+    if fused.device_capability(0) != dispatch.HOPPER_CAPABILITY:
         pytest.skip("flash_attention_wgmma runs on compute capability 9.0 only")
     case = CASES[case_name]
     if dtype == "bfloat16" and case.mask_filter_value == FLOAT32_LOWEST:
@@ -235,7 +237,7 @@ WS_CASES = {  # no padding mask or attention_bias: flash_attention_ws has no cod
 
 
 def ws_tiles() -> list:
-    return [fused.WsTile(), fused.WsTile(64), fused.WsTile(consumers=3), fused.WsTile(64, consumers=3)]
+    return [dispatch.WsTile(), dispatch.WsTile(64), dispatch.WsTile(consumers=3), dispatch.WsTile(64, consumers=3)]
 
 
 @pytest.mark.gpu
@@ -246,14 +248,14 @@ def ws_tiles() -> list:
 def test_warp_specialized_kernel_matches_reference(cupy_module, case_name, dtype, tile, form):
     """flash_attention_ws (TMA producer, two ping-ponging consumers, persistent blocks) on plain calls, its
     operands in BNSH and in BSNH (the TMA maps follow the strides)."""
-    if fused.device_capability(0) != fused.HOPPER_CAPABILITY:
+    if fused.device_capability(0) != dispatch.HOPPER_CAPABILITY:
         pytest.skip("flash_attention_ws runs on compute capability 9.0 only")
     problem = make_problem(WS_CASES[case_name], dtype)
     if problem.causal and dtype == "bfloat16":
-        assert fused.ws_unsupported_reason(problem, dtype, fused.HOPPER_CAPABILITY).startswith("a causal bfloat16")
-        pytest.skip("causal bfloat16 calls keep flash_attention_wgmma (fused.ws_causal_unsupported_reason)")
-    assert fused.ws_unsupported_reason(problem, dtype, fused.HOPPER_CAPABILITY) is None
-    reason = fused.ws_tile_unsupported_reason(problem, tile)
+        assert dispatch.ws_unsupported_reason(problem, dtype, dispatch.HOPPER_CAPABILITY).startswith("a causal bfloat16")
+        pytest.skip("causal bfloat16 calls keep flash_attention_wgmma (dispatch.ws_causal_unsupported_reason)")
+    assert dispatch.ws_unsupported_reason(problem, dtype, dispatch.HOPPER_CAPABILITY) is None
+    reason = dispatch.ws_tile_unsupported_reason(problem, tile)
     if reason is not None:
         with pytest.raises(ValueError, match=re.escape(reason)):
             run_fused_on_gpu(cupy_module, problem, form, tile)
@@ -262,13 +264,13 @@ def test_warp_specialized_kernel_matches_reference(cupy_module, case_name, dtype
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [fused.WgmmaTile(128), fused.WsTile(), fused.WsTile(consumers=3)],
+@pytest.mark.parametrize("tile", [dispatch.WgmmaTile(128), dispatch.WsTile(), dispatch.WsTile(consumers=3)],
                          ids=lambda t: t.label)
 def test_huge_bf16_logits_do_not_fold_the_scale(cupy_module, tile):
     """Logits near 1e33 (bf16 Q and K scaled by 2^56, exactly): folding the scale into the exponent's FMA would
     lose the row max's difference (exp2 of +-1e26: inf or 0); the kernels fall back to (x - max) for such rows.
     The answer is each row's value at its largest logit (every other p underflows to 0)."""
-    if fused.device_capability(0) != fused.HOPPER_CAPABILITY:
+    if fused.device_capability(0) != dispatch.HOPPER_CAPABILITY:
         pytest.skip("the Hopper kernels run on compute capability 9.0 only")
     base = make_problem(Case(b=1, s=70, l=203, n=2, h=64, bias=False, seed=3), "bfloat16")
     problem = replace(base, query_BSD=base.query_BSD * 2.0**56, key=base.key * 2.0**56)
@@ -340,14 +342,14 @@ def test_operand_checks(cupy_module):
     with pytest.raises(ValueError, match=r"tile wg64x128 needs the wgmma kernel, which cannot run this call: "
                                          r"operands are float32 \(rounded to float16 on load"):  # fmt: skip
         fused.run_fused(0, problem, q=op, k=kv, v=kv, operand_dtype="float32", attention_bias=None, mask=None,
-                        out_BSD=0, tile=fused.WgmmaTile(128))  # fmt: skip
+                        out_BSD=0, tile=dispatch.WgmmaTile(128))  # fmt: skip
     biased = make_problem(Case(h=128, attention_bias=(True, True)), "float16")
     q128 = fused.Operand(256, "BSNH", g.q_seq, 128)
     kv128 = fused.Operand(256, "BSNH", g.total_seq, 128)
     with pytest.raises(ValueError, match=r"tile 128x128 needs 243712 bytes of shared memory for this call, more than "
                                          r"the 232448 a block can have"):  # fmt: skip
         fused.run_fused(0, biased, q=q128, k=kv128, v=kv128, operand_dtype="float16", attention_bias=256, mask=None,
-                        out_BSD=0, tile=fused.MmaTile(128, 128))  # fmt: skip
+                        out_BSD=0, tile=dispatch.MmaTile(128, 128))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- dispatch rule (CPU)
@@ -366,8 +368,8 @@ def problem_with(h=64, hv=None, n=2, dtype="float16", causal=False, mask_filter_
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h", [8, 40, 64, 80, 96, 128])
 def test_fused_applies_to_supported_calls(dtype, h):
-    assert fused.fused_unsupported_reason(problem_with(h=h, dtype=dtype)) is None
-    assert fused.fused_unsupported_reason(problem_with(h=h, dtype=dtype, causal=True)) is None
+    assert dispatch.fused_unsupported_reason(problem_with(h=h, dtype=dtype)) is None
+    assert dispatch.fused_unsupported_reason(problem_with(h=h, dtype=dtype, causal=True)) is None
 
 
 @pytest.mark.parametrize(
@@ -382,7 +384,7 @@ def test_fused_applies_to_supported_calls(dtype, h):
     ],
 )
 def test_fused_not_used_reasons(kwargs, reason):
-    got = fused.fused_unsupported_reason(problem_with(**kwargs))
+    got = dispatch.fused_unsupported_reason(problem_with(**kwargs))
     assert got is not None and re.fullmatch(reason, got), got
 
 
@@ -409,9 +411,9 @@ def test_mask_operands_must_match_the_call():
 def test_head_64_tiles_leave_room_for_three_blocks_per_sm(case, dtype):
     """The measured reason for the one attention_bias buffer (BENCH.md): with two, two blocks fitted an SM."""
     problem = make_problem(case, dtype)
-    assert fused.default_tile(problem) == fused.MmaTile(64, 64)
+    assert dispatch.default_tile(problem) == dispatch.MmaTile(64, 64)
     shared = fused.shared_bytes(problem)
-    assert fused.blocks_per_sm_by_shared_memory(shared) >= fused.BLOCKS_PER_SM_GOAL, shared
+    assert fused.blocks_per_sm_by_shared_memory(shared) >= dispatch.BLOCKS_PER_SM_GOAL, shared
 
 
 @pytest.mark.parametrize(
@@ -430,15 +432,15 @@ def test_head_64_tiles_leave_room_for_three_blocks_per_sm(case, dtype):
 )
 def test_wgmma_kernel_choice(kwargs, operand_dtype, capability, reason):
     problem = problem_with(**kwargs)
-    got = fused.wgmma_unsupported_reason(problem, operand_dtype, capability)
+    got = dispatch.wgmma_unsupported_reason(problem, operand_dtype, capability)
     assert (got is None) if reason is None else (got is not None and re.fullmatch(reason, got)), got
-    tile = fused.choose_tile(problem, operand_dtype, capability)
+    tile = dispatch.choose_tile(problem, operand_dtype, capability)
     if reason is None:  # (head tile 128 plain calls take the warp-specialized kernel: test_warp_specialized_choice)
-        assert tile == (fused.WsTile() if fused.head_dim_tile(problem.geometry.head_size, problem.geometry.v_head_size)
-                        == 128 else fused.default_wgmma_tile(problem))  # fmt: skip
+        assert tile == (dispatch.WsTile() if dispatch.head_dim_tile(problem.geometry.head_size, problem.geometry.v_head_size)
+                        == 128 else dispatch.default_wgmma_tile(problem))  # fmt: skip
     else:
-        assert tile == fused.default_tile(problem)
-        assert fused.ws_unsupported_reason(problem, operand_dtype, capability) == got
+        assert tile == dispatch.default_tile(problem)
+        assert dispatch.ws_unsupported_reason(problem, operand_dtype, capability) == got
 
 
 def large_query_problem(s: int, n: int, **case) -> MhaProblem:
@@ -449,45 +451,45 @@ def large_query_problem(s: int, n: int, **case) -> MhaProblem:
 @pytest.mark.parametrize(
     "problem_of, expected",
     [
-        (lambda: problem_with(h=128), fused.WsTile()),
-        (lambda: problem_with(h=120, hv=128), fused.WsTile()),
-        (lambda: problem_with(h=64), fused.WgmmaTile(128)),  # 1 query tile: the wgmma kernel's 64-row blocks
+        (lambda: problem_with(h=128), dispatch.WsTile()),
+        (lambda: problem_with(h=120, hv=128), dispatch.WsTile()),
+        (lambda: problem_with(h=64), dispatch.WgmmaTile(128)),  # 1 query tile: the wgmma kernel's 64-row blocks
         # three consumers where their rounds x 192 rows x WS3_ROW_COST are under two consumers' rounds x 128:
-        (lambda: large_query_problem(4096, 16), fused.WsTile(consumers=3)),  # 352 tiles (3 rounds) against 512 (4)
-        (lambda: large_query_problem(4096, 12), fused.WsTile(consumers=3)),  # 264 tiles (2 rounds) against 384 (3)
-        (lambda: large_query_problem(1500, 24), fused.WsTile(consumers=3)),  # the Whisper encoder row's 192 tiles
+        (lambda: large_query_problem(4096, 16), dispatch.WsTile(consumers=3)),  # 352 tiles (3 rounds) against 512 (4)
+        (lambda: large_query_problem(4096, 12), dispatch.WsTile(consumers=3)),  # 264 tiles (2 rounds) against 384 (3)
+        (lambda: large_query_problem(1500, 24), dispatch.WsTile(consumers=3)),  # the Whisper encoder row's 192 tiles
         # else two consumers from WS_HEAD64_TILES_PER_SM x 132 128-row tiles on, the wgmma kernel below that:
-        (lambda: large_query_problem(512, 192), fused.WsTile()),  # 768 tiles (6 rounds) against 576 x 192 rows (5)
-        (lambda: large_query_problem(512, 99), fused.WsTile()),  # 396 tiles: 3 per SM
-        (lambda: large_query_problem(512, 96), fused.WgmmaTile(128)),  # 384 tiles (the 8,512,512,12 anchor's)
-        (lambda: large_query_problem(2048, 16), fused.WgmmaTile(128)),  # 256 tiles; three: 176 (2 rounds, 384 rows)
+        (lambda: large_query_problem(512, 192), dispatch.WsTile()),  # 768 tiles (6 rounds) against 576 x 192 rows (5)
+        (lambda: large_query_problem(512, 99), dispatch.WsTile()),  # 396 tiles: 3 per SM
+        (lambda: large_query_problem(512, 96), dispatch.WgmmaTile(128)),  # 384 tiles (the 8,512,512,12 anchor's)
+        (lambda: large_query_problem(2048, 16), dispatch.WgmmaTile(128)),  # 256 tiles; three: 176 (2 rounds, 384 rows)
         # causal: float16 calls take the warp-specialized kernel by the same rules, bfloat16 ones keep wgmma
-        (lambda: make_problem(Case(s=300, l=300, h=128, causal=True), "float16"), fused.WsTile()),
-        (lambda: make_problem(Case(s=300, l=300, h=128, causal=True), "bfloat16"), fused.WgmmaTile(64, 128, False)),
-        (lambda: large_query_problem(4096, 16, causal=True), fused.WsTile(consumers=3)),
-        (lambda: large_query_problem(4096, 12, causal=True, attrs={"scale": 1e26}), fused.WgmmaTile(128)),
-        (lambda: make_problem(Case(h=128, mask="BT"), "float16"), fused.WgmmaTile(64, 128, False)),
-        (lambda: large_query_problem(4096, 16, mask="lengths"), fused.WgmmaTile(64)),
+        (lambda: make_problem(Case(s=300, l=300, h=128, causal=True), "float16"), dispatch.WsTile()),
+        (lambda: make_problem(Case(s=300, l=300, h=128, causal=True), "bfloat16"), dispatch.WgmmaTile(64, 128, False)),
+        (lambda: large_query_problem(4096, 16, causal=True), dispatch.WsTile(consumers=3)),
+        (lambda: large_query_problem(4096, 12, causal=True, attrs={"scale": 1e26}), dispatch.WgmmaTile(128)),
+        (lambda: make_problem(Case(h=128, mask="BT"), "float16"), dispatch.WgmmaTile(64, 128, False)),
+        (lambda: large_query_problem(4096, 16, mask="lengths"), dispatch.WgmmaTile(64)),
     ],
 )  # fmt: skip
 def test_warp_specialized_choice(problem_of, expected):
     """flash_attention_ws takes Hopper calls without mask or attention_bias (causal too for float16) of head tile 128,
     and of head tile 64 with enough query tiles (three consumers where their tiles pay)."""
     problem = problem_of()
-    assert fused.choose_tile(problem, problem.dtype, fused.HOPPER_CAPABILITY) == expected
-    assert fused.choose_tile(problem, problem.dtype, "89") == fused.default_tile(problem)
+    assert dispatch.choose_tile(problem, problem.dtype, dispatch.HOPPER_CAPABILITY) == expected
+    assert dispatch.choose_tile(problem, problem.dtype, "89") == dispatch.default_tile(problem)
 
 
 def test_the_warp_specialized_choice_counts_the_devices_sms():
     """On a 114-SM H100 PCIe the S=T=4096 x 16 heads row takes two consumers: 352 192-row tiles are 4 rounds
     (x 192 x 0.85 = 653 rows) against 512 128-row tiles' 5 (640 rows); 132 SMs make it 3 rounds against 4."""
     problem = large_query_problem(4096, 16)
-    assert fused.choose_tile(problem, "float16", fused.HOPPER_CAPABILITY, 132) == fused.WsTile(consumers=3)
-    assert fused.choose_tile(problem, "float16", fused.HOPPER_CAPABILITY, 114) == fused.WsTile()
-    assert fused.persistent_rounds(problem, 192, 114) == 4 and fused.persistent_rounds(problem, 128, 114) == 5
+    assert dispatch.choose_tile(problem, "float16", dispatch.HOPPER_CAPABILITY, 132) == dispatch.WsTile(consumers=3)
+    assert dispatch.choose_tile(problem, "float16", dispatch.HOPPER_CAPABILITY, 114) == dispatch.WsTile()
+    assert dispatch.persistent_rounds(problem, 192, 114) == 4 and dispatch.persistent_rounds(problem, 128, 114) == 5
     fewer = large_query_problem(256, 180)  # 360 tiles of either size: at least 3 per SM of 114, not of 132
-    assert fused.choose_tile(fewer, "float16", fused.HOPPER_CAPABILITY, 114) == fused.WsTile()
-    assert fused.choose_tile(fewer, "float16", fused.HOPPER_CAPABILITY, 132) == fused.WgmmaTile(128)
+    assert dispatch.choose_tile(fewer, "float16", dispatch.HOPPER_CAPABILITY, 114) == dispatch.WsTile()
+    assert dispatch.choose_tile(fewer, "float16", dispatch.HOPPER_CAPABILITY, 132) == dispatch.WgmmaTile(128)
 
 
 @pytest.mark.parametrize(
@@ -507,80 +509,80 @@ def test_the_warp_specialized_choice_counts_the_devices_sms():
 )  # fmt: skip
 def test_warp_specialized_reasons(problem_of, reason):
     problem = problem_of()
-    got = fused.ws_unsupported_reason(problem, problem.dtype, fused.HOPPER_CAPABILITY)
+    got = dispatch.ws_unsupported_reason(problem, problem.dtype, dispatch.HOPPER_CAPABILITY)
     assert got is not None and re.fullmatch(reason, got), got
 
 
 @pytest.mark.parametrize(
     "case, tile, reason",
     [
-        (Case(h=64), fused.WsTile(consumers=3), None),
-        (Case(h=40), fused.WsTile(64, consumers=3), None),  # head tile 64
-        (Case(h=128), fused.WsTile(), None),
-        (Case(h=128), fused.WsTile(consumers=3),
+        (Case(h=64), dispatch.WsTile(consumers=3), None),
+        (Case(h=40), dispatch.WsTile(64, consumers=3), None),  # head tile 64
+        (Case(h=128), dispatch.WsTile(), None),
+        (Case(h=128), dispatch.WsTile(consumers=3),
          r"three consumer warpgroups need head tile 64 \(their 160 registers\), this call's is 128"),
-        (Case(h=64, hv=120), fused.WsTile(consumers=3), r"three consumer warpgroups need head tile 64 .* is 128"),
-        (Case(h=64), fused.WsTile(consumers=4), "4 consumer warpgroups: flash_attention_ws has two or three"),
-        (Case(h=64), fused.WsTile(192), "192 keys per step: flash_attention_ws takes 64 or 128"),
+        (Case(h=64, hv=120), dispatch.WsTile(consumers=3), r"three consumer warpgroups need head tile 64 .* is 128"),
+        (Case(h=64), dispatch.WsTile(consumers=4), "4 consumer warpgroups: flash_attention_ws has two or three"),
+        (Case(h=64), dispatch.WsTile(192), "192 keys per step: flash_attention_ws takes 64 or 128"),
     ],
 )  # fmt: skip
 def test_warp_specialized_tile_reasons(case, tile, reason):
     """Which WsTiles flash_attention_ws has an instantiation for (run_fused raises with the reason)."""
-    got = fused.ws_tile_unsupported_reason(make_problem(case, "float16"), tile)
+    got = dispatch.ws_tile_unsupported_reason(make_problem(case, "float16"), tile)
     assert (got is None) if reason is None else (got is not None and re.fullmatch(reason, got)), got
 
 
 def test_warp_specialized_launch_choices():
     plain, wide = problem_with(h=64), make_problem(Case(h=128, hv=64), "bfloat16")
-    three = fused.WsTile(consumers=3)
+    three = dispatch.WsTile(consumers=3)
     causal = make_problem(Case(s=9, l=9, h=64, causal=True), "float16")
-    assert fused.kernel_name(plain, "float16", fused.WsTile()) == "flash_attention_ws<__half, 64, 128, 2, false>"
-    assert (fused.kernel_name(wide, "bfloat16", fused.WsTile(64))
+    assert fused.kernel_name(plain, "float16", dispatch.WsTile()) == "flash_attention_ws<__half, 64, 128, 2, false>"
+    assert (fused.kernel_name(wide, "bfloat16", dispatch.WsTile(64))
             == "flash_attention_ws<__nv_bfloat16, 128, 64, 2, false>")  # fmt: skip
     assert fused.kernel_name(plain, "float16", three) == "flash_attention_ws<__half, 64, 128, 3, false>"
     assert fused.kernel_name(causal, "float16", three) == "flash_attention_ws<__half, 64, 128, 3, true>"
     # 1 KiB alignment slack, Q (128 or 192 rows), 2 stages x (K, V), 10 mbarriers of 8 bytes
-    assert fused.shared_bytes(wide, fused.WsTile()) == 1024 + (128 + 2 * 2 * 128) * 128 * 2 + 80
-    assert fused.shared_bytes(plain, fused.WsTile(64)) == 1024 + (128 + 2 * 2 * 64) * 64 * 2 + 80
+    assert fused.shared_bytes(wide, dispatch.WsTile()) == 1024 + (128 + 2 * 2 * 128) * 128 * 2 + 80
+    assert fused.shared_bytes(plain, dispatch.WsTile(64)) == 1024 + (128 + 2 * 2 * 64) * 64 * 2 + 80
     assert fused.shared_bytes(plain, three) == 1024 + (192 + 2 * 2 * 128) * 64 * 2 + 80
-    assert fused.shared_bytes(wide, fused.WsTile()) <= fused.SHARED_LIMIT
-    assert (fused.WsTile().threads, fused.WsTile().block_m, fused.WsTile(64).label) == (384, 128, "ws128x64")
+    assert fused.shared_bytes(wide, dispatch.WsTile()) <= fused.SHARED_LIMIT
+    assert (dispatch.WsTile().threads, dispatch.WsTile().block_m, dispatch.WsTile(64).label) == (384, 128, "ws128x64")
     assert (three.threads, three.block_m, three.label) == (512, 192, "ws192x128")
-    assert fused.query_tiles(wide, 128) == 2 * 2 and fused.query_tiles(wide, 64) == 2 * 2
+    assert dispatch.query_tiles(wide, 128) == 2 * 2 and dispatch.query_tiles(wide, 64) == 2 * 2
 
 
 def test_wgmma_launch_choices():
     plain = problem_with(h=64)
-    assert fused.kernel_name(plain, "float16", fused.WgmmaTile(128)) == (
+    assert fused.kernel_name(plain, "float16", dispatch.WgmmaTile(128)) == (
         "flash_attention_wgmma<__half, 64, 64, 128, 0, true>"
     )
     padded_biased = make_problem(Case(h=128, mask="BT", attention_bias=(True, True)), "bfloat16")
-    assert fused.kernel_name(padded_biased, "bfloat16", fused.WgmmaTile(64)) == (
+    assert fused.kernel_name(padded_biased, "bfloat16", dispatch.WgmmaTile(64)) == (
         "flash_attention_wgmma<__nv_bfloat16, 128, 64, 64, 3, true>"
     )
-    assert fused.kernel_name(plain, "float16", fused.WgmmaTile(64, 128, False)) == (
+    assert fused.kernel_name(plain, "float16", dispatch.WgmmaTile(64, 128, False)) == (
         "flash_attention_wgmma<__half, 64, 128, 64, 0, false>"
     )
-    assert fused.shared_bytes(plain, fused.WgmmaTile(64, 128)) == 1024 + (128 + 4 * 64) * 64 * 2
+    assert fused.shared_bytes(plain, dispatch.WgmmaTile(64, 128)) == 1024 + (128 + 4 * 64) * 64 * 2
     # Q + 2 K + 2 V unpadded rows, 1 KiB of alignment slack, and the float32 bias tile as the mma kernel's
-    assert fused.shared_bytes(plain, fused.WgmmaTile(128)) == 1024 + (64 + 4 * 128) * 64 * 2
-    assert fused.shared_bytes(padded_biased, fused.WgmmaTile(64)) == 1024 + (64 + 4 * 64) * 128 * 2 + 64 * 72 * 4
-    assert (fused.WgmmaTile().threads, fused.WgmmaTile().block_m, fused.WgmmaTile(64).label) == (128, 64, "wg64x64")
-    assert (fused.WgmmaTile(64, 128, False).threads, fused.WgmmaTile(64, 128, False).label) == (256, "wg128x64s")
+    assert fused.shared_bytes(plain, dispatch.WgmmaTile(128)) == 1024 + (64 + 4 * 128) * 64 * 2
+    assert fused.shared_bytes(padded_biased, dispatch.WgmmaTile(64)) == 1024 + (64 + 4 * 64) * 128 * 2 + 64 * 72 * 4
+    assert (dispatch.WgmmaTile().threads, dispatch.WgmmaTile().block_m, dispatch.WgmmaTile(64).label) == (128, 64, "wg64x64")
+    assert (dispatch.WgmmaTile(64, 128, False).threads, dispatch.WgmmaTile(64, 128, False).label) == (256, "wg128x64s")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize(
     "case, tile, blocks",
-    [(Case(h=64), fused.WgmmaTile(128), 3), (Case(h=64, mask="BST"), fused.WgmmaTile(64), 3),
-     (Case(h=64, attention_bias=(True, True)), fused.WgmmaTile(64), 3),
-     (Case(s=9, l=9, h=128, causal=True), fused.WgmmaTile(64, 128, False), 2),
-     (Case(h=128, mask="BT", attention_bias=(True, False)), fused.WgmmaTile(64, 128, False), 1)],
+    [(Case(h=64), dispatch.WgmmaTile(128), 3), (Case(h=64, mask="BST"), dispatch.WgmmaTile(64), 3),
+     (Case(h=64, attention_bias=(True, True)), dispatch.WgmmaTile(64), 3),
+     (Case(s=9, l=9, h=128, causal=True), dispatch.WgmmaTile(64, 128, False), 2),
+     (Case(h=128, mask="BT", attention_bias=(True, False)), dispatch.WgmmaTile(64, 128, False), 1)],
 )  # fmt: skip
 def test_wgmma_default_tiles_and_their_blocks_per_sm(case, tile, blocks, dtype):
-    """The measured defaults (fused.default_wgmma_tile) and the blocks per SM their registers are cut for."""
+    """The measured defaults (dispatch.default_wgmma_tile) and the blocks per SM their registers are cut for."""
     problem = make_problem(case, dtype)
-    assert fused.default_wgmma_tile(problem) == tile
+    assert dispatch.default_wgmma_tile(problem) == tile
     assert fused.wgmma_min_blocks(problem, tile) == blocks
     assert fused.blocks_per_sm_by_shared_memory(fused.shared_bytes(problem, tile)) >= blocks
 
@@ -606,12 +608,12 @@ def test_float32_calls_without_past_read_the_staged_inputs(case, dtype, staged):
     """The backend skips the layout movers exactly there (a past needs concatenating, a present writing, and the
     tensor-core kernels read operands in the call's dtype)."""
     problem = cuda_cases.make_problem(case, dtype)
-    assert fused.reads_staged_inputs(problem) == staged
+    assert dispatch.reads_staged_inputs(problem) == staged
 
 
 def test_fp32_pipeline_takes_the_most_blocks_then_two_stages():
     """The (stages, blocks) pairs measured fastest on the H200 at each head tile (fp32_pipeline's docstring)."""
-    chosen = {hd: fused.fp32_pipeline(hd) for hd in fused.HEAD_DIM_TILES}
+    chosen = {hd: fused.fp32_pipeline(hd) for hd in dispatch.HEAD_DIM_TILES}
     assert chosen == {32: fused.Fp32Pipeline(1, 4), 64: fused.Fp32Pipeline(1, 3), 96: fused.Fp32Pipeline(1, 2),
                       128: fused.Fp32Pipeline(2, 1)}  # fmt: skip
     for hd, pipeline in chosen.items():  # the blocks the kernel's registers are cut for do fit the shared memory
@@ -622,16 +624,16 @@ def test_fp32_pipeline_takes_the_most_blocks_then_two_stages():
 
 
 def test_minus_inf_filter_without_causal_stays_fused():
-    assert fused.fused_unsupported_reason(problem_with(mask_filter_value=-np.inf)) is None
+    assert dispatch.fused_unsupported_reason(problem_with(mask_filter_value=-np.inf)) is None
 
 
 def test_launch_choices():
     small, large = problem_with(h=40), make_problem(Case(s=300, l=10, h=96), "bfloat16")
     assert fused.kernel_name(small, "float16") == "flash_attention_mma<__half, __half, 64, 64, 64, 0>"
     assert fused.kernel_name(large, "float32") == "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64, 0>"
-    wide = fused.MmaTile(128, 128)
+    wide = dispatch.MmaTile(128, 128)
     assert fused.kernel_name(large, "float32", wide) == "flash_attention_mma<__nv_bfloat16, float, 96, 128, 128, 0>"
-    assert (wide.threads, fused.DEFAULT_MMA_TILE.threads) == (256, 128)
+    assert (wide.threads, dispatch.DEFAULT_MMA_TILE.threads) == (256, 128)
     assert fused.shared_bytes(large, wide) == (128 + 4 * 128) * (96 + 8) * 2
     assert fused.kernel_name(problem_with(h=128, dtype="float32"), "float32") == (
         "flash_attention_fp32<float, float, 128, 4, 8, 2, 1>"
@@ -641,7 +643,7 @@ def test_launch_choices():
     assert fused.shared_bytes(large) == (64 + 4 * 64) * (96 + 8) * 2
     # an attention_bias adds a float32 tile; head 128 then takes the 64 x 64 tile (128 x 128 would not fit)
     biased = make_problem(Case(s=300, l=10, h=128, attention_bias=(True, True)), "float16")
-    assert fused.default_tile(biased) == fused.MmaTile(64, 64)
+    assert dispatch.default_tile(biased) == dispatch.MmaTile(64, 64)
     assert fused.kernel_name(biased, "float16") == "flash_attention_mma<__half, __half, 128, 64, 64, 2>"
     padded = make_problem(Case(s=300, l=10, h=64, mask="BT"), "bfloat16")
     assert fused.kernel_name(padded, "bfloat16") == "flash_attention_mma<__nv_bfloat16, __nv_bfloat16, 64, 64, 64, 1>"
@@ -744,7 +746,9 @@ def test_kernel_sources_inline_every_local_header():
     """What NVRTC compiles is one self-contained text: no local #include is left, each header once."""
     from mha_ep.ops.backends.cuda.kernels import kernel_source
 
-    for name in (fused.SOURCE_FILE, fused.WGMMA_SOURCE_FILE, fused.WS_SOURCE_FILE):
+    from mha_ep.ops.backends.cuda.kernels import INSTANTIATED
+
+    for name in sorted({file for file, _ in INSTANTIATED.values()}):
         text = kernel_source(name)
         assert not re.search(r'^#include "', text, re.MULTILINE), name
         assert text.count("struct MaskParams {") == 1
@@ -808,9 +812,9 @@ def test_wgmma_defaults_compile_without_spills_or_serialized_wgmma(tmp_path, dty
     """ptxas's verdict on the instantiations choose_tile picks on an H200: no spilled registers, and none of the
     'Potential Performance Loss' advisories (C7510-C7520) that mean every wgmma of the kernel is serialized
     (a wgmma on a divergent path, too few registers: each cost the 4096 row tens of percent when it happened)."""
-    names = sorted({fused.kernel_name(problem, dtype, fused.choose_tile(problem, dtype, fused.HOPPER_CAPABILITY))
+    names = sorted({fused.kernel_name(problem, dtype, dispatch.choose_tile(problem, dtype, dispatch.HOPPER_CAPABILITY))
                     for problem in (make_problem(case, dtype) for case in WGMMA_DEFAULT_CASES.values())})  # fmt: skip
-    elem = fused.ELEMENT_TYPES[dtype]
+    elem = ELEMENT_TYPES[dtype]
     unit = tmp_path / "unit.cu"
     unit.write_text("\n".join(['#include "flash_attention_wgmma.cu"', '#include "flash_attention_ws.cu"'] +
                               [f"template __global__ void {name}({kernel_parameters(elem, name)});"

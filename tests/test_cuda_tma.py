@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from cuda_cases import Case
-from mha_ep.ops.backends.cuda import fused, tma
+from mha_ep.ops.backends.cuda import dispatch, fused, tma
 from test_cuda_fused import make_problem
 
 B, S, N, H = 2, 300, 3, 48
@@ -75,10 +75,10 @@ def test_ws_launch_passes_the_maps_of_q_k_and_v(monkeypatch):
     q = fused.Operand(0x100000, "BNSH", g.q_seq, 128)
     k = fused.Operand(0x200000, "BSNH", g.total_seq, 128)
     v = fused.Operand(0x300000, "BNSH", g.total_seq, 64)
-    got = fused.ws_tensor_maps(problem, "float16", fused.WsTile(64), {"q": q, "k": k, "v": v})
+    got = fused.ws_tensor_maps(problem, "float16", dispatch.WsTile(64), {"q": q, "k": k, "v": v})
     assert got == ["q", "k", "v"]
     assert [(s.address, s.dims, s.box_rows) for s in recorded] == [
-        (0x100000, (128, S, N, B), fused.WS_BLOCK_M),
+        (0x100000, (128, S, N, B), dispatch.WS_BLOCK_M),
         (0x200000, (128, 200, N, B), 64),
         (0x300000, (64, 200, N, B), 64),
     ]
@@ -90,7 +90,7 @@ def test_three_consumer_tiles_load_192_query_rows(monkeypatch):
     problem = make_problem(Case(b=B, s=S, l=200, n=N, h=64), "bfloat16")
     ops = {name: fused.Operand(0x100000 * (i + 1), "BNSH", seq, 64)
            for i, (name, seq) in enumerate((("q", S), ("k", 200), ("v", 200)))}  # fmt: skip
-    got = fused.ws_tensor_maps(problem, "bfloat16", fused.WsTile(consumers=3), ops)
+    got = fused.ws_tensor_maps(problem, "bfloat16", dispatch.WsTile(consumers=3), ops)
     assert [(spec.box_rows, spec.dtype) for spec in got] == [(192, "bfloat16"), (128, "bfloat16"), (128, "bfloat16")]
 
 

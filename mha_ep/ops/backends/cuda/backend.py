@@ -9,7 +9,7 @@ Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-de
               key/value) in the compute dtype, rounding float32 to it on the device; a wanted present is written
               as float32 in the same pass (for float32 calls k_BNTH / v_BNTH *are* the present buffers). Fused
               float32 calls without past or presents skip this step: their kernel reads the staged arrays
-              (fused.reads_staged_inputs);
+              (dispatch.reads_staged_inputs);
   3. scores:  cuBLAS scores_BNST = scale * Q.K^T in float32 (fp32 accumulation);
   4. softmax: masked_softmax_warp (T <= 1024, a warp per row in registers) or masked_softmax (a block per row)
               adds attention_bias and the compact padding mask in float32, applies ORT's causal rule, and writes
@@ -23,6 +23,10 @@ Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-de
 Every per-call device buffer is owned by an MhaScratch and released exactly once on every path.
 A call shape seen before on the fused path replays steps 2-5 as a captured CUDA graph on buffers kept for that
 shape (replay.py: the rules, and why).
+
+Two seams: step 1 (``_stage``: host arrays into device buffers) and steps 2-5 (``_attention``: device addresses +
+launch plan + operands, launches only, on a given stream), and ``prepared(problem)``, which stages a call and hands
+back its steps 2-5 as a ``PreparedCall`` to submit as often as wanted: the hook the benchmarks time (mha_ep/bench).
 """
 
 from __future__ import annotations
@@ -34,14 +38,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import cupy
 import numpy as np
 
 from mha_ep.errors import MhaEpError
 from mha_ep.launch import LAUNCH_BLOCK, SOFTMAX_THREADS, MaskKind
-from mha_ep.ops.backends.cuda import fused, gemm
+from mha_ep.ops.backends.cuda import dispatch, fused, gemm
 from mha_ep.ops.backends.cuda.geometry import LaunchPlan, plan_launch
 from mha_ep.ops.backends.cuda.kernels import get_kernel
 from mha_ep.ops.backends.cuda.replay import REPLAY_MAX_BYTES, ReplayCache, replay_key
@@ -57,7 +61,6 @@ POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float
 log = logging.getLogger("mha_ep")
 COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
 SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
-GRAPH_LAUNCHES = 10  # submissions per captured graph in time_device
 REPLAY_VERDICTS = 1024  # replay keys whose eligibility is remembered (forgotten all at once beyond)
 CUDA_ERRORS = (
     cupy.cuda.runtime.CUDARuntimeError,
@@ -164,6 +167,34 @@ class DeviceBuffers:
     @property
     def dev_out(self) -> dict:
         return {name: self.out_base + seg.offset for name, seg in self.out_segments.items()}
+
+
+@dataclass(frozen=True)
+class Operands:
+    """Where steps 2-5 of one call read and write, besides the staged inputs and the outputs: device addresses
+    (None: not used by this call's path)."""
+
+    fused_unsupported: Optional[str]  # None: the fused kernel runs; else why the three-phase path does
+    staged: bool = False  # the fused kernel reads the staged inputs themselves (no layout step, no other buffer)
+    q_BNSH: Optional[int] = None  # the layout mover's dense operands, in the call's dtype
+    k_BNTH: Optional[int] = None  # (for a float32 call with a present wanted: the present output itself)
+    v_BNTH: Optional[int] = None
+    present_key: Optional[int] = None  # the float32 present the mover writes beside k_BNTH (None: not wanted,
+    present_value: Optional[int] = None  # or k_BNTH / v_BNTH are the presents)
+    scores_BNST: Optional[int] = None  # the three-phase buffers
+    probs_BNST: Optional[int] = None
+    context_BNSH: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """A staged call's device work (steps 2-5), ready to submit: ``submit()`` queues it on ``stream`` (launches
+    only: no allocation, no synchronization). ``capturable``: the fused path, whose launches a CUDA graph can
+    capture (the three-phase path calls cuBLAS, which CuPy refuses during capture)."""
+
+    submit: Callable[[], None]
+    stream: object  # cupy.cuda.Stream
+    capturable: bool
 
 
 @dataclass
@@ -276,7 +307,7 @@ class CudaBackend:
             # Steps 2-5 on the device.
             ops = self._operands(problem, plan, scratch, dev_out)
             scratch.mark_stream_use()  # from here on, any failure must wait for the stream before freeing
-            self._attention(problem, plan, ops, dev_in, dev_out)
+            self._attention(problem, plan, ops, dev_in, dev_out, self._stream)
             # Step 6: one download, one synchronize.
             self._runtime.download(out_base, out_bytes, out.address)
             scratch.finish_stream_use()
@@ -332,7 +363,7 @@ class CudaBackend:
             device_bytes = sum(a.nbytes for _, _, _, a in inputs) + sum(
                 int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in output_entries(problem)
             ) + sum(plan.nbytes[name] for name in ("q_BNSH", "k_BNTH", "v_BNTH"))  # fmt: skip
-            eligible = fused.fused_unsupported_reason(problem) is None and device_bytes <= REPLAY_MAX_BYTES
+            eligible = dispatch.fused_unsupported_reason(problem) is None and device_bytes <= REPLAY_MAX_BYTES
             if len(self._replay_eligible) >= REPLAY_VERDICTS:
                 self._replay_eligible.clear()
             self._replay_eligible[key] = eligible
@@ -347,7 +378,7 @@ class CudaBackend:
             ops = self._operands(problem, plan, scratch, buffers.dev_out)
             self._stream.begin_capture()
             try:
-                self._attention(problem, plan, ops, buffers.dev_in, buffers.dev_out)
+                self._attention(problem, plan, ops, buffers.dev_in, buffers.dev_out, self._stream)
             finally:
                 graph = self._stream.end_capture()
         except (MhaEpError, *CUDA_ERRORS) as error:
@@ -374,65 +405,23 @@ class CudaBackend:
         self._runtime.synchronize()
         return self._result(entry.out_segments, out, borrow)
 
-    def time_device(self, problem: MhaProblem, repeats: int = 20, warmup: int = 3) -> float:
-        """Device seconds per call of steps 2-5 (kernels and GEMMs; inputs already on the device).
-
-        On the fused path (layout movers + the fused kernel, launches only) GRAPH_LAUNCHES submissions are captured
-        into a CUDA graph and the graph is replayed ``repeats`` times between two CUDA events: device time without
-        the gaps Python's launches leave on the GPU. The three-phase path calls cuBLAS, which CuPy refuses during
-        stream capture; it is timed from ``repeats`` back-to-back submissions, so for small shapes it includes
-        those gaps (as does the fused path should a capture fail).
-        """
+    @contextlib.contextmanager
+    def prepared(self, problem: MhaProblem) -> Iterator[PreparedCall]:
+        """``with backend.prepared(problem) as call:`` the call's inputs staged on the device and its steps 2-5
+        as ``call.submit``, on the backend's stream, for as many submissions as the block makes (the benchmarks'
+        hook: mha_ep/bench times it). The backend is held for the block; its buffers are released after it, and
+        CUDA failures inside it are raised as MhaEpError like run's."""
         plan = cached_plan(problem.geometry, problem.dtype)
         with self._on_device(), MhaScratch(self._runtime) as scratch:
             dev_in, dev_out, _, _, _ = self._stage(problem, scratch, self._pinned_out)
             ops = self._operands(problem, plan, scratch, dev_out)
             scratch.mark_stream_use()
 
-            def submit():
-                self._attention(problem, plan, ops, dev_in, dev_out)
+            def submit() -> None:
+                self._attention(problem, plan, ops, dev_in, dev_out, self._stream)
 
-            seconds = None
-            if ops["fused_unsupported"] is None:
-                seconds = self._time_graph(submit, repeats, warmup)
-            if seconds is None:
-                seconds = self._time_events(submit, repeats, warmup)
+            yield PreparedCall(submit, self._stream, capturable=ops.fused_unsupported is None)
             scratch.finish_stream_use()
-            return seconds
-
-    def _time_graph(self, submit, repeats: int, warmup: int) -> Optional[float]:
-        """Seconds per submission from replays of a captured graph, or None when the capture fails."""
-        for _ in range(warmup):
-            submit()  # compiles and caches every kernel before the capture
-        try:
-            self._stream.begin_capture()
-            try:
-                for _ in range(GRAPH_LAUNCHES):
-                    submit()
-            finally:
-                graph = self._stream.end_capture()
-        except cupy.cuda.runtime.CUDARuntimeError as error:
-            log.debug("mha_ep: graph capture for time_device failed (%s); timing submissions", error)
-            return None
-        graph.launch(self._stream)
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(self._stream)
-        for _ in range(repeats):
-            graph.launch(self._stream)
-        stop.record(self._stream)
-        stop.synchronize()
-        return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / (repeats * GRAPH_LAUNCHES)
-
-    def _time_events(self, submit, repeats: int, warmup: int) -> float:
-        for _ in range(warmup):
-            submit()
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(self._stream)
-        for _ in range(repeats):
-            submit()
-        stop.record(self._stream)
-        stop.synchronize()
-        return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
 
     def _result(self, out_segments: dict[str, Segment], out: PinnedStaging, borrow: bool) -> MhaResult:
         def take(name: str) -> Optional[np.ndarray]:
@@ -472,33 +461,40 @@ class CudaBackend:
             scratch.mark_stream_use()
             cupy.cuda.runtime.memsetAsync(address, POISON_BYTE, nbytes, self._stream.ptr)
 
-    def _operands(self, problem: MhaProblem, plan: LaunchPlan, scratch: MhaScratch, dev_out: dict) -> dict:
+    def _operands(self, problem: MhaProblem, plan: LaunchPlan, scratch: MhaScratch, dev_out: dict) -> Operands:
         """Device addresses of the attention operands (scratch, or the present outputs themselves); the
         three-phase buffers (scores, probabilities, context) only when the fused kernel does not apply; none
-        when the fused kernel reads the staged inputs themselves (fused.reads_staged_inputs)."""
+        when the fused kernel reads the staged inputs themselves (dispatch.reads_staged_inputs)."""
         fused_unsupported = (
-            fused.fused_unsupported_reason(problem) if self.fused_path else "the three-phase path was asked for"
+            dispatch.fused_unsupported_reason(problem) if self.fused_path else "the three-phase path was asked for"
         )
-        if fused_unsupported is None and fused.reads_staged_inputs(problem):
-            return {"fused_unsupported": None, "staged": True}
+        if fused_unsupported is None and dispatch.reads_staged_inputs(problem):
+            return Operands(None, staged=True)
         f32_call = plan.dtype == "float32"
-        ops = {"q_BNSH": self._allocate(scratch, "q_BNSH", plan), "staged": False}
+        addresses = {"q_BNSH": self._allocate(scratch, "q_BNSH", plan)}
         # A float32 call's K/V operands are the present outputs themselves; otherwise they are scratch and the
         # present (when wanted) is their exact float32 image, written in the same pass.
         for operand, present in (("k_BNTH", "present_key"), ("v_BNTH", "present_value")):
             if f32_call and present in dev_out:
-                ops[operand], ops[present] = dev_out[present], None
+                addresses[operand], addresses[present] = dev_out[present], None
             else:
-                ops[operand], ops[present] = self._allocate(scratch, operand, plan), dev_out.get(present)
-        ops["fused_unsupported"] = fused_unsupported
+                addresses[operand], addresses[present] = self._allocate(scratch, operand, plan), dev_out.get(present)
         if fused_unsupported is not None:
             for name in ("scores_BNST", "probs_BNST", "context_BNSH"):
-                ops[name] = self._allocate(scratch, name, plan)
-        return ops
+                addresses[name] = self._allocate(scratch, name, plan)
+        return Operands(fused_unsupported, **addresses)
 
-    def _attention(self, problem: MhaProblem, plan: LaunchPlan, ops: dict, dev_in: dict, dev_out: dict) -> None:
-        """Steps 2-5: only launches on the stream (no allocation, no synchronization)."""
-        if ops["staged"]:  # steps 2-5 in one kernel reading the staged arrays (bias added on load)
+    def _attention(self, problem: MhaProblem, plan: LaunchPlan, ops: Operands, dev_in: dict, dev_out: dict,
+                   stream: cupy.cuda.Stream) -> None:  # fmt: skip
+        """Steps 2-5 on device buffers: ``dev_in`` / ``dev_out`` name -> address (inputs as staged, outputs as
+        output_entries), ``ops`` the operand buffers; only launches on ``stream`` (no allocation, no
+        synchronization; the device current)."""
+        with stream:
+            self._attention_on_stream(problem, plan, ops, dev_in, dev_out, stream)
+
+    def _attention_on_stream(self, problem: MhaProblem, plan: LaunchPlan, ops: Operands, dev_in: dict,
+                             dev_out: dict, stream: cupy.cuda.Stream) -> None:  # fmt: skip
+        if ops.staged:  # steps 2-5 in one kernel reading the staged arrays (bias added on load)
             fused.run_fused(
                 self.device_id, problem,
                 q=fused.Operand(dev_in["query"], "BSNH", plan.q_seq, plan.head_size, dev_in.get("bias_q")),
@@ -506,46 +502,46 @@ class CudaBackend:
                 v=fused.Operand(dev_in["value"], problem.kv_layout, plan.kv_seq, plan.v_head_size,
                                 dev_in.get("bias_v")),
                 operand_dtype="float32", attention_bias=dev_in.get("attention_bias"), mask=dev_in.get("mask"),
-                out_BSD=dev_out["output"], stream=self._stream,
+                out_BSD=dev_out["output"], stream=stream,
             )  # fmt: skip
             return
         # Step 2: layout movers.
         kv_bnsh = problem.kv_layout == "BNSH"
         self._build(plan, "build q_BNSH", plan.vec_qk, dev_in["query"], False, None, dev_in.get("bias_q"),
-                    ops["q_BNSH"], None, plan.q_seq, 0, plan.head_size)  # fmt: skip
+                    ops.q_BNSH, None, plan.q_seq, 0, plan.head_size)  # fmt: skip
         self._build(plan, "build k_BNTH", plan.vec_qk, dev_in["key"], kv_bnsh, dev_in.get("past_key"),
-                    dev_in.get("bias_k"), ops["k_BNTH"], ops["present_key"], plan.kv_seq, plan.past_seq,
+                    dev_in.get("bias_k"), ops.k_BNTH, ops.present_key, plan.kv_seq, plan.past_seq,
                     plan.head_size)  # fmt: skip
         self._build(plan, "build v_BNTH", plan.vec_v, dev_in["value"], kv_bnsh, dev_in.get("past_value"),
-                    dev_in.get("bias_v"), ops["v_BNTH"], ops["present_value"], plan.kv_seq, plan.past_seq,
+                    dev_in.get("bias_v"), ops.v_BNTH, ops.present_value, plan.kv_seq, plan.past_seq,
                     plan.v_head_size)  # fmt: skip
 
         # Steps 3-5 in one flash-attention kernel wherever it computes the same function (fused.py's rule).
-        reason = ops["fused_unsupported"]
+        reason = ops.fused_unsupported
         if reason is None:
             fused.run_fused(
                 self.device_id, problem,
-                q=fused.Operand(ops["q_BNSH"], "BNSH", plan.q_seq, plan.head_size),
-                k=fused.Operand(ops["k_BNTH"], "BNSH", plan.total_seq, plan.head_size),
-                v=fused.Operand(ops["v_BNTH"], "BNSH", plan.total_seq, plan.v_head_size),
+                q=fused.Operand(ops.q_BNSH, "BNSH", plan.q_seq, plan.head_size),
+                k=fused.Operand(ops.k_BNTH, "BNSH", plan.total_seq, plan.head_size),
+                v=fused.Operand(ops.v_BNTH, "BNSH", plan.total_seq, plan.v_head_size),
                 operand_dtype=plan.dtype, attention_bias=dev_in.get("attention_bias"),
-                mask=dev_in.get("mask"), out_BSD=dev_out["output"], stream=self._stream,
+                mask=dev_in.get("mask"), out_BSD=dev_out["output"], stream=stream,
             )  # fmt: skip
             return
         log.debug("mha_ep: fused path not used: %s; three-phase path", reason)
 
         # Step 3: scores.
         handle = cupy.cuda.device.get_cublas_handle()
-        gemm.cublas.setStream(handle, self._stream.ptr)
+        gemm.cublas.setStream(handle, stream.ptr)
         with gemm.fp32_math(handle):
-            gemm.scores_gemm(handle, plan, problem.scale, ops["q_BNSH"], ops["k_BNTH"], ops["scores_BNST"])
+            gemm.scores_gemm(handle, plan, problem.scale, ops.q_BNSH, ops.k_BNTH, ops.scores_BNST)
             # Step 4: masked softmax.
-            self._softmax(problem, plan, dev_in, ops["scores_BNST"], ops["probs_BNST"])
+            self._softmax(problem, plan, dev_in, ops.scores_BNST, ops.probs_BNST)
             # Step 5: context and output.
-            gemm.context_gemm(handle, plan, ops["probs_BNST"], ops["v_BNTH"], ops["context_BNSH"])
+            gemm.context_gemm(handle, plan, ops.probs_BNST, ops.v_BNTH, ops.context_BNSH)
         get_kernel(self.device_id, "context_to_BSD", plan.dtype, plan.vec_v)(
             (plan.grids["context_to_BSD"],), (LAUNCH_BLOCK,),
-            (_ptr(ops["context_BNSH"]), _ptr(dev_out["output"]),
+            (_ptr(ops.context_BNSH), _ptr(dev_out["output"]),
              _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.v_head_size)),
         )  # fmt: skip
 

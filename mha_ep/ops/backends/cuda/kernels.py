@@ -1,7 +1,9 @@
-"""Kernel sources (kernels/*.cu) compiled lazily through NVRTC, templated on the compute dtype.
+"""Kernel sources (kernels/*.cu) compiled lazily through NVRTC: the one compile cache of every kernel.
 
-One ``cupy.RawModule`` per (device, source file), built on first use with the name expressions of every dtype and
-memoised for the life of the process: a call never compiles twice. Local ``#include "..."`` lines are inlined
+``get_function(device, "kernel<args>")`` is the lookup of every launch, memoised per (device, name expression) for
+the life of the process: a call never compiles twice. The element-wise kernels (KERNELS: layout movers, softmax)
+are built as one ``cupy.RawModule`` per (device, source file) with the name expressions of every dtype and
+variant; each fused attention instantiation (INSTANTIATED) is its own module, built on first use. Local ``#include "..."`` lines are inlined
 here (kernel_source), so the code CuPy hashes for its on-disk cache is the whole source (a header change is never
 served a stale binary).
 
@@ -41,11 +43,19 @@ KERNELS = {
     "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE
     "masked_softmax": ("softmax.cu", (None,)),
 }
+HOPPER_ARCH = "sm_90a"  # wgmma and TMA code: compiled by NVRTC directly (compile_arch_kernel)
+# fused kernel -> (source file, the architecture it needs; None: the device's own, through CuPy's NVRTC path)
+INSTANTIATED = {
+    "flash_attention_fp32": ("flash_attention.cu", None),
+    "flash_attention_mma": ("flash_attention.cu", None),
+    "flash_attention_wgmma": ("flash_attention_wgmma.cu", HOPPER_ARCH),
+    "flash_attention_ws": ("flash_attention_ws.cu", HOPPER_ARCH),
+}
 COMPILE_OPTIONS = ()  # accurate expf: no fast-math
 
 _modules: dict[tuple[int, str], cupy.RawModule] = {}
-_functions: dict[tuple, cupy.RawKernel] = {}  # (device, kernel, dtype, variant): the per-call lookup
-_lock = threading.Lock()
+_functions: dict[tuple[int, str], cupy.RawKernel] = {}  # (device, name expression): the per-call lookup
+_lock = threading.RLock()  # get_function builds under it and compile_arch_kernel takes it again
 
 
 LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[^\n]*\n', re.MULTILINE)
@@ -102,13 +112,41 @@ def _module(device_id: int, file_name: str) -> cupy.RawModule:
 
 
 def get_kernel(device_id: int, kernel: str, dtype: str, variant: Optional[int] = None) -> cupy.RawKernel:
-    """The compiled ``kernel<T[, variant]>`` for ``dtype`` on ``device_id`` (call with that device current)."""
-    key = (device_id, kernel, dtype, variant)
+    """The compiled ``kernel<T[, variant]>`` of KERNELS for ``dtype`` on ``device_id`` (that device current)."""
+    return get_function(device_id, name_expression(kernel, dtype, variant))
+
+
+def get_function(device_id: int, expression: str) -> cupy.RawKernel:
+    """The compiled template instantiation ``expression`` (e.g. "masked_softmax<float>",
+    "flash_attention_ws<__half, 64, 128, 2, false>") on ``device_id``, call with that device current; compiled on
+    the first call of the process, then a dictionary lookup."""
+    key = (device_id, expression)
     function = _functions.get(key)
     if function is None:
-        function = _module(device_id, KERNELS[kernel][0]).get_function(name_expression(kernel, dtype, variant))
-        _functions[key] = function
+        with _lock:
+            function = _functions.get(key)
+            if function is None:
+                family = expression.split("<", 1)[0]
+                if family in KERNELS:
+                    function = _module(device_id, KERNELS[family][0]).get_function(expression)
+                else:
+                    function = compile_function(device_id, expression)
+                _functions[key] = function
     return function
+
+
+def compile_function(device_id: int, expression: str, code: Optional[str] = None) -> cupy.RawKernel:
+    """Compile fused instantiation ``expression`` from ``code`` (default: the shipped source of its kernel,
+    INSTANTIATED): for sm_90a through compile_arch_kernel (kept on disk), else through CuPy's NVRTC path. Not
+    memoised here (get_function is); the timing of other kernel sources calls it with their code."""
+    import cupy
+
+    source_file, arch = INSTANTIATED[expression.split("<", 1)[0]]
+    code = code or kernel_source(source_file)
+    if arch is not None:
+        return compile_arch_kernel(device_id, code, expression, arch, COMPILE_OPTIONS)
+    module = cupy.RawModule(code=code, options=COMPILE_OPTIONS + ("--std=c++17",), name_expressions=[expression])
+    return module.get_function(expression)
 
 
 # ------------------------------------------------------------------------------- architecture-specific kernels

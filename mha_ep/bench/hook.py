@@ -1,30 +1,20 @@
-"""Benchmarks. They print numbers; nothing here asserts a time.
-
-    mha-ep bench hook      the bridge: an echo Python op's per-call cost and output throughput with
-                           onnxruntime-extensions' stock result hook (flatten().tolist()) vs mha_ep's array hook,
-                           and the plugin op's fixed per-call overhead on a tiny MHA call
-    mha-ep bench anchors   the DESIGN.md anchor shapes, a sequence sweep (JSON + PNG), every provider present
-                           (GPU; see mha_ep/bench_gpu.py for the columns)
-    mha-ep bench models    whole models host to host: shipped BERT/Whisper, real MiniLM and Whisper tiny.en when
-                           built; plugin vs ORT CPU (and ORT CUDA); any backend (mha_ep/bench_models.py)
+"""``mha-ep bench hook``: the bridge. An echo Python op's per-call cost and output throughput with
+onnxruntime-extensions' stock result hook (flatten().tolist()) vs mha_ep's array hook, and the plugin op's fixed
+per-call overhead on a tiny MHA call.
 
 Byte model of the hook rows: bytes out = 4 * elements (float32); GB/s = bytes out / time per call.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-
 import numpy as np
+
+from mha_ep.bench.timer import median_seconds
 
 ECHO_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)  # float32 elements returned per call
 
 
 def _median_ms(fn, repeat: int, warmup: int = 2) -> float:
-    from mha_ep.bench_gpu import median_seconds
-
     return median_seconds(fn, repeat, warmup) * 1000.0
 
 
@@ -113,30 +103,3 @@ def bench_mha_overhead(repeat: int) -> dict:
         f"{(session_ms - backend_ms) * 1000:.0f} us (stock ORT CPU whole run: {stock_ms * 1000:.0f} us)"
     )
     return {"session_ms": session_ms, "backend_ms": backend_ms, "stock_ms": stock_ms}
-
-
-def main(argv=None) -> int:
-    """``mha-ep bench WHAT [options]``: each benchmark parses its own options (``mha-ep bench WHAT --help``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "anchors":
-        from mha_ep import bench_gpu
-
-        return bench_gpu.main(argv[1:])
-    if argv and argv[0] == "models":
-        from mha_ep import bench_models
-
-        return bench_models.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="mha-ep bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("what", choices=["hook", "anchors", "models"], help="which benchmark; WHAT --help for its options")
-    parser.add_argument("--repeats", "--repeat", type=int, default=30, help="hook: timed runs per row")
-    parser.add_argument("--json", help="hook: also write the numbers to this JSON file")
-    args = parser.parse_args(argv)
-    result = bench_hook(args.repeats)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

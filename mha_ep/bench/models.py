@@ -18,7 +18,8 @@ from pathlib import Path
 
 import onnx
 
-from mha_ep.bench_gpu import median_seconds, ort_cuda_available
+from mha_ep.bench.gpu import ort_cuda_available
+from mha_ep.bench.timer import median_seconds
 from mha_ep.compare import errors
 from mha_ep.feeds import random_feeds
 from mha_ep.models.export import default_out_dir

@@ -1,7 +1,7 @@
 """``mha-ep bench anchors``: the DESIGN.md anchor shapes, a sequence-length sweep, and the shipped models.
 
 Columns (µs per call, median; "–" where a provider is absent or a row is too big for it):
-  kernel      plugin device time, inputs already on the GPU (CudaBackend.time_device: layout movers + fused kernel
+  kernel      plugin device time, inputs already on the GPU (timer.backend_seconds: layout movers + fused kernel
               replayed as a CUDA graph; three-phase calls from back-to-back submissions, which include the host's
               launch gaps on small shapes)
   TFLOP/s     FLOP model 4*B*N*S*T*H (halved for causal) / kernel time
@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import replace
 from typing import Optional
 
@@ -33,8 +31,8 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from mha_ep import spec
-from mha_ep.ops.backends.cuda.fused import flop_count
-from mha_ep.ops.backends.cuda.timing import ANCHORS, anchor_problem
+from mha_ep.bench.anchors import ANCHORS, anchor_problem, flop_count
+from mha_ep.bench.timer import backend_seconds, median_seconds, paired_medians
 
 CPU_FLOP_LIMIT = 5e10
 ORT_DEV_REPEATS = 20  # device-resident ORT CUDA runs are short: more samples than the host columns get
@@ -43,25 +41,6 @@ SWEEP = (256, 512, 1024, 2048, 4096)  # S = T, B=1, N=16, H=64, float16
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
-    return paired_medians([fn], repeats, warmup)[0]
-
-
-def paired_medians(fns, repeats: int, warmup: int = 2) -> list[float]:
-    """Median seconds per call of each of ``fns``, timed in turns (a, b, a, b, ...) so that every function sees
-    the same state of a shared, noisy host (measured: a series timed after another can be 2x off)."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    samples = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, series in zip(fns, samples):
-            start = time.perf_counter()
-            fn()
-            series.append(time.perf_counter() - start)
-    return [statistics.median(series) for series in samples]
 
 
 # --------------------------------------------------------------------------------------------- models and feeds
@@ -264,7 +243,7 @@ def bench_row(label, b, s, t, n, h, dtype, extra, backend, bandwidth, repeats, w
     heavy = flop_count(replace(problem, causal=False)) > CPU_FLOP_LIMIT  # stock ORT CPU computes every score
     host_repeats = max(3, repeats // 4) if heavy else repeats
     row = {"label": label, "shape": [b, s, t, n, h], "dtype": dtype, "extra": extra}
-    kernel = backend.time_device(problem, repeats=repeats)
+    kernel = backend_seconds(backend, problem, repeats=repeats)
     row["kernel_us"] = kernel * 1e6
     row["tflops"] = flop_count(problem) / kernel / 1e12
     session = mha_ep.InferenceSession(model, backend=backend.name)
@@ -355,11 +334,11 @@ def main(argv=None) -> int:
     bandwidth = pinned_bandwidth()
     log(f"device: {backend.device}; pinned H2D {bandwidth[0] / 1e9:.1f} GB/s, D2H {bandwidth[1] / 1e9:.1f} GB/s; "
         f"ORT CUDA provider: {'yes' if ort_cuda_available() else 'no'}")
-    anchors = [a for a in ANCHORS if not args.only or args.only in a[0]]
+    anchors = [a for a in ANCHORS if not args.only or args.only in a.label]
     rows = []
     for index, anchor in enumerate(anchors, 1):
-        log(f"[{index}/{len(anchors)}] {anchor[0]}")
-        rows.append(bench_row(*anchor, backend=backend, bandwidth=bandwidth, repeats=args.repeats))
+        log(f"[{index}/{len(anchors)}] {anchor.label}")
+        rows.append(bench_row(anchor.label, *anchor.shape, backend=backend, bandwidth=bandwidth, repeats=args.repeats))
     print(f"\nanchors on {backend.device} (pinned H2D {bandwidth[0] / 1e9:.1f} GB/s, D2H {bandwidth[1] / 1e9:.1f} GB/s)")
     print_table(rows)
     sweep = []

@@ -1,8 +1,8 @@
 """Device timing of the fused attention kernel on the DESIGN.md anchor shapes, beside torch SDPA and the
 three-phase path, all measured in one run on one GPU.
 
-    PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.fused_timing [--repeats 50] [--no-torch] [--no-three-phase]
-    PYTHONPATH=$PWD python3 -m mha_ep.ops.backends.cuda.fused_timing --compare OTHER.cu [MORE.cu ...] [--only TEXT]
+    PYTHONPATH=$PWD python3 -m mha_ep.bench.fused_timing [--repeats 50] [--no-torch] [--no-three-phase]
+    PYTHONPATH=$PWD python3 -m mha_ep.bench.fused_timing --compare OTHER.cu [MORE.cu ...] [--only TEXT]
 
 ``--compare`` times kernel sources side by side instead: the shipped kernels and each OTHER.cu (a variant of
 flash_attention.cu, flash_attention_wgmma.cu or flash_attention_ws.cu with the same kernel names and parameters, e.g. an older revision
@@ -10,9 +10,8 @@ from ``git show REV:path`` or an experiment; kernels it does not define are the 
 same inputs and default tile, with each output's largest |Δ| from the shipped kernel's. The kernel's speed moves
 with code that never runs (the compiler schedules the whole loop), so a change is judged by this table.
 
-Timing: a CUDA graph of GRAPH_LAUNCHES back-to-back launches is captured after warm-up and replayed ``repeats``
-times, each replay between its own pair of CUDA events; µs = median replay time / GRAPH_LAUNCHES. (Timing single
-launches from Python adds the host's launch gap to every sample: 50-80 µs on the device machine's host.) Inputs are
+Timing: timer.stream_seconds (a CUDA graph of GRAPH_LAUNCHES back-to-back launches, captured after warm-up and
+replayed ``repeats`` times, each replay between its own pair of CUDA events; µs = median replay / GRAPH_LAUNCHES). Inputs are
 already on the device: random normals rounded to the dtype, never zeros. Columns:
   fused:          flash_attention_* alone with the kernel and tile run_fused chooses on this device, on the dense
                   operands the layout mover builds (q_BNSH, k_BNTH, v_BNTH in the call's dtype); the fused path's
@@ -24,12 +23,12 @@ already on the device: random normals rounded to the dtype, never zeros. Columns
   TFLOP/s:        4*B*N*S*T*H / fused time (halved for causal), DESIGN.md's FLOP model;
   fused staged:   flash_attention_mma reading the staged float32 BSNH arrays directly (rounding on load): the whole
                   device part of a call that needs no layout step;
-  3-phase:        CudaBackend.time_device with the fused path switched off (layout kernels + cuBLAS + softmax +
-                  output kernel, back-to-back submissions: its own mean);
+  3-phase:        timer.backend_seconds with the fused path switched off (layout kernels + cuBLAS + softmax +
+                  output kernel, from plain submissions);
   torch SDPA:     torch.nn.functional.scaled_dot_product_attention on (B, N, S, H) tensors of the dtype (padding as a
                   boolean attn_mask, attention_bias as an additive float mask, causal as is_causal), timed the same
                   way through a torch CUDA graph (back-to-back launches when capture fails);
-  ORT CUDA dev:   DESIGN.md's anchor (measured 2026-11-29), with the target met (<=) or missed;
+  ORT CUDA dev:   the anchor table's reference (bench/anchors.py), with the target met (<=) or missed;
   max|Δ| torch:   largest absolute difference between the fused output and torch's (a sanity check).
 """
 
@@ -39,82 +38,20 @@ import argparse
 
 import numpy as np
 
-from mha_ep.ops.backends.cuda import fused
-from mha_ep.ops.backends.cuda.timing import anchor_problem  # the same inputs as the three-phase timing
+from mha_ep.bench.anchors import ANCHORS, anchor_problem, flop_count
+from mha_ep.bench.timer import GRAPH_LAUNCHES, backend_seconds, stream_seconds, torch_graph_seconds
+from mha_ep.ops.backends.cuda import dispatch, fused, kernels
 
-# (label, B, S, T, N, H, dtype, extra, ORT CUDA dev µs, torch SDPA dev µs) from DESIGN.md
-ANCHORS = (
-    ("1,128,128,12,64 f32", 1, 128, 128, 12, 64, "float32", None, 64.1, 21.6),
-    ("8,512,512,12,64 f32", 8, 512, 512, 12, 64, "float32", None, 220.7, 204.7),
-    ("8,512,512,12,64 f16", 8, 512, 512, 12, 64, "float16", None, 38.4, 25.3),
-    ("8,512,512,12,64 f16 + 2D key padding mask", 8, 512, 512, 12, 64, "float16", "mask2d", 267.1, 27.0),
-    ("8,512,512,12,64 f16 + attention_bias (B,1,S,T)", 8, 512, 512, 12, 64, "float16", "attn_bias", 52.6, 36.1),
-    ("1,4096,4096,16,64 f16", 1, 4096, 4096, 16, 64, "float16", None, 173.0, 148.3),
-    ("1,4096,4096,16,64 f16 causal", 1, 4096, 4096, 16, 64, "float16", "causal", 124.1, 104.2),
-    ("4,2048,2048,16,128 f16", 4, 2048, 2048, 16, 128, "float16", None, 234.1, 216.1),
-    ("1,1,448,6,64 f32 (Whisper decode step)", 1, 1, 448, 6, 64, "float32", None, 63.6, 47.0),
-    ("4,1500,1500,6,64 f16 (Whisper encoder)", 4, 1500, 1500, 6, 64, "float16", None, 69.8, 53.0),
-)
-
-
-GRAPH_LAUNCHES = 10
 TILE_AGREEMENT = 1e-2  # largest |Δ| between a tile's output and the default tile's (fp32 accumulation, P in f16)
-TILES = (fused.MmaTile(64, 64), fused.MmaTile(128, 64), fused.MmaTile(64, 128), fused.MmaTile(128, 128),
-         fused.WgmmaTile(64), fused.WgmmaTile(128), fused.WgmmaTile(64, 128, False), fused.WgmmaTile(128, 128, False),
-         fused.WsTile(), fused.WsTile(consumers=3))  # fmt: skip
+TILES = (dispatch.MmaTile(64, 64), dispatch.MmaTile(128, 64), dispatch.MmaTile(64, 128), dispatch.MmaTile(128, 128),
+         dispatch.WgmmaTile(64), dispatch.WgmmaTile(128), dispatch.WgmmaTile(64, 128, False),
+         dispatch.WgmmaTile(128, 128, False), dispatch.WsTile(), dispatch.WsTile(consumers=3))  # fmt: skip
 
 
-def graph_us(cupy, launch, repeats: int, warmup: int = 3) -> float:
-    """Per-launch device time in µs of ``launch(stream)``, from replays of a captured graph (see the docstring)."""
+def graph_us(cupy, launch, repeats: int) -> float:
+    """Per-launch device time in µs of ``launch(stream)`` on a stream of its own (timer.stream_seconds)."""
     stream = cupy.cuda.Stream(non_blocking=True)
-    for _ in range(warmup):
-        launch(stream)
-    stream.synchronize()
-    stream.begin_capture()
-    for _ in range(GRAPH_LAUNCHES):
-        launch(stream)
-    graph = stream.end_capture()
-    graph.launch(stream)
-    pairs = []
-    for _ in range(repeats):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        graph.launch(stream)
-        stop.record(stream)
-        pairs.append((start, stop))
-    stream.synchronize()
-    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in pairs])) * 1e3 / GRAPH_LAUNCHES
-
-
-def torch_graph_us(torch, launch, repeats: int) -> float:
-    """The same for a torch launch; back-to-back launches between two events when graph capture fails."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            launch()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_LAUNCHES):
-                launch()
-        replay = graph.replay
-    except Exception:  # noqa: BLE001 - some SDPA backends refuse capture
-        def replay():
-            for _ in range(GRAPH_LAUNCHES):
-                launch()
-    replay()
-    samples = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) * 1e3 / GRAPH_LAUNCHES)
-    return float(np.median(samples))
+    return stream_seconds(lambda: launch(stream), stream, repeats) * 1e6
 
 
 class Anchor:
@@ -186,7 +123,7 @@ def source_getter(source: str, shipped):
             return shipped(device_id, name, shared)
         kernel = compiled.get(name)
         if kernel is None:
-            kernel = compiled[name] = fused.compile_fused_kernel(device_id, name, code)
+            kernel = compiled[name] = kernels.compile_function(device_id, name, code)
         fused.raise_shared_limit(kernel, shared)
         return kernel
 
@@ -204,10 +141,10 @@ def compare_sources(cupy, paths, repeats: int, only=None) -> None:
     print("| shape (B,S,T,N,H) dtype extra | " + " | ".join(getters) + " |")
     print("|---|" + "---|" * len(getters))
     try:
-        for label, b, s, t, n, h, dtype, extra, _, _ in ANCHORS:
-            if only and only not in label:
+        for row in ANCHORS:
+            if only and only not in row.label:
                 continue
-            anchor = Anchor(cupy, anchor_problem(b, s, t, n, h, dtype, extra))
+            label, anchor = row.label, Anchor(cupy, anchor_problem(*row.shape))
             cells, reference = [], None
             for name, getter in getters.items():
                 fused.get_fused_kernel = getter
@@ -243,9 +180,9 @@ def main(argv=None) -> None:
         return
 
     if args.launch_only:
-        for label, b, s, t, n, h, dtype, extra, _, _ in ANCHORS:
-            if args.only is None or args.only in label:
-                anchor = Anchor(cupy, anchor_problem(b, s, t, n, h, dtype, extra))
+        for row in ANCHORS:
+            if args.only is None or args.only in row.label:
+                label, anchor = row.label, Anchor(cupy, anchor_problem(*row.shape))
                 anchor.launch("dense")
                 cupy.cuda.Device().synchronize()
                 print(f"launched: {label}")
@@ -268,10 +205,11 @@ def main(argv=None) -> None:
     print("| shape (B,S,T,N,H) dtype extra | fused µs | TFLOP/s | tiles µs (BMxBN) | fused staged µs | 3-phase µs "
           "| torch SDPA µs | fused/torch thr. | ORT CUDA dev µs | <= ORT | max|Δ| torch |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, b, s, t, n, h, dtype, extra, ort_us, _ in ANCHORS:
-        if args.only and args.only not in label:
+    for row in ANCHORS:
+        if args.only and args.only not in row.label:
             continue
-        problem = anchor_problem(b, s, t, n, h, dtype, extra)
+        label, dtype, extra, ort_us = row.label, row.dtype, row.extra, row.ort_cuda_us
+        problem = anchor_problem(*row.shape)
         anchor = Anchor(cupy, problem)
         fused_us = graph_us(cupy, lambda st: anchor.launch("dense", st), args.repeats)
         fused_out = cupy.asnumpy(anchor.out)
@@ -290,17 +228,17 @@ def main(argv=None) -> None:
                     notes[tile] = f"{tile.label}:{per_tile.pop(tile):.1f} DIFFERS from the default tile by {drift:.2e}"
             best = min(per_tile, key=per_tile.get)
             tiles = " ".join(notes.get(t) or f"{t.label}:{per_tile[t]:.1f}{'*' if t == best else ''}" for t in TILES)
-        tflops = fused.flop_count(problem) / (fused_us * 1e-6) / 1e12
+        tflops = flop_count(problem) / (fused_us * 1e-6) / 1e12
         three = "n/a"
         if backend is not None:
             try:
-                three = f"{backend.time_device(problem) * 1e6:.1f}"
+                three = f"{backend_seconds(backend, problem) * 1e6:.1f}"
             except Exception as error:  # noqa: BLE001 - the three-phase column is a comparison only
                 three = f"error: {type(error).__name__}"
         torch_us, ratio, delta = "n/a", "n/a", "n/a"
         if torch is not None:
             launch, result = torch_sdpa(torch, anchor, extra)
-            t_us = torch_graph_us(torch, launch, args.repeats)
+            t_us = torch_graph_seconds(torch, launch, args.repeats) * 1e6
             torch_us, ratio = f"{t_us:.1f}", f"{t_us / fused_us:.2f}"
             delta = f"{float(np.nanmax(np.abs(fused_out - result.cpu().numpy()))):.2e}"
         finite = "" if np.isfinite(fused_out).all() else " NON-FINITE OUTPUT"

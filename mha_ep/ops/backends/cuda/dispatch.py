@@ -1,0 +1,288 @@
+"""When the fused attention kernel runs, and which one: the cuda backend's dispatch rules, on the CPU.
+
+    reason = fused_unsupported_reason(problem)   # None: the fused path applies; else a sentence for a debug log
+    tile = choose_tile(problem, operand_dtype, capability, sms)   # the kernel and its tile
+
+Kernel choice (choose_tile): float32 -> ``flash_attention_fp32`` (CUDA cores, true fp32); float16 / bfloat16 ->
+``flash_attention_wgmma`` (Hopper's warpgroup MMA, sm_90a code) where ``wgmma_unsupported_reason`` says None (a
+compute capability 9.0 device, operands in the call's dtype, head tile 64 or 128), else ``flash_attention_mma``
+(tensor cores, mma.sync m16n8k16; any sm_80+ GPU). Hopper calls without padding mask or attention_bias (float16
+ones also when causal; ``ws_unsupported_reason``) take ``flash_attention_ws`` instead (a TMA producer warpgroup and
+two or three ping-ponging consumers, persistent): three consumers for head tile 64 where their 192-row tiles pay
+(``prefers_three_consumers``), two for head tile 128, or head tile 64 with enough query tiles to fill the GPU
+(``prefers_warp_specialized``). Every kernel is templated on the head tile HEAD_DIM, the smallest of
+HEAD_DIM_TILES that holds max(H, Hv).
+
+The measurements behind each default are in docs/BENCH.md ("Dispatch defaults"); the code keeps the reasons.
+This module imports no CuPy (tests/test_cuda_fused.py checks it); fused.py launches what it chooses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from mha_ep.launch import ELEMENT_TYPES
+from mha_ep.limits import I32_MAX
+from mha_ep.ops.problem import MhaProblem
+
+HEAD_DIM_TILES = (32, 64, 96, 128)  # HEAD_DIM instantiations; max(H, Hv) is zero-padded up to one of these
+HEAD_SIZE_MULTIPLE = 8  # 16-byte vector loads of 8 elements (kernels/flash_common.cuh LOAD_CHUNK)
+SMALLEST_BLOCK_M = 64  # query rows per block of every fused kernel's smallest tile
+HOPPER_CAPABILITY = "90"  # wgmma.mma_async is sm_90a code, which runs on compute capability 9.0 only
+HOPPER_SM_COUNT = 132  # H100 SXM / H200; choose_tile's default, run_fused passes the device's own count
+WGMMA_HEAD_DIMS = (64, 128)  # whole 64-element swizzle atoms
+WARPGROUP_THREADS = 128  # kernels/wgmma_common.cuh WARPGROUP_THREADS: four warps issue one wgmma
+WARPGROUP_ROWS = 64  # kernels/wgmma_common.cuh WARPGROUP_ROWS: the M of every wgmma
+WS_BLOCK_M = 128  # query rows of flash_attention_ws's default (two-consumer) tile: WsShape<2>::BLOCK_M
+# Head 64 takes flash_attention_ws from this many 128-row query tiles per SM on: with fewer, a persistent block
+# per SM leaves more of the GPU idle in the last round (a close call; BENCH.md).
+WS_HEAD64_TILES_PER_SM = 3
+# Time per query row and key of three consumers against two (measured 0.77-0.80, BENCH.md); 0.85 leaves a margin,
+# so three consumers are taken only where they clearly pay.
+WS3_ROW_COST = 0.85
+WS_CAUSAL_LOGIT_BOUND = 1.0e37  # |scale * q.k| below this: a row's largest allowed logit dominates float32 lowest
+FLOAT16_MAX = 65504.0
+
+
+def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
+    """The HEAD_DIM instantiation for these head sizes, or None when none holds them."""
+    need = max(head_size, v_head_size)
+    return next((tile for tile in HEAD_DIM_TILES if tile >= need), None)
+
+
+# ------------------------------------------------------------------------------------------------- the tiles
+@dataclass(frozen=True)
+class MmaTile:
+    """Tile of flash_attention_mma: BLOCK_M query rows (one warp per 16) x BLOCK_N keys per step."""
+
+    block_m: int = 64
+    block_n: int = 64
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // 16 * 32
+
+    @property
+    def label(self) -> str:
+        return f"{self.block_m}x{self.block_n}"
+
+
+# Head 64: 64 x 64 (4 warps, three blocks per SM whose softmax and tensor-core phases interleave); head 128: 128 x
+# 128, except with an attention_bias, whose float32 tile would not fit beside it (BENCH.md).
+DEFAULT_MMA_TILE = MmaTile()
+WIDE_HEAD_MMA_TILE = MmaTile(128, 128)
+BLOCKS_PER_SM_GOAL = 3  # the head-64 tensor-core tiles are sized so that three blocks fit an SM
+
+
+@dataclass(frozen=True)
+class WgmmaTile:
+    """Tile of flash_attention_wgmma: BLOCK_M query rows (one warpgroup of 128 threads per 64) x BLOCK_N keys per
+    step; the warpgroups of a block share its K and V tiles."""
+
+    block_n: int = 128
+    block_m: int = 64
+    overlap: bool = True  # the next tile's S runs beside this tile's softmax (kernel header: OVERLAP)
+
+    @property
+    def threads(self) -> int:
+        return self.block_m * 2
+
+    @property
+    def label(self) -> str:
+        return f"wg{self.block_m}x{self.block_n}{'' if self.overlap else 's'}"
+
+
+@dataclass(frozen=True)
+class WsTile:
+    """Tile of flash_attention_ws: 64 query rows per consumer warpgroup (two, or three for head tile 64 only) x
+    BLOCK_N keys per step, one persistent block of consumers + 1 warpgroups per SM."""
+
+    block_n: int = 128
+    consumers: int = 2
+
+    @property
+    def block_m(self) -> int:
+        return WARPGROUP_ROWS * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP_THREADS * (self.consumers + 1)
+
+    @property
+    def label(self) -> str:
+        return f"ws{self.block_m}x{self.block_n}"
+
+
+Tile = Union[MmaTile, WgmmaTile, WsTile]  # the tile names the tensor-core kernel too
+
+
+def ws_tile_unsupported_reason(problem: MhaProblem, tile: WsTile) -> Optional[str]:
+    """None when flash_attention_ws has an instantiation of ``tile`` for this call's head tile; else why not."""
+    g = problem.geometry
+    head_dim = head_dim_tile(g.head_size, g.v_head_size)
+    if tile.consumers not in (2, 3):
+        return f"{tile.consumers} consumer warpgroups: flash_attention_ws has two or three"
+    if tile.consumers == 3 and head_dim != 64:
+        return f"three consumer warpgroups need head tile 64 (their 160 registers), this call's is {head_dim}"
+    if tile.block_n not in (64, 128):
+        return f"{tile.block_n} keys per step: flash_attention_ws takes 64 or 128"
+    return None
+
+
+def mma_features(problem: MhaProblem) -> int:
+    """FlashFeatures of the call (kernels/flash_common.cuh): 1 with a padding mask, + 2 with an attention_bias.
+    Each combination is its own instantiation, compiled without the mask code it does not use."""
+    return (1 if problem.padding_mask is not None else 0) | (2 if problem.attention_bias is not None else 0)
+
+
+def default_wgmma_tile(problem: MhaProblem) -> WgmmaTile:
+    """Head 64: 64 x 128 with overlap, or 64 x 64 with a mask or attention_bias; head 128: 128 x 64 without
+    overlap, two blocks per SM (the fastest of fused_timing's tile columns; BENCH.md)."""
+    g = problem.geometry
+    if head_dim_tile(g.head_size, g.v_head_size) == 128:
+        return WgmmaTile(64, 128, overlap=False)
+    return WgmmaTile(128 if mma_features(problem) == 0 else 64)
+
+
+def default_tile(problem: MhaProblem) -> MmaTile:
+    g = problem.geometry
+    wide = head_dim_tile(g.head_size, g.v_head_size) == 128 and problem.attention_bias is None
+    return WIDE_HEAD_MMA_TILE if wide else DEFAULT_MMA_TILE
+
+
+# ------------------------------------------------------------------------------------------- the dispatch rules
+def wgmma_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability: str) -> Optional[str]:
+    """None when flash_attention_wgmma runs this fused call on a device of compute ``capability`` ("90" for 9.0);
+    else why flash_attention_mma does. For a call fused_unsupported_reason already accepted."""
+    if problem.dtype not in ("float16", "bfloat16"):
+        return f"dtype {problem.dtype!r} is not a tensor-core dtype"
+    if operand_dtype != problem.dtype:
+        return f"operands are {operand_dtype} (rounded to {problem.dtype} on load: the mma kernel's load path)"
+    if capability != HOPPER_CAPABILITY:
+        return f"compute capability {capability[:-1]}.{capability[-1:]} is not 9.0 (wgmma is sm_90a code)"
+    g = problem.geometry
+    head_dim = head_dim_tile(g.head_size, g.v_head_size)
+    if head_dim not in WGMMA_HEAD_DIMS:
+        return f"head tile {head_dim} is not one of {WGMMA_HEAD_DIMS}"
+    return None
+
+
+def ws_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability: str) -> Optional[str]:
+    """None when flash_attention_ws can run this fused call (wgmma's rule; no padding mask or attention_bias: the
+    kernel has no code for them; causal only where its -inf for future keys gives ORT's answer); else why not.
+    For a call fused_unsupported_reason already accepted."""
+    reason = wgmma_unsupported_reason(problem, operand_dtype, capability)
+    if reason is not None:
+        return reason
+    if problem.padding_mask is not None:
+        return "the call has a padding mask"
+    if problem.attention_bias is not None:
+        return "the call has an attention_bias"
+    if not problem.scale > 0.0:
+        return f"scale {problem.scale} is not positive (the kernel takes max(scale * s) as scale * max(s))"
+    if problem.causal:
+        return ws_causal_unsupported_reason(problem)
+    return None
+
+
+def ws_causal_unsupported_reason(problem: MhaProblem) -> Optional[str]:
+    """flash_attention_ws sets a causal future logit to -inf and reads no key tile past a query tile's causal
+    frontier, where ORT adds float32 lowest. Both give those keys probability 0 exactly when each row's largest
+    allowed logit is far above lowest (-3.4e38), which float16 operands guarantee unless the scale is huge:
+    |scale * q.k| <= scale * H * 65504^2. bfloat16 reaches 3.4e38 itself, so its causal calls stay on
+    flash_attention_wgmma, which checks every row's max before it skips a tile."""
+    if problem.dtype != "float16":
+        return f"a causal {problem.dtype} call (logits may reach float32 lowest; only float16 bounds them)"
+    bound = problem.scale * problem.geometry.head_size * FLOAT16_MAX**2
+    if bound >= WS_CAUSAL_LOGIT_BOUND:
+        return (f"a causal call whose logits may reach {bound:.3g} (scale {problem.scale}): only below "
+                f"{WS_CAUSAL_LOGIT_BOUND:g} is -inf for future keys exact")  # fmt: skip
+    return None
+
+
+def query_tiles(problem: MhaProblem, rows: int) -> int:
+    """Blocks of ``rows`` query rows of one (b, h) the call has: ceil(S / rows) * B * N."""
+    g = problem.geometry
+    return -(-g.q_seq // rows) * g.batch * g.num_heads
+
+
+def persistent_rounds(problem: MhaProblem, rows: int, sms: int = HOPPER_SM_COUNT) -> int:
+    """Query tiles of ``rows`` rows per SM of the busiest SM of a persistent launch: ceil(tiles / sms)."""
+    return -(-query_tiles(problem, rows) // sms)
+
+
+def prefers_three_consumers(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> bool:
+    """Head tile 64 takes three consumer warpgroups (192-row tiles) when the busiest SM's estimated time, rounds x
+    rows x WS3_ROW_COST, is under two consumers' (rounds x 128 rows), on ``sms`` SMs."""
+    g = problem.geometry
+    if head_dim_tile(g.head_size, g.v_head_size) != 64:
+        return False
+    three = persistent_rounds(problem, 3 * WARPGROUP_ROWS, sms) * 3 * WARPGROUP_ROWS * WS3_ROW_COST
+    return three < persistent_rounds(problem, WS_BLOCK_M, sms) * WS_BLOCK_M
+
+
+def prefers_warp_specialized(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> bool:
+    """Head tile 128 always; head 64 from WS_HEAD64_TILES_PER_SM x ``sms`` query tiles on (see there)."""
+    g = problem.geometry
+    if head_dim_tile(g.head_size, g.v_head_size) == 128:
+        return True
+    return query_tiles(problem, WS_BLOCK_M) >= WS_HEAD64_TILES_PER_SM * sms
+
+
+def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str, sms: int = HOPPER_SM_COUNT) -> Tile:
+    """The tile, and with it the kernel, of a fused call on a device of compute ``capability`` with ``sms`` SMs:
+    where ws_unsupported_reason says None, a three-consumer WsTile where prefers_three_consumers, a two-consumer one
+    where prefers_warp_specialized; else a WgmmaTile where wgmma_unsupported_reason says None, else
+    flash_attention_mma's default tile (float32 calls ignore it)."""
+    if ws_unsupported_reason(problem, operand_dtype, capability) is None:
+        if prefers_three_consumers(problem, sms):
+            return WsTile(consumers=3)
+        if prefers_warp_specialized(problem, sms):
+            return WsTile()
+    if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
+        return default_wgmma_tile(problem)
+    return default_tile(problem)
+
+
+def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
+    """None when the fused kernel computes this call exactly as the three-phase path does; else why not.
+
+    The rules, in order:
+      1. the dtype has a kernel (float32, float16, bfloat16);
+      2. H and Hv are multiples of 8 (16-byte vector loads) and at most the largest head tile (128);
+      3. there is work and a key: B, N, S >= 1 and T >= 1 (T = 0 is ORT's all-zero output, left to the
+         three-phase path);
+      4. not causal with mask_filter_value = -inf: ORT's answer for a row whose allowed keys are all padded then
+         depends on the causal positions' exact float32-lowest logits (uniform over the future keys);
+      5. the launch grid (query tiles x B x N blocks, at the smallest tile of any kernel) fits an int block index.
+    """
+    g = problem.geometry
+    if problem.dtype not in ELEMENT_TYPES:  # 1
+        return f"dtype {problem.dtype!r} has no fused kernel"
+    for name, size in (("head_size", g.head_size), ("v_head_size", g.v_head_size)):  # 2
+        if size % HEAD_SIZE_MULTIPLE:
+            return f"{name} {size} is not a multiple of {HEAD_SIZE_MULTIPLE}"
+    if head_dim_tile(g.head_size, g.v_head_size) is None:
+        return (f"head sizes (H={g.head_size}, Hv={g.v_head_size}) exceed {HEAD_DIM_TILES[-1]}, the largest head "
+                f"tile of the fused kernel")  # fmt: skip
+    if min(g.batch, g.num_heads, g.q_seq) == 0:  # 3
+        return "the call is empty (B, N or S is 0)"
+    if g.total_seq == 0:
+        return "the key sequence is empty (T = 0)"
+    if problem.causal and math.isinf(problem.mask_filter_value) and problem.mask_filter_value < 0:  # 4
+        return "causal with mask_filter_value = -inf (ORT's result depends on the exact causal fill values)"
+    blocks = -(-g.q_seq // SMALLEST_BLOCK_M) * g.batch * g.num_heads  # 5
+    if blocks > I32_MAX:
+        return f"the launch grid ({blocks} blocks) exceeds {I32_MAX}"
+    return None
+
+
+def reads_staged_inputs(problem: MhaProblem) -> bool:
+    """Whether a fused call skips the layout movers: a float32 call with no past and no present wanted, whose
+    kernel (flash_attention_fp32) reads the staged float32 query/key/value in their own layout and adds the
+    projection bias on load, the same float32 additions the movers make. (An f16/bf16 call's tensor-core
+    kernels read operands in the call's dtype, which only the movers produce here; a past needs concatenating.)"""
+    return (problem.dtype == "float32" and problem.past_key_BNPH is None and problem.past_value_BNPH is None
+            and not problem.want_present_key and not problem.want_present_value)  # fmt: skip
