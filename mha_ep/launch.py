@@ -12,7 +12,6 @@ from typing import Optional
 LAUNCH_BLOCK = 256  # threads per block of the element-wise kernels (layout movers); the grid-size rule uses it
 SOFTMAX_THREADS = 128  # kernels/softmax.cu SOFTMAX_THREADS
 WARP = 32
-FLOAT32_LOWEST = -3.402823466e38  # kernels/common.cuh FLOAT32_LOWEST: ORT's causal fill
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # the compute dtypes' element sizes
 ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}  # their CUDA types
 

@@ -44,6 +44,8 @@ WS_HEAD64_TILES_PER_SM = 3
 WS3_ROW_COST = 0.85
 WS_CAUSAL_LOGIT_BOUND = 1.0e37  # |scale * q.k| below this: a row's largest allowed logit dominates float32 lowest
 FLOAT16_MAX = 65504.0
+FEATURE_PADDING = 1  # kernels/flash_common.cuh FlashFeatures FLASH_WITH_PADDING
+FEATURE_BIAS = 2  # FLASH_WITH_BIAS
 
 
 def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
@@ -134,7 +136,8 @@ def ws_tile_unsupported_reason(problem: MhaProblem, tile: WsTile) -> Optional[st
 def mma_features(problem: MhaProblem) -> int:
     """FlashFeatures of the call (kernels/flash_common.cuh): 1 with a padding mask, + 2 with an attention_bias.
     Each combination is its own instantiation, compiled without the mask code it does not use."""
-    return (1 if problem.padding_mask is not None else 0) | (2 if problem.attention_bias is not None else 0)
+    padding = FEATURE_PADDING if problem.padding_mask is not None else 0
+    return padding | (FEATURE_BIAS if problem.attention_bias is not None else 0)
 
 
 def default_wgmma_tile(problem: MhaProblem) -> WgmmaTile:

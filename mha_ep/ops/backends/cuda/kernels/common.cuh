@@ -54,6 +54,12 @@ __device__ __forceinline__ void unravel4(long long idx, bool fits_u32, int n0, i
 }
 
 #define U32_LIMIT 4294967295LL
+#define FLOAT32_LOWEST (-3.402823466e+38f)  // ORT's causal fill (mha_ep/ops/problem.py FLOAT32_LOWEST)
+#define NEG_INFINITY __int_as_float(static_cast<int>(0xff800000u))  // NVRTC has no <cmath> INFINITY
+
+// How a call's padding mask reaches a kernel (mha_ep/launch.py MaskKind; tests/test_kernel_constants.py checks the
+// two agree): none; int32 (B,) key lengths, key j kept iff j < len[b]; uint8 (B, T) or (B, S, T) keep flags.
+enum MaskKind { MASK_NONE = 0, MASK_KEY_LENGTHS = 1, MASK_KEYS_BT = 2, MASK_KEYS_BST = 3 };
 
 // VEC consecutive floats: one 16-byte access when VEC == 4 (the host guarantees 16-byte alignment then), else
 // scalar accesses.

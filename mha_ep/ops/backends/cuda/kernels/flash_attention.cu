@@ -342,10 +342,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       if (padded_tile) tile_max[r] = padded_logit(tile_max[r], scale, mask_filter_value);  // monotonic in acc
       // Step B: the new running max m_new and the rescale factor alpha = exp(m_old - m_new) of what was summed
       // so far. A row with no finite logit yet keeps m = -inf; it subtracts 0 instead (exp(-inf) = 0, no NaN).
-      const float m_new = fmaxf(row_max[r], tile_max[r]);
-      max_used[r] = (m_new == NEG_INFINITY) ? 0.0f : m_new;
-      alpha[r] = fast_exp2((row_max[r] - max_used[r]) * LOG2E);
-      row_max[r] = m_new;
+      alpha[r] = online_softmax_rescale<true>(row_max[r], tile_max[r], max_used[r]);
     }
     // A padded tile whose every p would be 0 adds nothing (O, l and m stay): skip to the barrier before step E.
     bool skip_tile = false;
@@ -664,10 +661,8 @@ __global__ void __launch_bounds__(F32Shape<ROWS, TX>::THREADS, MIN_BLOCKS)
       for (int offset = TX / 2; offset > 0; offset >>= 1) {
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
       }
-      const float m_new = fmaxf(row_max[ii], tile_max);  // step B
-      const float max_used = (m_new == NEG_INFINITY) ? 0.0f : m_new;
-      const float alpha = exp2f((row_max[ii] - max_used) * LOG2E);
-      row_max[ii] = m_new;
+      float max_used;
+      const float alpha = online_softmax_rescale<false>(row_max[ii], tile_max, max_used);  // step B
       float tile_sum = 0.0f;  // step C
 #pragma unroll
       for (int jj = 0; jj < KEYS; ++jj) {

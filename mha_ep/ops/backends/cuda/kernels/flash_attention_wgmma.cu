@@ -301,10 +301,7 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
       if (plain_tile) tile_max[r] *= scale;  // max of x = scale * acc
       if (padded_tile) tile_max[r] = padded_logit(tile_max[r], scale, mask_filter_value);  // monotonic in acc
       // Step B: m_new and alpha = exp(m_old - m_new); a row with no finite logit yet subtracts 0 (no NaN).
-      const float m_new = fmaxf(row_max[r], tile_max[r]);
-      max_used[r] = (m_new == NEG_INFINITY) ? 0.0f : m_new;
-      alpha[r] = fast_exp2((row_max[r] - max_used[r]) * LOG2E);
-      row_max[r] = m_new;
+      alpha[r] = online_softmax_rescale<true>(row_max[r], tile_max[r], max_used[r]);
     }
     // A padded tile whose every p would be 0 adds nothing (O, l and m stay). The vote is block-wide: the P.V
     // wgmma is issued by all four warps of a warpgroup or by none.

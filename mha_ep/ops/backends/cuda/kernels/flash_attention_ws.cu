@@ -225,10 +225,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BLOCK_N / 2], int n0, in
     float tile_max = fmaxf(fmaxf(part_max[r][0], part_max[r][1]), fmaxf(part_max[r][2], part_max[r][3]));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    const float m_new = fmaxf(row_max[r], tile_max * scale);
-    max_used[r] = (m_new == NEG_INFINITY) ? 0.0f : m_new;  // (no finite logit yet: subtract 0, no NaN)
-    alpha[r] = fast_exp2((row_max[r] - max_used[r]) * LOG2E);
-    row_max[r] = m_new;
+    alpha[r] = online_softmax_rescale<true>(row_max[r], tile_max * scale, max_used[r]);
   }
   float tile_sum[2] = {0.0f, 0.0f};
   if (__all_sync(0xffffffffu, fabsf(max_used[0]) < 1e30f && fabsf(max_used[1]) < 1e30f)) {

@@ -5,17 +5,9 @@
 #include "common.cuh"
 
 #define LOG2E 1.4426950408889634f
-#ifndef FLOAT32_LOWEST
-#define FLOAT32_LOWEST (-3.402823466e+38f)
-#endif
-#ifndef NEG_INFINITY
-#define NEG_INFINITY __int_as_float(static_cast<int>(0xff800000u))  // NVRTC has no <cmath> INFINITY
-#endif
 #define CAUSAL_SKIP_MAX_FLOOR (-1.0e38f)  // row max above this: exp(x + FLOAT32_LOWEST - max) underflows to 0
 #define SMEM_PAD 8                        // elements added to each shared-memory row (ldmatrix bank spread)
 #define LOAD_CHUNK 8                      // elements per vector load (16 bytes of f16/bf16, 32 bytes of f32)
-
-enum FlashMaskKind { FLASH_MASK_NONE = 0, FLASH_MASK_KEY_LENGTHS = 1, FLASH_MASK_KEYS_BT = 2, FLASH_MASK_KEYS_BST = 3 };
 
 template <typename A, typename B> struct same_type { static constexpr bool value = false; };
 template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
@@ -26,9 +18,9 @@ struct MaskParams {
   const float* attention_bias;  // (bias_d0, bias_d1, S, T) float32 or null
   int bias_d0;                  // 1 or B
   int bias_d1;                  // 1 or N
-  int mask_kind;                // FlashMaskKind
-  const int* key_lengths_B;     // FLASH_MASK_KEY_LENGTHS
-  const unsigned char* keep;    // FLASH_MASK_KEYS_BT / _BST, nonzero = keep
+  int mask_kind;                // MaskKind (common.cuh)
+  const int* key_lengths_B;     // MASK_KEY_LENGTHS
+  const unsigned char* keep;    // MASK_KEYS_BT / _BST, nonzero = keep
   float mask_filter_value;
   int causal;                   // unidirectional and S > 1
   int q_seq;
@@ -51,9 +43,9 @@ __device__ __forceinline__ RowMask row_mask(const MaskParams& p, int b, int h, i
     const int bn = (p.bias_d1 == 1) ? 0 : h;
     m.bias_T = p.attention_bias + (((long long)bb * p.bias_d1 + bn) * p.q_seq + i) * p.total_seq;
   }
-  if (p.mask_kind == FLASH_MASK_KEYS_BT) m.keep_T = p.keep + (long long)b * p.total_seq;
-  if (p.mask_kind == FLASH_MASK_KEYS_BST) m.keep_T = p.keep + ((long long)b * p.q_seq + i) * p.total_seq;
-  if (p.mask_kind == FLASH_MASK_KEY_LENGTHS) m.key_length = p.key_lengths_B[b];
+  if (p.mask_kind == MASK_KEYS_BT) m.keep_T = p.keep + (long long)b * p.total_seq;
+  if (p.mask_kind == MASK_KEYS_BST) m.keep_T = p.keep + ((long long)b * p.q_seq + i) * p.total_seq;
+  if (p.mask_kind == MASK_KEY_LENGTHS) m.key_length = p.key_lengths_B[b];
   return m;
 }
 
@@ -72,14 +64,14 @@ struct TileMask {
 // The tile's padding: key lengths compare once; (B, T) keep flags are voted by the warp (every warp of the block
 // reads the same flags, so every warp reaches the same answer); (B, S, T) flags are read per element.
 __device__ __forceinline__ int tile_padding(const MaskParams& p, int b, int n0, int block_n, int lane) {
-  if (p.mask_kind == FLASH_MASK_NONE) return TILE_KEEP_ALL;
+  if (p.mask_kind == MASK_NONE) return TILE_KEEP_ALL;
   const int end = min(n0 + block_n, p.total_seq);
-  if (p.mask_kind == FLASH_MASK_KEY_LENGTHS) {
+  if (p.mask_kind == MASK_KEY_LENGTHS) {
     const int length = p.key_lengths_B[b];
     if (end <= length) return TILE_KEEP_ALL;
     return (n0 >= length) ? TILE_PAD_ALL : TILE_PAD_MIXED;
   }
-  if (p.mask_kind == FLASH_MASK_KEYS_BT) {
+  if (p.mask_kind == MASK_KEYS_BT) {
     const unsigned char* keep_T = p.keep + (long long)b * p.total_seq;
     bool any_kept = false;
     bool any_padded = false;
@@ -309,4 +301,20 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// ------------------------------------------------------------------------------------------ the online softmax
+// Step B of the online softmax (FlashAttention-2) for one row, shared by every fused kernel: the new running max
+// m_new = max(m_old, tile_max) of the logits seen so far (stored back in row_max), the max the exponentials of
+// step C subtract (max_used: 0 for a row with no finite logit yet, so exp(-inf - 0) = 0 and never NaN), and the
+// returned factor alpha = exp(m_old - m_new) that rescales what was summed so far (l and O, step D).
+// FAST_EXP2: ex2.approx (the tensor-core kernels); else exp2f (flash_attention_fp32's accurate path).
+template <bool FAST_EXP2>
+__device__ __forceinline__ float online_softmax_rescale(float& row_max, float tile_max, float& max_used) {
+  const float m_new = fmaxf(row_max, tile_max);
+  max_used = (m_new == NEG_INFINITY) ? 0.0f : m_new;
+  const float exponent = (row_max - max_used) * LOG2E;
+  const float alpha = FAST_EXP2 ? fast_exp2(exponent) : exp2f(exponent);
+  row_max = m_new;
+  return alpha;
 }

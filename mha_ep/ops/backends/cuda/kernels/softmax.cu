@@ -15,16 +15,12 @@
 //                                                         never causally masked). Steps 2 and 3 exclude each other.
 //   4. p  = exp(x - max) / sum(exp(x - max))              (max-subtracted, float32, accurate expf, two-pass)
 // The padding mask is read in its compact form (no materialised B x S x T mask):
-//   MASK_KIND 0 none; 1 key lengths int32 (B,), keep j < len[b]; 2 keep uint8 (B, T); 3 keep uint8 (B, S, T).
+//   MaskKind (common.cuh): 0 none; 1 key lengths int32 (B,), keep j < len[b]; 2 keep uint8 (B, T); 3 keep uint8 (B, S, T).
 //
 // Index rule as in layout.cu: promote the first factor, `(long long)b * heads + h`.
 #include "common.cuh"
 
 #define SOFTMAX_THREADS 128
-#define FLOAT32_LOWEST (-3.402823466e+38f)
-#define NEG_INFINITY __int_as_float(static_cast<int>(0xff800000u))  // NVRTC has no <cmath> INFINITY
-
-enum MaskKind { MASK_NONE = 0, MASK_KEY_LENGTHS = 1, MASK_KEYS_BT = 2, MASK_KEYS_BST = 3 };
 
 struct MaskArgs {
   const float* attention_bias;  // (d0, d1, S, T) float32 or null
