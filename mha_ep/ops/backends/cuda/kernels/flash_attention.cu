@@ -101,10 +101,10 @@ template <> struct Mma<__nv_bfloat16> {
 // plain step has one barrier (its tiles have landed, and every warp is done with the buffers the next copies
 // overwrite). An attention_bias tile (BLOCK_M x BLOCK_N float32) has one buffer, filled at the start of its own
 // step and waited for (a second barrier) after S = Q.K^T: two buffers would put 83 KB per block and leave two
-// blocks per SM instead of three (bias row on the H200: 55.5 µs with two, 47.5 with one).
+// blocks per SM instead of three (slower on the bias row; docs/BENCH.md, "Kernel notes").
 // ELEM operands (which the host passes without projection bias) and 16-byte-aligned bias rows move with cp.async
 // from addresses each thread forms once (AsyncTileCopy, BiasTileCopy): on the H200 the per-chunk address
-// arithmetic of a generic copy loop cost the plain S=T=4096 row 30% (388 -> 272 µs with the second V buffer).
+// arithmetic of a generic copy loop cost the plain S=T=4096 row 30% (docs/BENCH.md).
 // Float32 operands (rounded to ELEM, + bias) go through load_tile.
 // Fragments of one k-step are read with ldmatrix before its mma instructions are issued (in-order issue would
 // otherwise stall every mma on the ldmatrix just before it).
@@ -464,8 +464,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
 // tx + TX jj (jj < 64 / TX: a ROWS x KEYS register tile); of O, the columns (tx + TX dd) * O_VEC + e.
 // Launched shape (fused.py FP32_ROWS, FP32_ROW_THREADS): ROWS 4, TX 8, 128 threads, a 4 x 8 tile. Each 16-byte
 // float a thread loads from shared memory feeds 2.67 FFMA, against the 4 x 4 tile's 2 (which ran at 44% of the FFMA
-// peak, about what its shared-memory traffic allows): 8,512 f32 anchor 218.7 -> 196.8 µs on the H200. STAGES and
-// MIN_BLOCKS come from fused.fp32_pipeline.
+// peak, about what its shared-memory traffic allows; docs/BENCH.md). STAGES and MIN_BLOCKS come from
+// fused.fp32_pipeline.
 // Q, K and V sit row-major in shared memory, copied there with cp.async (the same load_tile as the tensor-core
 // kernel); the S update reads 4 consecutive d of a Q row and of a K row as 16-byte loads (rows padded by 4 floats:
 // the K rows of a quarter warp fall in distinct banks). P goes through shared memory transposed (key-major) for

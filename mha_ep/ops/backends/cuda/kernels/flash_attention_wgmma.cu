@@ -2,12 +2,12 @@
 // and online softmax (flash_attention.cu's header states them; flash_common.cuh holds the shared pieces), with
 // the two products issued for a whole warpgroup from shared memory.
 //
-// Why: on the H200 the mma.sync loop alone (no copies, no exponentials, no barrier) took 210 µs on the S=T=4096
-// head-64 f16 row, above stock ORT CUDA's whole call (173 µs). wgmma reads K and V straight from shared memory
-// (no ldmatrix), issues one instruction per 64 x N x 16 product for four warps, and runs asynchronously to the
-// issuing threads (that row: 171 µs; docs/BENCH.md).
+// Why: on the H200 the mma.sync loop alone (no copies, no exponentials, no barrier) was slower than stock ORT
+// CUDA's whole call on the S=T=4096 head-64 f16 row. wgmma reads K and V straight from shared memory (no
+// ldmatrix), issues one instruction per 64 x N x 16 product for four warps, and runs asynchronously to the
+// issuing threads (docs/BENCH.md, "Kernel notes").
 //
-// Scope (fused.py's wgmma rule): f16/bf16 operands already in the call's dtype (the layout mover's buffers; no
+// Scope (dispatch.py's wgmma rule): f16/bf16 operands already in the call's dtype (the layout mover's buffers; no
 // projection bias to add), HEAD_DIM 64 or 128 (max(H, Hv) zero-padded up to it), every mask of the mma kernel.
 //
 // Block = BLOCK_M / 64 warpgroups (4 warps, 128 threads each) = BLOCK_M query rows of one (b, h), sharing key
@@ -19,7 +19,7 @@
 //   O (64 x HEAD_DIM) += P . V : per 16 keys and 64 dims one wgmma.m64n64k16, P from registers (the S
 //                                accumulators packed as mma.m16n8k16's A fragments), V from shared memory read
 //                                in MN-major order.
-// OVERLAP (fused.py WgmmaTile.overlap): the P.V of key tile j-1 runs on the tensor cores while the threads do the
+// OVERLAP (dispatch.py WgmmaTile.overlap): the P.V of key tile j-1 runs on the tensor cores while the threads do the
 // softmax of tile j (see the loop); it needs the registers of one more P, so two-warpgroup blocks without it fit
 // two to an SM.
 // Shared memory: every tile is stored in 64-element (128-byte) column atoms, [atom][row][128 B], each row in the
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
       cp_async_commit();
     }
     // (One condition per branch: with the K and V copies of the non-overlapped step under separate ones, ptxas
-    // precomputed the mask predicates of every step and the head-128 row took 334 instead of 290 µs, H200.)
+    // precomputed the mask predicates of every step, a large loss on the head-128 row; docs/BENCH.md.)
     if constexpr (OVERLAP) {
       if (n0 + BLOCK_N < total_seq) k_copy.copy(k_tiles + (buffer ^ 1) * KV_BYTES, n0 + BLOCK_N, total_seq - n0 - BLOCK_N);
       v_copy.copy(v_tiles + buffer * KV_BYTES, n0, total_seq - n0);

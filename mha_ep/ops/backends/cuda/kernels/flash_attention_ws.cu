@@ -1,6 +1,6 @@
 // Fused attention on Hopper, warp-specialized (FlashAttention-3's scheme: TMA loads, a producer warpgroup, two or
 // three ping-ponging consumers), for calls without padding mask or attention_bias, scale > 0, causal or not
-// (fused.py ws_unsupported_reason; causal: CAUSAL, see CausalRows, ws_tile and key_tiles). Same arithmetic
+// (dispatch.py ws_unsupported_reason; causal: CAUSAL, see CausalRows, ws_tile and key_tiles). Same arithmetic
 // as flash_attention_wgmma's plain tiles (S and P.V on wgmma, fp32 online softmax, P rounded to ELEM for P.V,
 // out = O / l rounded to ELEM), same kernel parameters (the mask ones unused) plus three TMA tensor maps, same
 // shared-memory layouts (flash_attention_wgmma.cu's header states the swizzle, descriptors and accumulator
@@ -8,13 +8,10 @@
 //
 // Why: flash_attention_wgmma syncs the whole block before each key tile's buffers are reused, so its warpgroups
 // reach their softmax together and leave the tensor cores idle together; with head 128 its registers also rule
-// out overlapping the steps. On the H200's 4,2048,2048,16,128 f16 row it took 288 µs against stock ORT CUDA's
-// 234 µs; this kernel takes about 230 (docs/BENCH.md). Measured variants (.device experiments, same row): one
-// block per tile instead of persistent 243 µs; without ping-pong 262; without the overlap 259; 3 K/V stages 239;
-// 176 or 192 keys per step 236-242 (192 spills at 232 registers). TMA in place of the producer's cp.async
-// (2026-11-30, .device experiment, one machine): 253.6 -> 232.2 µs, and S=T=4096 x 16 heads x 64 176.5 -> 166.9.
-// Three consumers (head 64 only, FA3's 192-row tiles; same machine): S=T=4096 x 16 heads 166.8 -> 146.3 µs,
-// 4 x 1500 x 6 heads 49.5 -> 41.5 (fused.py prefers_three_consumers says when their larger tiles pay).
+// out overlapping the steps. This kernel keeps every warpgroup's tensor-core work in flight (the head-128 anchor
+// well under stock ORT CUDA's time); the variants measured on the way (one block per tile, no ping-pong, no
+// overlap, three K/V stages, 176 or 192 keys per step, cp.async in place of TMA, three consumers) and their times
+// are in docs/BENCH.md ("Kernel notes"). dispatch.py prefers_three_consumers says when three consumers pay.
 //
 // Block = CONSUMERS + 1 warpgroups (384 or 512 threads), one SM each (shared memory: Q of BLOCK_M =
 // 64 x CONSUMERS rows + 2 stages of K and V tiles):
@@ -136,7 +133,7 @@ __device__ __forceinline__ void issue_pv(float (&o_acc)[ATOMS][32], const unsign
 // Causal masking of one consumer's rows (fused semantics, flash_common.cuh masked_logit): row i < S - 1 does not
 // see key j > past + i; the last row sees every key. Here a future logit becomes -inf where the other paths add
 // float32 lowest: the same probabilities (0), since every row sees key 0 and its max is a finite logit no smaller
-// than -1e38 (fused.py ws_unsupported_reason bounds the logits of the calls it lets through).
+// than -1e38 (dispatch.py ws_unsupported_reason bounds the logits of the calls it lets through).
 struct CausalRows {
   int first;    // the consumer's first query row
   int rows[2];  // this thread's two rows
