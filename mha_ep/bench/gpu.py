@@ -13,7 +13,8 @@ Columns (µs per call, median; "–" where a provider is absent or a row is too 
   ort cpu     stock ORT CPU host-to-host (skipped above 5e10 FLOPs)
   ort cuda    stock ORT CUDA: device-resident (IOBinding on GPU buffers) and host-to-host, when onnxruntime
               has the CUDA provider
-  sdpa        torch.nn.functional.scaled_dot_product_attention device time, when torch with CUDA is importable
+  sdpa        torch.nn.functional.scaled_dot_product_attention device time (graph replays, as the kernel column),
+              when torch with CUDA is importable
 Byte model of the floor: bytes in = every float input as float32 (the transport type) + mask; bytes out = the
 float32 output.
 """
@@ -32,7 +33,7 @@ from onnx import TensorProto, helper
 
 from mha_ep import spec
 from mha_ep.bench.anchors import ANCHORS, anchor_problem, flop_count
-from mha_ep.bench.timer import backend_seconds, median_seconds, paired_medians
+from mha_ep.bench.timer import backend_seconds, median_seconds, paired_medians, torch_graph_seconds
 
 CPU_FLOP_LIMIT = 5e10
 ORT_DEV_REPEATS = 20  # device-resident ORT CUDA runs are short: more samples than the host columns get
@@ -219,16 +220,11 @@ def time_sdpa(problem, dtype, extra, repeats) -> Optional[float]:
     if extra == "attn_bias":
         mask = torch.from_numpy(problem.attention_bias).to(dev, tdtype)
     causal = extra == "causal"
-    fn = torch.nn.functional.scaled_dot_product_attention
-    for _ in range(3):
-        fn(q, k, v, attn_mask=mask, is_causal=causal)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn(q, k, v, attn_mask=mask, is_causal=causal)
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / 1e3 / repeats
+
+    def launch():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+    return torch_graph_seconds(torch, launch, repeats)  # the kernel column's timer: graph replays, median
 
 
 # ---------------------------------------------------------------------------------------------------- the rows
