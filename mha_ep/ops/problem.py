@@ -146,8 +146,12 @@ def build_problem(
     arrays: Sequence[Optional[np.ndarray]],
     dtype: str = "float32",
     outputs: Sequence[bool] = (True, False, False, False),
+    mask_resolver=None,
 ) -> MhaProblem:
-    """Validate one call with the shared rules and resolve it. Raises MhaInputError naming the input."""
+    """Validate one call with the shared rules and resolve it. Raises MhaInputError naming the input.
+
+    ``mask_resolver(mask, geometry)``: resolve_padding_mask, or a caller's memo of it (device mode resolves a
+    model's one mask once per call, not once per layer)."""
     slots = input_slots(arrays)
     signature = (tuple(attributes.items()), array_signature(slots), dtype, tuple(bool(o) for o in outputs))
     try:
@@ -176,7 +180,7 @@ def build_problem(
             bias_k, bias_v = bias[d : 2 * d], bias[2 * d :]
 
     mask = by_name["key_padding_mask"]
-    padding_mask = None if mask is None else resolve_padding_mask(mask, geometry)
+    padding_mask = None if mask is None else (mask_resolver or resolve_padding_mask)(mask, geometry)
     return MhaProblem(
         geometry=geometry,
         dtype=dtype,
@@ -202,13 +206,14 @@ def build_problem(
 def resolve_padding_mask(mask: np.ndarray, geometry: Geometry) -> PaddingMask:
     """key_padding_mask -> PaddingMask, exactly as ORT's CPU kernel reads it (semantics 3.4).
 
-    Shapes were already checked by the rules; this only interprets values.
+    Shapes were already checked by the rules; this only interprets values. Array methods only, so a CuPy mask
+    (device mode) is resolved on its device.
     """
     b, t = geometry.batch, geometry.total_seq
     if mask.ndim == 1:  # (B,) or (3B+2,): key lengths are the first B entries; the cu_seqlens part is unused
-        lengths = np.clip(mask[:b].astype(np.int64), 0, t).astype(np.int32)
+        lengths = mask[:b].astype(np.int64).clip(0, t).astype(np.int32)
         return PaddingMask("key_lengths", lengths)
-    keep = np.asarray(mask) > 0
+    keep = mask > 0
     return PaddingMask("keys_BT" if mask.ndim == 2 else "keys_BST", keep)
 
 

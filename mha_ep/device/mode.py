@@ -1,0 +1,77 @@
+"""Which mode a ``mha_ep.InferenceSession`` runs in: device-resident or the bridge, and why.
+
+Device mode runs when all of these hold, checked in this order (the first that fails is the reason):
+  1. the session's providers include CUDAExecutionProvider;
+  2. the installed onnxruntime has that provider (onnxruntime-gpu);
+  3. the backend is, or ``auto`` resolves to, ``cuda`` (CuPy and a GPU);
+  4. the model cuts into a device plan (device/plan.py: every tensor crossing a cut has a known element type);
+  5. no tensor crossing a cut is bfloat16 (CuPy has no bfloat16 arrays; the bridge runs such models).
+``device_mode``: "auto" (the default) takes device mode when it can and the bridge otherwise, with the reason;
+"device" (or True) insists and raises DeviceModeUnavailableError with the reason; "bridge" (or False) never tries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from mha_ep.errors import MhaEpError
+
+MODES = ("auto", "device", "bridge")
+CUDA_PROVIDER = "CUDAExecutionProvider"
+
+
+class DeviceModeUnavailableError(MhaEpError):
+    """device_mode="device" was asked for where it cannot run; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModeDecision:
+    mode: str  # "device" | "bridge"
+    reason: str  # why the bridge, or "" for device mode
+
+
+def normalise_mode(device_mode) -> str:
+    if device_mode is True:
+        return "device"
+    if device_mode is False or device_mode is None:
+        return "bridge" if device_mode is False else "auto"
+    if device_mode in MODES:
+        return device_mode
+    raise ValueError(f"device_mode must be one of {MODES} (or True/False), got {device_mode!r}")
+
+
+def provider_names(providers: Optional[Sequence]) -> list:
+    """Provider names from onnxruntime's forms: "Name" or ("Name", {options})."""
+    return [p[0] if isinstance(p, (tuple, list)) else p for p in (providers or [])]
+
+
+def cuda_options_of(providers: Optional[Sequence], provider_options: Optional[Sequence]) -> dict:
+    """The caller's CUDA provider options, from either of onnxruntime's two ways of passing them."""
+    names = provider_names(providers)
+    for index, provider in enumerate(providers or []):
+        if isinstance(provider, (tuple, list)) and provider[0] == CUDA_PROVIDER and len(provider) > 1:
+            return dict(provider[1])
+    if provider_options and CUDA_PROVIDER in names:
+        return dict(provider_options[names.index(CUDA_PROVIDER)] or {})
+    return {}
+
+
+def reason_without_cuda_provider(providers: Optional[Sequence], available: Sequence[str]) -> Optional[str]:
+    """Rules 1-2."""
+    if CUDA_PROVIDER not in provider_names(providers):
+        return (f"the session's providers {provider_names(providers) or ['CPUExecutionProvider']} do not include "
+                f"{CUDA_PROVIDER}")  # fmt: skip
+    if CUDA_PROVIDER not in available:
+        return (f"the installed onnxruntime has no {CUDA_PROVIDER} (available: {list(available)}); install "
+                f"mha-ep[gpu] (onnxruntime-gpu)")  # fmt: skip
+    return None
+
+
+def reason_in_plan(plan) -> Optional[str]:
+    """Rule 5 on a plan that was made (rule 4's failure is the DevicePlanError's own message)."""
+    wide = sorted(name for name, dtype in plan.dtypes.items() if dtype == "bfloat16")
+    if wide:
+        return (f"tensor {wide[0]!r} (and {len(wide) - 1} more) crossing a device step is bfloat16, which CuPy "
+                f"cannot hold; the bridge runs bfloat16 models")  # fmt: skip
+    return None
