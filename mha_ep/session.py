@@ -31,17 +31,37 @@ class InferenceSession:
         sess_options=None,
         providers: Optional[Sequence] = None,
         lift_attention: bool = False,
+        provider_options: Optional[Sequence] = None,
+        device_mode="auto",
     ):
+        """``device_mode``: "auto" runs the whole model on the GPU (ORT CUDA pieces + our kernels, mha_ep/device)
+        when ``providers`` include CUDAExecutionProvider and the cuda backend can run, else through the bridge;
+        "device" insists (DeviceModeUnavailableError says why not); "bridge" never tries. ``mode`` and
+        ``mode_reason`` say which runs and why."""
         import onnxruntime as ort
 
+        from mha_ep.device.mode import normalise_mode
+
         self.partition: PartitionResult = partition(model, lift_attention=lift_attention)
-        self.backend = resolve_backend(backend, device_id)
         self.device_id = device_id
+        self._runner = None
+        wanted = normalise_mode(device_mode)
+        self.mode, self.mode_reason = "bridge", "device_mode='bridge' was asked for"
+        if wanted != "bridge":
+            self._runner, self.mode_reason = _device_runner(self.partition, backend, device_id, sess_options,
+                                                            providers, provider_options, wanted)  # fmt: skip
+        if self._runner is not None:
+            self.mode = "device"
+            self.backend = self._runner.executor.backend
+            self._session = None
+            return
+        self.backend = resolve_backend(backend, device_id)
         options = sess_options if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         attach(options, self.backend, device_id)
-        self._session = _make_session(self.partition.model, options, providers or ["CPUExecutionProvider"])
+        self._session = _make_session(self.partition.model, options, providers or ["CPUExecutionProvider"],
+                                      provider_options)  # fmt: skip
 
     @property
     def decisions(self):
@@ -52,9 +72,36 @@ class InferenceSession:
         return self.partition.model
 
     def run(self, output_names, input_feed, run_options=None):
-        """Like onnxruntime's ``run``; raises MhaRunError when a claimed node fails (the session stays usable)."""
+        """Like onnxruntime's ``run``; raises MhaRunError when a claimed node fails (the session stays usable).
+        In device mode the feeds may be NumPy arrays, CuPy arrays or anything with ``__dlpack__`` on the
+        session's GPU; the outputs are NumPy arrays (``run_device`` keeps them on the GPU)."""
+        if self._runner is not None:
+            return self._runner.run(output_names, input_feed)
         options = self._options(run_options)
         return self._guarded(lambda: self._session.run(output_names, input_feed, options), options)
+
+    @property
+    def device_runner(self):
+        """Device mode's runner (mha_ep/device/cuda.py: plan, executor, ``graphs_enabled``), or None."""
+        return self._runner
+
+    def run_device(self, output_names, input_feed) -> list:
+        """Device mode only: like ``run``, with the outputs left on the GPU as CuPy arrays (a decode loop can feed
+        them back, e.g. its KV cache, without a host round trip)."""
+        if self._runner is None:
+            raise MhaEpError(f"run_device needs device mode; this session runs through the bridge: {self.mode_reason}")
+        return self._runner.run(output_names, input_feed, device_outputs=True)
+
+    def get_inputs(self):
+        return self._session.get_inputs() if self._session is not None else _graph_args(self.partition.model.graph.input)
+
+    def get_outputs(self):
+        return self._session.get_outputs() if self._session is not None else _graph_args(self.partition.model.graph.output)
+
+    def get_providers(self):
+        if self._session is not None:
+            return self._session.get_providers()
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
     def run_with_iobinding(self, iobinding, run_options=None):
         """Like onnxruntime's ``run_with_iobinding``, with this session's backend and error channel."""
@@ -98,15 +145,80 @@ class InferenceSession:
         return result
 
     def __getattr__(self, name):
+        if name.startswith("__") or name in ("_session", "_runner"):
+            raise AttributeError(name)
+        if self._session is None:
+            raise AttributeError(f"{name!r} is not available in device mode (the model runs as device steps, with no "
+                                 f"single onnxruntime session behind it)")  # fmt: skip
         return getattr(self._session, name)
 
 
-def _make_session(model: onnx.ModelProto, options, providers):
+def _device_runner(result: PartitionResult, backend: str, device_id: int, sess_options, providers,
+                   provider_options, wanted: str):  # fmt: skip
+    """(DeviceRunner, "") when device mode can run (device/mode.py's rules), else (None, the reason); with
+    ``wanted == "device"`` the reason is raised as DeviceModeUnavailableError instead."""
     import onnxruntime as ort
 
+    from mha_ep.device import DevicePlanError, plan_device
+    from mha_ep.device.mode import (
+        DeviceModeUnavailableError, cuda_options_of, reason_in_plan, reason_without_cuda_provider,
+    )  # fmt: skip
+    from mha_ep.ops.backends import cuda_unavailable_reason
+
+    reason = reason_without_cuda_provider(providers, ort.get_available_providers())
+    if reason is None and backend not in ("auto", "cuda"):
+        reason = f"backend={backend!r} was asked for; device mode runs the cuda backend"
+    if reason is None:
+        missing = cuda_unavailable_reason(device_id)
+        reason = None if missing is None else f"the cuda backend cannot run: {missing}"
+    plan = None
+    if reason is None:
+        try:
+            plan = plan_device(result.model)
+            reason = reason_in_plan(plan)
+        except DevicePlanError as error:
+            reason = str(error)
+    if reason is not None:
+        if wanted == "device":
+            raise DeviceModeUnavailableError(f"device_mode='device' cannot run: {reason}")
+        return None, reason
+    from mha_ep.device.cuda import DeviceRunner
+    from mha_ep.ops.backends.cuda import CudaBackend
+
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # ORT silently drops to the CPU when its CUDA libraries do not load
+    cuda_options = cuda_options_of(providers, provider_options)
+    # ORT's own enable_cuda_graph option switches our whole-call graphs (on unless it says "0"); the pieces never
+    # capture graphs of their own (ORT's capture cannot nest inside ours).
+    graphs = str(cuda_options.pop("enable_cuda_graph", "1")).lower() not in ("0", "false")
+    runner = DeviceRunner(plan, CudaBackend(device_id), sess_options, cuda_options, graphs=graphs)
+    return runner, ""
+
+
+class _GraphArg:
+    """What get_inputs()/get_outputs() give in device mode: name, type and shape, as onnxruntime's NodeArg."""
+
+    def __init__(self, value):
+        tensor = value.type.tensor_type
+        self.name = value.name
+        self.type = f"tensor({onnx.TensorProto.DataType.Name(tensor.elem_type).lower()})"
+        self.shape = [d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in tensor.shape.dim]
+
+    def __repr__(self) -> str:
+        return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape})"
+
+
+def _graph_args(values) -> list:
+    return [_GraphArg(v) for v in values]
+
+
+def _make_session(model: onnx.ModelProto, options, providers, provider_options=None):
+    import onnxruntime as ort
+
+    extra = {} if provider_options is None else {"provider_options": list(provider_options)}
     if model.ByteSize() < PROTOBUF_LIMIT:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
+        return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers), **extra)
     with tempfile.TemporaryDirectory(prefix="mha_ep_") as folder:
         path = os.path.join(folder, "model.onnx")
         onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
-        return ort.InferenceSession(path, options, providers=list(providers))
+        return ort.InferenceSession(path, options, providers=list(providers), **extra)

@@ -40,6 +40,8 @@ COMMON_HEADER = "common.cuh"
 KERNELS = {
     "build_dense_BNTH": ("layout.cu", (1, 4)),  # VEC
     "context_to_BSD": ("layout.cu", (1, 4)),  # VEC
+    "build_dense_BNTH_native": ("layout.cu", (1, 4)),  # VEC (device-resident mode: sources in the compute dtype)
+    "narrow_output": ("layout.cu", (1, 4)),  # VEC
     "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE
     "masked_softmax": ("softmax.cu", (None,)),
 }

@@ -77,6 +77,23 @@ __device__ __forceinline__ void load_floats(const float* __restrict__ p, float* 
   }
 }
 
+// VEC values of ELEM widened to float: one 8-byte load for four 2-byte elements, one 16-byte load for floats.
+template <typename ELEM, int VEC>
+__device__ __forceinline__ void load_as_floats(const ELEM* __restrict__ p, float* v) {
+  if constexpr (VEC == 4 && sizeof(ELEM) == 2) {
+    const uint2 packed = *reinterpret_cast<const uint2*>(p);
+    ELEM x[4];
+    memcpy(x, &packed, sizeof(packed));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = to_float<ELEM>(x[k]);
+  } else if constexpr (sizeof(ELEM) == 4) {
+    load_floats<VEC>(reinterpret_cast<const float*>(p), v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) v[k] = to_float<ELEM>(p[k]);
+  }
+}
+
 template <int VEC>
 __device__ __forceinline__ void store_floats(float* __restrict__ p, const float* v) {
   if constexpr (VEC == 4) {

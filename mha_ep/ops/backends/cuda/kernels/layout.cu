@@ -85,3 +85,57 @@ __global__ void context_to_BSD(const float* __restrict__ ctx_BNSH, float* __rest
     store_floats<VEC>(out_BSD + idx * VEC, value);
   }
 }
+
+// build_dense_BNTH for tensors already in the compute dtype (device-resident mode: ORT hands the node's own
+// float16 tensors over, with no float32 transport). Steps 0-3 as above, reading ELEM and widening each value to
+// float; step 4 rounds the float sum once to ELEM. A present output, when wanted, *is* dst_BNTH (the host passes
+// the present buffer as the operand), so there is no second store.
+template <typename ELEM, int VEC>
+__global__ void build_dense_BNTH_native(const ELEM* __restrict__ cur, int cur_is_bnsh,
+                                        const ELEM* __restrict__ past_BNPH, const ELEM* __restrict__ bias_NH,
+                                        ELEM* __restrict__ dst_BNTH, int batch, int heads, int cur_seq,
+                                        int past_seq, int dim) {
+  const int total = past_seq + cur_seq;
+  const int groups = dim / VEC;
+  const long long count = (long long)batch * heads * total * groups;
+  const bool fits_u32 = count <= U32_LIMIT;
+  for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
+    int g, s, h, b;
+    unravel4(idx, fits_u32, groups, total, heads, g, s, h, b);
+    const int d = g * VEC;
+    float value[VEC];
+    if (s < past_seq) {
+      load_as_floats<ELEM, VEC>(past_BNPH + (((long long)b * heads + h) * past_seq + s) * dim + d, value);
+    } else {
+      const int sc = s - past_seq;
+      if (cur_is_bnsh) {
+        load_as_floats<ELEM, VEC>(cur + (((long long)b * heads + h) * cur_seq + sc) * dim + d, value);
+      } else {
+        load_as_floats<ELEM, VEC>(cur + (((long long)b * cur_seq + sc) * heads + h) * dim + d, value);
+      }
+      if (bias_NH != nullptr) {
+        float bias[VEC];
+        load_as_floats<ELEM, VEC>(bias_NH + (long long)h * dim + d, bias);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) value[k] += bias[k];
+      }
+    }
+    ELEM stored[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) stored[k] = from_float<ELEM>(value[k]);
+    store_elems<ELEM, VEC>(dst_BNTH + idx * VEC, stored);
+  }
+}
+
+// Output (B, S, Dv) float32 whose values are already rounded to ELEM -> the node's ELEM output (exact).
+template <typename ELEM, int VEC>
+__global__ void narrow_output(const float* __restrict__ src, ELEM* __restrict__ dst, long long count) {
+  for (long long idx = grid_first_index(); idx < count / VEC; idx += grid_stride()) {
+    float value[VEC];
+    load_floats<VEC>(src + idx * VEC, value);
+    ELEM stored[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) stored[k] = from_float<ELEM>(value[k]);
+    store_elems<ELEM, VEC>(dst + idx * VEC, stored);
+  }
+}

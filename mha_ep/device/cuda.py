@@ -1,0 +1,319 @@
+"""The GPU executor of a device plan: ORT CUDA pieces and the cuda backend on one stream, tensors on the device.
+
+How one call runs (DESIGN.md, "Device-resident mode: facts measured"):
+  1. Feeds go up once (a CuPy array, or anything with ``__dlpack__`` on this GPU, is used where it lies).
+  2. Each piece is an ORT CUDA session created with ``user_compute_stream`` = the backend's stream, and run through
+     an IOBinding on device pointers with ``disable_synchronize_execution_providers=1``: no host copy, no
+     synchronize. Its outputs are ORT allocations, held as CuPy arrays over the OrtValues (the OrtValue keeps the
+     memory alive) until their last reader has been queued.
+  3. Each attention step is the cuda backend's device entry on the same stream (ops/backends/cuda/device_entry.py).
+  4. Outputs come down once, after one synchronize (or stay on the device: ``device_outputs=True``).
+  5. Replay (``CallGraphs``): from the second call of a feed signature on, the whole call (every piece and every
+     attention step) is one CUDA graph, captured on the shared stream; the feeds are copied into the graph's
+     input buffers and the outputs copied out of its output buffers. A signature whose capture fails (an op
+     that synchronizes, cuBLAS on the three-phase path) runs eagerly from then on, and says why at debug level.
+
+Memory is stream-ordered throughout: ORT's arena and CuPy's pool hand a freed block to the next allocation on the
+same stream, and every user of it is on that stream, so nothing waits on the host between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence
+
+import cupy
+import numpy as np
+import onnx
+
+from mha_ep.dtypes import elem_type
+from mha_ep.device.plan import AttentionStep, DevicePlan, PieceStep
+from mha_ep.device.run import attention_problem, run_plan
+from mha_ep.errors import MhaEpError, MhaRunError
+from mha_ep.ops.problem import resolve_padding_mask
+
+log = logging.getLogger("mha_ep")
+NUMPY_DTYPES = {
+    "float32": np.float32, "float16": np.float16, "float64": np.float64, "int64": np.int64, "int32": np.int32,
+    "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_, "uint16": np.uint16,
+    "uint32": np.uint32, "uint64": np.uint64,
+}  # fmt: skip
+ORT_TYPE_NAMES = {f"tensor({'float' if k == 'float32' else 'double' if k == 'float64' else k})": k for k in NUMPY_DTYPES}
+MAX_GRAPHS = 8  # feed signatures whose whole-call graph is kept, least recently used released first
+# Relaxed: ORT's arena and CuPy's pool may call cudaMalloc while the call is captured (legal in this mode only).
+CAPTURE_MODE = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2)
+CAPTURE_AFTER = 2  # a signature is captured on its second call (its first compiles kernels and sizes arenas)
+
+
+def cuda_provider_options(stream_ptr: int, device_id: int, user_options: Optional[dict] = None) -> dict:
+    """The CUDA provider options of every piece: the caller's, with the shared stream and device forced."""
+    options = {str(k): str(v) for k, v in (user_options or {}).items()}
+    options.update({"device_id": str(device_id), "user_compute_stream": str(stream_ptr),
+                    "has_user_compute_stream": "1", "enable_cuda_graph": "0"})  # fmt: skip
+    if device_id == 0 and "device_id" not in (user_options or {}):
+        del options["device_id"]  # ORT 1.31 warns "No registered plugin EP device found" when it is given
+    return options
+
+
+def ortvalue_to_cupy(value, device_id: int) -> cupy.ndarray:
+    """A CuPy array over an ORT CUDA tensor, keeping the OrtValue (and so its memory) alive."""
+    dtype = np.dtype(NUMPY_DTYPES[ORT_TYPE_NAMES[value.data_type()]])
+    shape = tuple(value.shape())
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        return cupy.empty(shape, dtype)
+    memory = cupy.cuda.UnownedMemory(value.data_ptr(), nbytes, value, device_id)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
+class DeviceExecutor:
+    """Executor (device/run.py) over CuPy arrays on ``backend``'s device and stream."""
+
+    def __init__(self, plan: DevicePlan, backend, sess_options=None, cuda_options: Optional[dict] = None):
+        import onnxruntime as ort
+
+        self.plan = plan
+        self.backend = backend
+        self.device_id = backend.device_id
+        self.stream = backend._stream
+        providers = [("CUDAExecutionProvider", cuda_provider_options(self.stream.ptr, self.device_id, cuda_options)),
+                     "CPUExecutionProvider"]  # fmt: skip
+        options = sess_options if sess_options is not None else ort.SessionOptions()
+        self.sessions: Dict[int, object] = {}
+        self.bindings: Dict[int, object] = {}
+        self.graph_refusal: Optional[str] = None  # why whole-call graphs would replay wrong values, if they would
+        with tempfile.TemporaryDirectory(prefix="mha_ep_pieces_") as folder:
+            for piece in plan.pieces:
+                session, refusal = _piece_session(ort, piece, options, providers, os.path.join(folder, "piece.onnx"))
+                self.graph_refusal = self.graph_refusal or refusal
+                self.sessions[id(piece)] = session
+                self.bindings[id(piece)] = session.io_binding()
+        self.run_options = ort.RunOptions()
+        self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        with cupy.cuda.Device(self.device_id), self.stream:
+            self.constants = {name: cupy.asarray(array) for name, array in plan.constants.items()}
+        self.keep: Optional[list] = None  # while capturing: every buffer the graph touches stays alive here
+        self._masks: dict = {}  # this call's resolved padding masks
+
+    def begin_call(self) -> None:
+        self._masks.clear()
+
+    def _resolve_mask(self, mask: cupy.ndarray, geometry):
+        """resolve_padding_mask memoised within one call: every layer of a model reads the same mask tensor."""
+        key = (mask.data.ptr, mask.shape, str(mask.dtype), geometry.batch, geometry.total_seq)
+        entry = self._masks.get(key)
+        if entry is None:
+            entry = self._masks[key] = (mask, resolve_padding_mask(mask, geometry))  # the mask kept: its address
+        return entry[1]
+
+    # ------------------------------------------------------------------------------------------ executor API
+    def feed(self, name: str, value, dtype: str) -> cupy.ndarray:
+        if isinstance(value, cupy.ndarray):
+            array = value
+        elif hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
+            array = cupy.from_dlpack(value)
+        else:
+            array = cupy.asarray(np.ascontiguousarray(value))
+        if str(array.dtype) != dtype:
+            raise MhaEpError(f"device mode: feed {name!r} has dtype {array.dtype}, the model expects {dtype}")
+        if array.device.id != self.device_id:
+            raise MhaEpError(f"device mode: feed {name!r} lies on cuda:{array.device.id}, the session runs on "
+                             f"cuda:{self.device_id}")  # fmt: skip
+        return cupy.ascontiguousarray(array)
+
+    def constant(self, array: np.ndarray) -> cupy.ndarray:
+        return cupy.asarray(array)
+
+    def run_piece(self, piece: PieceStep, inputs: Dict[str, cupy.ndarray]) -> Dict[str, cupy.ndarray]:
+        session, binding = self.sessions[id(piece)], self.bindings[id(piece)]
+        for name in piece.inputs:
+            array = inputs[name]
+            if not array.flags.c_contiguous:
+                array = cupy.ascontiguousarray(array)
+                inputs[name] = array
+            binding.bind_input(name, "cuda", self.device_id, elem_type(self.plan.dtypes[name]), list(array.shape),
+                               array.data.ptr)  # fmt: skip
+        for name in piece.outputs:  # a fresh allocation each run: the previous call's outputs may still be held
+            binding.bind_output(name, "cuda", self.device_id)
+        session.run_with_iobinding(binding, self.run_options)
+        values = binding.get_outputs()
+        binding.clear_binding_outputs()
+        outputs = {name: ortvalue_to_cupy(value, self.device_id) for name, value in zip(piece.outputs, values)}
+        if self.keep is not None:
+            self.keep.extend(outputs.values())
+            self.keep.extend(inputs.values())
+        return outputs
+
+    def run_attention(self, step: AttentionStep, inputs: Sequence[Optional[cupy.ndarray]]) -> List[Optional[cupy.ndarray]]:
+        from mha_ep.ops.backends.cuda.device_entry import run_on_device
+
+        problem = attention_problem(step, inputs, self._resolve_mask)
+        try:
+            results = run_on_device(self.backend, problem, self.keep)
+        except MhaEpError as error:
+            raise MhaRunError(step.node_name, str(error)) from None
+        return [None if name is None else value for name, value in zip(step.outputs, results)]
+
+
+def _piece_session(ort, piece: PieceStep, options, providers, saved: str):
+    """An ORT CUDA session over ``piece``, and None or the reason its work must not be captured in a CUDA graph.
+
+    ORT places some nodes (shape arithmetic, ops without CUDA kernels) on the CPU. A node that reads a tensor the
+    GPU computed gets a MemcpyToHost in front of it; inside a captured graph that copy is replayed, but the host
+    computation after it ran once, at capture, on whatever the buffer held then. So the optimized piece, as ORT
+    saves it, is read for MemcpyToHost nodes (MemcpyFromHost ones, which only upload host values that depend on
+    shapes, are fine).
+    """
+    previous = options.optimized_model_filepath
+    options.optimized_model_filepath = saved
+    try:
+        session = ort.InferenceSession(piece.model.SerializeToString(), options, providers=providers)
+    finally:
+        options.optimized_model_filepath = previous
+    if "CUDAExecutionProvider" not in session.get_providers():
+        raise MhaEpError(
+            "device mode: ORT created a piece session without the CUDA provider (its CUDA libraries did not load; "
+            "call onnxruntime.preload_dlls() first or install the CUDA/cuDNN runtime)"
+        )
+    try:
+        optimized = onnx.load(saved, load_external_data=False)
+    except Exception as error:  # noqa: BLE001 - no saved model (ORT could not write it): do not trust a capture
+        return session, f"ORT's optimized form of piece {piece.level} could not be inspected ({error})"
+    for node in optimized.graph.node:
+        if node.op_type == "MemcpyToHost":
+            return session, (f"ORT copies {node.input[0]!r} to the host inside piece {piece.level}, and a CUDA "
+                             f"graph would replay the host work done on it at capture")  # fmt: skip
+    return session, None
+
+
+class DeviceRunner:
+    """One device-mode session's runs: the plan, its executor, the whole-call graphs, one call at a time."""
+
+    def __init__(self, plan: DevicePlan, backend, sess_options=None, cuda_options: Optional[dict] = None,
+                 graphs: bool = True):  # fmt: skip
+        self.plan = plan
+        self.executor = DeviceExecutor(plan, backend, sess_options, cuda_options)
+        self.graphs = CallGraphs(self)
+        self.graphs_enabled = graphs  # whole-call CUDA graphs for repeated feed signatures (module docstring, 5)
+        self._lock = threading.Lock()
+
+    @property
+    def stream(self) -> cupy.cuda.Stream:
+        return self.executor.stream
+
+    def run(self, output_names: Optional[Sequence[str]], feeds: dict, device_outputs: bool = False) -> list:
+        names = list(self.plan.outputs) if not output_names else list(output_names)
+        with self._lock, cupy.cuda.Device(self.executor.device_id), self.stream:
+            outputs = None
+            self.executor.begin_call()
+            if self.graphs_enabled:
+                outputs = self.graphs.run(feeds)
+            if outputs is None:
+                self.executor.begin_call()
+                outputs = run_plan(self.plan, self.executor, feeds, self.executor.constants)
+            selected = [outputs[name] for name in names]
+            if device_outputs:
+                return selected
+            host = [cupy.asnumpy(array, stream=self.stream) for array in selected]  # queued; one wait below
+            self.stream.synchronize()
+            return host
+
+
+def feed_signature(plan: DevicePlan, feeds: dict) -> tuple:
+    return tuple((name, tuple(feeds[name].shape), str(feeds[name].dtype)) for name in plan.inputs)
+
+
+class CallGraph:
+    """A captured whole call: its input buffers (feeds are copied in), its output arrays, the graph, and every
+    buffer the captured work touches (kept alive, so no other allocation can take their memory)."""
+
+    def __init__(self, graph, inputs: Dict[str, cupy.ndarray], outputs: Dict[str, cupy.ndarray], keep: list):
+        self.graph = graph
+        self.inputs = inputs
+        self.outputs = outputs
+        self.keep = keep
+
+
+class CallGraphs:
+    """Whole-call CUDA graphs keyed by feed signature (rules in the module docstring, step 5)."""
+
+    def __init__(self, runner: DeviceRunner):
+        self.runner = runner
+        self.entries: "OrderedDict[tuple, Optional[CallGraph]]" = OrderedDict()  # None: capture refused
+        self.seen: Dict[tuple, int] = {}
+
+    def run(self, feeds: dict) -> Optional[Dict[str, cupy.ndarray]]:
+        """The outputs of a replay (copies; the graph's own buffers are reused by the next replay), or None when
+        this call runs eagerly."""
+        if self.runner.executor.graph_refusal is not None:
+            return None
+        try:
+            key = feed_signature(self.runner.plan, feeds)
+        except (AttributeError, KeyError):
+            return None
+        if key in self.entries:
+            entry = self.entries[key]
+            if entry is None:
+                return None
+            self.entries.move_to_end(key)
+            return self._replay(entry, feeds)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] < CAPTURE_AFTER:
+            return None
+        entry = self._capture(feeds, key)
+        if entry is None:
+            return None
+        return self._replay(entry, feeds)
+
+    def _replay(self, entry: CallGraph, feeds: dict) -> Dict[str, cupy.ndarray]:
+        executor = self.runner.executor
+        for name, buffer in entry.inputs.items():
+            value = feeds[name]
+            if isinstance(value, np.ndarray) and str(value.dtype) == str(buffer.dtype):
+                buffer.set(np.ascontiguousarray(value), self.runner.stream)  # straight into the graph's buffer
+            else:
+                cupy.copyto(buffer, executor.feed(name, value, self.runner.plan.dtypes[name]))
+        entry.graph.launch(self.runner.stream)
+        return {name: array.copy() for name, array in entry.outputs.items()}
+
+    def _capture(self, feeds: dict, key: tuple) -> Optional[CallGraph]:
+        executor = self.runner.executor
+        plan = self.runner.plan
+        stream = self.runner.stream
+        inputs = {name: executor.feed(name, feeds[name], plan.dtypes[name]).copy() for name in plan.inputs}
+        keep: list = list(inputs.values())
+        executor.keep = keep
+        executor.begin_call()
+        try:
+            stream.begin_capture(CAPTURE_MODE)
+            try:
+                outputs = run_plan(plan, executor, inputs, executor.constants)
+            finally:
+                graph = stream.end_capture()
+        except Exception as error:  # noqa: BLE001 - any failure: this signature runs eagerly from now on
+            log.debug("mha_ep device mode: no whole-call graph for %s: %s: %s", key, type(error).__name__, error)
+            self._add(key, None)
+            return None
+        finally:
+            executor.keep = None
+            executor.begin_call()
+        entry = CallGraph(graph, inputs, outputs, keep + list(outputs.values()))
+        self._add(key, entry)
+        return entry
+
+    def _add(self, key: tuple, entry: Optional[CallGraph]) -> None:
+        self.entries[key] = entry
+        self.entries.move_to_end(key)
+        while len(self.entries) > MAX_GRAPHS:
+            _, old = self.entries.popitem(last=False)
+            if old is not None:
+                self.runner.stream.synchronize()  # the stream may still replay it
+
+    def clear(self) -> None:
+        self.runner.stream.synchronize()
+        self.entries.clear()
+        self.seen.clear()
