@@ -26,6 +26,34 @@ def backend(request) -> str:
     return request.param
 
 
+def device_mode_unavailable_reason() -> str | None:
+    """None when device mode can run here (CuPy, a GPU, onnxruntime with the CUDA provider)."""
+    reason = cuda_unavailable_reason(0)
+    if reason is not None:
+        return f"cuda backend unavailable: {reason}"
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider (device mode needs onnxruntime-gpu)"
+    return None
+
+
+@pytest.fixture(params=["reference", pytest.param("cuda", marks=pytest.mark.gpu),
+                        pytest.param("cuda-device", marks=pytest.mark.gpu)])  # fmt: skip
+def run_backend(request) -> str:
+    """``backend`` plus "cuda-device": the same suite through device-resident mode (mha_ep/device), built with
+    tests/mha_models.plugin_session."""
+    if request.param == "cuda":
+        reason = cuda_unavailable_reason(0)
+        if reason is not None:
+            pytest.skip(f"cuda backend unavailable: {reason}")
+    if request.param == "cuda-device":
+        reason = device_mode_unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"device mode unavailable: {reason}")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def cupy_module():
     """CuPy with a usable GPU, or a clean skip (the GPU tests of the cuda backend and the fused kernel)."""

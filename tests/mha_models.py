@@ -450,3 +450,14 @@ def assert_outputs_match(
 def with_(config: MhaConfig, **changes) -> MhaConfig:
     """``dataclasses.replace`` under a short name."""
     return replace(config, **changes)
+
+
+def plugin_session(model, backend: str):
+    """The plugin session a parity suite runs: ``backend`` through the bridge, or "cuda-device" for the whole
+    model in device-resident mode (ORT CUDA + the cuda backend on device arrays)."""
+    import mha_ep
+
+    if backend == "cuda-device":
+        return mha_ep.InferenceSession(model, backend="cuda", providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                       device_mode="device")  # fmt: skip
+    return mha_ep.InferenceSession(model, backend=backend)

@@ -28,7 +28,7 @@ from packaging.version import Version
 import pytest
 
 import mha_ep
-from mha_models import NODE_NAME, assert_outputs_match, node_model
+from mha_models import NODE_NAME, assert_outputs_match, node_model, plugin_session
 
 PREFIX = "mha_ep MultiHeadAttention: "
 B, S, L, N, H, P = 2, 3, 5, 2, 4, 4
@@ -410,7 +410,7 @@ def check_fails_at_run(c: BadCase, backend: str, rng: np.random.Generator) -> No
     model = model_of(c.bad, c, c.run_shapes)
     decisions = mha_ep.partition(model).decisions
     assert [d.claimed for d in decisions] == [True], f"{c.name} ({c.run_shapes}): not claimed: {decisions}"
-    session = mha_ep.InferenceSession(model, backend=backend)
+    session = plugin_session(model, backend)
     names = [o.name for o in session.get_outputs()]
     with pytest.raises(mha_ep.MhaRunError) as caught:
         session.run(names, feeds_of(c.bad, rng, c.values))
@@ -436,8 +436,8 @@ def _not_claimed_test(c: BadCase):
 
 
 def _fails_at_run_test(c: BadCase):
-    def test(backend, rng):
-        check_fails_at_run(c, backend, rng)
+    def test(run_backend, rng):
+        check_fails_at_run(c, run_backend, rng)
 
     test.__doc__ = f"{c.name}: {c.run_shapes} shapes -> claimed; the bad feed raises MhaRunError, a good one runs"
     return test

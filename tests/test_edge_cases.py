@@ -19,6 +19,7 @@ from onnx import helper
 
 import mha_ep
 from mha_ep.feeds import random_feeds
+from mha_models import plugin_session
 
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 
@@ -200,7 +201,7 @@ def test_cli_partition_output_to_a_directory_is_a_one_line_error(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
 
 
-def test_causal_lowest_is_added_to_a_huge_negative_attention_bias(backend, rng):
+def test_causal_lowest_is_added_to_a_huge_negative_attention_bias(run_backend, rng):
     """ORT adds its causal mask (lowest at future keys) to score + attention_bias; with a Hugging Face style
     combined mask as attention_bias (float32 min at padded and future keys), rows that see only padding are
     decided by score + bias + lowest. Every backend (and on the GPU both cuda paths) must give stock ORT's rows."""
@@ -218,5 +219,5 @@ def test_causal_lowest_is_added_to_a_huge_negative_attention_bias(backend, rng):
     import onnxruntime
 
     expected = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
-    actual = mha_ep.InferenceSession(model, backend=backend).run(None, feeds)[0]
+    actual = plugin_session(model, run_backend).run(None, feeds)[0]
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)

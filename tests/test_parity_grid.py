@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import mha_ep
-from mha_models import MhaConfig, assert_outputs_match, build_model, random_feeds, stock_outputs
+from mha_models import MhaConfig, assert_outputs_match, build_model, plugin_session, random_feeds, stock_outputs
 
 BATCHES = [1, 2, 3]
 HEADS = [1, 3, 4, 16]
@@ -108,17 +108,17 @@ def check_parity(config: MhaConfig, backend: str, rng: np.random.Generator) -> N
     expected = stock_outputs(config, feeds)
     for name, value in expected.items():  # the grid never makes a fully masked row: NaN here is a test bug
         assert np.isfinite(value).all(), f"{config.short()}: stock ORT {name} is not finite"
-    session = mha_ep.InferenceSession(model, backend=backend)
+    session = plugin_session(model, backend)
     names = list(expected)
     actual = dict(zip(names, session.run(names, feeds)))
     assert_outputs_match(actual, expected, TOLERANCE, f"[{backend}] {config.short()}")
 
 
 @pytest.mark.parametrize("config", NO_KV_CACHE, ids=lambda c: c.short().replace(" ", "-"))
-def test_no_kv_cache(config, backend, rng):
-    check_parity(config, backend, rng)
+def test_no_kv_cache(config, run_backend, rng):
+    check_parity(config, run_backend, rng)
 
 
 @pytest.mark.parametrize("config", KV_CACHE, ids=lambda c: c.short().replace(" ", "-"))
-def test_kv_cache(config, backend, rng):
-    check_parity(config, backend, rng)
+def test_kv_cache(config, run_backend, rng):
+    check_parity(config, run_backend, rng)

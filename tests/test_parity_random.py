@@ -41,6 +41,7 @@ from mha_models import (
     build_model,
     naive_same_dtype,
     oracle_float64,
+    plugin_session,
     random_feeds,
     stock_outputs,
     with_,
@@ -104,7 +105,7 @@ def run_plugin(config: MhaConfig, feeds, backend: str, names) -> dict:
     model = build_model(config)
     decisions = mha_ep.partition(model).decisions
     assert [d.claimed for d in decisions] == [True], f"{config.short()}: not claimed: {decisions}"
-    session = mha_ep.InferenceSession(model, backend=backend)
+    session = plugin_session(model, backend)
     return dict(zip(names, session.run(list(names), feeds)))
 
 
@@ -185,14 +186,14 @@ def check_vs_oracle(config: MhaConfig, backend: str, seed: int) -> None:
 # -------------------------------------------------------------------------------------------- property tests
 @settings(max_examples=150, **RANDOM_SETTINGS)
 @given(config=configs("float32"), seed=st.integers(0, 2**31 - 1))
-def test_random_float32_matches_stock_ort(backend, config, seed):
-    check_vs_stock(config, backend, seed)
+def test_random_float32_matches_stock_ort(run_backend, config, seed):
+    check_vs_stock(config, run_backend, seed)
 
 
 @settings(max_examples=75, **RANDOM_SETTINGS)
 @given(config=configs("float16"), seed=st.integers(0, 2**31 - 1))
-def test_random_float16_matches_stock_ort(backend, config, seed):
-    check_vs_stock(config, backend, seed)
+def test_random_float16_matches_stock_ort(run_backend, config, seed):
+    check_vs_stock(config, run_backend, seed)
 
 
 @settings(max_examples=75, **RANDOM_SETTINGS)
@@ -247,10 +248,10 @@ CORNER_CASES = {
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", list(CORNER_CASES))
-def test_corner_case_matches_stock_ort(name, dtype, backend, rng):
+def test_corner_case_matches_stock_ort(name, dtype, run_backend, rng):
     seed = int(rng.integers(0, 2**30))
     for parity in (0, 1):  # an even seed draws 0/1 mask values, an odd one "any" values (2, -1, ...)
-        check_vs_stock(with_(CORNER_CASES[name], dtype=dtype), backend, 2 * seed + parity)
+        check_vs_stock(with_(CORNER_CASES[name], dtype=dtype), run_backend, 2 * seed + parity)
 
 
 @pytest.mark.parametrize("name", list(CORNER_CASES))
@@ -258,14 +259,14 @@ def test_corner_case_bfloat16_matches_float64_oracle(name, backend, rng):
     check_vs_oracle(with_(CORNER_CASES[name], dtype="bfloat16"), backend, int(rng.integers(0, 2**31 - 1)))
 
 
-def test_fully_padded_rows_are_nan_with_minus_inf_and_finite_with_default(backend, rng):
+def test_fully_padded_rows_are_nan_with_minus_inf_and_finite_with_default(run_backend, rng):
     """The NaN-aware compare must see real NaN rows: -inf + a fully padded batch gives NaN on both sides, the
     default -10000 gives finite values (ORT: softmax of the raw scores)."""
     for value, expect_nan in ((float("-inf"), True), (None, False)):
         config = with_(BASE, mask="2d", fully_padded=True, mask_filter_value=value)
         feeds = random_feeds(config, rng)
         expected = stock_outputs(config, feeds)["output"]
-        actual = run_plugin(config, feeds, backend, ["output"])["output"]
+        actual = run_plugin(config, feeds, run_backend, ["output"])["output"]
         assert np.isnan(expected[0]).all() == expect_nan, f"{config.short()}: stock batch 0 NaN={expect_nan}?"
         assert np.isnan(actual[0]).all() == expect_nan, f"{config.short()}: plugin batch 0 {actual[0]}"
         assert np.isfinite(actual[1]).all() and np.isfinite(expected[1]).all(), config.short()
@@ -291,11 +292,11 @@ def test_float_attributes_reach_the_op_exactly():
 
 
 @pytest.mark.parametrize("kv_layout", ["BSNH", "BNSH"])
-def test_past_without_presents_gets_the_right_answer(kv_layout, backend, rng):
+def test_past_without_presents_gets_the_right_answer(kv_layout, run_backend, rng):
     """Stock ORT CPU computes wrong outputs for a past without both present outputs (semantics 3.9); the plugin
     computes the right answer, which is stock ORT's output for the same call with the presents requested."""
     config = with_(BASE, kv_layout=kv_layout, bias=True, mask="2d", causal=True, has_past=True, past_seq=3)
     feeds = random_feeds(config, rng)
     right = stock_outputs(with_(config, presents=True), feeds)["output"]
-    actual = run_plugin(config, feeds, backend, ["output"])
-    assert_outputs_match(actual, {"output": right}, PARITY_TOLERANCE["float32"], f"[{backend}] {config.short()}")
+    actual = run_plugin(config, feeds, run_backend, ["output"])
+    assert_outputs_match(actual, {"output": right}, PARITY_TOLERANCE["float32"], f"[{run_backend}] {config.short()}")

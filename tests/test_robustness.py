@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import mha_ep
-from mha_models import MhaConfig, build_model, random_feeds, stock_outputs, with_
+from mha_models import MhaConfig, build_model, plugin_session, random_feeds, stock_outputs, with_
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -77,8 +77,9 @@ def run_threads(target, count: int) -> list:
 
 
 # ---------------------------------------------------------------------------------------------------- (a)
-def test_eight_threads_share_one_session(backend, rng):
-    session = mha_ep.InferenceSession(build_model(THREAD_MODEL_CONFIG), backend=backend)
+def test_eight_threads_share_one_session(run_backend, rng):
+    backend = run_backend
+    session = plugin_session(build_model(THREAD_MODEL_CONFIG), backend)
     names = ["output", "present_key", "present_value"]
     work = []
     for index in range(THREADS):
@@ -106,11 +107,12 @@ def test_eight_threads_share_one_session(backend, rng):
         assert_outputs_match(actual, expected, TOLERANCE, f"[{backend}] thread {index} run {run} {config.short()}")
 
 
-def test_an_error_in_one_thread_stays_in_that_thread(backend, rng):
+def test_an_error_in_one_thread_stays_in_that_thread(run_backend, rng):
+    backend = run_backend
     """Thread 0 feeds a bad key batch on every run and must get MhaRunError every time; the other threads run good
     feeds at the same moment and must never see an error nor a wrong result."""
     config = with_(THREAD_MODEL_CONFIG, has_past=False, presents=False, causal=False, attention_bias=None)
-    session = mha_ep.InferenceSession(build_model(config), backend=backend)
+    session = plugin_session(build_model(config), backend)
     good = random_feeds(config, rng)
     expected = stock_outputs(config, good)["output"]
     bad = dict(good, key=np.concatenate([good["key"], good["key"]]))  # key batch 4 vs query batch 2

@@ -7,6 +7,8 @@
                            (GPU; gpu.py has the columns)
     mha-ep bench models    whole models host to host: shipped BERT/Whisper, real MiniLM and Whisper tiny.en when
                            built; plugin vs ORT CPU (and ORT CUDA); any backend (models.py)
+    mha-ep bench device    whole models on the GPU: device-resident mode (eager, device feeds, CUDA graphs) and
+                           the bridge against stock ORT CUDA (numpy feeds, IOBinding, its CUDA graph) (device.py)
     python3 -m mha_ep.bench.fused_timing     the fused kernels alone, their tiles, torch SDPA; --compare SOURCES
     python3 -m mha_ep.bench.backend_timing   the cuda backend's device and host time per anchor
 
@@ -34,8 +36,12 @@ def main(argv=None) -> int:
         from mha_ep.bench import models
 
         return models.main(argv[1:])
+    if argv and argv[0] == "device":
+        from mha_ep.bench import device
+
+        return device.main(argv[1:])
     parser = argparse.ArgumentParser(prog="mha-ep bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("what", choices=["hook", "anchors", "models"], help="which benchmark; WHAT --help for its options")
+    parser.add_argument("what", choices=["hook", "anchors", "models", "device"], help="which benchmark; WHAT --help for its options")
     parser.add_argument("--repeats", "--repeat", type=int, default=30, help="hook: timed runs per row")
     parser.add_argument("--json", help="hook: also write the numbers to this JSON file")
     args = parser.parse_args(argv)

@@ -1,0 +1,89 @@
+"""A BERT-style encoder with random weights, written directly in ONNX (no torch), as ORT's optimizer leaves one.
+
+Per layer, the ops of an ORT-optimized BERT with ``use_multi_head_attention=True``:
+
+    q, k, v   = MatMul(x, W_q), MatMul(x, W_k), MatMul(x, W_v)           (B, S, D)
+    context   = com.microsoft::MultiHeadAttention(q, k, v, b_qkv, mask)   mask: (B, S) int32 key padding
+    x1        = com.microsoft::SkipLayerNormalization(MatMul(context, W_o), x, gamma, beta, b_o)
+    x         = com.microsoft::SkipLayerNormalization(MatMul(BiasGelu(MatMul(x1, W_1), b_1), W_2), x1, ..., b_2)
+
+Inputs: ``hidden_states`` (B, S, D) in the model's dtype and ``attention_mask`` (B, S) int32 (1 keep, 0 pad);
+output ``last_hidden_state``. Used by the device-mode benchmark (BERT-base: 12 layers, hidden 768, 12 heads) and
+its tests; weights are drawn N(0, 0.02) from a fixed seed, so two builds are identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+ELEM = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16}
+
+
+def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072, dtype: str = "float32",
+                 seed: int = 0) -> onnx.ModelProto:  # fmt: skip
+    if dtype not in ELEM:
+        raise ValueError(f"dtype must be one of {sorted(ELEM)}, got {dtype!r}")
+    if hidden % heads:
+        raise ValueError(f"hidden {hidden} is not a multiple of heads {heads}")
+    rng = np.random.default_rng(seed)
+    np_dtype = np.dtype(dtype)
+    initializers = []
+
+    def weight(name: str, shape, std: float = 0.02, value=None) -> str:
+        array = rng.normal(0.0, std, shape) if value is None else np.full(shape, value)
+        initializers.append(numpy_helper.from_array(array.astype(np_dtype), name))
+        return name
+
+    nodes = []
+    x = "hidden_states"
+    for layer in range(layers):
+        p = f"layer{layer}."
+        for part in "qkv":
+            nodes.append(helper.make_node("MatMul", [x, weight(p + f"W_{part}", (hidden, hidden))], [p + part],
+                                          name=p + f"matmul_{part}"))  # fmt: skip
+        nodes.append(helper.make_node(
+            "MultiHeadAttention", [p + "q", p + "k", p + "v", weight(p + "b_qkv", (3 * hidden,)), "attention_mask"],
+            [p + "context"], domain="com.microsoft", name=p + "attention", num_heads=heads,
+        ))  # fmt: skip
+        nodes.append(helper.make_node("MatMul", [p + "context", weight(p + "W_o", (hidden, hidden))], [p + "proj"],
+                                      name=p + "matmul_o"))  # fmt: skip
+        nodes.append(helper.make_node(
+            "SkipLayerNormalization",
+            [p + "proj", x, weight(p + "ln1.gamma", (hidden,), value=1.0), weight(p + "ln1.beta", (hidden,), value=0.0),
+             weight(p + "b_o", (hidden,))],
+            [p + "x1"], domain="com.microsoft", name=p + "skip_ln1", epsilon=1e-12,
+        ))  # fmt: skip
+        nodes.append(helper.make_node("MatMul", [p + "x1", weight(p + "W_1", (hidden, ffn))], [p + "h"],
+                                      name=p + "matmul_1"))  # fmt: skip
+        nodes.append(helper.make_node("BiasGelu", [p + "h", weight(p + "b_1", (ffn,))], [p + "g"],
+                                      domain="com.microsoft", name=p + "gelu"))  # fmt: skip
+        nodes.append(helper.make_node("MatMul", [p + "g", weight(p + "W_2", (ffn, hidden))], [p + "h2"],
+                                      name=p + "matmul_2"))  # fmt: skip
+        out = "last_hidden_state" if layer == layers - 1 else p + "out"
+        nodes.append(helper.make_node(
+            "SkipLayerNormalization",
+            [p + "h2", p + "x1", weight(p + "ln2.gamma", (hidden,), value=1.0),
+             weight(p + "ln2.beta", (hidden,), value=0.0), weight(p + "b_2", (hidden,))],
+            [out], domain="com.microsoft", name=p + "skip_ln2", epsilon=1e-12,
+        ))  # fmt: skip
+        x = out
+    graph = helper.make_graph(
+        nodes, f"bert_encoder_{layers}x{hidden}_{dtype}",
+        [helper.make_tensor_value_info("hidden_states", ELEM[dtype], ["batch", "sequence", hidden]),
+         helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT32, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("last_hidden_state", ELEM[dtype], ["batch", "sequence", hidden])],
+        initializer=initializers,
+    )  # fmt: skip
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+def encoder_feeds(batch: int, sequence: int, hidden: int = 768, dtype: str = "float32", seed: int = 0) -> dict:
+    """Random hidden states N(0, 1) and a right-padded key mask: batch b keeps its first S - b*S/(2B) keys."""
+    rng = np.random.default_rng(seed)
+    lengths = [max(1, sequence - (b * sequence) // (2 * batch)) for b in range(batch)]
+    mask = (np.arange(sequence)[None, :] < np.array(lengths)[:, None]).astype(np.int32)
+    states = rng.standard_normal((batch, sequence, hidden)).astype(dtype)
+    return {"hidden_states": states, "attention_mask": mask}

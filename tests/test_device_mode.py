@@ -1,0 +1,118 @@
+"""Device-resident mode on the GPU (mha_ep/device/cuda.py): whole models with ORT CUDA pieces and our kernels.
+
+Every case needs CuPy, a GPU and onnxruntime with the CUDA provider (the ``gpu`` marker; skipped cleanly
+elsewhere). The parity suites also run in this mode through the ``run_backend`` fixture's "cuda-device" case;
+these tests cover what only whole models show: several pieces, float16 models, replayed calls, device feeds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+
+import mha_ep
+from conftest import device_mode_unavailable_reason
+from mha_ep.feeds import random_feeds
+from mha_ep.models.synthetic import bert_encoder, encoder_feeds
+
+pytestmark = pytest.mark.gpu
+SHIPPED = sorted((Path(mha_ep.__file__).parent / "models" / "default").glob("*.onnx"))
+PROVIDERS = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+# Whole models against stock ORT CUDA, both without TF32: the pieces are the same ORT CUDA kernels, so what differs
+# is the attention (held to ORT CPU at 1e-5 / 4e-3 node by node in the parity suites) carried through the rest.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _needs_device_mode():
+    reason = device_mode_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def stock_cuda(model: onnx.ModelProto, feeds: dict) -> list:
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=PROVIDERS)
+    assert "CUDAExecutionProvider" in session.get_providers()
+    return session.run(None, feeds)
+
+
+def assert_close(actual, expected, dtype: str, label: str) -> None:
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype, f"{label}: {a.shape} {a.dtype} vs {e.shape} {e.dtype}"
+        e64 = e.astype(np.float64)
+        error = float(np.max(np.abs(a.astype(np.float64) - e64) / np.maximum(1.0, np.abs(e64))))
+        assert error <= TOLERANCE[dtype], f"{label}: error {error:.3g} > {TOLERANCE[dtype]}"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_models_match_stock_ort_eagerly_and_replayed(path):
+    model = onnx.load(path)
+    dtype = "float16" if "fp16" in path.stem else "float32"
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
+    assert session.mode == "device" and session.mode_reason == ""
+    for seed in range(4):  # call 1 eager, call 2 captured, calls 3-4 replayed with new values
+        feeds = random_feeds(model, seed=seed)
+        assert_close(session.run(None, feeds), stock_cuda(model, feeds), dtype, f"{path.stem} call {seed + 1}")
+    captured = any(entry is not None for entry in session.device_runner.graphs.entries.values())
+    refusal = session.device_runner.executor.graph_refusal
+    assert captured != (refusal is not None), f"{path.stem}: captured={captured}, refusal={refusal!r}"
+    if refusal is not None:  # the only reason a shipped model may have: ORT reads a device tensor on the host
+        assert "to the host inside piece" in refusal, refusal
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_encoder_with_padding_masks_matches_stock_ort_and_keeps_outputs_on_the_device(dtype):
+    import cupy
+
+    model = bert_encoder(layers=2, hidden=128, heads=2, ffn=256, dtype=dtype)
+    feeds = encoder_feeds(3, 40, hidden=128, dtype=dtype, seed=1)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
+    expected = stock_cuda(model, feeds)
+    assert_close(session.run(None, feeds), expected, dtype, f"encoder {dtype}")
+    device_feeds = {name: cupy.asarray(value) for name, value in feeds.items()}
+    for _ in range(3):  # eager, captured, replayed: all on the device
+        out = session.run_device(None, device_feeds)
+        assert isinstance(out[0], cupy.ndarray) and str(out[0].dtype) == dtype
+        assert_close([cupy.asnumpy(out[0])], expected, dtype, f"encoder {dtype} device feeds")
+
+
+def test_poisoned_buffers_show_nothing_unwritten():
+    model = bert_encoder(layers=2, hidden=128, heads=2, ffn=256, dtype="float16")
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
+    session.backend.poison_device_buffers = True
+    session.device_runner.graphs_enabled = False
+    feeds = encoder_feeds(2, 33, hidden=128, dtype="float16", seed=2)
+    assert_close(session.run(None, feeds), stock_cuda(model, feeds), "float16", "poisoned")
+
+
+def test_a_bad_call_names_the_node_and_the_session_stays_usable():
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
+    bad = encoder_feeds(2, 8, hidden=64)
+    bad["attention_mask"] = bad["attention_mask"][:, :5]  # (B, 5) mask for 8 keys
+    with pytest.raises((mha_ep.MhaRunError, onnxruntime.capi.onnxruntime_pybind11_state.Fail)) as caught:
+        session.run(None, bad)
+    if isinstance(caught.value, mha_ep.MhaRunError):
+        assert caught.value.node_name == "layer0.attention", str(caught.value)
+    good = encoder_feeds(2, 8, hidden=64, seed=3)
+    assert_close(session.run(None, good), stock_cuda(model, good), "float32", "after the bad call")
+
+
+def test_feeds_of_the_wrong_dtype_are_one_clear_error():
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128, dtype="float16")
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
+    feeds = encoder_feeds(1, 4, hidden=64, dtype="float32")
+    with pytest.raises(mha_ep.MhaEpError, match="feed 'hidden_states' has dtype float32, the model expects float16"):
+        session.run(None, feeds)
+
+
+def test_auto_picks_device_mode_with_the_cuda_provider_and_the_bridge_without():
+    path = str(SHIPPED[0])
+    assert mha_ep.InferenceSession(path, providers=PROVIDERS).mode == "device"
+    assert mha_ep.InferenceSession(path, providers=["CUDAExecutionProvider"]).mode == "device"
+    assert mha_ep.InferenceSession(path, providers=["CPUExecutionProvider"]).mode == "bridge"
+    assert mha_ep.InferenceSession(path, providers=PROVIDERS, device_mode="bridge").mode == "bridge"
