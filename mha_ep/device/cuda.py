@@ -46,7 +46,8 @@ ORT_TYPE_NAMES = {f"tensor({'float' if k == 'float32' else 'double' if k == 'flo
 MAX_GRAPHS = 8  # feed signatures whose whole-call graph is kept, least recently used released first
 # Relaxed: ORT's arena and CuPy's pool may call cudaMalloc while the call is captured (legal in this mode only).
 CAPTURE_MODE = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2)
-CAPTURE_AFTER = 2  # a signature is captured on its second call (its first compiles kernels and sizes arenas)
+CAPTURE_AFTER = 2
+MAX_SEEN = 4096  # signatures counted towards CAPTURE_AFTER (forgotten all at once beyond)  # a signature is captured on its second call (its first compiles kernels and sizes arenas)
 
 
 def cuda_provider_options(stream_ptr: int, device_id: int, user_options: Optional[dict] = None) -> dict:
@@ -162,11 +163,11 @@ class DeviceExecutor:
 def _piece_session(ort, piece: PieceStep, options, providers, saved: str):
     """An ORT CUDA session over ``piece``, and None or the reason its work must not be captured in a CUDA graph.
 
-    ORT places some nodes (shape arithmetic, ops without CUDA kernels) on the CPU. A node that reads a tensor the
-    GPU computed gets a MemcpyToHost in front of it; inside a captured graph that copy is replayed, but the host
-    computation after it ran once, at capture, on whatever the buffer held then. So the optimized piece, as ORT
-    saves it, is read for MemcpyToHost nodes (MemcpyFromHost ones, which only upload host values that depend on
-    shapes, are fine).
+    ORT places some nodes (shape arithmetic, ops without CUDA kernels) on the CPU and puts Memcpy nodes between
+    them and the GPU. A captured graph replays those copies, but not the host work around them: a MemcpyToHost
+    feeds host code that ran once, at capture, on whatever the buffer held then, and a MemcpyFromHost replays a
+    copy out of a host buffer that the capture run allocated and freed. (Stock ORT refuses its own CUDA graphs for
+    the same reason.) So the optimized piece, as ORT saves it, is read for Memcpy nodes.
     """
     previous = options.optimized_model_filepath
     options.optimized_model_filepath = saved
@@ -184,9 +185,10 @@ def _piece_session(ort, piece: PieceStep, options, providers, saved: str):
     except Exception as error:  # noqa: BLE001 - no saved model (ORT could not write it): do not trust a capture
         return session, f"ORT's optimized form of piece {piece.level} could not be inspected ({error})"
     for node in optimized.graph.node:
-        if node.op_type == "MemcpyToHost":
-            return session, (f"ORT copies {node.input[0]!r} to the host inside piece {piece.level}, and a CUDA "
-                             f"graph would replay the host work done on it at capture")  # fmt: skip
+        if node.op_type in ("MemcpyToHost", "MemcpyFromHost"):
+            where = "to the host" if node.op_type == "MemcpyToHost" else "from the host"
+            return session, (f"ORT copies {node.input[0]!r} {where} inside piece {piece.level} (a node of it runs "
+                             f"on the CPU), which a CUDA graph cannot replay")  # fmt: skip
     return session, None
 
 
@@ -261,6 +263,8 @@ class CallGraphs:
                 return None
             self.entries.move_to_end(key)
             return self._replay(entry, feeds)
+        if len(self.seen) >= MAX_SEEN:  # a decode loop's growing past makes a new signature every step
+            self.seen.clear()
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] < CAPTURE_AFTER:
             return None

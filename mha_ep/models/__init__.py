@@ -14,6 +14,15 @@ Only the builders need torch; the shipped models, the manifest, transcription an
 """
 
 
+def plugin_session(path, backend: str = "reference", device_mode: str = "bridge", **options):
+    """The tools' plugin session: through the bridge (ORT CPU around the op), or with ``device_mode="device"`` the
+    whole model in device-resident mode (ORT CUDA pieces + the cuda backend)."""
+    import mha_ep
+
+    providers = None if device_mode == "bridge" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return mha_ep.InferenceSession(str(path), backend=backend, providers=providers, device_mode=device_mode, **options)
+
+
 def run_tool(main) -> int:
     """Run a model tool's ``main``; a missing optional dependency is one line naming what to install."""
     import sys

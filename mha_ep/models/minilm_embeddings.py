@@ -62,10 +62,10 @@ def embed(session, feeds) -> np.ndarray:
 
 
 def compare_embeddings(models=None, masks=("1d", "2d"), dtype="fp32", backend="reference",
-                       sentences: Sequence[str] = SENTENCES) -> List[dict]:
+                       sentences: Sequence[str] = SENTENCES, device_mode: str = "bridge") -> List[dict]:
     import onnxruntime as ort
 
-    import mha_ep
+    from mha_ep.models import plugin_session
 
     folder = Path(models) if models else default_out_dir()
     feeds = tokenize(sentences)
@@ -77,7 +77,7 @@ def compare_embeddings(models=None, masks=("1d", "2d"), dtype="fp32", backend="r
                 f"{path} is missing; build it with: python -m mha_ep.models.build bert --which minilm --out {folder}"
             )
         stock = embed(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), feeds)
-        session = mha_ep.InferenceSession(str(path), backend=backend)
+        session = plugin_session(path, backend, device_mode)
         plugin = embed(session, feeds)
         cos = (stock * plugin).sum(1)
         results.append(
@@ -102,9 +102,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     parser.add_argument("--backend", default="reference")
     parser.add_argument("--min-cosine", type=float, default=0.99999)
+    parser.add_argument("--device-mode", choices=("bridge", "device"), default="bridge",
+                        help="device: the whole model on the GPU (ORT CUDA + the cuda backend; needs onnxruntime-gpu)")
     args = parser.parse_args(argv)
     ok = True
-    for r in compare_embeddings(args.models, args.mask, args.dtype, args.backend):
+    for r in compare_embeddings(args.models, args.mask, args.dtype, args.backend, device_mode=args.device_mode):
         print(f"MiniLM mask {r['mask']} {r['dtype']}: claimed {r['claimed']}/{r['mha_nodes']} MHA; token counts "
               f"{r['lengths']}; model sanity: paraphrase cosine {r['paraphrase_cosine']:.3f}, unrelated "
               f"{r['unrelated_cosine']:.3f}")

@@ -35,13 +35,15 @@ def stock_session_factory(path):
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
-def plugin_session_factory(backend: str = "reference", device_id: int = 0, lift_attention: bool = True):
-    """Sessions through mha_ep: every MHA node the gate accepts runs in the plugin."""
+def plugin_session_factory(backend: str = "reference", device_id: int = 0, lift_attention: bool = True,
+                           device_mode: str = "bridge"):  # fmt: skip
+    """Sessions through mha_ep: every MHA node the gate accepts runs in the plugin (``device_mode``: see
+    mha_ep.models.plugin_session)."""
 
     def make(path):
-        import mha_ep
+        from mha_ep.models import plugin_session
 
-        return mha_ep.InferenceSession(str(path), backend=backend, device_id=device_id, lift_attention=lift_attention)
+        return plugin_session(path, backend, device_mode, device_id=device_id, lift_attention=lift_attention)
 
     return make
 
@@ -133,7 +135,8 @@ def tokenizer():
     return Tokenizer.from_file(str(whisper_model_dir() / "tokenizer.json"))
 
 
-def transcribe_both(wavs, models=None, dtype="fp32", backend="reference", max_tokens=64, progress=True):
+def transcribe_both(wavs, models=None, dtype="fp32", backend="reference", max_tokens=64, progress=True,
+                    device_mode="bridge"):  # fmt: skip
     """Decode each wav with stock ORT and with the plugin; returns a list of per-utterance result dicts."""
     folder = Path(models) if models else default_out_dir()
     paths = model_paths(folder, dtype=dtype)
@@ -143,7 +146,7 @@ def transcribe_both(wavs, models=None, dtype="fp32", backend="reference", max_to
     results = []
     runs = {}
     timings = {}
-    for label, factory in (("stock", stock_session_factory), ("plugin", plugin_session_factory(backend))):
+    for label, factory in (("stock", stock_session_factory), ("plugin", plugin_session_factory(backend, device_mode=device_mode))):
         t0 = time.perf_counter()
         tr = Transcriber(paths, factory, suppress, begin, max_tokens)
         setup = time.perf_counter() - t0  # the plugin's includes partitioning the three models
@@ -179,9 +182,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     parser.add_argument("--backend", default="reference", help="plugin backend: reference | cuda | auto")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device-mode", choices=("bridge", "device"), default="bridge",
+                        help="device: the whole model on the GPU (ORT CUDA + the cuda backend; needs onnxruntime-gpu)")
     args = parser.parse_args(argv)
     wavs = args.wavs or [audio.DEFAULT_DIR / n for n in audio.UTTERANCES]
-    res = transcribe_both(wavs, args.models, args.dtype, args.backend, args.max_tokens)
+    res = transcribe_both(wavs, args.models, args.dtype, args.backend, args.max_tokens, device_mode=args.device_mode)
     print(f"Whisper tiny.en {res['dtype']}, plugin backend {res['backend']}; claimed MHA nodes per model: "
           + ", ".join(f"{p} {c}/{n}" for p, (c, n) in res["claims"].items()))
     for r in res["utterances"]:

@@ -26,9 +26,11 @@ from mha_ep.launch import LAUNCH_BLOCK
 from mha_ep.ops.backends.cuda import dispatch, fused
 from mha_ep.ops.backends.cuda.backend import CudaBackend, _i32, _ptr, cached_plan, input_entries, output_entries
 from mha_ep.ops.backends.cuda.kernels import get_kernel
+from mha_ep.ops.backends.cuda.staging import ALIGNMENT
 from mha_ep.ops.problem import MhaProblem
 
-NATIVE_DTYPES = ("float16",)  # CuPy holds float16; bfloat16 models run through the bridge (device/mode.py)
+NATIVE_DTYPES = ("float16",)
+
 
 
 class PoolScratch:
@@ -61,9 +63,7 @@ def run_on_device(backend: CudaBackend, problem: MhaProblem, keep: Optional[list
     with backend._on_device():
         dev_in = {}
         for name, staged_dtype, _, array in input_entries(problem):
-            device_array = cupy.ascontiguousarray(array, dtype=staged_dtype)
-            held.append(device_array)
-            dev_in[name] = device_array.data.ptr
+            dev_in[name] = _address(cupy.ascontiguousarray(array, dtype=staged_dtype), held)
         outputs = {}
         for name, dtype, shape in output_entries(problem):
             array = cupy.empty(shape, dtype)
@@ -144,9 +144,13 @@ def _run_native(backend: CudaBackend, problem: MhaProblem, plan, held: list) -> 
 
 
 def _address(array, held: list) -> Optional[int]:
-    """The device address of ``array`` made contiguous (kept alive in ``held``), or None."""
+    """The device address of ``array``, contiguous and ALIGNMENT-aligned (copied when it is not: the bias
+    slices are views at offsets D and 2D, which the kernels' vector loads may not take), kept alive in ``held``;
+    None for None. The bridge's staging aligns every input the same way."""
     if array is None:
         return None
     contiguous = cupy.ascontiguousarray(array)
+    if contiguous.data.ptr % ALIGNMENT:
+        contiguous = contiguous.copy()
     held.append(contiguous)
     return contiguous.data.ptr
