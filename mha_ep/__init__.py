@@ -6,7 +6,7 @@
     report = mha_ep.compare("model.onnx", per_node=True)   # stock ORT vs plugin, per output and per node
 
 Where things live: spec.py (the contract), claim/ (the gate and the shared rules), partition.py (the pass),
-ops/ (the op, execute-time validation, backends: reference = NumPy, cuda = CuPy), compare.py, cli.py.
+ops/ (the op, bridge adapter, registration, execute-time validation, backends: reference = NumPy, cuda = CuPy), compare.py, cli.py.
 Heavy imports (onnxruntime, CuPy) happen on first use.
 """
 

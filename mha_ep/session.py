@@ -40,7 +40,7 @@ class InferenceSession:
         options = sess_options if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        attach(options, self.backend, device_id)
+        attach(options, self.backend)
         self._session = _make_session(self.partition.model, options, providers or ["CPUExecutionProvider"])
 
     @property
