@@ -24,11 +24,12 @@ __all__ = [
     "MhaEpError",
     "MhaInputError",
     "MhaRunError",
+    "MhaModelError",
     "BackendUnavailableError",
 ]
 
 from mha_ep.claim import Decision
-from mha_ep.errors import BackendUnavailableError, MhaEpError, MhaInputError, MhaRunError
+from mha_ep.errors import BackendUnavailableError, MhaEpError, MhaInputError, MhaModelError, MhaRunError
 from mha_ep.partition import PartitionResult, partition
 from mha_ep.compare import compare  # after this, `mha_ep.compare` is the function, not the module
 

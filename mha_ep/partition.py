@@ -13,7 +13,9 @@ Rules of the pass (the code refers to them by number):
   6. A model-local function named like the plugin op makes an unregistered load fail with an error that says to
      call mha_ep.register.
   7. Nodes already in the plugin domain are left as they are and reported as claimed: partitioning a partitioned
-     model changes nothing.
+     model changes nothing. They are checked first (``check_plugin_node``): a crafted one could abort the process
+     at run time (a string attribute that is not UTF-8 kills the bridge before mha_ep's code runs), so a node
+     whose slots or attributes are not what this pass writes raises MhaModelError.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from onnx import helper
 
 from mha_ep import spec
 from mha_ep.claim import Decision, decide
+from mha_ep.claim.rules import Refusal, attributes_from_mapping
 from mha_ep.claim.shapes import infer_static_infos
+from mha_ep.errors import MhaModelError
 from mha_ep.claim.tensor_info import TensorInfo
 
 MHA_OPSET_MIN_IR = 8  # model-local functions need IR version 8
@@ -152,6 +156,7 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
     modified = False
     for index, node in enumerate(graph.node):
         if is_plugin_mha(node):  # Rule 7
+            check_plugin_node(node)
             decisions.append(Decision(node.name, True))
             new_nodes.append(node)
             continue
@@ -187,6 +192,61 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
             + ("" if lift_attention else "; partition(..., lift_attention=True) rewrites them into MatMuls + MHA")
         )
     return PartitionResult(model, decisions, lifted, notes)
+
+
+PLUGIN_ATTRIBUTE_TYPE = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT, "string": onnx.AttributeProto.STRING}
+
+
+def check_plugin_node(node: onnx.NodeProto) -> None:
+    """Rule 7: a node already in the plugin domain must look like one this pass wrote; MhaModelError if not."""
+    name = node.name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+    def refuse(what: str):
+        raise MhaModelError(f"mha_ep node {name!r} cannot be run safely: {what}")
+
+    if len(node.input) != len(spec.PLUGIN_INPUTS) or len(node.output) != len(spec.PLUGIN_OUTPUTS):
+        refuse(
+            f"it has {len(node.input)} inputs and {len(node.output)} outputs, expected {len(spec.PLUGIN_INPUTS)} "
+            f"and {len(spec.PLUGIN_OUTPUTS)}"
+        )
+    declared = {a.name: a for a in spec.PLUGIN_ATTRIBUTES}
+    values = {}
+    for attr in node.attribute:
+        if attr.name not in declared:
+            refuse(f"unknown attribute {attr.name!r}")
+        expected = PLUGIN_ATTRIBUTE_TYPE[declared[attr.name].kind]
+        if attr.type != expected:
+            refuse(
+                f"attribute {attr.name} has ONNX type {onnx.AttributeProto.AttributeType.Name(attr.type)}, expected "
+                f"{onnx.AttributeProto.AttributeType.Name(expected)}"
+            )
+        if attr.type == onnx.AttributeProto.STRING:
+            try:
+                values[attr.name] = attr.s.decode("utf-8")
+            except UnicodeDecodeError:
+                refuse(f"attribute {attr.name} is not UTF-8 text ({attr.s[:40]!r})")
+        else:
+            values[attr.name] = helper.get_attribute_value(attr)
+    missing = [a.name for a in spec.PLUGIN_ATTRIBUTES if a.name not in values]
+    if missing:
+        refuse(f"attribute(s) {', '.join(missing)} missing")
+    try:
+        attributes_from_mapping(values)
+    except Refusal as refusal:
+        refuse(refusal.reason.removeprefix("mha_ep MultiHeadAttention: "))
+    for attr, allowed in ((spec.ATTR_INPUTS, spec.PLUGIN_INPUTS), (spec.ATTR_OUTPUTS, spec.PLUGIN_OUTPUTS)):
+        unknown = [item for item in values[attr].split(",") if item and item not in allowed]
+        if unknown:
+            refuse(f"attribute {attr} names {', '.join(map(repr, unknown))}, not among {', '.join(allowed)}")
+    if values[spec.ATTR_DTYPE] not in spec.FLOAT_DTYPES:
+        refuse(f"attribute {spec.ATTR_DTYPE} is {values[spec.ATTR_DTYPE]!r}, expected one of {', '.join(spec.FLOAT_DTYPES)}")
+    try:
+        floats = spec.decode_floats(values[spec.ATTR_FLOATS])
+    except ValueError as error:
+        refuse(f"attribute {spec.ATTR_FLOATS} is not readable ({error})")
+    known_floats = {a.name for a in spec.ORT_ATTRIBUTES if a.kind == "float"}
+    if not set(floats) <= known_floats:
+        refuse(f"attribute {spec.ATTR_FLOATS} names {', '.join(sorted(set(floats) - known_floats))}")
 
 
 def nested_nodes(graph: onnx.GraphProto):

@@ -76,29 +76,70 @@ class InferenceSession:
 
     @staticmethod
     def _options(run_options):
-        import onnxruntime as ort
-
-        return run_options if run_options is not None else ort.RunOptions()
+        return own_run_options(run_options)
 
     def _guarded(self, call, options):
-        """Run ``call`` with this session's backend on this thread; turn a claimed node's error into MhaRunError."""
+        """Run ``call`` with this session's backend on this thread; turn a claimed node's error into MhaRunError,
+        and a Ctrl-C that reached a claimed node into KeyboardInterrupt once ORT has stopped the run."""
         with run_context(self.backend, options) as context:
             try:
                 result = call()
             except Exception as error:
+                if context.interrupted:
+                    raise KeyboardInterrupt from None
                 if context.errors:
-                    options.terminate = False
                     node, message = context.errors[0]
                     raise MhaRunError(node, message) from error
                 raise
+        if context.interrupted:
+            raise KeyboardInterrupt
         if context.errors:
-            options.terminate = False
             node, message = context.errors[0]
             raise MhaRunError(node, message)
         return result
 
     def __getattr__(self, name):
         return getattr(self._session, name)
+
+
+# Run config entries ORT 1.31.1 knows (onnxruntime_run_options_config_keys.h). ORT cannot list a RunOptions'
+# entries, so these are the ones own_run_options can carry over; the others, and active LoRA adapters, cannot be
+# read back and are not.
+RUN_CONFIG_KEYS = (
+    "memory.enable_memory_arena_shrinkage",
+    "disable_synchronize_execution_providers",
+    "gpu_graph_id",
+    "qnn.htp_perf_mode",
+    "qnn.htp_perf_mode_post_run",
+    "qnn.rpc_control_latency",
+    "qnn.lora_config",
+)
+RUN_OPTION_FIELDS = ("log_severity_level", "log_verbosity_level", "logid", "only_execute_path_to_fetches", "terminate")
+
+
+def own_run_options(caller=None):
+    """A RunOptions for one run, carrying the caller's readable settings.
+
+    The error channel sets ``terminate`` on the run's RunOptions (mha_ep/ops/context.py); on a RunOptions the
+    caller shares between threads that would cancel the other threads' runs, so every run gets its own. Carried
+    over: RUN_OPTION_FIELDS and the RUN_CONFIG_KEYS entries the caller set. Not carried: other config entries and
+    active adapters (ORT cannot read them back), and a ``terminate`` the caller sets on its own object once the
+    run has started (it no longer cancels the run).
+    """
+    import onnxruntime as ort
+
+    own = ort.RunOptions()
+    if caller is None:
+        return own
+    for name in RUN_OPTION_FIELDS:
+        setattr(own, name, getattr(caller, name))
+    for key in RUN_CONFIG_KEYS:
+        try:
+            value = caller.get_run_config_entry(key)
+        except Exception:  # noqa: BLE001 - ORT raises for an entry that was not set
+            continue
+        own.add_run_config_entry(key, value)
+    return own
 
 
 def _make_session(model: onnx.ModelProto, options, providers):

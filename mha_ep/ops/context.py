@@ -29,9 +29,18 @@ class RunContext:
     backend: object
     run_options: object = None  # onnxruntime.RunOptions
     errors: list = field(default_factory=list)  # [(node_name, message)]
+    interrupted: bool = False  # a Ctrl-C reached an op of this run (mha_ep/ops/interrupt.py)
 
     def record(self, node_name: str, message: str) -> None:
         self.errors.append((node_name, message))
+        self.stop()
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+        self.stop()
+
+    def stop(self) -> None:
+        """ORT stops the run before the next node (these RunOptions are the run's own: session.py)."""
         if self.run_options is not None:
             self.run_options.terminate = True
 

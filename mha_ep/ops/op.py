@@ -15,6 +15,7 @@ import numpy as np
 
 from mha_ep import spec
 from mha_ep.errors import MhaEpError
+from mha_ep.ops import interrupt
 from mha_ep.ops.context import current_backend, current_context
 from mha_ep.ops.problem import build_problem, output_shapes
 
@@ -56,20 +57,86 @@ def node_config(attribute_items: tuple) -> tuple:
     return supplied, outputs, ort_attributes, str(attributes[spec.ATTR_DTYPE])
 
 
+# Failure outputs larger than this are not made: the run is stopped instead (a NaN-poisoned output of a crafted
+# shape could take all of the host's memory).
+POISON_LIMIT_BYTES = 1 << 30
+NO_OUTPUTS = (EMPTY, EMPTY, EMPTY)
+
+
 def fail(node_name, error, arrays, attributes, context) -> tuple:
-    if isinstance(error, MhaEpError):
-        message = str(error)
-    else:  # a bug or a backend failure: keep the traceback, it is what a maintainer needs
-        message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+    """A failed call's outputs, after recording why; never raises.
+
+    The error goes to the run's channel (``context``): ORT stops before the next node and the session wrapper
+    raises it. Without one (a plain ORT session) it is logged and the outputs are NaN; when even those cannot be
+    made (a crafted shape too large, a negative dimension), they are zero-size and the log says so.
+    A KeyboardInterrupt is not an error of the node: it stops the run and comes back as KeyboardInterrupt
+    (mha_ep/ops/interrupt.py).
+    """
     try:
+        outputs = poisoned_outputs(attributes, arrays)
+        if isinstance(error, KeyboardInterrupt):
+            interrupt.defer()
+            if context is None:
+                log.warning(
+                    "mha_ep: node %r was interrupted (Ctrl-C); its outputs are %s; KeyboardInterrupt follows "
+                    "once the run returns", node_name, "NaN" if outputs is not None else "empty",
+                )  # fmt: skip
+            return outputs or NO_OUTPUTS
+        message = describe(error)
+        if outputs is None:
+            message += "\n(the node's outputs could not be made, so they are empty)"
         if context is not None:
             context.record(node_name, message)
         else:
-            log.error("mha_ep: node %r failed; its outputs are NaN: %s", node_name, message)
+            log.error(
+                "mha_ep: node %r failed; its outputs are %s: %s",
+                node_name, "NaN" if outputs is not None else "empty", message,
+            )  # fmt: skip
+        return outputs or NO_OUTPUTS
+    except BaseException:  # noqa: BLE001 - nothing may leave a Python op
+        try:
+            if context is not None:
+                context.record(node_name, "mha_ep MultiHeadAttention: the node failed and its error could not be read")
+        except BaseException:  # noqa: BLE001
+            pass
+        return NO_OUTPUTS
+
+
+def describe(error: BaseException) -> str:
+    if isinstance(error, MhaEpError):
+        return str(error)
+    # a bug or a backend failure: keep the traceback, it is what a maintainer needs
+    return f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+
+
+def poisoned_outputs(attributes, arrays):
+    """NaN outputs of the shapes ORT expects, or None when they cannot be made."""
+    try:
+        shapes = output_shapes(attributes, arrays)
+        total = 0
+        for shape in shapes:
+            if any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+                return None
+            total += 4 * int(np.prod(shape, dtype=object)) if shape else 0
+        if total > POISON_LIMIT_BYTES:
+            return None
+        return tuple(np.full(shape, np.nan, np.float32) if shape else EMPTY for shape in shapes)
+    except BaseException:  # noqa: BLE001 - MemoryError, or a crafted input that breaks the shape arithmetic
+        return None
+
+
+def on_bridge_error(error, feed, attributes) -> tuple:
+    """The bridge's fallback (mha_ep/ops/bridge.py) when a failure happened outside ``execute``: in the attribute
+    cast, or while handing the results back."""
+    try:
+        attributes = dict(attributes)
     except BaseException:  # noqa: BLE001
-        pass
-    shapes = output_shapes(attributes, arrays)
-    return tuple(np.full(shape, np.nan, np.float32) if shape else EMPTY for shape in shapes)
+        attributes = {}
+    try:
+        node_name = str(attributes.get(spec.ATTR_NODE, ""))
+    except BaseException:  # noqa: BLE001
+        node_name = ""
+    return fail(node_name, error, list(feed), attributes, current_context())
 
 
 def op_body(query, key, value, bias, key_padding_mask, attention_bias, past_key, past_value, **attributes):

@@ -30,9 +30,9 @@ _array_result_hook = bridge.array_result_hook
 
 def ensure_ops_registered() -> None:
     """Declare the plugin op to onnxruntime-extensions once per process and install the result hook."""
-    from mha_ep.ops.op import op_body
+    from mha_ep.ops.op import on_bridge_error, op_body
 
-    bridge.declare_ops(op_body)
+    bridge.declare_ops(op_body, on_bridge_error)
 
 
 def resolve_backend(backend: str = "auto", device_id: int = 0):
