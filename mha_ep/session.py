@@ -17,10 +17,7 @@ import onnx
 from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.context import run_context
 from mha_ep.ops.registration import attach, resolve_backend
-from mha_ep.partition import PartitionResult, partition
-
-PROTOBUF_LIMIT = 2**31 - 2**24  # serialise through a file above this size
-
+from mha_ep.partition import PartitionResult, needs_external_data, partition, write_model
 
 class InferenceSession:
     def __init__(
@@ -145,9 +142,9 @@ def own_run_options(caller=None):
 def _make_session(model: onnx.ModelProto, options, providers):
     import onnxruntime as ort
 
-    if model.ByteSize() < PROTOBUF_LIMIT:
+    if not needs_external_data(model):
         return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
-    with tempfile.TemporaryDirectory(prefix="mha_ep_") as folder:
+    with tempfile.TemporaryDirectory(prefix="mha_ep_") as folder:  # over 2 GiB: through a file and its data
         path = os.path.join(folder, "model.onnx")
-        onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
+        write_model(model, path)
         return ort.InferenceSession(path, options, providers=list(providers))
