@@ -254,12 +254,13 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
     new_nodes: List[onnx.NodeProto] = []
     casts_done: dict = {}
     used_placeholders: set = set()
+    names = NameSet(graph)
     value_infos: List[onnx.ValueInfoProto] = []
     modified = False
     for index, node in enumerate(graph.node):
         if is_plugin_mha(node):  # Rule 7
             check_plugin_node(node)
-            decisions.append(Decision(node.name, True))
+            decisions.append(Decision(node_name(node), True))
             new_nodes.append(node)
             continue
         if not is_ort_mha(node):  # Rule 2
@@ -271,7 +272,7 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
             new_nodes.append(node)
             continue
         new_nodes.extend(
-            claim_node(node, index, infos[node.input[0]].dtype, casts_done, used_placeholders, value_infos)
+            claim_node(node, index, infos[node.input[0]].dtype, casts_done, used_placeholders, value_infos, names)
         )
         modified = True
     if modified:
@@ -301,11 +302,13 @@ PLUGIN_ATTRIBUTE_TYPE = {"int": onnx.AttributeProto.INT, "float": onnx.Attribute
 
 def check_plugin_node(node: onnx.NodeProto) -> None:
     """Rule 7: a node already in the plugin domain must look like one this pass wrote; MhaModelError if not."""
-    name = node.name.encode("utf-8", "backslashreplace").decode("utf-8")
+    name = node_name(node)
 
     def refuse(what: str):
         raise MhaModelError(f"mha_ep node {name!r} cannot be run safely: {what}")
 
+    if name_refusal(node) is not None:
+        refuse("its name is not UTF-8 text (the onnxruntime-extensions bridge aborts the process on it)")
     if len(node.input) != len(spec.PLUGIN_INPUTS) or len(node.output) != len(spec.PLUGIN_OUTPUTS):
         refuse(
             f"it has {len(node.input)} inputs and {len(node.output)} outputs, expected {len(spec.PLUGIN_INPUTS)} "
@@ -333,7 +336,7 @@ def check_plugin_node(node: onnx.NodeProto) -> None:
     if missing:
         refuse(f"attribute(s) {', '.join(missing)} missing")
     try:
-        attributes_from_mapping(values)
+        attributes_from_mapping({a.name: values[a.name] for a in spec.ORT_ATTRIBUTES})
     except Refusal as refusal:
         refuse(refusal.reason.removeprefix("mha_ep MultiHeadAttention: "))
     for attr, allowed in ((spec.ATTR_INPUTS, spec.PLUGIN_INPUTS), (spec.ATTR_OUTPUTS, spec.PLUGIN_OUTPUTS)):
@@ -372,7 +375,7 @@ def attribute_type_refusal(node: onnx.NodeProto) -> Optional[Decision]:
             expected = onnx.AttributeProto.AttributeType.Name(ONNX_ATTRIBUTE_TYPE[kinds[attr.name]])
             got = onnx.AttributeProto.AttributeType.Name(attr.type)
             return Decision(
-                node.name, False,
+                node_name(node), False,
                 f"mha_ep MultiHeadAttention: attribute {attr.name} has ONNX type {got}, expected {expected} "
                 f"(ORT's schema rejects it too)",
                 attr.name,
@@ -380,18 +383,31 @@ def attribute_type_refusal(node: onnx.NodeProto) -> Optional[Decision]:
     return None
 
 
+def name_refusal(node: onnx.NodeProto) -> Optional[Decision]:
+    """A node name that is not UTF-8 text: ORT runs the node, but the onnxruntime-extensions bridge aborts the
+    process when it meets the name, so the node stays with ORT."""
+    if isinstance(_raw_name(node), bytes):
+        return Decision(
+            node_name(node), False,
+            "mha_ep MultiHeadAttention: the node's name is not UTF-8 text, which the onnxruntime-extensions bridge "
+            "cannot pass to Python without aborting the process; it stays with ORT (rename it to claim it)",
+            "name",
+        )  # fmt: skip
+    return None
+
+
 def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
-    refusal = attribute_type_refusal(node)
+    refusal = name_refusal(node) or attribute_type_refusal(node)
     if refusal is not None:
         return refusal
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     inputs = [(infos.get(name) or TensorInfo()) if name else None for name in node.input]
     outputs = [bool(name) for name in node.output] + [False] * (len(spec.OUTPUTS) - len(node.output))
-    decision = decide(attributes, inputs, outputs, node.name)
+    decision = decide(attributes, inputs, outputs, node_name(node))
     if decision.claimed and inputs[0].dtype is None:
         # The rules accept an unknown dtype, but the transport (rule 5) must know it.
         return Decision(
-            node.name,
+            node_name(node),
             False,
             "mha_ep MultiHeadAttention: the element type of query is unknown after shape inference, so the "
             "float32 transport cannot be chosen; give the model's inputs typed value_info",
@@ -400,7 +416,7 @@ def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
     return decision
 
 
-def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -> List[onnx.NodeProto]:
+def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos, names) -> List[onnx.NodeProto]:
     """Rules 3-5: the plugin node, preceded by its input Casts and followed by its output Casts."""
     before: List[onnx.NodeProto] = []
     after: List[onnx.NodeProto] = []
@@ -417,32 +433,37 @@ def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -
         supplied.append(name)
         if reduced and name in spec.FLOAT_INPUTS:
             cast_name = tensor + spec.TRANSPORT_IN
-            if cast_name not in casts_done:
-                casts_done[cast_name] = True
+            if tensor not in casts_done:
+                casts_done[tensor] = cast_name = names.new(tensor + spec.TRANSPORT_IN)
                 before.append(
                     helper.make_node("Cast", [tensor], [cast_name], to=onnx.TensorProto.FLOAT, name=cast_name)
                 )
-            tensor = cast_name
+            tensor = casts_done[tensor]
         inputs.append(tensor)
     wanted = []
     outputs = []
-    stem = node.name or f"{spec.OP_TYPE}_{index}"
+    name_text = node_name(node)
+    stem = name_text or f"{spec.OP_TYPE}_{index}"
     for slot, name in enumerate(spec.PLUGIN_OUTPUTS):
         tensor = node.output[slot] if slot < len(node.output) else ""
         if not tensor:
-            outputs.append(f"{stem}{spec.UNUSED_OUTPUT_SUFFIX}/{name}")
+            outputs.append(names.new(f"{stem}{spec.UNUSED_OUTPUT_SUFFIX}/{name}"))
             continue
         wanted.append(name)
         if reduced:
-            transport = tensor + spec.TRANSPORT_OUT
+            transport = names.new(tensor + spec.TRANSPORT_OUT)
             after.append(helper.make_node("Cast", [transport], [tensor], to=ONNX_TO_ELEM[dtype], name=transport))
             tensor = transport
         outputs.append(tensor)
     for tensor in outputs:  # typed, so that ORT's checks of an unregistered load reach Rule 6's message
         value_infos.append(helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None))
-    plugin = helper.make_node(spec.OP_TYPE, inputs, outputs, name=node.name, domain=spec.PLUGIN_DOMAIN)
+    plugin = onnx.NodeProto()
+    plugin.CopyFrom(node)  # the name as its bytes, even when they are not UTF-8 (reading node.name would raise)
+    del plugin.input[:], plugin.output[:]
+    plugin.input.extend(inputs)
+    plugin.output.extend(outputs)
+    plugin.domain = spec.PLUGIN_DOMAIN
     present = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    plugin.attribute.extend(copy.deepcopy(a) for a in node.attribute)
     for attr in spec.ORT_ATTRIBUTES:
         if attr.name not in present:
             plugin.attribute.append(helper.make_attribute(attr.name, attr.default))
@@ -452,13 +473,80 @@ def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -
             helper.make_attribute(spec.ATTR_INPUTS, ",".join(supplied)),
             helper.make_attribute(spec.ATTR_OUTPUTS, ",".join(wanted)),
             helper.make_attribute(spec.ATTR_DTYPE, dtype),
-            helper.make_attribute(spec.ATTR_NODE, node.name),
+            helper.make_attribute(spec.ATTR_NODE, name_text),
             helper.make_attribute(spec.ATTR_FLOATS, spec.encode_floats(floats)),
         ]
     )
-    if node.doc_string:
-        plugin.doc_string = node.doc_string
     return before + [plugin] + after
+
+
+def node_name(node: onnx.NodeProto) -> str:
+    """``node.name`` as text, odd bytes as backslash escapes. Stock ORT runs nodes whose names are not UTF-8;
+    protobuf hands such a name over as bytes, or raises (then the bytes are read from the wire format)."""
+    raw = _raw_name(node)
+    return raw if isinstance(raw, str) else raw.decode("utf-8", "backslashreplace")
+
+
+def _raw_name(node: onnx.NodeProto):
+    """``node.name``: a str, or bytes when they are not UTF-8 (protobuf returns the bytes, or raises)."""
+    try:
+        return node.name
+    except UnicodeDecodeError:
+        return _name_bytes(node.SerializeToString())
+
+
+def _name_bytes(wire: bytes) -> bytes:
+    """Field 3 (``name``) of a serialised NodeProto."""
+    position = 0
+
+    def varint() -> int:
+        nonlocal position
+        value = shift = 0
+        while True:
+            byte = wire[position]
+            position += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    while position < len(wire):
+        key = varint()
+        field_number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            varint()
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        elif wire_type == 2:
+            length = varint()
+            if field_number == 3:
+                return wire[position : position + length]
+            position += length
+        else:
+            break
+    return b""
+
+
+class NameSet:
+    """The names a graph already uses (nodes and tensors); ``new`` returns a name not among them and takes it."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.taken = {node_name(n) for n in graph.node}
+        for node in graph.node:
+            self.taken.update(node.input)
+            self.taken.update(node.output)
+        for values in (graph.input, graph.output, graph.value_info, graph.initializer):
+            self.taken.update(v.name for v in values)
+
+    def new(self, wanted: str) -> str:
+        name, suffix = wanted, 0
+        while name in self.taken:
+            suffix += 1
+            name = f"{wanted}.{suffix}"
+        self.taken.add(name)
+        return name
 
 
 def add_placeholders(graph: onnx.GraphProto, used: set) -> None:

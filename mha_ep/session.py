@@ -99,17 +99,13 @@ class InferenceSession:
         return getattr(self._session, name)
 
 
-# Run config entries ORT 1.31.1 knows (onnxruntime_run_options_config_keys.h). ORT cannot list a RunOptions'
-# entries, so these are the ones own_run_options can carry over; the others, and active LoRA adapters, cannot be
-# read back and are not.
+# Run config entries that ORT 1.31.1's CPU and CUDA providers read (onnxruntime_run_options_config_keys.h). ORT
+# cannot list a RunOptions' entries and answers a missing one with an exception (about 25 us each), so these are
+# the ones own_run_options looks for; the QNN entries, any others, and active LoRA adapters are not carried over.
 RUN_CONFIG_KEYS = (
     "memory.enable_memory_arena_shrinkage",
     "disable_synchronize_execution_providers",
     "gpu_graph_id",
-    "qnn.htp_perf_mode",
-    "qnn.htp_perf_mode_post_run",
-    "qnn.rpc_control_latency",
-    "qnn.lora_config",
 )
 RUN_OPTION_FIELDS = ("log_severity_level", "log_verbosity_level", "logid", "only_execute_path_to_fetches", "terminate")
 
