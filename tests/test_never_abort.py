@@ -158,6 +158,47 @@ def test_a_burst_of_sigints_never_aborts(kind, tmp_path):
     assert counts["run_errors"] == 0 and counts["nan"] == 0, describe(result)
 
 
+def test_a_keyboard_interrupt_inside_the_op_is_never_an_error_nor_silent_nan():
+    """The backend itself raises KeyboardInterrupt (as a Ctrl-C would, without mha_ep's SIGINT handler)."""
+    result = run_script(
+        PRELUDE
+        + """
+    import time
+    from mha_models import MhaConfig, build_model, random_feeds
+
+    class InterruptedBackend:
+        name, device = "interrupted", "nowhere"
+
+        def run(self, problem, borrow_outputs=False):
+            raise KeyboardInterrupt
+
+    config = MhaConfig(batch=1, q_seq=2, kv_seq=2, num_heads=2, head_size=4)
+    feeds = random_feeds(config, np.random.default_rng(0))
+    session = mha_ep.InferenceSession(build_model(config), backend="reference")
+    session.backend = InterruptedBackend()
+    try:
+        session.run(None, feeds)
+        print("NO_INTERRUPT")
+    except KeyboardInterrupt:
+        print("SESSION_INTERRUPT")
+    except mha_ep.MhaRunError as error:
+        print("RUN_ERROR", error)
+
+    from mha_ep.ops import context
+    plain = plain_session(mha_ep.partition(build_model(config)).model)
+    context.set_default_backend(InterruptedBackend())
+    try:
+        out = plain.run(None, feeds)[0]
+        time.sleep(1.0)  # the interrupt is delivered again once the run has returned
+        print("PLAIN_NO_INTERRUPT")
+    except KeyboardInterrupt:
+        print("PLAIN_INTERRUPT")
+    print("DONE")
+    """
+    )
+    assert_survived(result, "SESSION_INTERRUPT", "PLAIN_INTERRUPT", "was interrupted (Ctrl-C)")
+
+
 # ------------------------------------------------------------------------------------------ 3. crafted models
 CRAFTED = """
     base = mha_ep.partition(node_model({"query": ("float32", (1, 3, 8)), "key": ("float32", (1, 3, 8)),

@@ -85,7 +85,6 @@ def declare_ops(body, on_error) -> None:
             _own_ops[id(opdef)] = on_error
         interrupt.mark_op_code(result_hook)
         interrupt.mark_op_code(array_result_hook)
-        interrupt.install()
         PyCustomOpDef.install_hooker(result_hook)
         _declared["done"] = True
 

@@ -10,7 +10,7 @@ import logging
 from typing import Optional
 
 from mha_ep.errors import BackendUnavailableError
-from mha_ep.ops import bridge
+from mha_ep.ops import bridge, interrupt
 from mha_ep.ops.backends import create_backend, cuda_unavailable_reason
 from mha_ep.ops.context import set_default_backend
 
@@ -29,10 +29,12 @@ _array_result_hook = bridge.array_result_hook
 
 
 def ensure_ops_registered() -> None:
-    """Declare the plugin op to onnxruntime-extensions once per process and install the result hook."""
+    """Declare the plugin op to onnxruntime-extensions once per process and install the result hook; wrap the
+    SIGINT handler when called on the main thread (again each time: a no-op once it is in place)."""
     from mha_ep.ops.op import on_bridge_error, op_body
 
     bridge.declare_ops(op_body, on_bridge_error)
+    interrupt.install()
 
 
 def resolve_backend(backend: str = "auto", device_id: int = 0):
