@@ -393,6 +393,14 @@ def name_refusal(node: onnx.NodeProto) -> Optional[Decision]:
             "cannot pass to Python without aborting the process; it stays with ORT (rename it to claim it)",
             "name",
         )  # fmt: skip
+    odd = [t for t in list(node.input) + list(node.output) if isinstance(t, bytes)]
+    if odd:
+        return Decision(
+            node_name(node), False,
+            f"mha_ep MultiHeadAttention: tensor name '{odd[0].decode('utf-8', 'backslashreplace')}' is not UTF-8 "
+            "text, which the partition pass cannot rename around; the node stays with ORT",
+            "name",
+        )  # fmt: skip
     return None
 
 

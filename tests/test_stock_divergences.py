@@ -4,8 +4,8 @@
    one named like ``mha_ep_*``), is refused by stock ORT at session creation: it is declined with a reason and
    left byte for byte.
 10. Generated names are unique in the graph: an unnamed node beside one named ``MultiHeadAttention_0``, both with
-    unused outputs, runs. A node name that is not UTF-8 (stock runs it) does not crash the pass; it is declined,
-    because the onnxruntime-extensions bridge aborts the process on such a name, and runs on ORT.
+    unused outputs, runs. A node or tensor name that is not UTF-8 (stock runs it) does not crash the pass: the
+    node is declined (the onnxruntime-extensions bridge aborts the process on such a node name) and runs on ORT.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_generated_names_are_unique_in_the_graph():
         np.testing.assert_allclose(actual, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_node_name_that_is_not_utf8_is_declined_and_runs_on_ort():
+def test_node_and_tensor_names_that_are_not_utf8_are_declined_and_run_on_ort():
     result = run_script(
         """
     import os
@@ -87,17 +87,24 @@ def test_a_node_name_that_is_not_utf8_is_declined_and_runs_on_ort():
     import mha_ep
     from test_stock_divergences import FEEDS, mha, mha_model, stock_session
 
-    raw = mha_model([mha(name="placeholder")]).SerializeToString()
-    model = onnx.ModelProto()
-    model.ParseFromString(raw.replace(b"placeholder", b"bad\\xffname\\xfe!!"))  # same length: the wire stays valid
-    expected = stock_session(model).run(None, FEEDS)[0]
-    result = mha_ep.partition(model)
-    print("REPORT", result.report())
-    session = mha_ep.InferenceSession(model, backend="reference")
-    print("ERROR", float(np.abs(session.run(None, FEEDS)[0] - expected).max()))
+    from onnx import helper
+    for label, nodes in (
+        ("NODE", [mha(name="placeholder")]),
+        ("TENSOR", [helper.make_node("Identity", ["q"], ["placeholder"]), mha(inputs=("placeholder", "k", "v"))]),
+    ):
+        raw = mha_model(nodes).SerializeToString()
+        model = onnx.ModelProto()
+        model.ParseFromString(raw.replace(b"placeholder", b"bad\\xffname\\xfe!!"))  # same length: valid wire format
+        expected = stock_session(model).run(None, FEEDS)[0]
+        result = mha_ep.partition(model)
+        print("REPORT", result.report())
+        session = mha_ep.InferenceSession(model, backend="reference")
+        print(label, "ERROR", float(np.abs(session.run(None, FEEDS)[0] - expected).max()))
     print("DONE")
     """
     )
     assert result.returncode == 0 and "DONE" in result.stdout, describe(result)
     assert "declined  bad\\xffname\\xfe!!: mha_ep MultiHeadAttention: the node's name is not UTF-8 text" in result.stdout, describe(result)
-    assert float(result.stdout.split("ERROR ")[1].split()[0]) == 0.0, describe(result)
+    assert "tensor name 'bad\\xffname\\xfe!!' is not UTF-8 text" in result.stdout, describe(result)
+    for label in ("NODE", "TENSOR"):
+        assert float(result.stdout.split(f"{label} ERROR ")[1].split()[0]) == 0.0, describe(result)
