@@ -6,7 +6,7 @@
     report = mha_ep.compare("model.onnx", per_node=True)   # stock ORT vs plugin, per output and per node
 
 Where things live: spec.py (the contract), claim/ (the gate and the shared rules), partition.py (the pass),
-ops/ (the op, execute-time validation, backends: reference = NumPy, cuda = CuPy), compare.py, cli.py.
+ops/ (the op, bridge adapter, registration, execute-time validation, backends: reference = NumPy, cuda = CuPy), compare.py, cli.py.
 Heavy imports (onnxruntime, CuPy) happen on first use.
 """
 
@@ -24,11 +24,12 @@ __all__ = [
     "MhaEpError",
     "MhaInputError",
     "MhaRunError",
+    "MhaModelError",
     "BackendUnavailableError",
 ]
 
 from mha_ep.claim import Decision
-from mha_ep.errors import BackendUnavailableError, MhaEpError, MhaInputError, MhaRunError
+from mha_ep.errors import BackendUnavailableError, MhaEpError, MhaInputError, MhaModelError, MhaRunError
 from mha_ep.partition import PartitionResult, partition
 from mha_ep.compare import compare  # after this, `mha_ep.compare` is the function, not the module
 

@@ -23,3 +23,7 @@ class MhaRunError(MhaEpError):
         self.message = message
         detail = message.removeprefix(MESSAGE_PREFIX)
         super().__init__(f"mha_ep MultiHeadAttention node {node_name!r}: {detail}")
+
+
+class MhaModelError(MhaEpError, ValueError):
+    """A model mha_ep refuses to load or write: a crafted ``mha_ep`` node, an unsafe output path."""

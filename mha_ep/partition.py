@@ -13,14 +13,19 @@ Rules of the pass (the code refers to them by number):
   6. A model-local function named like the plugin op makes an unregistered load fail with an error that says to
      call mha_ep.register.
   7. Nodes already in the plugin domain are left as they are and reported as claimed: partitioning a partitioned
-     model changes nothing.
+     model changes nothing. They are checked first (``check_plugin_node``): a crafted one could abort the process
+     at run time (a string attribute that is not UTF-8 kills the bridge before mha_ep's code runs), so a node
+     whose slots or attributes are not what this pass writes raises MhaModelError.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
+import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
@@ -31,9 +36,12 @@ from onnx import helper
 
 from mha_ep import spec
 from mha_ep.claim import Decision, decide
+from mha_ep.claim.rules import Refusal, attributes_from_mapping
 from mha_ep.claim.shapes import infer_static_infos
+from mha_ep.errors import MhaModelError
 from mha_ep.claim.tensor_info import TensorInfo
 
+log = logging.getLogger("mha_ep")
 MHA_OPSET_MIN_IR = 8  # model-local functions need IR version 8
 ONNX_TO_ELEM = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
 
@@ -92,37 +100,135 @@ def load_model(model: Union[onnx.ModelProto, str, os.PathLike]) -> onnx.ModelPro
         raise ValueError(f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from None
 
 
+# One ModelProto serialises to at most 2 GiB (protobuf's limit; above it ``ByteSize()`` itself raises). Models
+# over this size are written with their tensors in an external-data file. Tests lower it to try the path cheaply.
+PROTOBUF_LIMIT = 2**31 - 2**24
+
+
+def tensor_bytes(model: onnx.ModelProto) -> int:
+    """Bytes held inline by the model's tensors (initializers and tensor attributes, subgraphs included), read
+    field by field: on a model over 2 GiB ``ByteSize()`` raises instead of answering."""
+
+    def of_tensor(t: onnx.TensorProto) -> int:
+        return (
+            len(t.raw_data)
+            + 4 * (len(t.float_data) + len(t.int32_data))
+            + 8 * (len(t.int64_data) + len(t.double_data) + len(t.uint64_data))
+            + sum(len(x) for x in t.string_data)
+        )
+
+    def of_graph(g: onnx.GraphProto) -> int:
+        total = sum(of_tensor(t) for t in g.initializer)
+        total += sum(of_tensor(t.values) + of_tensor(t.indices) for t in g.sparse_initializer)
+        for node in g.node:
+            for attr in node.attribute:
+                total += (of_tensor(attr.t) if attr.HasField("t") else 0) + sum(of_tensor(t) for t in attr.tensors)
+                total += (of_graph(attr.g) if attr.HasField("g") else 0) + sum(of_graph(x) for x in attr.graphs)
+        return total
+
+    return of_graph(model.graph) + sum(
+        of_tensor(attr.t) for f in model.functions for node in f.node for attr in node.attribute if attr.HasField("t")
+    )
+
+
+def needs_external_data(model: onnx.ModelProto) -> bool:
+    """True when ``model`` cannot be serialised as one protobuf (decided without ``ByteSize()`` on big models)."""
+    if tensor_bytes(model) > PROTOBUF_LIMIT:
+        return True
+    try:
+        return model.ByteSize() > PROTOBUF_LIMIT
+    except Exception:  # noqa: BLE001 - protobuf's EncodeError above 2 GiB
+        return True
+
+
+def write_model(model: onnx.ModelProto, path: str) -> None:
+    """``onnx.save``, with the tensors in ``<name>.data`` beside ``path`` when the model is too big for one protobuf.
+    ``model`` is left as it was (onnx.save moves tensors out of the proto it is given; they are read back)."""
+    if not needs_external_data(model):
+        onnx.save(model, path)
+        return
+    location = os.path.basename(path) + ".data"
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=location)
+    except BaseException:
+        try:
+            restore_inline_data(model, folder)
+        except Exception as error:  # noqa: BLE001 - the write's own error is the one to raise
+            log.warning("mha_ep: after a failed write, tensors of the model object could not be read back: %s", error)
+        raise
+    restore_inline_data(model, folder)
+
+
+def restore_inline_data(model: onnx.ModelProto, folder: str) -> None:
+    """Undo onnx.save's conversion to external data on ``model``: tensors still holding their bytes are only
+    unmarked, the others are read back from the file just written."""
+    from onnx.external_data_helper import _get_all_tensors, load_external_data_for_tensor
+
+    for tensor in _get_all_tensors(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        if not tensor.HasField("raw_data"):
+            load_external_data_for_tensor(tensor, folder)
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+
+
 def _default_file_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return 0o666 & ~umask
 
 
+def _check_target(path: str, what: str) -> None:
+    """Refuse to replace anything but a regular file: a rename would put a file in place of a symbolic link, a
+    FIFO or a device (as root, ``-o /dev/null`` would destroy /dev/null)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        raise MhaModelError(f"cannot write {what} to {path!r}: it is a directory; give a file name")
+    if stat.S_ISLNK(mode):
+        raise MhaModelError(
+            f"cannot write {what} to {path!r}: it is a symbolic link, which mha_ep would replace with a file rather "
+            f"than write through; give the path it points to ({os.path.realpath(path)!r}) or another name"
+        )
+    if not stat.S_ISREG(mode):
+        raise MhaModelError(
+            f"cannot write {what} to {path!r}: it is not a regular file (a FIFO, a socket or a device), which mha_ep "
+            "will not replace; give a file name"
+        )
+
+
 def save_model(model: onnx.ModelProto, path: Union[str, os.PathLike]) -> None:
-    """Write ``model`` to ``path`` whole or not at all (a temporary file beside it, then a rename)."""
+    """Write ``model`` to ``path`` whole or not at all, and only ever in place of a regular file.
+
+    Both files (the model, and ``<path>.data`` for a model over 2 GiB) are written in a temporary folder beside
+    ``path`` and renamed into place only once both are complete: the data file first, then the model. A failed
+    write leaves the previous model and its data as they were.
+    """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"cannot write the model to {path!r}: it is a directory; give a file name")
+    _check_target(path, "the model")
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write the model to {path!r}: folder {folder!r} does not exist")
+    name = os.path.basename(path)
+    data = os.path.join(folder, name + ".data")
+    external = needs_external_data(model)
+    if external:
+        _check_target(data, "the model's external data")
     mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else _default_file_mode()
-    handle, temporary = tempfile.mkstemp(prefix=".mha_ep_", suffix=".onnx", dir=folder)
-    os.close(handle)
+    staging = tempfile.mkdtemp(prefix=".mha_ep_", dir=folder)
     try:
-        if model.ByteSize() > 2**31 - 2**24:
-            location = os.path.basename(path) + ".data"
-            if os.path.exists(os.path.join(folder, location)):  # onnx.save appends to an existing data file
-                os.unlink(os.path.join(folder, location))
-            onnx.save(model, temporary, save_as_external_data=True, location=location)
-        else:
-            onnx.save(model, temporary)
-        os.chmod(temporary, mode)  # mkstemp makes 0600; the file gets the mode a plain save would give it
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+        write_model(model, os.path.join(staging, name))
+        if external:
+            os.chmod(os.path.join(staging, name + ".data"), mode)
+            os.replace(os.path.join(staging, name + ".data"), data)
+        os.chmod(os.path.join(staging, name), mode)  # mkstemp-like 0600 otherwise; the mode a plain save gives
+        os.replace(os.path.join(staging, name), path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def is_ort_mha(node: onnx.NodeProto) -> bool:
@@ -148,11 +254,13 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
     new_nodes: List[onnx.NodeProto] = []
     casts_done: dict = {}
     used_placeholders: set = set()
+    names = NameSet(graph)
     value_infos: List[onnx.ValueInfoProto] = []
     modified = False
     for index, node in enumerate(graph.node):
         if is_plugin_mha(node):  # Rule 7
-            decisions.append(Decision(node.name, True))
+            check_plugin_node(node)
+            decisions.append(Decision(node_name(node), True))
             new_nodes.append(node)
             continue
         if not is_ort_mha(node):  # Rule 2
@@ -164,7 +272,7 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
             new_nodes.append(node)
             continue
         new_nodes.extend(
-            claim_node(node, index, infos[node.input[0]].dtype, casts_done, used_placeholders, value_infos)
+            claim_node(node, index, infos[node.input[0]].dtype, casts_done, used_placeholders, value_infos, names)
         )
         modified = True
     if modified:
@@ -189,6 +297,63 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
     return PartitionResult(model, decisions, lifted, notes)
 
 
+PLUGIN_ATTRIBUTE_TYPE = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT, "string": onnx.AttributeProto.STRING}
+
+
+def check_plugin_node(node: onnx.NodeProto) -> None:
+    """Rule 7: a node already in the plugin domain must look like one this pass wrote; MhaModelError if not."""
+    name = node_name(node)
+
+    def refuse(what: str):
+        raise MhaModelError(f"mha_ep node {name!r} cannot be run safely: {what}")
+
+    if name_refusal(node) is not None:
+        refuse("its name is not UTF-8 text (the onnxruntime-extensions bridge aborts the process on it)")
+    if len(node.input) != len(spec.PLUGIN_INPUTS) or len(node.output) != len(spec.PLUGIN_OUTPUTS):
+        refuse(
+            f"it has {len(node.input)} inputs and {len(node.output)} outputs, expected {len(spec.PLUGIN_INPUTS)} "
+            f"and {len(spec.PLUGIN_OUTPUTS)}"
+        )
+    declared = {a.name: a for a in spec.PLUGIN_ATTRIBUTES}
+    values = {}
+    for attr in node.attribute:
+        if attr.name not in declared:
+            refuse(f"unknown attribute {attr.name!r}")
+        expected = PLUGIN_ATTRIBUTE_TYPE[declared[attr.name].kind]
+        if attr.type != expected:
+            refuse(
+                f"attribute {attr.name} has ONNX type {onnx.AttributeProto.AttributeType.Name(attr.type)}, expected "
+                f"{onnx.AttributeProto.AttributeType.Name(expected)}"
+            )
+        if attr.type == onnx.AttributeProto.STRING:
+            try:
+                values[attr.name] = attr.s.decode("utf-8")
+            except UnicodeDecodeError:
+                refuse(f"attribute {attr.name} is not UTF-8 text ({attr.s[:40]!r})")
+        else:
+            values[attr.name] = helper.get_attribute_value(attr)
+    missing = [a.name for a in spec.PLUGIN_ATTRIBUTES if a.name not in values]
+    if missing:
+        refuse(f"attribute(s) {', '.join(missing)} missing")
+    try:
+        attributes_from_mapping({a.name: values[a.name] for a in spec.ORT_ATTRIBUTES})
+    except Refusal as refusal:
+        refuse(refusal.reason.removeprefix("mha_ep MultiHeadAttention: "))
+    for attr, allowed in ((spec.ATTR_INPUTS, spec.PLUGIN_INPUTS), (spec.ATTR_OUTPUTS, spec.PLUGIN_OUTPUTS)):
+        unknown = [item for item in values[attr].split(",") if item and item not in allowed]
+        if unknown:
+            refuse(f"attribute {attr} names {', '.join(map(repr, unknown))}, not among {', '.join(allowed)}")
+    if values[spec.ATTR_DTYPE] not in spec.FLOAT_DTYPES:
+        refuse(f"attribute {spec.ATTR_DTYPE} is {values[spec.ATTR_DTYPE]!r}, expected one of {', '.join(spec.FLOAT_DTYPES)}")
+    try:
+        floats = spec.decode_floats(values[spec.ATTR_FLOATS])
+    except ValueError as error:
+        refuse(f"attribute {spec.ATTR_FLOATS} is not readable ({error})")
+    known_floats = {a.name for a in spec.ORT_ATTRIBUTES if a.kind == "float"}
+    if not set(floats) <= known_floats:
+        refuse(f"attribute {spec.ATTR_FLOATS} names {', '.join(sorted(set(floats) - known_floats))}")
+
+
 def nested_nodes(graph: onnx.GraphProto):
     """Every node inside the subgraphs of ``graph``'s nodes, recursively (not the main graph's own nodes)."""
     for node in graph.node:
@@ -210,7 +375,7 @@ def attribute_type_refusal(node: onnx.NodeProto) -> Optional[Decision]:
             expected = onnx.AttributeProto.AttributeType.Name(ONNX_ATTRIBUTE_TYPE[kinds[attr.name]])
             got = onnx.AttributeProto.AttributeType.Name(attr.type)
             return Decision(
-                node.name, False,
+                node_name(node), False,
                 f"mha_ep MultiHeadAttention: attribute {attr.name} has ONNX type {got}, expected {expected} "
                 f"(ORT's schema rejects it too)",
                 attr.name,
@@ -218,18 +383,39 @@ def attribute_type_refusal(node: onnx.NodeProto) -> Optional[Decision]:
     return None
 
 
+def name_refusal(node: onnx.NodeProto) -> Optional[Decision]:
+    """A node name that is not UTF-8 text: ORT runs the node, but the onnxruntime-extensions bridge aborts the
+    process when it meets the name, so the node stays with ORT."""
+    if isinstance(_raw_name(node), bytes):
+        return Decision(
+            node_name(node), False,
+            "mha_ep MultiHeadAttention: the node's name is not UTF-8 text, which the onnxruntime-extensions bridge "
+            "cannot pass to Python without aborting the process; it stays with ORT (rename it to claim it)",
+            "name",
+        )  # fmt: skip
+    odd = [t for t in list(node.input) + list(node.output) if isinstance(t, bytes)]
+    if odd:
+        return Decision(
+            node_name(node), False,
+            f"mha_ep MultiHeadAttention: tensor name '{odd[0].decode('utf-8', 'backslashreplace')}' is not UTF-8 "
+            "text, which the partition pass cannot rename around; the node stays with ORT",
+            "name",
+        )  # fmt: skip
+    return None
+
+
 def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
-    refusal = attribute_type_refusal(node)
+    refusal = name_refusal(node) or attribute_type_refusal(node)
     if refusal is not None:
         return refusal
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     inputs = [(infos.get(name) or TensorInfo()) if name else None for name in node.input]
     outputs = [bool(name) for name in node.output] + [False] * (len(spec.OUTPUTS) - len(node.output))
-    decision = decide(attributes, inputs, outputs, node.name)
+    decision = decide(attributes, inputs, outputs, node_name(node))
     if decision.claimed and inputs[0].dtype is None:
         # The rules accept an unknown dtype, but the transport (rule 5) must know it.
         return Decision(
-            node.name,
+            node_name(node),
             False,
             "mha_ep MultiHeadAttention: the element type of query is unknown after shape inference, so the "
             "float32 transport cannot be chosen; give the model's inputs typed value_info",
@@ -238,7 +424,7 @@ def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
     return decision
 
 
-def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -> List[onnx.NodeProto]:
+def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos, names) -> List[onnx.NodeProto]:
     """Rules 3-5: the plugin node, preceded by its input Casts and followed by its output Casts."""
     before: List[onnx.NodeProto] = []
     after: List[onnx.NodeProto] = []
@@ -255,32 +441,37 @@ def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -
         supplied.append(name)
         if reduced and name in spec.FLOAT_INPUTS:
             cast_name = tensor + spec.TRANSPORT_IN
-            if cast_name not in casts_done:
-                casts_done[cast_name] = True
+            if tensor not in casts_done:
+                casts_done[tensor] = cast_name = names.new(tensor + spec.TRANSPORT_IN)
                 before.append(
                     helper.make_node("Cast", [tensor], [cast_name], to=onnx.TensorProto.FLOAT, name=cast_name)
                 )
-            tensor = cast_name
+            tensor = casts_done[tensor]
         inputs.append(tensor)
     wanted = []
     outputs = []
-    stem = node.name or f"{spec.OP_TYPE}_{index}"
+    name_text = node_name(node)
+    stem = name_text or f"{spec.OP_TYPE}_{index}"
     for slot, name in enumerate(spec.PLUGIN_OUTPUTS):
         tensor = node.output[slot] if slot < len(node.output) else ""
         if not tensor:
-            outputs.append(f"{stem}{spec.UNUSED_OUTPUT_SUFFIX}/{name}")
+            outputs.append(names.new(f"{stem}{spec.UNUSED_OUTPUT_SUFFIX}/{name}"))
             continue
         wanted.append(name)
         if reduced:
-            transport = tensor + spec.TRANSPORT_OUT
+            transport = names.new(tensor + spec.TRANSPORT_OUT)
             after.append(helper.make_node("Cast", [transport], [tensor], to=ONNX_TO_ELEM[dtype], name=transport))
             tensor = transport
         outputs.append(tensor)
     for tensor in outputs:  # typed, so that ORT's checks of an unregistered load reach Rule 6's message
         value_infos.append(helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None))
-    plugin = helper.make_node(spec.OP_TYPE, inputs, outputs, name=node.name, domain=spec.PLUGIN_DOMAIN)
+    plugin = onnx.NodeProto()
+    plugin.CopyFrom(node)  # the name as its bytes, even when they are not UTF-8 (reading node.name would raise)
+    del plugin.input[:], plugin.output[:]
+    plugin.input.extend(inputs)
+    plugin.output.extend(outputs)
+    plugin.domain = spec.PLUGIN_DOMAIN
     present = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    plugin.attribute.extend(copy.deepcopy(a) for a in node.attribute)
     for attr in spec.ORT_ATTRIBUTES:
         if attr.name not in present:
             plugin.attribute.append(helper.make_attribute(attr.name, attr.default))
@@ -290,13 +481,80 @@ def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos) -
             helper.make_attribute(spec.ATTR_INPUTS, ",".join(supplied)),
             helper.make_attribute(spec.ATTR_OUTPUTS, ",".join(wanted)),
             helper.make_attribute(spec.ATTR_DTYPE, dtype),
-            helper.make_attribute(spec.ATTR_NODE, node.name),
+            helper.make_attribute(spec.ATTR_NODE, name_text),
             helper.make_attribute(spec.ATTR_FLOATS, spec.encode_floats(floats)),
         ]
     )
-    if node.doc_string:
-        plugin.doc_string = node.doc_string
     return before + [plugin] + after
+
+
+def node_name(node: onnx.NodeProto) -> str:
+    """``node.name`` as text, odd bytes as backslash escapes. Stock ORT runs nodes whose names are not UTF-8;
+    protobuf hands such a name over as bytes, or raises (then the bytes are read from the wire format)."""
+    raw = _raw_name(node)
+    return raw if isinstance(raw, str) else raw.decode("utf-8", "backslashreplace")
+
+
+def _raw_name(node: onnx.NodeProto):
+    """``node.name``: a str, or bytes when they are not UTF-8 (protobuf returns the bytes, or raises)."""
+    try:
+        return node.name
+    except UnicodeDecodeError:
+        return _name_bytes(node.SerializeToString())
+
+
+def _name_bytes(wire: bytes) -> bytes:
+    """Field 3 (``name``) of a serialised NodeProto."""
+    position = 0
+
+    def varint() -> int:
+        nonlocal position
+        value = shift = 0
+        while True:
+            byte = wire[position]
+            position += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    while position < len(wire):
+        key = varint()
+        field_number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            varint()
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        elif wire_type == 2:
+            length = varint()
+            if field_number == 3:
+                return wire[position : position + length]
+            position += length
+        else:
+            break
+    return b""
+
+
+class NameSet:
+    """The names a graph already uses (nodes and tensors); ``new`` returns a name not among them and takes it."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.taken = {node_name(n) for n in graph.node}
+        for node in graph.node:
+            self.taken.update(node.input)
+            self.taken.update(node.output)
+        for values in (graph.input, graph.output, graph.value_info, graph.initializer):
+            self.taken.update(v.name for v in values)
+
+    def new(self, wanted: str) -> str:
+        name, suffix = wanted, 0
+        while name in self.taken:
+            suffix += 1
+            name = f"{wanted}.{suffix}"
+        self.taken.add(name)
+        return name
 
 
 def add_placeholders(graph: onnx.GraphProto, used: set) -> None:

@@ -17,9 +17,7 @@ import onnx
 from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.context import run_context
 from mha_ep.ops.registration import attach, resolve_backend
-from mha_ep.partition import PartitionResult, partition
-
-PROTOBUF_LIMIT = 2**31 - 2**24  # serialise through a file above this size
+from mha_ep.partition import PartitionResult, needs_external_data, partition, write_model
 
 
 class InferenceSession:
@@ -59,7 +57,7 @@ class InferenceSession:
         options = sess_options if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        attach(options, self.backend, device_id)
+        attach(options, self.backend)
         self._session = _make_session(self.partition.model, options, providers or ["CPUExecutionProvider"],
                                       provider_options)  # fmt: skip
 
@@ -123,23 +121,24 @@ class InferenceSession:
 
     @staticmethod
     def _options(run_options):
-        import onnxruntime as ort
-
-        return run_options if run_options is not None else ort.RunOptions()
+        return own_run_options(run_options)
 
     def _guarded(self, call, options):
-        """Run ``call`` with this session's backend on this thread; turn a claimed node's error into MhaRunError."""
+        """Run ``call`` with this session's backend on this thread; turn a claimed node's error into MhaRunError,
+        and a Ctrl-C that reached a claimed node into KeyboardInterrupt once ORT has stopped the run."""
         with run_context(self.backend, options) as context:
             try:
                 result = call()
             except Exception as error:
+                if context.interrupted:
+                    raise KeyboardInterrupt from None
                 if context.errors:
-                    options.terminate = False
                     node, message = context.errors[0]
                     raise MhaRunError(node, message) from error
                 raise
+        if context.interrupted:
+            raise KeyboardInterrupt
         if context.errors:
-            options.terminate = False
             node, message = context.errors[0]
             raise MhaRunError(node, message)
         return result
@@ -212,13 +211,49 @@ def _graph_args(values) -> list:
     return [_GraphArg(v) for v in values]
 
 
+# Run config entries that ORT 1.31.1's CPU and CUDA providers read (onnxruntime_run_options_config_keys.h). ORT
+# cannot list a RunOptions' entries and answers a missing one with an exception (about 25 us each), so these are
+# the ones own_run_options looks for; the QNN entries, any others, and active LoRA adapters are not carried over.
+RUN_CONFIG_KEYS = (
+    "memory.enable_memory_arena_shrinkage",
+    "disable_synchronize_execution_providers",
+    "gpu_graph_id",
+)
+RUN_OPTION_FIELDS = ("log_severity_level", "log_verbosity_level", "logid", "only_execute_path_to_fetches", "terminate")
+
+
+def own_run_options(caller=None):
+    """A RunOptions for one run, carrying the caller's readable settings.
+
+    The error channel sets ``terminate`` on the run's RunOptions (mha_ep/ops/context.py); on a RunOptions the
+    caller shares between threads that would cancel the other threads' runs, so every run gets its own. Carried
+    over: RUN_OPTION_FIELDS and the RUN_CONFIG_KEYS entries the caller set. Not carried: other config entries and
+    active adapters (ORT cannot read them back), and a ``terminate`` the caller sets on its own object once the
+    run has started (it no longer cancels the run).
+    """
+    import onnxruntime as ort
+
+    own = ort.RunOptions()
+    if caller is None:
+        return own
+    for name in RUN_OPTION_FIELDS:
+        setattr(own, name, getattr(caller, name))
+    for key in RUN_CONFIG_KEYS:
+        try:
+            value = caller.get_run_config_entry(key)
+        except Exception:  # noqa: BLE001 - ORT raises for an entry that was not set
+            continue
+        own.add_run_config_entry(key, value)
+    return own
+
+
 def _make_session(model: onnx.ModelProto, options, providers, provider_options=None):
     import onnxruntime as ort
 
     extra = {} if provider_options is None else {"provider_options": list(provider_options)}
-    if model.ByteSize() < PROTOBUF_LIMIT:
+    if not needs_external_data(model):
         return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers), **extra)
-    with tempfile.TemporaryDirectory(prefix="mha_ep_") as folder:
+    with tempfile.TemporaryDirectory(prefix="mha_ep_") as folder:  # over 2 GiB: through a file and its data
         path = os.path.join(folder, "model.onnx")
-        onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
+        write_model(model, path)
         return ort.InferenceSession(path, options, providers=list(providers), **extra)

@@ -484,7 +484,9 @@ def test_every_rule_has_a_case():
         "rule_attention_bias": ("attention_bias must be rank 4", "attention_bias shape"),
         "rule_key_padding_mask": ("must be rank 1, 2, or 3", "key_padding_mask shape"),
     }
-    names = {r.__name__ for r in rules.RULES} | {"attributes_from_mapping"}
+    # rule_slot_counts (more slots than the schema) cannot be built from slot names here; its cases, against stock
+    # ORT's refusal, are in tests/test_stock_divergences.py.
+    names = {r.__name__ for r in rules.RULES} - {"rule_slot_counts"} | {"attributes_from_mapping"}
     assert names == set(wording), f"rules without a wording entry here: {sorted(names ^ set(wording))}"
     for rule, phrases in wording.items():
         for phrase in phrases:

@@ -153,6 +153,12 @@ def test_claim_allows_empty_past():
 Q, K, V = f32(2, 3, 8), f32(2, 5, 8), f32(2, 5, 8)
 NOT_CLAIMED = {
     "attributes": (dict(inputs=[Q, K, V], num_heads=-1), "num_heads must be > 0, got -1"),
+    "attributes_unknown": (dict(inputs=[Q, K, V], mha_ep_node="x"), "unknown attribute 'mha_ep_node'"),
+    "rule_slot_counts": (dict(inputs=[Q, K, V] + [None] * 8), "the node has 11 inputs; MultiHeadAttention's schema has at most 10"),
+    "rule_slot_counts_outputs": (
+        dict(inputs=[Q, K, V], outputs=(True, False, False, False, True)),
+        "the node has 5 outputs; MultiHeadAttention's schema has at most 4",
+    ),
     "rule_static_shapes": (dict(inputs=[f32(2, 3, 8), f32(2, 0, 8), f32(2, 5, 8)]), "key dim 1 must be > 0, got 0"),
     "rule_query_dtype": (dict(inputs=[typed("float64", 2, 3, 8), K, V]), "query dtype float64 not supported"),
     "rule_float_dtypes_match": (

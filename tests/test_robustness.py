@@ -319,7 +319,7 @@ def test_other_python_ops_keep_working_beside_the_array_hook():
     from onnx import TensorProto, helper
     from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
-    # mha_ep first: its session installs the array result hook for every Python op in the process
+    # mha_ep first: its session installs its result hook, through which every Python op in the process runs
     mha_session = mha_ep.InferenceSession(build_model(config), backend="reference")
     print("MHA_ERROR_BEFORE", max_rel_error(mha_session.run(None, good)[0], expected))
 

@@ -76,6 +76,14 @@ class NodeAttributes:
 
 def attributes_from_mapping(attrs: Mapping[str, object]) -> NodeAttributes:
     """Rule 1. Read ORT's attributes (absent ones take ORT's defaults); each must be a number of its kind."""
+    known = [a.name for a in spec.ORT_ATTRIBUTES]
+    for name in attrs:
+        if name not in known:
+            raise Refusal(
+                f"unknown attribute {str(name)!r}: MultiHeadAttention's schema has {', '.join(known)} (stock ORT "
+                "refuses the node)",
+                str(name),
+            )
     num_heads = attrs.get("num_heads")
     if num_heads is None:
         raise Refusal("missing required `num_heads` attribute", "num_heads")
@@ -188,6 +196,17 @@ def total_seq(call: Call) -> Optional[int]:
 
 
 # ----------------------------------------------------------------------------------------------------- the rules
+def rule_slot_counts(call: Call) -> None:
+    """More inputs or outputs than the schema has: stock ORT refuses the node when the session is made."""
+    for what, count, limit in (("inputs", len(call.inputs), len(spec.INPUTS)), ("outputs", len(call.outputs), len(spec.OUTPUTS))):
+        if count > limit:
+            raise Refusal(
+                f"the node has {count} {what}; MultiHeadAttention's schema has at most {limit} (stock ORT refuses "
+                "the node)",
+                what,
+            )
+
+
 def rule_static_shapes(call: Call) -> None:
     """Rule 2."""
     for name in spec.PLUGIN_INPUTS:
@@ -485,6 +504,7 @@ def rule_key_padding_mask(call: Call) -> None:
 
 
 RULES: tuple[Callable[[Call], None], ...] = (
+    rule_slot_counts,
     rule_static_shapes,
     rule_query_dtype,
     rule_float_dtypes_match,

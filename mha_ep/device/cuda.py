@@ -169,10 +169,15 @@ def _piece_session(ort, piece: PieceStep, options, providers, saved: str):
     copy out of a host buffer that the capture run allocated and freed. (Stock ORT refuses its own CUDA graphs for
     the same reason.) So the optimized piece, as ORT saves it, is read for Memcpy nodes.
     """
+    from mha_ep.partition import needs_external_data, write_model
+
+    source = piece.model.SerializeToString() if not needs_external_data(piece.model) else saved + ".in.onnx"
+    if isinstance(source, str):  # a piece over 2 GiB goes through a file and its external data
+        write_model(piece.model, source)
     previous = options.optimized_model_filepath
     options.optimized_model_filepath = saved
     try:
-        session = ort.InferenceSession(piece.model.SerializeToString(), options, providers=providers)
+        session = ort.InferenceSession(source, options, providers=providers)
     finally:
         options.optimized_model_filepath = previous
     if "CUDAExecutionProvider" not in session.get_providers():

@@ -1,13 +1,13 @@
 """Which backend a call runs on, and where its errors go.
 
 The onnxruntime-extensions op is process-global and receives only inputs and attributes, so the per-run facts
-travel beside it:
+travel beside it. ``current_backend`` is the one way the op finds its backend:
 - ``mha_ep.InferenceSession.run`` enters ``run_context(backend, run_options)`` on the calling thread. ORT's
   sequential executor runs the Python op on that same thread, so the op finds the session's backend and an error
   slot there. An error is recorded, ``run_options.terminate`` is set (ORT stops before the next node), and the
   wrapper raises ``MhaRunError`` with the op's message once ``run`` returns; the session stays usable.
 - A plain ``onnxruntime.InferenceSession`` (no context on the thread) uses the process default chosen by the last
-  ``mha_ep.register(...)`` call. It has no error channel: the op logs the error on the ``mha_ep`` logger and
+  ``mha_ep.register(...)`` call (``"auto"`` when none was made). It has no error channel: the op logs the error on the ``mha_ep`` logger and
   returns NaN-poisoned outputs. It never raises: an exception escaping a Python op aborts the whole process
   (DESIGN.md, measured).
 """
@@ -29,9 +29,18 @@ class RunContext:
     backend: object
     run_options: object = None  # onnxruntime.RunOptions
     errors: list = field(default_factory=list)  # [(node_name, message)]
+    interrupted: bool = False  # a Ctrl-C reached an op of this run (mha_ep/ops/interrupt.py)
 
     def record(self, node_name: str, message: str) -> None:
         self.errors.append((node_name, message))
+        self.stop()
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+        self.stop()
+
+    def stop(self) -> None:
+        """ORT stops the run before the next node (these RunOptions are the run's own: session.py)."""
         if self.run_options is not None:
             self.run_options.terminate = True
 
@@ -56,5 +65,19 @@ def set_default_backend(backend) -> None:
         _default["backend"] = backend
 
 
-def default_backend():
-    return _default["backend"]
+def current_backend(context: Optional[RunContext] = None):
+    """The backend a call on this thread runs on: its run context's, else the process default (made on first use
+    with ``backend="auto"`` when no ``mha_ep.register`` chose one)."""
+    if context is None:
+        context = current_context()
+    if context is not None:
+        return context.backend
+    backend = _default["backend"]
+    if backend is None:
+        from mha_ep.ops.registration import resolve_backend
+
+        with _default_lock:
+            if _default["backend"] is None:
+                _default["backend"] = resolve_backend("auto", 0)
+            backend = _default["backend"]
+    return backend
