@@ -35,10 +35,10 @@ class ModelRow:
 
 
 ROWS = (
-    ModelRow("BERT small (shipped), B=8 S=128, 2D mask", "bert_small_mask2d_fp32.onnx", {"batch": 8, "sequence": 128}, True),
-    ModelRow("Whisper small decoder (shipped), past 63", "whisper_small_decoder_fp32.onnx",
+    ModelRow("BERT small (shipped), B=8 S=128, 2D mask", "bert_random_mask2d_fp32.onnx", {"batch": 8, "sequence": 128}, True),
+    ModelRow("Whisper small decoder (shipped), past 63", "whisper_random_decoder_fp32.onnx",
              {"batch": 1, "past_decode_len": 63}, True),  # fmt: skip
-    ModelRow("Whisper small encoder (shipped), B=4", "whisper_small_encoder_fp32.onnx", {"batch": 4}, True),
+    ModelRow("Whisper small encoder (shipped), B=4", "whisper_random_encoder_fp32.onnx", {"batch": 4}, True),
     ModelRow("MiniLM B=8 S=128, 2D mask", "minilm_mask2d_fp32.onnx", {"batch": 8, "sequence": 128},
              build="python -m mha_ep.models.build bert --which minilm"),  # fmt: skip
     ModelRow("MiniLM B=8 S=512, 2D mask", "minilm_mask2d_fp32.onnx", {"batch": 8, "sequence": 512},

@@ -178,7 +178,7 @@ def test_bench_models_runs_the_shipped_models(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [r["file"] for r in rows] == [
-        "bert_small_mask2d_fp32.onnx", "whisper_small_decoder_fp32.onnx", "whisper_small_encoder_fp32.onnx"
+        "bert_random_mask2d_fp32.onnx", "whisper_random_decoder_fp32.onnx", "whisper_random_encoder_fp32.onnx"
     ]
     assert all(r["declined"] == 0 and r["max_rel_error"] < 1e-4 and r["plugin_ms"] > 0 for r in rows)
     assert "| BERT small (shipped), B=8 S=128, 2D mask | 2/2 |" in done.stdout
@@ -188,7 +188,7 @@ def test_random_feeds_follow_casts_to_the_embedding_tables():
     from mha_ep.feeds import vocabulary_sizes
     from mha_ep.models import manifest
 
-    model = onnx.load(manifest.model_path(manifest.entries()["bert_small_mask1d_fp32.onnx"]))
+    model = onnx.load(manifest.model_path(manifest.entries()["bert_random_mask1d_fp32.onnx"]))
     assert vocabulary_sizes(model) == {"input_ids": 1000, "token_type_ids": 2}
 
 
