@@ -23,25 +23,48 @@ PROTOBUF_LIMIT = 2**31 - 2**24  # serialise through a file above this size
 
 
 class InferenceSession:
+    """``onnxruntime.InferenceSession``'s signature, then mha_ep's own keywords.
+
+    ``path_or_bytes``: a path, serialized model bytes, an ``onnx.ModelProto`` or a ``PartitionResult`` (already
+    partitioned: used as it is). ``sess_options``, ``providers`` and ``provider_options`` go to onnxruntime as
+    they would there (providers default to ``["CPUExecutionProvider"]``; ORT's execution mode is set to
+    sequential, the one in which the per-run context reaches the op). Keyword-only: ``backend`` ("auto",
+    "reference", "cuda"), ``device_id`` (the GPU of the cuda backend), ``lift_attention`` (rewrite
+    com.microsoft::Attention into MultiHeadAttention first).
+    """
+
     def __init__(
         self,
-        model,
-        backend: str = "auto",
-        device_id: int = 0,
+        path_or_bytes,
         sess_options=None,
         providers: Optional[Sequence] = None,
+        provider_options: Optional[Sequence[dict]] = None,
+        *,
+        backend: str = "auto",
+        device_id: int = 0,
         lift_attention: bool = False,
+        **kwargs,
     ):
         import onnxruntime as ort
 
-        self.partition: PartitionResult = partition(model, lift_attention=lift_attention)
+        if isinstance(sess_options, str):
+            raise TypeError(
+                f"mha_ep.InferenceSession: the second argument is onnxruntime.SessionOptions (as in onnxruntime), "
+                f"got the string {sess_options!r}; pass the backend by keyword: backend={sess_options!r}"
+            )
+        if isinstance(path_or_bytes, PartitionResult):
+            self.partition: PartitionResult = path_or_bytes
+        else:
+            self.partition = partition(path_or_bytes, lift_attention=lift_attention)
         self.backend = resolve_backend(backend, device_id)
         self.device_id = device_id
         options = sess_options if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         attach(options, self.backend, device_id)
-        self._session = _make_session(self.partition.model, options, providers or ["CPUExecutionProvider"])
+        self._session = _make_session(
+            self.partition.model, options, providers or ["CPUExecutionProvider"], provider_options, **kwargs
+        )
 
     @property
     def decisions(self):
@@ -101,12 +124,14 @@ class InferenceSession:
         return getattr(self._session, name)
 
 
-def _make_session(model: onnx.ModelProto, options, providers):
+def _make_session(model: onnx.ModelProto, options, providers, provider_options=None, **kwargs):
     import onnxruntime as ort
 
+    if provider_options is not None:
+        kwargs["provider_options"] = list(provider_options)
     if model.ByteSize() < PROTOBUF_LIMIT:
-        return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
+        return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers), **kwargs)
     with tempfile.TemporaryDirectory(prefix="mha_ep_") as folder:
         path = os.path.join(folder, "model.onnx")
         onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
-        return ort.InferenceSession(path, options, providers=list(providers))
+        return ort.InferenceSession(path, options, providers=list(providers), **kwargs)
