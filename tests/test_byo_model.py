@@ -233,3 +233,30 @@ def test_global_flags_work_after_the_subcommand_and_every_option_has_help(tmp_pa
     for name, sub in subparsers.items():
         for action in sub._actions:
             assert name == "bench" or action.help, f"mha-ep {name} {action.option_strings or action.dest} has no help"
+
+
+# ------------------------------------------------------------------------------------------ 6. ORT internals
+def test_private_symbolic_inference_is_used_only_on_tested_ort_releases():
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    from mha_ep.claim.shapes import private_symbolic_api_usable
+
+    assert private_symbolic_api_usable("1.31.1", SymbolicShapeInference)
+    assert private_symbolic_api_usable("1.23.2", SymbolicShapeInference)
+    assert not private_symbolic_api_usable("1.40.0", SymbolicShapeInference)
+    assert not private_symbolic_api_usable("1.19.2", SymbolicShapeInference)
+    assert not private_symbolic_api_usable("not a version", SymbolicShapeInference)
+    assert not private_symbolic_api_usable("1.31.1", type("Renamed", (), {"infer_shapes": staticmethod(lambda m: m)}))
+
+
+def test_an_untested_ort_release_takes_the_public_entry_point(monkeypatch, tmp_path):
+    """Same claims through the public entry point; its debugging file never lands in the user's folder."""
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "__version__", "9.0.0")
+    monkeypatch.chdir(tmp_path)
+    partial = one_mha()
+    partial.graph.input[0].type.tensor_type.shape.dim[0].ClearField("dim_value")  # a dim nobody can infer
+    assert mha_ep.partition(one_mha()).claimed == 1
+    assert mha_ep.partition(partial).claimed == 1
+    assert list(tmp_path.iterdir()) == []
