@@ -182,7 +182,7 @@ def test_bench_models_runs_the_shipped_models(tmp_path):
         "bert_random_mask2d_fp32.onnx", "whisper_random_decoder_fp32.onnx", "whisper_random_encoder_fp32.onnx"
     ]
     assert all(r["declined"] == 0 and r["max_rel_error"] < 1e-4 and r["plugin_ms"] > 0 for r in rows)
-    assert "| BERT small (shipped), B=8 S=128, 2D mask | 2/2 |" in done.stdout
+    assert "| BERT random-weight (shipped), B=8 S=128, 2D mask | 2/2 |" in done.stdout
 
 
 def test_random_feeds_follow_casts_to_the_embedding_tables():
