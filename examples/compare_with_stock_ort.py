@@ -8,7 +8,7 @@ import sys
 import mha_ep
 from mha_ep.models import manifest
 
-entry = manifest.entries()["whisper_small_decoder_fp32.onnx"]
+entry = manifest.entries()["whisper_random_decoder_fp32.onnx"]
 if len(sys.argv) > 1:
     report = mha_ep.compare(sys.argv[1], per_node=True)  # random feeds that are valid for the model
 else:

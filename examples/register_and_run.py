@@ -11,7 +11,7 @@ import mha_ep
 import mha_ep.feeds
 from mha_ep.models import manifest
 
-entry = manifest.entries()["bert_small_mask2d_fp32.onnx"]
+entry = manifest.entries()["bert_random_mask2d_fp32.onnx"]
 path = sys.argv[1] if len(sys.argv) > 1 else manifest.model_path(entry)
 
 # 1. Partition: claimed MultiHeadAttention nodes move to the mha_ep domain; the report says why any was declined.

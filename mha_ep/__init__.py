@@ -1,9 +1,13 @@
 """mha_ep: run and verify ONNX Runtime's com.microsoft::MultiHeadAttention through our own backends.
 
     result = mha_ep.partition("model.onnx")            # claim-time gate + graph pass; result.report()
-    sess = mha_ep.InferenceSession("model.onnx")       # partition + register + onnxruntime session
+    sess = mha_ep.InferenceSession("model.onnx", sess_options, providers, backend="auto")  # onnxruntime's order
     options = mha_ep.register(onnxruntime.SessionOptions(), backend="cuda")   # for your own sessions
     report = mha_ep.compare("model.onnx", per_node=True)   # stock ORT vs plugin, per output and per node
+    path = mha_ep.shipped_model("bert_random_mask2d_fp32.onnx")   # the shipped models, from anywhere
+
+``mha_ep.partition`` and ``mha_ep.compare`` are the modules of those names, and calling them calls their main
+function (``mha_ep.partition.partition``, ``mha_ep.compare.compare``).
 
 Where things live: spec.py (the contract), claim/ (the gate and the shared rules), partition.py (the pass),
 ops/ (the op, bridge adapter, registration, execute-time validation, backends: reference = NumPy, cuda = CuPy), compare.py, cli.py.
@@ -20,6 +24,7 @@ __all__ = [
     "register",
     "InferenceSession",
     "compare",
+    "shipped_model",
     "Decision",
     "MhaEpError",
     "MhaInputError",
@@ -30,8 +35,10 @@ __all__ = [
 
 from mha_ep.claim import Decision
 from mha_ep.errors import BackendUnavailableError, MhaEpError, MhaInputError, MhaModelError, MhaRunError
-from mha_ep.partition import PartitionResult, partition
-from mha_ep.compare import compare  # after this, `mha_ep.compare` is the function, not the module
+from mha_ep.partition import PartitionResult
+from mha_ep import partition  # noqa: E402 - the module; calling it partitions (mha_ep.partition(path))
+from mha_ep import compare  # noqa: E402 - the module; calling it compares (mha_ep.compare(path))
+from mha_ep.shipped import shipped_model  # noqa: E402
 
 
 def register(session_options, backend: str = "auto", device_id: int = 0):

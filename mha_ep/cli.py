@@ -1,10 +1,14 @@
 """The ``mha-ep`` command.
 
-    mha-ep demo                          the main job: shipped BERT and Whisper models, plugin vs stock ORT
-    mha-ep partition IN -o OUT           partition a model and print the claim report (--json for JSON)
-    mha-ep compare MODEL [--per-node]    stock ORT vs the plugin on random (or given) feeds; exit 1 on mismatch,
-                                         2 when stock ORT cannot run the model (nothing to compare against)
-    mha-ep bench [...]                   benchmarks (see mha_ep/bench.py)
+    mha-ep demo                          the shipped BERT and Whisper models, plugin vs stock ORT
+    mha-ep partition IN -o OUT           partition a model and print the claim report
+    mha-ep compare MODEL [--per-node]    stock ORT vs the plugin on random (or given) feeds, with a verdict
+    mha-ep bench hook|anchors|models     benchmarks (each: mha-ep bench WHAT --help)
+    mha-ep --version                     mha_ep, onnxruntime, onnxruntime-extensions, CuPy, the GPU, the backend
+
+Exit codes: 0 PASS (or done), 1 FAIL (outputs outside tolerance), 2 cannot run (bad input, a model that cannot
+be loaded, or that stock ORT cannot load or run), 3 NOTHING CLAIMED (compare: no node ran on the plugin).
+--json, in every subcommand that takes it: the result as one JSON object on stdout, errors included.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import sys
 
 import numpy as np
 
-from mha_ep.errors import MhaEpError
+EXIT_CANNOT_RUN = 2
+FEED_BYTES_LIMIT = 8 << 30  # random feeds larger than this are a mistake in --dim, not a test
 
 
 def parse_dim(item: str) -> tuple:
@@ -24,11 +29,19 @@ def parse_dim(item: str) -> tuple:
     name, _, value = item.partition("=")
     if not name or not value.isdigit():
         raise argparse.ArgumentTypeError(f"--dim expects NAME=VALUE with a whole number, got {item!r}")
+    if int(value) >= 2**31:
+        raise argparse.ArgumentTypeError(f"--dim {name}={value} is too large: a dim must be below 2**31")
     return name, int(value)
 
 
-def _dims(values):
-    return dict(values or [])
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
 
 
 def load_feeds(path: str) -> dict:
@@ -41,13 +54,25 @@ def load_feeds(path: str) -> dict:
         raise ValueError(f"{path!r} is not a readable .npz of feeds: {error}") from None
 
 
+def save_feeds(path: str, feeds: dict) -> None:
+    with open(path, "wb") as handle:  # np.savez on a name would append ".npz"; a handle keeps the name given
+        np.savez(handle, **feeds)
+
+
+def emit(args, text: str, data: dict) -> None:
+    print(json.dumps(data, indent=2, default=str) if getattr(args, "json", False) else text)
+
+
 def cmd_partition(args) -> int:
-    from mha_ep.partition import partition, save_model
+    from mha_ep.partition import partition
 
     result = partition(args.model, lift_attention=args.lift_attention)
-    print(result.to_json() if args.json else result.report())
     if args.output:
-        save_model(result.model, args.output)
+        result.save(args.output)
+    data = json.loads(result.to_json())
+    data["output"] = args.output
+    emit(args, result.report(), data)
+    if args.output and not args.json:
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
@@ -63,83 +88,152 @@ def cmd_compare(args) -> int:
         device_id=args.device_id,
         per_node=args.per_node,
         seed=args.seed,
-        dims=_dims(args.dim),
+        dims=dict(args.dim or []),
         lift_attention=args.lift_attention,
         runs=args.runs,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        atol=args.atol,
+        rtol=args.rtol,
+        progress=None if args.quiet else lambda line: print(f"mha-ep compare: {line}", file=sys.stderr, flush=True),
     )
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
-    if report.oracle is None:
-        return 2  # nothing to compare against (e.g. bfloat16 MultiHeadAttention, which stock ORT cannot run)
-    return 0 if report.passed else 1
+    if args.save_feeds and report.worst_feeds is not None:
+        save_feeds(args.save_feeds, report.worst_feeds)
+        report.notes.append(f"feeds saved to {args.save_feeds} (rerun with --feeds {args.save_feeds})")
+    emit(args, report.text(), report.to_dict())
+    return report.verdict.exit_code
 
 
 def cmd_demo(args) -> int:
     from mha_ep.demo import run_demo
 
-    return run_demo(backend=args.backend, device_id=args.device_id, per_node=args.per_node)
+    return run_demo(backend=args.backend, device_id=args.device_id, per_node=args.per_node, as_json=args.json)
 
 
-def cmd_bench(args) -> int:
+def cmd_bench(argv) -> int:
+    """The benchmarks parse (and document) their own options: ``mha-ep bench WHAT --help``."""
     from mha_ep.bench import main as bench_main
 
-    return bench_main(args.bench_args)
+    return bench_main(argv)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A usage mistake is one line (and exit 2), pointing at --help, not the whole usage block."""
+
+    def error(self, message):
+        self.exit(EXIT_CANNOT_RUN, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from mha_ep.environment import environment_lines
+
+        print("\n".join(environment_lines()))
+        parser.exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mha-ep", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (backend choice, kernel paths)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Global flags live on a parent parser given to every subcommand too, so they work before or after it.
+    common = OneLineParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="debug logging (backend choice, kernel paths) and tracebacks of internal errors")  # fmt: skip
+    parser = OneLineParser(
+        prog="mha-ep", description=__doc__, formatter_class=argparse.RawTextHelpFormatter, parents=[common]
+    )
+    parser.add_argument("--version", action=VersionAction, help="print mha_ep's environment (versions, GPU, backend) and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def backend_options(p):
-        p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
-        p.add_argument("--device-id", type=int, default=0, help="GPU for the cuda backend")
+        p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
+                       help="where claimed nodes run: cuda (CuPy), reference (NumPy), auto (cuda when usable)")  # fmt: skip
+        p.add_argument("--device-id", type=int, default=0, help="GPU for the cuda backend (default 0)")
 
-    p = sub.add_parser("demo", help="run the shipped BERT and Whisper models through the plugin and stock ORT")
+    def json_option(p):
+        p.add_argument("--json", action="store_true", help="print the result (or the error) as one JSON object")
+
+    def lift_option(p):
+        p.add_argument("--lift-attention", action="store_true",
+                       help="rewrite com.microsoft::Attention into MatMuls + MultiHeadAttention first; the report "
+                            "gives the reason for every Attention node that is not lifted")  # fmt: skip
+
+    p = sub.add_parser("demo", parents=[common], help="run the shipped BERT and Whisper models through the plugin and stock ORT")
     backend_options(p)
     p.add_argument("--per-node", action="store_true", help="also report every claimed node's error")
+    json_option(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("partition", help="claim MHA nodes for the plugin and print the decisions")
-    p.add_argument("model")
+    p = sub.add_parser("partition", parents=[common], help="claim MHA nodes for the plugin and print the decisions")
+    p.add_argument("model", help="the ONNX model to partition")
     p.add_argument("-o", "--output", help="where to write the partitioned model")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--lift-attention", action="store_true", help="rewrite com.microsoft::Attention into MHA first")
+    json_option(p)
+    lift_option(p)
     p.set_defaults(func=cmd_partition)
 
-    p = sub.add_parser("compare", help="stock ORT vs the plugin on the same feeds")
-    p.add_argument("model")
+    p = sub.add_parser("compare", parents=[common], help="stock ORT vs the plugin on the same feeds, with a verdict",
+                       description="Verdicts and exit codes: PASS 0, FAIL 1 (outputs outside tolerance), CANNOT RUN 2 "
+                                   "(the model cannot be loaded, or stock ORT cannot load or run it), NOTHING CLAIMED 3 "
+                                   "(no node ran on the plugin).")  # fmt: skip
+    p.add_argument("model", help="the ONNX model (not partitioned) to compare")
     backend_options(p)
     p.add_argument("--per-node", action="store_true", help="report every claimed node's output error")
     p.add_argument("--feeds", help=".npz file with the feeds (default: random, valid for the model)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=1, help="random feed sets to try (worst error reported)")
-    p.add_argument("--dim", action="append", type=parse_dim, help="value of a symbolic dim for random feeds, NAME=VALUE")
-    p.add_argument("--lift-attention", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--save-feeds", metavar="PATH",
+                   help="write the feeds used (with --runs: the set with the worst error) to this .npz, for --feeds")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
+    p.add_argument("--runs", type=int, default=1, help="random feed sets to try; the worst error is reported")
+    p.add_argument("--dim", action="append", type=parse_dim, metavar="NAME=VALUE",
+                   help="value of a symbolic input dim for random feeds (repeatable)")  # fmt: skip
+    p.add_argument("--atol", type=non_negative_float,
+                   help="absolute tolerance for every output (default: by the dtype the model computes in)")  # fmt: skip
+    p.add_argument("--rtol", type=non_negative_float,
+                   help="relative tolerance for every output (default: by the dtype the model computes in)")  # fmt: skip
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    lift_option(p)
+    json_option(p)
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("bench", help="benchmarks: hook | anchors | models; `mha-ep bench WHAT --help`", add_help=False)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_bench)
+    sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models (mha-ep bench WHAT --help)")
     return parser
+
+
+def _error(command: str, as_json: bool, message: str, code: int = EXIT_CANNOT_RUN) -> int:
+    if as_json:
+        data = {"command": command, "error": message, "exit_code": code}
+        if command == "compare":
+            data.update(verdict="CANNOT RUN", reason=message)
+        print(json.dumps(data, indent=2))
+    print(f"mha-ep {command}: error: {message}", file=sys.stderr)
+    return code
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":  # the benchmarks parse (and document) their own options
-        from mha_ep.bench import main as bench_main
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    verbose = getattr(args, "verbose", False)
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s")
+    as_json = getattr(args, "json", False)
+    from mha_ep.environment import MISSING_ONNXRUNTIME, onnxruntime_missing
 
-        command, run = "bench", lambda: bench_main(argv[1:])
-    else:
-        args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
-        command, run = args.command, lambda: args.func(args)
+    if onnxruntime_missing():
+        return _error(args.command, as_json, MISSING_ONNXRUNTIME)
+    from mha_ep.errors import MhaEpError
+
     try:
-        return run()
-    except (OSError, ValueError, MhaEpError) as error:  # bad input: one line, no traceback
-        print(f"mha-ep {command}: error: {error}", file=sys.stderr)
-        return 2
+        return args.func(args)
+    except (OSError, ValueError, ImportError, MhaEpError) as error:  # bad input: one line, no traceback
+        return _error(args.command, as_json, str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+    except MemoryError:
+        return _error(args.command, as_json, "out of memory (are the --dim values what you meant?)")
+    except KeyboardInterrupt:
+        print(f"mha-ep {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - a bug of ours: still one line, the traceback only with -v
+        if verbose:
+            raise
+        return _error(args.command, as_json, f"internal error: {type(error).__name__}: {error} (run with -v for the traceback)")
 
 
 if __name__ == "__main__":

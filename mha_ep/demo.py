@@ -1,4 +1,4 @@
-"""``mha-ep demo``: the main job on the shipped models (mha_ep/models/default, see its MANIFEST.json).
+"""``mha-ep demo``: plugin vs stock ORT on the shipped models (found by mha_ep/shipped.py; see their MANIFEST.json).
 
 For every shipped BERT and Whisper model: partition it (claim report), run it with the plugin and with stock ORT
 on the same valid feeds, and print per-output errors (per node with --per-node) and timings. Exit status 0 only
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from mha_ep.compare import compare
+from mha_ep.compare import compare, table
 from mha_ep.models import manifest
 from mha_ep.ops.backends import cuda_unavailable_reason
 
@@ -26,7 +26,20 @@ def describe_backend(backend: str, device_id: int) -> str:
     return f"reference (NumPy): no usable GPU here ({reason})"
 
 
-def run_demo(backend: str = "auto", device_id: int = 0, per_node: bool = False, out=sys.stdout) -> int:
+def run_demo(backend: str = "auto", device_id: int = 0, per_node: bool = False, out=sys.stdout, as_json=False) -> int:
+    if as_json:  # the same run; the text goes nowhere and one JSON object goes to ``out``
+        import io
+        import json
+
+        rows: list = []
+        code = _run(backend, device_id, per_node, io.StringIO(), rows)
+        data = {"verdict": "PASS" if code == 0 else "FAIL", "exit_code": code, "models": [r.to_dict() for r in rows]}
+        print(json.dumps(data, indent=2, default=str), file=out)
+        return code
+    return _run(backend, device_id, per_node, out, [])
+
+
+def _run(backend, device_id, per_node, out, reports) -> int:
     entries = manifest.load()["models"]
     print(f"mha_ep demo: {len(entries)} shipped models; backend: {describe_backend(backend, device_id)}", file=out)
     if backend == "auto":  # said above, so the sessions need not say it again
@@ -47,17 +60,17 @@ def run_demo(backend: str = "auto", device_id: int = 0, per_node: bool = False, 
         )
         print(report.text(), file=out, flush=True)
         worst = max((c.max_rel for c in report.outputs + report.nodes), default=0.0)
+        reports.append(report)
         rows.append((entry["file"], report, worst))
     print(f"\nsummary ({time.perf_counter() - started:.1f} s):", file=out)
-    print(f"  {'model':<38} {'MHA':>4} {'claimed':>8} {'declined':>9} {'worst rel err':>14} "
-          f"{'stock ms':>9} {'plugin ms':>10}  verdict", file=out)
-    for name, report, worst in rows:
-        part = report.partition
-        print(
-            f"  {name:<38} {len(part.decisions):>4} {part.claimed:>8} {part.declined:>9} {worst:>14.2e} "
-            f"{report.stock_ms:>9.2f} {report.plugin_ms:>10.2f}  {'PASS' if report.passed else 'FAIL'}",
-            file=out,
-        )
+    header = ["model", "MHA", "claimed", "declined", "worst rel err", "stock ms", "plugin ms", "verdict"]
+    body = [
+        [name, len(r.partition.decisions), r.partition.claimed, r.partition.declined, f"{worst:.2e}",
+         f"{r.stock_ms:.2f}", f"{r.plugin_ms:.2f}", r.verdict.value]
+        for name, r, worst in rows
+    ]  # fmt: skip
+    for line in table(header, body):
+        print(line, file=out)
     failed = [name for name, report, _ in rows if not report.passed]
     total_claimed = sum(r.partition.claimed for _, r, _ in rows)
     total_declined = sum(r.partition.declined for _, r, _ in rows)

@@ -18,6 +18,7 @@ DEFAULT_BATCH = 2
 DEFAULT_SEQUENCE = 8
 DEFAULT_PAST = 4
 FALLBACK_DIM = 4
+FEED_BYTES_LIMIT = 4 << 30  # one random input larger than this is a mistake in the dims, not a test
 
 
 def default_dim(param: str) -> int:
@@ -102,11 +103,31 @@ def random_feeds(
         if value.name in initializer_names:
             continue
         tensor = value.type.tensor_type
+        if not value.type.HasField("tensor_type"):
+            raise ValueError(f"input {value.name!r} is not a tensor; random feeds cannot be made for it, pass feeds")
+        if not tensor.HasField("shape"):
+            raise ValueError(
+                f"input {value.name!r} has no recorded shape (not even its rank), so random feeds cannot be made "
+                f"for it; pass feeds (--feeds x.npz) or give the input a shape in the model"
+            )
         shape = tuple(int(d.dim_value) if d.HasField("dim_value") else dims.get(d.dim_param, FALLBACK_DIM)
                       for d in tensor.shape.dim)  # fmt: skip
         dtype = dtype_name(tensor.elem_type)
+        size = int(np.prod(shape, dtype=object)) * _itemsize(dtype)
+        if size > FEED_BYTES_LIMIT:
+            raise ValueError(
+                f"input {value.name!r} of shape {shape} would take {size / 2**30:.1f} GiB of random feeds (limit "
+                f"{FEED_BYTES_LIMIT / 2**30:.0f} GiB); check the dims ({dims})"
+            )
         feeds[value.name] = np.asarray(_random_tensor(rng, value.name, shape, dtype, vocab.get(value.name)))
     return feeds
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # bfloat16, string, ...: an estimate is enough for the size check
+        return 8
 
 
 def _random_tensor(rng, name: str, shape, dtype: str, vocab: Optional[int]) -> np.ndarray:

@@ -20,6 +20,8 @@ Rules of the pass (the code refers to them by number):
 
 from __future__ import annotations
 
+import sys
+import types
 import copy
 import json
 import logging
@@ -46,12 +48,31 @@ MHA_OPSET_MIN_IR = 8  # model-local functions need IR version 8
 ONNX_TO_ELEM = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
 
 
+def how_to_get_mha(lift_requested: bool) -> str:
+    """The note of a report with no MultiHeadAttention node: where such nodes come from."""
+    lift = (
+        "the onnxscript ORT fusions (onnxscript.rewriter.ort_fusions) make com.microsoft::Attention, which "
+        + ("--lift-attention rewrites where it can (see the reasons above)" if lift_requested
+           else "--lift-attention (partition(..., lift_attention=True)) rewrites into MultiHeadAttention")
+    )  # fmt: skip
+    return (
+        "the model has no com.microsoft::MultiHeadAttention node, so there is nothing to claim. To get them: ORT's "
+        "transformer optimizer (python -m onnxruntime.transformers.optimizer --input IN --output OUT --model_type "
+        f"bert --num_heads N --hidden_size H --use_multi_head_attention), or {lift}"
+    )
+
+
 @dataclass
 class PartitionResult:
+    """What ``partition`` did: the new model, one Decision per MultiHeadAttention node in graph order, and,
+    when ``lift_attention`` was asked for, one LiftDecision per com.microsoft::Attention node."""
+
     model: onnx.ModelProto
     decisions: List[Decision]
     lifted_attention: int = 0
     notes: List[str] = field(default_factory=list)
+    lift_requested: bool = False
+    lift_decisions: list = field(default_factory=list)  # mha_ep.lift.LiftDecision, graph order
 
     @property
     def claimed(self) -> int:
@@ -61,43 +82,78 @@ class PartitionResult:
     def declined(self) -> int:
         return len(self.decisions) - self.claimed
 
+    @property
+    def not_lifted(self) -> list:
+        return [d for d in self.lift_decisions if not d.lifted]
+
     def report(self) -> str:
+        """The decisions as text: one line per MHA node (claimed, or declined with its reason), one per
+        Attention node that was not lifted (with its reason), then notes."""
         lines = [
             f"mha_ep partition: {len(self.decisions)} MultiHeadAttention node(s), {self.claimed} claimed, "
             f"{self.declined} declined"
         ]
-        if self.lifted_attention:
-            lines.append(f"  ({self.lifted_attention} com.microsoft::Attention node(s) lifted into MultiHeadAttention)")
-        for d in self.decisions:
+        if self.lift_requested:
+            lines.append(f"  {self.lifted_attention} com.microsoft::Attention node(s) lifted into MultiHeadAttention, "
+                         f"{len(self.not_lifted)} not lifted")  # fmt: skip
+        width = max((len(d.node_name or "<unnamed>") + 1 for d in self.decisions), default=0)
+        for d in self.decisions:  # reasons start in one column however long the node names are
             name = d.node_name or "<unnamed>"
-            lines.append(f"  claimed   {name}" if d.claimed else f"  declined  {name}: {d.reason}")
+            lines.append(f"  claimed   {name}" if d.claimed else f"  declined  {(name + ':').ljust(width)} {d.reason}")
+        for d in self.not_lifted:
+            lines.append(f"  not lifted  {d.node_name}: {d.reason}")
+        if not self.decisions:
+            lines.append(f"  note: {how_to_get_mha(self.lift_requested)}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
+    def to_dict(self) -> dict:
+        return {
+            "mha_nodes": len(self.decisions),
+            "claimed": self.claimed,
+            "declined": self.declined,
+            "lift_attention": self.lift_requested,
+            "lifted_attention": self.lifted_attention,
+            "decisions": [d.to_dict() for d in self.decisions],
+            "not_lifted": [{"node": d.node_name, "reason": d.reason} for d in self.not_lifted],
+            "notes": self.notes + ([how_to_get_mha(self.lift_requested)] if not self.decisions else []),
+        }
+
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "claimed": self.claimed,
-                "declined": self.declined,
-                "lifted_attention": self.lifted_attention,
-                "decisions": [d.to_dict() for d in self.decisions],
-                "notes": self.notes,
-            },
-            indent=2,
-        )
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the partitioned model to ``path``, whole or not at all (see ``save_model``)."""
+        save_model(self.model, path)
 
 
-def load_model(model: Union[onnx.ModelProto, str, os.PathLike]) -> onnx.ModelProto:
-    """A private copy of ``model`` (a ModelProto or a path); a clear ValueError when the path is not an ONNX model."""
+def load_model(model: Union[onnx.ModelProto, bytes, str, os.PathLike]) -> onnx.ModelProto:
+    """A private copy of ``model`` (a ModelProto, serialized bytes or a path); a clear ValueError (or
+    FileNotFoundError) when it is not a readable ONNX model: an empty or truncated file, or not protobuf at all."""
     if isinstance(model, onnx.ModelProto):
         return copy.deepcopy(model)
-    path = os.fspath(model)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no ONNX model at {path!r}")
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        where, data = "the model bytes", bytes(model)
+    else:
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no ONNX model at {path!r}")
+        where = repr(path)
+        with open(path, "rb") as handle:
+            data = handle.read()
+    if not data:
+        raise ValueError(f"{where} is not a readable ONNX model: it is empty (0 bytes)")
     try:
-        return onnx.load(path)
+        loaded = onnx.load_from_string(data)
     except Exception as error:  # noqa: BLE001 - protobuf's DecodeError and friends
-        raise ValueError(f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from None
+        raise ValueError(f"{where} is not a readable ONNX model: {type(error).__name__}: {error}") from None
+    if not loaded.HasField("graph") or not loaded.ir_version:
+        raise ValueError(f"{where} is not a readable ONNX model: it has no graph or no IR version (truncated?)")
+    if not isinstance(model, (bytes, bytearray, memoryview)) and any(
+        t.data_location == onnx.TensorProto.EXTERNAL for t in loaded.graph.initializer
+    ):
+        onnx.load_external_data_for_model(loaded, os.path.dirname(os.path.abspath(path)))
+    return loaded
 
 
 # One ModelProto serialises to at most 2 GiB (protobuf's limit; above it ``ByteSize()`` itself raises). Models
@@ -241,12 +297,18 @@ def is_plugin_mha(node: onnx.NodeProto) -> bool:
 
 def partition(model, lift_attention: bool = False) -> PartitionResult:
     """Partition ``model`` (an onnx.ModelProto or a path); the input model is not modified."""
+    from mha_ep.environment import require_onnxruntime
+
+    require_onnxruntime()  # without ORT's symbolic shape inference every decision would rest on missing shapes
     model = load_model(model)
     notes: List[str] = []
     lifted = 0
+    lift_decisions: list = []
     if lift_attention:
         from mha_ep.lift import lift_attention as lift
+        from mha_ep.lift import plan_lift
 
+        lift_decisions = plan_lift(model)
         model, lifted = lift(model, in_place=True)  # model is this call's private copy (load_model)
     infos = infer_static_infos(model)
     graph = model.graph
@@ -294,7 +356,7 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
             f"{count} com.microsoft::Attention node(s) stay with ORT"
             + ("" if lift_attention else "; partition(..., lift_attention=True) rewrites them into MatMuls + MHA")
         )
-    return PartitionResult(model, decisions, lifted, notes)
+    return PartitionResult(model, decisions, lifted, notes, lift_requested=lift_attention, lift_decisions=lift_decisions)
 
 
 PLUGIN_ATTRIBUTE_TYPE = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT, "string": onnx.AttributeProto.STRING}
@@ -591,3 +653,13 @@ def unregistered_function() -> onnx.FunctionProto:
         attributes=[a.name for a in spec.PLUGIN_ATTRIBUTES],
         doc_string="mha_ep::MultiHeadAttention runs only where mha_ep.register(session_options) was called.",
     )
+
+
+class _CallableModule(types.ModuleType):
+    """``mha_ep.partition`` is this module (``import mha_ep.partition`` names it); calling it calls ``partition()``."""
+
+    def __call__(self, *args, **kwargs):
+        return partition(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -21,26 +21,45 @@ from mha_ep.partition import PartitionResult, needs_external_data, partition, wr
 
 
 class InferenceSession:
+    """``onnxruntime.InferenceSession``'s signature, then mha_ep's own keywords.
+
+    ``path_or_bytes``: a path, serialized model bytes, an ``onnx.ModelProto`` or a ``PartitionResult`` (already
+    partitioned: used as it is). ``sess_options``, ``providers`` and ``provider_options`` go to onnxruntime as
+    they would there (providers default to ``["CPUExecutionProvider"]``; ORT's execution mode is set to
+    sequential, the one in which the per-run context reaches the op). Keyword-only: ``backend`` ("auto",
+    "reference", "cuda"), ``device_id`` (the GPU of the cuda backend), ``lift_attention`` (rewrite
+    com.microsoft::Attention into MultiHeadAttention first), ``device_mode``: "auto" runs the whole model on the
+    GPU (ORT CUDA pieces + our kernels, mha_ep/device) when ``providers`` include CUDAExecutionProvider and the
+    cuda backend can run, else through the bridge; "device" insists (DeviceModeUnavailableError says why not);
+    "bridge" never tries. ``mode`` and ``mode_reason`` say which runs and why. Other keywords go to onnxruntime.
+    """
+
     def __init__(
         self,
-        model,
-        backend: str = "auto",
-        device_id: int = 0,
+        path_or_bytes,
         sess_options=None,
         providers: Optional[Sequence] = None,
+        provider_options: Optional[Sequence[dict]] = None,
+        *,
+        backend: str = "auto",
+        device_id: int = 0,
         lift_attention: bool = False,
-        provider_options: Optional[Sequence] = None,
         device_mode="auto",
+        **kwargs,
     ):
-        """``device_mode``: "auto" runs the whole model on the GPU (ORT CUDA pieces + our kernels, mha_ep/device)
-        when ``providers`` include CUDAExecutionProvider and the cuda backend can run, else through the bridge;
-        "device" insists (DeviceModeUnavailableError says why not); "bridge" never tries. ``mode`` and
-        ``mode_reason`` say which runs and why."""
         import onnxruntime as ort
 
         from mha_ep.device.mode import normalise_mode
 
-        self.partition: PartitionResult = partition(model, lift_attention=lift_attention)
+        if isinstance(sess_options, str):
+            raise TypeError(
+                f"mha_ep.InferenceSession: the second argument is onnxruntime.SessionOptions (as in onnxruntime), "
+                f"got the string {sess_options!r}; pass the backend by keyword: backend={sess_options!r}"
+            )
+        if isinstance(path_or_bytes, PartitionResult):
+            self.partition: PartitionResult = path_or_bytes
+        else:
+            self.partition = partition(path_or_bytes, lift_attention=lift_attention)
         self.device_id = device_id
         self._runner = None
         wanted = normalise_mode(device_mode)
@@ -58,8 +77,9 @@ class InferenceSession:
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         attach(options, self.backend)
-        self._session = _make_session(self.partition.model, options, providers or ["CPUExecutionProvider"],
-                                      provider_options)  # fmt: skip
+        self._session = _make_session(
+            self.partition.model, options, providers or ["CPUExecutionProvider"], provider_options, **kwargs
+        )
 
     @property
     def decisions(self):
@@ -247,13 +267,14 @@ def own_run_options(caller=None):
     return own
 
 
-def _make_session(model: onnx.ModelProto, options, providers, provider_options=None):
+def _make_session(model: onnx.ModelProto, options, providers, provider_options=None, **kwargs):
     import onnxruntime as ort
 
-    extra = {} if provider_options is None else {"provider_options": list(provider_options)}
+    if provider_options is not None:
+        kwargs["provider_options"] = list(provider_options)
     if not needs_external_data(model):
-        return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers), **extra)
+        return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers), **kwargs)
     with tempfile.TemporaryDirectory(prefix="mha_ep_") as folder:  # over 2 GiB: through a file and its data
         path = os.path.join(folder, "model.onnx")
         write_model(model, path)
-        return ort.InferenceSession(path, options, providers=list(providers), **extra)
+        return ort.InferenceSession(path, options, providers=list(providers), **kwargs)

@@ -125,7 +125,7 @@ def test_cli_compare_says_when_stock_ort_cannot_be_the_oracle(tmp_path):
     onnx.save(model, source)
     done = run_cli("compare", str(source), "--backend", "reference")
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "stock ORT cannot run this model" in done.stdout and "NO ORACLE" in done.stdout
+    assert "CANNOT RUN: stock ORT cannot load this model" in done.stdout, done.stdout
 
 
 def test_cli_bad_paths_and_feeds_are_one_line_errors(tmp_path):
@@ -134,7 +134,8 @@ def test_cli_bad_paths_and_feeds_are_one_line_errors(tmp_path):
     garbage = tmp_path / "garbage.onnx"
     garbage.write_bytes(b"not a model")
     done = run_cli("compare", str(garbage))
-    assert done.returncode == 2 and "is not a readable ONNX model" in done.stderr
+    assert done.returncode == 2 and "CANNOT RUN: the model cannot be loaded" in done.stdout, done.stdout
+    assert "is not a readable ONNX model" in done.stdout and "Traceback" not in done.stderr
     source, feeds = tmp_path / "chain.onnx", tmp_path / "feeds.npz"
     onnx.save(chain_model(), source)
     np.savez(feeds, input_ids=np.zeros((2, 4), np.int64))
@@ -178,17 +179,17 @@ def test_bench_models_runs_the_shipped_models(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [r["file"] for r in rows] == [
-        "bert_small_mask2d_fp32.onnx", "whisper_small_decoder_fp32.onnx", "whisper_small_encoder_fp32.onnx"
+        "bert_random_mask2d_fp32.onnx", "whisper_random_decoder_fp32.onnx", "whisper_random_encoder_fp32.onnx"
     ]
     assert all(r["declined"] == 0 and r["max_rel_error"] < 1e-4 and r["plugin_ms"] > 0 for r in rows)
-    assert "| BERT small (shipped), B=8 S=128, 2D mask | 2/2 |" in done.stdout
+    assert "| BERT random-weight (shipped), B=8 S=128, 2D mask | 2/2 |" in done.stdout
 
 
 def test_random_feeds_follow_casts_to_the_embedding_tables():
     from mha_ep.feeds import vocabulary_sizes
     from mha_ep.models import manifest
 
-    model = onnx.load(manifest.model_path(manifest.entries()["bert_small_mask1d_fp32.onnx"]))
+    model = onnx.load(manifest.model_path(manifest.entries()["bert_random_mask1d_fp32.onnx"]))
     assert vocabulary_sizes(model) == {"input_ids": 1000, "token_type_ids": 2}
 
 
@@ -196,11 +197,13 @@ def test_compare_over_many_feed_sets_reports_the_worst_and_shows_progress(tmp_pa
     lines = []
     report = mha_ep.compare(chain_model(), backend="reference", per_node=True, runs=3, repeat=1, progress=lines.append)
     assert report.passed, report.text()
-    assert lines == ["[1/3] feeds seed 0", "[2/3] feeds seed 1", "[3/3] feeds seed 2"]
+    runs = [line for line in lines if line.startswith("[")]
+    assert runs == [f"[{i}/3] running both sessions (feeds seed {i - 1})" for i in (1, 2, 3)], lines
+    assert lines.index("stock ORT: loading the model ...") < lines.index("plugin: creating the session ...")
     single = [mha_ep.compare(chain_model(), backend="reference", seed=s, repeat=1).outputs[0].max_rel for s in range(3)]
     assert report.outputs[0].max_rel == max(single)
     assert "worst of 3 feed sets" in report.text()
     source = tmp_path / "chain.onnx"
     onnx.save(chain_model(), source)
     done = run_cli("compare", str(source), "--backend", "reference", "--runs", "2")
-    assert done.returncode == 0 and "[2/2] feeds seed 1" in done.stderr, done.stderr
+    assert done.returncode == 0 and "[2/2] running both sessions (feeds seed 1)" in done.stderr, done.stderr

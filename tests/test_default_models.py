@@ -83,7 +83,7 @@ def test_shipped_model_runs_on_stock_ort_with_manifest_feeds(name):
 
 def test_padding_is_honoured_by_the_1d_and_2d_bert_models():
     """Changing the ids of padded positions must not change any real token's output."""
-    for name in ("bert_small_mask1d_fp32.onnx", "bert_small_mask2d_fp32.onnx"):
+    for name in ("bert_random_mask1d_fp32.onnx", "bert_random_mask2d_fp32.onnx"):
         entry = ENTRIES[name]
         feeds = manifest.make_feeds(entry, dims={"batch": 4, "sequence": 12}, seed=3)
         mask = feeds["attention_mask"].astype(bool)

@@ -1,4 +1,4 @@
-"""The main job: `mha-ep demo` on the shipped models (reference backend on CI machines)."""
+"""`mha-ep demo` on the shipped models: plugin vs stock ORT (reference backend on CI machines)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,14 @@ def test_demo_command_says_which_backend_it_used():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     first = done.stdout.splitlines()[0]
     assert "backend: " in first and ("reference (NumPy)" in first or "cuda (CuPy" in first), first
+
+
+def test_demo_json_is_one_object_with_every_models_verdict():
+    import json
+
+    out = io.StringIO()
+    assert run_demo(backend="reference", out=out, as_json=True) == 0
+    data = json.loads(out.getvalue())
+    assert data["verdict"] == "PASS" and data["exit_code"] == 0
+    assert len(data["models"]) == len(manifest.load()["models"])
+    assert all(m["verdict"] == "PASS" and m["claimed"] == m["partition"]["mha_nodes"] for m in data["models"])

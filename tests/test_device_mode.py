@@ -7,7 +7,6 @@ these tests cover what only whole models show: several pieces, float16 models, r
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -15,12 +14,13 @@ import onnxruntime
 import pytest
 
 import mha_ep
+from mha_ep import shipped
 from conftest import device_mode_unavailable_reason
 from mha_ep.feeds import random_feeds
 from mha_ep.models.synthetic import bert_encoder, encoder_feeds
 
 pytestmark = pytest.mark.gpu
-SHIPPED = sorted((Path(mha_ep.__file__).parent / "models" / "default").glob("*.onnx"))
+SHIPPED = sorted(shipped.folder().glob("*.onnx"))
 PROVIDERS = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
 # Whole models against stock ORT CUDA, both without TF32: the pieces are the same ORT CUDA kernels, so what differs
 # is the attention (held to ORT CPU at 1e-5 / 4e-3 node by node in the parity suites) carried through the rest.

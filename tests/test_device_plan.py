@@ -7,7 +7,6 @@ them (tests/test_device_mode.py runs the same plans on the GPU).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -17,6 +16,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import mha_ep
+from mha_ep import shipped
 from mha_ep import spec
 from mha_ep.device import AttentionStep, DevicePlanError, PieceStep, plan_device
 from mha_ep.device.mode import (
@@ -26,7 +26,7 @@ from mha_ep.device.run import HostExecutor, run_plan
 from mha_ep.feeds import random_feeds
 from mha_ep.ops.backends import create_backend
 
-SHIPPED = sorted((Path(mha_ep.__file__).parent / "models" / "default").glob("*.onnx"))
+SHIPPED = sorted(shipped.folder().glob("*.onnx"))
 TOLERANCE = {"float32": 1e-5, "float16": 4e-3}
 
 

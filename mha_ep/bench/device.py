@@ -115,7 +115,6 @@ def stock_calls(model_bytes: bytes, feeds: dict, device_feeds: dict, output: str
 
 def bench_encoder(row: EncoderRow, repeats: int) -> dict:
     import cupy
-    import onnxruntime as ort
 
     import mha_ep
     from mha_ep.models.synthetic import bert_encoder, encoder_feeds

@@ -1,6 +1,6 @@
 """``mha-ep bench models``: whole models, host to host, plugin vs stock ORT (CPU, and CUDA when present).
 
-Rows: the shipped small BERT and Whisper models (always there), and the real-weight MiniLM (S = 128 and 512) and
+Rows: the shipped random-weight BERT and Whisper-shaped models (always there), and the real-weight MiniLM (S = 128 and 512) and
 Whisper tiny.en (decode step with a 447-token past, encoder on 30 s of audio) when they were built into
 ``--models-dir`` (``python -m mha_ep.models.build ...``; a missing one is listed with the command that builds it).
 Feeds are random but valid for each model (mha_ep/feeds.py). Times are medians in ms per ``session.run``; the
@@ -36,10 +36,10 @@ class ModelRow:
 
 
 ROWS = (
-    ModelRow("BERT small (shipped), B=8 S=128, 2D mask", "bert_small_mask2d_fp32.onnx", {"batch": 8, "sequence": 128}, True),
-    ModelRow("Whisper small decoder (shipped), past 63", "whisper_small_decoder_fp32.onnx",
+    ModelRow("BERT random-weight (shipped), B=8 S=128, 2D mask", "bert_random_mask2d_fp32.onnx", {"batch": 8, "sequence": 128}, True),
+    ModelRow("Whisper-shaped random-weight decoder (shipped), past 63", "whisper_random_decoder_fp32.onnx",
              {"batch": 1, "past_decode_len": 63}, True),  # fmt: skip
-    ModelRow("Whisper small encoder (shipped), B=4", "whisper_small_encoder_fp32.onnx", {"batch": 4}, True),
+    ModelRow("Whisper-shaped random-weight encoder (shipped), B=4", "whisper_random_encoder_fp32.onnx", {"batch": 4}, True),
     ModelRow("MiniLM B=8 S=128, 2D mask", "minilm_mask2d_fp32.onnx", {"batch": 8, "sequence": 128},
              build="python -m mha_ep.models.build bert --which minilm"),  # fmt: skip
     ModelRow("MiniLM B=8 S=512, 2D mask", "minilm_mask2d_fp32.onnx", {"batch": 8, "sequence": 512},

@@ -10,6 +10,7 @@ import logging
 from typing import Dict
 
 import onnx
+from packaging.version import InvalidVersion, Version
 
 from mha_ep.claim.tensor_info import TensorInfo
 from mha_ep.dtypes import dtype_name
@@ -45,24 +46,62 @@ def collect_infos(model: onnx.ModelProto) -> Dict[str, TensorInfo]:
     return infos
 
 
-def symbolic_shape_inference(model: onnx.ModelProto) -> onnx.ModelProto:
-    """ORT's SymbolicShapeInference.infer_shapes without its failure path.
+# ORT releases whose SymbolicShapeInference internals (_preprocess, _infer_impl, _update_output_from_vi, run_,
+# out_mp_) were read and tested here; outside this range only the public entry point is used.
+PRIVATE_SYMBOLIC_API_TESTED = (Version("1.20"), Version("1.32"))  # [first, end)
+PRIVATE_SYMBOLIC_API = ("_preprocess", "_infer_impl", "_update_output_from_vi")
 
-    The public entry point saves the model to "sym_shape_infer_temp.onnx" (plus external-data files) in the current
-    directory and raises when any shape stays unknown. A partial result is still what the gate wants (unknown dims
-    are accepted and re-checked at execute time), and a library must not write into the user's folder.
+
+def private_symbolic_api_usable(ort_version: str, inference_class) -> bool:
+    """True when this ORT is in the tested range and its SymbolicShapeInference still has the internals."""
+    first, end = PRIVATE_SYMBOLIC_API_TESTED
+    try:
+        version = Version(Version(ort_version).base_version)
+    except InvalidVersion:
+        return False
+    return first <= version < end and all(callable(getattr(inference_class, n, None)) for n in PRIVATE_SYMBOLIC_API)
+
+
+def symbolic_shape_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ORT's symbolic shape inference, keeping a partial result.
+
+    The public entry point ``SymbolicShapeInference.infer_shapes`` saves the model to "sym_shape_infer_temp.onnx"
+    in the current directory and raises when any shape stays unknown; a partial result is still what the gate
+    wants (unknown dims are accepted and re-checked at execute time), and a library must not write into the
+    user's folder. So on the ORT releases we tested (``PRIVATE_SYMBOLIC_API_TESTED``) the same steps run here
+    without that failure path; on any other release the public entry point runs (a model it cannot infer
+    completely then falls back to ONNX shape inference, see ``infer_static_infos``).
     """
+    import onnxruntime
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_opset
 
     opset = get_opset(model)
     if not opset or opset < 7:
         raise ValueError(f"symbolic shape inference needs ai.onnx opset >= 7, got {opset}")
+    if not private_symbolic_api_usable(onnxruntime.__version__, SymbolicShapeInference):
+        return _public_symbolic_shape_inference(model, SymbolicShapeInference)
     inference = SymbolicShapeInference(2**31 - 1, True, False, 0)
     inference._preprocess(model)
     while inference.run_:
         inference._infer_impl()
     inference._update_output_from_vi()
     return inference.out_mp_
+
+
+def _public_symbolic_shape_inference(model: onnx.ModelProto, inference_class) -> onnx.ModelProto:
+    """The public entry point, with its debugging file removed when it wrote one (it raises on a partial result)."""
+    import os
+
+    leftover = "sym_shape_infer_temp.onnx"
+    existed = os.path.exists(leftover)
+    try:
+        inferred = inference_class.infer_shapes(model, 2**31 - 1, True, False, 0)
+    finally:
+        if not existed and os.path.exists(leftover):
+            os.unlink(leftover)
+    if inferred is None:
+        raise ValueError("ORT's symbolic shape inference declined the model")
+    return inferred
 
 
 def infer_static_infos(model: onnx.ModelProto) -> Dict[str, TensorInfo]:

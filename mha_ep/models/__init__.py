@@ -8,7 +8,8 @@
   audio.py               wav reading and Whisper's log-mel features in NumPy
   whisper_transcribe.py  greedy decoding with KV cache, stock ORT vs the plugin
   minilm_embeddings.py   mean-pooled MiniLM embeddings, stock ORT vs the plugin
-  default/               the shipped small models, MANIFEST.json, and speech wavs
+  (the shipped random-weight models, MANIFEST.json and speech wavs are in the top-level models/ folder;
+                         mha_ep/shipped.py finds them in a checkout or an installed wheel)
 
 Only the builders need torch; the shipped models, the manifest, transcription and embeddings run without it.
 """

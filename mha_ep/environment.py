@@ -1,0 +1,107 @@
+"""What this install has: versions of mha_ep and its runtime pieces, the GPU, and the backend "auto" picks.
+
+    mha-ep --version          prints environment_lines()
+    require_onnxruntime()     one clear ImportError (which extra to install) where onnxruntime is missing
+
+Nothing here imports onnxruntime or CuPy unless asked; a missing or broken piece is a line, never an exception.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from typing import List, Optional
+
+MISSING_ONNXRUNTIME = (
+    "onnxruntime is not installed; install mha_ep with one ORT flavour: "
+    "pip install 'mha-ep[cpu]' (CPU), 'mha-ep[gpu]' (CUDA 13 GPU) or 'mha-ep[gpu-cuda12]'"
+)
+ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "ort-nightly")
+
+
+def onnxruntime_missing() -> bool:
+    try:
+        return importlib.util.find_spec("onnxruntime") is None
+    except (ImportError, ValueError):
+        return True
+
+
+def require_onnxruntime() -> None:
+    """Raise ImportError naming the extra to install when onnxruntime cannot be imported."""
+    if onnxruntime_missing():
+        raise ImportError(MISSING_ONNXRUNTIME)
+
+
+def _distribution_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def onnxruntime_line() -> str:
+    if onnxruntime_missing():
+        return f"onnxruntime: not installed ({MISSING_ONNXRUNTIME})"
+    flavours = [f"{n} {v}" for n in ORT_DISTRIBUTIONS if (v := _distribution_version(n))]
+    try:
+        import onnxruntime as ort
+
+        providers = ", ".join(ort.get_available_providers())
+        version = ort.__version__
+    except Exception as error:  # noqa: BLE001 - a broken install is a line, not a crash
+        return f"onnxruntime: installed but not importable ({type(error).__name__}: {error})"
+    flavour = " + ".join(flavours) or "unknown distribution"
+    warning = "; two ORT flavours are installed, which share one module: keep one" if len(flavours) > 1 else ""
+    return f"onnxruntime: {version} ({flavour}; providers {providers}){warning}"
+
+
+def extensions_line() -> str:
+    version = _distribution_version("onnxruntime-extensions")
+    return f"onnxruntime-extensions: {version or 'not installed (pip install onnxruntime-extensions)'}"
+
+
+def cupy_line() -> str:
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy: not installed (the cuda backend needs the gpu extra)"
+    try:
+        import cupy
+
+        return f"CuPy: {cupy.__version__}"
+    except Exception as error:  # noqa: BLE001
+        return f"CuPy: installed but not importable ({type(error).__name__}: {error})"
+
+
+def device_line(device_id: int = 0) -> str:
+    from mha_ep.ops.backends import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason(device_id)
+    if reason is not None:
+        return f"CUDA device: none usable ({reason})"
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return f"CUDA device {device_id}: {name}, compute capability {props['major']}.{props['minor']}"
+
+
+def auto_backend_line(device_id: int = 0) -> str:
+    from mha_ep.ops.backends import cuda_unavailable_reason
+
+    if cuda_unavailable_reason(device_id) is None:
+        return f'backend "auto": cuda (CuPy on GPU {device_id})'
+    return 'backend "auto": reference (NumPy; no usable GPU)'
+
+
+def environment_lines(device_id: int = 0) -> List[str]:
+    import platform
+
+    from mha_ep import __version__
+
+    return [
+        f"mha_ep {__version__} (Python {platform.python_version()})",
+        onnxruntime_line(),
+        extensions_line(),
+        cupy_line(),
+        device_line(device_id),
+        auto_backend_line(device_id),
+    ]
