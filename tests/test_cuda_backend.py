@@ -237,9 +237,14 @@ def test_thousand_calls_return_the_memory_pool_to_its_baseline(cupy_module, repl
     pool = cupy_module.get_default_memory_pool()
     first = backend.run(problem)
     backend.run(problem)
-    baseline = pool.used_bytes()
-    for _ in range(1000):
-        result = backend.run(problem)
+    gc.collect()  # earlier tests' objects (device-mode sessions hold pool memory) must not be freed mid-count
+    gc.disable()
+    try:
+        baseline = pool.used_bytes()
+        for _ in range(1000):
+            result = backend.run(problem)
+    finally:
+        gc.enable()
     assert pool.used_bytes() == baseline, f"pool used bytes {pool.used_bytes()} != baseline {baseline}"
     np.testing.assert_array_equal(result.output_BSDv, first.output_BSDv)
 
