@@ -73,57 +73,51 @@ def max_rel_error(actual, expected) -> float:
     return float(np.max(np.abs(a - e) / np.maximum(1.0, np.abs(e))))
 
 
-def stock_calls(model_bytes: bytes, feeds: dict, device_feeds: dict, output: str, sess_options=None) -> dict:
-    """ort_numpy, ort_iobinding and ort_graph calls of stock ORT CUDA, and its output for the error column."""
+def stock_calls(model_bytes: bytes, feeds: dict, device_feeds: dict, sess_options=None) -> tuple:
+    """The ort_numpy, ort_iobinding and ort_graph calls of stock ORT CUDA (every output bound on the GPU), and its
+    outputs for the error column."""
     import onnxruntime as ort
 
     plain = ort.InferenceSession(model_bytes, sess_options, providers=[CUDA, "CPUExecutionProvider"])
     if CUDA not in plain.get_providers():
         raise RuntimeError("stock ORT did not get the CUDA provider (onnxruntime-gpu with its CUDA libraries needed)")
-    calls = {"ort_numpy": lambda: plain.run(None, feeds)}
+    names = [o.name for o in plain.get_outputs()]
+    expected = plain.run(None, feeds)
 
-    def bound(session):
-        binding = session.io_binding()
+    def binding(session, fixed_outputs: bool):
+        io = session.io_binding()
         for name, array in device_feeds.items():
-            binding.bind_input(name, "cuda", 0, array.dtype.type, list(array.shape), array.data.ptr)
-        binding.bind_output(output, "cuda", 0)
-        return binding
+            io.bind_input(name, "cuda", 0, array.dtype.type, list(array.shape), array.data.ptr)
+        for name, value in zip(names, expected):
+            if fixed_outputs:  # ORT's graph replays need every output at a fixed address
+                io.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_shape_and_type(
+                    list(value.shape), value.dtype.type, "cuda", 0))  # fmt: skip
+            else:
+                io.bind_output(name, "cuda", 0)
+        return io
 
-    io = bound(plain)
+    def timed(session, io):
+        def call():
+            session.run_with_iobinding(io)
+            io.synchronize_outputs()
 
-    def iobinding():
-        plain.run_with_iobinding(io)
-        io.synchronize_outputs()
+        return call
 
-    calls["ort_iobinding"] = iobinding
     graph = ort.InferenceSession(model_bytes, sess_options, providers=[(CUDA, {"enable_cuda_graph": "1"}),
                                                                        "CPUExecutionProvider"])  # fmt: skip
-    gio = graph.io_binding()
-    for name, array in device_feeds.items():
-        gio.bind_input(name, "cuda", 0, array.dtype.type, list(array.shape), array.data.ptr)
-    out = ort.OrtValue.ortvalue_from_shape_and_type(list(plain.run(None, feeds)[0].shape),
-                                                    feeds[next(iter(feeds))].dtype.type, "cuda", 0)  # fmt: skip
-    gio.bind_ortvalue_output(output, out)
-
-    def graphed():
-        graph.run_with_iobinding(gio)
-        gio.synchronize_outputs()
-
-    calls["ort_graph"] = graphed
-    return calls, plain.run(None, feeds)[0]
+    calls = {"ort_numpy": lambda: plain.run(None, feeds), "ort_iobinding": timed(plain, binding(plain, False)),
+             "ort_graph": timed(graph, binding(graph, True))}  # fmt: skip
+    return calls, expected
 
 
-def bench_encoder(row: EncoderRow, repeats: int) -> dict:
+def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[float] = None) -> dict:
+    """Every column of one model with ``feeds`` (module docstring)."""
     import cupy
 
     import mha_ep
-    from mha_ep.models.synthetic import bert_encoder, encoder_feeds
 
-    model = bert_encoder(layers=row.layers, dtype=row.dtype)
-    model_bytes = model.SerializeToString()
-    feeds = encoder_feeds(row.batch, row.sequence, dtype=row.dtype)
     device_feeds = {name: cupy.asarray(value) for name, value in feeds.items()}
-    calls, stock_out = stock_calls(model_bytes, feeds, device_feeds, "last_hidden_state")
+    calls, expected = stock_calls(model.SerializeToString(), feeds, device_feeds)
     providers = [CUDA, "CPUExecutionProvider"]
     device = mha_ep.InferenceSession(model, backend="cuda", providers=providers, device_mode="device")
     runner = device.device_runner
@@ -145,16 +139,69 @@ def bench_encoder(row: EncoderRow, repeats: int) -> dict:
     calls["dev_feeds"] = with_graphs(False, on_device)
     calls["dev_graph"] = with_graphs(True, lambda: device.run(None, feeds))
     calls["dev_graph_feeds"] = with_graphs(True, on_device)
-    ours = device.run(None, feeds)[0]
+    runner.graphs_enabled = False
+    eager = device.run(None, feeds)
     medians = time_in_turns(calls, repeats)
-    replayed = sum(entry is not None for entry in runner.graphs.entries.values())
     runner.graphs_enabled = True
-    result = {"label": row.label, "mode": device.mode, "steps": runner.plan.describe().splitlines()[0],
-              "graphs_captured": replayed, "max_rel_error_vs_ort_cuda": max_rel_error(ours, stock_out),
-              "graph_error_vs_ort_cuda": max_rel_error(device.run(None, feeds)[0], stock_out),
-              "tflops_dev_graph": row.flops() / medians["dev_graph"] / 1e12}  # fmt: skip
+    replayed = device.run(None, feeds)
+    result = {
+        "label": label, "mode": device.mode, "steps": runner.plan.describe().splitlines()[0],
+        "graphs_captured": sum(entry is not None for entry in runner.graphs.entries.values()),
+        "graph_refusal": runner.executor.graph_refusal,
+        "max_rel_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(eager, expected)),
+        "graph_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(replayed, expected)),
+    }  # fmt: skip
+    if flops:
+        result["tflops_dev_graph"] = flops / medians["dev_graph"] / 1e12
     result.update({f"{name}_ms": seconds * 1e3 for name, seconds in medians.items()})
     return result
+
+
+def bench_encoder(row: EncoderRow, repeats: int) -> dict:
+    from mha_ep.models.synthetic import bert_encoder, encoder_feeds
+
+    model = bert_encoder(layers=row.layers, dtype=row.dtype)
+    return bench_model(row.label, model, encoder_feeds(row.batch, row.sequence, dtype=row.dtype), repeats,
+                       row.flops())  # fmt: skip
+
+
+def bench_real(row, models_dir: Path, repeats: int) -> Optional[dict]:
+    """A real-weight row of bench/models.py (MiniLM, Whisper tiny.en), or None when its model was not built."""
+    import onnx
+
+    from mha_ep.feeds import random_feeds
+
+    path = Path(models_dir) / row.file
+    if not path.exists():
+        return None
+    model = onnx.load(str(path))
+    return bench_model(row.label, model, random_feeds(model, seed=0, dims=row.dims), repeats)
+
+
+def plot(results: list, path: Path) -> bool:
+    """Bars of every column per row (ms, log scale) into ``path``; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(12, 0.9 + 0.75 * len(results)))
+    height = 0.8 / len(COLUMNS)
+    for index, column in enumerate(COLUMNS):
+        values = [r.get(f"{column}_ms", np.nan) for r in results]
+        axes.barh([i + index * height for i in range(len(results))], values, height, label=column)
+    axes.set_yticks([i + 0.4 - height / 2 for i in range(len(results))], [r["label"] for r in results], fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xscale("log")
+    axes.set_xlabel("ms per call (median, timed in turns); lower is better")
+    axes.legend(fontsize=7, ncols=len(COLUMNS), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(results)))
+    axes.set_title("mha_ep device-resident mode vs stock ORT CUDA, whole models")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
 
 
 def format_row(r: dict) -> str:
@@ -173,25 +220,42 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--repeats", type=int, default=10, help="rounds of calls timed in turns (median of each)")
     parser.add_argument("--only", default="", help="only rows whose label contains this text")
     parser.add_argument("--layers", type=int, default=12, help="encoder layers (12: BERT-base)")
-    parser.add_argument("--out", help="folder for bench_device.json")
+    parser.add_argument("--rows", choices=("all", "encoder", "real"), default="all",
+                        help="the synthetic BERT-base encoder rows, the real-weight rows, or both")
+    parser.add_argument("--models-dir", default=None,
+                        help="where the real MiniLM / Whisper tiny.en models were built (default: the builder's "
+                             "folder); a row whose model is missing is skipped with the command that builds it")
+    parser.add_argument("--out", help="folder for bench_device.json and bench_device.png")
     args = parser.parse_args(argv)
     import onnxruntime as ort
 
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
-    rows = [EncoderRow(r.batch, r.sequence, r.dtype, args.layers) for r in ENCODER_ROWS if args.only in r.label]
+    rows = [EncoderRow(r.batch, r.sequence, r.dtype, args.layers) for r in ENCODER_ROWS
+            if args.only in r.label and args.rows != "real"]  # fmt: skip
     print("| row | " + " | ".join(COLUMNS) + " | dev_graph/ort_numpy | dev_graph_feeds/ort_iobinding "
           "| dev_graph_feeds/ort_graph | bridge/dev_graph | err vs ORT CUDA |")  # fmt: skip
     print("|---|" + "---|" * (len(COLUMNS) + 5))
+    from mha_ep.bench.models import ROWS as MODEL_ROWS
+    from mha_ep.models.export import default_out_dir
+
+    real = [r for r in MODEL_ROWS if not r.shipped and args.only in r.label and args.rows != "encoder"]
+    models_dir = Path(args.models_dir) if args.models_dir else default_out_dir()
     results = []
-    for index, row in enumerate(rows, 1):
-        print(f"[{index}/{len(rows)}] {row.label}", file=sys.stderr, flush=True)
-        result = bench_encoder(row, args.repeats)
+    total = len(rows) + len(real)
+    for index, row in enumerate(list(rows) + real, 1):
+        print(f"[{index}/{total}] {row.label}", file=sys.stderr, flush=True)
+        result = bench_encoder(row, args.repeats) if isinstance(row, EncoderRow) else bench_real(
+            row, models_dir, args.repeats)  # fmt: skip
+        if result is None:
+            print(f"| {row.label} | not built: `{row.build}` |", flush=True)
+            continue
         results.append(result)
         print(format_row(result), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_device.json").write_text(json.dumps(results, indent=2))
+        plot(results, Path(args.out) / "bench_device.png")
     return 0
 
 
