@@ -31,7 +31,7 @@ class InferenceSession:
     com.microsoft::Attention into MultiHeadAttention first), ``device_mode``: "auto" runs the whole model on the
     GPU (ORT CUDA pieces + our kernels, mha_ep/device) when ``providers`` include CUDAExecutionProvider and the
     cuda backend can run, else through the bridge; "device" insists (DeviceModeUnavailableError says why not);
-    "bridge" never tries. ``mode`` and ``mode_reason`` say which runs and why. Other keywords go to onnxruntime.
+    "python-op" never tries. ``mode`` and ``mode_reason`` say which runs and why. Other keywords go to onnxruntime.
     """
 
     def __init__(
@@ -63,8 +63,8 @@ class InferenceSession:
         self.device_id = device_id
         self._runner = None
         wanted = normalise_mode(device_mode)
-        self.mode, self.mode_reason = "bridge", "device_mode='bridge' was asked for"
-        if wanted != "bridge":
+        self.mode, self.mode_reason = "python-op", "device_mode='python-op' was asked for"
+        if wanted != "python-op":
             self._runner, self.mode_reason = _device_runner(self.partition, backend, device_id, sess_options,
                                                             providers, provider_options, wanted)  # fmt: skip
         if self._runner is not None:
@@ -107,7 +107,7 @@ class InferenceSession:
         """Device mode only: like ``run``, with the outputs left on the GPU as CuPy arrays (a decode loop can feed
         them back, e.g. its KV cache, without a host round trip)."""
         if self._runner is None:
-            raise MhaEpError(f"run_device needs device mode; this session runs through the bridge: {self.mode_reason}")
+            raise MhaEpError(f"run_device needs device mode; this session runs claimed nodes as a Python op: {self.mode_reason}")
         return self._runner.run(output_names, input_feed, device_outputs=True)
 
     def get_inputs(self):

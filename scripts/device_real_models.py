@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="where to rebuild the models (default: a temporary folder)")
     parser.add_argument("--which", nargs="+", default=["whisper", "minilm"], choices=["whisper", "minilm"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"])
-    parser.add_argument("--device-mode", default="bridge", choices=["bridge", "device"],
+    parser.add_argument("--device-mode", default="python-op", choices=["python-op", "device"],
                         help="device: whole models on the GPU (needs onnxruntime-gpu on the path)")
     args = parser.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="mha_ep_real_")

@@ -23,12 +23,12 @@ def test_the_encoder_flop_model_counts_dense_layers_and_attention():
 
 def test_calls_are_timed_in_turns_and_the_slow_ones_in_at_most_five_rounds():
     order = []
-    calls = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "bridge")}
+    calls = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "python_op")}
     medians = device.time_in_turns(calls, repeats=8)
-    assert set(medians) == {"a", "b", "bridge"}
-    fast = [name for name in order if name != "bridge"]
+    assert set(medians) == {"a", "b", "python_op"}
+    fast = [name for name in order if name != "python_op"]
     assert fast[4:20] == ["a", "b"] * 8, fast  # after each one's two warm-up calls: a, b, a, b, ...
-    assert order.count("bridge") == 2 + 5
+    assert order.count("python_op") == 2 + 5
 
 
 def test_a_row_prints_every_column_and_the_target_ratios():
@@ -40,7 +40,7 @@ def test_a_row_prints_every_column_and_the_target_ratios():
     assert ratios == [round(columns["dev_graph"] / columns["ort_numpy"], 2),
                       round(columns["dev_graph_feeds"] / columns["ort_iobinding"], 2),
                       round(columns["dev_graph_feeds"] / columns["ort_graph"], 2),
-                      round(columns["bridge"] / columns["dev_graph"], 2)]  # fmt: skip
+                      round(columns["python_op"] / columns["dev_graph"], 2)]  # fmt: skip
 
 
 def test_the_plot_is_a_png_with_a_bar_per_column_and_row(tmp_path):

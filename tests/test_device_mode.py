@@ -114,5 +114,5 @@ def test_auto_picks_device_mode_with_the_cuda_provider_and_the_bridge_without():
     path = str(SHIPPED[0])
     assert mha_ep.InferenceSession(path, providers=PROVIDERS).mode == "device"
     assert mha_ep.InferenceSession(path, providers=["CUDAExecutionProvider"]).mode == "device"
-    assert mha_ep.InferenceSession(path, providers=["CPUExecutionProvider"]).mode == "bridge"
-    assert mha_ep.InferenceSession(path, providers=PROVIDERS, device_mode="bridge").mode == "bridge"
+    assert mha_ep.InferenceSession(path, providers=["CPUExecutionProvider"]).mode == "python-op"
+    assert mha_ep.InferenceSession(path, providers=PROVIDERS, device_mode="python-op").mode == "python-op"

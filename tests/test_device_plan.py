@@ -204,8 +204,8 @@ def test_the_mode_rules_give_the_first_failing_reason():
 
 
 def test_modes_and_provider_options_are_read_as_onnxruntime_spells_them():
-    assert [normalise_mode(m) for m in ("auto", True, False, None, "device", "bridge")] == [
-        "auto", "device", "bridge", "auto", "device", "bridge"]  # fmt: skip
+    assert [normalise_mode(m) for m in ("auto", True, False, None, "device", "python-op")] == [
+        "auto", "device", "python-op", "auto", "device", "python-op"]  # fmt: skip
     with pytest.raises(ValueError, match="device_mode must be one of"):
         normalise_mode("gpu")
     assert cuda_options_of([("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})], None) == {
@@ -224,7 +224,7 @@ def test_a_bfloat16_cut_is_a_reason_for_the_bridge():
 def test_a_cpu_machine_runs_the_bridge_and_says_why():
     path = str(SHIPPED[0])
     auto = mha_ep.InferenceSession(path, backend="reference", providers=["CPUExecutionProvider"])
-    assert auto.mode == "bridge" and "CUDAExecutionProvider" in auto.mode_reason
+    assert auto.mode == "python-op" and "CUDAExecutionProvider" in auto.mode_reason
     with pytest.raises(DeviceModeUnavailableError, match="device_mode='device' cannot run"):
         mha_ep.InferenceSession(path, backend="reference", providers=["CPUExecutionProvider"], device_mode="device")
     with pytest.raises(mha_ep.MhaEpError, match="run_device needs device mode"):

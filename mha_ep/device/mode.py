@@ -1,4 +1,5 @@
-"""Which mode a ``mha_ep.InferenceSession`` runs in: device-resident or the bridge, and why.
+"""Which mode a ``mha_ep.InferenceSession`` runs in: device-resident, or claimed nodes as a Python op inside one
+onnxruntime session (the bridge), and why.
 
 Device mode runs when all of these hold, checked in this order (the first that fails is the reason):
   1. the session's providers include CUDAExecutionProvider;
@@ -6,8 +7,9 @@ Device mode runs when all of these hold, checked in this order (the first that f
   3. the backend is, or ``auto`` resolves to, ``cuda`` (CuPy and a GPU);
   4. the model cuts into a device plan (device/plan.py: every tensor crossing a cut has a known element type);
   5. no tensor crossing a cut is bfloat16 (CuPy has no bfloat16 arrays; the bridge runs such models).
-``device_mode``: "auto" (the default) takes device mode when it can and the bridge otherwise, with the reason;
-"device" (or True) insists and raises DeviceModeUnavailableError with the reason; "bridge" (or False) never tries.
+``device_mode``: "auto" (the default) takes device mode when it can and the Python op otherwise, with the reason;
+"device" (or True) insists and raises DeviceModeUnavailableError with the reason; "python-op" (or False) never
+tries.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Optional, Sequence
 
 from mha_ep.errors import MhaEpError
 
-MODES = ("auto", "device", "bridge")
+MODES = ("auto", "device", "python-op")
 CUDA_PROVIDER = "CUDAExecutionProvider"
 
 
@@ -27,7 +29,7 @@ class DeviceModeUnavailableError(MhaEpError):
 
 @dataclass(frozen=True)
 class ModeDecision:
-    mode: str  # "device" | "bridge"
+    mode: str  # "device" | "python-op"
     reason: str  # why the bridge, or "" for device mode
 
 
@@ -35,7 +37,7 @@ def normalise_mode(device_mode) -> str:
     if device_mode is True:
         return "device"
     if device_mode is False or device_mode is None:
-        return "bridge" if device_mode is False else "auto"
+        return "python-op" if device_mode is False else "auto"
     if device_mode in MODES:
         return device_mode
     raise ValueError(f"device_mode must be one of {MODES} (or True/False), got {device_mode!r}")
@@ -73,5 +75,5 @@ def reason_in_plan(plan) -> Optional[str]:
     wide = sorted(name for name, dtype in plan.dtypes.items() if dtype == "bfloat16")
     if wide:
         return (f"tensor {wide[0]!r} (and {len(wide) - 1} more) crossing a device step is bfloat16, which CuPy "
-                f"cannot hold; the bridge runs bfloat16 models")  # fmt: skip
+                f"cannot hold; the Python-op path runs bfloat16 models")  # fmt: skip
     return None

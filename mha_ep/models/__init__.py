@@ -15,12 +15,12 @@ Only the builders need torch; the shipped models, the manifest, transcription an
 """
 
 
-def plugin_session(path, backend: str = "reference", device_mode: str = "bridge", **options):
+def plugin_session(path, backend: str = "reference", device_mode: str = "python-op", **options):
     """The tools' plugin session: through the bridge (ORT CPU around the op), or with ``device_mode="device"`` the
     whole model in device-resident mode (ORT CUDA pieces + the cuda backend)."""
     import mha_ep
 
-    providers = None if device_mode == "bridge" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    providers = None if device_mode == "python-op" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return mha_ep.InferenceSession(str(path), backend=backend, providers=providers, device_mode=device_mode, **options)
 
 

@@ -62,7 +62,7 @@ def embed(session, feeds) -> np.ndarray:
 
 
 def compare_embeddings(models=None, masks=("1d", "2d"), dtype="fp32", backend="reference",
-                       sentences: Sequence[str] = SENTENCES, device_mode: str = "bridge") -> List[dict]:
+                       sentences: Sequence[str] = SENTENCES, device_mode: str = "python-op") -> List[dict]:
     import onnxruntime as ort
 
     from mha_ep.models import plugin_session
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     parser.add_argument("--backend", default="reference")
     parser.add_argument("--min-cosine", type=float, default=0.99999)
-    parser.add_argument("--device-mode", choices=("bridge", "device"), default="bridge",
+    parser.add_argument("--device-mode", choices=("python-op", "device"), default="python-op",
                         help="device: the whole model on the GPU (ORT CUDA + the cuda backend; needs onnxruntime-gpu)")
     args = parser.parse_args(argv)
     ok = True

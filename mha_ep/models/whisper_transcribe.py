@@ -36,7 +36,7 @@ def stock_session_factory(path):
 
 
 def plugin_session_factory(backend: str = "reference", device_id: int = 0, lift_attention: bool = True,
-                           device_mode: str = "bridge"):  # fmt: skip
+                           device_mode: str = "python-op"):  # fmt: skip
     """Sessions through mha_ep: every MHA node the gate accepts runs in the plugin (``device_mode``: see
     mha_ep.models.plugin_session)."""
 
@@ -136,7 +136,7 @@ def tokenizer():
 
 
 def transcribe_both(wavs, models=None, dtype="fp32", backend="reference", max_tokens=64, progress=True,
-                    device_mode="bridge"):  # fmt: skip
+                    device_mode="python-op"):  # fmt: skip
     """Decode each wav with stock ORT and with the plugin; returns a list of per-utterance result dicts."""
     folder = Path(models) if models else default_out_dir()
     paths = model_paths(folder, dtype=dtype)
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     parser.add_argument("--backend", default="reference", help="plugin backend: reference | cuda | auto")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--device-mode", choices=("bridge", "device"), default="bridge",
+    parser.add_argument("--device-mode", choices=("python-op", "device"), default="python-op",
                         help="device: the whole model on the GPU (ORT CUDA + the cuda backend; needs onnxruntime-gpu)")
     args = parser.parse_args(argv)
     wavs = args.wavs or [audio.DEFAULT_DIR / n for n in audio.UTTERANCES]
