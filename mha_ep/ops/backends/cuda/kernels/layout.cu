@@ -16,13 +16,15 @@
 //   4. the float sum is rounded once to ELEM and stored; when dst_f32_BNTH is given, the same rounded value is
 //      also stored as float32 (the present_key / present_value output the host downloads).
 // The query uses this kernel too, with P = 0: (B, S, D) + b_q -> (B, N, S, H).
+// SRC is the sources' type: float for the float32 transport arrays (build_dense_BNTH), ELEM for tensors already
+// in the compute dtype (build_dense_BNTH_native, device-resident mode), each value widened to float on load.
 // VEC: consecutive d handled by one thread (4: 16-byte loads; the host picks it when dim % 4 == 0, which with its
 // 256-byte aligned buffers makes every access aligned). Several values per thread keep loads in flight.
-template <typename ELEM, int VEC>
-__global__ void build_dense_BNTH(const float* __restrict__ cur, int cur_is_bnsh,
-                                 const float* __restrict__ past_BNPH, const float* __restrict__ bias_NH,
-                                 ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH, int batch,
-                                 int heads, int cur_seq, int past_seq, int dim) {
+template <typename ELEM, int VEC, typename SRC>
+__device__ __forceinline__ void build_dense_rows(const SRC* __restrict__ cur, int cur_is_bnsh,
+                                                 const SRC* __restrict__ past_BNPH, const SRC* __restrict__ bias_NH,
+                                                 ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH,
+                                                 int batch, int heads, int cur_seq, int past_seq, int dim) {
   const int total = past_seq + cur_seq;  // the host checked that P + L fits an int
   const int groups = dim / VEC;          // VEC-wide groups of one row
   const long long count = (long long)batch * heads * total * groups;
@@ -35,19 +37,19 @@ __global__ void build_dense_BNTH(const float* __restrict__ cur, int cur_is_bnsh,
     float value[VEC];
     if (s < past_seq) {
       // Step 1: the past rows.
-      load_floats<VEC>(past_BNPH + (((long long)b * heads + h) * past_seq + s) * dim + d, value);
+      load_as_floats<SRC, VEC>(past_BNPH + (((long long)b * heads + h) * past_seq + s) * dim + d, value);
     } else {
       // Step 2: the current rows, from either layout.
       const int sc = s - past_seq;
       if (cur_is_bnsh) {
-        load_floats<VEC>(cur + (((long long)b * heads + h) * cur_seq + sc) * dim + d, value);
+        load_as_floats<SRC, VEC>(cur + (((long long)b * heads + h) * cur_seq + sc) * dim + d, value);
       } else {
-        load_floats<VEC>(cur + (((long long)b * cur_seq + sc) * heads + h) * dim + d, value);
+        load_as_floats<SRC, VEC>(cur + (((long long)b * cur_seq + sc) * heads + h) * dim + d, value);
       }
       // Step 3: the bias of this head and dim.
       if (bias_NH != nullptr) {
         float bias[VEC];
-        load_floats<VEC>(bias_NH + (long long)h * dim + d, bias);
+        load_as_floats<SRC, VEC>(bias_NH + (long long)h * dim + d, bias);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) value[k] += bias[k];
       }
@@ -64,6 +66,26 @@ __global__ void build_dense_BNTH(const float* __restrict__ cur, int cur_is_bnsh,
     store_elems<ELEM, VEC>(dst_BNTH + dst, stored);
     if (dst_f32_BNTH != nullptr) store_floats<VEC>(dst_f32_BNTH + dst, rounded);
   }
+}
+
+template <typename ELEM, int VEC>
+__global__ void build_dense_BNTH(const float* __restrict__ cur, int cur_is_bnsh,
+                                 const float* __restrict__ past_BNPH, const float* __restrict__ bias_NH,
+                                 ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH, int batch,
+                                 int heads, int cur_seq, int past_seq, int dim) {
+  build_dense_rows<ELEM, VEC, float>(cur, cur_is_bnsh, past_BNPH, bias_NH, dst_BNTH, dst_f32_BNTH, batch, heads,
+                                     cur_seq, past_seq, dim);
+}
+
+// Device-resident mode: sources in the compute dtype. A wanted present *is* dst_BNTH (the host passes the present
+// buffer as the operand), so there is no float32 mirror.
+template <typename ELEM, int VEC>
+__global__ void build_dense_BNTH_native(const ELEM* __restrict__ cur, int cur_is_bnsh,
+                                        const ELEM* __restrict__ past_BNPH, const ELEM* __restrict__ bias_NH,
+                                        ELEM* __restrict__ dst_BNTH, int batch, int heads, int cur_seq,
+                                        int past_seq, int dim) {
+  build_dense_rows<ELEM, VEC, ELEM>(cur, cur_is_bnsh, past_BNPH, bias_NH, dst_BNTH, nullptr, batch, heads,
+                                    cur_seq, past_seq, dim);
 }
 
 // Context (B, N, S, Hv) float32 accumulators of the P.V GEMM -> output (B, S, N*Hv) float32, each value rounded
@@ -83,47 +105,6 @@ __global__ void context_to_BSD(const float* __restrict__ ctx_BNSH, float* __rest
 #pragma unroll
     for (int k = 0; k < VEC; ++k) value[k] = round_to<ELEM>(value[k]);
     store_floats<VEC>(out_BSD + idx * VEC, value);
-  }
-}
-
-// build_dense_BNTH for tensors already in the compute dtype (device-resident mode: ORT hands the node's own
-// float16 tensors over, with no float32 transport). Steps 0-3 as above, reading ELEM and widening each value to
-// float; step 4 rounds the float sum once to ELEM. A present output, when wanted, *is* dst_BNTH (the host passes
-// the present buffer as the operand), so there is no second store.
-template <typename ELEM, int VEC>
-__global__ void build_dense_BNTH_native(const ELEM* __restrict__ cur, int cur_is_bnsh,
-                                        const ELEM* __restrict__ past_BNPH, const ELEM* __restrict__ bias_NH,
-                                        ELEM* __restrict__ dst_BNTH, int batch, int heads, int cur_seq,
-                                        int past_seq, int dim) {
-  const int total = past_seq + cur_seq;
-  const int groups = dim / VEC;
-  const long long count = (long long)batch * heads * total * groups;
-  const bool fits_u32 = count <= U32_LIMIT;
-  for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
-    int g, s, h, b;
-    unravel4(idx, fits_u32, groups, total, heads, g, s, h, b);
-    const int d = g * VEC;
-    float value[VEC];
-    if (s < past_seq) {
-      load_as_floats<ELEM, VEC>(past_BNPH + (((long long)b * heads + h) * past_seq + s) * dim + d, value);
-    } else {
-      const int sc = s - past_seq;
-      if (cur_is_bnsh) {
-        load_as_floats<ELEM, VEC>(cur + (((long long)b * heads + h) * cur_seq + sc) * dim + d, value);
-      } else {
-        load_as_floats<ELEM, VEC>(cur + (((long long)b * cur_seq + sc) * heads + h) * dim + d, value);
-      }
-      if (bias_NH != nullptr) {
-        float bias[VEC];
-        load_as_floats<ELEM, VEC>(bias_NH + (long long)h * dim + d, bias);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) value[k] += bias[k];
-      }
-    }
-    ELEM stored[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) stored[k] = from_float<ELEM>(value[k]);
-    store_elems<ELEM, VEC>(dst_BNTH + idx * VEC, stored);
   }
 }
 
