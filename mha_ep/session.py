@@ -66,7 +66,7 @@ class InferenceSession:
         self.mode, self.mode_reason = "python-op", "device_mode='python-op' was asked for"
         if wanted != "python-op":
             self._runner, self.mode_reason = _device_runner(self.partition, backend, device_id, sess_options,
-                                                            providers, provider_options, wanted)  # fmt: skip
+                                                            providers, provider_options, wanted, kwargs)  # fmt: skip
         if self._runner is not None:
             self.mode = "device"
             self.backend = self._runner.executor.backend
@@ -173,7 +173,7 @@ class InferenceSession:
 
 
 def _device_runner(result: PartitionResult, backend: str, device_id: int, sess_options, providers,
-                   provider_options, wanted: str):  # fmt: skip
+                   provider_options, wanted: str, session_kwargs: dict):  # fmt: skip
     """(DeviceRunner, "") when device mode can run (device/mode.py's rules), else (None, the reason); with
     ``wanted == "device"`` the reason is raised as DeviceModeUnavailableError instead."""
     import onnxruntime as ort
@@ -210,7 +210,8 @@ def _device_runner(result: PartitionResult, backend: str, device_id: int, sess_o
     # ORT's own enable_cuda_graph option switches our whole-call graphs (on unless it says "0"); the pieces never
     # capture graphs of their own (ORT's capture cannot nest inside ours).
     graphs = str(cuda_options.pop("enable_cuda_graph", "1")).lower() not in ("0", "false")
-    runner = DeviceRunner(plan, CudaBackend(device_id), sess_options, cuda_options, graphs=graphs)
+    runner = DeviceRunner(plan, CudaBackend(device_id), sess_options, cuda_options, graphs=graphs,
+                          session_kwargs=session_kwargs)  # every ORT piece gets the keywords ORT would
     return runner, ""
 
 

@@ -181,6 +181,8 @@ def test_feeds_are_checked_by_name():
         run_plan(plan, executor, {}, {})
     with pytest.raises(ValueError, match=r"feed\(s\) \['nope'\] name no graph input"):
         run_plan(plan, executor, {"x": np.zeros((2, 5, 8), np.float32), "nope": np.zeros(1)}, {})
+    with pytest.raises(ValueError, match=r"output\(s\) \['r'\] are not graph outputs; the model's outputs are \['y', 'z'\]"):
+        run_plan(plan, executor, {"x": np.zeros((2, 5, 8), np.float32)}, {}, ["r"])
 
 
 def test_an_attention_step_error_names_its_node(rng):

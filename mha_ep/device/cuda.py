@@ -32,7 +32,7 @@ import onnx
 
 from mha_ep.dtypes import elem_type
 from mha_ep.device.plan import AttentionStep, DevicePlan, PieceStep
-from mha_ep.device.run import attention_problem, run_plan
+from mha_ep.device.run import attention_problem, check_call, run_plan
 from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.problem import resolve_padding_mask
 
@@ -74,7 +74,8 @@ def ortvalue_to_cupy(value, device_id: int) -> cupy.ndarray:
 class DeviceExecutor:
     """Executor (device/run.py) over CuPy arrays on ``backend``'s device and stream."""
 
-    def __init__(self, plan: DevicePlan, backend, sess_options=None, cuda_options: Optional[dict] = None):
+    def __init__(self, plan: DevicePlan, backend, sess_options=None, cuda_options: Optional[dict] = None,
+                 session_kwargs: Optional[dict] = None):  # fmt: skip
         import onnxruntime as ort
 
         self.plan = plan
@@ -89,7 +90,8 @@ class DeviceExecutor:
         self.graph_refusal: Optional[str] = None  # why whole-call graphs would replay wrong values, if they would
         with tempfile.TemporaryDirectory(prefix="mha_ep_pieces_") as folder:
             for piece in plan.pieces:
-                session, refusal = _piece_session(ort, piece, options, providers, os.path.join(folder, "piece.onnx"))
+                session, refusal = _piece_session(ort, piece, options, providers, os.path.join(folder, "piece.onnx"),
+                                                  session_kwargs or {})  # fmt: skip
                 self.graph_refusal = self.graph_refusal or refusal
                 self.sessions[id(piece)] = session
                 self.bindings[id(piece)] = session.io_binding()
@@ -163,7 +165,7 @@ class DeviceExecutor:
         return [None if name is None else value for name, value in zip(step.outputs, results)]
 
 
-def _piece_session(ort, piece: PieceStep, options, providers, saved: str):
+def _piece_session(ort, piece: PieceStep, options, providers, saved: str, session_kwargs: dict):
     """An ORT CUDA session over ``piece``, and None or the reason its work must not be captured in a CUDA graph.
 
     ORT places some nodes (shape arithmetic, ops without CUDA kernels) on the CPU and puts Memcpy nodes between
@@ -180,7 +182,7 @@ def _piece_session(ort, piece: PieceStep, options, providers, saved: str):
     previous = options.optimized_model_filepath
     options.optimized_model_filepath = saved
     try:
-        session = ort.InferenceSession(source, options, providers=providers)
+        session = ort.InferenceSession(source, options, providers=providers, **session_kwargs)
     finally:
         options.optimized_model_filepath = previous
     if "CUDAExecutionProvider" not in session.get_providers():
@@ -204,9 +206,9 @@ class DeviceRunner:
     """One device-mode session's runs: the plan, its executor, the whole-call graphs, one call at a time."""
 
     def __init__(self, plan: DevicePlan, backend, sess_options=None, cuda_options: Optional[dict] = None,
-                 graphs: bool = True):  # fmt: skip
+                 graphs: bool = True, session_kwargs: Optional[dict] = None):  # fmt: skip
         self.plan = plan
-        self.executor = DeviceExecutor(plan, backend, sess_options, cuda_options)
+        self.executor = DeviceExecutor(plan, backend, sess_options, cuda_options, session_kwargs)
         self.graphs = CallGraphs(self)
         self.graphs_enabled = graphs  # whole-call CUDA graphs for repeated feed signatures (module docstring, 5)
         self._lock = threading.Lock()
@@ -216,7 +218,7 @@ class DeviceRunner:
         return self.executor.stream
 
     def run(self, output_names: Optional[Sequence[str]], feeds: dict, device_outputs: bool = False) -> list:
-        names = list(self.plan.outputs) if not output_names else list(output_names)
+        names = check_call(self.plan, feeds, output_names)
         with self._lock, cupy.cuda.Device(self.executor.device_id), self.stream:
             outputs = None
             self.executor.begin_call()
@@ -270,7 +272,7 @@ class CallGraphs:
             if entry is None:
                 return None
             self.entries.move_to_end(key)
-            return self._replay(entry, feeds)
+            return self._replay_or_refuse(key, entry, feeds)
         if len(self.seen) >= MAX_SEEN:  # a decode loop's growing past makes a new signature every step
             self.seen.clear()
         self.seen[key] = self.seen.get(key, 0) + 1
@@ -279,7 +281,18 @@ class CallGraphs:
         entry = self._capture(feeds, key)
         if entry is None:
             return None
-        return self._replay(entry, feeds)
+        return self._replay_or_refuse(key, entry, feeds)
+
+    def _replay_or_refuse(self, key: tuple, entry: CallGraph, feeds: dict) -> Dict[str, cupy.ndarray]:
+        """A replay; when it fails, the signature runs step by step from then on (the error is raised)."""
+        try:
+            return self._replay(entry, feeds)
+        except BaseException:
+            try:
+                self.runner.stream.synchronize()  # before the entry's buffers go back to the pool
+            finally:
+                self._add(key, None)
+            raise
 
     def _replay(self, entry: CallGraph, feeds: dict) -> Dict[str, cupy.ndarray]:
         executor = self.runner.executor

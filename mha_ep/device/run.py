@@ -30,20 +30,27 @@ class Executor(Protocol):
     def run_attention(self, step: AttentionStep, inputs: Sequence[Optional[object]]) -> List[Optional[object]]: ...
 
 
-def run_plan(plan: DevicePlan, executor: Executor, feeds: Mapping[str, object], constants: Mapping[str, object],
-             output_names: Optional[Sequence[str]] = None) -> Dict[str, object]:
-    """Run every step of ``plan`` on ``executor``; returns the graph outputs named in ``output_names`` (all when
-    None) as the executor's tensors. ``constants``: the plan's constants, already made by ``executor.constant``."""
+def check_call(plan: DevicePlan, feeds: Mapping[str, object], output_names: Optional[Sequence[str]]) -> List[str]:
+    """The output names a call asks for (all graph outputs when None); ValueError naming the feed or output that
+    does not fit the model."""
     missing = [name for name in plan.inputs if name not in feeds]
     if missing:
         raise ValueError(f"missing feed(s) for graph input(s) {missing}; the model's inputs are {list(plan.inputs)}")
     unknown = [name for name in feeds if name not in plan.inputs]
     if unknown:
         raise ValueError(f"feed(s) {unknown} name no graph input; the model's inputs are {list(plan.inputs)}")
-    wanted = list(plan.outputs) if output_names is None else list(output_names)
+    wanted = list(plan.outputs) if not output_names else list(output_names)
     bad = [name for name in wanted if name not in plan.outputs]
     if bad:
         raise ValueError(f"output(s) {bad} are not graph outputs; the model's outputs are {list(plan.outputs)}")
+    return wanted
+
+
+def run_plan(plan: DevicePlan, executor: Executor, feeds: Mapping[str, object], constants: Mapping[str, object],
+             output_names: Optional[Sequence[str]] = None) -> Dict[str, object]:
+    """Run every step of ``plan`` on ``executor``; returns the graph outputs named in ``output_names`` (all when
+    None) as the executor's tensors. ``constants``: the plan's constants, already made by ``executor.constant``."""
+    wanted = check_call(plan, feeds, output_names)
     tensors: Dict[str, object] = dict(constants)
     for name in plan.inputs:
         tensors[name] = executor.feed(name, feeds[name], plan.dtypes[name])
