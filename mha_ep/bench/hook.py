@@ -7,6 +7,11 @@ Byte model of the hook rows: bytes out = 4 * elements (float32); GB/s = bytes ou
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from typing import Optional
+
 import numpy as np
 
 from mha_ep.bench.timer import median_seconds
@@ -103,3 +108,21 @@ def bench_mha_overhead(repeat: int) -> dict:
         f"{(session_ms - backend_ms) * 1000:.0f} us (stock ORT CPU whole run: {stock_ms * 1000:.0f} us)"
     )
     return {"session_ms": session_ms, "backend_ms": backend_ms, "stock_ms": stock_ms}
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="mha-ep bench hook", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--repeats", "--repeat", type=int, default=30,
+                        help="timed runs per row (the stock hook's large rows get fewer; default 30)")  # fmt: skip
+    parser.add_argument("--json", help="also write the numbers to this JSON file")
+    args = parser.parse_args(argv)
+    result = bench_hook(args.repeats)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
