@@ -3,6 +3,7 @@ options, and ``--json`` / ``--out`` mean what they mean in the rest of mha-ep (f
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -22,3 +23,70 @@ def test_bench_without_a_known_benchmark_is_a_usage_error():
     for argv in ([], ["nonsense"]):
         done = run_bench(*argv)
         assert done.returncode == 2 and "hook" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------ --json: one object on stdout, the table on stderr
+def bench_in_process(capsys, *argv):
+    from mha_ep.bench import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_bench_hook_json_prints_one_object_and_out_writes_it(monkeypatch, capsys, tmp_path):
+    from mha_ep.bench import hook
+
+    fake = {"echo": [{"elements": 1024, "stock_ms": 0.05, "array_ms": 0.01, "gb_per_s": 0.4}], "mha_overhead": {}}
+
+    def fake_bench(repeat):
+        print("| the hook table |")
+        return fake
+
+    monkeypatch.setattr(hook, "bench_hook", fake_bench)
+    code, out, err = bench_in_process(capsys, "hook", "--repeats", "1", "--json", "--out", str(tmp_path))
+    assert code == 0 and json.loads(out) == fake
+    assert "| the hook table |" in err and f"wrote {tmp_path / 'bench_hook.json'}" in err
+    assert json.loads((tmp_path / "bench_hook.json").read_text()) == fake
+    code, out, err = bench_in_process(capsys, "hook", "--repeats", "1")  # without --json: the table, no JSON
+    assert code == 0 and out == "| the hook table |\n"
+
+
+def test_bench_device_json_prints_its_rows_as_one_object(monkeypatch, capsys):
+    import onnxruntime
+
+    from mha_ep.bench import device
+
+    monkeypatch.setattr(onnxruntime, "preload_dlls", lambda: None, raising=False)
+    fake = {"label": "fake row", "max_rel_error_vs_ort_cuda": 1e-6, **{f"{c}_ms": 1.0 for c in device.COLUMNS}}
+    monkeypatch.setattr(device, "bench_encoder", lambda row, repeats: dict(fake, label=row.label))
+    code, out, err = bench_in_process(capsys, "device", "--only", "S=128 float32", "--json")
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert [r["label"] for r in rows] == ["BERT-base encoder B=8 S=128 float32 2D mask"]
+    assert "| BERT-base encoder B=8 S=128 float32 2D mask | 1.00 |" in err
+
+
+def test_bench_anchors_json_prints_one_object_and_still_writes_its_folder(monkeypatch, capsys, tmp_path):
+    from types import SimpleNamespace
+
+    from mha_ep.bench import gpu
+    from mha_ep.ops import backends
+
+    monkeypatch.setattr(backends, "create_backend", lambda name, device_id: SimpleNamespace(device="fake GPU"))
+    monkeypatch.setattr(gpu, "pinned_bandwidth", lambda: (1e10, 1e10))
+    monkeypatch.setattr(gpu, "ort_cuda_available", lambda: False)
+    keys = ("kernel_us", "tflops", "host_us", "floor_us", "host_over_floor", "ort_cpu_us", "ort_cuda_dev_us",
+            "ort_cuda_host_us", "sdpa_us")  # fmt: skip
+    monkeypatch.setattr(gpu, "bench_row", lambda label, *shape, **kw: {"label": label, **dict.fromkeys(keys)})
+    code, out, err = bench_in_process(capsys, "anchors", "--no-sweep", "--only", "causal", "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["device"] == "fake GPU" and data["sweep"] == [] and len(data["anchors"]) >= 1
+    assert data == json.loads((tmp_path / "bench.json").read_text())
+    assert "| shape (B,S,T,N,H) dtype extra |" in err and "wrote " in err
+
+
+def test_an_old_json_file_argument_is_a_usage_error():
+    done = run_bench("models", "--json", "rows.json")
+    assert done.returncode == 2 and "unrecognized arguments: rows.json" in done.stderr, done.stderr

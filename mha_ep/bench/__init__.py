@@ -9,6 +9,11 @@
                            built; plugin vs ORT CPU (and ORT CUDA); any backend (models.py)
     mha-ep bench device    whole models on the GPU: device-resident mode (eager, device feeds, CUDA graphs) and
                            the bridge against stock ORT CUDA (numpy feeds, IOBinding, its CUDA graph) (device.py)
+
+Each of those four takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
+means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there is one, written into DIR;
+``anchors`` writes to ./mha_ep_bench unless told otherwise); output.py has the two.
+
     python3 -m mha_ep.bench.fused_timing     the fused kernels alone, their tiles, torch SDPA; --compare SOURCES
     python3 -m mha_ep.bench.backend_timing   the cuda backend's device and host time per anchor
 
@@ -32,8 +37,11 @@ def main(argv=None) -> int:
     """``mha-ep bench WHAT [options]``: each benchmark parses its own options (``mha-ep bench WHAT --help``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in BENCHMARKS:
+        from mha_ep.bench.output import json_mode
+
         module = importlib.import_module(f"mha_ep.bench.{BENCHMARKS[argv[0]]}")
-        return module.main(argv[1:])
+        with json_mode("--json" in argv[1:]):  # tables to stderr; only the results object reaches stdout
+            return module.main(argv[1:])
     parser = argparse.ArgumentParser(prog="mha-ep bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("what", choices=list(BENCHMARKS), help="which benchmark; mha-ep bench WHAT --help for its options")
     parser.parse_args(argv[:1])  # no WHAT, or an unknown one: the usage message (exit 2), or --help (exit 0)

@@ -174,6 +174,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--only", default="", help="only rows whose label contains this text")
     parser.add_argument("--layers", type=int, default=12, help="encoder layers (12: BERT-base)")
     parser.add_argument("--out", help="folder for bench_device.json")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON object on stdout (the table goes to stderr)")
     args = parser.parse_args(argv)
     import onnxruntime as ort
 
@@ -192,6 +193,10 @@ def main(argv: Optional[list] = None) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_device.json").write_text(json.dumps(results, indent=2))
+    if args.json:
+        from mha_ep.bench.output import print_json
+
+        print_json({"rows": results})
     return 0
 
 

@@ -8,12 +8,12 @@ Byte model of the hook rows: bytes out = 4 * elements (float32); GB/s = bytes ou
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Optional
 
 import numpy as np
 
+from mha_ep.bench.output import add_output_options, print_json, write_json
 from mha_ep.bench.timer import median_seconds
 
 ECHO_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)  # float32 elements returned per call
@@ -115,14 +115,17 @@ def main(argv: Optional[list] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--repeats", "--repeat", type=int, default=30,
                         help="timed runs per row (the stock hook's large rows get fewer; default 30)")  # fmt: skip
-    parser.add_argument("--json", help="also write the numbers to this JSON file")
+    add_output_options(parser, out_help="also write the numbers into this folder as bench_hook.json")
     args = parser.parse_args(argv)
     result = bench_hook(args.repeats)
+    if args.out:
+        print(f"wrote {write_json(args.out, 'bench_hook.json', result)}", file=sys.stderr)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+        print_json(result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mha_ep.bench import main as bench_main
+
+    sys.exit(bench_main(["hook", *sys.argv[1:]]))
