@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mha-ep", description=__doc__, formatter_class=argparse.RawTextHelpFormatter, parents=[common]
     )
     parser.add_argument("--version", action=VersionAction, help="print mha_ep's environment (versions, GPU, backend) and exit")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (mha-ep COMMAND --help)")
 
     def backend_options(p):
         p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],

@@ -90,3 +90,50 @@ def test_bench_anchors_json_prints_one_object_and_still_writes_its_folder(monkey
 def test_an_old_json_file_argument_is_a_usage_error():
     done = run_bench("models", "--json", "rows.json")
     assert done.returncode == 2 and "unrecognized arguments: rows.json" in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------ every option of every command has help text
+class _Parsed(Exception):
+    def __init__(self, parser):
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+def bench_parser(monkeypatch, module_name):
+    """The parser a benchmark's main(argv) builds, caught at parse_args (nothing runs, no GPU needed)."""
+    import argparse
+    import importlib
+
+    import pytest
+
+    def catch(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(_Parsed) as caught:
+        importlib.import_module(f"mha_ep.bench.{module_name}").main([])
+    return caught.value.parser
+
+
+def test_every_option_of_every_subcommand_and_benchmark_has_help(monkeypatch):
+    from mha_ep.bench import BENCHMARKS
+    from mha_ep.cli import build_parser
+
+    parser = build_parser()
+    parsers = {"mha-ep": parser}
+    parsers.update({f"mha-ep {name}": sub for name, sub in next(a for a in parser._actions if a.dest == "command").choices.items()
+                    if name != "bench"})  # fmt: skip
+    for module in [*BENCHMARKS.values(), "fused_timing", "backend_timing"]:
+        parsers[f"mha_ep.bench.{module}"] = bench_parser(monkeypatch, module)
+    assert len(parsers) == 1 + 3 + 4 + 2
+    missing = [f"{name} {action.option_strings or action.dest}" for name, p in parsers.items()
+               for action in p._actions if "-h" not in action.option_strings and not action.help]  # fmt: skip
+    assert missing == []
+
+
+def test_every_benchmark_takes_json_and_out(monkeypatch):
+    from mha_ep.bench import BENCHMARKS
+
+    for what, module in BENCHMARKS.items():
+        options = {o for action in bench_parser(monkeypatch, module)._actions for o in action.option_strings}
+        assert {"--json", "--out"} <= options, what
