@@ -401,7 +401,8 @@ def compare(
     steps = len(feed_sets) * (2 * (repeat + 1) + len(compared))  # per feed set: both sessions' runs, each comparison
     with progress_bar_over(steps, "compare", progress_bar) as bar:
         for run, feed_set in enumerate(feed_sets, 1):
-            say(f"[{run}/{len(feed_sets)}] running both sessions" + (f" (feeds seed {seed + run - 1})" if feeds is None else ""))
+            seeded = f" (feeds seed {seed + run - 1})" if feeds is None else ""
+            say(f"[{run}/{len(feed_sets)}] running both sessions{seeded}")
             step = f"[{run}/{len(feed_sets)}] " if len(feed_sets) > 1 else ""
             bar.set_description(f"compare {step}plugin runs")
             try:
@@ -412,7 +413,8 @@ def compare(
                 return report
             bar.set_description(f"compare {step}stock ORT runs")
             try:
-                stock_outputs, stock_ms = _timed_run(stock, feed_set, repeat, first_stock if run == 1 else None, bar.update)
+                made = first_stock if run == 1 else None
+                stock_outputs, stock_ms = _timed_run(stock, feed_set, repeat, made, bar.update)
             except Exception as error:  # noqa: BLE001
                 report.cannot_run = f"stock ORT cannot run this model on feed set {run}: {first_line(error)}"
                 return report
