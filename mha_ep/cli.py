@@ -3,7 +3,7 @@
     mha-ep demo                          the shipped BERT and Whisper models, plugin vs stock ORT
     mha-ep partition IN -o OUT           partition a model and print the claim report
     mha-ep compare MODEL [--per-node]    stock ORT vs the plugin on random (or given) feeds, with a verdict
-    mha-ep bench hook|anchors|models     benchmarks (each: mha-ep bench WHAT --help)
+    mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device (mha-ep bench WHAT --help)
     mha-ep --version                     mha_ep, onnxruntime, onnxruntime-extensions, CuPy, the GPU, the backend
 
 Exit codes: 0 PASS (or done), 1 FAIL (outputs outside tolerance), 2 cannot run (bad input, a model that cannot
@@ -78,6 +78,7 @@ def cmd_partition(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    from mha_ep import progress
     from mha_ep.compare import compare
 
     feeds = load_feeds(args.feeds) if args.feeds else None
@@ -93,7 +94,8 @@ def cmd_compare(args) -> int:
         runs=args.runs,
         atol=args.atol,
         rtol=args.rtol,
-        progress=None if args.quiet else lambda line: print(f"mha-ep compare: {line}", file=sys.stderr, flush=True),
+        progress=None if args.quiet else lambda line: progress.write(f"mha-ep compare: {line}", file=sys.stderr),
+        progress_bar=progress.wanted(args.quiet, args.json),
     )
     if args.save_feeds and report.worst_feeds is not None:
         save_feeds(args.save_feeds, report.worst_feeds)
@@ -103,9 +105,11 @@ def cmd_compare(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from mha_ep import progress
     from mha_ep.demo import run_demo
 
-    return run_demo(backend=args.backend, device_id=args.device_id, per_node=args.per_node, as_json=args.json)
+    return run_demo(backend=args.backend, device_id=args.device_id, per_node=args.per_node, as_json=args.json,
+                    progress_bar=progress.wanted(args.quiet, args.json))  # fmt: skip
 
 
 def cmd_bench(argv) -> int:
@@ -142,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mha-ep", description=__doc__, formatter_class=argparse.RawTextHelpFormatter, parents=[common]
     )
     parser.add_argument("--version", action=VersionAction, help="print mha_ep's environment (versions, GPU, backend) and exit")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (mha-ep COMMAND --help)")
 
     def backend_options(p):
         p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
@@ -160,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", parents=[common], help="run the shipped BERT and Whisper models through the plugin and stock ORT")
     backend_options(p)
     p.add_argument("--per-node", action="store_true", help="also report every claimed node's error")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr (there is none off a terminal)")
     json_option(p)
     p.set_defaults(func=cmd_demo)
 
@@ -188,12 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="absolute tolerance for every output (default: by the dtype the model computes in)")  # fmt: skip
     p.add_argument("--rtol", type=non_negative_float,
                    help="relative tolerance for every output (default: by the dtype the model computes in)")  # fmt: skip
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines or bar on stderr (the bar shows only on a terminal, never with --json)")  # fmt: skip
     lift_option(p)
     json_option(p)
     p.set_defaults(func=cmd_compare)
 
-    sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models (mha-ep bench WHAT --help)")
+    sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models | device (mha-ep bench WHAT --help)")
     return parser
 
 

@@ -35,6 +35,7 @@ from mha_ep.dtypes import dtype_name, elem_type
 from mha_ep.errors import BackendUnavailableError
 from mha_ep.feeds import random_feeds
 from mha_ep.partition import PartitionResult, is_ort_mha, is_plugin_mha, load_model
+from mha_ep.progress import bar as progress_bar_over
 
 MODEL_TOLERANCE = {"float32": 1e-4, "float64": 1e-9, "float16": 2e-2, "bfloat16": 6e-2}
 INTEGER_TOLERANCE = 0.0
@@ -280,11 +281,14 @@ def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None
         )
 
 
-def _timed_run(session, feeds, repeat: int, outputs=None):
+def _timed_run(session, feeds, repeat: int, outputs=None, tick=lambda: None):
+    """The outputs of one run (or ``outputs``, already made), and the mean ms of ``repeat`` more; ``tick`` after each."""
     outputs = session.run(None, feeds) if outputs is None else outputs
+    tick()
     start = time.perf_counter()
     for _ in range(repeat):
         session.run(None, feeds)
+        tick()
     return outputs, (time.perf_counter() - start) * 1000.0 / max(repeat, 1)
 
 
@@ -308,13 +312,16 @@ def compare(
     progress=None,
     atol: Optional[float] = None,
     rtol: Optional[float] = None,
+    progress_bar: bool = False,
 ) -> CompareReport:
     """Run ``model`` with stock ORT (CPU) and with the plugin on the same feeds; return the report and its verdict.
 
     ``runs`` > 1 draws that many random feed sets (seeds ``seed``, ``seed + 1``, ...) and reports each output's
     worst error over them (``report.worst_feeds`` is the set that gave it); ``progress`` (e.g. ``print``) hears
-    one line per step. ``atol``/``rtol`` replace the dtype-keyed tolerances. A model that cannot be loaded or that
-    stock ORT cannot run gives verdict CANNOT RUN; bad feeds or dims (the caller's mistake) raise ValueError.
+    one line per step; ``progress_bar`` shows a tqdm bar on stderr over the session runs and the per-output (and
+    per-node) comparisons (mha_ep/progress.py; the CLI turns it on for a terminal only). ``atol``/``rtol``
+    replace the dtype-keyed tolerances. A model that cannot be loaded or that stock ORT cannot run gives verdict
+    CANNOT RUN; bad feeds or dims (the caller's mistake) raise ValueError.
     """
     import onnxruntime as ort
 
@@ -388,31 +395,41 @@ def compare(
                 if out:
                     node_of_output[out] = node.name or f"{node.op_type}_{index}"
     node_outputs = [out for out in exposed if out in node_of_output]
+    compared = [(f"{node_of_output[o]} -> {o}", o) for o in node_outputs] + [(o, o) for o in graph_outputs]
     worst: Dict[str, Comparison] = {}
     worst_score = -1.0
-    for run, feed_set in enumerate(feed_sets, 1):
-        say(f"[{run}/{len(feed_sets)}] running both sessions" + (f" (feeds seed {seed + run - 1})" if feeds is None else ""))
-        try:
-            plugin_outputs, plugin_ms = _timed_run(plugin, feed_set, repeat)
-        except Exception as error:  # noqa: BLE001 - MhaRunError names the node; stock ORT ran these feeds
-            report.plugin_error = f"the plugin run failed where stock ORT ran: {first_line(error)}"
-            report.worst_feeds = feed_set
-            return report
-        try:
-            stock_outputs, stock_ms = _timed_run(stock, feed_set, repeat, first_stock if run == 1 else None)
-        except Exception as error:  # noqa: BLE001
-            report.cannot_run = f"stock ORT cannot run this model on feed set {run}: {first_line(error)}"
-            return report
-        report.plugin_ms, report.stock_ms = max(report.plugin_ms, plugin_ms), max(report.stock_ms, stock_ms)
-        by_name_plugin = dict(zip([o.name for o in plugin.get_outputs()], plugin_outputs))
-        by_name_stock = dict(zip([o.name for o in stock.get_outputs()], stock_outputs))
-        for key, out in [(f"{node_of_output[o]} -> {o}", o) for o in node_outputs] + [(o, o) for o in graph_outputs]:
-            comparison = compare_arrays(key, by_name_plugin[out], by_name_stock[out], atol=atol, rtol=rtol,
-                                        compute_dtype=compute)  # fmt: skip
-            if key not in worst or comparison.score > worst[key].score:
-                worst[key] = comparison
-            if comparison.score > worst_score:
-                worst_score, report.worst_feeds = comparison.score, feed_set
+    steps = len(feed_sets) * (2 * (repeat + 1) + len(compared))  # per feed set: both sessions' runs, each comparison
+    with progress_bar_over(steps, "compare", progress_bar) as bar:
+        for run, feed_set in enumerate(feed_sets, 1):
+            seeded = f" (feeds seed {seed + run - 1})" if feeds is None else ""
+            say(f"[{run}/{len(feed_sets)}] running both sessions{seeded}")
+            step = f"[{run}/{len(feed_sets)}] " if len(feed_sets) > 1 else ""
+            bar.set_description(f"compare {step}plugin runs")
+            try:
+                plugin_outputs, plugin_ms = _timed_run(plugin, feed_set, repeat, tick=bar.update)
+            except Exception as error:  # noqa: BLE001 - MhaRunError names the node; stock ORT ran these feeds
+                report.plugin_error = f"the plugin run failed where stock ORT ran: {first_line(error)}"
+                report.worst_feeds = feed_set
+                return report
+            bar.set_description(f"compare {step}stock ORT runs")
+            try:
+                made = first_stock if run == 1 else None
+                stock_outputs, stock_ms = _timed_run(stock, feed_set, repeat, made, bar.update)
+            except Exception as error:  # noqa: BLE001
+                report.cannot_run = f"stock ORT cannot run this model on feed set {run}: {first_line(error)}"
+                return report
+            report.plugin_ms, report.stock_ms = max(report.plugin_ms, plugin_ms), max(report.stock_ms, stock_ms)
+            by_name_plugin = dict(zip([o.name for o in plugin.get_outputs()], plugin_outputs))
+            by_name_stock = dict(zip([o.name for o in stock.get_outputs()], stock_outputs))
+            bar.set_description(f"compare {step}" + ("per-node and output errors" if node_outputs else "output errors"))
+            for key, out in compared:
+                comparison = compare_arrays(key, by_name_plugin[out], by_name_stock[out], atol=atol, rtol=rtol,
+                                            compute_dtype=compute)  # fmt: skip
+                if key not in worst or comparison.score > worst[key].score:
+                    worst[key] = comparison
+                if comparison.score > worst_score:
+                    worst_score, report.worst_feeds = comparison.score, feed_set
+                bar.update()
     report.nodes = [worst[f"{node_of_output[o]} -> {o}"] for o in node_outputs]
     report.outputs = [worst[o] for o in graph_outputs]
     if len(feed_sets) > 1:

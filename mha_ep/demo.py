@@ -13,6 +13,8 @@ import time
 from mha_ep.compare import compare, table
 from mha_ep.models import manifest
 from mha_ep.ops.backends import cuda_unavailable_reason
+from mha_ep.progress import bar as progress_bar_over
+from mha_ep.progress import write
 
 
 def describe_backend(backend: str, device_id: int) -> str:
@@ -26,20 +28,22 @@ def describe_backend(backend: str, device_id: int) -> str:
     return f"reference (NumPy): no usable GPU here ({reason})"
 
 
-def run_demo(backend: str = "auto", device_id: int = 0, per_node: bool = False, out=sys.stdout, as_json=False) -> int:
+def run_demo(backend: str = "auto", device_id: int = 0, per_node: bool = False, out=sys.stdout, as_json=False,
+             progress_bar: bool = False) -> int:  # fmt: skip
+    """``progress_bar``: a tqdm bar over the models on stderr (mha_ep/progress.py; the CLI's rule: a terminal only)."""
     if as_json:  # the same run; the text goes nowhere and one JSON object goes to ``out``
         import io
         import json
 
         rows: list = []
-        code = _run(backend, device_id, per_node, io.StringIO(), rows)
+        code = _run(backend, device_id, per_node, io.StringIO(), rows, progress_bar)
         data = {"verdict": "PASS" if code == 0 else "FAIL", "exit_code": code, "models": [r.to_dict() for r in rows]}
         print(json.dumps(data, indent=2, default=str), file=out)
         return code
-    return _run(backend, device_id, per_node, out, [])
+    return _run(backend, device_id, per_node, out, [], progress_bar)
 
 
-def _run(backend, device_id, per_node, out, reports) -> int:
+def _run(backend, device_id, per_node, out, reports, progress_bar=False) -> int:
     entries = manifest.load()["models"]
     print(f"mha_ep demo: {len(entries)} shipped models; backend: {describe_backend(backend, device_id)}", file=out)
     if backend == "auto":  # said above, so the sessions need not say it again
@@ -48,20 +52,23 @@ def _run(backend, device_id, per_node, out, reports) -> int:
         return 2  # the header said why
     rows = []
     started = time.perf_counter()
-    for index, entry in enumerate(entries, 1):
-        print(f"\n[{index}/{len(entries)}] {entry['file']}: {entry['description']}", file=out, flush=True)
-        report = compare(
-            manifest.model_path(entry),
-            feeds=manifest.make_feeds(entry, seed=index),
-            backend=backend,
-            device_id=device_id,
-            per_node=per_node,
-            name=entry["file"],
-        )
-        print(report.text(), file=out, flush=True)
-        worst = max((c.max_rel for c in report.outputs + report.nodes), default=0.0)
-        reports.append(report)
-        rows.append((entry["file"], report, worst))
+    with progress_bar_over(len(entries), "demo", progress_bar, unit="model") as bar:
+        for index, entry in enumerate(entries, 1):
+            bar.set_postfix_str(entry["file"])
+            write(f"\n[{index}/{len(entries)}] {entry['file']}: {entry['description']}", file=out)
+            report = compare(
+                manifest.model_path(entry),
+                feeds=manifest.make_feeds(entry, seed=index),
+                backend=backend,
+                device_id=device_id,
+                per_node=per_node,
+                name=entry["file"],
+            )
+            write(report.text(), file=out)
+            worst = max((c.max_rel for c in report.outputs + report.nodes), default=0.0)
+            reports.append(report)
+            rows.append((entry["file"], report, worst))
+            bar.update()
     print(f"\nsummary ({time.perf_counter() - started:.1f} s):", file=out)
     header = ["model", "MHA", "claimed", "declined", "worst rel err", "stock ms", "plugin ms", "verdict"]
     body = [

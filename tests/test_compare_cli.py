@@ -174,15 +174,17 @@ def test_cli_partition_output_is_written_whole(tmp_path):
 
 
 def test_bench_models_runs_the_shipped_models(tmp_path):
-    out = tmp_path / "models.json"
-    done = run_cli("bench", "models", "--shipped-only", "--backend", "reference", "--repeat", "1", "--json", str(out))
+    done = run_cli("bench", "models", "--shipped-only", "--backend", "reference", "--repeat", "1", "--json", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(out.read_text())
+    printed = json.loads(done.stdout)  # --json: one object on stdout, the table on stderr
+    assert printed == json.loads((tmp_path / "bench_models.json").read_text())
+    assert printed["backend"] == "reference" and printed["not_built"] == []
+    rows = printed["rows"]
     assert [r["file"] for r in rows] == [
         "bert_random_mask2d_fp32.onnx", "whisper_random_decoder_fp32.onnx", "whisper_random_encoder_fp32.onnx"
     ]
     assert all(r["declined"] == 0 and r["max_rel_error"] < 1e-4 and r["plugin_ms"] > 0 for r in rows)
-    assert "| BERT random-weight (shipped), B=8 S=128, 2D mask | 2/2 |" in done.stdout
+    assert "| BERT random-weight (shipped), B=8 S=128, 2D mask | 2/2 |" in done.stderr
 
 
 def test_random_feeds_follow_casts_to_the_embedding_tables():

@@ -9,6 +9,11 @@
                            built; plugin vs ORT CPU (and ORT CUDA); any backend (models.py)
     mha-ep bench device    whole models on the GPU: device-resident mode (eager, device feeds, CUDA graphs) and
                            the bridge against stock ORT CUDA (numpy feeds, IOBinding, its CUDA graph) (device.py)
+
+Each of those four takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
+means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there is one, written into DIR;
+``anchors`` writes to ./mha_ep_bench unless told otherwise); output.py has the two.
+
     python3 -m mha_ep.bench.fused_timing     the fused kernels alone, their tiles, torch SDPA; --compare SOURCES
     python3 -m mha_ep.bench.backend_timing   the cuda backend's device and host time per anchor
 
@@ -21,34 +26,23 @@ anything from here.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import sys
+
+# WHAT -> the module whose ``main(argv)`` runs it (and parses, and documents, its options)
+BENCHMARKS = {"hook": "hook", "anchors": "gpu", "models": "models", "device": "device"}
 
 
 def main(argv=None) -> int:
     """``mha-ep bench WHAT [options]``: each benchmark parses its own options (``mha-ep bench WHAT --help``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "anchors":
-        from mha_ep.bench import gpu
+    if argv and argv[0] in BENCHMARKS:
+        from mha_ep.bench.output import json_mode
 
-        return gpu.main(argv[1:])
-    if argv and argv[0] == "models":
-        from mha_ep.bench import models
-
-        return models.main(argv[1:])
-    if argv and argv[0] == "device":
-        from mha_ep.bench import device
-
-        return device.main(argv[1:])
+        module = importlib.import_module(f"mha_ep.bench.{BENCHMARKS[argv[0]]}")
+        with json_mode("--json" in argv[1:]):  # tables to stderr; only the results object reaches stdout
+            return module.main(argv[1:])
     parser = argparse.ArgumentParser(prog="mha-ep bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("what", choices=["hook", "anchors", "models", "device"], help="which benchmark; WHAT --help for its options")
-    parser.add_argument("--repeats", "--repeat", type=int, default=30, help="hook: timed runs per row")
-    parser.add_argument("--json", help="hook: also write the numbers to this JSON file")
-    args = parser.parse_args(argv)
-    from mha_ep.bench.hook import bench_hook
-
-    result = bench_hook(args.repeats)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
-    return 0
+    parser.add_argument("what", choices=list(BENCHMARKS), help="which benchmark; mha-ep bench WHAT --help for its options")
+    parser.parse_args(argv[:1])  # no WHAT, or an unknown one: the usage message (exit 2), or --help (exit 0)
+    return 2

@@ -24,8 +24,8 @@ from mha_ep.bench.timer import backend_seconds, median_seconds
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per anchor (median; default 20)")
+    parser.add_argument("--device", type=int, default=0, help="GPU to run on (default 0)")
     parser.add_argument("--only", default=None, help="run only the anchors whose label contains this text")
     args = parser.parse_args(argv)
 

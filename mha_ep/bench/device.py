@@ -231,6 +231,7 @@ def main(argv: Optional[list] = None) -> int:
                         help="where the real MiniLM / Whisper tiny.en models were built (default: the builder's "
                              "folder); a row whose model is missing is skipped with the command that builds it")
     parser.add_argument("--out", help="folder for bench_device.json and bench_device.png")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON object on stdout (the table goes to stderr)")
     args = parser.parse_args(argv)
     import onnxruntime as ort
 
@@ -261,6 +262,10 @@ def main(argv: Optional[list] = None) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_device.json").write_text(json.dumps(results, indent=2))
         plot(results, Path(args.out) / "bench_device.png")
+    if args.json:
+        from mha_ep.bench.output import print_json
+
+        print_json({"rows": results})
     return 0
 
 

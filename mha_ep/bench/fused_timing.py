@@ -163,9 +163,9 @@ def compare_sources(cupy, paths, repeats: int, only=None) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--no-torch", action="store_true")
-    parser.add_argument("--no-three-phase", action="store_true")
+    parser.add_argument("--repeats", type=int, default=50, help="CUDA-graph replays per cell (median; default 50)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch SDPA column")
+    parser.add_argument("--no-three-phase", action="store_true", help="skip the three-phase (unfused) column")
     parser.add_argument("--only", default=None, help="substring of the anchor labels to run")
     parser.add_argument("--launch-only", action="store_true",
                         help="one fused launch per anchor and no timing (for a profiler such as ncu)")  # fmt: skip

@@ -22,7 +22,6 @@ float32 output.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import replace
@@ -33,6 +32,7 @@ from onnx import TensorProto, helper
 
 from mha_ep import spec
 from mha_ep.bench.anchors import ANCHORS, anchor_problem, flop_count
+from mha_ep.bench.output import print_json, write_json
 from mha_ep.bench.timer import backend_seconds, median_seconds, paired_medians, torch_graph_seconds
 
 CPU_FLOP_LIMIT = 5e10
@@ -317,11 +317,14 @@ def plot_sweep(rows, path) -> Optional[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mha-ep bench anchors", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", "--repeat", type=int, default=20)
-    parser.add_argument("--device-id", type=int, default=0)
-    parser.add_argument("--out", default="mha_ep_bench", help="folder for bench.json and sweep.png")
+    parser.add_argument("--repeats", "--repeat", type=int, default=20, help="timed calls per column (median; default 20)")
+    parser.add_argument("--device-id", type=int, default=0, help="GPU to run on (default 0)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as one JSON object on stdout (the tables go to stderr)")  # fmt: skip
+    parser.add_argument("--out", metavar="DIR", default="mha_ep_bench",
+                        help="folder for bench.json and sweep.png (default ./mha_ep_bench)")  # fmt: skip
     parser.add_argument("--only", help="run only anchor rows whose label contains this text")
-    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep (and its PNG)")
     args = parser.parse_args(argv)
 
     from mha_ep.ops.backends import create_backend
@@ -345,10 +348,10 @@ def main(argv=None) -> int:
                                    backend=backend, bandwidth=bandwidth, repeats=args.repeats, with_cpu=False))
         print("\nsweep")
         print_table(sweep)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench.json"), "w") as handle:
-        json.dump({"device": backend.device, "pinned_bytes_per_s": bandwidth, "anchors": rows, "sweep": sweep},
-                  handle, indent=2)
+    data = {"device": backend.device, "pinned_bytes_per_s": bandwidth, "anchors": rows, "sweep": sweep}
+    path = write_json(args.out, "bench.json", data)
     png = plot_sweep(sweep, os.path.join(args.out, "sweep.png")) if sweep else None
-    print(f"\nwrote {os.path.join(args.out, 'bench.json')}" + (f" and {png}" if png else ""))
+    print(f"\nwrote {path}" + (f" and {png}" if png else ""))
+    if args.json:
+        print_json(data)
     return 0

@@ -7,8 +7,13 @@ Byte model of the hook rows: bytes out = 4 * elements (float32); GB/s = bytes ou
 
 from __future__ import annotations
 
+import argparse
+import sys
+from typing import Optional
+
 import numpy as np
 
+from mha_ep.bench.output import add_output_options, print_json, write_json
 from mha_ep.bench.timer import median_seconds
 
 ECHO_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)  # float32 elements returned per call
@@ -103,3 +108,24 @@ def bench_mha_overhead(repeat: int) -> dict:
         f"{(session_ms - backend_ms) * 1000:.0f} us (stock ORT CPU whole run: {stock_ms * 1000:.0f} us)"
     )
     return {"session_ms": session_ms, "backend_ms": backend_ms, "stock_ms": stock_ms}
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="mha-ep bench hook", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--repeats", "--repeat", type=int, default=30,
+                        help="timed runs per row (the stock hook's large rows get fewer; default 30)")  # fmt: skip
+    add_output_options(parser, out_help="also write the numbers into this folder as bench_hook.json")
+    args = parser.parse_args(argv)
+    result = bench_hook(args.repeats)
+    if args.out:
+        print(f"wrote {write_json(args.out, 'bench_hook.json', result)}", file=sys.stderr)
+    if args.json:
+        print_json(result)
+    return 0
+
+
+if __name__ == "__main__":
+    from mha_ep.bench import main as bench_main
+
+    sys.exit(bench_main(["hook", *sys.argv[1:]]))

@@ -11,7 +11,6 @@ but wrong row shows.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import onnx
 
 from mha_ep.bench.gpu import ort_cuda_available
+from mha_ep.bench.output import add_output_options, print_json, write_json
 from mha_ep.bench.timer import median_seconds
 from mha_ep.compare import errors
 from mha_ep.feeds import random_feeds
@@ -76,18 +76,19 @@ def bench_row(row: ModelRow, path: Path, backend: str, device_id: int, repeats: 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mha-ep bench models", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
-    parser.add_argument("--device-id", type=int, default=0)
-    parser.add_argument("--repeats", "--repeat", type=int, default=10)
+    parser.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
+                        help="where the plugin's claimed nodes run: cuda (CuPy), reference (NumPy), auto (cuda when usable)")  # fmt: skip
+    parser.add_argument("--device-id", type=int, default=0, help="GPU for the cuda backend (default 0)")
+    parser.add_argument("--repeats", "--repeat", type=int, default=10, help="timed runs per model and session (median; default 10)")
     parser.add_argument("--models-dir", default=str(default_out_dir()),
                         help="where the real models were built (the builder's default: $MHA_EP_CACHE, else "
                              "$XDG_CACHE_HOME/mha_ep/models, else ~/.cache/mha_ep/models)")  # fmt: skip
     parser.add_argument("--shipped-only", action="store_true", help="only the models shipped in the package")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
+    add_output_options(parser, out_help="also write the rows into this folder as bench_models.json")
     args = parser.parse_args(argv)
 
     rows = [r for r in ROWS if r.shipped or not args.shipped_only]
-    results = []
+    results, not_built = [], []
     print(f"| model | MHA claimed | plugin ({args.backend}) ms | ORT CPU ms | ORT CUDA ms | max rel err vs ORT CPU |")
     print("|---|---|---|---|---|---|")
     for index, row in enumerate(rows, 1):
@@ -95,17 +96,22 @@ def main(argv=None) -> int:
         print(f"[{index}/{len(rows)}] {row.label}", file=sys.stderr, flush=True)
         if not path.exists():
             print(f"| {row.label} | not built: `{row.build}` | | | | |")
+            not_built.append({"label": row.label, "file": row.file, "build": row.build})
             continue
         r = bench_row(row, path, args.backend, args.device_id, args.repeats)
         results.append(r)
         cuda = "–" if r["ort_cuda_ms"] is None else f"{r['ort_cuda_ms']:.2f}"
         print(f"| {row.label} | {r['claimed']}/{r['claimed'] + r['declined']} | {r['plugin_ms']:.2f} "
               f"| {r['ort_cpu_ms']:.2f} | {cuda} | {r['max_rel_error']:.1e} |", flush=True)  # fmt: skip
+    data = {"backend": args.backend, "rows": results, "not_built": not_built}
+    if args.out:
+        print(f"wrote {write_json(args.out, 'bench_models.json', data)}", file=sys.stderr)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=2)
+        print_json(data)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mha_ep.bench import main as bench_main
+
+    sys.exit(bench_main(["models", *sys.argv[1:]]))
