@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     for row in ANCHORS:
         if args.only is not None and args.only not in row.label:
             continue
-        label, (b, s, t, n, h, dtype, extra) = row.label, row.shape
+        label, (b, s, t, n, h, _, _) = row.label, row.shape
         problem = anchor_problem(*row.shape)
         dev = backend_seconds(backend, problem, repeats=args.repeats)
         host = median_seconds(lambda: backend.run(problem), max(5, args.repeats // 2), warmup=1)

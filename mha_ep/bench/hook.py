@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from mha_ep.bench.output import add_output_options, print_json, write_json
+from mha_ep.bench.output import add_output_options, emit
 from mha_ep.bench.timer import median_seconds
 
 ECHO_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)  # float32 elements returned per call
@@ -118,10 +118,7 @@ def main(argv: Optional[list] = None) -> int:
     add_output_options(parser, out_help="also write the numbers into this folder as bench_hook.json")
     args = parser.parse_args(argv)
     result = bench_hook(args.repeats)
-    if args.out:
-        print(f"wrote {write_json(args.out, 'bench_hook.json', result)}", file=sys.stderr)
-    if args.json:
-        print_json(result)
+    emit(args, "bench_hook.json", result)
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 
 from mha_ep.bench.gpu import ort_cuda_available
-from mha_ep.bench.output import add_output_options, print_json, write_json
+from mha_ep.bench.output import add_output_options, emit
 from mha_ep.bench.timer import median_seconds
 from mha_ep.compare import errors
 from mha_ep.feeds import random_feeds
@@ -104,10 +104,7 @@ def main(argv=None) -> int:
         print(f"| {row.label} | {r['claimed']}/{r['claimed'] + r['declined']} | {r['plugin_ms']:.2f} "
               f"| {r['ort_cpu_ms']:.2f} | {cuda} | {r['max_rel_error']:.1e} |", flush=True)  # fmt: skip
     data = {"backend": args.backend, "rows": results, "not_built": not_built}
-    if args.out:
-        print(f"wrote {write_json(args.out, 'bench_models.json', data)}", file=sys.stderr)
-    if args.json:
-        print_json(data)
+    emit(args, "bench_models.json", data)
     return 0
 
 

@@ -51,3 +51,12 @@ def write_json(folder: str, name: str, data) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str))
     return path
+
+
+def emit(args, name: str, data) -> None:
+    """What ``--out`` and ``--json`` ask for: ``data`` written as ``DIR/name`` (and said on stderr), then printed as
+    one JSON object on stdout."""
+    if args.out:
+        print(f"wrote {write_json(args.out, name, data)}", file=sys.stderr)
+    if args.json:
+        print_json(data)
