@@ -11,6 +11,7 @@ Layout legend used across the package (names carry their layout as a suffix):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 ORT_DOMAIN = "com.microsoft"
@@ -104,3 +105,19 @@ def encode_floats(values: dict) -> str:
 def decode_floats(text: str) -> dict:
     pairs = (item.split("=", 1) for item in text.split(";") if item)
     return {name: float.fromhex(value) for name, value in pairs}
+
+
+@functools.lru_cache(maxsize=1024)
+def node_config(attribute_items: tuple) -> tuple:
+    """A claimed node's attributes -> (supplied input names, requested outputs, ORT attributes, dtype).
+
+    Read by the op on every call (the same node sends the same attributes, so the parse is memoised on them) and
+    by the device plan; string attributes as text.
+    """
+    attributes = dict(attribute_items)
+    supplied = frozenset(filter(None, str(attributes[ATTR_INPUTS]).split(",")))
+    wanted = set(filter(None, str(attributes[ATTR_OUTPUTS]).split(",")))
+    outputs = tuple(name in wanted for name in OUTPUTS)
+    ort_attributes = {a.name: attributes[a.name] for a in ORT_ATTRIBUTES if a.name in attributes}
+    ort_attributes.update(decode_floats(str(attributes.get(ATTR_FLOATS, ""))))
+    return supplied, outputs, ort_attributes, str(attributes[ATTR_DTYPE])

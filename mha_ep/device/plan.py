@@ -239,11 +239,10 @@ def _unpartitioned(model: onnx.ModelProto, nodes: list, attention_nodes: dict) -
 def _attention_fields(node: onnx.NodeProto, producer: dict, transport: set) -> tuple:
     """(input tensors by slot, output tensors, ORT attributes, dtype, node name) of a plugin node, with the
     float32 transport undone (rule 1); the transport-in Casts it reads through are added to ``transport``."""
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    supplied = set(filter(None, _text(attributes.get(spec.ATTR_INPUTS, b"")).split(",")))
-    wanted = set(filter(None, _text(attributes.get(spec.ATTR_OUTPUTS, b"")).split(",")))
-    dtype = _text(attributes.get(spec.ATTR_DTYPE, b"float32"))
-    name = _text(attributes.get(spec.ATTR_NODE, node.name.encode())) or node.name
+    attributes = {a.name: _text(helper.get_attribute_value(a)) if a.type == onnx.AttributeProto.STRING
+                  else helper.get_attribute_value(a) for a in node.attribute}  # fmt: skip
+    supplied, wanted, ort_attributes, dtype = spec.node_config(tuple(sorted(attributes.items())))
+    name = attributes.get(spec.ATTR_NODE) or node.name
     reads = []
     for slot, tensor in zip(spec.PLUGIN_INPUTS, list(node.input) + [""] * len(spec.PLUGIN_INPUTS)):
         if slot not in supplied or not tensor:
@@ -257,13 +256,11 @@ def _attention_fields(node: onnx.NodeProto, producer: dict, transport: set) -> t
         reads.append(tensor)
     writes = []
     for slot, tensor in zip(spec.PLUGIN_OUTPUTS, list(node.output) + [""] * len(spec.PLUGIN_OUTPUTS)):
-        if slot not in wanted or not tensor:
+        if not wanted[spec.OUT_SLOT[slot]] or not tensor:
             writes.append(None)
             continue
         writes.append(tensor[: -len(spec.TRANSPORT_OUT)] if tensor.endswith(spec.TRANSPORT_OUT) else tensor)
-    ort_attributes = {a.name: attributes[a.name] for a in spec.ORT_ATTRIBUTES if a.name in attributes}
-    ort_attributes.update(spec.decode_floats(_text(attributes.get(spec.ATTR_FLOATS, b""))))
-    return tuple(reads), tuple(writes), ort_attributes, dtype, name
+    return tuple(reads), tuple(writes), dict(ort_attributes), dtype, name
 
 
 def _text(value) -> str:

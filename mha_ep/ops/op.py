@@ -7,7 +7,6 @@ session, where that record is a log line.
 
 from __future__ import annotations
 
-import functools
 import logging
 import traceback
 
@@ -28,7 +27,7 @@ def execute(arrays: list, attributes: dict) -> tuple:
     node_name = str(attributes.get(spec.ATTR_NODE, ""))
     context = current_context()
     try:
-        supplied, outputs, ort_attributes, dtype = node_config(tuple(sorted(attributes.items())))
+        supplied, outputs, ort_attributes, dtype = spec.node_config(tuple(sorted(attributes.items())))
         by_slot = [array if name in supplied else None for name, array in zip(spec.PLUGIN_INPUTS, arrays)]
         backend = current_backend(context)
         problem = build_problem(ort_attributes, by_slot, dtype, outputs)
@@ -40,21 +39,6 @@ def execute(arrays: list, attributes: dict) -> tuple:
         )
     except BaseException as error:  # noqa: BLE001 - nothing may leave a Python op (it aborts the process)
         return fail(node_name, error, arrays, attributes, context)
-
-
-@functools.lru_cache(maxsize=1024)
-def node_config(attribute_items: tuple) -> tuple:
-    """A claimed node's attributes -> (supplied input names, requested outputs, ORT attributes, dtype).
-
-    The same node sends the same attributes on every call, so the parse is memoised on them.
-    """
-    attributes = dict(attribute_items)
-    supplied = frozenset(filter(None, str(attributes[spec.ATTR_INPUTS]).split(",")))
-    wanted = set(filter(None, str(attributes[spec.ATTR_OUTPUTS]).split(",")))
-    outputs = tuple(name in wanted for name in spec.OUTPUTS)
-    ort_attributes = {a.name: attributes[a.name] for a in spec.ORT_ATTRIBUTES if a.name in attributes}
-    ort_attributes.update(spec.decode_floats(str(attributes.get(spec.ATTR_FLOATS, ""))))
-    return supplied, outputs, ort_attributes, str(attributes[spec.ATTR_DTYPE])
 
 
 # Failure outputs larger than this are not made: the run is stopped instead (a NaN-poisoned output of a crafted
