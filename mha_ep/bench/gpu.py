@@ -97,18 +97,20 @@ def echo_session(partitioned, session_options=None):
     import onnxruntime as ort
     from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
+    from mha_ep.ops import bridge
     from mha_ep.ops.registration import ensure_ops_registered
 
     ensure_ops_registered()
     if "registered" not in _echo_outputs:
         kinds = {"int": PyCustomOpDef.dt_int64, "float": PyCustomOpDef.dt_float, "string": PyCustomOpDef.dt_string}
         f32 = PyCustomOpDef.dt_float
-        onnx_op(
+        opdef = onnx_op(
             op_type="mha_ep.bench::EchoMha",
             inputs=[PyCustomOpDef.dt_int32 if x == "key_padding_mask" else f32 for x in spec.PLUGIN_INPUTS],
             outputs=[f32] * 3,
             attrs={a.name: kinds[a.kind] for a in spec.PLUGIN_ATTRIBUTES},
         )(_echo_body)
+        bridge.adopt_op(opdef, lambda error, feed, attributes: (np.zeros((0,), np.float32),) * 3)
         _echo_outputs["registered"] = True
     model = type(partitioned)()
     model.CopyFrom(partitioned)
