@@ -101,6 +101,23 @@ class MhaResult:
     present_value_BNTHv: Optional[np.ndarray] = None  # float32 (B, N, T, Hv) when wanted
 
 
+def problem_signature(problem: MhaProblem) -> tuple:
+    """Everything of a call but its values (shapes, layout, attributes, which inputs and outputs it has): what a
+    backend's launch decisions may read, so a memo keyed on it holds for every call of the same signature."""
+
+    def shape(array) -> Optional[tuple]:
+        return None if array is None else tuple(array.shape)
+
+    mask = problem.padding_mask
+    return (
+        problem.geometry, problem.dtype, problem.scale, problem.mask_filter_value, problem.causal, problem.kv_layout,
+        shape(problem.bias_q), shape(problem.bias_k), shape(problem.bias_v),
+        None if mask is None else (mask.kind, tuple(mask.data.shape)), shape(problem.attention_bias),
+        shape(problem.past_key_BNPH), shape(problem.past_value_BNPH), problem.want_present_key,
+        problem.want_present_value,
+    )  # fmt: skip
+
+
 def input_slots(arrays: Sequence[Optional[np.ndarray]]) -> list:
     """``arrays`` padded with None to one entry per input slot of spec.INPUTS."""
     return list(arrays) + [None] * (len(spec.INPUTS) - len(arrays))

@@ -31,7 +31,7 @@ from mha_ep.ops.backends.cuda.dispatch import (
     Tile, WgmmaTile, WsTile, choose_tile, default_tile, head_dim_tile, mma_features, query_tiles,
     wgmma_unsupported_reason, ws_tile_unsupported_reason, ws_unsupported_reason,
 )
-from mha_ep.ops.problem import MhaProblem
+from mha_ep.ops.problem import MhaProblem, problem_signature
 
 log = logging.getLogger("mha_ep")
 MMA_SMEM_PAD = 8  # kernels/flash_common.cuh SMEM_PAD
@@ -270,6 +270,68 @@ def run_fused(
     """
     import cupy
 
+    key = (device_id, problem_signature(problem), operand_dtype, tile, attention_bias is None, mask is None,
+           q.layout, q.seq, q.dim, q.bias is None, k.layout, k.seq, k.dim, k.bias is None,
+           v.layout, v.seq, v.dim, v.bias is None, get_fused_kernel)  # fmt: skip
+    launch = _launches.get(key)
+    if launch is None:
+        launch = fused_launch(device_id, problem, q=q, k=k, v=v, operand_dtype=operand_dtype,
+                              attention_bias=attention_bias, mask=mask, tile=tile)  # fmt: skip
+        if len(_launches) >= MAX_LAUNCHES:
+            _launches.clear()
+        _launches[key] = launch
+    for name, op in (("q", q), ("k", k), ("v", v)):
+        _check_aligned(name, op.address, launch.in_bytes)
+    sq, sk, sv = launch.strides
+    mask_kind = launch.mask_kind
+    args = (
+        _ptr(q.address), *sq, _ptr(q.bias), _ptr(k.address), *sk, _ptr(k.bias), _ptr(v.address), *sv, _ptr(v.bias),
+        _ptr(attention_bias), *launch.bias_dims, np.int32(int(mask_kind)),
+        _ptr(mask if mask_kind == MaskKind.KEY_LENGTHS else None),
+        _ptr(mask if mask_kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None),
+        *launch.scalars, _ptr(out_BSD),
+    )  # fmt: skip
+    if isinstance(launch.tile, WsTile):
+        args += tuple(ws_tensor_maps(problem, operand_dtype, launch.tile, {"q": q, "k": k, "v": v}))
+    with cupy.cuda.Device(device_id):
+        if stream is None:
+            launch.kernel((launch.blocks,), (launch.threads,), args, shared_mem=launch.shared)
+        else:
+            with stream:
+                launch.kernel((launch.blocks,), (launch.threads,), args, shared_mem=launch.shared)
+
+
+MAX_LAUNCHES = 1024  # remembered launch decisions (forgotten all at once beyond)
+_launches: dict = {}
+
+
+def _ptr(address: Optional[int]) -> np.uint64:
+    return np.uint64(0 if address is None else address)
+
+
+@dataclass(frozen=True)
+class FusedLaunch:
+    """What run_fused decides once per call signature: the compiled instantiation, its grid, block and shared
+    memory, and the arguments that do not depend on where the operands lie."""
+
+    kernel: object
+    blocks: int
+    threads: int
+    shared: int
+    tile: Optional[Tile]
+    in_bytes: int  # operand element size
+    strides: tuple  # ((sb, sh, ss) of q, k, v as np.int64)
+    mask_kind: MaskKind
+    bias_dims: tuple  # (d0, d1) of attention_bias as np.int32
+    scalars: tuple  # mask_filter_value, causal, skip_causal_tiles, scale, B, N, S, T, P, H, Hv
+
+
+def fused_launch(device_id: int, problem: MhaProblem, *, q: Operand, k: Operand, v: Operand, operand_dtype: str,
+                 attention_bias: Optional[int], mask: Optional[int], tile: Optional[Tile]) -> FusedLaunch:  # fmt: skip
+    """run_fused's checks and decisions for ``problem`` (raises ValueError like run_fused; addresses are read only
+    for whether they are given, and the kernel is compiled here if it was not)."""
+    import cupy
+
     g = problem.geometry
     n = g.num_heads
     if q.seq != g.q_seq or k.seq != g.total_seq or v.seq != g.total_seq:
@@ -316,32 +378,18 @@ def run_fused(
     log.debug("mha_ep: fused path: %s, %d blocks x %d threads, %d bytes of shared memory", name, blocks, threads,
               shared)  # (the three-phase path says why it was taken: backend.py)
 
-    def ptr(address: Optional[int]) -> np.uint64:
-        return np.uint64(0 if address is None else address)
-
     i64, i32 = np.int64, np.int32
-    args = []
-    for op, (sb, sh, ss) in ((q, strides["q"]), (k, strides["k"]), (v, strides["v"])):
-        args += [ptr(op.address), i64(sb), i64(sh), i64(ss), ptr(op.bias)]
-    args += [
-        ptr(attention_bias), i32(d0), i32(d1),
-        i32(int(mask_kind)),
-        ptr(mask if mask_kind == MaskKind.KEY_LENGTHS else None),
-        ptr(mask if mask_kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None),
-        np.float32(problem.mask_filter_value),
-        i32(int(problem.causal)),
-        i32(int(bias is None)),  # skip_causal_tiles: exact only when no attention_bias can lift future logits
-        np.float32(problem.scale),
-        i32(g.batch), i32(n), i32(g.q_seq), i32(g.total_seq), i32(g.past_seq), i32(g.head_size),
-        i32(g.v_head_size),
-        ptr(out_BSD),
-    ]  # fmt: skip
-    if isinstance(tile, WsTile):
-        args += ws_tensor_maps(problem, operand_dtype, tile, {"q": q, "k": k, "v": v})
     with cupy.cuda.Device(device_id):
         kernel = get_fused_kernel(device_id, name, shared)
-        if stream is None:
-            kernel((blocks,), (threads,), tuple(args), shared_mem=shared)
-        else:
-            with stream:
-                kernel((blocks,), (threads,), tuple(args), shared_mem=shared)
+    return FusedLaunch(
+        kernel=kernel, blocks=blocks, threads=threads, shared=shared, tile=tile, in_bytes=in_bytes,
+        strides=tuple(tuple(i64(s) for s in strides[name]) for name in ("q", "k", "v")),
+        mask_kind=mask_kind, bias_dims=(i32(d0), i32(d1)),
+        scalars=(
+            np.float32(problem.mask_filter_value), i32(int(problem.causal)),
+            i32(int(bias is None)),  # skip_causal_tiles: exact only when no attention_bias can lift future logits
+            np.float32(problem.scale),
+            i32(g.batch), i32(n), i32(g.q_seq), i32(g.total_seq), i32(g.past_seq), i32(g.head_size),
+            i32(g.v_head_size),
+        ),
+    )  # fmt: skip
