@@ -22,7 +22,7 @@ from mha_ep.device import AttentionStep, DevicePlanError, PieceStep, plan_device
 from mha_ep.device.mode import (
     DeviceModeUnavailableError, cuda_options_of, normalise_mode, reason_in_plan, reason_without_cuda_provider,
 )  # fmt: skip
-from mha_ep.device.run import HostExecutor, run_plan
+from mha_ep.device.run import HostExecutor, run_plan, run_steps
 from mha_ep.feeds import random_feeds
 from mha_ep.ops.backends import create_backend
 
@@ -54,6 +54,31 @@ def test_the_cut_of_every_shipped_model_computes_stock_orts_outputs(path):
         e = value.astype(np.float64)
         error = float(np.max(np.abs(actual[name].astype(np.float64) - e) / np.maximum(1.0, np.abs(e))))
         assert error <= TOLERANCE[dtype], f"{path.stem} {name}: {error:.3g}"
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if "decoder_fp32" in p.stem], ids=lambda p: p.stem)
+def test_a_call_split_at_any_step_hands_across_exactly_what_the_rest_reads(path):
+    """Device mode's graphs run the steps before a piece ORT partly runs on the CPU eagerly and capture the rest
+    (device/cuda.py CallGraphs): the rest must get everything it reads from ``reads_before``, and nothing more is
+    needed. Checked at every split point: the rest runs on the handed-across tensors alone and gives the same
+    outputs as the whole call."""
+    model = onnx.load(path)
+    plan = plan_device(mha_ep.partition(model).model)
+    executor = HostExecutor(plan, create_backend("reference"))
+    constants = {name: executor.constant(value) for name, value in plan.constants.items()}
+    feeds = random_feeds(model, seed=5)
+    whole = run_plan(plan, executor, feeds, constants)
+    for split in range(len(plan.steps) + 1):
+        tensors = {**constants, **feeds}
+        run_steps(plan, executor, tensors, 0, split)
+        handed = {name: tensors[name] for name in plan.reads_before(split)}
+        assert set(handed) <= set(tensors)
+        rest = {**constants, **handed}
+        run_steps(plan, executor, rest, split)
+        for name in plan.outputs:
+            np.testing.assert_array_equal(rest[name], whole[name], err_msg=f"split at {split}: {name}")
+    assert set(plan.reads_before(0)) <= set(plan.inputs) | set(plan.constants)
+    assert set(plan.reads_before(len(plan.steps))) == set(plan.outputs)
 
 
 @pytest.mark.parametrize("path", [p for p in SHIPPED if "fp16" in p.stem][:1], ids=lambda p: p.stem)

@@ -151,7 +151,7 @@ def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[fl
     result = {
         "label": label, "mode": device.mode, "steps": runner.plan.describe().splitlines()[0],
         "graphs_captured": sum(entry is not None for entry in runner.graphs.entries.values()),
-        "graph_refusal": runner.executor.graph_refusal,
+        "graph_refusal": runner.executor.graph_refusal, "eager_steps": runner.executor.eager_head,
         "max_rel_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(eager, expected)),
         "graph_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(replayed, expected)),
     }  # fmt: skip

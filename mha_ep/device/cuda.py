@@ -1,7 +1,8 @@
 """The GPU executor of a device plan: ORT CUDA pieces and the cuda backend on one stream, tensors on the device.
 
 How one call runs (DESIGN.md, "Device-resident mode: facts measured"):
-  1. Feeds go up once (a CuPy array, or anything with ``__dlpack__`` on this GPU, is used where it lies).
+  1. Feeds go up once (a CuPy array, or anything with ``__dlpack__`` on this GPU, is used where it lies; NumPy
+     feeds go up together through one pinned buffer, and outputs come down into pinned blocks: transfer.py).
   2. Each piece is an ORT CUDA session created with ``user_compute_stream`` = the backend's stream, and run through
      an IOBinding on device pointers with ``disable_synchronize_execution_providers=1``: no host copy, no
      synchronize. Its outputs are ORT allocations, held as CuPy arrays over the OrtValues (the OrtValue keeps the
@@ -10,8 +11,10 @@ How one call runs (DESIGN.md, "Device-resident mode: facts measured"):
   4. Outputs come down once, after one synchronize (or stay on the device: ``device_outputs=True``).
   5. Replay (``CallGraphs``): from the second call of a feed signature on, the whole call (every piece and every
      attention step) is one CUDA graph, captured on the shared stream; the feeds are copied into the graph's
-     input buffers and the outputs copied out of its output buffers. A signature whose capture fails (an op
-     that synchronizes, cuBLAS on the three-phase path) runs eagerly from then on, and says why at debug level.
+     input buffers and the outputs copied out of its output buffers. When ORT runs a node of a piece on the CPU,
+     the steps up to that piece run eagerly each call and the rest is the graph. A signature whose capture
+     fails (an op that synchronizes, cuBLAS on the three-phase path) runs eagerly from then on, and says why at
+     debug level.
 
 Memory is stream-ordered throughout: ORT's arena and CuPy's pool hand a freed block to the next allocation on the
 same stream, and every user of it is on that stream, so nothing waits on the host between steps.
@@ -32,7 +35,8 @@ import onnx
 
 from mha_ep.dtypes import elem_type
 from mha_ep.device.plan import AttentionStep, DevicePlan, PieceStep
-from mha_ep.device.run import attention_problem, check_call, run_plan
+from mha_ep.device.run import attention_problem, check_call, run_plan, run_steps
+from mha_ep.device.transfer import HostTransfers, check_feed_dtype, is_host_feed
 from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.problem import resolve_padding_mask
 
@@ -86,15 +90,17 @@ class DeviceExecutor:
                      "CPUExecutionProvider"]  # fmt: skip
         options = sess_options if sess_options is not None else ort.SessionOptions()
         self.sessions: Dict[int, object] = {}
-        self.bindings: Dict[int, object] = {}
-        self.graph_refusal: Optional[str] = None  # why whole-call graphs would replay wrong values, if they would
+        self.pieces: Dict[int, PieceIO] = {}
+        self.graph_refusal: Optional[str] = None  # why the whole call cannot be one graph, if it cannot
+        self.eager_head = 0  # steps every call runs eagerly: up to the last piece a graph must not capture
         with tempfile.TemporaryDirectory(prefix="mha_ep_pieces_") as folder:
             for piece in plan.pieces:
                 session, refusal = _piece_session(ort, piece, options, providers, os.path.join(folder, "piece.onnx"),
                                                   session_kwargs or {})  # fmt: skip
-                self.graph_refusal = self.graph_refusal or refusal
+                if refusal is not None:
+                    self.graph_refusal = self.graph_refusal or refusal
+                    self.eager_head = 1 + next(i for i, step in enumerate(plan.steps) if step is piece)
                 self.sessions[id(piece)] = session
-                self.bindings[id(piece)] = session.io_binding()
         self.run_options = ort.RunOptions()
         self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         # ORT's Python run_with_iobinding reads gpu_graph_id on every run; unset, the lookup raises and is caught
@@ -102,6 +108,10 @@ class DeviceExecutor:
         self.run_options.add_run_config_entry("gpu_graph_id", "-1")
         with cupy.cuda.Device(self.device_id), self.stream:
             self.constants = {name: cupy.asarray(array) for name, array in plan.constants.items()}
+        self.transfers = HostTransfers(self.stream, self.device_id, backend._copier)
+        for piece in plan.pieces:
+            self.pieces[id(piece)] = PieceIO(ort, self.sessions[id(piece)], piece, plan.dtypes, self.device_id,
+                                             self.run_options)  # fmt: skip
         self.keep: Optional[list] = None  # while capturing: every buffer the graph touches stays alive here
         self._masks: dict = {}  # this call's resolved padding masks
 
@@ -120,12 +130,13 @@ class DeviceExecutor:
     def feed(self, name: str, value, dtype: str) -> cupy.ndarray:
         if isinstance(value, cupy.ndarray):
             array = value
-        elif hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
-            array = cupy.from_dlpack(value)
+        elif is_host_feed(value):
+            host = np.ascontiguousarray(value)
+            check_feed_dtype(name, host.dtype, dtype)
+            return self.transfers.to_device({name: host})[name]
         else:
-            array = cupy.asarray(np.ascontiguousarray(value))
-        if str(array.dtype) != dtype:
-            raise MhaEpError(f"device mode: feed {name!r} has dtype {array.dtype}, the model expects {dtype}")
+            array = cupy.from_dlpack(value)
+        check_feed_dtype(name, array.dtype, dtype)
         if array.device.id != self.device_id:
             raise MhaEpError(f"device mode: feed {name!r} lies on cuda:{array.device.id}, the session runs on "
                              f"cuda:{self.device_id}")  # fmt: skip
@@ -135,19 +146,10 @@ class DeviceExecutor:
         return cupy.asarray(array)
 
     def run_piece(self, piece: PieceStep, inputs: Dict[str, cupy.ndarray]) -> Dict[str, cupy.ndarray]:
-        session, binding = self.sessions[id(piece)], self.bindings[id(piece)]
         for name in piece.inputs:
-            array = inputs[name]
-            if not array.flags.c_contiguous:
-                array = cupy.ascontiguousarray(array)
-                inputs[name] = array
-            binding.bind_input(name, "cuda", self.device_id, elem_type(self.plan.dtypes[name]), list(array.shape),
-                               array.data.ptr)  # fmt: skip
-        for name in piece.outputs:  # a fresh allocation each run: the previous call's outputs may still be held
-            binding.bind_output(name, "cuda", self.device_id)
-        session.run_with_iobinding(binding, self.run_options)
-        values = binding.get_outputs()
-        binding.clear_binding_outputs()
+            if not inputs[name].flags.c_contiguous:
+                inputs[name] = cupy.ascontiguousarray(inputs[name])
+        values = self.pieces[id(piece)].run(inputs)
         outputs = {name: ortvalue_to_cupy(value, self.device_id) for name, value in zip(piece.outputs, values)}
         if self.keep is not None:
             self.keep.extend(outputs.values())
@@ -163,6 +165,68 @@ class DeviceExecutor:
         except MhaEpError as error:
             raise MhaRunError(step.node_name, str(error)) from None
         return [None if name is None else value for name, value in zip(step.outputs, results)]
+
+
+class PieceIO:
+    """One piece's IOBinding on device pointers. Inputs are bound again only when their address or shape changed
+    (CuPy's pool hands a repeated call the same blocks); outputs are bound to the device afresh each run, so that
+    each run's outputs are new ORT allocations (the last call's may still be held).
+
+    Where this onnxruntime exposes them, the calls go to ORT's C binding objects (``_iobinding``, ``_sess``)
+    with the device made once: its Python wrappers cost about 30 µs a piece (bind_input's OrtDevice.make, the
+    WebGPU capture checks of run_with_iobinding, an OrtValue wrapper per output), measured on this machine's
+    host for a two-output piece: 36 µs through the wrappers against 5.6 µs direct. Otherwise the public wrappers
+    are used, with the same effect."""
+
+    def __init__(self, ort, session, piece: PieceStep, dtypes: Dict[str, str], device_id: int, run_options):
+        self.session = session
+        self.binding = session.io_binding()
+        self.piece = piece
+        self.device_id = device_id
+        self.run_options = run_options
+        self.types = [elem_type(dtypes[name]) for name in piece.inputs]
+        self.bound: Dict[str, tuple] = {}  # input name -> (address, shape) bound now
+        self.direct = None
+        try:
+            c_binding, c_session = self.binding._iobinding, session._sess
+            c_device = ort.OrtDevice.make("cuda", device_id)._get_c_device()
+            if all(callable(getattr(c_binding, f, None)) for f in ("bind_input", "bind_output", "get_outputs",
+                                                                  "clear_binding_outputs")):  # fmt: skip
+                self.direct = (c_binding, c_session, c_device)
+        except AttributeError:  # another onnxruntime: the public wrappers
+            pass
+
+    def run(self, inputs: Dict[str, cupy.ndarray]) -> list:
+        """Run the piece on ``inputs`` (C-contiguous device arrays); its outputs as ORT values, in order."""
+        if self.direct is None:
+            return self._run_public(inputs)
+        c_binding, c_session, c_device = self.direct
+        for name, element_type in zip(self.piece.inputs, self.types):
+            array = inputs[name]
+            where = (array.data.ptr, array.shape)
+            if self.bound.get(name) != where:
+                c_binding.bind_input(name, c_device, element_type, list(array.shape), array.data.ptr)
+                self.bound[name] = where
+        for name in self.piece.outputs:
+            c_binding.bind_output(name, c_device)
+        try:
+            c_session.run_with_iobinding(c_binding, self.run_options)
+            vector = c_binding.get_outputs()  # a view of the binding's outputs: take each value before clearing
+            return [vector[i] for i in range(len(vector))]
+        finally:
+            c_binding.clear_binding_outputs()
+
+    def _run_public(self, inputs: Dict[str, cupy.ndarray]) -> list:
+        for name, element_type in zip(self.piece.inputs, self.types):
+            array = inputs[name]
+            self.binding.bind_input(name, "cuda", self.device_id, element_type, list(array.shape), array.data.ptr)
+        for name in self.piece.outputs:
+            self.binding.bind_output(name, "cuda", self.device_id)
+        try:
+            self.session.run_with_iobinding(self.binding, self.run_options)
+            return self.binding.get_outputs()
+        finally:
+            self.binding.clear_binding_outputs()
 
 
 def _piece_session(ort, piece: PieceStep, options, providers, saved: str, session_kwargs: dict):
@@ -219,20 +283,34 @@ class DeviceRunner:
 
     def run(self, output_names: Optional[Sequence[str]], feeds: dict, device_outputs: bool = False) -> list:
         names = check_call(self.plan, feeds, output_names)
+        transfers = self.executor.transfers
         with self._lock, cupy.cuda.Device(self.executor.device_id), self.stream:
-            outputs = None
-            self.executor.begin_call()
-            if self.graphs_enabled:
-                outputs = self.graphs.run(feeds)
-            if outputs is None:
+            try:
+                outputs = None
                 self.executor.begin_call()
-                outputs = run_plan(self.plan, self.executor, feeds, self.executor.constants)
-            selected = [outputs[name] for name in names]
-            if device_outputs:
-                return selected
-            host = [cupy.asnumpy(array, stream=self.stream) for array in selected]  # queued; one wait below
-            self.stream.synchronize()
-            return host
+                if self.graphs_enabled:
+                    outputs = self.graphs.run(feeds)
+                if outputs is None:
+                    self.executor.begin_call()
+                    outputs = run_plan(self.plan, self.executor, self._uploaded(feeds), self.executor.constants)
+                selected = [outputs[name] for name in names]
+                if device_outputs:
+                    return selected
+                return transfers.download(selected)
+            finally:
+                transfers.settle()  # the caller may write its page-locked feeds again once we return
+
+    def _uploaded(self, feeds: dict) -> dict:
+        """``feeds`` with every host feed replaced by its device copy, all of them uploaded together (transfer.py)."""
+        host = {}
+        for name in self.plan.inputs:
+            value = feeds[name]
+            if is_host_feed(value):
+                host[name] = np.ascontiguousarray(value)
+                check_feed_dtype(name, host[name].dtype, self.plan.dtypes[name])
+        if not host:
+            return feeds
+        return {**feeds, **self.executor.transfers.to_device(host)}
 
 
 def feed_signature(plan: DevicePlan, feeds: dict) -> tuple:
@@ -240,18 +318,26 @@ def feed_signature(plan: DevicePlan, feeds: dict) -> tuple:
 
 
 class CallGraph:
-    """A captured whole call: its input buffers (feeds are copied in), its output arrays, the graph, and every
-    buffer the captured work touches (kept alive, so no other allocation can take their memory)."""
+    """A captured call: the feeds' buffers (each call's feeds are copied in), the buffers that carry the eager
+    head's outputs into the graph, where each graph output lies, the graph, and every buffer the captured work
+    touches (kept alive, so no other allocation can take their memory)."""
 
-    def __init__(self, graph, inputs: Dict[str, cupy.ndarray], outputs: Dict[str, cupy.ndarray], keep: list):
+    def __init__(self, graph, inputs: Dict[str, cupy.ndarray], carried: Dict[str, cupy.ndarray],
+                 outputs: Dict[str, cupy.ndarray], keep: list):  # fmt: skip
         self.graph = graph
         self.inputs = inputs
+        self.carried = carried
         self.outputs = outputs
         self.keep = keep
 
 
 class CallGraphs:
-    """Whole-call CUDA graphs keyed by feed signature (rules in the module docstring, step 5)."""
+    """CUDA graphs of calls keyed by feed signature (rules in the module docstring, step 5).
+
+    A piece whose nodes ORT partly runs on the CPU cannot be captured (_piece_session says why). Every step up to
+    the last such piece (``executor.eager_head`` of them) then runs eagerly on each call, and the rest of the call
+    is one graph: the head's outputs that the rest reads are copied into the graph's buffers first. A model
+    without such a piece is one graph from its feeds to its outputs."""
 
     def __init__(self, runner: DeviceRunner):
         self.runner = runner
@@ -261,7 +347,7 @@ class CallGraphs:
     def run(self, feeds: dict) -> Optional[Dict[str, cupy.ndarray]]:
         """The outputs of a replay (copies; the graph's own buffers are reused by the next replay), or None when
         this call runs eagerly."""
-        if self.runner.executor.graph_refusal is not None:
+        if self.runner.executor.eager_head >= len(self.runner.plan.steps):
             return None
         try:
             key = feed_signature(self.runner.plan, feeds)
@@ -286,7 +372,7 @@ class CallGraphs:
     def _replay_or_refuse(self, key: tuple, entry: CallGraph, feeds: dict) -> Dict[str, cupy.ndarray]:
         """A replay; when it fails, the signature runs step by step from then on (the error is raised)."""
         try:
-            return self._replay(entry, feeds)
+            return self._replay(key, entry, feeds)
         except BaseException:
             try:
                 self.runner.stream.synchronize()  # before the entry's buffers go back to the pool
@@ -294,14 +380,36 @@ class CallGraphs:
                 self._add(key, None)
             raise
 
-    def _replay(self, entry: CallGraph, feeds: dict) -> Dict[str, cupy.ndarray]:
+    def _replay(self, key: tuple, entry: CallGraph, feeds: dict) -> Dict[str, cupy.ndarray]:
         executor = self.runner.executor
+        plan = self.runner.plan
+        host, addresses = [], []
         for name, buffer in entry.inputs.items():
             value = feeds[name]
-            if isinstance(value, np.ndarray) and str(value.dtype) == str(buffer.dtype):
-                buffer.set(np.ascontiguousarray(value), self.runner.stream)  # straight into the graph's buffer
+            if is_host_feed(value):  # straight into the graph's buffer
+                host.append(np.ascontiguousarray(value))
+                check_feed_dtype(name, host[-1].dtype, str(buffer.dtype))
+                addresses.append(buffer.data.ptr)
             else:
-                cupy.copyto(buffer, executor.feed(name, value, self.runner.plan.dtypes[name]))
+                cupy.copyto(buffer, executor.feed(name, value, plan.dtypes[name]))
+        executor.transfers.upload(host, addresses)
+        head = executor.eager_head
+        if head:
+            executor.begin_call()
+            tensors = {**executor.constants, **entry.inputs}
+            run_steps(plan, executor, tensors, 0, head)
+            changed = [name for name, buffer in entry.carried.items()
+                       if tensors[name].shape != buffer.shape or tensors[name].dtype != buffer.dtype]  # fmt: skip
+            if changed:  # the head's output shapes depend on values, not only on the feeds' shapes: no graph
+                log.debug("mha_ep device mode: %s changed shape after the capture; signature %s runs eagerly",
+                          changed, key)  # fmt: skip
+                run_steps(plan, executor, tensors, head)
+                outputs = {name: tensors[name].copy() for name in plan.outputs}
+                self.runner.stream.synchronize()  # the entry's buffers go back to the pool below
+                self._add(key, None)
+                return outputs
+            for name, buffer in entry.carried.items():
+                cupy.copyto(buffer, tensors[name])
         entry.graph.launch(self.runner.stream)
         return {name: array.copy() for name, array in entry.outputs.items()}
 
@@ -309,24 +417,33 @@ class CallGraphs:
         executor = self.runner.executor
         plan = self.runner.plan
         stream = self.runner.stream
+        head = executor.eager_head
         inputs = {name: executor.feed(name, feeds[name], plan.dtypes[name]).copy() for name in plan.inputs}
         keep: list = list(inputs.values())
+        executor.begin_call()
+        tensors = {**executor.constants, **inputs}
+        run_steps(plan, executor, tensors, 0, head)  # the eager head (nothing when the whole call is captured)
+        carried = {name: tensors[name].copy() for name in plan.reads_before(head)
+                   if name not in inputs and name not in executor.constants}  # fmt: skip
+        keep.extend(carried.values())
+        tail = {**executor.constants, **inputs, **carried}
         executor.keep = keep
         executor.begin_call()
         try:
             stream.begin_capture(CAPTURE_MODE)
             try:
-                outputs = run_plan(plan, executor, inputs, executor.constants)
+                run_steps(plan, executor, tail, head)
             finally:
                 graph = stream.end_capture()
         except Exception as error:  # noqa: BLE001 - any failure: this signature runs eagerly from now on
-            log.debug("mha_ep device mode: no whole-call graph for %s: %s: %s", key, type(error).__name__, error)
+            log.debug("mha_ep device mode: no graph for %s: %s: %s", key, type(error).__name__, error)
             self._add(key, None)
             return None
         finally:
             executor.keep = None
             executor.begin_call()
-        entry = CallGraph(graph, inputs, outputs, keep + list(outputs.values()))
+        outputs = {name: tail[name] for name in plan.outputs}
+        entry = CallGraph(graph, inputs, carried, outputs, keep + list(outputs.values()))
         self._add(key, entry)
         return entry
 

@@ -119,6 +119,21 @@ class DevicePlan:
                 drops[index].append(name)
         return drops
 
+    def reads_before(self, start: int) -> Tuple[str, ...]:
+        """The tensors that ``steps[start:]`` and the graph outputs take from before step ``start`` (feeds,
+        constants, earlier steps' outputs), in first-read order: what a call split at ``start`` hands across."""
+        produced = set()
+        wanted: Dict[str, None] = {}
+        for step in self.steps[start:]:
+            for name in step.inputs:
+                if name is not None and name not in produced:
+                    wanted.setdefault(name)
+            produced.update(name for name in step.outputs if name is not None)
+        for name in self.outputs:
+            if name not in produced:
+                wanted.setdefault(name)
+        return tuple(wanted)
+
     def describe(self) -> str:
         head = (f"device plan: {len(self.pieces)} ORT piece(s), {len(self.attention_steps)} attention step(s)")
         return "\n".join([head] + [f"  {step.describe()}" for step in self.steps])

@@ -54,7 +54,15 @@ def run_plan(plan: DevicePlan, executor: Executor, feeds: Mapping[str, object], 
     tensors: Dict[str, object] = dict(constants)
     for name in plan.inputs:
         tensors[name] = executor.feed(name, feeds[name], plan.dtypes[name])
-    for step, drops in zip(plan.steps, plan.drops):
+    run_steps(plan, executor, tensors)
+    return {name: tensors[name] for name in wanted}
+
+
+def run_steps(plan: DevicePlan, executor: Executor, tensors: Dict[str, object], start: int = 0,
+              stop: Optional[int] = None) -> None:  # fmt: skip
+    """Run ``plan.steps[start:stop]`` on ``tensors`` (name -> executor tensor: what earlier steps, the feeds and
+    the constants left), adding each step's outputs and dropping each tensor after its last reader."""
+    for step, drops in zip(plan.steps[start:stop], plan.drops[start:stop]):
         if isinstance(step, PieceStep):
             tensors.update(executor.run_piece(step, {name: tensors[name] for name in step.inputs}))
         else:
@@ -64,7 +72,6 @@ def run_plan(plan: DevicePlan, executor: Executor, feeds: Mapping[str, object], 
                     tensors[name] = value
         for name in drops:
             tensors.pop(name, None)
-    return {name: tensors[name] for name in wanted}
 
 
 def attention_problem(step: AttentionStep, arrays: Sequence[Optional[object]], mask_resolver=None):

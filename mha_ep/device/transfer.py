@@ -1,0 +1,194 @@
+"""Host <-> device copies of a device-mode call: NumPy feeds up, outputs down.
+
+Measured on the H200 host for the Whisper tiny.en decode step (22.8 MB of feeds, 5.4 MB of outputs, medians of 20
+in turns): 2.57 ms to upload the feeds one ``cupy.asarray`` at a time, 1.70 ms through one pinned buffer filled by
+the copy threads; 0.74 ms to download the outputs into fresh NumPy arrays, 0.16 ms into pinned ones. So:
+
+  * Up: feeds already in page-locked memory (an output of an earlier call, ``cupyx.empty_pinned``) go up
+    directly. Others are packed into one grow-only pinned buffer, chunk by chunk on the copy threads
+    (staging.copy_pairs_in_chunks, the bridge's staging), each chunk's DMA queued as soon as it is copied; small
+    calls copy on the calling thread and go up in one DMA. An event after the uploads guards the buffer: the next
+    call waits for it before writing there again.
+  * Down: each output is copied into its own page-locked block and handed back as a NumPy array over it. Fresh
+    pageable arrays are what made the download slow (their pages fault in on first touch); a pooled pinned block
+    comes back already mapped. The block returns to this runner's pool when the last array over it is gone.
+    The blocks the caller holds are capped (PINNED_OUTPUT_BYTES); beyond the cap, outputs come back as ordinary
+    arrays. A decode loop that feeds the presents back gets both halves: its past goes up by direct DMA.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Dict, List, Optional, Sequence
+
+import cupy
+import numpy as np
+
+from mha_ep.errors import MhaEpError
+from mha_ep.ops.backends.cuda.staging import (
+    COPY_CHUNK_BYTES, PinnedStaging, align_up, copy_pairs_in_chunks, pack_layout,
+)  # fmt: skip
+
+MEMCPY_HOST_TO_DEVICE = 1
+MEMCPY_DEVICE_TO_HOST = 2
+SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the packed feeds go up in one DMA after all copies
+PINNED_OUTPUT_BYTES = 1 << 30  # at most this much of a runner's outputs held by callers in pinned blocks
+PINNED_OUTPUT_MIN_BYTES = 64 << 10  # smaller outputs: ordinary arrays (a pinned block would cost more than it saves)
+MEMORY_TYPE_HOST = 1  # cudaPointerAttributes.type of page-locked host memory
+
+
+def is_host_feed(value) -> bool:
+    """A feed that lies on the host: a NumPy array, or anything without ``__dlpack__`` (lists, scalars)."""
+    return isinstance(value, np.ndarray) or not (isinstance(value, cupy.ndarray) or hasattr(value, "__dlpack__"))
+
+
+def check_feed_dtype(name: str, actual, expected: str) -> None:
+    if str(actual) != expected:
+        raise MhaEpError(f"device mode: feed {name!r} has dtype {actual}, the model expects {expected}")
+
+
+def is_page_locked(array: np.ndarray) -> bool:
+    """Whether ``array``'s memory is page-locked (registered with CUDA): then a DMA can read it in place."""
+    if array.nbytes == 0:
+        return False
+    try:
+        return cupy.cuda.runtime.pointerGetAttributes(array.ctypes.data).type == MEMORY_TYPE_HOST
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return False
+
+
+class _PinnedOutput:
+    """The owner of one output's pinned block: NumPy arrays over it keep it alive (their ``base``), and the
+    runner's count of held bytes drops when the last of them is gone."""
+
+    __slots__ = ("memory", "__array_interface__", "__weakref__")
+
+    def __init__(self, memory, shape: tuple, dtype: np.dtype):
+        self.memory = memory
+        self.__array_interface__ = {"data": (memory.ptr, False), "shape": shape, "typestr": dtype.str, "version": 3}
+
+
+class HostTransfers:
+    """One device runner's copies (one call at a time: the runner's lock), on ``stream`` of device ``device_id``;
+    ``copier`` is the thread pool for the host copies into the pinned buffer."""
+
+    def __init__(self, stream: cupy.cuda.Stream, device_id: int, copier=None):
+        self.stream = stream
+        self.device_id = device_id
+        self.copier = copier
+        self._staging = PinnedStaging(cupy.cuda.alloc_pinned_memory)
+        self._staging_free: Optional[cupy.cuda.Event] = None  # recorded after the last DMA out of the staging buffer
+        self._direct_done: Optional[cupy.cuda.Event] = None  # recorded after the last direct upload (settle)
+        self._outputs_pool = cupy.cuda.PinnedMemoryPool()
+        self._held_bytes = 0
+        self._held_lock = threading.Lock()  # finalizers run on whichever thread drops the last array
+
+    # ------------------------------------------------------------------------------------------------- up
+    def upload(self, arrays: Sequence[np.ndarray], destinations: Sequence[int]) -> None:
+        """Queue copies of the C-contiguous host ``arrays`` to the device addresses ``destinations``."""
+        staged, direct = [], False
+        for array, address in zip(arrays, destinations):
+            if array.nbytes == 0:
+                continue
+            if is_page_locked(array):
+                self._dma(address, array.ctypes.data, array.nbytes)
+                direct = True
+            else:
+                staged.append((array, address))
+        if staged:
+            self._upload_staged(staged)
+        if direct:
+            self._direct_done = self._record()
+
+    def settle(self) -> None:
+        """Wait until the direct uploads of page-locked feeds have read them (a caller may write them next)."""
+        if self._direct_done is not None:
+            self._direct_done.synchronize()
+            self._direct_done = None
+
+    def _record(self) -> cupy.cuda.Event:
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def _upload_staged(self, staged: list) -> None:
+        segments, total = pack_layout([(str(i), a.dtype, a.shape) for i, (a, _) in enumerate(staged)])
+        if self._staging_free is not None:
+            self._staging_free.synchronize()  # the previous call's DMA may still read the buffer
+        self._staging.ensure(total)
+        views = [self._staging.view(segments[str(i)]) for i in range(len(staged))]
+        base = self._staging.address
+        contiguous_destinations = all(
+            address == staged[0][1] + segments[str(i)].offset for i, (_, address) in enumerate(staged)
+        )
+        if total <= SINGLE_UPLOAD_BYTES and contiguous_destinations:
+            for view, (array, _) in zip(views, staged):
+                np.copyto(view, array, casting="no")
+            self._dma(staged[0][1], base, total)
+        else:
+            executor = self.copier if total > COPY_CHUNK_BYTES else None
+            pairs = [(view, array) for view, (array, _) in zip(views, staged)]
+            for index, offset, nbytes in copy_pairs_in_chunks(pairs, executor):
+                self._dma(staged[index][1] + offset, base + segments[str(index)].offset + offset, nbytes)
+        self._staging_free = self._record()
+
+    def _dma(self, dst: int, src: int, nbytes: int) -> None:
+        cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_HOST_TO_DEVICE, self.stream.ptr)
+
+    def to_device(self, feeds: Dict[str, np.ndarray]) -> Dict[str, cupy.ndarray]:
+        """CuPy arrays holding the host ``feeds`` (C-contiguous), in one device allocation laid out like the
+        staging buffer, so that small calls go up in one DMA. The copies are queued on the stream."""
+        names = [name for name in feeds if feeds[name].nbytes]
+        segments, total = pack_layout([(name, feeds[name].dtype, feeds[name].shape) for name in names])
+        block = cupy.cuda.alloc(total) if names else None
+        arrays = {}
+        for name, array in feeds.items():
+            if array.nbytes == 0:
+                arrays[name] = cupy.empty(array.shape, array.dtype)
+                continue
+            segment = segments[name]
+            arrays[name] = cupy.ndarray(array.shape, array.dtype, block + segment.offset)
+        self.upload([feeds[name] for name in names], [arrays[name].data.ptr for name in names])
+        return arrays
+
+    # ----------------------------------------------------------------------------------------------- down
+    def download(self, arrays: Sequence[cupy.ndarray]) -> List[np.ndarray]:
+        """NumPy copies of the device ``arrays`` (queued on the stream, then one synchronize)."""
+        results = []
+        for array in arrays:
+            array = cupy.ascontiguousarray(array)
+            host = self._host_array(array.shape, array.dtype)
+            if array.nbytes:
+                cupy.cuda.runtime.memcpyAsync(host.ctypes.data, array.data.ptr, array.nbytes, MEMCPY_DEVICE_TO_HOST,
+                                              self.stream.ptr)  # fmt: skip
+            results.append(host)
+        self.stream.synchronize()
+        return results
+
+    def _host_array(self, shape: tuple, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < PINNED_OUTPUT_MIN_BYTES:
+            return np.empty(shape, dtype)
+        size = align_up(nbytes)
+        with self._held_lock:
+            if self._held_bytes + size > PINNED_OUTPUT_BYTES:
+                return np.empty(shape, dtype)
+            self._held_bytes += size
+        try:
+            owner = _PinnedOutput(self._outputs_pool.malloc(size), tuple(shape), dtype)
+        except BaseException:
+            self._release(size)
+            raise
+        weakref.finalize(owner, self._release, size)
+        return np.asarray(owner)
+
+    def _release(self, nbytes: int) -> None:
+        with self._held_lock:
+            self._held_bytes -= nbytes
+
+    @property
+    def held_output_bytes(self) -> int:
+        """Bytes of pinned output blocks that arrays handed to callers still hold."""
+        return self._held_bytes
