@@ -6,9 +6,9 @@ the copy threads; 0.74 ms to download the outputs into fresh NumPy arrays, 0.16 
 
   * Up: feeds already in page-locked memory (an output of an earlier call, ``cupyx.empty_pinned``) go up
     directly. Others are packed into one grow-only pinned buffer, chunk by chunk on the copy threads
-    (staging.copy_pairs_in_chunks, the bridge's staging), each chunk's DMA queued as soon as it is copied; small
-    calls copy on the calling thread and go up in one DMA. An event after the uploads guards the buffer: the next
-    call waits for it before writing there again.
+    (staging.copy_pairs_in_chunks, with the bridge's chunk size and threshold), each chunk's DMA queued as soon
+    as it is copied; small calls copy on the calling thread and go up in one DMA. An event after the uploads
+    guards the buffer: the next call waits for it before writing there again.
   * Down: each output is copied into its own page-locked block and handed back as a NumPy array over it. Fresh
     pageable arrays are what made the download slow (their pages fault in on first touch); a pooled pinned block
     comes back already mapped. The block returns to this runner's pool when the last array over it is gone.
@@ -26,9 +26,8 @@ import cupy
 import numpy as np
 
 from mha_ep.errors import MhaEpError
-from mha_ep.ops.backends.cuda.staging import (
-    COPY_CHUNK_BYTES, PinnedStaging, align_up, copy_pairs_in_chunks, pack_layout,
-)  # fmt: skip
+from mha_ep.ops.backends.cuda import backend as cuda_backend
+from mha_ep.ops.backends.cuda.staging import PinnedStaging, align_up, copy_pairs_in_chunks, pack_layout
 
 MEMCPY_HOST_TO_DEVICE = 1
 MEMCPY_DEVICE_TO_HOST = 2
@@ -127,9 +126,9 @@ class HostTransfers:
                 np.copyto(view, array, casting="no")
             self._dma(staged[0][1], base, total)
         else:
-            executor = self.copier if total > COPY_CHUNK_BYTES else None
+            executor = self.copier if total > cuda_backend.THREADED_UPLOAD_BYTES else None
             pairs = [(view, array) for view, (array, _) in zip(views, staged)]
-            for index, offset, nbytes in copy_pairs_in_chunks(pairs, executor):
+            for index, offset, nbytes in copy_pairs_in_chunks(pairs, executor, cuda_backend.UPLOAD_CHUNK_BYTES):
                 self._dma(staged[index][1] + offset, base + segments[str(index)].offset + offset, nbytes)
         self._staging_free = self._record()
 

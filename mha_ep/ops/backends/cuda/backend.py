@@ -61,6 +61,13 @@ POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float
 log = logging.getLogger("mha_ep")
 COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
 SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
+# Above THREADED_UPLOAD_BYTES the inputs' chunks are copied on the copy threads, in chunks of UPLOAD_CHUNK_BYTES,
+# each chunk's DMA queued as soon as it is copied. Chosen on the H200 host (2026-12-01, scripts/bridge_upload_knobs.py:
+# six anchor/sweep rows, six settings timed in turns, 15 rounds): 2 MiB chunks threaded above 1 MiB beat the
+# former 4 MiB / 4 MiB by 2-9% (1,2048 f16 7.86 -> 7.37 ms, 8,512 f16 14.2 -> 13.0 ms; 8,512 f32 equal);
+# 1 MiB chunks were no better and 512 KiB or 256 KiB ones slower (thread hand-offs).
+THREADED_UPLOAD_BYTES = 1 << 20
+UPLOAD_CHUNK_BYTES = 2 << 20
 REPLAY_VERDICTS = 1024  # replay keys whose eligibility is remembered (forgotten all at once beyond)
 CUDA_ERRORS = (
     cupy.cuda.runtime.CUDARuntimeError,
@@ -338,13 +345,12 @@ class CudaBackend:
                 np.copyto(self._pinned_in.view(in_segments[name]), array, casting="same_kind")
             upload(self._pinned_in.address, in_bytes, in_base)
             return
-        # Larger calls: each chunk's DMA starts as soon as it is in the pinned buffer. Above one chunk's worth the
-        # copy threads take every input's chunks side by side; below it the chunks are copied here, one by one
-        # (handing a few hundred KB to a thread cost more than copying it on the GPU machine's host).
+        # Larger calls: each chunk's DMA starts as soon as it is in the pinned buffer; above THREADED_UPLOAD_BYTES
+        # the copy threads take every input's chunks side by side (below it, here, one by one).
         segments = [in_segments[name] for name, _, _, _ in inputs]
         pairs = [(self._pinned_in.view(segment), array) for segment, (_, _, _, array) in zip(segments, inputs)]
-        executor = self._copier if in_bytes > COPY_CHUNK_BYTES else None
-        for index, offset, nbytes in copy_pairs_in_chunks(pairs, executor):
+        executor = self._copier if in_bytes > THREADED_UPLOAD_BYTES else None
+        for index, offset, nbytes in copy_pairs_in_chunks(pairs, executor, UPLOAD_CHUNK_BYTES):
             offset += segments[index].offset
             upload(self._pinned_in.address + offset, nbytes, in_base + offset)
 
