@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run_bench(*args):
     return subprocess.run([sys.executable, "-m", "mha_ep", "bench", *args], capture_output=True, text=True, timeout=300)
@@ -67,6 +69,36 @@ def test_bench_device_json_prints_its_rows_as_one_object(monkeypatch, capsys):
     assert "| BERT-base encoder B=8 S=128 float32 2D mask | 1.00 |" in err
 
 
+def test_bench_device_out_writes_the_object_json_prints(monkeypatch, capsys, tmp_path):
+    import onnxruntime
+
+    from mha_ep.bench import device
+
+    monkeypatch.setattr(onnxruntime, "preload_dlls", lambda: None, raising=False)
+    fake = {"label": "fake row", "max_rel_error_vs_ort_cuda": 1e-6, **{f"{c}_ms": 1.0 for c in device.COLUMNS}}
+    monkeypatch.setattr(device, "bench_encoder", lambda row, repeats: dict(fake, label=row.label))
+    monkeypatch.setattr(device, "plot", lambda results, path: False)
+    code, out, err = bench_in_process(capsys, "device", "--only", "S=128 float32", "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    assert json.loads((tmp_path / "bench_device.json").read_text()) == json.loads(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_device.json"]  # no temporary file left beside it
+
+
+def test_a_failed_json_write_leaves_the_old_file_whole(monkeypatch, tmp_path):
+    from mha_ep.bench import output
+
+    output.write_json(str(tmp_path), "bench_x.json", {"old": 1})
+
+    class Unserialisable:
+        def __str__(self):
+            raise RuntimeError("cannot write this")
+
+    with pytest.raises(RuntimeError, match="cannot write this"):
+        output.write_json(str(tmp_path), "bench_x.json", {"new": Unserialisable()})
+    assert json.loads((tmp_path / "bench_x.json").read_text()) == {"old": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_x.json"]
+
+
 def test_bench_anchors_json_prints_one_object_and_still_writes_its_folder(monkeypatch, capsys, tmp_path):
     from types import SimpleNamespace
 
@@ -103,8 +135,6 @@ def bench_parser(monkeypatch, module_name):
     """The parser a benchmark's main(argv) builds, caught at parse_args (nothing runs, no GPU needed)."""
     import argparse
     import importlib
-
-    import pytest
 
     def catch(self, args=None, namespace=None):
         raise _Parsed(self)

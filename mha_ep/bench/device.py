@@ -22,7 +22,6 @@ projections and FFN plus 4·B·N·S²·H for attention.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,14 +257,11 @@ def main(argv: Optional[list] = None) -> int:
             continue
         results.append(result)
         print(format_row(result), flush=True)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_device.json").write_text(json.dumps(results, indent=2))
-        plot(results, Path(args.out) / "bench_device.png")
-    if args.json:
-        from mha_ep.bench.output import print_json
+    from mha_ep.bench.output import emit
 
-        print_json({"rows": results})
+    emit(args, "bench_device.json", {"rows": results})
+    if args.out:
+        plot(results, Path(args.out) / "bench_device.png")
     return 0
 
 

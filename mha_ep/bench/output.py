@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -46,10 +48,20 @@ def print_json(data) -> None:
 
 
 def write_json(folder: str, name: str, data) -> Path:
-    """``data`` as ``folder/name`` (the folder made when missing); the path, for a 'wrote' line."""
+    """``data`` as ``folder/name`` (the folder made when missing), written whole or not at all (a temporary file
+    beside it, then a rename); the path, for a 'wrote' line."""
     path = Path(folder) / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str))
+    text = json.dumps(data, indent=2, default=str)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
     return path
 
 
