@@ -185,3 +185,30 @@ def test_host_feeds_of_every_size_arrive_whole_and_outputs_come_back_exact():
         for (name, expected), actual in zip(feeds.items(), back):
             assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
             np.testing.assert_array_equal(actual, expected, err_msg=name)
+
+
+def test_kept_graphs_stay_within_their_memory_cap(monkeypatch):
+    """device/cuda.py MAX_GRAPH_BYTES: the least recently used graph goes when a new one would pass the cap, and a
+    call whose graph alone passes it runs eagerly; every call's outputs stay right either way."""
+    from mha_ep.device import cuda as device_cuda
+
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
+    graphs = session.device_runner.graphs
+
+    def run_three(feeds, label):
+        for _ in range(3):  # eager, captured, replayed
+            assert_close(session.run(None, feeds), stock_cuda(model, feeds), "float32", label)
+
+    first, second = encoder_feeds(2, 8, hidden=64, seed=1), encoder_feeds(2, 9, hidden=64, seed=2)
+    run_three(first, "first")
+    one = graphs.held_bytes()
+    assert one > 0 and len(graphs.entries) == 1
+    monkeypatch.setattr(device_cuda, "MAX_GRAPH_BYTES", one + one // 2)  # room for one graph of this size
+    run_three(second, "second")
+    kept = [key for key, entry in graphs.entries.items() if entry is not None]
+    assert len(kept) == 1 and {n: shape for n, shape, _ in kept[0]}["hidden_states"] == (2, 9, 64), kept  # first went
+    monkeypatch.setattr(device_cuda, "MAX_GRAPH_BYTES", 0)
+    third = encoder_feeds(3, 5, hidden=64, seed=3)
+    run_three(third, "third")
+    assert graphs.entries[device_cuda.feed_signature(session.device_runner.plan, third)] is None

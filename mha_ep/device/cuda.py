@@ -48,6 +48,9 @@ NUMPY_DTYPES = {
 }  # fmt: skip
 ORT_TYPE_NAMES = {f"tensor({'float' if k == 'float32' else 'double' if k == 'float64' else k})": k for k in NUMPY_DTYPES}
 MAX_GRAPHS = 8  # feed signatures whose whole-call graph is kept, least recently used released first
+# Device memory the kept graphs may hold together (their buffers stay allocated while they live); beyond it the
+# least recently used go first, and a call whose buffers alone exceed it runs eagerly.
+MAX_GRAPH_BYTES = 2 << 30
 # Relaxed: ORT's arena and CuPy's pool may call cudaMalloc while the call is captured (legal in this mode only).
 CAPTURE_MODE = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2)
 CAPTURE_AFTER = 2
@@ -329,6 +332,19 @@ class CallGraph:
         self.carried = carried
         self.outputs = outputs
         self.keep = keep
+        self.nbytes = held_bytes(keep)
+
+
+def held_bytes(buffers: list) -> int:
+    """Device bytes of ``buffers`` (CuPy arrays, CuPy memory pointers), each allocation counted once."""
+    sizes: Dict[int, int] = {}
+    for buffer in buffers:
+        if isinstance(buffer, cupy.ndarray):
+            memory = buffer.data.mem
+            sizes[id(memory)] = max(sizes.get(id(memory), 0), getattr(memory, "size", 0) or buffer.nbytes)
+        elif isinstance(buffer, cupy.cuda.MemoryPointer):
+            sizes[id(buffer.mem)] = buffer.mem.size
+    return sum(sizes.values())
 
 
 class CallGraphs:
@@ -444,16 +460,26 @@ class CallGraphs:
             executor.begin_call()
         outputs = {name: tail[name] for name in plan.outputs}
         entry = CallGraph(graph, inputs, carried, outputs, keep + list(outputs.values()))
+        if entry.nbytes > MAX_GRAPH_BYTES:  # kept, this one graph would hold more than all of them may
+            log.debug("mha_ep device mode: no graph for %s: its buffers hold %d bytes, more than MAX_GRAPH_BYTES",
+                      key, entry.nbytes)  # fmt: skip
+            stream.synchronize()
+            self._add(key, None)
+            return None
         self._add(key, entry)
         return entry
 
     def _add(self, key: tuple, entry: Optional[CallGraph]) -> None:
         self.entries[key] = entry
         self.entries.move_to_end(key)
-        while len(self.entries) > MAX_GRAPHS:
+        while len(self.entries) > MAX_GRAPHS or (len(self.entries) > 1 and self.held_bytes() > MAX_GRAPH_BYTES):
             _, old = self.entries.popitem(last=False)
             if old is not None:
                 self.runner.stream.synchronize()  # the stream may still replay it
+
+    def held_bytes(self) -> int:
+        """Device bytes the kept graphs hold."""
+        return sum(entry.nbytes for entry in self.entries.values() if entry is not None)
 
     def clear(self) -> None:
         self.runner.stream.synchronize()
