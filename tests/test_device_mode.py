@@ -163,7 +163,7 @@ def test_auto_picks_device_mode_with_the_cuda_provider_and_the_bridge_without():
 
 
 def test_host_feeds_of_every_size_arrive_whole_and_outputs_come_back_exact():
-    """transfer.py's paths: one DMA (small calls), chunks on the copy threads (over 4 MiB), page-locked arrays
+    """transfer.py's paths: one DMA (small calls), 2 MiB chunks on the copy threads (over 1 MiB), page-locked arrays
     read in place, empty arrays; a second call reuses the staging buffer after the first one's DMA."""
     import cupy
     import cupyx
