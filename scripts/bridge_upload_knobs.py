@@ -1,6 +1,6 @@
 """The bridge's upload knobs on the GPU machine: host time of mha_ep.InferenceSession.run per chunk size, threading
 threshold and thread count, beside the floor's echo op, every setting timed in turns (15 rounds) on six anchor and
-sweep rows. backend.py's THREADED_UPLOAD_BYTES and UPLOAD_CHUNK_BYTES were chosen with it (docs/BENCH.md).
+sweep rows. staging.py's THREADED_UPLOAD_BYTES and UPLOAD_CHUNK_BYTES were chosen with it (docs/BENCH.md).
 
     PYTHONPATH=$PWD python3 scripts/bridge_upload_knobs.py      # needs CuPy, a GPU and onnxruntime-extensions
 
@@ -11,7 +11,7 @@ import concurrent.futures
 import mha_ep
 from mha_ep.bench.gpu import anchor_problem, anchor_model, anchor_feeds, echo_session, plugin_like_options
 from mha_ep.bench.timer import paired_medians
-from mha_ep.ops.backends.cuda import backend as be
+from mha_ep.ops.backends.cuda import staging
 from mha_ep.ops.backends import create_backend
 K, M = 1 << 10, 1 << 20
 CONFIGS = {"now 4M/4M/8t": (4 * M, 4 * M, 8), "1M/1M/8t": (1 * M, 1 * M, 8), "512K/1M/8t": (512 * K, 1 * M, 8),
@@ -31,7 +31,7 @@ for row in ROWS:
     def config(name):
         chunk, threaded, threads = CONFIGS[name]
         def call():
-            be.UPLOAD_CHUNK_BYTES, be.THREADED_UPLOAD_BYTES = chunk, threaded
+            staging.UPLOAD_CHUNK_BYTES, staging.THREADED_UPLOAD_BYTES = chunk, threaded
             backend._copier = pools[threads]
             session.run(None, feeds)
         return call

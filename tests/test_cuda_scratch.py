@@ -17,7 +17,7 @@ import pytest
 
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
 from mha_ep.ops.backends.cuda.staging import (
-    ALIGNMENT, PinnedStaging, copy_in_chunks, copy_pairs_in_chunks, pack_layout, parallel_copy,
+    ALIGNMENT, PinnedStaging, copy_in_chunks, copy_pairs_in_chunks, pack_layout, parallel_copy, stage_uploads,
 )
 
 ALLOCATIONS = 6
@@ -258,3 +258,34 @@ def test_copy_casts_float64_and_refuses_strided_destinations():
     assert dst[3, 4] == 19.0
     with pytest.raises(ValueError, match="C-contiguous"):
         list(copy_in_chunks(np.empty((5, 4), np.float32).T, dst))
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+@pytest.mark.parametrize("scattered", [False, True])
+@pytest.mark.parametrize("sizes", [[(3,), (5, 7), (0,)], [(300_000,), (2, 400_000), (0, 4), (17,)]])
+def test_stage_uploads_moves_every_byte_to_its_destination(sizes, scattered, threads):
+    """The one upload of the bridge and of device mode: small calls laid out like the segments go up in one copy,
+    anything else chunk by chunk; every byte of every array reaches its own destination, casts included."""
+    from mha_ep.ops.backends.cuda import staging as staging_module
+
+    executor = concurrent.futures.ThreadPoolExecutor(threads) if threads else None
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in sizes] + [np.arange(5, dtype=np.int64)]
+    segments, total = pack_layout([(str(i), np.int32 if a.dtype == np.int64 else a.dtype, a.shape)
+                                   for i, a in enumerate(arrays)])  # fmt: skip
+    segments = list(segments.values())
+    pinned = PinnedStaging(lambda n: FakePinned(n))
+    pinned.ensure(total)
+    base = 1 << 32  # fake device addresses; scattered: each array somewhere else
+    destinations = [base + (i * (1 << 24) if scattered else seg.offset) for i, seg in enumerate(segments)]
+    uploads = []
+    stage_uploads(pinned, segments, arrays, destinations, lambda src, n, dst: uploads.append((src, n, dst)), executor)
+    raw = pinned.ensure(1)
+    device = np.zeros(max(destinations) - base + total, np.uint8)  # the fake device memory the copies land in
+    for src, n, dst in uploads:
+        device[dst - base : dst - base + n] = raw[src - FakePinned.ptr : src - FakePinned.ptr + n]
+    small = total <= staging_module.SINGLE_UPLOAD_BYTES and not scattered
+    assert (len(uploads) == 1) == small
+    for array, segment, dst in zip(arrays, segments, destinations):
+        expected = array.astype(segment.dtype).reshape(-1).view(np.uint8)
+        np.testing.assert_array_equal(device[dst - base : dst - base + segment.nbytes], expected)

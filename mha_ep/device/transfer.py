@@ -6,8 +6,8 @@ the copy threads; 0.74 ms to download the outputs into fresh NumPy arrays, 0.16 
 
   * Up: feeds already in page-locked memory (an output of an earlier call, ``cupyx.empty_pinned``) go up
     directly. Others are packed into one grow-only pinned buffer, chunk by chunk on the copy threads
-    (staging.copy_pairs_in_chunks, with the bridge's chunk size and threshold), each chunk's DMA queued as soon
-    as it is copied; small calls copy on the calling thread and go up in one DMA. An event after the uploads
+    (staging.stage_uploads, the bridge's own upload), each chunk's DMA queued as soon as it is copied; small
+    calls copy on the calling thread and go up in one DMA. An event after the uploads
     guards the buffer: the next call waits for it before writing there again.
   * Down: each output is copied into its own page-locked block and handed back as a NumPy array over it. Fresh
     pageable arrays are what made the download slow (their pages fault in on first touch); a pooled pinned block
@@ -26,12 +26,10 @@ import cupy
 import numpy as np
 
 from mha_ep.errors import MhaEpError
-from mha_ep.ops.backends.cuda import backend as cuda_backend
-from mha_ep.ops.backends.cuda.staging import PinnedStaging, align_up, copy_pairs_in_chunks, pack_layout
+from mha_ep.ops.backends.cuda.staging import PinnedStaging, align_up, pack_layout, stage_uploads
 
 MEMCPY_HOST_TO_DEVICE = 1
 MEMCPY_DEVICE_TO_HOST = 2
-SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the packed feeds go up in one DMA after all copies
 PINNED_OUTPUT_BYTES = 1 << 30  # at most this much of a runner's outputs held by callers in pinned blocks
 PINNED_OUTPUT_MIN_BYTES = 64 << 10  # smaller outputs: ordinary arrays (a pinned block would cost more than it saves)
 MEMORY_TYPE_HOST = 1  # cudaPointerAttributes.type of page-locked host memory
@@ -45,6 +43,16 @@ def is_host_feed(value) -> bool:
 def check_feed_dtype(name: str, actual, expected: str) -> None:
     if str(actual) != expected:
         raise MhaEpError(f"device mode: feed {name!r} has dtype {actual}, the model expects {expected}")
+
+
+def host_feed(name: str, value, expected: str) -> Optional[np.ndarray]:
+    """``value`` as a C-contiguous host array of dtype ``expected`` (MhaEpError naming the feed otherwise), or
+    None when it lies on a device (a CuPy array, or anything else with ``__dlpack__``)."""
+    if not is_host_feed(value):
+        return None
+    array = np.ascontiguousarray(value)
+    check_feed_dtype(name, array.dtype, expected)
+    return array
 
 
 def is_page_locked(array: np.ndarray) -> bool:
@@ -91,7 +99,7 @@ class HostTransfers:
             if array.nbytes == 0:
                 continue
             if is_page_locked(array):
-                self._dma(address, array.ctypes.data, array.nbytes)
+                self._dma(array.ctypes.data, array.nbytes, address)
                 direct = True
             else:
                 staged.append((array, address))
@@ -116,23 +124,11 @@ class HostTransfers:
         if self._staging_free is not None:
             self._staging_free.synchronize()  # the previous call's DMA may still read the buffer
         self._staging.ensure(total)
-        views = [self._staging.view(segments[str(i)]) for i in range(len(staged))]
-        base = self._staging.address
-        contiguous_destinations = all(
-            address == staged[0][1] + segments[str(i)].offset for i, (_, address) in enumerate(staged)
-        )
-        if total <= SINGLE_UPLOAD_BYTES and contiguous_destinations:
-            for view, (array, _) in zip(views, staged):
-                np.copyto(view, array, casting="no")
-            self._dma(staged[0][1], base, total)
-        else:
-            executor = self.copier if total > cuda_backend.THREADED_UPLOAD_BYTES else None
-            pairs = [(view, array) for view, (array, _) in zip(views, staged)]
-            for index, offset, nbytes in copy_pairs_in_chunks(pairs, executor, cuda_backend.UPLOAD_CHUNK_BYTES):
-                self._dma(staged[index][1] + offset, base + segments[str(index)].offset + offset, nbytes)
+        stage_uploads(self._staging, list(segments.values()), [array for array, _ in staged],
+                      [address for _, address in staged], self._dma, self.copier)  # fmt: skip
         self._staging_free = self._record()
 
-    def _dma(self, dst: int, src: int, nbytes: int) -> None:
+    def _dma(self, src: int, nbytes: int, dst: int) -> None:  # staging.stage_uploads's upload(src, nbytes, dst)
         cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_HOST_TO_DEVICE, self.stream.ptr)
 
     def to_device(self, feeds: Dict[str, np.ndarray]) -> Dict[str, cupy.ndarray]:

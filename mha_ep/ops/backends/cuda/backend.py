@@ -51,7 +51,7 @@ from mha_ep.ops.backends.cuda.kernels import get_kernel
 from mha_ep.ops.backends.cuda.replay import REPLAY_MAX_BYTES, ReplayCache, replay_key
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
 from mha_ep.ops.backends.cuda.staging import (
-    COPY_CHUNK_BYTES, PinnedStaging, Segment, copy_pairs_in_chunks, pack_layout, parallel_copy,
+    SINGLE_UPLOAD_BYTES, PinnedStaging, Segment, pack_layout, parallel_copy, stage_uploads,
 )
 from mha_ep.ops.problem import MhaProblem, MhaResult
 
@@ -60,14 +60,6 @@ MEMCPY_DEVICE_TO_HOST = 2
 POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float32
 log = logging.getLogger("mha_ep")
 COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
-SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
-# Above THREADED_UPLOAD_BYTES the inputs' chunks are copied on the copy threads, in chunks of UPLOAD_CHUNK_BYTES,
-# each chunk's DMA queued as soon as it is copied. Chosen on the H200 host (2026-12-01, scripts/bridge_upload_knobs.py:
-# six anchor/sweep rows, six settings timed in turns, 15 rounds): 2 MiB chunks threaded above 1 MiB beat the
-# former 4 MiB / 4 MiB by 2-9% (1,2048 f16 7.86 -> 7.37 ms, 8,512 f16 14.2 -> 13.0 ms; 8,512 f32 equal);
-# 1 MiB chunks were no better and 512 KiB or 256 KiB ones slower (thread hand-offs).
-THREADED_UPLOAD_BYTES = 1 << 20
-UPLOAD_CHUNK_BYTES = 2 << 20
 REPLAY_VERDICTS = 1024  # replay keys whose eligibility is remembered (forgotten all at once beyond)
 CUDA_ERRORS = (
     cupy.cuda.runtime.CUDARuntimeError,
@@ -113,9 +105,7 @@ def cached_plan(geometry, dtype: str) -> LaunchPlan:
     return plan_launch(geometry, dtype)
 
 
-def _ptr(address: Optional[int]) -> np.uint64:
-    """A kernel pointer argument (8 bytes by value); None is the null pointer."""
-    return np.uint64(0 if address is None else address)
+_ptr = fused.pointer_arg
 
 
 def _i32(value: int) -> np.int32:
@@ -339,20 +329,11 @@ class CudaBackend:
         return buffers.dev_in, buffers.dev_out, buffers.out_segments, buffers.out_base, buffers.out_bytes
 
     def _upload_inputs(self, inputs, in_segments: dict, in_bytes: int, in_base: int, upload) -> None:
-        """The inputs into the pinned buffer and up to ``in_base`` (``upload(src, nbytes, dst)`` queues one copy)."""
-        if in_bytes <= SINGLE_UPLOAD_BYTES:  # small calls: plain copies, then one upload for everything
-            for name, _, _, array in inputs:
-                np.copyto(self._pinned_in.view(in_segments[name]), array, casting="same_kind")
-            upload(self._pinned_in.address, in_bytes, in_base)
-            return
-        # Larger calls: each chunk's DMA starts as soon as it is in the pinned buffer; above THREADED_UPLOAD_BYTES
-        # the copy threads take every input's chunks side by side (below it, here, one by one).
+        """The inputs into the pinned buffer and up to ``in_base`` (``upload(src, nbytes, dst)`` queues one copy),
+        laid out on the device as in the pinned buffer (staging.stage_uploads: one copy, or chunks on threads)."""
         segments = [in_segments[name] for name, _, _, _ in inputs]
-        pairs = [(self._pinned_in.view(segment), array) for segment, (_, _, _, array) in zip(segments, inputs)]
-        executor = self._copier if in_bytes > THREADED_UPLOAD_BYTES else None
-        for index, offset, nbytes in copy_pairs_in_chunks(pairs, executor, UPLOAD_CHUNK_BYTES):
-            offset += segments[index].offset
-            upload(self._pinned_in.address + offset, nbytes, in_base + offset)
+        stage_uploads(self._pinned_in, segments, [array for _, _, _, array in inputs],
+                      [in_base + segment.offset for segment in segments], upload, self._copier)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ replayed calls
     def _replay_key(self, problem: MhaProblem, plan: LaunchPlan):

@@ -19,6 +19,14 @@ import numpy as np
 ALIGNMENT = 256  # bytes; every segment starts on this boundary (CUDA allocations are 256-byte aligned too)
 GROWTH_GRANULE = 1 << 20  # pinned buffers grow in whole MiB, so slowly growing calls do not re-pin every time
 COPY_CHUNK_BYTES = 4 << 20  # host copies run in chunks of this size, several at once (numpy drops the GIL)
+SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
+# Above THREADED_UPLOAD_BYTES the inputs' chunks are copied on the copy threads, in chunks of UPLOAD_CHUNK_BYTES,
+# each chunk's DMA queued as soon as it is copied. Chosen on the H200 host (2026-12-01, scripts/bridge_upload_knobs.py:
+# six anchor/sweep rows, six settings timed in turns, 15 rounds): 2 MiB chunks threaded above 1 MiB beat the
+# former 4 MiB / 4 MiB by 2-9% (1,2048 f16 7.86 -> 7.37 ms, 8,512 f16 14.2 -> 13.0 ms; 8,512 f32 equal);
+# 1 MiB chunks were no better and 512 KiB or 256 KiB ones slower (thread hand-offs).
+THREADED_UPLOAD_BYTES = 1 << 20
+UPLOAD_CHUNK_BYTES = 2 << 20
 
 
 def align_up(value: int, alignment: int = ALIGNMENT) -> int:
@@ -117,6 +125,32 @@ def copy_pairs_in_chunks(
             yield index, offset, nbytes
     finally:
         concurrent.futures.wait(futures)
+
+
+def stage_uploads(
+    staging: PinnedStaging, segments: Sequence[Segment], arrays: Sequence[np.ndarray], destinations: Sequence[int],
+    upload: Callable[[int, int, int], None], executor: Optional[concurrent.futures.Executor] = None,
+) -> None:  # fmt: skip
+    """Copy each of ``arrays`` into its segment of ``staging`` (already large enough) and queue its move to the
+    device address of the same index in ``destinations`` with ``upload(src, nbytes, dst)``.
+
+    Calls of at most SINGLE_UPLOAD_BYTES whose destinations lie as the segments do go up in one copy after all
+    host copies; larger ones chunk by chunk (UPLOAD_CHUNK_BYTES), each chunk's upload queued as soon as it is in
+    the pinned buffer, on ``executor``'s threads above THREADED_UPLOAD_BYTES. Empty arrays move nothing."""
+    if not segments:
+        return
+    first, last = segments[0], segments[-1]
+    total = last.offset + last.nbytes - first.offset
+    laid_out = all(dst - destinations[0] == seg.offset - first.offset for seg, dst in zip(segments, destinations))
+    views = [staging.view(segment) for segment in segments]
+    if total <= SINGLE_UPLOAD_BYTES and laid_out:
+        for view, array in zip(views, arrays):
+            np.copyto(view, array, casting="same_kind")
+        upload(staging.address + first.offset, total, destinations[0])
+        return
+    threads = executor if total > THREADED_UPLOAD_BYTES else None
+    for index, offset, nbytes in copy_pairs_in_chunks(list(zip(views, arrays)), threads, UPLOAD_CHUNK_BYTES):
+        upload(staging.address + segments[index].offset + offset, nbytes, destinations[index] + offset)
 
 
 def copy_in_chunks(
