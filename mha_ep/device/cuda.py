@@ -36,7 +36,7 @@ import onnx
 from mha_ep.dtypes import elem_type
 from mha_ep.device.plan import AttentionStep, DevicePlan, PieceStep
 from mha_ep.device.run import attention_problem, check_call, run_plan, run_steps
-from mha_ep.device.transfer import HostTransfers, check_feed_dtype, is_host_feed
+from mha_ep.device.transfer import HostTransfers, check_feed_dtype, host_feed
 from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.problem import resolve_padding_mask
 
@@ -133,9 +133,7 @@ class DeviceExecutor:
     def feed(self, name: str, value, dtype: str) -> cupy.ndarray:
         if isinstance(value, cupy.ndarray):
             array = value
-        elif is_host_feed(value):
-            host = np.ascontiguousarray(value)
-            check_feed_dtype(name, host.dtype, dtype)
+        elif (host := host_feed(name, value, dtype)) is not None:
             return self.transfers.to_device({name: host})[name]
         else:
             array = cupy.from_dlpack(value)
@@ -305,12 +303,8 @@ class DeviceRunner:
 
     def _uploaded(self, feeds: dict) -> dict:
         """``feeds`` with every host feed replaced by its device copy, all of them uploaded together (transfer.py)."""
-        host = {}
-        for name in self.plan.inputs:
-            value = feeds[name]
-            if is_host_feed(value):
-                host[name] = np.ascontiguousarray(value)
-                check_feed_dtype(name, host[name].dtype, self.plan.dtypes[name])
+        host = {name: host_feed(name, feeds[name], self.plan.dtypes[name]) for name in self.plan.inputs}
+        host = {name: array for name, array in host.items() if array is not None}
         if not host:
             return feeds
         return {**feeds, **self.executor.transfers.to_device(host)}
@@ -401,13 +395,12 @@ class CallGraphs:
         plan = self.runner.plan
         host, addresses = [], []
         for name, buffer in entry.inputs.items():
-            value = feeds[name]
-            if is_host_feed(value):  # straight into the graph's buffer
-                host.append(np.ascontiguousarray(value))
-                check_feed_dtype(name, host[-1].dtype, str(buffer.dtype))
+            array = host_feed(name, feeds[name], plan.dtypes[name])
+            if array is not None:  # straight into the graph's buffer
+                host.append(array)
                 addresses.append(buffer.data.ptr)
             else:
-                cupy.copyto(buffer, executor.feed(name, value, plan.dtypes[name]))
+                cupy.copyto(buffer, executor.feed(name, feeds[name], plan.dtypes[name]))
         executor.transfers.upload(host, addresses)
         head = executor.eager_head
         if head:

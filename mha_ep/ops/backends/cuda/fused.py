@@ -285,11 +285,13 @@ def run_fused(
     sq, sk, sv = launch.strides
     mask_kind = launch.mask_kind
     args = (
-        _ptr(q.address), *sq, _ptr(q.bias), _ptr(k.address), *sk, _ptr(k.bias), _ptr(v.address), *sv, _ptr(v.bias),
-        _ptr(attention_bias), *launch.bias_dims, np.int32(int(mask_kind)),
-        _ptr(mask if mask_kind == MaskKind.KEY_LENGTHS else None),
-        _ptr(mask if mask_kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None),
-        *launch.scalars, _ptr(out_BSD),
+        pointer_arg(q.address), *sq, pointer_arg(q.bias),
+        pointer_arg(k.address), *sk, pointer_arg(k.bias),
+        pointer_arg(v.address), *sv, pointer_arg(v.bias),
+        pointer_arg(attention_bias), *launch.bias_dims, np.int32(int(mask_kind)),
+        pointer_arg(mask if mask_kind == MaskKind.KEY_LENGTHS else None),
+        pointer_arg(mask if mask_kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None),
+        *launch.scalars, pointer_arg(out_BSD),
     )  # fmt: skip
     if isinstance(launch.tile, WsTile):
         args += tuple(ws_tensor_maps(problem, operand_dtype, launch.tile, {"q": q, "k": k, "v": v}))
@@ -305,8 +307,10 @@ MAX_LAUNCHES = 1024  # remembered launch decisions (forgotten all at once beyond
 _launches: dict = {}
 
 
-def _ptr(address: Optional[int]) -> np.uint64:
+def pointer_arg(address: Optional[int]) -> np.uint64:
+    """A kernel pointer argument (8 bytes by value); None is the null pointer."""
     return np.uint64(0 if address is None else address)
+
 
 
 @dataclass(frozen=True)
