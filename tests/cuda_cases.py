@@ -39,6 +39,7 @@ class Case:
     hv: Optional[int] = None
     layout: str = "BSNH"
     bias: bool = True
+    bias_scale: float = 0.5  # standard deviation of the projection biases
     mask: Optional[str] = None  # "lengths" | "lengths_3b2" | "BT" | "BT_prefix" | "BST"
     attention_bias: Optional[tuple] = None  # (d0 is B, d1 is N) flags
     causal: bool = False
@@ -65,7 +66,7 @@ def make_problem(case: Case, dtype: str, presents: Optional[bool] = None) -> Mha
         key, value = rand(b, l, n * case.h), rand(b, l, n * hv)
     else:
         key, value = rand(b, n, l, case.h), rand(b, n, l, hv)
-    bias = rand(2 * n * case.h + n * hv, scale=0.5) if case.bias else None
+    bias = rand(2 * n * case.h + n * hv, scale=case.bias_scale) if case.bias else None
     mask = None
     if case.mask is not None:
         lengths = rng.integers(1, t + 1, size=b).astype(np.int32)

@@ -74,6 +74,7 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndar
         keep.append(device_array)
         return device_array.data.ptr
 
+    offset_args = {}
     if form == "staged":
         assert problem.past_key_BNPH is None, "a past needs the dense form"
         kv_seq = g.kv_seq
@@ -87,6 +88,18 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndar
         k = fused.Operand(dev(k_BNTH, problem.dtype), "BNSH", g.total_seq, g.head_size)
         v = fused.Operand(dev(v_BNTH, problem.dtype), "BNSH", g.total_seq, g.v_head_size)
         operand_dtype = problem.dtype
+    elif form == "offsets":  # what the backend launches for f16/bf16 (dispatch.score_terms): unbiased Q and K
+        terms = dispatch.score_terms(problem)
+        assert not (terms.query_bias_in_operand or terms.key_bias_in_operand), problem.dtype
+        unbiased = replace(problem, bias_q=None, bias_k=None)
+        q_BNSH, k_BNTH, _ = dense_operands(unbiased)
+        v_BNTH = dense_operands(problem)[2]
+        q = fused.Operand(dev(q_BNSH, problem.dtype), "BNSH", g.q_seq, g.head_size)
+        k = fused.Operand(dev(k_BNTH, problem.dtype), "BNSH", g.total_seq, g.head_size)
+        v = fused.Operand(dev(v_BNTH, problem.dtype), "BNSH", g.total_seq, g.v_head_size)
+        operand_dtype = problem.dtype
+        offsets = host_score_offsets(problem, q_BNSH, k_BNTH)
+        offset_args = {name: dev(value) for name, value in offsets.items()}
     else:
         assert form == "dense_BSNH", form
         q_BSNH, k_BTNH, v_BTNH = (x.transpose(0, 2, 1, 3) for x in dense_operands(problem))
@@ -104,9 +117,24 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndar
     stream = cupy.cuda.Stream(non_blocking=True)
     fused.run_fused(0, problem, q=q, k=k, v=v, operand_dtype=operand_dtype,
                     attention_bias=dev(problem.attention_bias), mask=mask, out_BSD=out.data.ptr,
-                    stream=stream, tile=tile)  # fmt: skip
+                    stream=stream, tile=tile, **offset_args)  # fmt: skip
     stream.synchronize()
     return cupy.asnumpy(out)
+
+
+def host_score_offsets(problem: MhaProblem, q_BNSH: np.ndarray, k_BNTH: np.ndarray) -> dict:
+    """run_fused's key_offset / query_offset as layout.cu bias_dot computes them (float32), on the host."""
+    n, scale = problem.geometry.num_heads, np.float32(problem.scale)
+    terms = dispatch.score_terms(problem)
+    out = {}
+    if terms.key_offset:
+        b_q = np.zeros(problem.geometry.head_size * n, np.float32) if problem.bias_q is None else problem.bias_q
+        out["key_offset"] = scale * np.einsum("bnjd,nd->bnj", k_BNTH, b_q.reshape(n, -1)).astype(np.float32)
+    if terms.query_offset:
+        b_q = 0.0 if problem.bias_q is None else problem.bias_q.reshape(n, 1, -1)
+        b_k = problem.bias_k.reshape(n, -1)
+        out["query_offset"] = scale * np.einsum("bnid,nd->bni", q_BNSH + b_q, b_k).astype(np.float32)
+    return out
 
 
 def assert_matches_reference(problem: MhaProblem, got: np.ndarray) -> None:
@@ -234,6 +262,75 @@ WS_CASES = {  # no padding mask or attention_bias: flash_attention_ws has no cod
     "causal_S130_T130_H128_past_presents": Case(b=2, s=130, l=130, p=70, n=2, h=128, causal=True),
     "unidirectional_S1_past8_no_causal_mask": Case(b=2, s=1, l=1, p=8, n=2, h=64, causal=True),
 }
+
+
+# float16 / bfloat16 calls with projection biases at a sharp scale and wide heads: rounding the biased Q and K to
+# float16 moved outputs by up to 6e-3 against ORT CPU there (issue 14); score_terms' offsets keep them exact.
+OFFSET_CASES = {
+    "H128_S70_T150_scale0.3": Case(b=2, s=70, l=150, n=2, h=128, bias_scale=1.0, attrs={"scale": 0.3}),
+    "H96_S70_T150_scale0.3_mma": Case(b=2, s=70, l=150, n=2, h=96, bias_scale=1.0, attrs={"scale": 0.3}),
+    "H64_lengths_padded_tiles": Case(b=3, s=90, l=300, n=2, h=64, bias_scale=1.0, mask="lengths",
+                                     attrs={"scale": 0.3}),
+    "H128_BT_mask_attention_bias": Case(b=2, s=40, l=200, n=2, h=128, bias_scale=1.0, mask="BT",
+                                        attention_bias=(True, False), attrs={"scale": 0.3}),
+    "H128_past_S9": Case(b=2, s=9, l=9, p=140, n=2, h=128, bias_scale=1.0, attrs={"scale": 0.3}),
+    "H64_past_S1_causal": Case(b=2, s=1, l=1, p=200, n=3, h=64, bias_scale=1.0, causal=True, attrs={"scale": 0.3}),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["default", "mma"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case_name", list(OFFSET_CASES))
+def test_score_offsets_keep_biased_calls_exact(cupy_module, case_name, dtype, kernel):
+    """Unbiased Q and K plus the float32 key / query offsets (dispatch.score_terms) on the tensor-core kernels:
+    within 4e-3 of the reference for float16, where the biased operands were not."""
+    problem = make_problem(OFFSET_CASES[case_name], dtype)
+    tile = None if kernel == "default" else dispatch.default_tile(problem)
+    got = run_fused_on_gpu(cupy_module, problem, "offsets", tile)
+    assert_matches_reference(problem, got)
+
+
+def test_score_terms_keep_the_biases_out_of_low_precision_operands():
+    """float32 adds every bias in the operands (exact); float16 / bfloat16 build Q and K unbiased and take the
+    biases' shares as offsets, the key offset for a query bias, the query offset for a key bias."""
+    case = Case(b=1, s=3, l=4, n=2, h=8)
+    assert dispatch.score_terms(cuda_cases.make_problem(case, "float32")) == dispatch.ScoreTerms()
+    for dtype in ("float16", "bfloat16"):
+        # no past: the key bias's share is the same for every key of a row (cancelled), no query offsets
+        terms = dispatch.score_terms(cuda_cases.make_problem(case, dtype))
+        assert terms == dispatch.ScoreTerms(False, False, key_offset=True, query_offset=False) and terms.offsets
+        past = dispatch.score_terms(cuda_cases.make_problem(replace(case, p=3), dtype, presents=True))
+        assert past == dispatch.ScoreTerms(False, False, key_offset=True, query_offset=True)
+        plain = dispatch.score_terms(cuda_cases.make_problem(replace(case, bias=False), dtype))
+        assert not plain.offsets
+        cross = dispatch.score_terms(cuda_cases.make_problem(replace(case, layout="BNSH", p=3), dtype, presents=True))
+        assert cross.key_offset and not cross.query_offset  # ORT ignores a BNSH key's bias
+
+
+def test_score_terms_identity_holds_with_and_without_a_past(rng):
+    """The decomposition score_terms states, in float64 on float16 values: scale * (q + b_q) . (K + [j >= P] b_k)
+    = scale * q . K + key offset + [j >= P] query offset, exactly (no term dropped, with a past too)."""
+    h, p, length, s = 16, 5, 7, 4
+    f16 = lambda *shape: rng.standard_normal(shape).astype(np.float16).astype(np.float64)  # noqa: E731
+    q, keys, b_q, b_k, scale = f16(s, h), f16(p + length, h), f16(h), f16(h), 0.3
+    new = np.arange(p + length) >= p
+    exact = scale * (q + b_q) @ (keys + new[:, None] * b_k).T
+    key_offset = scale * keys @ b_q
+    query_offset = scale * (q + b_q) @ b_k
+    ours = scale * q @ keys.T + key_offset[None, :] + new[None, :] * query_offset[:, None]
+    np.testing.assert_allclose(ours, exact, rtol=0, atol=1e-12)
+
+
+def test_score_offsets_keep_calls_off_the_warp_specialized_kernel():
+    problem = cuda_cases.make_problem(Case(b=8, s=2048, l=2048, n=16, h=128), "float16")
+    capability = dispatch.HOPPER_CAPABILITY
+    assert isinstance(dispatch.choose_tile(problem, "float16", capability), dispatch.WsTile)
+    assert dispatch.ws_unsupported_reason(problem, "float16", capability, key_offset=True).startswith(
+        "the call's scores take a per-key offset")
+    assert isinstance(dispatch.choose_tile(problem, "float16", capability, key_offset=True), dispatch.WgmmaTile)
+    assert fused.kernel_name(problem, "float16", dispatch.WgmmaTile(64, 128, False), key_offset=True).endswith(
+        ", 4, false>")  # FLASH_WITH_KEY_OFFSET
 
 
 def ws_tiles() -> list:
@@ -757,10 +854,11 @@ def test_kernel_sources_inline_every_local_header():
 
 def kernel_parameters(operand_type: str, name: str = "") -> str:
     """The parameter list every fused kernel shares (flash_attention_mma / _fp32 / _wgmma / _ws), for explicit
-    instantiations: Q, K, V as (pointer, three strides, bias) in ``operand_type``, then masks, scalars, output;
-    flash_attention_ws (``name``) adds its three TMA tensor maps."""
+    instantiations: Q, K, V as (pointer, three strides, bias) in ``operand_type``, then masks, the score offsets,
+    scalars, output; flash_attention_ws (``name``) adds its three TMA tensor maps."""
     operand = [f"const {operand_type}*", "long long", "long long", "long long", "const float*"]
-    rest = ["const float*", "int", "int", "int", "const int*", "const unsigned char*", "float", "int", "int", "float"]
+    rest = ["const float*", "int", "int", "int", "const int*", "const unsigned char*", "const float*", "const float*",
+            "float", "int", "int", "float"]  # fmt: skip
     maps = ["const __grid_constant__ TensorMap"] * 3 if name.startswith("flash_attention_ws<") else []
     return ", ".join(operand * 3 + rest + ["int"] * 7 + ["float*"] + maps)
 
@@ -771,11 +869,14 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
     names = [
         "flash_attention_mma<__half, __half, 64, 128, 64, 0>",
         "flash_attention_mma<__half, __half, 64, 64, 64, 3>",
+        "flash_attention_mma<__half, __half, 128, 64, 64, 5>",  # key / query offsets (dispatch.score_terms)
         "flash_attention_mma<__nv_bfloat16, float, 96, 64, 64, 0>",
         "flash_attention_fp32<float, float, 64, 4, 8, 1, 3>",
         "flash_attention_fp32<float, float, 128, 4, 8, 2, 1>",
         "flash_attention_wgmma<__half, 64, 64, 128, 0, true>",
         "flash_attention_wgmma<__nv_bfloat16, 128, 128, 64, 3, false>",
+        "flash_attention_wgmma<__half, 64, 64, 64, 5, true>",
+        "flash_attention_wgmma<__nv_bfloat16, 128, 64, 128, 7, false>",
         "flash_attention_ws<__half, 128, 128, 2, false>",
         "flash_attention_ws<__nv_bfloat16, 64, 64, 2, false>",
         "flash_attention_ws<__half, 64, 128, 3, true>",

@@ -18,6 +18,7 @@ from mha_ep.limits import I32_MAX, U32_MAX
 from mha_ep.errors import MhaInputError
 from mha_ep.ops.backends.cuda import geometry
 from mha_ep.ops.backends.cuda.geometry import checked_bytes, checked_grid, checked_i32, plan_launch
+from mha_ep.ops.backends.cuda.kernels import KERNELS
 from mha_ep.ops.problem import Geometry
 
 KERNEL_DIR = Path(geometry.__file__).parent / "kernels"
@@ -112,15 +113,19 @@ def test_every_subscript_with_a_product_is_64_bit():
 def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
     """Instantiate every name expression the backend asks NVRTC for, and compile for sm_90 (offline check)."""
     signatures = {
-        "build_dense_BNTH": "const float*, int, const float*, const float*, {T}*, float*, int, int, int, int, int",
+        "build_dense_BNTH": "const float*, int, const float*, const float*, int, {T}*, float*, int, int, int, int, int",
+        "build_dense_BNTH_native": "const {T}*, int, const {T}*, const {T}*, int, {T}*, {T}*, int, int, int, int, int",
         "context_to_BSD": "const float*, float*, int, int, int, int",
+        "narrow_output": "const float*, {T}*, long long",
+        "bias_dot": "const {T}*, const float*, const float*, const float*, float, float*, int, int, int, int",
+        "bias_dot_native": "const {T}*, const {T}*, const {T}*, const {T}*, float, float*, int, int, int, int",
         "masked_softmax_warp": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
-        "float, int, int, int, int, int, int",
+        "const float*, const float*, float, int, int, int, int, int, int",
         "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
-        "float, int, int, int, int, int, int, int",
+        "const float*, const float*, float, int, int, int, int, int, int, int",
     }
-    variants = {"build_dense_BNTH": (1, 4), "context_to_BSD": (1, 4), "masked_softmax_warp": (1, 2, 4, 8, 16, 32),
-                "masked_softmax": (None,)}  # fmt: skip
+    variants = {name: variants for name, (_, variants) in KERNELS.items()}
+    assert set(signatures) == set(variants), "a kernel of kernels.KERNELS without a signature here"
     instantiations = []
     for kernel, params in signatures.items():
         for element in ("float", "__half", "__nv_bfloat16"):
@@ -196,7 +201,11 @@ def test_plan_sizes_and_grids():
         "scores_BNST": 2 * 2 * 3 * 5 * 4,
         "probs_BNST": 2 * 2 * 3 * 5 * 2,
         "context_BNSH": 2 * 2 * 3 * 6 * 4,
+        "key_offset_BNT": 2 * 2 * 5 * 4,
+        "query_offset_BNS": 2 * 2 * 3 * 4,
     }
+    # a warp per row: 20 keys and 12 query rows of 32 threads, in blocks of LAUNCH_BLOCK
+    assert (plan.grids["key_offset_BNT"], plan.grids["query_offset_BNS"]) == (-(-640 // LAUNCH_BLOCK), -(-384 // LAUNCH_BLOCK))
     assert plan.softmax_cols_per_lane == 1 and plan.grids["masked_softmax"] == 3  # 4 rows (warps) per block
     assert not plan.row_cache and plan.softmax_shared_bytes == 0
     assert (plan.vec_qk, plan.vec_v) == (4, 1)  # 8 % 4 == 0, 6 % 4 != 0

@@ -124,6 +124,31 @@ def test_an_encoder_with_padding_masks_matches_stock_ort_and_keeps_outputs_on_th
         assert_close([cupy.asnumpy(out[0])], expected, dtype, f"encoder {dtype} device feeds")
 
 
+def test_device_feeds_written_on_the_callers_stream_are_waited_for():
+    """Feeds a caller writes on its own (non-blocking) stream just before the call, behind 0.1 s of other work:
+    the session's stream waits for them, and the caller's stream for the device outputs (no race)."""
+    import cupy
+
+    spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+      const long long start = clock64(); while (clock64() - start < cycles) {} }""", "spin")
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    feeds = encoder_feeds(2, 16, hidden=64, seed=5)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
+    expected = stock_cuda(model, feeds)
+    user = cupy.cuda.Stream(non_blocking=True)
+    with user:
+        device_feeds = {name: cupy.zeros(value.shape, value.dtype) for name, value in feeds.items()}
+        for _ in range(2):  # eager, then captured
+            spin((1,), (1,), (np.int64(200_000_000),))
+            for name, value in feeds.items():
+                device_feeds[name][...] = cupy.asarray(value)
+            out = session.run_device(None, device_feeds)
+            got = cupy.asnumpy(out[0])
+            assert_close([got], expected, "float32", "feeds from the caller's stream")
+            for array in device_feeds.values():
+                array.fill(0)
+
+
 def test_poisoned_buffers_show_nothing_unwritten():
     model = bert_encoder(layers=2, hidden=128, heads=2, ffn=256, dtype="float16")
     session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")

@@ -71,6 +71,7 @@ def test_the_mask_kind_enum_matches_python():
 def test_the_feature_bits_match_python():
     assert enums()["FlashFeatures"] == {
         "FLASH_PLAIN": 0, "FLASH_WITH_PADDING": dispatch.FEATURE_PADDING, "FLASH_WITH_BIAS": dispatch.FEATURE_BIAS,
+        "FLASH_WITH_KEY_OFFSET": dispatch.FEATURE_KEY_OFFSET,
     }  # fmt: skip
 
 

@@ -259,6 +259,32 @@ def test_corner_case_bfloat16_matches_float64_oracle(name, backend, rng):
     check_vs_oracle(with_(CORNER_CASES[name], dtype="bfloat16"), backend, int(rng.integers(0, 2**31 - 1)))
 
 
+# Projection biases at a sharp scale with wide heads: where rounding the biased Q and K to float16 moved the cuda
+# backend's outputs by up to 6e-3 against ORT CPU (issue 14; dispatch.score_terms keeps those scores exact).
+# Head 96 and 128 on the fused kernels, 132 on the three-phase path; with a past (the key bias then reaches only
+# the new keys), a padding mask and presents.
+WIDE_BIASED = MhaConfig(batch=2, q_seq=70, kv_seq=150, num_heads=2, head_size=128, bias=True, scale=0.3)
+WIDE_BIASED_CASES = {
+    "H128": WIDE_BIASED,
+    "H96-2d-presents": with_(WIDE_BIASED, head_size=96, mask="2d", presents=True),
+    "H132-three-phase": with_(WIDE_BIASED, head_size=132, mask="1d"),
+    "H128-past": with_(WIDE_BIASED, q_seq=9, kv_seq=9, has_past=True, past_seq=140, presents=True),
+    "H64-past-S1-causal": with_(WIDE_BIASED, q_seq=1, kv_seq=1, head_size=64, has_past=True, past_seq=200,
+                                presents=True, causal=True, mask="2d"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(WIDE_BIASED_CASES))
+def test_biased_wide_heads_float16_match_stock_ort(name, run_backend, rng):
+    for _ in range(2):
+        check_vs_stock(with_(WIDE_BIASED_CASES[name], dtype="float16"), run_backend, int(rng.integers(0, 2**30)))
+
+
+@pytest.mark.parametrize("name", list(WIDE_BIASED_CASES))
+def test_biased_wide_heads_bfloat16_match_float64_oracle(name, backend, rng):
+    check_vs_oracle(with_(WIDE_BIASED_CASES[name], dtype="bfloat16"), backend, int(rng.integers(0, 2**30)))
+
+
 def test_fully_padded_rows_are_nan_with_minus_inf_and_finite_with_default(run_backend, rng):
     """The NaN-aware compare must see real NaN rows: -inf + a fully padded batch gives NaN on both sides, the
     default -10000 gives finite values (ORT: softmax of the raw scores)."""

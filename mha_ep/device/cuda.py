@@ -284,22 +284,35 @@ class DeviceRunner:
 
     def run(self, output_names: Optional[Sequence[str]], feeds: dict, device_outputs: bool = False) -> list:
         names = check_call(self.plan, feeds, output_names)
+        with self._lock, cupy.cuda.Device(self.executor.device_id):
+            # Device feeds were written on the caller's current stream, which need not be ordered with this
+            # session's non-blocking stream: the call waits for it, and the caller's stream for device outputs.
+            caller = cupy.cuda.get_current_stream()
+            ordered = caller.ptr != self.stream.ptr
+            if ordered:
+                self.stream.wait_event(caller.record())
+            with self.stream:
+                return self._run(names, feeds, device_outputs, caller if ordered else None)
+
+    def _run(self, names: list, feeds: dict, device_outputs: bool, caller) -> list:
+        """One call on this session's stream; ``caller``: the stream that must see device outputs, or None."""
         transfers = self.executor.transfers
-        with self._lock, cupy.cuda.Device(self.executor.device_id), self.stream:
-            try:
-                outputs = None
+        try:
+            outputs = None
+            self.executor.begin_call()
+            if self.graphs_enabled:
+                outputs = self.graphs.run(feeds)
+            if outputs is None:
                 self.executor.begin_call()
-                if self.graphs_enabled:
-                    outputs = self.graphs.run(feeds)
-                if outputs is None:
-                    self.executor.begin_call()
-                    outputs = run_plan(self.plan, self.executor, self._uploaded(feeds), self.executor.constants)
-                selected = [outputs[name] for name in names]
-                if device_outputs:
-                    return selected
-                return transfers.download(selected)
-            finally:
-                transfers.settle()  # the caller may write its page-locked feeds again once we return
+                outputs = run_plan(self.plan, self.executor, self._uploaded(feeds), self.executor.constants)
+            selected = [outputs[name] for name in names]
+            if device_outputs:
+                if caller is not None:
+                    caller.wait_event(self.stream.record())
+                return selected
+            return transfers.download(selected)
+        finally:
+            transfers.settle()  # the caller may write its page-locked feeds again once we return
 
     def _uploaded(self, feeds: dict) -> dict:
         """``feeds`` with every host feed replaced by its device copy, all of them uploaded together (transfer.py)."""

@@ -112,6 +112,25 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
+def launch_score_offsets(device_id: int, plan: LaunchPlan, terms: dispatch.ScoreTerms, kernel: str, ops,
+                         bias_q: Optional[int], bias_k: Optional[int], scale: float) -> None:  # fmt: skip
+    """The scores' float32 offsets of dispatch.score_terms into ``ops.key_offset_BNT`` / ``ops.query_offset_BNS``,
+    from the unbiased operands ``ops.k_BNTH`` / ``ops.q_BNSH``, with layout.cu's ``kernel`` on the current stream
+    (bias_dot: float32 biases; bias_dot_native: biases in the call's dtype)."""
+    guard = None if terms.query_offset else bias_k  # a key bias without query offsets: its NaN guard
+    launches = (
+        (terms.key_offset, ops.k_BNTH, None, bias_q, guard, ops.key_offset_BNT, plan.total_seq, "key_offset_BNT"),
+        (terms.query_offset, ops.q_BNSH, bias_q, bias_k, None, ops.query_offset_BNS, plan.q_seq, "query_offset_BNS"),
+    )
+    for wanted, rows_BNRH, add, weight, guard_NH, out, rows, grid in launches:
+        if wanted:
+            get_kernel(device_id, kernel, plan.dtype)(
+                (plan.grids[grid],), (LAUNCH_BLOCK,),
+                (_ptr(rows_BNRH), _ptr(add), _ptr(weight), _ptr(guard_NH), np.float32(scale), _ptr(out),
+                 _i32(plan.batch), _i32(plan.heads), _i32(rows), _i32(plan.head_size)),
+            )  # fmt: skip
+
+
 def input_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple, np.ndarray]]:
     """(name, staged dtype, shape, array) for every input the call supplies, in upload order."""
     f32 = np.float32
@@ -181,6 +200,8 @@ class Operands:
     scores_BNST: Optional[int] = None  # the three-phase buffers
     probs_BNST: Optional[int] = None
     context_BNSH: Optional[int] = None
+    key_offset_BNT: Optional[int] = None  # float16 / bfloat16 scores' offsets (dispatch.score_terms)
+    query_offset_BNS: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -469,6 +490,10 @@ class CudaBackend:
         if fused_unsupported is not None:
             for name in ("scores_BNST", "probs_BNST", "context_BNSH"):
                 addresses[name] = self._allocate(scratch, name, plan)
+        terms = dispatch.score_terms(problem)
+        for name, wanted in (("key_offset_BNT", terms.key_offset), ("query_offset_BNS", terms.query_offset)):
+            if wanted:
+                addresses[name] = self._allocate(scratch, name, plan)
         return Operands(fused_unsupported, **addresses)
 
     def _attention(self, problem: MhaProblem, plan: LaunchPlan, ops: Operands, dev_in: dict, dev_out: dict,
@@ -492,16 +517,22 @@ class CudaBackend:
                 out_BSD=dev_out["output"], stream=stream,
             )  # fmt: skip
             return
-        # Step 2: layout movers.
+        # Step 2: layout movers; score_terms says which projection biases go into the rounded operands (the
+        # presents always hold them), and which become float32 offsets of the scores instead.
+        terms = dispatch.score_terms(problem)
         kv_bnsh = problem.kv_layout == "BNSH"
-        self._build(plan, "build q_BNSH", plan.vec_qk, dev_in["query"], False, None, dev_in.get("bias_q"),
-                    ops.q_BNSH, None, plan.q_seq, 0, plan.head_size)  # fmt: skip
-        self._build(plan, "build k_BNTH", plan.vec_qk, dev_in["key"], kv_bnsh, dev_in.get("past_key"),
-                    dev_in.get("bias_k"), ops.k_BNTH, ops.present_key, plan.kv_seq, plan.past_seq,
+        bias_q, bias_k = dev_in.get("bias_q"), dev_in.get("bias_k")
+        self._build(plan, "build q_BNSH", plan.vec_qk, dev_in["query"], False, None,
+                    bias_q if terms.query_bias_in_operand else None, True, ops.q_BNSH, None, plan.q_seq, 0,
                     plan.head_size)  # fmt: skip
+        key_bias_used = terms.key_bias_in_operand or ops.present_key is not None  # else only the offsets read it
+        self._build(plan, "build k_BNTH", plan.vec_qk, dev_in["key"], kv_bnsh, dev_in.get("past_key"),
+                    bias_k if key_bias_used else None, terms.key_bias_in_operand, ops.k_BNTH, ops.present_key,
+                    plan.kv_seq, plan.past_seq, plan.head_size)  # fmt: skip
         self._build(plan, "build v_BNTH", plan.vec_v, dev_in["value"], kv_bnsh, dev_in.get("past_value"),
-                    dev_in.get("bias_v"), ops.v_BNTH, ops.present_value, plan.kv_seq, plan.past_seq,
+                    dev_in.get("bias_v"), True, ops.v_BNTH, ops.present_value, plan.kv_seq, plan.past_seq,
                     plan.v_head_size)  # fmt: skip
+        launch_score_offsets(self.device_id, plan, terms, "bias_dot", ops, bias_q, bias_k, problem.scale)
 
         # Steps 3-5 in one flash-attention kernel wherever it computes the same function (fused.py's rule).
         reason = ops.fused_unsupported
@@ -512,7 +543,8 @@ class CudaBackend:
                 k=fused.Operand(ops.k_BNTH, "BNSH", plan.total_seq, plan.head_size),
                 v=fused.Operand(ops.v_BNTH, "BNSH", plan.total_seq, plan.v_head_size),
                 operand_dtype=plan.dtype, attention_bias=dev_in.get("attention_bias"),
-                mask=dev_in.get("mask"), out_BSD=dev_out["output"], stream=stream,
+                mask=dev_in.get("mask"), out_BSD=dev_out["output"], stream=stream, key_offset=ops.key_offset_BNT,
+                query_offset=ops.query_offset_BNS,
             )  # fmt: skip
             return
         log.debug("mha_ep: fused path not used: %s; three-phase path", reason)
@@ -523,7 +555,7 @@ class CudaBackend:
         with gemm.fp32_math(handle):
             gemm.scores_gemm(handle, plan, problem.scale, ops.q_BNSH, ops.k_BNTH, ops.scores_BNST)
             # Step 4: masked softmax.
-            self._softmax(problem, plan, dev_in, ops.scores_BNST, ops.probs_BNST)
+            self._softmax(problem, plan, dev_in, ops)
             # Step 5: context and output.
             gemm.context_gemm(handle, plan, ops.probs_BNST, ops.v_BNTH, ops.context_BNSH)
         get_kernel(self.device_id, "context_to_BSD", plan.dtype, plan.vec_v)(
@@ -533,16 +565,16 @@ class CudaBackend:
         )  # fmt: skip
 
     def _build(self, plan: LaunchPlan, grid_name: str, vec: int, cur: int, cur_is_bnsh: bool, past: Optional[int],
-               bias: Optional[int], dst: int, dst_f32: Optional[int], cur_seq: int, past_seq: int,
-               dim: int) -> None:  # fmt: skip
+               bias: Optional[int], bias_in_operand: bool, dst: int, dst_f32: Optional[int], cur_seq: int,
+               past_seq: int, dim: int) -> None:  # fmt: skip
         get_kernel(self.device_id, "build_dense_BNTH", plan.dtype, vec)(
             (plan.grids[grid_name],), (LAUNCH_BLOCK,),
-            (_ptr(cur), _i32(int(cur_is_bnsh)), _ptr(past), _ptr(bias), _ptr(dst), _ptr(dst_f32),
+            (_ptr(cur), _i32(int(cur_is_bnsh)), _ptr(past), _ptr(bias), _i32(int(bias_in_operand)), _ptr(dst),
+             _ptr(dst_f32),
              _i32(plan.batch), _i32(plan.heads), _i32(cur_seq), _i32(past_seq), _i32(dim)),
         )  # fmt: skip
 
-    def _softmax(self, problem: MhaProblem, plan: LaunchPlan, dev_in: dict, scores_BNST: int,
-                 probs_BNST: int) -> None:  # fmt: skip
+    def _softmax(self, problem: MhaProblem, plan: LaunchPlan, dev_in: dict, ops: Operands) -> None:
         bias = problem.attention_bias
         d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
         mask = problem.padding_mask
@@ -550,8 +582,9 @@ class CudaBackend:
         lengths = dev_in.get("mask") if kind == MaskKind.KEY_LENGTHS else None
         keep = dev_in.get("mask") if kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None
         args = (
-            _ptr(scores_BNST), _ptr(probs_BNST), _ptr(dev_in.get("attention_bias")), _i32(d0), _i32(d1),
-            _i32(int(kind)), _ptr(lengths), _ptr(keep), np.float32(problem.mask_filter_value), _i32(int(problem.causal)),
+            _ptr(ops.scores_BNST), _ptr(ops.probs_BNST), _ptr(dev_in.get("attention_bias")), _i32(d0), _i32(d1),
+            _i32(int(kind)), _ptr(lengths), _ptr(keep), _ptr(ops.key_offset_BNT), _ptr(ops.query_offset_BNS),
+            np.float32(problem.mask_filter_value), _i32(int(problem.causal)),
             _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.total_seq), _i32(plan.past_seq),
         )  # fmt: skip
         grid, block = (plan.grids["masked_softmax"],), (SOFTMAX_THREADS,)

@@ -24,7 +24,9 @@ import numpy as np
 
 from mha_ep.launch import LAUNCH_BLOCK
 from mha_ep.ops.backends.cuda import dispatch, fused
-from mha_ep.ops.backends.cuda.backend import CudaBackend, _i32, _ptr, cached_plan, input_entries, output_entries
+from mha_ep.ops.backends.cuda.backend import (
+    CudaBackend, Operands, _i32, _ptr, cached_plan, input_entries, launch_score_offsets, output_entries,
+)
 from mha_ep.ops.backends.cuda.kernels import get_kernel
 from mha_ep.ops.backends.cuda.staging import ALIGNMENT
 from mha_ep.ops.problem import MhaProblem
@@ -89,30 +91,50 @@ def _run_native(backend: CudaBackend, problem: MhaProblem, plan, held: list) -> 
     dtype = problem.dtype
     scratch = PoolScratch(held)
 
-    def operand(present_wanted: bool, shape: tuple, name: str):
-        if present_wanted:
-            array = cupy.empty(shape, dtype)
-            return array, array.data.ptr
-        return None, backend._allocate(scratch, name, plan)
+    terms = dispatch.score_terms(problem)
+    key_apart = problem.bias_k is not None and not terms.key_bias_in_operand  # present holds a bias K leaves out
+    shapes = {"k_BNTH": (g.batch, g.num_heads, g.total_seq, g.head_size),
+              "v_BNTH": (g.batch, g.num_heads, g.total_seq, g.v_head_size)}  # fmt: skip
 
-    present_key, k_BNTH = operand(problem.want_present_key, (g.batch, g.num_heads, g.total_seq, g.head_size), "k_BNTH")
-    present_value, v_BNTH = operand(problem.want_present_value, (g.batch, g.num_heads, g.total_seq, g.v_head_size),
-                                    "v_BNTH")  # fmt: skip
+    def operand(present_wanted: bool, name: str, apart: bool = False):
+        """(present array or None, operand address): a wanted present is the operand, unless ``apart``."""
+        present = cupy.empty(shapes[name], dtype) if present_wanted else None
+        if present is not None and backend.poison_device_buffers:
+            present.fill(np.nan)  # before the movers write it (it may be their operand)
+        if present is not None and not apart:
+            return present, present.data.ptr
+        return present, backend._allocate(scratch, name, plan)
+
+    present_key, k_BNTH = operand(problem.want_present_key, "k_BNTH", apart=key_apart)
+    present_value, v_BNTH = operand(problem.want_present_value, "v_BNTH")
     q_BNSH = backend._allocate(scratch, "q_BNSH", plan)
     kv_bnsh = int(problem.kv_layout == "BNSH")
+    key_present = present_key.data.ptr if key_apart and present_key is not None else None
     build = (
-        ("build q_BNSH", plan.vec_qk, problem.query_BSD, 0, None, problem.bias_q, q_BNSH, plan.q_seq, 0, plan.head_size),
-        ("build k_BNTH", plan.vec_qk, problem.key, kv_bnsh, problem.past_key_BNPH, problem.bias_k, k_BNTH,
-         plan.kv_seq, plan.past_seq, plan.head_size),
-        ("build v_BNTH", plan.vec_v, problem.value, kv_bnsh, problem.past_value_BNPH, problem.bias_v, v_BNTH,
-         plan.kv_seq, plan.past_seq, plan.v_head_size),
+        ("build q_BNSH", plan.vec_qk, problem.query_BSD, 0, None, problem.bias_q, terms.query_bias_in_operand,
+         q_BNSH, None, plan.q_seq, 0, plan.head_size),
+        ("build k_BNTH", plan.vec_qk, problem.key, kv_bnsh, problem.past_key_BNPH, problem.bias_k,
+         terms.key_bias_in_operand, k_BNTH, key_present, plan.kv_seq, plan.past_seq, plan.head_size),
+        ("build v_BNTH", plan.vec_v, problem.value, kv_bnsh, problem.past_value_BNPH, problem.bias_v, True, v_BNTH,
+         None, plan.kv_seq, plan.past_seq, plan.v_head_size),
     )  # fmt: skip
-    for grid, vec, cur, cur_is_bnsh, past, bias, dst, cur_seq, past_seq, dim in build:
+    biases = {}
+    for grid, vec, cur, cur_is_bnsh, past, bias, bias_in_operand, dst, present, cur_seq, past_seq, dim in build:
+        biases[grid] = _address(bias, held)
+        used_bias = biases[grid] if bias_in_operand or present is not None else None  # else the offsets' only
         get_kernel(backend.device_id, "build_dense_BNTH_native", dtype, vec)(
             (plan.grids[grid],), (LAUNCH_BLOCK,),
-            (_ptr(_address(cur, held)), _i32(cur_is_bnsh), _ptr(_address(past, held)), _ptr(_address(bias, held)),
-             _ptr(dst), _i32(plan.batch), _i32(plan.heads), _i32(cur_seq), _i32(past_seq), _i32(dim)),
+            (_ptr(_address(cur, held)), _i32(cur_is_bnsh), _ptr(_address(past, held)), _ptr(used_bias),
+             _i32(int(bias_in_operand)), _ptr(dst), _ptr(present), _i32(plan.batch), _i32(plan.heads),
+             _i32(cur_seq), _i32(past_seq), _i32(dim)),
         )  # fmt: skip
+    offsets = {
+        name: backend._allocate(scratch, name, plan) if wanted else None
+        for name, wanted in (("key_offset_BNT", terms.key_offset), ("query_offset_BNS", terms.query_offset))
+    }
+    launch_score_offsets(backend.device_id, plan, terms, "bias_dot_native",
+                         Operands(None, q_BNSH=q_BNSH, k_BNTH=k_BNTH, **offsets), biases["build q_BNSH"],
+                         biases["build k_BNTH"], problem.scale)  # fmt: skip
     mask = problem.padding_mask
     mask_address = None
     if mask is not None:
@@ -124,16 +146,13 @@ def _run_native(backend: CudaBackend, problem: MhaProblem, plan, held: list) -> 
     held.append(out_f32)
     if backend.poison_device_buffers:
         out_f32.fill(np.nan)
-        for array in (present_key, present_value):
-            if array is not None:
-                array.fill(np.nan)
     fused.run_fused(
         backend.device_id, problem,
         q=fused.Operand(q_BNSH, "BNSH", plan.q_seq, plan.head_size),
         k=fused.Operand(k_BNTH, "BNSH", plan.total_seq, plan.head_size),
         v=fused.Operand(v_BNTH, "BNSH", plan.total_seq, plan.v_head_size),
         operand_dtype=dtype, attention_bias=bias_address, mask=mask_address, out_BSD=out_f32.data.ptr,
-        stream=backend._stream,
+        stream=backend._stream, key_offset=offsets["key_offset_BNT"], query_offset=offsets["query_offset_BNS"],
     )  # fmt: skip
     output = cupy.empty(out_f32.shape, dtype)
     get_kernel(backend.device_id, "narrow_output", dtype, plan.vec_v)(

@@ -46,6 +46,8 @@ WS_CAUSAL_LOGIT_BOUND = 1.0e37  # |scale * q.k| below this: a row's largest allo
 FLOAT16_MAX = 65504.0
 FEATURE_PADDING = 1  # kernels/flash_common.cuh FlashFeatures FLASH_WITH_PADDING
 FEATURE_BIAS = 2  # FLASH_WITH_BIAS
+FEATURE_KEY_OFFSET = 4  # FLASH_WITH_KEY_OFFSET
+LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 
 
 def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
@@ -133,26 +135,76 @@ def ws_tile_unsupported_reason(problem: MhaProblem, tile: WsTile) -> Optional[st
     return None
 
 
-def mma_features(problem: MhaProblem) -> int:
-    """FlashFeatures of the call (kernels/flash_common.cuh): 1 with a padding mask, + 2 with an attention_bias.
-    Each combination is its own instantiation, compiled without the mask code it does not use."""
+def mma_features(problem: MhaProblem, key_offset: bool = False) -> int:
+    """FlashFeatures of the call (kernels/flash_common.cuh): 1 with a padding mask, + 2 with an attention_bias,
+    + 4 with a per-key logit offset (``key_offset``: the caller passes one, see score_terms). Each combination is
+    its own instantiation, compiled without the mask code it does not use."""
     padding = FEATURE_PADDING if problem.padding_mask is not None else 0
-    return padding | (FEATURE_BIAS if problem.attention_bias is not None else 0)
+    offset = FEATURE_KEY_OFFSET if key_offset else 0
+    return padding | (FEATURE_BIAS if problem.attention_bias is not None else 0) | offset
 
 
-def default_wgmma_tile(problem: MhaProblem) -> WgmmaTile:
-    """Head 64: 64 x 128 with overlap, or 64 x 64 with a mask or attention_bias; head 128: 128 x 64 without
-    overlap, two blocks per SM (the fastest of fused_timing's tile columns; BENCH.md)."""
+def default_wgmma_tile(problem: MhaProblem, key_offset: bool = False) -> WgmmaTile:
+    """Head 64: 64 x 128 with overlap, or 64 x 64 with a mask, attention_bias or key offset; head 128: 128 x 64
+    without overlap, two blocks per SM (the fastest of fused_timing's tile columns; BENCH.md)."""
     g = problem.geometry
     if head_dim_tile(g.head_size, g.v_head_size) == 128:
         return WgmmaTile(64, 128, overlap=False)
-    return WgmmaTile(128 if mma_features(problem) == 0 else 64)
+    return WgmmaTile(128 if mma_features(problem, key_offset) == 0 else 64)
 
 
 def default_tile(problem: MhaProblem) -> MmaTile:
     g = problem.geometry
     wide = head_dim_tile(g.head_size, g.v_head_size) == 128 and problem.attention_bias is None
     return WIDE_HEAD_MMA_TILE if wide else DEFAULT_MMA_TILE
+
+
+# --------------------------------------------------------------------------------------- exact scores
+@dataclass(frozen=True)
+class ScoreTerms:
+    """Where a call adds its query and key projection biases (score_terms says why).
+
+    query_bias_in_operand: the layout mover adds b_q to Q before rounding it to the operand dtype;
+    key_bias_in_operand:   the same for b_k and the new keys (a wanted present always holds k + b_k);
+    key_offset:            the scores get o[b, n, j] = scale * K_j . b_q (float32, layout.cu bias_dot), K the
+                           key operand (0 without b_q; + 0 * sum(b_k) when the query offsets are left out);
+    query_offset:          the scores of the new keys j >= P get r[b, n, i] = scale * (q_i + b_q) . b_k.
+    """
+
+    query_bias_in_operand: bool = True
+    key_bias_in_operand: bool = True
+    key_offset: bool = False
+    query_offset: bool = False
+
+    @property
+    def offsets(self) -> bool:
+        """The fused kernels' FLASH_WITH_KEY_OFFSET (either offset; the other pointer is null)."""
+        return self.key_offset or self.query_offset
+
+
+def score_terms(problem: MhaProblem) -> ScoreTerms:
+    """How a float16 / bfloat16 call computes ORT's float32 scores without rounding its biased operands.
+
+    ORT (CPU; float16 graphs run in float32) scores x_ij = scale * (q_i + b_q) . (K_j + [j >= P] b_k): q, k, the
+    past and the biases are exact in the call's dtype, their sums are not. Rounding (q + b_q) and (k + b_k) to
+    float16, the mover's old way, moved a score by about 5e-3 at scale 0.3 and head 128, and the softmax passed it
+    on (issue 14: 6e-3 against ORT CPU). Expanded, with K the unbiased keys (past and new),
+        x_ij = scale * q_i . K_j  +  scale * K_j . b_q  +  [j >= P] scale * (q_i + b_q) . b_k
+    : the tensor-core product of exact operands (float32 accumulation), a per-key offset and a per-query offset
+    of the new keys, both in float32. With P = 0 the last term is the same for every key of a row, which the
+    softmax cancels: it is left out (one add per score less), and the key offsets carry 0 * sum(b_k) instead, so
+    that a non-finite b_k still makes the scores NaN as in ORT. The value
+    bias stays in the V operand: sum_j p_ij = 1, so its rounding moves an output by one rounding of (v + b_v),
+    2^-11 relative in float16. float32 calls add every bias in float32 (nothing is rounded)."""
+    if problem.dtype not in LOW_PRECISION_DTYPES:
+        return ScoreTerms()
+    past = problem.geometry.past_seq > 0
+    return ScoreTerms(
+        query_bias_in_operand=False,
+        key_bias_in_operand=False,
+        key_offset=problem.bias_q is not None or (problem.bias_k is not None and not past),
+        query_offset=problem.bias_k is not None and past,
+    )
 
 
 # ------------------------------------------------------------------------------------------- the dispatch rules
@@ -172,10 +224,11 @@ def wgmma_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability
     return None
 
 
-def ws_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability: str) -> Optional[str]:
-    """None when flash_attention_ws can run this fused call (wgmma's rule; no padding mask or attention_bias: the
-    kernel has no code for them; causal only where its -inf for future keys gives ORT's answer); else why not.
-    For a call fused_unsupported_reason already accepted."""
+def ws_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability: str,
+                          key_offset: bool = False) -> Optional[str]:  # fmt: skip
+    """None when flash_attention_ws can run this fused call (wgmma's rule; no padding mask, attention_bias or
+    key offset: the kernel has no code for them; causal only where its -inf for future keys gives ORT's answer);
+    else why not. For a call fused_unsupported_reason already accepted."""
     reason = wgmma_unsupported_reason(problem, operand_dtype, capability)
     if reason is not None:
         return reason
@@ -183,6 +236,8 @@ def ws_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability: s
         return "the call has a padding mask"
     if problem.attention_bias is not None:
         return "the call has an attention_bias"
+    if key_offset:
+        return "the call's scores take a per-key offset (its projection bias: score_terms)"
     if not problem.scale > 0.0:
         return f"scale {problem.scale} is not positive (the kernel takes max(scale * s) as scale * max(s))"
     if problem.causal:
@@ -234,18 +289,19 @@ def prefers_warp_specialized(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) ->
     return query_tiles(problem, WS_BLOCK_M) >= WS_HEAD64_TILES_PER_SM * sms
 
 
-def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str, sms: int = HOPPER_SM_COUNT) -> Tile:
-    """The tile, and with it the kernel, of a fused call on a device of compute ``capability`` with ``sms`` SMs:
-    where ws_unsupported_reason says None, a three-consumer WsTile where prefers_three_consumers, a two-consumer one
-    where prefers_warp_specialized; else a WgmmaTile where wgmma_unsupported_reason says None, else
-    flash_attention_mma's default tile (float32 calls ignore it)."""
-    if ws_unsupported_reason(problem, operand_dtype, capability) is None:
+def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str, sms: int = HOPPER_SM_COUNT,
+                key_offset: bool = False) -> Tile:  # fmt: skip
+    """The tile, and with it the kernel, of a fused call on a device of compute ``capability`` with ``sms`` SMs
+    (``key_offset``: the call passes a per-key offset): where ws_unsupported_reason says None, a three-consumer
+    WsTile where prefers_three_consumers, a two-consumer one where prefers_warp_specialized; else a WgmmaTile where
+    wgmma_unsupported_reason says None, else flash_attention_mma's default tile (float32 calls ignore it)."""
+    if ws_unsupported_reason(problem, operand_dtype, capability, key_offset) is None:
         if prefers_three_consumers(problem, sms):
             return WsTile(consumers=3)
         if prefers_warp_specialized(problem, sms):
             return WsTile()
     if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
-        return default_wgmma_tile(problem)
+        return default_wgmma_tile(problem, key_offset)
     return default_tile(problem)
 
 

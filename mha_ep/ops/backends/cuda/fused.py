@@ -2,7 +2,8 @@
 masked softmax -> P.V GEMM) wherever dispatch.py's rules say they compute the same function.
 
     run_fused(device_id, problem, q=..., k=..., v=..., operand_dtype=..., attention_bias=..., mask=...,
-              out_BSD=..., stream=...)          # launches only: no allocation, no synchronization
+              out_BSD=..., stream=..., key_offset=..., query_offset=...)   # launches only: no allocation,
+                                                                          # no synchronization
 
 Layout legend (mha_ep/spec.py): B batch, S query length, L new key length, P past length, T = P + L, N heads,
 H head size, Hv value head size, D = N*H. An ``Operand`` is one of Q, K, V as a device address plus its layout:
@@ -170,8 +171,10 @@ def check_operand_bias(problem: MhaProblem, operand_dtype: str, operands: dict) 
                          f"bias; add it when building them (only float32 operands take bias_q/k/v on load)")  # fmt: skip
 
 
-def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = None) -> str:
-    """The NVRTC name expression of the instantiation this call launches (tile None: the mma default tile)."""
+def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = None,
+                key_offset: bool = False) -> str:  # fmt: skip
+    """The NVRTC name expression of the instantiation this call launches (tile None: the mma default tile;
+    ``key_offset``: the call passes a per-key offset, FLASH_WITH_KEY_OFFSET)."""
     g = problem.geometry
     head_dim = head_dim_tile(g.head_size, g.v_head_size)
     elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
@@ -184,9 +187,11 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = 
         return (f"flash_attention_ws<{elem}, {head_dim}, {tile.block_n}, {tile.consumers}, "
                 f"{str(problem.causal).lower()}>")  # fmt: skip
     if isinstance(tile, WgmmaTile):
-        return (f"flash_attention_wgmma<{elem}, {head_dim}, {tile.block_m}, {tile.block_n}, {mma_features(problem)}, "
+        features = mma_features(problem, key_offset)
+        return (f"flash_attention_wgmma<{elem}, {head_dim}, {tile.block_m}, {tile.block_n}, {features}, "
                 f"{str(tile.overlap).lower()}>")  # fmt: skip
-    return f"flash_attention_mma<{elem}, {src}, {head_dim}, {tile.block_m}, {tile.block_n}, {mma_features(problem)}>"
+    features = mma_features(problem, key_offset)
+    return f"flash_attention_mma<{elem}, {src}, {head_dim}, {tile.block_m}, {tile.block_n}, {features}>"
 
 
 # ----------------------------------------------------------------------------------------------- the launch
@@ -251,6 +256,8 @@ def run_fused(
     out_BSD: int,
     stream=None,
     tile: Optional[Tile] = None,
+    key_offset: Optional[int] = None,
+    query_offset: Optional[int] = None,
 ) -> None:
     """Launch the fused kernel for ``problem`` (its dispatch rule must have said None).
 
@@ -266,17 +273,22 @@ def run_fused(
     stream: a cupy Stream to launch on (default: the current stream);
     tile: f16/bf16 only: the kernel and its tile, an MmaTile, WgmmaTile or WsTile (default: choose_tile for this
           device; the timing script and the tests name others; a WgmmaTile must pass wgmma_unsupported_reason,
-          a WsTile ws_unsupported_reason).
+          a WsTile ws_unsupported_reason);
+    key_offset: f16/bf16 only: device float32 (B, N, T) added to every score after the scale, or None;
+    query_offset: f16/bf16 only: device float32 (B, N, S) added to the scores of the new keys j >= P, or None
+          (dispatch.py score_terms: the backend passes them with operands built without the projection biases).
     """
     import cupy
 
     key = (device_id, problem_signature(problem), operand_dtype, tile, attention_bias is None, mask is None,
            q.layout, q.seq, q.dim, q.bias is None, k.layout, k.seq, k.dim, k.bias is None,
-           v.layout, v.seq, v.dim, v.bias is None, get_fused_kernel)  # fmt: skip
+           v.layout, v.seq, v.dim, v.bias is None, key_offset is None, query_offset is None,
+           get_fused_kernel)  # fmt: skip
     launch = _launches.get(key)
     if launch is None:
         launch = fused_launch(device_id, problem, q=q, k=k, v=v, operand_dtype=operand_dtype,
-                              attention_bias=attention_bias, mask=mask, tile=tile)  # fmt: skip
+                              attention_bias=attention_bias, mask=mask, tile=tile,
+                              key_offset=key_offset is not None or query_offset is not None)  # fmt: skip
         if len(_launches) >= MAX_LAUNCHES:
             _launches.clear()
         _launches[key] = launch
@@ -291,7 +303,7 @@ def run_fused(
         pointer_arg(attention_bias), *launch.bias_dims, np.int32(int(mask_kind)),
         pointer_arg(mask if mask_kind == MaskKind.KEY_LENGTHS else None),
         pointer_arg(mask if mask_kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None),
-        *launch.scalars, pointer_arg(out_BSD),
+        pointer_arg(key_offset), pointer_arg(query_offset), *launch.scalars, pointer_arg(out_BSD),
     )  # fmt: skip
     if isinstance(launch.tile, WsTile):
         args += tuple(ws_tensor_maps(problem, operand_dtype, launch.tile, {"q": q, "k": k, "v": v}))
@@ -331,9 +343,11 @@ class FusedLaunch:
 
 
 def fused_launch(device_id: int, problem: MhaProblem, *, q: Operand, k: Operand, v: Operand, operand_dtype: str,
-                 attention_bias: Optional[int], mask: Optional[int], tile: Optional[Tile]) -> FusedLaunch:  # fmt: skip
+                 attention_bias: Optional[int], mask: Optional[int], tile: Optional[Tile],
+                 key_offset: bool = False) -> FusedLaunch:  # fmt: skip
     """run_fused's checks and decisions for ``problem`` (raises ValueError like run_fused; addresses are read only
-    for whether they are given, and the kernel is compiled here if it was not)."""
+    for whether they are given, and the kernel is compiled here if it was not; ``key_offset``: the call passes a
+    key or query offset, FLASH_WITH_KEY_OFFSET)."""
     import cupy
 
     g = problem.geometry
@@ -352,24 +366,30 @@ def fused_launch(device_id: int, problem: MhaProblem, *, q: Operand, k: Operand,
         _check_aligned(name, op.address, in_bytes, strides[name])
     check_mask_operands(problem, attention_bias, mask)
     check_operand_bias(problem, operand_dtype, {"q": q, "k": k, "v": v})
+    if key_offset and problem.dtype == "float32":
+        raise ValueError("fused attention: key / query offsets are for float16 / bfloat16 calls "
+                         "(flash_attention_fp32 adds every bias in float32 and takes none)")  # fmt: skip
     mask_kind = MaskKind.of(None if problem.padding_mask is None else problem.padding_mask.kind)
     bias = problem.attention_bias
     d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
 
     if problem.dtype != "float32":
         if tile is None:
-            tile = choose_tile(problem, operand_dtype, device_capability(device_id), device_sm_count(device_id))
+            tile = choose_tile(problem, operand_dtype, device_capability(device_id), device_sm_count(device_id),
+                               key_offset)  # fmt: skip
         elif isinstance(tile, (WgmmaTile, WsTile)):
             reason = ws_tile_unsupported_reason(problem, tile) if isinstance(tile, WsTile) else None
             if reason is not None:
                 raise ValueError(f"fused attention: tile {tile.label}: {reason}")
-            rule = ws_unsupported_reason if isinstance(tile, WsTile) else wgmma_unsupported_reason
-            reason = rule(problem, operand_dtype, device_capability(device_id))
+            if isinstance(tile, WsTile):
+                reason = ws_unsupported_reason(problem, operand_dtype, device_capability(device_id), key_offset)
+            else:
+                reason = wgmma_unsupported_reason(problem, operand_dtype, device_capability(device_id))
             if reason is not None:
                 kernel = "warp-specialized" if isinstance(tile, WsTile) else "wgmma"
                 raise ValueError(f"fused attention: tile {tile.label} needs the {kernel} kernel, which cannot run "
                                  f"this call: {reason}")  # fmt: skip
-    name = kernel_name(problem, operand_dtype, tile)
+    name = kernel_name(problem, operand_dtype, tile, key_offset)
     shared = shared_bytes(problem, tile)
     if shared > SHARED_LIMIT:
         raise ValueError(f"fused attention: tile {tile.label} needs {shared} bytes of shared "

@@ -101,6 +101,8 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
         "v_BNTH": b * n * t * hv,
         "scores_BNST": b * n * s * t,
         "context_BNSH": b * n * s * hv,
+        "key_offset_BNT": b * n * t,
+        "query_offset_BNS": b * n * s,
     }
     vec_qk = VEC_WIDTH if h % VEC_WIDTH == 0 else 1
     vec_v = VEC_WIDTH if hv % VEC_WIDTH == 0 else 1
@@ -112,6 +114,8 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
         "build v_BNTH": checked_grid(counts["v_BNTH"] // vec_v, "v_BNTH build"),
         "context_to_BSD": checked_grid(counts["context_BNSH"] // vec_v, "context_to_BSD"),
         "masked_softmax": min(-(-rows // rows_per_block), MAX_GRID_BLOCKS),
+        "key_offset_BNT": checked_grid(counts["key_offset_BNT"] * WARP, "key offsets"),  # a warp per key
+        "query_offset_BNS": checked_grid(counts["query_offset_BNS"] * WARP, "query offsets"),  # a warp per query
     }
     nbytes = {
         "q_BNSH": checked_bytes(counts["q_BNSH"], elem, "q_BNSH scratch"),
@@ -120,6 +124,8 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
         "scores_BNST": checked_bytes(counts["scores_BNST"], FLOAT32_BYTES, "scores_BNST scratch"),
         "probs_BNST": checked_bytes(counts["scores_BNST"], elem, "probs_BNST scratch"),
         "context_BNSH": checked_bytes(counts["context_BNSH"], FLOAT32_BYTES, "context_BNSH scratch"),
+        "key_offset_BNT": checked_bytes(counts["key_offset_BNT"], FLOAT32_BYTES, "key_offset_BNT scratch"),
+        "query_offset_BNS": checked_bytes(counts["query_offset_BNS"], FLOAT32_BYTES, "query_offset_BNS scratch"),
     }
     # cuBLAS m, n, k and leading dimensions are int: T, S, H, Hv are checked above.
     return LaunchPlan(

@@ -13,7 +13,10 @@
 // Semantics (stock ORT 1.31.1 CPU, semantics doc 3.2-3.7), per query row i and key j, all in float32:
 //   1. q, k, v = input + projection bias (bias on load; the host passes null for BNSH key/value, whose bias ORT
 //      ignores, and for operands the layout mover already biased), rounded once to ELEM;
-//   2. x  = scale * dot(q_i, k_j)
+//   2. x  = scale * dot(q_i, k_j)   (with FLASH_WITH_KEY_OFFSET, fma(dot, scale, key_offset_BNT[b, h, j]), then
+//      + query_offset_BNS[b, h, i] when j >= P: float16 / bfloat16 calls of the backend pass Q and K unbiased and the biases' shares of
+//      the score here, so no biased operand is rounded: dispatch.py score_terms; either pointer may be null;
+//      flash_attention_fp32 and flash_attention_ws take no offsets, the host passes null)
 //   3. x += attention_bias[b|0, h|0, i, j]                   (broadcast: bias_d0 / bias_d1 equal to 1)
 //   4. x += FLOAT32_LOWEST     when causal, i < S-1, j > P+i  (the additive mask's value there is SET to lowest,
 //                                                             replacing padding; the last row is never causal)
@@ -116,7 +119,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
                         const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
                         const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
                         int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                        const unsigned char* __restrict__ keep, float mask_filter_value, int causal,
+                        const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
+                        const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
                         int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
                         int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 32 == 0, "tiles are multiples of 16 (keys: 32)");
@@ -126,6 +130,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   // classification and the bias tiles cost the plain kernel's loop up to 20% when compiled in but unused (H200).
   constexpr bool WITH_PADDING = (FEATURES & FLASH_WITH_PADDING) != 0;
   constexpr bool WITH_BIAS = (FEATURES & FLASH_WITH_BIAS) != 0;
+  constexpr bool WITH_OFFSET = (FEATURES & FLASH_WITH_KEY_OFFSET) != 0;
   constexpr int THREADS = BLOCK_M * 2;    // one warp per 16 query rows
   constexpr int LD = HEAD_DIM + SMEM_PAD; // shared-memory row stride, elements
   constexpr int D_STEPS = HEAD_DIM / 16;  // k-steps of Q.K^T
@@ -156,12 +161,21 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   const float* bias_q_h = bias_q == nullptr ? nullptr : bias_q + (long long)h * head_size;
   const float* bias_k_h = bias_k == nullptr ? nullptr : bias_k + (long long)h * head_size;
   const float* bias_v_h = bias_v == nullptr ? nullptr : bias_v + (long long)h * v_head_size;
+  // FLASH_WITH_KEY_OFFSET: this (b, h)'s key offsets (null: none) and this thread's two rows' query offsets
+  // (0 without them; they apply to the new keys j >= P only).
+  const float* offset_T = (WITH_OFFSET && key_offset_BNT != nullptr) ? key_offset_BNT + bh * total_seq : nullptr;
+  float row_offset[2] = {0.0f, 0.0f};
+  const bool has_row_offset = WITH_OFFSET && query_offset_BNS != nullptr;
 
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
                       causal, q_seq, total_seq, past_seq};
   const int row_lo = m0 + warp * 16 + g;  // this thread's two query rows
   const int rows[2] = {row_lo, row_lo + 8};
   const RowMask masks[2] = {row_mask(mp, b, h, rows[0]), row_mask(mp, b, h, rows[1])};
+  if (WITH_OFFSET && query_offset_BNS != nullptr) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_offset[r] = query_offset_BNS[bh * q_seq + min(rows[r], q_seq - 1)];
+  }
   constexpr bool has_bias = WITH_BIAS;
   const float* bias_rows = nullptr;  // attention_bias at (b|0, h|0, row m0, key 0)
   bool bias_vec4 = false;
@@ -242,7 +256,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     TileMask tm;
     if constexpr (WITH_PADDING) {
       tm = tile_mask(mp, b, m0, n0, BLOCK_N, lane);
-    } else if constexpr (WITH_BIAS) {
+      if constexpr (WITH_OFFSET) tm.plain = false;  // every score takes its key's offset
+    } else if constexpr (WITH_BIAS || WITH_OFFSET) {
       tm.in_range = n0 + BLOCK_N <= total_seq;
       tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
       tm.padding = TILE_KEEP_ALL;
@@ -279,7 +294,9 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     // A plain tile (no bias or mask term, every key in range, scale > 0) keeps the raw dot products: its x is
     // scale * acc, folded into the exponent of step C, and max(x) = scale * max(acc) (rounding is monotonic).
     // A padded tile (every key padded, in range, before every causal frontier, no attention_bias, scale > 0)
-    // keeps the raw dot products until its row maxima say whether any p can be nonzero (see the header).
+    // keeps the raw dot products until its row maxima say whether any p can be nonzero (see the header); with
+    // key offsets (not monotonic in q.k) such a tile computes its x like any other, and is still skipped when
+    // its row maxima say every p is 0.
     if constexpr (FEATURES == FLASH_PLAIN) {
       tm.in_range = n0 + BLOCK_N <= total_seq;
       tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
@@ -291,8 +308,26 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       __syncthreads();
     }
     const bool plain_tile = tm.plain && scale > 0.0f;
-    const bool padded_tile = WITH_PADDING && !has_bias && !tm.plain && tm.in_range && !tm.causal &&
-                             tm.padding == TILE_PAD_ALL && scale > 0.0f;
+    const bool all_padded = WITH_PADDING && !has_bias && !tm.plain && tm.in_range && !tm.causal &&
+                            tm.padding == TILE_PAD_ALL;
+    const bool padded_tile = !WITH_OFFSET && all_padded && scale > 0.0f;  // raw products until the vote
+    const bool padded_exact = WITH_OFFSET && all_padded;                  // exact x, then the same vote
+    // With FLASH_WITH_KEY_OFFSET, x = fma(acc, scale, key offset) (+ query offset for j >= P), the key offsets of
+    // this thread's columns read once per tile for both of its rows; a tile with no other term stops there.
+    float key_off[S_PAIRS][2][2];
+    bool no_terms = tm.plain;
+    if constexpr (WITH_OFFSET) {
+      no_terms = !has_bias && tm.in_range && !tm.causal && tm.padding == TILE_KEEP_ALL;
+#pragma unroll
+      for (int np = 0; np < S_PAIRS; ++np)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = n0 + np * 16 + hf * 8 + tig * 2 + e;
+            key_off[np][hf][e] = (offset_T != nullptr && j < total_seq) ? offset_T[j] : 0.0f;
+          }
+    }
     if (!plain_tile && !padded_tile) {
 #pragma unroll
       for (int np = 0; np < S_PAIRS; ++np)
@@ -303,7 +338,11 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
             const int r = c >> 1;
             const int j = n0 + np * 16 + hf * 8 + tig * 2 + (c & 1);
             float x = s_acc[np][hf][c] * scale;
-            if (!tm.plain) {
+            if constexpr (WITH_OFFSET) {  // step 2: the projection biases' shares
+              x = fmaf(s_acc[np][hf][c], scale, key_off[np][hf][c & 1]);
+              if (has_row_offset && j >= past_seq) x += row_offset[r];
+            }
+            if (!no_terms) {
               if (j < total_seq) {
                 if constexpr (has_bias) x += bias_tile[bias_at[r] + np * 16 + hf * 8 + (c & 1)];  // step 3
                 x = (tm.padding == TILE_PAD_MIXED) ? masked_logit_per_key(x, mp, masks[r], rows[r], j)
@@ -346,12 +385,12 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     }
     // A padded tile whose every p would be 0 adds nothing (O, l and m stay): skip to the barrier before step E.
     bool skip_tile = false;
-    if (padded_tile) {
+    if (padded_tile || padded_exact) {
       bool zero = true;
 #pragma unroll
       for (int r = 0; r < 2; ++r) zero = zero && fast_exp2((tile_max[r] - max_used[r]) * LOG2E) == 0.0f;
       skip_tile = __all_sync(0xffffffffu, zero);
-      if (!skip_tile) {
+      if (padded_tile && !skip_tile) {
 #pragma unroll
         for (int np = 0; np < S_PAIRS; ++np)
 #pragma unroll
@@ -501,7 +540,8 @@ __global__ void __launch_bounds__(F32Shape<ROWS, TX>::THREADS, MIN_BLOCKS)
                          const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
                          const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
                          int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                         const unsigned char* __restrict__ keep, float mask_filter_value, int causal,
+                         const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
+                         const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
                          int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
                          int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
   static_assert(same_type<ELEM, float>::value, "the CUDA-core kernel computes in float32");

@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
                           const ELEM* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
                           const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
                           int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                          const unsigned char* __restrict__ keep, float mask_filter_value, int causal,
+                          const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
+                          const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
                           int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
                           int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
   using namespace wgmma_detail;
@@ -76,6 +77,7 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two warpgroups");
   constexpr bool WITH_PADDING = (FEATURES & FLASH_WITH_PADDING) != 0;
   constexpr bool WITH_BIAS = (FEATURES & FLASH_WITH_BIAS) != 0;
+  constexpr bool WITH_OFFSET = (FEATURES & FLASH_WITH_KEY_OFFSET) != 0;
   constexpr int THREADS = BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS;
   constexpr int ATOMS = HEAD_DIM / 64;      // 64-element column atoms of a row
   constexpr int D_STEPS = HEAD_DIM / 16;    // k-steps of Q.K^T
@@ -106,12 +108,22 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
   const ELEM* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
   const ELEM* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
   const ELEM* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
+  // FLASH_WITH_KEY_OFFSET: this (b, h)'s key offsets (null: none) and this thread's two rows' query offsets
+  // (0 without them; they apply to the new keys j >= P only).
+  const long long bh = (long long)b * heads + h;
+  const float* offset_T = (WITH_OFFSET && key_offset_BNT != nullptr) ? key_offset_BNT + bh * total_seq : nullptr;
+  float row_offset[2] = {0.0f, 0.0f};
+  const bool has_row_offset = WITH_OFFSET && query_offset_BNS != nullptr;
 
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
                       causal, q_seq, total_seq, past_seq};
   const int row_lo = m0 + warp * 16 + g;  // this thread's two query rows
   const int rows[2] = {row_lo, row_lo + 8};
   const RowMask masks[2] = {row_mask(mp, b, h, rows[0]), row_mask(mp, b, h, rows[1])};
+  if (WITH_OFFSET && query_offset_BNS != nullptr) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_offset[r] = query_offset_BNS[bh * q_seq + min(rows[r], q_seq - 1)];
+  }
   const float* bias_rows = nullptr;  // attention_bias at (b|0, h|0, row m0, key 0)
   bool bias_vec4 = false;
   if constexpr (WITH_BIAS) {
@@ -202,7 +214,8 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
     TileMask tm;
     if constexpr (WITH_PADDING) {
       tm = tile_mask(mp, b, m0, n0, BLOCK_N, lane);
-    } else if constexpr (WITH_BIAS) {
+      if constexpr (WITH_OFFSET) tm.plain = false;  // every score takes its key's offset
+    } else if constexpr (WITH_BIAS || WITH_OFFSET) {
       tm.in_range = n0 + BLOCK_N <= total_seq;
       tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
       tm.padding = TILE_KEEP_ALL;
@@ -255,8 +268,24 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
       __syncthreads();
     }
     const bool plain_tile = tm.plain && scale > 0.0f;
-    const bool padded_tile = WITH_PADDING && !WITH_BIAS && !tm.plain && tm.in_range && !tm.causal &&
-                             tm.padding == TILE_PAD_ALL && scale > 0.0f;
+    const bool all_padded = WITH_PADDING && !WITH_BIAS && !tm.plain && tm.in_range && !tm.causal &&
+                            tm.padding == TILE_PAD_ALL;
+    const bool padded_tile = !WITH_OFFSET && all_padded && scale > 0.0f;  // raw products until the vote
+    const bool padded_exact = WITH_OFFSET && all_padded;                  // exact x (key offsets), same vote
+    // With FLASH_WITH_KEY_OFFSET, x = fma(acc, scale, key offset) (+ query offset for j >= P), the key offsets of
+    // this thread's columns read once per tile for both of its rows; a tile with no other term stops there.
+    float key_off[S_BLOCKS][2];
+    bool no_terms = tm.plain;
+    if constexpr (WITH_OFFSET) {
+      no_terms = !WITH_BIAS && tm.in_range && !tm.causal && tm.padding == TILE_KEEP_ALL;
+#pragma unroll
+      for (int i = 0; i < S_BLOCKS; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = n0 + i * 8 + tig * 2 + e;
+          key_off[i][e] = (offset_T != nullptr && j < total_seq) ? offset_T[j] : 0.0f;
+        }
+    }
     if (!plain_tile && !padded_tile) {
 #pragma unroll
       for (int i = 0; i < S_BLOCKS; ++i)
@@ -265,7 +294,11 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
           const int r = c >> 1;
           const int j = n0 + i * 8 + tig * 2 + (c & 1);
           float x = s[4 * i + c] * scale;
-          if (!tm.plain) {
+          if constexpr (WITH_OFFSET) {  // step 2: the projection biases' shares
+            x = fmaf(s[4 * i + c], scale, key_off[i][c & 1]);
+            if (has_row_offset && j >= past_seq) x += row_offset[r];
+          }
+          if (!no_terms) {
             if (j < total_seq) {
               if constexpr (WITH_BIAS) x += bias_tile[bias_at[r] + i * 8 + (c & 1)];  // step 3
               x = (tm.padding == TILE_PAD_MIXED) ? masked_logit_per_key(x, mp, masks[r], rows[r], j)
@@ -306,12 +339,12 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
     // A padded tile whose every p would be 0 adds nothing (O, l and m stay). The vote is block-wide: the P.V
     // wgmma is issued by all four warps of a warpgroup or by none.
     bool skip_tile = false;
-    if (padded_tile) {
+    if (padded_tile || padded_exact) {
       bool zero = true;
 #pragma unroll
       for (int r = 0; r < 2; ++r) zero = zero && fast_exp2((tile_max[r] - max_used[r]) * LOG2E) == 0.0f;
       skip_tile = __syncthreads_and(zero);  // (m did not move; a row still at -inf has l = 0 and O = 0)
-      if (!skip_tile) {
+      if (padded_tile && !skip_tile) {
 #pragma unroll
         for (int i = 0; i < S_BLOCKS * 4; ++i) s[i] = padded_logit(s[i], scale, mask_filter_value);
       }

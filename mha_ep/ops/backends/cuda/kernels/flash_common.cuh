@@ -50,7 +50,10 @@ __device__ __forceinline__ RowMask row_mask(const MaskParams& p, int b, int h, i
 }
 
 // Mask inputs an instantiation of flash_attention_mma is compiled for (its FEATURES template argument).
-enum FlashFeatures { FLASH_PLAIN = 0, FLASH_WITH_PADDING = 1, FLASH_WITH_BIAS = 2 };
+// FLASH_WITH_KEY_OFFSET: x += key_offset_BNT[b, h, j] (+ query_offset_BNS[b, h, i] for j >= P) right after
+// x = scale * q.k: the projection biases' shares of the score, in float32 (dispatch.py score_terms, layout.cu
+// bias_dot).
+enum FlashFeatures { FLASH_PLAIN = 0, FLASH_WITH_PADDING = 1, FLASH_WITH_BIAS = 2, FLASH_WITH_KEY_OFFSET = 4 };
 
 // How the masks touch one key tile [n0, n0 + block_n) of query rows [m0, m0 + block_m) (uniform over the block).
 enum TilePadding { TILE_KEEP_ALL = 0, TILE_PAD_ALL = 1, TILE_PAD_MIXED = 2 };

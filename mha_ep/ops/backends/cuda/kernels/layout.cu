@@ -14,7 +14,10 @@
 //   3. the per-(head, dim) bias is added to the current rows only (ORT: never to the past; the host passes
 //      null for BNSH key/value, whose bias ORT ignores);
 //   4. the float sum is rounded once to ELEM and stored; when dst_f32_BNTH is given, the same rounded value is
-//      also stored as float32 (the present_key / present_value output the host downloads).
+//      also stored as float32 (the present_key / present_value output the host downloads), and when
+//      dst_present_BNTH is given, in ELEM (device-resident mode's present).
+// bias_in_operand 0 (a float16 / bfloat16 key: dispatch.py score_terms): the operand dst_BNTH gets the rows
+// without the bias (exact), the presents still get them with it.
 // The query uses this kernel too, with P = 0: (B, S, D) + b_q -> (B, N, S, H).
 // SRC is the sources' type: float for the float32 transport arrays (build_dense_BNTH), ELEM for tensors already
 // in the compute dtype (build_dense_BNTH_native, device-resident mode), each value widened to float on load.
@@ -23,8 +26,10 @@
 template <typename ELEM, int VEC, typename SRC>
 __device__ __forceinline__ void build_dense_rows(const SRC* __restrict__ cur, int cur_is_bnsh,
                                                  const SRC* __restrict__ past_BNPH, const SRC* __restrict__ bias_NH,
-                                                 ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH,
-                                                 int batch, int heads, int cur_seq, int past_seq, int dim) {
+                                                 int bias_in_operand, ELEM* __restrict__ dst_BNTH,
+                                                 float* __restrict__ dst_f32_BNTH,
+                                                 ELEM* __restrict__ dst_present_BNTH, int batch, int heads,
+                                                 int cur_seq, int past_seq, int dim) {
   const int total = past_seq + cur_seq;  // the host checked that P + L fits an int
   const int groups = dim / VEC;          // VEC-wide groups of one row
   const long long count = (long long)batch * heads * total * groups;
@@ -35,6 +40,7 @@ __device__ __forceinline__ void build_dense_rows(const SRC* __restrict__ cur, in
     unravel4(idx, fits_u32, groups, total, heads, g, s, h, b);
     const int d = g * VEC;
     float value[VEC];
+    float biased[VEC];
     if (s < past_seq) {
       // Step 1: the past rows.
       load_as_floats<SRC, VEC>(past_BNPH + (((long long)b * heads + h) * past_seq + s) * dim + d, value);
@@ -46,46 +52,53 @@ __device__ __forceinline__ void build_dense_rows(const SRC* __restrict__ cur, in
       } else {
         load_as_floats<SRC, VEC>(cur + (((long long)b * cur_seq + sc) * heads + h) * dim + d, value);
       }
-      // Step 3: the bias of this head and dim.
-      if (bias_NH != nullptr) {
-        float bias[VEC];
-        load_as_floats<SRC, VEC>(bias_NH + (long long)h * dim + d, bias);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) value[k] += bias[k];
-      }
     }
-    // Step 4: one rounding to the compute dtype, mirrored into the float32 present buffer when asked for.
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) biased[k] = value[k];
+    if (s >= past_seq && bias_NH != nullptr) {
+      // Step 3: the bias of this head and dim.
+      float bias[VEC];
+      load_as_floats<SRC, VEC>(bias_NH + (long long)h * dim + d, bias);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) biased[k] += bias[k];
+    }
+    // Step 4: one rounding to the compute dtype for each stored form.
     const long long dst = idx * VEC;
     ELEM stored[VEC];
+    ELEM present[VEC];
     float rounded[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      stored[k] = from_float<ELEM>(value[k]);
-      rounded[k] = to_float<ELEM>(stored[k]);
+      present[k] = from_float<ELEM>(biased[k]);
+      rounded[k] = to_float<ELEM>(present[k]);
+      stored[k] = bias_in_operand ? present[k] : from_float<ELEM>(value[k]);
     }
     store_elems<ELEM, VEC>(dst_BNTH + dst, stored);
     if (dst_f32_BNTH != nullptr) store_floats<VEC>(dst_f32_BNTH + dst, rounded);
+    if (dst_present_BNTH != nullptr) store_elems<ELEM, VEC>(dst_present_BNTH + dst, present);
   }
 }
 
 template <typename ELEM, int VEC>
 __global__ void build_dense_BNTH(const float* __restrict__ cur, int cur_is_bnsh,
                                  const float* __restrict__ past_BNPH, const float* __restrict__ bias_NH,
-                                 ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH, int batch,
-                                 int heads, int cur_seq, int past_seq, int dim) {
-  build_dense_rows<ELEM, VEC, float>(cur, cur_is_bnsh, past_BNPH, bias_NH, dst_BNTH, dst_f32_BNTH, batch, heads,
-                                     cur_seq, past_seq, dim);
+                                 int bias_in_operand, ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH,
+                                 int batch, int heads, int cur_seq, int past_seq, int dim) {
+  build_dense_rows<ELEM, VEC, float>(cur, cur_is_bnsh, past_BNPH, bias_NH, bias_in_operand, dst_BNTH, dst_f32_BNTH,
+                                     nullptr, batch, heads, cur_seq, past_seq, dim);
 }
 
-// Device-resident mode: sources in the compute dtype. A wanted present *is* dst_BNTH (the host passes the present
-// buffer as the operand), so there is no float32 mirror.
+// Device-resident mode: sources in the compute dtype. A wanted present whose values the operand holds *is*
+// dst_BNTH (the host passes the present buffer as the operand); one that holds a bias the operand leaves out is
+// dst_present_BNTH. There is no float32 mirror.
 template <typename ELEM, int VEC>
 __global__ void build_dense_BNTH_native(const ELEM* __restrict__ cur, int cur_is_bnsh,
                                         const ELEM* __restrict__ past_BNPH, const ELEM* __restrict__ bias_NH,
-                                        ELEM* __restrict__ dst_BNTH, int batch, int heads, int cur_seq,
+                                        int bias_in_operand, ELEM* __restrict__ dst_BNTH,
+                                        ELEM* __restrict__ dst_present_BNTH, int batch, int heads, int cur_seq,
                                         int past_seq, int dim) {
-  build_dense_rows<ELEM, VEC, ELEM>(cur, cur_is_bnsh, past_BNPH, bias_NH, dst_BNTH, nullptr, batch, heads,
-                                    cur_seq, past_seq, dim);
+  build_dense_rows<ELEM, VEC, ELEM>(cur, cur_is_bnsh, past_BNPH, bias_NH, bias_in_operand, dst_BNTH, nullptr,
+                                    dst_present_BNTH, batch, heads, cur_seq, past_seq, dim);
 }
 
 // Context (B, N, S, Hv) float32 accumulators of the P.V GEMM -> output (B, S, N*Hv) float32, each value rounded
@@ -119,4 +132,57 @@ __global__ void narrow_output(const float* __restrict__ src, ELEM* __restrict__ 
     for (int k = 0; k < VEC; ++k) stored[k] = from_float<ELEM>(value[k]);
     store_elems<ELEM, VEC>(dst + idx * VEC, stored);
   }
+}
+
+// The offsets of a float16 / bfloat16 call's scores (dispatch.py score_terms): the projection biases' shares of
+// every score, in float32, from the exact (unbiased) operands the attention kernels read. One kernel, two uses:
+//   key offsets    out[b, h, j] = scale * sum_d k_BNTH[b, h, j, d] * bias_q[h, d]              (add null)
+//   query offsets  out[b, h, i] = scale * sum_d (q_BNSH[b, h, i, d] + bias_q[h, d]) * bias_k[h, d]
+// i.e. out[b, h, r] = scale * sum_d (x[b, h, r, d] + add[h, d]) * weight[h, d] over the rows r of x (B, N, R, H),
+// weight null: 0. guard (a key bias whose query offsets the host leaves out, P = 0) adds 0 * sum_d guard[h, d]:
+// NaN when it is not finite, as ORT's scores then are.
+// One warp per row: lanes stride over d, then a shuffle sum. SRC is the biases' type (float: the bridge's float32
+// transport; ELEM: device-resident mode).
+template <typename ELEM, typename SRC>
+__device__ __forceinline__ void bias_dot_rows(const ELEM* __restrict__ x_BNRH, const SRC* __restrict__ add_NH,
+                                              const SRC* __restrict__ weight_NH, const SRC* __restrict__ guard_NH,
+                                              float scale, float* __restrict__ out_BNR, int batch, int heads,
+                                              int rows_per_head, int dim) {
+  const long long rows = (long long)batch * heads * rows_per_head;
+  const int lane = threadIdx.x & 31;
+  const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+  for (long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows; row += warps) {
+    const long long h_at = (long long)((row / rows_per_head) % heads) * dim;
+    const ELEM* x_row = x_BNRH + row * dim;
+    float dot = 0.0f;
+    float guard = 0.0f;
+    for (int d = lane; d < dim; d += 32) {
+      if (weight_NH != nullptr) {
+        float x = to_float<ELEM>(x_row[d]);
+        if (add_NH != nullptr) x += to_float<SRC>(add_NH[h_at + d]);
+        dot = fmaf(x, to_float<SRC>(weight_NH[h_at + d]), dot);
+      }
+      if (guard_NH != nullptr) guard += 0.0f * to_float<SRC>(guard_NH[h_at + d]);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      guard += __shfl_xor_sync(0xffffffffu, guard, offset);
+    }
+    if (lane == 0) out_BNR[row] = scale * dot + guard;
+  }
+}
+
+template <typename ELEM>
+__global__ void bias_dot(const ELEM* __restrict__ x_BNRH, const float* __restrict__ add_NH,
+                         const float* __restrict__ weight_NH, const float* __restrict__ guard_NH, float scale,
+                         float* __restrict__ out_BNR, int batch, int heads, int rows_per_head, int dim) {
+  bias_dot_rows<ELEM, float>(x_BNRH, add_NH, weight_NH, guard_NH, scale, out_BNR, batch, heads, rows_per_head, dim);
+}
+
+template <typename ELEM>
+__global__ void bias_dot_native(const ELEM* __restrict__ x_BNRH, const ELEM* __restrict__ add_NH,
+                                const ELEM* __restrict__ weight_NH, const ELEM* __restrict__ guard_NH, float scale,
+                                float* __restrict__ out_BNR, int batch, int heads, int rows_per_head, int dim) {
+  bias_dot_rows<ELEM, ELEM>(x_BNRH, add_NH, weight_NH, guard_NH, scale, out_BNR, batch, heads, rows_per_head, dim);
 }

@@ -6,6 +6,9 @@
 //       register-resident block variant was measured slower on the H200: 1.02 ms against 0.65 ms at T = 4096).
 //
 // Semantics (ORT 1.31.1 CPU, semantics doc 3.4-3.6), per score x = scale * q.k (the GEMM's alpha):
+//   0. x += key_offset_BNT[b, h, j] (+ query_offset_BNS[b, h, i] when j >= P)
+//                                                        (when given: the projection biases' shares of a
+//                                                         float16 / bfloat16 score, dispatch.py score_terms)
 //   1. x += attention_bias[b|0, h|0, i, j]             (broadcast over dims 0/1 of size 1)
 //   2. x += mask_filter_value where key j is padded      (ADDED in float32, never substituted: a fully padded row
 //                                                         stays softmax of the raw scores, at every dtype)
@@ -31,6 +34,8 @@ struct MaskArgs {
   const unsigned char* keep;    // MASK_KEYS_BT / MASK_KEYS_BST, 1 = keep
   float mask_filter_value;
   int causal;                   // unidirectional and S > 1
+  const float* key_offset_BNT;  // (B, N, T) float32 or null
+  const float* query_offset_BNS;  // (B, N, S) float32 or null
 };
 
 // Block-wide reduction of one float per thread (OP: max or sum); every thread receives the row's result.
@@ -64,6 +69,8 @@ struct RowSlices {
   int i;                           // query position
   const float* bias_row_T;         // attention_bias row, or null
   const unsigned char* keep_row_T; // keep flags of the row (MASK_KEYS_BT / MASK_KEYS_BST), or null
+  const float* offset_row_T;       // key offsets of the row's (b, h), or null
+  float row_offset;                // the row's query offset (0 without one), for the keys j >= P
   int key_length;                  // MASK_KEY_LENGTHS: keys j >= key_length are padded
 };
 
@@ -75,6 +82,8 @@ __device__ __forceinline__ RowSlices row_slices(const MaskArgs& m, long long row
   const int h = (int)(bh % heads);
   const int b = (int)(bh / heads);
   r.bias_row_T = nullptr;
+  r.offset_row_T = (m.key_offset_BNT != nullptr) ? m.key_offset_BNT + bh * total_seq : nullptr;
+  r.row_offset = (m.query_offset_BNS != nullptr) ? m.query_offset_BNS[row] : 0.0f;
   if (m.attention_bias != nullptr) {
     const int bb = (m.bias_d0 == 1) ? 0 : b;
     const int bn = (m.bias_d1 == 1) ? 0 : h;
@@ -90,6 +99,8 @@ __device__ __forceinline__ RowSlices row_slices(const MaskArgs& m, long long row
 // Steps 1-3 for one score: the masked logit.
 __device__ __forceinline__ float masked_logit(float x, const MaskArgs& m, const RowSlices& r, int j, int q_seq,
                                               int past_seq) {
+  if (r.offset_row_T != nullptr) x += r.offset_row_T[j];                                  // step 0
+  if (j >= past_seq) x += r.row_offset;
   if (r.bias_row_T != nullptr) x += r.bias_row_T[j];                                      // step 1
   const bool padded = (m.mask_kind == MASK_KEY_LENGTHS) ? (j >= r.key_length)
                       : (r.keep_row_T != nullptr)      ? (r.keep_row_T[j] == 0)
@@ -121,9 +132,11 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
     masked_softmax_warp(const float* __restrict__ scores_BNST, ELEM* __restrict__ probs_BNST,
                         const float* __restrict__ attention_bias, int bias_d0, int bias_d1, int mask_kind,
                         const int* __restrict__ key_lengths_B, const unsigned char* __restrict__ keep,
+                        const float* __restrict__ key_offset_BNT, const float* __restrict__ query_offset_BNS,
                         float mask_filter_value, int causal, int batch, int heads, int q_seq, int total_seq,
                         int past_seq) {
-  const MaskArgs m{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value, causal};
+  const MaskArgs m{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value, causal,
+                   key_offset_BNT, query_offset_BNS};
   const int lane = threadIdx.x & 31;
   const int WARPS = SOFTMAX_THREADS / 32;
   const long long rows = (long long)batch * heads * q_seq;
@@ -172,10 +185,12 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
     masked_softmax(const float* __restrict__ scores_BNST, ELEM* __restrict__ probs_BNST,
                    const float* __restrict__ attention_bias, int bias_d0, int bias_d1, int mask_kind,
                    const int* __restrict__ key_lengths_B, const unsigned char* __restrict__ keep,
+                   const float* __restrict__ key_offset_BNT, const float* __restrict__ query_offset_BNS,
                    float mask_filter_value, int causal, int batch, int heads, int q_seq, int total_seq, int past_seq,
                    int row_cache) {
   extern __shared__ float logits_T[];
-  const MaskArgs m{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value, causal};
+  const MaskArgs m{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value, causal,
+                   key_offset_BNT, query_offset_BNS};
   const long long rows = (long long)batch * heads * q_seq;
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     const RowSlices r = row_slices(m, row, heads, q_seq, total_seq);
