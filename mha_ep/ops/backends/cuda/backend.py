@@ -112,11 +112,12 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
-def launch_score_offsets(device_id: int, plan: LaunchPlan, terms: dispatch.ScoreTerms, kernel: str, ops,
-                         bias_q: Optional[int], bias_k: Optional[int], scale: float) -> None:  # fmt: skip
-    """The scores' float32 offsets of dispatch.score_terms into ``ops.key_offset_BNT`` / ``ops.query_offset_BNS``,
+def launch_score_offsets(device_id: int, plan: LaunchPlan, kernel: str, ops, bias_q: Optional[int],
+                         bias_k: Optional[int], scale: float) -> None:  # fmt: skip
+    """The scores' float32 offsets that ``ops.terms`` asks for into ``ops.key_offset_BNT`` / ``ops.query_offset_BNS``,
     from the unbiased operands ``ops.k_BNTH`` / ``ops.q_BNSH``, with layout.cu's ``kernel`` on the current stream
     (bias_dot: float32 biases; bias_dot_native: biases in the call's dtype)."""
+    terms = ops.terms
     guard = None if terms.query_offset else bias_k  # a key bias without query offsets: its NaN guard
     launches = (
         (terms.key_offset, ops.k_BNTH, None, bias_q, guard, ops.key_offset_BNT, plan.total_seq, "key_offset_BNT"),
@@ -200,7 +201,8 @@ class Operands:
     scores_BNST: Optional[int] = None  # the three-phase buffers
     probs_BNST: Optional[int] = None
     context_BNSH: Optional[int] = None
-    key_offset_BNT: Optional[int] = None  # float16 / bfloat16 scores' offsets (dispatch.score_terms)
+    terms: dispatch.ScoreTerms = dispatch.ScoreTerms()  # where the projection biases go (dispatch.score_terms)
+    key_offset_BNT: Optional[int] = None  # the scores' offsets, when ``terms`` asks for them
     query_offset_BNS: Optional[int] = None
 
 
@@ -494,7 +496,7 @@ class CudaBackend:
         for name, wanted in (("key_offset_BNT", terms.key_offset), ("query_offset_BNS", terms.query_offset)):
             if wanted:
                 addresses[name] = self._allocate(scratch, name, plan)
-        return Operands(fused_unsupported, **addresses)
+        return Operands(fused_unsupported, terms=terms, **addresses)
 
     def _attention(self, problem: MhaProblem, plan: LaunchPlan, ops: Operands, dev_in: dict, dev_out: dict,
                    stream: cupy.cuda.Stream) -> None:  # fmt: skip
@@ -517,22 +519,20 @@ class CudaBackend:
                 out_BSD=dev_out["output"], stream=stream,
             )  # fmt: skip
             return
-        # Step 2: layout movers; score_terms says which projection biases go into the rounded operands (the
+        # Step 2: layout movers; ops.terms says which projection biases go into the rounded operands (the
         # presents always hold them), and which become float32 offsets of the scores instead.
-        terms = dispatch.score_terms(problem)
+        terms = ops.terms
         kv_bnsh = problem.kv_layout == "BNSH"
         bias_q, bias_k = dev_in.get("bias_q"), dev_in.get("bias_k")
-        self._build(plan, "build q_BNSH", plan.vec_qk, dev_in["query"], False, None,
-                    bias_q if terms.query_bias_in_operand else None, True, ops.q_BNSH, None, plan.q_seq, 0,
+        self._build(plan, "build q_BNSH", plan.vec_qk, dev_in["query"], False, None, bias_q,
+                    terms.query_bias_in_operand, ops.q_BNSH, None, plan.q_seq, 0, plan.head_size)  # fmt: skip
+        self._build(plan, "build k_BNTH", plan.vec_qk, dev_in["key"], kv_bnsh, dev_in.get("past_key"), bias_k,
+                    terms.key_bias_in_operand, ops.k_BNTH, ops.present_key, plan.kv_seq, plan.past_seq,
                     plan.head_size)  # fmt: skip
-        key_bias_used = terms.key_bias_in_operand or ops.present_key is not None  # else only the offsets read it
-        self._build(plan, "build k_BNTH", plan.vec_qk, dev_in["key"], kv_bnsh, dev_in.get("past_key"),
-                    bias_k if key_bias_used else None, terms.key_bias_in_operand, ops.k_BNTH, ops.present_key,
-                    plan.kv_seq, plan.past_seq, plan.head_size)  # fmt: skip
         self._build(plan, "build v_BNTH", plan.vec_v, dev_in["value"], kv_bnsh, dev_in.get("past_value"),
                     dev_in.get("bias_v"), True, ops.v_BNTH, ops.present_value, plan.kv_seq, plan.past_seq,
                     plan.v_head_size)  # fmt: skip
-        launch_score_offsets(self.device_id, plan, terms, "bias_dot", ops, bias_q, bias_k, problem.scale)
+        launch_score_offsets(self.device_id, plan, "bias_dot", ops, bias_q, bias_k, problem.scale)
 
         # Steps 3-5 in one flash-attention kernel wherever it computes the same function (fused.py's rule).
         reason = ops.fused_unsupported

@@ -121,10 +121,9 @@ def _run_native(backend: CudaBackend, problem: MhaProblem, plan, held: list) -> 
     biases = {}
     for grid, vec, cur, cur_is_bnsh, past, bias, bias_in_operand, dst, present, cur_seq, past_seq, dim in build:
         biases[grid] = _address(bias, held)
-        used_bias = biases[grid] if bias_in_operand or present is not None else None  # else the offsets' only
         get_kernel(backend.device_id, "build_dense_BNTH_native", dtype, vec)(
             (plan.grids[grid],), (LAUNCH_BLOCK,),
-            (_ptr(_address(cur, held)), _i32(cur_is_bnsh), _ptr(_address(past, held)), _ptr(used_bias),
+            (_ptr(_address(cur, held)), _i32(cur_is_bnsh), _ptr(_address(past, held)), _ptr(biases[grid]),
              _i32(int(bias_in_operand)), _ptr(dst), _ptr(present), _i32(plan.batch), _i32(plan.heads),
              _i32(cur_seq), _i32(past_seq), _i32(dim)),
         )  # fmt: skip
@@ -132,8 +131,8 @@ def _run_native(backend: CudaBackend, problem: MhaProblem, plan, held: list) -> 
         name: backend._allocate(scratch, name, plan) if wanted else None
         for name, wanted in (("key_offset_BNT", terms.key_offset), ("query_offset_BNS", terms.query_offset))
     }
-    launch_score_offsets(backend.device_id, plan, terms, "bias_dot_native",
-                         Operands(None, q_BNSH=q_BNSH, k_BNTH=k_BNTH, **offsets), biases["build q_BNSH"],
+    launch_score_offsets(backend.device_id, plan, "bias_dot_native",
+                         Operands(None, terms=terms, q_BNSH=q_BNSH, k_BNTH=k_BNTH, **offsets), biases["build q_BNSH"],
                          biases["build k_BNTH"], problem.scale)  # fmt: skip
     mask = problem.padding_mask
     mask_address = None

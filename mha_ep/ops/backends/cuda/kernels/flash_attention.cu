@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   const int row_lo = m0 + warp * 16 + g;  // this thread's two query rows
   const int rows[2] = {row_lo, row_lo + 8};
   const RowMask masks[2] = {row_mask(mp, b, h, rows[0]), row_mask(mp, b, h, rows[1])};
-  if (WITH_OFFSET && query_offset_BNS != nullptr) {
+  if (has_row_offset) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) row_offset[r] = query_offset_BNS[bh * q_seq + min(rows[r], q_seq - 1)];
   }
@@ -337,10 +337,12 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
           for (int c = 0; c < 4; ++c) {
             const int r = c >> 1;
             const int j = n0 + np * 16 + hf * 8 + tig * 2 + (c & 1);
-            float x = s_acc[np][hf][c] * scale;
+            float x;
             if constexpr (WITH_OFFSET) {  // step 2: the projection biases' shares
               x = fmaf(s_acc[np][hf][c], scale, key_off[np][hf][c & 1]);
               if (has_row_offset && j >= past_seq) x += row_offset[r];
+            } else {
+              x = s_acc[np][hf][c] * scale;
             }
             if (!no_terms) {
               if (j < total_seq) {

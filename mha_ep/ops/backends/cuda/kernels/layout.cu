@@ -16,8 +16,8 @@
 //   4. the float sum is rounded once to ELEM and stored; when dst_f32_BNTH is given, the same rounded value is
 //      also stored as float32 (the present_key / present_value output the host downloads), and when
 //      dst_present_BNTH is given, in ELEM (device-resident mode's present).
-// bias_in_operand 0 (a float16 / bfloat16 key: dispatch.py score_terms): the operand dst_BNTH gets the rows
-// without the bias (exact), the presents still get them with it.
+// bias_in_operand 0 (float16 / bfloat16 query and key: dispatch.py score_terms): the operand dst_BNTH gets the
+// rows without the bias (exact), the presents still get them with it (and without a present the bias is not read).
 // The query uses this kernel too, with P = 0: (B, S, D) + b_q -> (B, N, S, H).
 // SRC is the sources' type: float for the float32 transport arrays (build_dense_BNTH), ELEM for tensors already
 // in the compute dtype (build_dense_BNTH_native, device-resident mode), each value widened to float on load.
@@ -34,6 +34,8 @@ __device__ __forceinline__ void build_dense_rows(const SRC* __restrict__ cur, in
   const int groups = dim / VEC;          // VEC-wide groups of one row
   const long long count = (long long)batch * heads * total * groups;
   const bool fits_u32 = count <= U32_LIMIT;
+  const bool bias_stored = bias_NH != nullptr && (bias_in_operand || dst_f32_BNTH != nullptr ||
+                                                  dst_present_BNTH != nullptr);
   for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
     // Step 0: destination coordinates (b, h, s, d..d+VEC) of this group.
     int g, s, h, b;
@@ -55,7 +57,7 @@ __device__ __forceinline__ void build_dense_rows(const SRC* __restrict__ cur, in
     }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) biased[k] = value[k];
-    if (s >= past_seq && bias_NH != nullptr) {
+    if (s >= past_seq && bias_stored) {
       // Step 3: the bias of this head and dim.
       float bias[VEC];
       load_as_floats<SRC, VEC>(bias_NH + (long long)h * dim + d, bias);
