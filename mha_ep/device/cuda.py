@@ -54,6 +54,7 @@ MAX_GRAPH_BYTES = 2 << 30
 # Relaxed: ORT's arena and CuPy's pool may call cudaMalloc while the call is captured (legal in this mode only).
 CAPTURE_MODE = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", 2)
 CAPTURE_AFTER = 2
+MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 MAX_SEEN = 4096  # signatures counted towards CAPTURE_AFTER (forgotten all at once beyond)  # a signature is captured on its second call (its first compiles kernels and sizes arenas)
 
 
@@ -277,6 +278,7 @@ class DeviceRunner:
         self.graphs = CallGraphs(self)
         self.graphs_enabled = graphs  # whole-call CUDA graphs for repeated feed signatures (module docstring, 5)
         self._lock = threading.Lock()
+        self._events: Optional[tuple] = None  # (caller's feeds written, device outputs written), made on first use
 
     @property
     def stream(self) -> cupy.cuda.Stream:
@@ -287,10 +289,14 @@ class DeviceRunner:
         with self._lock, cupy.cuda.Device(self.executor.device_id):
             # Device feeds were written on the caller's current stream, which need not be ordered with this
             # session's non-blocking stream: the call waits for it, and the caller's stream for device outputs.
+            # (One event each way, recorded anew every call: a wait takes the record made before it.)
+            if self._events is None:
+                self._events = tuple(cupy.cuda.Event(block=False, disable_timing=True) for _ in range(2))
             caller = cupy.cuda.get_current_stream()
             ordered = caller.ptr != self.stream.ptr
             if ordered:
-                self.stream.wait_event(caller.record())
+                self._events[0].record(caller)
+                self.stream.wait_event(self._events[0])
             with self.stream:
                 return self._run(names, feeds, device_outputs, caller if ordered else None)
 
@@ -308,7 +314,8 @@ class DeviceRunner:
             selected = [outputs[name] for name in names]
             if device_outputs:
                 if caller is not None:
-                    caller.wait_event(self.stream.record())
+                    self._events[1].record(self.stream)
+                    caller.wait_event(self._events[1])
                 return selected
             return transfers.download(selected)
         finally:
@@ -324,7 +331,9 @@ class DeviceRunner:
 
 
 def feed_signature(plan: DevicePlan, feeds: dict) -> tuple:
-    return tuple((name, tuple(feeds[name].shape), str(feeds[name].dtype)) for name in plan.inputs)
+    """The key of a call's graph: each feed's name, shape and dtype (the dtype object: str() of a NumPy dtype costs
+    microseconds, and a replay's whole host time before its launch is on the call's critical path)."""
+    return tuple((name, tuple(feeds[name].shape), feeds[name].dtype) for name in plan.inputs)
 
 
 class CallGraph:
@@ -406,15 +415,26 @@ class CallGraphs:
     def _replay(self, key: tuple, entry: CallGraph, feeds: dict) -> Dict[str, cupy.ndarray]:
         executor = self.runner.executor
         plan = self.runner.plan
+        stream = self.runner.stream
         host, addresses = [], []
         for name, buffer in entry.inputs.items():
-            array = host_feed(name, feeds[name], plan.dtypes[name])
+            value = feeds[name]
+            if (type(value) is cupy.ndarray and value.flags.c_contiguous
+                    and value.data.device_id == buffer.data.device_id):  # fmt: skip
+                # A CuPy feed: its shape and dtype are the signature's, checked when the graph was captured. One
+                # raw copy (cupy.copyto's checks cost more host time than the copy takes on the GPU).
+                if buffer.nbytes:
+                    cupy.cuda.runtime.memcpyAsync(buffer.data.ptr, value.data.ptr, buffer.nbytes,
+                                                  MEMCPY_DEVICE_TO_DEVICE, stream.ptr)  # fmt: skip
+                continue
+            array = host_feed(name, value, plan.dtypes[name])
             if array is not None:  # straight into the graph's buffer
                 host.append(array)
                 addresses.append(buffer.data.ptr)
             else:
-                cupy.copyto(buffer, executor.feed(name, feeds[name], plan.dtypes[name]))
-        executor.transfers.upload(host, addresses)
+                cupy.copyto(buffer, executor.feed(name, value, plan.dtypes[name]))
+        if host:
+            executor.transfers.upload(host, addresses)
         head = executor.eager_head
         if head:
             executor.begin_call()
