@@ -28,6 +28,24 @@ def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     return x
 
 
+def to_device(cupy, array: np.ndarray, dtype: str):
+    """A device copy of float32 values in ``dtype`` (bfloat16 travels as its upper 16 bits)."""
+    array = np.ascontiguousarray(array, np.float32)
+    if dtype == "float16":
+        return cupy.asarray(array.astype(np.float16))
+    if dtype == "bfloat16":
+        return cupy.asarray((round_to_dtype(array, "bfloat16").view(np.uint32) >> 16).astype(np.uint16))
+    return cupy.asarray(array)
+
+
+def from_device(cupy, array) -> np.ndarray:
+    """float32 values of a device array as to_device makes them (uint16: bfloat16 bits)."""
+    host = cupy.asnumpy(array)
+    if host.dtype == np.uint16:
+        return (host.astype(np.uint32) << 16).view(np.float32)
+    return host.astype(np.float32)
+
+
 @dataclass
 class Case:
     b: int = 2

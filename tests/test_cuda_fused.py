@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import cuda_cases
-from cuda_cases import Case, dense_operands, naive_low_precision, round_to_dtype
+from cuda_cases import Case, dense_operands, naive_low_precision, to_device
 from mha_ep.launch import ELEMENT_TYPES
 from mha_ep.ops.backends.cuda import dispatch, fused
 from mha_ep.ops.backends.reference import run_reference, to_BNSH
@@ -52,16 +52,6 @@ def make_problem(case: Case, dtype: str) -> MhaProblem:
 
 
 # ------------------------------------------------------------------------------------------------ GPU harness
-def to_device(cupy, array: np.ndarray, dtype: str):
-    """A device copy of float32 values in ``dtype`` (bfloat16 travels as its upper 16 bits)."""
-    array = np.ascontiguousarray(array, np.float32)
-    if dtype == "float16":
-        return cupy.asarray(array.astype(np.float16))
-    if dtype == "bfloat16":
-        return cupy.asarray((round_to_dtype(array, "bfloat16").view(np.uint32) >> 16).astype(np.uint16))
-    return cupy.asarray(array)
-
-
 def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndarray:
     """Output (B, S, Dv) float32 of the fused kernel on device copies of ``problem`` in operand ``form``."""
     g = problem.geometry
@@ -123,7 +113,7 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndar
 
 
 def host_score_offsets(problem: MhaProblem, q_BNSH: np.ndarray, k_BNTH: np.ndarray) -> dict:
-    """run_fused's key_offset / query_offset as layout.cu bias_dot computes them (float32), on the host."""
+    """run_fused's key_offset / query_offset as the layout movers compute them (float32), on the host."""
     n, scale = problem.geometry.num_heads, np.float32(problem.scale)
     terms = dispatch.score_terms(problem)
     out = {}

@@ -11,13 +11,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mha_ep.launch import LAUNCH_BLOCK
 from mha_ep.limits import I32_MAX, U32_MAX
 from mha_ep.errors import MhaInputError
 from mha_ep.ops.backends.cuda import geometry
-from mha_ep.ops.backends.cuda.geometry import checked_bytes, checked_grid, checked_i32, plan_launch
+from mha_ep.ops.backends.cuda.geometry import checked_bytes, checked_grid, checked_i32, plan_launch, row_team
+from mha_ep.ops.backends.cuda.movers import MOVER_DTYPE, MOVER_FIELDS
 from mha_ep.ops.backends.cuda.kernels import KERNELS
 from mha_ep.ops.problem import Geometry
 
@@ -39,7 +41,8 @@ def test_kernel_files_exist():
     "required",
     [
         # layout.cu: build_dense_BNTH
-        "(long long)batch * heads * total * groups",
+        "(long long)batch * heads * total",
+        "const long long threads = rows * team",
         "(((long long)b * heads + h) * past_seq + s) * dim + d",
         "(((long long)b * heads + h) * cur_seq + sc) * dim + d",
         "(((long long)b * cur_seq + sc) * heads + h) * dim + d",
@@ -48,7 +51,8 @@ def test_kernel_files_exist():
         "(long long)batch * seq * heads * groups",
         "(((long long)b * heads + h) * seq + s) * dim + g * VEC",
         "dst_BNTH + dst",
-        "const long long dst = idx * VEC",
+        "const long long dst = row * dim + d",
+        "offset_weight_NH + (long long)h * dim + d",
         "out_BSD + idx * VEC",
         # softmax.cu
         "(long long)batch * heads * q_seq",
@@ -109,16 +113,25 @@ def test_every_subscript_with_a_product_is_64_bit():
     assert not offenders, f"subscripts with an int product: {offenders}"
 
 
+def test_the_host_mover_struct_lists_layout_cu_fields_in_order():
+    """movers.MOVER_FIELDS is layout.cu's struct Mover: same names, same order, same C types (pointers as 64-bit
+    addresses). The nvcc test below checks the byte offsets too."""
+    body = re.search(r"struct Mover \{(.*?)\};", code_only(SOURCES["layout.cu"]), re.S).group(1)
+    fields = re.findall(r"^\s*(?:const\s+)?(\w+)(\*?)\s+(\w+);", body, re.M)
+    c_type = {("int", ""): np.int32, ("float", ""): np.float32}
+    declared = [(name, np.uint64 if star else c_type[(base, star)]) for base, star, name in fields]
+    assert declared == list(MOVER_FIELDS)
+    assert MOVER_DTYPE.itemsize == 8 * 8 + 8 * 4
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
     """Instantiate every name expression the backend asks NVRTC for, and compile for sm_90 (offline check)."""
     signatures = {
-        "build_dense_BNTH": "const float*, int, const float*, const float*, int, {T}*, float*, int, int, int, int, int",
-        "build_dense_BNTH_native": "const {T}*, int, const {T}*, const {T}*, int, {T}*, {T}*, int, int, int, int, int",
+        "build_dense_BNTH": "const Mover<float, {T}>, const Mover<float, {T}>, const Mover<float, {T}>, int, int",
+        "build_dense_BNTH_native": "const Mover<{T}, {T}>, const Mover<{T}, {T}>, const Mover<{T}, {T}>, int, int",
         "context_to_BSD": "const float*, float*, int, int, int, int",
         "narrow_output": "const float*, {T}*, long long",
-        "bias_dot": "const {T}*, const float*, const float*, const float*, float, float*, int, int, int, int",
-        "bias_dot_native": "const {T}*, const {T}*, const {T}*, const {T}*, float, float*, int, int, int, int",
         "masked_softmax_warp": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
         "const float*, const float*, float, int, int, int, int, int, int",
         "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
@@ -134,8 +147,16 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
                 instantiations.append(
                     f"template __global__ void {kernel}<{arguments}>({params.format(T=element)});"
                 )
+    # movers.MOVER_DTYPE, the struct the host passes by value, has the C layout of layout.cu's Mover
+    layout = []
+    for i, pair in enumerate(("float, __half", "__half, __half", "__nv_bfloat16, __nv_bfloat16")):
+        layout.append(f"using Mover{i} = Mover<{pair}>;")
+        layout.append(f"static_assert(sizeof(Mover{i}) == {MOVER_DTYPE.itemsize}, \"Mover size\");")
+        for name, (_, offset) in MOVER_DTYPE.fields.items():
+            layout.append(f"static_assert(offsetof(Mover{i}, {name}) == {offset}, \"Mover.{name}\");")
     unit = tmp_path / "all.cu"
-    unit.write_text('#include "layout.cu"\n#include "softmax.cu"\n' + "\n".join(instantiations) + "\n")
+    unit.write_text('#include <cstddef>\n#include "layout.cu"\n#include "softmax.cu"\n'
+                    + "\n".join(instantiations + layout) + "\n")  # fmt: skip
     done = subprocess.run(
         ["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", f"-I{KERNEL_DIR}", str(unit), "-o", str(tmp_path / "a.cubin")],
         capture_output=True,
@@ -204,8 +225,10 @@ def test_plan_sizes_and_grids():
         "key_offset_BNT": 2 * 2 * 5 * 4,
         "query_offset_BNS": 2 * 2 * 3 * 4,
     }
-    # a warp per row: 20 keys and 12 query rows of 32 threads, in blocks of LAUNCH_BLOCK
-    assert (plan.grids["key_offset_BNT"], plan.grids["query_offset_BNS"]) == (-(-640 // LAUNCH_BLOCK), -(-384 // LAUNCH_BLOCK))
+    # the movers, in one launch at the VEC both head sizes allow (1: 6 % 4 != 0): a team of 8 threads per row of
+    # eight 1-wide groups (Q, K), of 8 per row of six (V); the largest grid is K's, 20 rows of 8 threads
+    assert plan.vec_movers == 1 and plan.grids["layout movers"] == 1
+    assert [row_team(groups) for groups in (0, 1, 2, 3, 6, 16, 17, 32, 33, 59)] == [1, 1, 2, 4, 8, 16, 32, 32, 32, 32]
     assert plan.softmax_cols_per_lane == 1 and plan.grids["masked_softmax"] == 3  # 4 rows (warps) per block
     assert not plan.row_cache and plan.softmax_shared_bytes == 0
     assert (plan.vec_qk, plan.vec_v) == (4, 1)  # 8 % 4 == 0, 6 % 4 != 0
@@ -226,4 +249,5 @@ def test_softmax_variant_follows_the_row_length(total, cols_per_lane, row_cache)
     assert plan.grids["masked_softmax"] == (3 if cols_per_lane else 12)
     assert plan.softmax_shared_bytes == (total * 4 if row_cache else 0)
     assert (plan.vec_qk, plan.vec_v) == (1, 1)
-    assert plan.grids["build k_BNTH"] == -(-2 * 2 * total * 59 // LAUNCH_BLOCK)
+    # a warp per row of 59 groups; the grid of the longest operand (Q: 3 rows per head, K and V: total)
+    assert plan.grids["layout movers"] == -(-2 * 2 * max(3, total) * 32 // LAUNCH_BLOCK)

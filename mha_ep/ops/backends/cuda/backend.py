@@ -5,11 +5,12 @@ Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-de
               buffer in 4 MiB chunks, all inputs' chunks side by side on the copy threads, each chunk's async
               upload starting as soon as it is copied (calls under 4 MiB: copies on the calling thread; under
               1 MiB: plain copies and one upload);
-  2. layout:  build_dense_BNTH makes q_BNSH (+ b_q), k_BNTH and v_BNTH (past prepended, + b_k / b_v for BSNH
-              key/value) in the compute dtype, rounding float32 to it on the device; a wanted present is written
-              as float32 in the same pass (for float32 calls k_BNTH / v_BNTH *are* the present buffers). Fused
-              float32 calls without past or presents skip this step: their kernel reads the staged arrays
-              (dispatch.reads_staged_inputs);
+  2. layout:  build_dense_BNTH (one launch: movers.py) makes q_BNSH, k_BNTH and v_BNTH (past prepended, the
+              biases of BSNH key/value) in the compute dtype, rounding float32 to it on the device; a wanted
+              present is written as float32 in the same pass (for float32 calls k_BNTH / v_BNTH *are* the
+              present buffers). float16 / bfloat16 Q and K stay unbiased and the movers compute the scores'
+              float32 offsets instead (dispatch.score_terms). Fused float32 calls without past or presents
+              skip this step: their kernel reads the staged arrays (dispatch.reads_staged_inputs);
   3. scores:  cuBLAS scores_BNST = scale * Q.K^T in float32 (fp32 accumulation);
   4. softmax: masked_softmax_warp (T <= 1024, a warp per row in registers) or masked_softmax (a block per row)
               adds attention_bias and the compact padding mask in float32, applies ORT's causal rule, and writes
@@ -48,6 +49,7 @@ from mha_ep.launch import LAUNCH_BLOCK, SOFTMAX_THREADS, MaskKind
 from mha_ep.ops.backends.cuda import dispatch, fused, gemm
 from mha_ep.ops.backends.cuda.geometry import LaunchPlan, plan_launch
 from mha_ep.ops.backends.cuda.kernels import get_kernel
+from mha_ep.ops.backends.cuda.movers import Mover, layout_movers, mover_struct
 from mha_ep.ops.backends.cuda.replay import REPLAY_MAX_BYTES, ReplayCache, replay_key
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
 from mha_ep.ops.backends.cuda.staging import (
@@ -112,24 +114,16 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
-def launch_score_offsets(device_id: int, plan: LaunchPlan, kernel: str, ops, bias_q: Optional[int],
-                         bias_k: Optional[int], scale: float) -> None:  # fmt: skip
-    """The scores' float32 offsets that ``ops.terms`` asks for into ``ops.key_offset_BNT`` / ``ops.query_offset_BNS``,
-    from the unbiased operands ``ops.k_BNTH`` / ``ops.q_BNSH``, with layout.cu's ``kernel`` on the current stream
-    (bias_dot: float32 biases; bias_dot_native: biases in the call's dtype)."""
-    terms = ops.terms
-    guard = None if terms.query_offset else bias_k  # a key bias without query offsets: its NaN guard
-    launches = (
-        (terms.key_offset, ops.k_BNTH, None, bias_q, guard, ops.key_offset_BNT, plan.total_seq, "key_offset_BNT"),
-        (terms.query_offset, ops.q_BNSH, bias_q, bias_k, None, ops.query_offset_BNS, plan.q_seq, "query_offset_BNS"),
-    )
-    for wanted, rows_BNRH, add, weight, guard_NH, out, rows, grid in launches:
-        if wanted:
-            get_kernel(device_id, kernel, plan.dtype)(
-                (plan.grids[grid],), (LAUNCH_BLOCK,),
-                (_ptr(rows_BNRH), _ptr(add), _ptr(weight), _ptr(guard_NH), np.float32(scale), _ptr(out),
-                 _i32(plan.batch), _i32(plan.heads), _i32(rows), _i32(plan.head_size)),
-            )  # fmt: skip
+def launch_movers(device_id: int, plan: LaunchPlan, kernel: str, movers: tuple[Mover, Mover, Mover],
+                  scale: float) -> None:  # fmt: skip
+    """The Q, K and V ``movers`` in one launch of layout.cu's ``kernel`` on the current stream
+    (build_dense_BNTH: float32 sources and presents; build_dense_BNTH_native: sources and presents in the
+    call's dtype); ``scale`` the scores' scale, which the offsets carry."""
+    native = kernel == "build_dense_BNTH_native"
+    structs = tuple(mover_struct(m, scale, native) for m in movers)
+    get_kernel(device_id, kernel, plan.dtype, plan.vec_movers)(
+        (plan.grids["layout movers"], 3), (LAUNCH_BLOCK,), (*structs, _i32(plan.batch), _i32(plan.heads)),
+    )  # fmt: skip
 
 
 def input_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple, np.ndarray]]:
@@ -521,18 +515,14 @@ class CudaBackend:
             return
         # Step 2: layout movers; ops.terms says which projection biases go into the rounded operands (the
         # presents always hold them), and which become float32 offsets of the scores instead.
-        terms = ops.terms
-        kv_bnsh = problem.kv_layout == "BNSH"
-        bias_q, bias_k = dev_in.get("bias_q"), dev_in.get("bias_k")
-        self._build(plan, "build q_BNSH", plan.vec_qk, dev_in["query"], False, None, bias_q,
-                    terms.query_bias_in_operand, ops.q_BNSH, None, plan.q_seq, 0, plan.head_size)  # fmt: skip
-        self._build(plan, "build k_BNTH", plan.vec_qk, dev_in["key"], kv_bnsh, dev_in.get("past_key"), bias_k,
-                    terms.key_bias_in_operand, ops.k_BNTH, ops.present_key, plan.kv_seq, plan.past_seq,
-                    plan.head_size)  # fmt: skip
-        self._build(plan, "build v_BNTH", plan.vec_v, dev_in["value"], kv_bnsh, dev_in.get("past_value"),
-                    dev_in.get("bias_v"), True, ops.v_BNTH, ops.present_value, plan.kv_seq, plan.past_seq,
-                    plan.v_head_size)  # fmt: skip
-        launch_score_offsets(self.device_id, plan, "bias_dot", ops, bias_q, bias_k, problem.scale)
+        movers = layout_movers(
+            plan, ops.terms, problem.kv_layout == "BNSH",
+            sources=dev_in,
+            dst={"q_BNSH": ops.q_BNSH, "k_BNTH": ops.k_BNTH, "v_BNTH": ops.v_BNTH},
+            presents={"present_key": ops.present_key, "present_value": ops.present_value},
+            offsets={"key_offset_BNT": ops.key_offset_BNT, "query_offset_BNS": ops.query_offset_BNS},
+        )  # fmt: skip
+        launch_movers(self.device_id, plan, "build_dense_BNTH", movers, problem.scale)
 
         # Steps 3-5 in one flash-attention kernel wherever it computes the same function (fused.py's rule).
         reason = ops.fused_unsupported
@@ -562,16 +552,6 @@ class CudaBackend:
             (plan.grids["context_to_BSD"],), (LAUNCH_BLOCK,),
             (_ptr(ops.context_BNSH), _ptr(dev_out["output"]),
              _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.v_head_size)),
-        )  # fmt: skip
-
-    def _build(self, plan: LaunchPlan, grid_name: str, vec: int, cur: int, cur_is_bnsh: bool, past: Optional[int],
-               bias: Optional[int], bias_in_operand: bool, dst: int, dst_f32: Optional[int], cur_seq: int,
-               past_seq: int, dim: int) -> None:  # fmt: skip
-        get_kernel(self.device_id, "build_dense_BNTH", plan.dtype, vec)(
-            (plan.grids[grid_name],), (LAUNCH_BLOCK,),
-            (_ptr(cur), _i32(int(cur_is_bnsh)), _ptr(past), _ptr(bias), _i32(int(bias_in_operand)), _ptr(dst),
-             _ptr(dst_f32),
-             _i32(plan.batch), _i32(plan.heads), _i32(cur_seq), _i32(past_seq), _i32(dim)),
         )  # fmt: skip
 
     def _softmax(self, problem: MhaProblem, plan: LaunchPlan, dev_in: dict, ops: Operands) -> None:

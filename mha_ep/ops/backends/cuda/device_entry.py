@@ -5,10 +5,10 @@ shares. It is the bridge path's steps 2-5 (backend.py) without staging or downlo
   * inputs are CuPy arrays in the node's dtype, and the padding mask is resolved on the device
     (problem.resolve_padding_mask works on CuPy arrays);
   * float16 calls on the fused path read their float16 tensors directly: build_dense_BNTH_native moves Q, K, V
-    (bias added in float32, one rounding) into the kernel's operands, which for a wanted present *are* the
-    present outputs, and narrow_output turns the kernel's float32 output (values already rounded to float16)
-    into the node's float16 output. Other calls widen their inputs to the float32 the bridge stages (exact) and
-    run the bridge's steps 2-5 unchanged;
+    into the kernel's operands in one launch (the biases placed as on the bridge path: movers.layout_movers),
+    which for a wanted present *are* the present outputs, and narrow_output turns the kernel's float32 output
+    (values already rounded to float16) into the node's float16 output. Other calls widen their inputs to the
+    float32 the bridge stages (exact) and run the bridge's steps 2-5 unchanged;
   * outputs are fresh CuPy arrays in the node's dtype;
   * no synchronize: scratch goes back to CuPy's pool, whose blocks are reused in stream order. When ``keep`` is
     a list (a whole call is being captured into a CUDA graph), every buffer the launches touch is appended to it
@@ -25,9 +25,10 @@ import numpy as np
 from mha_ep.launch import LAUNCH_BLOCK
 from mha_ep.ops.backends.cuda import dispatch, fused
 from mha_ep.ops.backends.cuda.backend import (
-    CudaBackend, Operands, _i32, _ptr, cached_plan, input_entries, launch_score_offsets, output_entries,
+    CudaBackend, _ptr, cached_plan, input_entries, launch_movers, output_entries,
 )
 from mha_ep.ops.backends.cuda.kernels import get_kernel
+from mha_ep.ops.backends.cuda.movers import layout_movers, problem_sources
 from mha_ep.ops.backends.cuda.staging import ALIGNMENT
 from mha_ep.ops.problem import MhaProblem
 
@@ -108,32 +109,19 @@ def _run_native(backend: CudaBackend, problem: MhaProblem, plan, held: list) -> 
     present_key, k_BNTH = operand(problem.want_present_key, "k_BNTH", apart=key_apart)
     present_value, v_BNTH = operand(problem.want_present_value, "v_BNTH")
     q_BNSH = backend._allocate(scratch, "q_BNSH", plan)
-    kv_bnsh = int(problem.kv_layout == "BNSH")
-    key_present = present_key.data.ptr if key_apart and present_key is not None else None
-    build = (
-        ("build q_BNSH", plan.vec_qk, problem.query_BSD, 0, None, problem.bias_q, terms.query_bias_in_operand,
-         q_BNSH, None, plan.q_seq, 0, plan.head_size),
-        ("build k_BNTH", plan.vec_qk, problem.key, kv_bnsh, problem.past_key_BNPH, problem.bias_k,
-         terms.key_bias_in_operand, k_BNTH, key_present, plan.kv_seq, plan.past_seq, plan.head_size),
-        ("build v_BNTH", plan.vec_v, problem.value, kv_bnsh, problem.past_value_BNPH, problem.bias_v, True, v_BNTH,
-         None, plan.kv_seq, plan.past_seq, plan.v_head_size),
-    )  # fmt: skip
-    biases = {}
-    for grid, vec, cur, cur_is_bnsh, past, bias, bias_in_operand, dst, present, cur_seq, past_seq, dim in build:
-        biases[grid] = _address(bias, held)
-        get_kernel(backend.device_id, "build_dense_BNTH_native", dtype, vec)(
-            (plan.grids[grid],), (LAUNCH_BLOCK,),
-            (_ptr(_address(cur, held)), _i32(cur_is_bnsh), _ptr(_address(past, held)), _ptr(biases[grid]),
-             _i32(int(bias_in_operand)), _ptr(dst), _ptr(present), _i32(plan.batch), _i32(plan.heads),
-             _i32(cur_seq), _i32(past_seq), _i32(dim)),
-        )  # fmt: skip
     offsets = {
-        name: backend._allocate(scratch, name, plan) if wanted else None
+        name: backend._allocate(scratch, name, plan)
         for name, wanted in (("key_offset_BNT", terms.key_offset), ("query_offset_BNS", terms.query_offset))
+        if wanted
     }
-    launch_score_offsets(backend.device_id, plan, "bias_dot_native",
-                         Operands(None, terms=terms, q_BNSH=q_BNSH, k_BNTH=k_BNTH, **offsets), biases["build q_BNSH"],
-                         biases["build k_BNTH"], problem.scale)  # fmt: skip
+    movers = layout_movers(
+        plan, terms, problem.kv_layout == "BNSH",
+        sources={name: _address(array, held) for name, array in problem_sources(problem).items()},
+        dst={"q_BNSH": q_BNSH, "k_BNTH": k_BNTH, "v_BNTH": v_BNTH},
+        presents={"present_key": present_key.data.ptr if key_apart and present_key is not None else None},
+        offsets=offsets,
+    )  # fmt: skip
+    launch_movers(backend.device_id, plan, "build_dense_BNTH_native", movers, problem.scale)
     mask = problem.padding_mask
     mask_address = None
     if mask is not None:
@@ -151,7 +139,8 @@ def _run_native(backend: CudaBackend, problem: MhaProblem, plan, held: list) -> 
         k=fused.Operand(k_BNTH, "BNSH", plan.total_seq, plan.head_size),
         v=fused.Operand(v_BNTH, "BNSH", plan.total_seq, plan.v_head_size),
         operand_dtype=dtype, attention_bias=bias_address, mask=mask_address, out_BSD=out_f32.data.ptr,
-        stream=backend._stream, key_offset=offsets["key_offset_BNT"], query_offset=offsets["query_offset_BNS"],
+        stream=backend._stream, key_offset=offsets.get("key_offset_BNT"),
+        query_offset=offsets.get("query_offset_BNS"),
     )  # fmt: skip
     output = cupy.empty(out_f32.shape, dtype)
     get_kernel(backend.device_id, "narrow_output", dtype, plan.vec_v)(

@@ -45,6 +45,15 @@ def checked_bytes(elements: int, element_size: int, name: str) -> int:
     return _checked(limits.checked_bytes, elements, element_size, name)
 
 
+def row_team(groups: int) -> int:
+    """Threads that move one row of ``groups`` VEC-wide groups in layout.cu's build_dense_rows (its row_team):
+    the least power of two >= groups, at most a warp."""
+    team = 1
+    while team < groups and team < WARP:
+        team *= 2
+    return team
+
+
 def checked_grid(count: int, name: str) -> int:
     """Blocks of LAUNCH_BLOCK threads for ``count`` elements (u32-checked), capped at the launchable grid."""
     return min(max(_checked(limits.checked_grid, count, name), 1), MAX_GRID_BLOCKS)
@@ -68,8 +77,9 @@ class LaunchPlan:
     rows: int  # B*N*S: the softmax's rows (one block each)
     row_cache: bool  # the block softmax keeps a row of logits in shared memory
     softmax_cols_per_lane: int  # masked_softmax_warp variant; 0 = rows too long, use the block kernel
-    vec_qk: int  # VEC of the Q and K layout kernels (head_size % 4 == 0 -> 4)
-    vec_v: int  # VEC of the V layout kernel and of context_to_BSD (v_head_size % 4 == 0 -> 4)
+    vec_qk: int  # head_size % 4 == 0 -> 4, else 1
+    vec_v: int  # VEC of context_to_BSD and narrow_output (v_head_size % 4 == 0 -> 4)
+    vec_movers: int  # VEC of the layout movers' one launch: 4 when both head sizes allow it
     grids: dict = field(default_factory=dict)  # kernel launch name -> blocks
     nbytes: dict = field(default_factory=dict)  # device buffer name -> bytes
 
@@ -106,16 +116,18 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
     }
     vec_qk = VEC_WIDTH if h % VEC_WIDTH == 0 else 1
     vec_v = VEC_WIDTH if hv % VEC_WIDTH == 0 else 1
+    vec_movers = min(vec_qk, vec_v)  # one launch moves Q, K and V
     cols_per_lane = next((c for c in WARP_SOFTMAX_COLS_PER_LANE if WARP * c >= t), 0)
     rows_per_block = SOFTMAX_THREADS // WARP if cols_per_lane else 1
     grids = {
-        "build q_BNSH": checked_grid(counts["q_BNSH"] // vec_qk, "q_BNSH build"),
-        "build k_BNTH": checked_grid(counts["k_BNTH"] // vec_qk, "k_BNTH build"),
-        "build v_BNTH": checked_grid(counts["v_BNTH"] // vec_v, "v_BNTH build"),
+        # the three layout movers in one launch (x blocks each): a team of threads per destination row (row_team)
+        "layout movers": max(
+            checked_grid(b * n * s * row_team(h // vec_movers), "q_BNSH build"),
+            checked_grid(b * n * t * row_team(h // vec_movers), "k_BNTH build"),
+            checked_grid(b * n * t * row_team(hv // vec_movers), "v_BNTH build"),
+        ),
         "context_to_BSD": checked_grid(counts["context_BNSH"] // vec_v, "context_to_BSD"),
         "masked_softmax": min(-(-rows // rows_per_block), MAX_GRID_BLOCKS),
-        "key_offset_BNT": checked_grid(counts["key_offset_BNT"] * WARP, "key offsets"),  # a warp per key
-        "query_offset_BNS": checked_grid(counts["query_offset_BNS"] * WARP, "query offsets"),  # a warp per query
     }
     nbytes = {
         "q_BNSH": checked_bytes(counts["q_BNSH"], elem, "q_BNSH scratch"),
@@ -145,6 +157,7 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
         softmax_cols_per_lane=cols_per_lane,
         vec_qk=vec_qk,
         vec_v=vec_v,
+        vec_movers=vec_movers,
         grids=grids,
         nbytes=nbytes,
     )

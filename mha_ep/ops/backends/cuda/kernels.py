@@ -42,8 +42,6 @@ KERNELS = {
     "context_to_BSD": ("layout.cu", (1, 4)),  # VEC
     "build_dense_BNTH_native": ("layout.cu", (1, 4)),  # VEC (device-resident mode: sources in the compute dtype)
     "narrow_output": ("layout.cu", (1, 4)),  # VEC
-    "bias_dot": ("layout.cu", (None,)),  # float16 / bfloat16 scores' offsets (dispatch.score_terms)
-    "bias_dot_native": ("layout.cu", (None,)),  # the same, biases in the compute dtype (device-resident mode)
     "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE
     "masked_softmax": ("softmax.cu", (None,)),
 }

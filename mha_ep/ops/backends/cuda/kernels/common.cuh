@@ -53,6 +53,23 @@ __device__ __forceinline__ void unravel4(long long idx, bool fits_u32, int n0, i
   }
 }
 
+// Coordinates of a linear index over a 3-d box: idx = (c2 * n1 + c1) * n0 + c0 (FITS_U32 as for unravel4).
+__device__ __forceinline__ void unravel3(long long idx, bool fits_u32, int n0, int n1, int& c0, int& c1, int& c2) {
+  if (fits_u32) {
+    unsigned rest = (unsigned)idx;
+    c0 = (int)(rest % (unsigned)n0);
+    rest /= (unsigned)n0;
+    c1 = (int)(rest % (unsigned)n1);
+    c2 = (int)(rest / (unsigned)n1);
+  } else {
+    long long rest = idx;
+    c0 = (int)(rest % n0);
+    rest /= n0;
+    c1 = (int)(rest % n1);
+    c2 = (int)(rest / n1);
+  }
+}
+
 #define U32_LIMIT 4294967295LL
 #define FLOAT32_LOWEST (-3.402823466e+38f)  // ORT's causal fill (mha_ep/ops/problem.py FLOAT32_LOWEST)
 #define NEG_INFINITY __int_as_float(static_cast<int>(0xff800000u))  // NVRTC has no <cmath> INFINITY

@@ -8,6 +8,38 @@
 // FIRST factor, `(long long)b * heads + h`, never `(long long)(b * heads + h)` (the cast after an int overflow).
 #include "common.cuh"
 
+// Row teams: the threads that move one destination row (dim / VEC groups of VEC values) are `team` consecutive
+// lanes of one warp, team = the least power of two >= the groups, at most 32 (a team of 32 strides over longer
+// rows). The lanes of a team can then sum a dot product over their row with shuffles. geometry.py row_team sizes
+// the grid by the same rule (only the grid: the grid-stride loop covers any grid).
+__device__ __forceinline__ int row_team(int groups) {
+  int team = 1;
+  while (team < groups && team < 32) team <<= 1;
+  return team;
+}
+
+// One layout mover's arguments, passed by value (backend.py MOVER_FIELDS is this layout, field for field: the
+// host builds it as a NumPy structured scalar). SRC is the sources' type, ELEM the operands'.
+template <typename SRC, typename ELEM>
+struct Mover {
+  const SRC* cur;            // the current rows: BSNH (B, L, N, H) or BNSH (B, N, L, H)
+  const SRC* past_BNPH;      // the past rows, or null
+  const SRC* bias_NH;        // the per-(head, dim) bias, or null
+  ELEM* dst_BNTH;            // the dense operand
+  float* dst_f32_BNTH;       // its float32 present, or null (the bridge)
+  ELEM* dst_present_BNTH;    // its present in ELEM apart from the operand, or null (device-resident mode)
+  const SRC* offset_weight_NH;  // step 5 (below): the offsets' weight, or null
+  float* offset_BNR;         // step 5: one float32 per row, or null (no offsets)
+  int cur_is_bnsh;
+  int bias_in_operand;
+  int offset_adds_bias;
+  int offset_guard;
+  float offset_scale;
+  int cur_seq;
+  int past_seq;
+  int dim;
+};
+
 // Build a dense (B, N, P+L, H) operand in one pass:
 //   1. rows s < P come from past_BNPH (the KV cache is prepended along the sequence axis);
 //   2. rows s >= P come from the current tensor, read as BSNH (B, L, N, H) or BNSH (B, N, L, H);
@@ -16,91 +48,141 @@
 //   4. the float sum is rounded once to ELEM and stored; when dst_f32_BNTH is given, the same rounded value is
 //      also stored as float32 (the present_key / present_value output the host downloads), and when
 //      dst_present_BNTH is given, in ELEM (device-resident mode's present).
+//   5. when offset_BNR is given, one float32 per row (the scores' offsets of a float16 / bfloat16 call,
+//      dispatch.py score_terms), from the row this pass stores in dst_BNTH:
+//        offset_BNR[b, h, s] = offset_scale * sum_d (dst[b, h, s, d] + [offset_adds_bias] bias[h, d])
+//                                                   * offset_weight[h, d]      (no weight: 0)
+//                              + [offset_guard] 0 * sum_d bias[h, d]
+//      The key mover gives the key offsets (weight b_q); the query mover the query offsets (its bias b_q added,
+//      weight b_k). The guard is NaN when the bias is not finite: the host asks for it where it leaves out the
+//      query offsets of a key bias (score_terms), so that the scores are NaN as in ORT.
 // bias_in_operand 0 (float16 / bfloat16 query and key: dispatch.py score_terms): the operand dst_BNTH gets the
-// rows without the bias (exact), the presents still get them with it (and without a present the bias is not read).
-// The query uses this kernel too, with P = 0: (B, S, D) + b_q -> (B, N, S, H).
-// SRC is the sources' type: float for the float32 transport arrays (build_dense_BNTH), ELEM for tensors already
-// in the compute dtype (build_dense_BNTH_native, device-resident mode), each value widened to float on load.
-// VEC: consecutive d handled by one thread (4: 16-byte loads; the host picks it when dim % 4 == 0, which with its
-// 256-byte aligned buffers makes every access aligned). Several values per thread keep loads in flight.
+// rows without the bias (exact), the presents still get them with it (and the bias is read only where a stored
+// form or an offset needs it).
+// The query uses this too, with P = 0: (B, S, D) + b_q -> (B, N, S, H).
+// SRC: float for the float32 transport arrays (build_dense_BNTH), ELEM for tensors already in the compute dtype
+// (build_dense_BNTH_native, device-resident mode), each value widened to float on load.
+// VEC: consecutive d handled by one thread per step (4: 16-byte loads; the host picks it when every moved head
+// size is a multiple of 4, which with its 256-byte aligned buffers makes every access aligned).
+// The host launches blocks of whole warps (LAUNCH_BLOCK): a warp's lanes take the same trips through the loop.
 template <typename ELEM, int VEC, typename SRC>
-__device__ __forceinline__ void build_dense_rows(const SRC* __restrict__ cur, int cur_is_bnsh,
-                                                 const SRC* __restrict__ past_BNPH, const SRC* __restrict__ bias_NH,
-                                                 int bias_in_operand, ELEM* __restrict__ dst_BNTH,
-                                                 float* __restrict__ dst_f32_BNTH,
-                                                 ELEM* __restrict__ dst_present_BNTH, int batch, int heads,
-                                                 int cur_seq, int past_seq, int dim) {
+__device__ __forceinline__ void build_dense_rows(const Mover<SRC, ELEM>& m, int batch, int heads) {
+  const int dim = m.dim;
+  const int past_seq = m.past_seq;
+  const int cur_seq = m.cur_seq;
   const int total = past_seq + cur_seq;  // the host checked that P + L fits an int
   const int groups = dim / VEC;          // VEC-wide groups of one row
-  const long long count = (long long)batch * heads * total * groups;
-  const bool fits_u32 = count <= U32_LIMIT;
-  const bool bias_stored = bias_NH != nullptr && (bias_in_operand || dst_f32_BNTH != nullptr ||
-                                                  dst_present_BNTH != nullptr);
-  for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
-    // Step 0: destination coordinates (b, h, s, d..d+VEC) of this group.
-    int g, s, h, b;
-    unravel4(idx, fits_u32, groups, total, heads, g, s, h, b);
-    const int d = g * VEC;
-    float value[VEC];
-    float biased[VEC];
-    if (s < past_seq) {
-      // Step 1: the past rows.
-      load_as_floats<SRC, VEC>(past_BNPH + (((long long)b * heads + h) * past_seq + s) * dim + d, value);
-    } else {
-      // Step 2: the current rows, from either layout.
-      const int sc = s - past_seq;
-      if (cur_is_bnsh) {
-        load_as_floats<SRC, VEC>(cur + (((long long)b * heads + h) * cur_seq + sc) * dim + d, value);
-      } else {
-        load_as_floats<SRC, VEC>(cur + (((long long)b * cur_seq + sc) * heads + h) * dim + d, value);
+  const int team = row_team(groups);
+  const int team_log2 = __ffs(team) - 1;
+  const long long rows = (long long)batch * heads * total;
+  const long long threads = rows * team;  // whole teams: a team is all inside the loop or all outside
+  const bool fits_u32 = rows <= U32_LIMIT;
+  const bool offsets = m.offset_BNR != nullptr;
+  const bool bias_read = m.bias_NH != nullptr && (m.bias_in_operand || m.dst_f32_BNTH != nullptr ||
+                                                  m.dst_present_BNTH != nullptr ||
+                                                  (offsets && (m.offset_adds_bias || m.offset_guard)));
+  const int lane = threadIdx.x & 31;
+  for (long long warp_first = grid_first_index() - lane; warp_first < threads; warp_first += grid_stride()) {
+    const long long idx = warp_first + lane;
+    const long long row = idx >> team_log2;       // (b, h, s) of the destination row
+    const int member = (int)(idx & (team - 1));  // this lane's place in the row's team
+    float dot = 0.0f;
+    float guard = 0.0f;
+    if (idx < threads) {
+      int s, h, b;
+      unravel3(row, fits_u32, total, heads, s, h, b);
+      for (int d = member * VEC; d < dim; d += team * VEC) {
+        float value[VEC];
+        float biased[VEC];
+        float bias[VEC] = {};
+        if (s < past_seq) {
+          // Step 1: the past rows.
+          load_as_floats<SRC, VEC>(m.past_BNPH + (((long long)b * heads + h) * past_seq + s) * dim + d, value);
+        } else {
+          // Step 2: the current rows, from either layout.
+          const int sc = s - past_seq;
+          if (m.cur_is_bnsh) {
+            load_as_floats<SRC, VEC>(m.cur + (((long long)b * heads + h) * cur_seq + sc) * dim + d, value);
+          } else {
+            load_as_floats<SRC, VEC>(m.cur + (((long long)b * cur_seq + sc) * heads + h) * dim + d, value);
+          }
+        }
+        if (bias_read && (s >= past_seq || m.offset_guard)) {
+          load_as_floats<SRC, VEC>(m.bias_NH + (long long)h * dim + d, bias);
+        }
+        // Step 3: the bias of this head and dim, on the current rows.
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) biased[k] = s >= past_seq ? value[k] + bias[k] : value[k];
+        // Step 4: one rounding to the compute dtype for each stored form.
+        const long long dst = row * dim + d;
+        ELEM stored[VEC];
+        ELEM present[VEC];
+        float rounded[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          present[k] = from_float<ELEM>(biased[k]);
+          rounded[k] = to_float<ELEM>(present[k]);
+          stored[k] = m.bias_in_operand ? present[k] : from_float<ELEM>(value[k]);
+        }
+        store_elems<ELEM, VEC>(m.dst_BNTH + dst, stored);
+        if (m.dst_f32_BNTH != nullptr) store_floats<VEC>(m.dst_f32_BNTH + dst, rounded);
+        if (m.dst_present_BNTH != nullptr) store_elems<ELEM, VEC>(m.dst_present_BNTH + dst, present);
+        // Step 5: this lane's share of the row's offset.
+        if (offsets) {
+          float weight[VEC] = {};
+          if (m.offset_weight_NH != nullptr) {
+            load_as_floats<SRC, VEC>(m.offset_weight_NH + (long long)h * dim + d, weight);
+          }
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float x = to_float<ELEM>(stored[k]) + (m.offset_adds_bias ? bias[k] : 0.0f);
+            dot = fmaf(x, weight[k], dot);
+            if (m.offset_guard) guard += 0.0f * bias[k];
+          }
+        }
       }
     }
+    if (offsets) {  // uniform across the mover's blocks: every lane of the warp shuffles
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) biased[k] = value[k];
-    if (s >= past_seq && bias_stored) {
-      // Step 3: the bias of this head and dim.
-      float bias[VEC];
-      load_as_floats<SRC, VEC>(bias_NH + (long long)h * dim + d, bias);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) biased[k] += bias[k];
+      for (int step = 16; step > 0; step >>= 1) {
+        if (step < team) {
+          dot += __shfl_xor_sync(0xffffffffu, dot, step);
+          guard += __shfl_xor_sync(0xffffffffu, guard, step);
+        }
+      }
+      if (idx < threads && member == 0) m.offset_BNR[row] = m.offset_scale * dot + guard;
     }
-    // Step 4: one rounding to the compute dtype for each stored form.
-    const long long dst = idx * VEC;
-    ELEM stored[VEC];
-    ELEM present[VEC];
-    float rounded[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      present[k] = from_float<ELEM>(biased[k]);
-      rounded[k] = to_float<ELEM>(present[k]);
-      stored[k] = bias_in_operand ? present[k] : from_float<ELEM>(value[k]);
-    }
-    store_elems<ELEM, VEC>(dst_BNTH + dst, stored);
-    if (dst_f32_BNTH != nullptr) store_floats<VEC>(dst_f32_BNTH + dst, rounded);
-    if (dst_present_BNTH != nullptr) store_elems<ELEM, VEC>(dst_present_BNTH + dst, present);
   }
 }
 
+// The three movers of a call in one launch (small memory-bound kernels are latency-bound: one launch keeps
+// three times the loads in flight): blockIdx.y 0, 1, 2 move Q, K, V, each over the x grid.
+template <typename ELEM, int VEC, typename SRC>
+__device__ __forceinline__ void build_three(const Mover<SRC, ELEM>& q, const Mover<SRC, ELEM>& k,
+                                            const Mover<SRC, ELEM>& v, int batch, int heads) {
+  if (blockIdx.y == 0) {
+    build_dense_rows<ELEM, VEC, SRC>(q, batch, heads);
+  } else if (blockIdx.y == 1) {
+    build_dense_rows<ELEM, VEC, SRC>(k, batch, heads);
+  } else {
+    build_dense_rows<ELEM, VEC, SRC>(v, batch, heads);
+  }
+}
+
+// The bridge: sources are the float32 transport arrays, presents float32 (dst_f32_BNTH).
 template <typename ELEM, int VEC>
-__global__ void build_dense_BNTH(const float* __restrict__ cur, int cur_is_bnsh,
-                                 const float* __restrict__ past_BNPH, const float* __restrict__ bias_NH,
-                                 int bias_in_operand, ELEM* __restrict__ dst_BNTH, float* __restrict__ dst_f32_BNTH,
-                                 int batch, int heads, int cur_seq, int past_seq, int dim) {
-  build_dense_rows<ELEM, VEC, float>(cur, cur_is_bnsh, past_BNPH, bias_NH, bias_in_operand, dst_BNTH, dst_f32_BNTH,
-                                     nullptr, batch, heads, cur_seq, past_seq, dim);
+__global__ void build_dense_BNTH(const Mover<float, ELEM> q, const Mover<float, ELEM> k,
+                                 const Mover<float, ELEM> v, int batch, int heads) {
+  build_three<ELEM, VEC, float>(q, k, v, batch, heads);
 }
 
 // Device-resident mode: sources in the compute dtype. A wanted present whose values the operand holds *is*
 // dst_BNTH (the host passes the present buffer as the operand); one that holds a bias the operand leaves out is
 // dst_present_BNTH. There is no float32 mirror.
 template <typename ELEM, int VEC>
-__global__ void build_dense_BNTH_native(const ELEM* __restrict__ cur, int cur_is_bnsh,
-                                        const ELEM* __restrict__ past_BNPH, const ELEM* __restrict__ bias_NH,
-                                        int bias_in_operand, ELEM* __restrict__ dst_BNTH,
-                                        ELEM* __restrict__ dst_present_BNTH, int batch, int heads, int cur_seq,
-                                        int past_seq, int dim) {
-  build_dense_rows<ELEM, VEC, ELEM>(cur, cur_is_bnsh, past_BNPH, bias_NH, bias_in_operand, dst_BNTH, nullptr,
-                                    dst_present_BNTH, batch, heads, cur_seq, past_seq, dim);
+__global__ void build_dense_BNTH_native(const Mover<ELEM, ELEM> q, const Mover<ELEM, ELEM> k,
+                                        const Mover<ELEM, ELEM> v, int batch, int heads) {
+  build_three<ELEM, VEC, ELEM>(q, k, v, batch, heads);
 }
 
 // Context (B, N, S, Hv) float32 accumulators of the P.V GEMM -> output (B, S, N*Hv) float32, each value rounded
@@ -134,57 +216,4 @@ __global__ void narrow_output(const float* __restrict__ src, ELEM* __restrict__ 
     for (int k = 0; k < VEC; ++k) stored[k] = from_float<ELEM>(value[k]);
     store_elems<ELEM, VEC>(dst + idx * VEC, stored);
   }
-}
-
-// The offsets of a float16 / bfloat16 call's scores (dispatch.py score_terms): the projection biases' shares of
-// every score, in float32, from the exact (unbiased) operands the attention kernels read. One kernel, two uses:
-//   key offsets    out[b, h, j] = scale * sum_d k_BNTH[b, h, j, d] * bias_q[h, d]              (add null)
-//   query offsets  out[b, h, i] = scale * sum_d (q_BNSH[b, h, i, d] + bias_q[h, d]) * bias_k[h, d]
-// i.e. out[b, h, r] = scale * sum_d (x[b, h, r, d] + add[h, d]) * weight[h, d] over the rows r of x (B, N, R, H),
-// weight null: 0. guard (a key bias whose query offsets the host leaves out, P = 0) adds 0 * sum_d guard[h, d]:
-// NaN when it is not finite, as ORT's scores then are.
-// One warp per row: lanes stride over d, then a shuffle sum. SRC is the biases' type (float: the bridge's float32
-// transport; ELEM: device-resident mode).
-template <typename ELEM, typename SRC>
-__device__ __forceinline__ void bias_dot_rows(const ELEM* __restrict__ x_BNRH, const SRC* __restrict__ add_NH,
-                                              const SRC* __restrict__ weight_NH, const SRC* __restrict__ guard_NH,
-                                              float scale, float* __restrict__ out_BNR, int batch, int heads,
-                                              int rows_per_head, int dim) {
-  const long long rows = (long long)batch * heads * rows_per_head;
-  const int lane = threadIdx.x & 31;
-  const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
-  for (long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows; row += warps) {
-    const long long h_at = (long long)((row / rows_per_head) % heads) * dim;
-    const ELEM* x_row = x_BNRH + row * dim;
-    float dot = 0.0f;
-    float guard = 0.0f;
-    for (int d = lane; d < dim; d += 32) {
-      if (weight_NH != nullptr) {
-        float x = to_float<ELEM>(x_row[d]);
-        if (add_NH != nullptr) x += to_float<SRC>(add_NH[h_at + d]);
-        dot = fmaf(x, to_float<SRC>(weight_NH[h_at + d]), dot);
-      }
-      if (guard_NH != nullptr) guard += 0.0f * to_float<SRC>(guard_NH[h_at + d]);
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-      guard += __shfl_xor_sync(0xffffffffu, guard, offset);
-    }
-    if (lane == 0) out_BNR[row] = scale * dot + guard;
-  }
-}
-
-template <typename ELEM>
-__global__ void bias_dot(const ELEM* __restrict__ x_BNRH, const float* __restrict__ add_NH,
-                         const float* __restrict__ weight_NH, const float* __restrict__ guard_NH, float scale,
-                         float* __restrict__ out_BNR, int batch, int heads, int rows_per_head, int dim) {
-  bias_dot_rows<ELEM, float>(x_BNRH, add_NH, weight_NH, guard_NH, scale, out_BNR, batch, heads, rows_per_head, dim);
-}
-
-template <typename ELEM>
-__global__ void bias_dot_native(const ELEM* __restrict__ x_BNRH, const ELEM* __restrict__ add_NH,
-                                const ELEM* __restrict__ weight_NH, const ELEM* __restrict__ guard_NH, float scale,
-                                float* __restrict__ out_BNR, int batch, int heads, int rows_per_head, int dim) {
-  bias_dot_rows<ELEM, ELEM>(x_BNRH, add_NH, weight_NH, guard_NH, scale, out_BNR, batch, heads, rows_per_head, dim);
 }
