@@ -3,6 +3,7 @@
 beside the do-nothing echo op through the same bridge.
 
     PYTHONPATH=$PWD python3 scripts/profile_host.py --only "1,128,128" [--calls 300] [--top 30]
+    PYTHONPATH=$PWD python3 scripts/profile_host.py --shape 1,256,256,16,64,float16    # a sweep row
 
 Prints the median host µs of the plugin and of the echo op, then the profile's functions sorted by own time and
 by cumulative time, per call (µs).
@@ -35,7 +36,9 @@ def print_profile(profile: cProfile.Profile, calls: int, sort: str, top: int) ->
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", required=True, help="substring of the anchor label (e.g. '1,128,128')")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--only", help="substring of the anchor label (e.g. '1,128,128')")
+    which.add_argument("--shape", help="B,S,T,N,H,dtype of a plain call (the sweep rows: 1,256,256,16,64,float16)")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--backend", default="cuda")
@@ -43,8 +46,12 @@ def main(argv=None) -> int:
 
     import mha_ep
 
-    row = next(a for a in ANCHORS if args.only in a.label)
-    label, (b, s, t, n, h, dtype, extra) = row.label, row.shape
+    if args.shape:
+        *dims, dtype = args.shape.split(",")
+        (b, s, t, n, h), extra, label = (int(d) for d in dims), None, args.shape
+    else:
+        row = next(a for a in ANCHORS if args.only in a.label)
+        label, (b, s, t, n, h, dtype, extra) = row.label, row.shape
     problem = anchor_problem(b, s, t, n, h, dtype, extra)
     feeds = anchor_feeds(problem, dtype)
     session = mha_ep.InferenceSession(anchor_model(b, s, t, n, h, dtype, extra), backend=args.backend)

@@ -124,6 +124,28 @@ def test_an_encoder_with_padding_masks_matches_stock_ort_and_keeps_outputs_on_th
         assert_close([cupy.asnumpy(out[0])], expected, dtype, f"encoder {dtype} device feeds")
 
 
+def test_replays_read_each_calls_device_feeds_wherever_they_lie():
+    """A replay copies its CuPy feeds into the graph's buffers: fresh values at fresh addresses each call, a
+    non-contiguous view (the checked path), and a NumPy feed beside a CuPy one, each against stock ORT."""
+    import cupy
+
+    model = bert_encoder(layers=2, hidden=64, heads=2, ffn=128, dtype="float16")
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
+    for seed in range(5):  # 1 eager, 2 captured, 3-5 replayed
+        feeds = encoder_feeds(2, 24, hidden=64, dtype="float16", seed=10 + seed)
+        device_feeds = {name: cupy.asarray(value) for name, value in feeds.items()}
+        if seed == 3:  # a strided view of the same values
+            wide = cupy.zeros((2, 24, 128), cupy.float16)
+            wide[:, :, ::2] = device_feeds["hidden_states"]
+            device_feeds["hidden_states"] = wide[:, :, ::2]
+            assert not device_feeds["hidden_states"].flags.c_contiguous
+        if seed == 4:
+            device_feeds["attention_mask"] = feeds["attention_mask"]  # NumPy beside CuPy
+        got = cupy.asnumpy(session.run_device(None, device_feeds)[0])
+        assert_close([got], stock_cuda(model, feeds), "float16", f"call {seed + 1}")
+    assert sum(entry is not None for entry in session.device_runner.graphs.entries.values()) == 1
+
+
 def test_device_feeds_written_on_the_callers_stream_are_waited_for():
     """Feeds a caller writes on its own (non-blocking) stream just before the call, behind 0.1 s of other work:
     the session's stream waits for them, and the caller's stream for the device outputs (no race)."""
