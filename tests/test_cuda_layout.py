@@ -32,6 +32,7 @@ MOVER_CASES = {
     "H256_team32_two_trips": Case(b=1, s=3, l=4, p=2, n=2, h=256),
     "H64_no_past_guard_only": Case(b=2, s=5, l=9, n=2, h=64),
     "H64_bnsh_cross_no_key_bias": Case(b=2, s=5, l=9, p=3, n=2, h=64, layout="BNSH"),
+    "H64_no_bias_negative_zeros": Case(b=2, s=5, l=9, p=3, n=2, h=64, bias=False),
 }
 KERNELS = [("build_dense_BNTH", "float16"), ("build_dense_BNTH", "bfloat16"), ("build_dense_BNTH_native", "float16")]
 ELEMENT = {"float16": "float16", "bfloat16": "uint16"}  # bfloat16 travels as its upper 16 bits
@@ -116,11 +117,10 @@ def assert_movers_match(problem: MhaProblem, got: dict) -> None:
     assert not (terms.query_bias_in_operand or terms.key_bias_in_operand), "float16 / bfloat16 operands are unbiased"
     q_exact, k_exact, _ = dense_operands(replace(problem, bias_q=None, bias_k=None))
     _, present_key, present_value = dense_operands(problem)
-    np.testing.assert_array_equal(got["q_BNSH"], q_exact)
-    np.testing.assert_array_equal(got["k_BNTH"], k_exact)
-    np.testing.assert_array_equal(got["v_BNTH"], present_value)  # V keeps its bias (score_terms' docstring)
-    np.testing.assert_array_equal(got["present_key"], present_key)
-    np.testing.assert_array_equal(got["present_value"], present_value)
+    exact = {"q_BNSH": q_exact, "k_BNTH": k_exact, "v_BNTH": present_value,  # V keeps its bias (score_terms)
+             "present_key": present_key, "present_value": present_value}  # fmt: skip
+    for name, want in exact.items():  # bit for bit: the sign of a zero too
+        np.testing.assert_array_equal(got[name].view(np.uint32), want.view(np.uint32), err_msg=name)
     want = expected_offsets(problem, q_exact, k_exact)
     assert set(want) == {name for name in got if name.endswith(("_BNT", "_BNS"))}
     for name, (value, bound) in want.items():
@@ -136,6 +136,10 @@ def assert_movers_match(problem: MhaProblem, got: dict) -> None:
 def test_movers_write_exact_operands_presents_and_offsets(cupy_module, case_name, kernel, dtype):
     problem = make_problem(replace(MOVER_CASES[case_name], bias_scale=1.0, attrs={"scale": 0.3}), dtype,
                            presents=True)  # fmt: skip
+    if "negative_zeros" in case_name:  # without a bias, a -0 is copied as it is (ORT copies the tensors)
+        for array in (problem.query_BSD, problem.key, problem.value, problem.past_key_BNPH):
+            array.reshape(-1)[::7] = -0.0
+        assert np.signbit(problem.key[problem.key == 0]).any()
     assert_movers_match(problem, run_movers(cupy_module, problem, kernel))
 
 

@@ -110,9 +110,9 @@ __device__ __forceinline__ void build_dense_rows(const Mover<SRC, ELEM>& m, int 
         if (bias_read && (s >= past_seq || m.offset_guard)) {
           load_as_floats<SRC, VEC>(m.bias_NH + (long long)h * dim + d, bias);
         }
-        // Step 3: the bias of this head and dim, on the current rows.
+        // Step 3: the bias of this head and dim, on the current rows (without one, the value as it is: -0 stays -0).
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) biased[k] = s >= past_seq ? value[k] + bias[k] : value[k];
+        for (int k = 0; k < VEC; ++k) biased[k] = s >= past_seq && bias_read ? value[k] + bias[k] : value[k];
         // Step 4: one rounding to the compute dtype for each stored form.
         const long long dst = row * dim + d;
         ELEM stored[VEC];
