@@ -487,10 +487,17 @@ class CudaBackend:
             for name in ("scores_BNST", "probs_BNST", "context_BNSH"):
                 addresses[name] = self._allocate(scratch, name, plan)
         terms = dispatch.score_terms(problem)
-        for name, wanted in (("key_offset_BNT", terms.key_offset), ("query_offset_BNS", terms.query_offset)):
-            if wanted:
-                addresses[name] = self._allocate(scratch, name, plan)
+        addresses.update(self._offset_buffers(scratch, plan, terms))
         return Operands(fused_unsupported, terms=terms, **addresses)
+
+    def _offset_buffers(self, scratch, plan: LaunchPlan, terms: dispatch.ScoreTerms) -> dict:
+        """key_offset_BNT / query_offset_BNS -> address, for the score offsets ``terms`` asks for (the movers
+        write them); the bridge and device mode both take them here."""
+        return {
+            name: self._allocate(scratch, name, plan)
+            for name, wanted in (("key_offset_BNT", terms.key_offset), ("query_offset_BNS", terms.query_offset))
+            if wanted
+        }
 
     def _attention(self, problem: MhaProblem, plan: LaunchPlan, ops: Operands, dev_in: dict, dev_out: dict,
                    stream: cupy.cuda.Stream) -> None:  # fmt: skip

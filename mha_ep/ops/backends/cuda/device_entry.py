@@ -109,11 +109,7 @@ def _run_native(backend: CudaBackend, problem: MhaProblem, plan, held: list) -> 
     present_key, k_BNTH = operand(problem.want_present_key, "k_BNTH", apart=key_apart)
     present_value, v_BNTH = operand(problem.want_present_value, "v_BNTH")
     q_BNSH = backend._allocate(scratch, "q_BNSH", plan)
-    offsets = {
-        name: backend._allocate(scratch, name, plan)
-        for name, wanted in (("key_offset_BNT", terms.key_offset), ("query_offset_BNS", terms.query_offset))
-        if wanted
-    }
+    offsets = backend._offset_buffers(scratch, plan, terms)
     movers = layout_movers(
         plan, terms, problem.kv_layout == "BNSH",
         sources={name: _address(array, held) for name, array in problem_sources(problem).items()},
