@@ -45,6 +45,18 @@ def result_arrays(result) -> list[np.ndarray]:
     return arrays
 
 
+def failing_at_last_step(error: BaseException):
+    """A stand-in for the backend's run_steps that queues every step of a call but the last one (the fused kernel
+    or the three-phase path's context_to_BSD), then raises ``error``."""
+    from mha_ep.ops.backends.cuda import steps
+
+    def run(device_id, call_steps, stream):
+        steps.run_steps(device_id, call_steps[:-1], stream)
+        raise error
+
+    return run
+
+
 def assert_matches(problem: MhaProblem, result) -> None:
     names = ["output", "present_key", "present_value"]
     got = result_arrays(result)
@@ -206,20 +218,13 @@ def test_threads_sharing_one_backend_get_their_own_answers(backend):
 
 
 def test_failure_after_launch_releases_scratch_and_backend_stays_usable(backend, cupy_module, monkeypatch):
-    from mha_ep.ops.backends.cuda import gemm
-
     problem = make_problem(Case(s=32, l=32), "float16")
     backend.run(problem)
     pool = cupy_module.get_default_memory_pool()
     baseline = pool.used_bytes()
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("injected failure after the layout kernels were submitted")
-
-    from mha_ep.ops.backends.cuda import fused
-
-    # the last launch of whichever path runs: the fused kernel, or the three-phase path's P.V GEMM
-    monkeypatch.setattr(*((fused, "run_fused") if backend.fused_path else (gemm, "context_gemm")), broken)
+    injected = RuntimeError("injected failure after the layout kernels were submitted")
+    monkeypatch.setattr("mha_ep.ops.backends.cuda.backend.run_steps", failing_at_last_step(injected))
     with pytest.raises(RuntimeError, match="injected failure"):
         backend.run(problem)
     assert pool.used_bytes() == baseline
@@ -361,14 +366,11 @@ def test_timing_the_prepared_call_measures_and_leaves_the_backend_answering(back
 def test_the_prepared_call_reports_cuda_errors_as_mha_ep_errors(backend, cupy_module, monkeypatch):
     from mha_ep.bench.timer import backend_seconds
     from mha_ep.errors import MhaEpError
-    from mha_ep.ops.backends.cuda import fused, gemm
 
     problem = make_problem(Case(s=32, l=32), "float16")
 
-    def broken(*args, **kwargs):
-        raise cupy_module.cuda.runtime.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
-
-    monkeypatch.setattr(*((fused, "run_fused") if backend.fused_path else (gemm, "context_gemm")), broken)
+    error = cupy_module.cuda.runtime.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr("mha_ep.ops.backends.cuda.backend.run_steps", failing_at_last_step(error))
     with pytest.raises(MhaEpError, match=r"cuda backend on .*CUDARuntimeError"):
         backend_seconds(backend, problem, repeats=2, warmup=1)
     monkeypatch.undo()

@@ -20,7 +20,8 @@ from mha_ep.errors import MhaInputError
 from mha_ep.ops.backends.cuda import geometry
 from mha_ep.ops.backends.cuda.geometry import checked_bytes, checked_grid, checked_i32, plan_launch, row_team
 from mha_ep.ops.backends.cuda.movers import MOVER_DTYPE, MOVER_FIELDS
-from mha_ep.ops.backends.cuda.kernels import KERNELS
+from mha_ep.launch import ELEMENT_TYPES
+from mha_ep.ops.backends.cuda.kernels import KERNELS, MASK_KERNELS, MASK_TYPES
 from mha_ep.ops.problem import Geometry
 
 KERNEL_DIR = Path(geometry.__file__).parent / "kernels"
@@ -132,6 +133,9 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
         "build_dense_BNTH_native": "const Mover<{T}, {T}>, const Mover<{T}, {T}>, const Mover<{T}, {T}>, int, int",
         "context_to_BSD": "const float*, float*, int, int, int, int",
         "narrow_output": "const float*, {T}*, long long",
+        "widen_to_float": "const {T}*, float*, long long",
+        "resolve_key_lengths": "const {T}*, int*, int, int",
+        "resolve_keep_flags": "const {T}*, unsigned char*, long long",
         "masked_softmax_warp": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
         "const float*, const float*, float, int, int, int, int, int, int",
         "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
@@ -141,7 +145,7 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
     assert set(signatures) == set(variants), "a kernel of kernels.KERNELS without a signature here"
     instantiations = []
     for kernel, params in signatures.items():
-        for element in ("float", "__half", "__nv_bfloat16"):
+        for element in (MASK_TYPES if kernel in MASK_KERNELS else ELEMENT_TYPES).values():
             for variant in variants[kernel]:
                 arguments = element if variant is None else f"{element}, {variant}"
                 instantiations.append(

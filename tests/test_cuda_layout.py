@@ -40,7 +40,8 @@ ELEMENT = {"float16": "float16", "bfloat16": "uint16"}  # bfloat16 travels as it
 
 def run_movers(cupy, problem: MhaProblem, kernel: str) -> dict:
     """Every array the three movers write for ``problem`` with ``kernel``, as host float32."""
-    from mha_ep.ops.backends.cuda.backend import launch_movers
+    from mha_ep.ops.backends.cuda.pipeline import mover_launch
+    from mha_ep.ops.backends.cuda.steps import run_steps
 
     g, dtype = problem.geometry, problem.dtype
     plan = plan_launch(g, dtype)
@@ -80,7 +81,7 @@ def run_movers(cupy, problem: MhaProblem, kernel: str) -> dict:
         presents={name: ptr[name] for name in ("present_key", "present_value")},
         offsets={name: ptr[name] for name in ("key_offset_BNT", "query_offset_BNS") if name in ptr},
     )  # fmt: skip
-    launch_movers(0, plan, kernel, movers, problem.scale)
+    run_steps(0, [mover_launch(plan, kernel, movers, problem.scale)], cupy.cuda.get_current_stream())
     cupy.cuda.runtime.deviceSynchronize()
     return {name: from_device(cupy, array) for name, array in out.items()}
 
@@ -190,7 +191,9 @@ def test_the_movers_sources_are_the_problems_arrays():
 def test_the_mover_struct_puts_the_present_where_the_kernel_reads_it():
     mover = Mover(cur=1, cur_is_bnsh=True, past=None, bias=3, bias_in_operand=False, dst=4, present=5, cur_seq=6,
                   past_seq=7, dim=8, offset_weight=9, offset_adds_bias=True, offset_guard=True, offset_out=10)
-    bridge, native = mover_struct(mover, 0.25, False), mover_struct(mover, 0.25, True)
+    from mha_ep.ops.backends.cuda.steps import struct_array
+
+    bridge, native = struct_array(mover_struct(mover, 0.25, False)), struct_array(mover_struct(mover, 0.25, True))
     assert bridge.dtype == MOVER_DTYPE and bridge.shape == (1,)
     assert (bridge["dst_f32_BNTH"][0], bridge["dst_present_BNTH"][0]) == (5, 0)
     assert (native["dst_f32_BNTH"][0], native["dst_present_BNTH"][0]) == (0, 5)

@@ -66,17 +66,17 @@ def test_for_operand_and_encode_refuse_before_the_driver_names_the_operand():
         tma.encode(replace(VALID, box_rows=0))  # (no libcuda on a CPU machine: refused before it is loaded)
 
 
-def test_ws_launch_passes_the_maps_of_q_k_and_v(monkeypatch):
-    """Q's boxes hold the kernel's 128 query rows, K's and V's the tile's keys; V's rows are Hv wide."""
-    recorded = []
-    monkeypatch.setattr(tma, "encode", lambda spec: recorded.append(spec) or spec.name)
+def test_ws_launch_passes_the_maps_of_q_k_and_v():
+    """Q's boxes hold the kernel's 128 query rows, K's and V's the tile's keys; V's rows are Hv wide (the maps
+    are encoded when the step is launched: steps.TensorMap)."""
     problem = make_problem(Case(b=B, s=S, l=200, n=N, h=128, hv=64), "float16")
     g = problem.geometry
     q = fused.Operand(0x100000, "BNSH", g.q_seq, 128)
     k = fused.Operand(0x200000, "BSNH", g.total_seq, 128)
     v = fused.Operand(0x300000, "BNSH", g.total_seq, 64)
     got = fused.ws_tensor_maps(problem, "float16", dispatch.WsTile(64), {"q": q, "k": k, "v": v})
-    assert got == ["q", "k", "v"]
+    recorded = [arg.spec for arg in got]
+    assert [spec.name for spec in recorded] == ["q", "k", "v"]
     assert [(s.address, s.dims, s.box_rows) for s in recorded] == [
         (0x100000, (128, S, N, B), dispatch.WS_BLOCK_M),
         (0x200000, (128, 200, N, B), 64),
@@ -85,12 +85,11 @@ def test_ws_launch_passes_the_maps_of_q_k_and_v(monkeypatch):
     assert recorded[1].strides == (N * 128 * 2, 128 * 2, 200 * N * 128 * 2)  # k in BSNH
 
 
-def test_three_consumer_tiles_load_192_query_rows(monkeypatch):
-    monkeypatch.setattr(tma, "encode", lambda spec: spec)
+def test_three_consumer_tiles_load_192_query_rows():
     problem = make_problem(Case(b=B, s=S, l=200, n=N, h=64), "bfloat16")
     ops = {name: fused.Operand(0x100000 * (i + 1), "BNSH", seq, 64)
            for i, (name, seq) in enumerate((("q", S), ("k", 200), ("v", 200)))}  # fmt: skip
-    got = fused.ws_tensor_maps(problem, "bfloat16", dispatch.WsTile(consumers=3), ops)
+    got = [arg.spec for arg in fused.ws_tensor_maps(problem, "bfloat16", dispatch.WsTile(consumers=3), ops)]
     assert [(spec.box_rows, spec.dtype) for spec in got] == [(192, "bfloat16"), (128, "bfloat16"), (128, "bfloat16")]
 
 

@@ -89,7 +89,7 @@ class DeviceExecutor:
         self.plan = plan
         self.backend = backend
         self.device_id = backend.device_id
-        self.stream = backend._stream
+        self.stream = backend.stream
         providers = [("CUDAExecutionProvider", cuda_provider_options(self.stream.ptr, self.device_id, cuda_options)),
                      "CPUExecutionProvider"]  # fmt: skip
         options = sess_options if sess_options is not None else ort.SessionOptions()
@@ -112,7 +112,7 @@ class DeviceExecutor:
         self.run_options.add_run_config_entry("gpu_graph_id", "-1")
         with cupy.cuda.Device(self.device_id), self.stream:
             self.constants = {name: cupy.asarray(array) for name, array in plan.constants.items()}
-        self.transfers = HostTransfers(self.stream, self.device_id, backend._copier)
+        self.transfers = HostTransfers(self.stream, self.device_id, backend.copier)
         for piece in plan.pieces:
             self.pieces[id(piece)] = PieceIO(ort, self.sessions[id(piece)], piece, plan.dtypes, self.device_id,
                                              self.run_options)  # fmt: skip

@@ -5,6 +5,8 @@ Pipeline of one call (legend in mha_ep/spec.py), all on the backend's own non-de
               buffer in 4 MiB chunks, all inputs' chunks side by side on the copy threads, each chunk's async
               upload starting as soon as it is copied (calls under 4 MiB: copies on the calling thread; under
               1 MiB: plain copies and one upload);
+  2-5 are pipeline.py's steps (the device-side interface every route shares: ``device_steps``), here on the
+  staged float32 inputs and float32 outputs:
   2. layout:  build_dense_BNTH (one launch: movers.py) makes q_BNSH, k_BNTH and v_BNTH (past prepended, the
               biases of BSNH key/value) in the compute dtype, rounding float32 to it on the device; a wanted
               present is written as float32 in the same pass (for float32 calls k_BNTH / v_BNTH *are* the
@@ -25,16 +27,16 @@ Every per-call device buffer is owned by an MhaScratch and released exactly once
 A call shape seen before on the fused path replays steps 2-5 as a captured CUDA graph on buffers kept for that
 shape (replay.py: the rules, and why).
 
-Two seams: step 1 (``_stage``: host arrays into device buffers) and steps 2-5 (``_attention``: device addresses +
-launch plan + operands, launches only, on a given stream), and ``prepared(problem)``, which stages a call and hands
-back its steps 2-5 as a ``PreparedCall`` to submit as often as wanted: the hook the benchmarks time (mha_ep/bench).
+Seams: step 1 (``_stage``: host arrays into device buffers); steps 2-5 (``device_steps``: a DeviceCall on device
+addresses -> steps, and ``run_steps``: queue them on a stream, launches only), public, for device mode and the native
+route too; and ``prepared(problem)``, which stages a call and hands back its steps 2-5 as a ``PreparedCall`` to
+submit as often as wanted: the hook the benchmarks time (mha_ep/bench).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -45,21 +47,21 @@ import cupy
 import numpy as np
 
 from mha_ep.errors import MhaEpError
-from mha_ep.launch import LAUNCH_BLOCK, SOFTMAX_THREADS, MaskKind
-from mha_ep.ops.backends.cuda import dispatch, fused, gemm
-from mha_ep.ops.backends.cuda.geometry import LaunchPlan, plan_launch
-from mha_ep.ops.backends.cuda.kernels import get_kernel
-from mha_ep.ops.backends.cuda.movers import Mover, layout_movers, mover_struct
+from cupy_backends.cuda.libs import cublas
+
+from mha_ep.ops.backends.cuda import dispatch, fused
+from mha_ep.ops.backends.cuda.geometry import LaunchPlan, cached_plan
+from mha_ep.ops.backends.cuda.pipeline import POISON_BYTE, DeviceCall, attention_steps
 from mha_ep.ops.backends.cuda.replay import REPLAY_MAX_BYTES, ReplayCache, replay_key
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
 from mha_ep.ops.backends.cuda.staging import (
     SINGLE_UPLOAD_BYTES, PinnedStaging, Segment, pack_layout, parallel_copy, stage_uploads,
 )
+from mha_ep.ops.backends.cuda.steps import Gemm, run_steps
 from mha_ep.ops.problem import MhaProblem, MhaResult
 
 MEMCPY_HOST_TO_DEVICE = 1
 MEMCPY_DEVICE_TO_HOST = 2
-POISON_BYTE = 0xFF  # 0xFFFF / 0xFFFFFFFF are NaN in float16, bfloat16 and float32
 log = logging.getLogger("mha_ep")
 COPY_THREADS = min(8, os.cpu_count() or 1)  # host copies into / out of the pinned buffers
 REPLAY_VERDICTS = 1024  # replay keys whose eligibility is remembered (forgotten all at once beyond)
@@ -68,7 +70,7 @@ CUDA_ERRORS = (
     cupy.cuda.driver.CUDADriverError,
     cupy.cuda.memory.OutOfMemoryError,
     cupy.cuda.compiler.CompileException,
-    gemm.cublas.CUBLASError,
+    cublas.CUBLASError,
 )
 
 
@@ -99,31 +101,6 @@ class CupyScratchRuntime:
 
     def synchronize(self) -> None:
         self.stream.synchronize()
-
-
-@functools.lru_cache(maxsize=256)
-def cached_plan(geometry, dtype: str) -> LaunchPlan:
-    """plan_launch memoised on (Geometry, dtype): repeated shapes skip the checks' Python cost."""
-    return plan_launch(geometry, dtype)
-
-
-_ptr = fused.pointer_arg
-
-
-def _i32(value: int) -> np.int32:
-    return np.int32(value)
-
-
-def launch_movers(device_id: int, plan: LaunchPlan, kernel: str, movers: tuple[Mover, Mover, Mover],
-                  scale: float) -> None:  # fmt: skip
-    """The Q, K and V ``movers`` in one launch of layout.cu's ``kernel`` on the current stream
-    (build_dense_BNTH: float32 sources and presents; build_dense_BNTH_native: sources and presents in the
-    call's dtype); ``scale`` the scores' scale, which the offsets carry."""
-    native = kernel == "build_dense_BNTH_native"
-    structs = tuple(mover_struct(m, scale, native) for m in movers)
-    get_kernel(device_id, kernel, plan.dtype, plan.vec_movers)(
-        (plan.grids["layout movers"], 3), (LAUNCH_BLOCK,), (*structs, _i32(plan.batch), _i32(plan.heads)),
-    )  # fmt: skip
 
 
 def input_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple, np.ndarray]]:
@@ -178,26 +155,6 @@ class DeviceBuffers:
     @property
     def dev_out(self) -> dict:
         return {name: self.out_base + seg.offset for name, seg in self.out_segments.items()}
-
-
-@dataclass(frozen=True)
-class Operands:
-    """Where steps 2-5 of one call read and write, besides the staged inputs and the outputs: device addresses
-    (None: not used by this call's path)."""
-
-    fused_unsupported: Optional[str]  # None: the fused kernel runs; else why the three-phase path does
-    staged: bool = False  # the fused kernel reads the staged inputs themselves (no layout step, no other buffer)
-    q_BNSH: Optional[int] = None  # the layout mover's dense operands, in the call's dtype
-    k_BNTH: Optional[int] = None  # (for a float32 call with a present wanted: the present output itself)
-    v_BNTH: Optional[int] = None
-    present_key: Optional[int] = None  # the float32 present the mover writes beside k_BNTH (None: not wanted,
-    present_value: Optional[int] = None  # or k_BNTH / v_BNTH are the presents)
-    scores_BNST: Optional[int] = None  # the three-phase buffers
-    probs_BNST: Optional[int] = None
-    context_BNSH: Optional[int] = None
-    terms: dispatch.ScoreTerms = dispatch.ScoreTerms()  # where the projection biases go (dispatch.score_terms)
-    key_offset_BNT: Optional[int] = None  # the scores' offsets, when ``terms`` asks for them
-    query_offset_BNS: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -319,9 +276,9 @@ class CudaBackend:
         with MhaScratch(self._runtime) as scratch:
             dev_in, dev_out, out_segments, out_base, out_bytes = self._stage(problem, scratch, out)
             # Steps 2-5 on the device.
-            ops = self._operands(problem, plan, scratch, dev_out)
+            steps = self._staged_steps(problem, scratch, dev_in, dev_out)
             scratch.mark_stream_use()  # from here on, any failure must wait for the stream before freeing
-            self._attention(problem, plan, ops, dev_in, dev_out, self._stream)
+            run_steps(self.device_id, steps, self._stream)
             # Step 6: one download, one synchronize.
             self._runtime.download(out_base, out_bytes, out.address)
             scratch.finish_stream_use()
@@ -379,10 +336,10 @@ class CudaBackend:
         scratch = MhaScratch(self._runtime)
         try:
             buffers = self._device_buffers(problem, scratch)
-            ops = self._operands(problem, plan, scratch, buffers.dev_out)
+            steps = self._staged_steps(problem, scratch, buffers.dev_in, buffers.dev_out)
             self._stream.begin_capture()
             try:
-                self._attention(problem, plan, ops, buffers.dev_in, buffers.dev_out, self._stream)
+                run_steps(self.device_id, steps, self._stream)
             finally:
                 graph = self._stream.end_capture()
         except (MhaEpError, *CUDA_ERRORS) as error:
@@ -415,16 +372,15 @@ class CudaBackend:
         as ``call.submit``, on the backend's stream, for as many submissions as the block makes (the benchmarks'
         hook: mha_ep/bench times it). The backend is held for the block; its buffers are released after it, and
         CUDA failures inside it are raised as MhaEpError like run's."""
-        plan = cached_plan(problem.geometry, problem.dtype)
         with self._on_device(), MhaScratch(self._runtime) as scratch:
             dev_in, dev_out, _, _, _ = self._stage(problem, scratch, self._pinned_out)
-            ops = self._operands(problem, plan, scratch, dev_out)
+            steps = self._staged_steps(problem, scratch, dev_in, dev_out)
             scratch.mark_stream_use()
 
             def submit() -> None:
-                self._attention(problem, plan, ops, dev_in, dev_out, self._stream)
+                run_steps(self.device_id, steps, self._stream)
 
-            yield PreparedCall(submit, self._stream, capturable=ops.fused_unsupported is None)
+            yield PreparedCall(submit, self._stream, capturable=not any(isinstance(s, Gemm) for s in steps))
             scratch.finish_stream_use()
 
     def _result(self, out_segments: dict[str, Segment], out: PinnedStaging, borrow: bool) -> MhaResult:
@@ -447,11 +403,6 @@ class CudaBackend:
         )
 
     # ----------------------------------------------------------------------------------------- device pipeline
-    def _allocate(self, scratch: MhaScratch, name: str, plan: LaunchPlan) -> int:
-        address = self._allocate_bytes(scratch, name, plan.nbytes[name])
-        self._poison(scratch, address, plan.nbytes[name])
-        return address
-
     def _allocate_bytes(self, scratch: MhaScratch, name: str, nbytes: int) -> int:
         try:
             return scratch.allocate(nbytes)
@@ -465,120 +416,57 @@ class CudaBackend:
             scratch.mark_stream_use()
             cupy.cuda.runtime.memsetAsync(address, POISON_BYTE, nbytes, self._stream.ptr)
 
-    def _operands(self, problem: MhaProblem, plan: LaunchPlan, scratch: MhaScratch, dev_out: dict) -> Operands:
-        """Device addresses of the attention operands (scratch, or the present outputs themselves); the
-        three-phase buffers (scores, probabilities, context) only when the fused kernel does not apply; none
-        when the fused kernel reads the staged inputs themselves (dispatch.reads_staged_inputs)."""
-        fused_unsupported = (
-            dispatch.fused_unsupported_reason(problem) if self.fused_path else "the three-phase path was asked for"
-        )
-        if fused_unsupported is None and dispatch.reads_staged_inputs(problem):
-            return Operands(None, staged=True)
-        f32_call = plan.dtype == "float32"
-        addresses = {"q_BNSH": self._allocate(scratch, "q_BNSH", plan)}
-        # A float32 call's K/V operands are the present outputs themselves; otherwise they are scratch and the
-        # present (when wanted) is their exact float32 image, written in the same pass.
-        for operand, present in (("k_BNTH", "present_key"), ("v_BNTH", "present_value")):
-            if f32_call and present in dev_out:
-                addresses[operand], addresses[present] = dev_out[present], None
-            else:
-                addresses[operand], addresses[present] = self._allocate(scratch, operand, plan), dev_out.get(present)
-        if fused_unsupported is not None:
-            for name in ("scores_BNST", "probs_BNST", "context_BNSH"):
-                addresses[name] = self._allocate(scratch, name, plan)
-        terms = dispatch.score_terms(problem)
-        addresses.update(self._offset_buffers(scratch, plan, terms))
-        return Operands(fused_unsupported, terms=terms, **addresses)
+    def _staged_steps(self, problem: MhaProblem, scratch: MhaScratch, dev_in: dict, dev_out: dict) -> list:
+        """Steps 2-5 of a bridge call: the staged float32 inputs ``dev_in`` and float32 outputs ``dev_out`` (name ->
+        address), temporaries owned by ``scratch``."""
+        call = DeviceCall(sources=dev_in, source_dtype="float32", outputs=dev_out, output_dtype="float32")
+        return self.device_steps(problem, call, ScratchTemporaries(self, scratch))
 
-    def _offset_buffers(self, scratch, plan: LaunchPlan, terms: dispatch.ScoreTerms) -> dict:
-        """key_offset_BNT / query_offset_BNS -> address, for the score offsets ``terms`` asks for (the movers
-        write them); the bridge and device mode both take them here."""
-        return {
-            name: self._allocate(scratch, name, plan)
-            for name, wanted in (("key_offset_BNT", terms.key_offset), ("query_offset_BNS", terms.query_offset))
-            if wanted
-        }
+    # ------------------------------------------------------------------------------------- device-side interface
+    @property
+    def stream(self) -> cupy.cuda.Stream:
+        """The backend's own stream: every call of the bridge runs on it (device mode shares it with ORT)."""
+        return self._stream
 
-    def _attention(self, problem: MhaProblem, plan: LaunchPlan, ops: Operands, dev_in: dict, dev_out: dict,
-                   stream: cupy.cuda.Stream) -> None:  # fmt: skip
-        """Steps 2-5 on device buffers: ``dev_in`` / ``dev_out`` name -> address (inputs as staged, outputs as
-        output_entries), ``ops`` the operand buffers; only launches on ``stream`` (no allocation, no
-        synchronization; the device current)."""
-        with stream:
-            self._attention_on_stream(problem, plan, ops, dev_in, dev_out, stream)
+    @property
+    def copier(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that copy host arrays into and out of the pinned buffers (COPY_THREADS)."""
+        return self._copier
 
-    def _attention_on_stream(self, problem: MhaProblem, plan: LaunchPlan, ops: Operands, dev_in: dict,
-                             dev_out: dict, stream: cupy.cuda.Stream) -> None:  # fmt: skip
-        if ops.staged:  # steps 2-5 in one kernel reading the staged arrays (bias added on load)
-            fused.run_fused(
-                self.device_id, problem,
-                q=fused.Operand(dev_in["query"], "BSNH", plan.q_seq, plan.head_size, dev_in.get("bias_q")),
-                k=fused.Operand(dev_in["key"], problem.kv_layout, plan.kv_seq, plan.head_size, dev_in.get("bias_k")),
-                v=fused.Operand(dev_in["value"], problem.kv_layout, plan.kv_seq, plan.v_head_size,
-                                dev_in.get("bias_v")),
-                operand_dtype="float32", attention_bias=dev_in.get("attention_bias"), mask=dev_in.get("mask"),
-                out_BSD=dev_out["output"], stream=stream,
-            )  # fmt: skip
-            return
-        # Step 2: layout movers; ops.terms says which projection biases go into the rounded operands (the
-        # presents always hold them), and which become float32 offsets of the scores instead.
-        movers = layout_movers(
-            plan, ops.terms, problem.kv_layout == "BNSH",
-            sources=dev_in,
-            dst={"q_BNSH": ops.q_BNSH, "k_BNTH": ops.k_BNTH, "v_BNTH": ops.v_BNTH},
-            presents={"present_key": ops.present_key, "present_value": ops.present_value},
-            offsets={"key_offset_BNT": ops.key_offset_BNT, "query_offset_BNS": ops.query_offset_BNS},
-        )  # fmt: skip
-        launch_movers(self.device_id, plan, "build_dense_BNTH", movers, problem.scale)
+    def facts(self) -> fused.DeviceFacts:
+        return fused.DeviceFacts.of(self.device_id)
 
-        # Steps 3-5 in one flash-attention kernel wherever it computes the same function (fused.py's rule).
-        reason = ops.fused_unsupported
-        if reason is None:
-            fused.run_fused(
-                self.device_id, problem,
-                q=fused.Operand(ops.q_BNSH, "BNSH", plan.q_seq, plan.head_size),
-                k=fused.Operand(ops.k_BNTH, "BNSH", plan.total_seq, plan.head_size),
-                v=fused.Operand(ops.v_BNTH, "BNSH", plan.total_seq, plan.v_head_size),
-                operand_dtype=plan.dtype, attention_bias=dev_in.get("attention_bias"),
-                mask=dev_in.get("mask"), out_BSD=dev_out["output"], stream=stream, key_offset=ops.key_offset_BNT,
-                query_offset=ops.query_offset_BNS,
-            )  # fmt: skip
-            return
-        log.debug("mha_ep: fused path not used: %s; three-phase path", reason)
+    def device_steps(self, problem: MhaProblem, call: DeviceCall, temporaries) -> list:
+        """One call's device work on device buffers, as steps (pipeline.attention_steps): ``call`` says where the
+        inputs lie and in which form and where the outputs go, ``temporaries`` hands out scratch memory
+        (``take(name, nbytes) -> address``). The one device-side interface of this backend: the bridge, device
+        mode and the native route (mha_ep/native) all make their calls through it, with this backend's choices
+        (``fused_path``, ``poison_device_buffers``)."""
+        return attention_steps(problem, self.facts(), call, temporaries, fused_path=self.fused_path,
+                               poison=self.poison_device_buffers)  # fmt: skip
 
-        # Step 3: scores.
-        handle = cupy.cuda.device.get_cublas_handle()
-        gemm.cublas.setStream(handle, stream.ptr)
-        with gemm.fp32_math(handle):
-            gemm.scores_gemm(handle, plan, problem.scale, ops.q_BNSH, ops.k_BNTH, ops.scores_BNST)
-            # Step 4: masked softmax.
-            self._softmax(problem, plan, dev_in, ops)
-            # Step 5: context and output.
-            gemm.context_gemm(handle, plan, ops.probs_BNST, ops.v_BNTH, ops.context_BNSH)
-        get_kernel(self.device_id, "context_to_BSD", plan.dtype, plan.vec_v)(
-            (plan.grids["context_to_BSD"],), (LAUNCH_BLOCK,),
-            (_ptr(ops.context_BNSH), _ptr(dev_out["output"]),
-             _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.v_head_size)),
-        )  # fmt: skip
+    def run_steps(self, steps, stream: Optional[cupy.cuda.Stream] = None) -> None:
+        """Queue ``steps`` (concrete addresses) on ``stream`` (default: the backend's), on this backend's device:
+        launches only. CUDA failures are raised as MhaEpError naming the device."""
+        try:
+            run_steps(self.device_id, steps, self._stream if stream is None else stream)
+        except CUDA_ERRORS as error:
+            raise MhaEpError(f"cuda backend on {self.device}: {type(error).__name__}: {error}") from error
 
-    def _softmax(self, problem: MhaProblem, plan: LaunchPlan, dev_in: dict, ops: Operands) -> None:
-        bias = problem.attention_bias
-        d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
-        mask = problem.padding_mask
-        kind = MaskKind.of(None if mask is None else mask.kind)
-        lengths = dev_in.get("mask") if kind == MaskKind.KEY_LENGTHS else None
-        keep = dev_in.get("mask") if kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None
-        args = (
-            _ptr(ops.scores_BNST), _ptr(ops.probs_BNST), _ptr(dev_in.get("attention_bias")), _i32(d0), _i32(d1),
-            _i32(int(kind)), _ptr(lengths), _ptr(keep), _ptr(ops.key_offset_BNT), _ptr(ops.query_offset_BNS),
-            np.float32(problem.mask_filter_value), _i32(int(problem.causal)),
-            _i32(plan.batch), _i32(plan.heads), _i32(plan.q_seq), _i32(plan.total_seq), _i32(plan.past_seq),
-        )  # fmt: skip
-        grid, block = (plan.grids["masked_softmax"],), (SOFTMAX_THREADS,)
-        if plan.softmax_cols_per_lane:  # rows of at most 1024 keys: one warp per row, the row in registers
-            cols = plan.softmax_cols_per_lane
-            get_kernel(self.device_id, "masked_softmax_warp", plan.dtype, cols)(grid, block, args)
-        else:  # longer rows: one block per row, the row cached in shared memory when it fits
-            get_kernel(self.device_id, "masked_softmax", plan.dtype)(
-                grid, block, args + (_i32(int(plan.row_cache)),), shared_mem=plan.softmax_shared_bytes
-            )
+    @contextlib.contextmanager
+    def holding(self):
+        """Hold the backend for a block (its lock, device and stream), CUDA failures raised as MhaEpError: what a
+        caller that queues work of its own on ``stream`` wraps it in."""
+        with self._on_device():
+            yield
+
+
+class ScratchTemporaries:
+    """pipeline.Temporaries over an MhaScratch of ``backend`` (CuPy's pool; an out-of-memory names the buffer)."""
+
+    def __init__(self, backend: CudaBackend, scratch: MhaScratch):
+        self.backend = backend
+        self.scratch = scratch
+
+    def take(self, name: str, nbytes: int) -> int:
+        return self.backend._allocate_bytes(self.scratch, name, nbytes)

@@ -1,9 +1,9 @@
 """Launching the fused attention kernels (kernels/flash_attention*.cu) in place of the three phases (scores GEMM ->
 masked softmax -> P.V GEMM) wherever dispatch.py's rules say they compute the same function.
 
-    run_fused(device_id, problem, q=..., k=..., v=..., operand_dtype=..., attention_bias=..., mask=...,
-              out_BSD=..., stream=..., key_offset=..., query_offset=...)   # launches only: no allocation,
-                                                                          # no synchronization
+    step = fused_step(problem, q=..., k=..., v=..., operand_dtype=..., attention_bias=..., mask=...,
+                      out_BSD=..., facts=DeviceFacts.of(device_id), key_offset=..., query_offset=...)
+    run_fused(device_id, problem, stream=..., q=..., ...)   # the same, launched now (no allocation, no sync)
 
 Layout legend (mha_ep/spec.py): B batch, S query length, L new key length, P past length, T = P + L, N heads,
 H head size, Hv value head size, D = N*H. An ``Operand`` is one of Q, K, V as a device address plus its layout:
@@ -14,8 +14,9 @@ dtype on load) or the call's dtype (the layout mover's buffers). A bias (float32
 
 This module holds what a launch needs beside the dispatch rules: the kernels' shared-memory carving and launch
 bounds (each constant names its twin in the .cu files; tests/test_kernel_constants.py checks them), the
-instantiation names, and the arguments. Kernels are compiled and memoised by kernels.py (one cache for every
-kernel; the sm_90a ones also on disk). CuPy is imported only when a kernel is launched.
+instantiation names, and the arguments, as a steps.Launch (every route runs it: steps.py). Kernels are compiled
+and memoised by kernels.py (one cache for every kernel; the sm_90a ones also on disk). CuPy is imported only when
+a kernel is launched.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from mha_ep.ops.backends.cuda.dispatch import (
     Tile, WgmmaTile, WsTile, choose_tile, default_tile, head_dim_tile, mma_features, query_tiles,
     wgmma_unsupported_reason, ws_tile_unsupported_reason, ws_unsupported_reason,
 )
+from mha_ep.ops.backends.cuda.steps import Address, Launch, Pointer, TensorMap, alignment_of
 from mha_ep.ops.problem import MhaProblem, problem_signature
 
 log = logging.getLogger("mha_ep")
@@ -82,7 +84,7 @@ class Operand:
 
 
 def ws_tensor_maps(problem: MhaProblem, operand_dtype: str, tile: WsTile, operands: dict) -> list:
-    """flash_attention_ws's three extra parameters: the encoded TMA maps (tma.encode) of q, k and v, boxes of
+    """flash_attention_ws's three extra parameters: the TMA maps (steps.TensorMap, encoded at launch) of q, k and v, boxes of
     tile.block_m query rows and of tile.block_n key rows."""
     g = problem.geometry
     maps = []
@@ -90,7 +92,7 @@ def ws_tensor_maps(problem: MhaProblem, operand_dtype: str, tile: WsTile, operan
         spec = tma.TileMap.for_operand(name, op.address, operand_dtype, dim=op.dim, seq=op.seq, heads=g.num_heads,
                                        batch=g.batch, strides=op.strides(g.num_heads),
                                        box_rows=tile.block_m if name == "q" else tile.block_n)  # fmt: skip
-        maps.append(tma.encode(spec))
+        maps.append(TensorMap(spec))
     return maps
 
 
@@ -199,6 +201,20 @@ _capabilities: dict = {}
 _sm_counts: dict = {}
 
 
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the kernel choice reads of a device: its compute capability as CuPy spells it ("90" for 9.0) and its
+    streaming multiprocessors (the persistent kernel's grid). ``of(device_id)`` asks the device once; tests and
+    the native route's CPU checks build one by hand."""
+
+    capability: str
+    sms: int
+
+    @classmethod
+    def of(cls, device_id: int) -> "DeviceFacts":
+        return cls(device_capability(device_id), device_sm_count(device_id))
+
+
 def device_capability(device_id: int) -> str:
     """Compute capability of ``device_id`` as CuPy spells it ("90" for 9.0), asked once per device."""
     capability = _capabilities.get(device_id)
@@ -219,7 +235,6 @@ def device_sm_count(device_id: int) -> int:
     return count
 
 
-
 def raise_shared_limit(kernel, shared: int) -> None:
     """Let ``kernel`` launch with ``shared`` dynamic bytes (above 48 KiB a kernel must opt in)."""
     if shared > DEFAULT_SHARED_LIMIT and kernel.max_dynamic_shared_size_bytes < shared:
@@ -229,37 +244,48 @@ def raise_shared_limit(kernel, shared: int) -> None:
 def get_fused_kernel(device_id: int, name: str, shared: int):
     """The compiled instantiation ``name`` on ``device_id`` (kernels.get_function: compiled once per process) with
     its dynamic shared-memory limit raised to ``shared`` bytes when needed (call with that device current). The
-    one lookup run_fused makes: bench/fused_timing.py swaps it to time other kernel sources."""
+    one lookup of every fused launch (steps.run_steps and the native route's planner): bench/fused_timing.py swaps
+    it to time other kernel sources."""
     kernel = kernels.get_function(device_id, name)
     raise_shared_limit(kernel, shared)
     return kernel
 
 
-def _check_aligned(name: str, address: Optional[int], element_bytes: int, strides=()) -> None:
-    if address is not None and address % VECTOR_ALIGNMENT:
-        raise ValueError(f"fused attention: {name} address {address:#x} is not {VECTOR_ALIGNMENT}-byte aligned")
+def _check_aligned(name: str, address: Address, element_bytes: int, strides=()) -> None:
+    if address is not None and alignment_of(address) < VECTOR_ALIGNMENT:
+        raise ValueError(f"fused attention: {name} address {address!r} is not {VECTOR_ALIGNMENT}-byte aligned")
     for stride in strides:
         if (stride * element_bytes) % VECTOR_ALIGNMENT:
             raise ValueError(f"fused attention: {name} stride {stride} is not a multiple of {VECTOR_ALIGNMENT} bytes")
 
 
-def run_fused(
-    device_id: int,
+def run_fused(device_id: int, problem: MhaProblem, *, stream=None, **operands) -> None:
+    """Launch the fused kernel for ``problem`` on ``stream`` (default: the current stream) of ``device_id``:
+    ``fused_step``'s arguments, this device's facts. Launches only: no allocation, no synchronization."""
+    import cupy
+
+    from mha_ep.ops.backends.cuda.steps import run_steps
+
+    step = fused_step(problem, facts=DeviceFacts.of(device_id), **operands)
+    run_steps(device_id, [step], stream if stream is not None else cupy.cuda.get_current_stream())
+
+
+def fused_step(
     problem: MhaProblem,
     *,
     q: Operand,
     k: Operand,
     v: Operand,
     operand_dtype: str,
-    attention_bias: Optional[int],
-    mask: Optional[int],
-    out_BSD: int,
-    stream=None,
+    attention_bias: Address,
+    mask: Address,
+    out_BSD: Address,
+    facts: DeviceFacts,
     tile: Optional[Tile] = None,
-    key_offset: Optional[int] = None,
-    query_offset: Optional[int] = None,
-) -> None:
-    """Launch the fused kernel for ``problem`` (its dispatch rule must have said None).
+    key_offset: Address = None,
+    query_offset: Address = None,
+) -> Launch:
+    """The fused kernel's launch for ``problem`` (its dispatch rule must have said None), as a steps.Launch.
 
     q:  (B, S, N, H) as an Operand (BSNH or BNSH), + bias_q on load when ``q.bias`` is set (float32 operands, or
         a float32 call, only: check_operand_bias);
@@ -270,24 +296,23 @@ def run_fused(
     mask: device padding mask of ``problem.padding_mask.kind``: int32 (B,) key lengths, uint8 (B, T) or (B, S, T)
           keep flags; None when the call has none;
     out_BSD: device float32 (B, S, N*Hv), every element written (rounded to the call's dtype first);
-    stream: a cupy Stream to launch on (default: the current stream);
+    facts: the device's capability and SM count (DeviceFacts.of);
     tile: f16/bf16 only: the kernel and its tile, an MmaTile, WgmmaTile or WsTile (default: choose_tile for this
           device; the timing script and the tests name others; a WgmmaTile must pass wgmma_unsupported_reason,
           a WsTile ws_unsupported_reason);
     key_offset: f16/bf16 only: device float32 (B, N, T) added to every score after the scale, or None;
     query_offset: f16/bf16 only: device float32 (B, N, S) added to the scores of the new keys j >= P, or None
           (dispatch.py score_terms: the backend passes them with operands built without the projection biases).
+    Addresses are ints or steps.Buffer names (the native route binds those at every call). Raises ValueError
+    for operands the kernel cannot take.
     """
-    import cupy
-
-    key = (device_id, problem_signature(problem), operand_dtype, tile, attention_bias is None, mask is None,
+    key = (facts, problem_signature(problem), operand_dtype, tile, attention_bias is None, mask is None,
            q.layout, q.seq, q.dim, q.bias is None, k.layout, k.seq, k.dim, k.bias is None,
-           v.layout, v.seq, v.dim, v.bias is None, key_offset is None, query_offset is None,
-           get_fused_kernel)  # fmt: skip
+           v.layout, v.seq, v.dim, v.bias is None, key_offset is None, query_offset is None)  # fmt: skip
     launch = _launches.get(key)
     if launch is None:
-        launch = fused_launch(device_id, problem, q=q, k=k, v=v, operand_dtype=operand_dtype,
-                              attention_bias=attention_bias, mask=mask, tile=tile,
+        launch = fused_launch(problem, q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=attention_bias,
+                              mask=mask, tile=tile, facts=facts,
                               key_offset=key_offset is not None or query_offset is not None)  # fmt: skip
         if len(_launches) >= MAX_LAUNCHES:
             _launches.clear()
@@ -297,22 +322,17 @@ def run_fused(
     sq, sk, sv = launch.strides
     mask_kind = launch.mask_kind
     args = (
-        pointer_arg(q.address), *sq, pointer_arg(q.bias),
-        pointer_arg(k.address), *sk, pointer_arg(k.bias),
-        pointer_arg(v.address), *sv, pointer_arg(v.bias),
-        pointer_arg(attention_bias), *launch.bias_dims, np.int32(int(mask_kind)),
-        pointer_arg(mask if mask_kind == MaskKind.KEY_LENGTHS else None),
-        pointer_arg(mask if mask_kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None),
-        pointer_arg(key_offset), pointer_arg(query_offset), *launch.scalars, pointer_arg(out_BSD),
+        Pointer(q.address), *sq, Pointer(q.bias),
+        Pointer(k.address), *sk, Pointer(k.bias),
+        Pointer(v.address), *sv, Pointer(v.bias),
+        Pointer(attention_bias), *launch.bias_dims, np.int32(int(mask_kind)),
+        Pointer(mask if mask_kind == MaskKind.KEY_LENGTHS else None),
+        Pointer(mask if mask_kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None),
+        Pointer(key_offset), Pointer(query_offset), *launch.scalars, Pointer(out_BSD),
     )  # fmt: skip
     if isinstance(launch.tile, WsTile):
         args += tuple(ws_tensor_maps(problem, operand_dtype, launch.tile, {"q": q, "k": k, "v": v}))
-    with cupy.cuda.Device(device_id):
-        if stream is None:
-            launch.kernel((launch.blocks,), (launch.threads,), args, shared_mem=launch.shared)
-        else:
-            with stream:
-                launch.kernel((launch.blocks,), (launch.threads,), args, shared_mem=launch.shared)
+    return Launch(launch.name, (launch.blocks, 1, 1), (launch.threads, 1, 1), launch.shared, args, fused=True)
 
 
 MAX_LAUNCHES = 1024  # remembered launch decisions (forgotten all at once beyond)
@@ -324,13 +344,12 @@ def pointer_arg(address: Optional[int]) -> np.uint64:
     return np.uint64(0 if address is None else address)
 
 
-
 @dataclass(frozen=True)
 class FusedLaunch:
-    """What run_fused decides once per call signature: the compiled instantiation, its grid, block and shared
-    memory, and the arguments that do not depend on where the operands lie."""
+    """What fused_step decides once per call signature: the instantiation, its grid, block and shared memory, and
+    the arguments that do not depend on where the operands lie."""
 
-    kernel: object
+    name: str
     blocks: int
     threads: int
     shared: int
@@ -342,14 +361,12 @@ class FusedLaunch:
     scalars: tuple  # mask_filter_value, causal, skip_causal_tiles, scale, B, N, S, T, P, H, Hv
 
 
-def fused_launch(device_id: int, problem: MhaProblem, *, q: Operand, k: Operand, v: Operand, operand_dtype: str,
-                 attention_bias: Optional[int], mask: Optional[int], tile: Optional[Tile],
+def fused_launch(problem: MhaProblem, *, q: Operand, k: Operand, v: Operand, operand_dtype: str,
+                 attention_bias: Address, mask: Address, tile: Optional[Tile], facts: DeviceFacts,
                  key_offset: bool = False) -> FusedLaunch:  # fmt: skip
-    """run_fused's checks and decisions for ``problem`` (raises ValueError like run_fused; addresses are read only
-    for whether they are given, and the kernel is compiled here if it was not; ``key_offset``: the call passes a
-    key or query offset, FLASH_WITH_KEY_OFFSET)."""
-    import cupy
-
+    """fused_step's checks and decisions for ``problem`` (raises ValueError like fused_step; addresses are read
+    only for whether they are given; ``key_offset``: the call passes a key or query offset,
+    FLASH_WITH_KEY_OFFSET). Compiles nothing."""
     g = problem.geometry
     n = g.num_heads
     if q.seq != g.q_seq or k.seq != g.total_seq or v.seq != g.total_seq:
@@ -375,16 +392,15 @@ def fused_launch(device_id: int, problem: MhaProblem, *, q: Operand, k: Operand,
 
     if problem.dtype != "float32":
         if tile is None:
-            tile = choose_tile(problem, operand_dtype, device_capability(device_id), device_sm_count(device_id),
-                               key_offset)  # fmt: skip
+            tile = choose_tile(problem, operand_dtype, facts.capability, facts.sms, key_offset)
         elif isinstance(tile, (WgmmaTile, WsTile)):
             reason = ws_tile_unsupported_reason(problem, tile) if isinstance(tile, WsTile) else None
             if reason is not None:
                 raise ValueError(f"fused attention: tile {tile.label}: {reason}")
             if isinstance(tile, WsTile):
-                reason = ws_unsupported_reason(problem, operand_dtype, device_capability(device_id), key_offset)
+                reason = ws_unsupported_reason(problem, operand_dtype, facts.capability, key_offset)
             else:
-                reason = wgmma_unsupported_reason(problem, operand_dtype, device_capability(device_id))
+                reason = wgmma_unsupported_reason(problem, operand_dtype, facts.capability)
             if reason is not None:
                 kernel = "warp-specialized" if isinstance(tile, WsTile) else "wgmma"
                 raise ValueError(f"fused attention: tile {tile.label} needs the {kernel} kernel, which cannot run "
@@ -397,16 +413,14 @@ def fused_launch(device_id: int, problem: MhaProblem, *, q: Operand, k: Operand,
     threads = FP32_THREADS if problem.dtype == "float32" else tile.threads
     blocks = query_tiles(problem, block_m(problem, tile))
     if isinstance(tile, WsTile):  # persistent: one block per SM walks the query tiles
-        blocks = min(blocks, device_sm_count(device_id))
+        blocks = min(blocks, facts.sms)
 
     log.debug("mha_ep: fused path: %s, %d blocks x %d threads, %d bytes of shared memory", name, blocks, threads,
-              shared)  # (the three-phase path says why it was taken: backend.py)
+              shared)  # (the three-phase path says why it was taken: pipeline.py)
 
     i64, i32 = np.int64, np.int32
-    with cupy.cuda.Device(device_id):
-        kernel = get_fused_kernel(device_id, name, shared)
     return FusedLaunch(
-        kernel=kernel, blocks=blocks, threads=threads, shared=shared, tile=tile, in_bytes=in_bytes,
+        name=name, blocks=blocks, threads=threads, shared=shared, tile=tile, in_bytes=in_bytes,
         strides=tuple(tuple(i64(s) for s in strides[name]) for name in ("q", "k", "v")),
         mask_kind=mask_kind, bias_dims=(i32(d0), i32(d1)),
         scalars=(

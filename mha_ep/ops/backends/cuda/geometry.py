@@ -12,6 +12,7 @@ size. This module must not import CuPy.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from mha_ep import limits
@@ -161,3 +162,9 @@ def plan_launch(geometry: Geometry, dtype: str) -> LaunchPlan:
         grids=grids,
         nbytes=nbytes,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def cached_plan(geometry: Geometry, dtype: str) -> LaunchPlan:
+    """plan_launch memoised on (Geometry, dtype): repeated shapes skip the checks' Python cost."""
+    return plan_launch(geometry, dtype)

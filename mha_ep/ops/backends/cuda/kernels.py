@@ -36,15 +36,21 @@ if TYPE_CHECKING:  # CuPy is imported where a kernel is built, so the source hel
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 COMMON_HEADER = "common.cuh"
-# kernel -> (source file, its template arguments after the element type; None: the element type alone)
+# kernel -> (source file, its template arguments after the element type; None: the element type alone). Each is
+# built for every element type of ELEMENT_TYPES, except the MASK_KERNELS, built for each MASK_TYPES type alone.
 KERNELS = {
     "build_dense_BNTH": ("layout.cu", (1, 4)),  # VEC
     "context_to_BSD": ("layout.cu", (1, 4)),  # VEC
-    "build_dense_BNTH_native": ("layout.cu", (1, 4)),  # VEC (device-resident mode: sources in the compute dtype)
+    "build_dense_BNTH_native": ("layout.cu", (1, 4)),  # VEC (sources in the compute dtype)
     "narrow_output": ("layout.cu", (1, 4)),  # VEC
+    "widen_to_float": ("layout.cu", (1, 4)),  # VEC (the native route: a node's float16 / bfloat16 tensors)
+    "resolve_key_lengths": ("layout.cu", (None,)),  # ORT's raw key_padding_mask -> the kernels' form
+    "resolve_keep_flags": ("layout.cu", (None,)),
     "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE
     "masked_softmax": ("softmax.cu", (None,)),
 }
+MASK_TYPES = {"int32": "int", "int64": "long long"}  # key_padding_mask element types -> their CUDA types
+MASK_KERNELS = ("resolve_key_lengths", "resolve_keep_flags")
 HOPPER_ARCH = "sm_90a"  # wgmma and TMA code: compiled by NVRTC directly (compile_arch_kernel)
 # fused kernel -> (source file, the architecture it needs; None: the device's own, through CuPy's NVRTC path)
 INSTANTIATED = {
@@ -88,8 +94,15 @@ def kernel_source(file_name: str) -> str:
 
 
 def name_expression(kernel: str, dtype: str, variant: Optional[int] = None) -> str:
-    arguments = ELEMENT_TYPES[dtype] if variant is None else f"{ELEMENT_TYPES[dtype]}, {variant}"
+    """``kernel<T[, variant]>``, T the CUDA type of ``dtype`` (an element type, or for MASK_KERNELS a mask type)."""
+    element = (MASK_TYPES if kernel in MASK_KERNELS else ELEMENT_TYPES)[dtype]
+    arguments = element if variant is None else f"{element}, {variant}"
     return f"{kernel}<{arguments}>"
+
+
+def kernel_types(kernel: str) -> tuple:
+    """The dtypes ``kernel`` is built for."""
+    return tuple(MASK_TYPES if kernel in MASK_KERNELS else ELEMENT_TYPES)
 
 
 def _module(device_id: int, file_name: str) -> cupy.RawModule:
@@ -104,7 +117,7 @@ def _module(device_id: int, file_name: str) -> cupy.RawModule:
                 for kernel, (source, variants) in KERNELS.items()
                 if source == file_name
                 for variant in variants
-                for dtype in ELEMENT_TYPES
+                for dtype in kernel_types(kernel)
             ]
             module = cupy.RawModule(
                 code=kernel_source(file_name), options=COMPILE_OPTIONS, name_expressions=expressions

@@ -1,36 +1,37 @@
 """The layout movers' arguments (kernels/layout.cu ``build_dense_rows``): which sources, destinations and score
 offsets each of a call's three movers (Q, K, V) has, as values (``layout_movers``), and their by-value form for
-the kernel (``mover_struct``). The bridge (backend.py) and device-resident mode (device_entry.py) both launch
-them through ``backend.launch_movers``. This module must not import CuPy (its rules are tested on CPU machines).
+the kernel (``mover_struct``). Every route launches them through pipeline.py (``mover_launch``). This module must not import CuPy (its rules are tested on CPU machines).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 
 from mha_ep.ops.backends.cuda import dispatch
 from mha_ep.ops.backends.cuda.geometry import LaunchPlan
+from mha_ep.ops.backends.cuda.steps import Struct
 
 
 class Mover(NamedTuple):
-    """One layout mover's work (layout.cu ``Mover``): device addresses (None: not given) and sizes."""
+    """One layout mover's work (layout.cu ``Mover``): device addresses (ints or steps.Buffer; None: not given)
+    and sizes."""
 
-    cur: int
+    cur: object
     cur_is_bnsh: bool
-    past: Optional[int]
-    bias: Optional[int]
+    past: object
+    bias: object
     bias_in_operand: bool
-    dst: int
-    present: Optional[int]  # the float32 present (bridge) or the call-dtype present apart from dst (device mode)
+    dst: object
+    present: object  # the float32 present (bridge) or the call-dtype present apart from dst (device mode)
     cur_seq: int
     past_seq: int
     dim: int
-    offset_weight: Optional[int] = None  # step 5 of the kernel: the scores' offsets of the rows it stores
+    offset_weight: object = None  # step 5 of the kernel: the scores' offsets of the rows it stores
     offset_adds_bias: bool = False
     offset_guard: bool = False
-    offset_out: Optional[int] = None
+    offset_out: object = None
 
 
 # layout.cu's struct Mover, field for field (tests/test_cuda_kernel_source.py compares the two): the kernels take
@@ -45,15 +46,17 @@ MOVER_FIELDS = (
 MOVER_DTYPE = np.dtype(list(MOVER_FIELDS), align=True)
 
 
-def mover_struct(m: Mover, scale: float, two_byte_present: bool) -> np.ndarray:
-    """``m`` as layout.cu's struct Mover (a one-element structured array: CuPy passes it by value). ``present``
-    goes to dst_present_BNTH when ``two_byte_present`` (device mode), else to dst_f32_BNTH."""
-    present = int(m.present or 0)
-    return np.array([(
-        m.cur or 0, m.past or 0, m.bias or 0, m.dst, 0 if two_byte_present else present,
-        present if two_byte_present else 0, m.offset_weight or 0, m.offset_out or 0, int(m.cur_is_bnsh),
-        int(m.bias_in_operand), int(m.offset_adds_bias), int(m.offset_guard), scale, m.cur_seq, m.past_seq, m.dim,
-    )], dtype=MOVER_DTYPE)  # fmt: skip
+def mover_struct(m: Mover, scale: float, two_byte_present: bool) -> Struct:
+    """``m`` as layout.cu's struct Mover, passed by value (steps.Struct: its pointer fields hold addresses, ints
+    or steps.Buffer names). ``present`` goes to dst_present_BNTH when ``two_byte_present`` (sources and presents
+    in the call's dtype), else to dst_f32_BNTH."""
+    present = m.present
+    return Struct(MOVER_DTYPE, (
+        m.cur, m.past, m.bias, m.dst, None if two_byte_present else present,
+        present if two_byte_present else None, m.offset_weight, m.offset_out, np.int32(m.cur_is_bnsh),
+        np.int32(m.bias_in_operand), np.int32(m.offset_adds_bias), np.int32(m.offset_guard), np.float32(scale),
+        np.int32(m.cur_seq), np.int32(m.past_seq), np.int32(m.dim),
+    ))  # fmt: skip
 
 
 # layout_movers' source names -> the MhaProblem fields that hold them

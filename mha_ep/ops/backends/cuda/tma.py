@@ -27,6 +27,8 @@ from typing import Optional
 
 import numpy as np
 
+from mha_ep.ops.backends.cuda.steps import Buffer, alignment_of
+
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 TENSOR_MAP_ALIGNMENT = 64  # the driver writes the map to a 64-byte aligned address
 BOX_COLUMNS = 64  # elements of one box row: one 128-byte swizzle atom of 2-byte elements
@@ -50,7 +52,7 @@ class TileMap:
     ``strides`` the byte strides of seq, head and batch, a box of BOX_COLUMNS x ``box_rows`` x 1 x 1."""
 
     name: str  # the operand ("q", "k", "v"), for messages
-    address: int
+    address: object  # an int, or a steps.Buffer that the native route binds when it encodes the map
     dtype: str
     dims: tuple[int, int, int, int]
     strides: tuple[int, int, int]
@@ -64,7 +66,8 @@ class TileMap:
         raises ValueError when TMA cannot read it (tile_map_problem)."""
         stride_b, stride_h, stride_s = strides
         byte_strides = (stride_s * ELEMENT_BYTES, stride_h * ELEMENT_BYTES, stride_b * ELEMENT_BYTES)
-        spec = cls(name, int(address), dtype, (dim, seq, heads, batch), byte_strides, box_rows)
+        address = address if isinstance(address, Buffer) else int(address)
+        spec = cls(name, address, dtype, (dim, seq, heads, batch), byte_strides, box_rows)
         problem = tile_map_problem(spec)
         if problem is not None:
             raise ValueError(f"TMA tile map of operand {name}: {problem}")
@@ -77,8 +80,9 @@ def tile_map_problem(spec: TileMap) -> Optional[str]:
     2^40; every size in 1..2^32; box rows in 1..256."""
     if spec.dtype not in DATA_TYPES:
         return f"dtype {spec.dtype!r} is not one of {sorted(DATA_TYPES)}"
-    if spec.address % GLOBAL_ALIGNMENT:
-        return f"address {spec.address:#x} is not {GLOBAL_ALIGNMENT}-byte aligned"
+    if alignment_of(spec.address) < GLOBAL_ALIGNMENT:
+        address = spec.address if isinstance(spec.address, tuple) else f"{spec.address:#x}"
+        return f"address {address} is not {GLOBAL_ALIGNMENT}-byte aligned"
     for axis, stride in zip(("seq", "head", "batch"), spec.strides):
         if stride <= 0 or stride % GLOBAL_ALIGNMENT or stride >= MAX_STRIDE:
             return (f"the {axis} stride of {stride} bytes is not a positive multiple of {GLOBAL_ALIGNMENT} below "
@@ -122,6 +126,29 @@ def _error_string(library, result: int) -> str:
     return f"CUresult {result}"
 
 
+@dataclass(frozen=True)
+class EncodeArguments:
+    """cuTensorMapEncodeTiled's arguments for a TileMap, besides the map and the global address: one definition
+    for ``encode`` here and for the native route's C library, which encodes the map at every call."""
+
+    data_type: int
+    rank: int
+    dims: tuple
+    strides: tuple
+    box: tuple
+    element_strides: tuple
+    interleave: int
+    swizzle: int
+    l2_promotion: int
+    oob_fill: int
+
+
+def encode_arguments(spec: TileMap) -> EncodeArguments:
+    return EncodeArguments(DATA_TYPES[spec.dtype], 4, tuple(spec.dims), tuple(spec.strides),
+                           (BOX_COLUMNS, spec.box_rows, 1, 1), (1, 1, 1, 1), INTERLEAVE_NONE, SWIZZLE_128B,
+                           L2_PROMOTION_128B, FLOAT_OOB_FILL_NONE)  # fmt: skip
+
+
 @functools.lru_cache(maxsize=1024)
 def encode(spec: TileMap) -> np.ndarray:
     """The driver's 128-byte encoding of ``spec`` as a read-only numpy array of one record (RECORD), which a CuPy
@@ -133,11 +160,11 @@ def encode(spec: TileMap) -> np.ndarray:
     library = _libcuda()
     raw = np.zeros(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGNMENT, np.uint8)
     offset = -raw.ctypes.data % TENSOR_MAP_ALIGNMENT
+    a = encode_arguments(spec)
     result = library.cuTensorMapEncodeTiled(
-        ctypes.c_void_p(raw.ctypes.data + offset), DATA_TYPES[spec.dtype], 4, ctypes.c_void_p(spec.address),
-        (ctypes.c_uint64 * 4)(*spec.dims), (ctypes.c_uint64 * 3)(*spec.strides),
-        (ctypes.c_uint32 * 4)(BOX_COLUMNS, spec.box_rows, 1, 1), (ctypes.c_uint32 * 4)(1, 1, 1, 1),
-        INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_128B, FLOAT_OOB_FILL_NONE,
+        ctypes.c_void_p(raw.ctypes.data + offset), a.data_type, a.rank, ctypes.c_void_p(spec.address),
+        (ctypes.c_uint64 * 4)(*a.dims), (ctypes.c_uint64 * 3)(*a.strides), (ctypes.c_uint32 * 4)(*a.box),
+        (ctypes.c_uint32 * 4)(*a.element_strides), a.interleave, a.swizzle, a.l2_promotion, a.oob_fill,
     )  # fmt: skip
     if result != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled refused the TMA tile map of operand {spec.name} "

@@ -217,3 +217,34 @@ __global__ void narrow_output(const float* __restrict__ src, ELEM* __restrict__ 
     store_elems<ELEM, VEC>(dst + idx * VEC, stored);
   }
 }
+
+// A node's ELEM tensor (float16 / bfloat16, as ORT hands it to the native route) -> float32, exact: the inputs of
+// the float32 pipeline (pipeline.py step 3) and attention_bias, which every kernel reads as float32. VEC as above.
+template <typename ELEM, int VEC>
+__global__ void widen_to_float(const ELEM* __restrict__ src, float* __restrict__ dst, long long count) {
+  for (long long idx = grid_first_index(); idx < count / VEC; idx += grid_stride()) {
+    float value[VEC];
+    load_as_floats<ELEM, VEC>(src + idx * VEC, value);
+    store_floats<VEC>(dst + idx * VEC, value);
+  }
+}
+
+// ORT's raw key_padding_mask (int32 or int64) -> the kernels' forms, read as ORT's CPU kernel reads it
+// (problem.py resolve_padding_mask; the bridge does the same on the host):
+//   resolve_key_lengths: a (B,) or (3B+2,) mask: key lengths are the first B entries, clamped to [0, T];
+//   resolve_keep_flags:  a (B, T) or (B, S, T) mask: key kept (1) iff its value is > 0.
+template <typename M>
+__global__ void resolve_key_lengths(const M* __restrict__ mask, int* __restrict__ lengths_B, int batch,
+                                    int total_seq) {
+  for (long long b = grid_first_index(); b < batch; b += grid_stride()) {
+    const long long value = (long long)mask[b];
+    lengths_B[b] = (int)(value < 0 ? 0 : (value > total_seq ? total_seq : value));
+  }
+}
+
+template <typename M>
+__global__ void resolve_keep_flags(const M* __restrict__ mask, unsigned char* __restrict__ keep, long long count) {
+  for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
+    keep[idx] = mask[idx] > 0 ? 1 : 0;
+  }
+}

@@ -1,0 +1,223 @@
+"""A call's device work as values: the steps the cuda backend's pipeline returns (pipeline.py), and how CuPy runs them.
+
+Three routes drive one pipeline and differ only in who runs its steps:
+  * the bridge and device-resident mode run them here (``run_steps``), through CuPy, on concrete addresses;
+  * the native route (mha_ep/native) encodes them once per call signature for its C library, which launches them
+    with the CUDA driver on ORT's buffers and stream; there, addresses are ``Buffer`` names bound at every call.
+
+A step is one of:
+  Launch  one kernel: its NVRTC name expression, grid, block, dynamic shared memory and arguments;
+  Gemm    one cuBLAS strided-batched GemmEx (fp32 compute, fp32 output, host alpha; the math mode is never TF32);
+  Copy    a device-to-device copy;
+  Fill    a byte pattern over device memory (poisoned buffers, for tests).
+A kernel argument is a numpy scalar (np.int32, np.int64, np.float32: its C type), ``Pointer`` (an address, or
+None for null), ``Struct`` (a C struct by value whose pointer fields hold addresses) or ``TensorMap`` (a TMA map,
+cuda.h's CUtensorMap, encoded from its spec once the address is known).
+
+This module imports CuPy only inside ``run_steps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Union
+
+import numpy as np
+
+BUFFER_ALIGNMENT = 256  # what a Buffer's base promises unless it says otherwise (ORT's and CuPy's allocations)
+
+
+class Buffer(NamedTuple):
+    """A device address named until the call runs: the base bound to ``name`` plus ``offset`` bytes. ``align``
+    is the alignment in bytes the base is known to have (a power of two)."""
+
+    name: str
+    offset: int = 0
+    align: int = BUFFER_ALIGNMENT
+
+    def at(self, nbytes: int) -> "Buffer":
+        """The address ``nbytes`` further on."""
+        return Buffer(self.name, self.offset + int(nbytes), self.align)
+
+
+Address = Union[int, Buffer, None]
+
+
+def alignment_of(address: Address) -> int:
+    """The largest power of two known to divide ``address`` (capped at BUFFER_ALIGNMENT; None, the null pointer,
+    counts as aligned)."""
+    if address is None:
+        return BUFFER_ALIGNMENT
+    if isinstance(address, Buffer):
+        base, offset = min(address.align, BUFFER_ALIGNMENT), address.offset
+    else:
+        base, offset = BUFFER_ALIGNMENT, int(address)
+    return min(base, offset & -offset) if offset else base
+
+
+def offset_address(address: Address, nbytes: int) -> Address:
+    """``address`` + ``nbytes`` for either form (None stays None)."""
+    if address is None:
+        return None
+    if isinstance(address, Buffer):
+        return address.at(nbytes)
+    return int(address) + int(nbytes)
+
+
+@dataclass(frozen=True)
+class Pointer:
+    address: Address
+
+
+@dataclass(frozen=True)
+class Struct:
+    """A C struct passed by value: ``dtype`` a numpy structured dtype with C alignment (its layout is the
+    kernel's struct, checked by tests), ``values`` one per field, in order; pointer fields (np.uint64) hold
+    addresses."""
+
+    dtype: np.dtype
+    values: tuple
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """A TMA map of ``spec`` (a tma.TileMap whose ``address`` may be a Buffer), encoded when it is launched."""
+
+    spec: object
+
+
+Argument = Union[np.number, Pointer, Struct, TensorMap]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch. ``fused``: one of kernels.INSTANTIATED (looked up through fused.get_fused_kernel, which
+    raises its shared-memory limit; bench/fused_timing.py swaps it)."""
+
+    function: str
+    grid: tuple
+    block: tuple
+    shared: int
+    args: tuple
+    fused: bool = False
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """C = alpha * op(A) . op(B), column-major, batched with strides (elements), fp32 compute into float32 C."""
+
+    trans_a: int
+    trans_b: int
+    m: int
+    n: int
+    k: int
+    alpha: float
+    a: Address
+    a_type: int
+    lda: int
+    stride_a: int
+    b: Address
+    b_type: int
+    ldb: int
+    stride_b: int
+    c: Address
+    ldc: int
+    stride_c: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class Copy:
+    dst: Address
+    src: Address
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Fill:
+    dst: Address
+    byte: int
+    nbytes: int
+
+
+Step = Union[Launch, Gemm, Copy, Fill]
+
+
+def addresses_of(step: Step) -> list:
+    """Every address a step reads or writes (for checks: a symbolic step binds only known names)."""
+    if isinstance(step, Launch):
+        found = []
+        for arg in step.args:
+            if isinstance(arg, Pointer):
+                found.append(arg.address)
+            elif isinstance(arg, Struct):
+                found.extend(v for v, (name, kind) in zip(arg.values, struct_fields(arg.dtype)) if kind == "pointer")
+            elif isinstance(arg, TensorMap):
+                found.append(arg.spec.address)
+        return [a for a in found if a is not None and a != 0]
+    if isinstance(step, Gemm):
+        return [step.a, step.b, step.c]
+    if isinstance(step, Copy):
+        return [step.dst, step.src]
+    return [step.dst]
+
+
+def struct_fields(dtype: np.dtype) -> list:
+    """(field name, "pointer" | "value") of a Struct's dtype: np.uint64 fields are pointers."""
+    return [(name, "pointer" if dtype.fields[name][0] == np.dtype(np.uint64) else "value") for name in dtype.names]
+
+
+# ------------------------------------------------------------------------------------------ running on CuPy
+def struct_array(arg: Struct) -> np.ndarray:
+    """``arg`` on concrete addresses as a one-element structured array (what CuPy passes by value)."""
+    values = tuple(_concrete(v) if kind == "pointer" else v for v, (_, kind) in zip(arg.values, struct_fields(arg.dtype)))
+    return np.array([values], dtype=arg.dtype)
+
+
+def _concrete(address: Address) -> int:
+    if address is None:
+        return 0
+    if isinstance(address, Buffer):
+        raise ValueError(f"cuda steps: address {address} is symbolic; CuPy runs steps on concrete addresses")
+    return int(address)
+
+
+def _kernel_argument(arg):
+    from mha_ep.ops.backends.cuda import tma
+
+    if isinstance(arg, Pointer):
+        return np.uint64(_concrete(arg.address))
+    if isinstance(arg, Struct):
+        return struct_array(arg)
+    if isinstance(arg, TensorMap):
+        return tma.encode(arg.spec)
+    return arg
+
+
+def run_steps(device_id: int, steps, stream) -> None:
+    """Queue ``steps`` (concrete addresses) on ``stream`` (a cupy Stream) on device ``device_id``: launches only,
+    no allocation, no synchronization."""
+    import cupy
+
+    from mha_ep.ops.backends.cuda import fused, gemm, kernels
+
+    with cupy.cuda.Device(device_id), stream:
+        for step in steps:
+            if isinstance(step, Launch):
+                if step.fused:
+                    function = fused.get_fused_kernel(device_id, step.function, step.shared)
+                else:
+                    function = kernels.get_function(device_id, step.function)
+                args = tuple(_kernel_argument(a) for a in step.args)
+                function(step.grid, step.block, args, shared_mem=step.shared)
+            elif isinstance(step, Gemm):
+                gemm.run_gemm(step, stream.ptr, _concrete)
+            elif isinstance(step, Copy):
+                if step.nbytes:
+                    cupy.cuda.runtime.memcpyAsync(_concrete(step.dst), _concrete(step.src), step.nbytes,
+                                                  cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)  # fmt: skip
+            elif isinstance(step, Fill):
+                if step.nbytes:
+                    cupy.cuda.runtime.memsetAsync(_concrete(step.dst), step.byte, step.nbytes, stream.ptr)
+            else:
+                raise TypeError(f"cuda steps: unknown step {step!r}")
