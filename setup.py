@@ -1,13 +1,25 @@
-"""Only one addition to pyproject.toml: a wheel carries the top-level ``models/`` folder (the shipped models,
-MANIFEST.json, speech wavs) as ``mha_ep/_shipped_models``, where mha_ep/shipped.py looks first."""
+"""Two additions to pyproject.toml:
+  * the native route's custom-op library, mha_ep/native/_native.c, built with the machine's C compiler and the
+    Python headers alone (no CUDA toolkit, no ORT headers: mha_ep/native/__init__.py). Without a compiler the
+    install still succeeds and says why the native route is missing; ``mha-ep --version`` says it too;
+  * a wheel carries the top-level ``models/`` folder (the shipped models, MANIFEST.json, speech wavs) as
+    ``mha_ep/_shipped_models``, where mha_ep/shipped.py looks first."""
 
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 SHIPPED = ("*.onnx", "*.json", "*.wav")
+NATIVE = Extension(
+    "mha_ep.native._native",
+    sources=["mha_ep/native/_native.c"],
+    extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration", "-fvisibility=hidden"],
+    libraries=["dl", "pthread"],
+    py_limited_api=True,  # the stable ABI (Py_LIMITED_API in the source): one build for Python 3.10 and newer
+)
 
 
 class BuildPyWithModels(build_py):
@@ -23,4 +35,23 @@ class BuildPyWithModels(build_py):
                 shutil.copy2(path, target / path.name)
 
 
-setup(cmdclass={"build_py": BuildPyWithModels})
+class OptionalBuildExt(build_ext):
+    """The native library is optional: a machine without a C compiler keeps the onnxruntime-extensions route."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as error:  # noqa: BLE001 - distutils raises several kinds (no compiler, compile error)
+            self.warn(f"mha_ep: the native custom-op library was not built ({error}); the onnxruntime-extensions "
+                      f"route still works. Install a C compiler and the Python headers, then reinstall.")
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as error:  # noqa: BLE001
+            self.warn(f"mha_ep: the native custom-op library was not built ({error}); the onnxruntime-extensions "
+                      f"route still works. Install a C compiler and the Python headers, then reinstall.")
+
+
+setup(cmdclass={"build_py": BuildPyWithModels, "build_ext": OptionalBuildExt}, ext_modules=[NATIVE],
+      options={"bdist_wheel": {"py_limited_api": "cp310"}})

@@ -22,6 +22,7 @@ __all__ = [
     "partition",
     "PartitionResult",
     "register",
+    "route_of",
     "InferenceSession",
     "compare",
     "shipped_model",
@@ -41,11 +42,18 @@ from mha_ep import compare  # noqa: E402 - the module; calling it compares (mha_
 from mha_ep.shipped import shipped_model  # noqa: E402
 
 
-def register(session_options, backend: str = "auto", device_id: int = 0):
+def register(session_options, backend: str = "auto", device_id: int = 0, route: str = "auto"):
     """Register the plugin on an onnxruntime.SessionOptions; see mha_ep.ops.registration.register."""
     from mha_ep.ops.registration import register as _register
 
-    return _register(session_options, backend, device_id)
+    return _register(session_options, backend, device_id, route)
+
+
+def route_of(session_options):
+    """"native" or "python-op": the route ``mha_ep.register`` put on ``session_options`` (None: none)."""
+    from mha_ep.ops.registration import route_of as _route_of
+
+    return _route_of(session_options)
 
 
 def __getattr__(name):

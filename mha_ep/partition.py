@@ -8,8 +8,11 @@ Rules of the pass (the code refers to them by number):
      written out, since the bridge requires every declared attribute) and, for float32 nodes, the same tensor
      names (float16/bfloat16 nodes: rule 5), plus the ``mha_ep_*`` attributes of mha_ep/spec.py.
   4. Absent optional inputs are fed from zero-size placeholder initializers; unused outputs get placeholder names.
-  5. float16/bfloat16 nodes: float inputs pass through Cast(to=float32) and outputs come back through Cast(to=the
-     node's dtype), exact both ways. One Cast per tensor, shared by every claimed node that reads it.
+  5. float16/bfloat16 nodes on the Python-op route (``route="python-op"``, the default): float inputs pass through
+     Cast(to=float32) and outputs come back through Cast(to=the node's dtype), exact both ways. One Cast per
+     tensor, shared by every claimed node that reads it. On the native route (``route="native"``: mha_ep/native,
+     whose kernels take every float type) nodes keep their tensors and their type, and the placeholders of absent
+     float inputs have the node's type.
   6. A model-local function named like the plugin op makes an unregistered load fail with an error that says to
      call mha_ep.register.
   7. Nodes already in the plugin domain are left as they are and reported as claimed: partitioning a partitioned
@@ -73,6 +76,7 @@ class PartitionResult:
     notes: List[str] = field(default_factory=list)
     lift_requested: bool = False
     lift_decisions: list = field(default_factory=list)  # mha_ep.lift.LiftDecision, graph order
+    route: str = "python-op"  # the form of the claimed nodes (the pass's Rule 5)
 
     @property
     def claimed(self) -> int:
@@ -110,6 +114,7 @@ class PartitionResult:
     def to_dict(self) -> dict:
         return {
             "mha_nodes": len(self.decisions),
+            "route": self.route,
             "claimed": self.claimed,
             "declined": self.declined,
             "lift_attention": self.lift_requested,
@@ -295,8 +300,15 @@ def is_plugin_mha(node: onnx.NodeProto) -> bool:
     return node.op_type == spec.OP_TYPE and node.domain == spec.PLUGIN_DOMAIN
 
 
-def partition(model, lift_attention: bool = False) -> PartitionResult:
-    """Partition ``model`` (an onnx.ModelProto or a path); the input model is not modified."""
+ROUTES = ("python-op", "native")
+
+
+def partition(model, lift_attention: bool = False, route: str = "python-op") -> PartitionResult:
+    """Partition ``model`` (an onnx.ModelProto or a path); the input model is not modified. ``route``: the form
+    of the claimed nodes (Rule 5): "python-op" runs on both routes; "native" only where mha_ep.register took the
+    native route, without the float32 Casts of float16 / bfloat16 nodes."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     from mha_ep.environment import require_onnxruntime
 
     require_onnxruntime()  # without ORT's symbolic shape inference every decision would rest on missing shapes
@@ -333,9 +345,8 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
         if not decision.claimed:
             new_nodes.append(node)
             continue
-        new_nodes.extend(
-            claim_node(node, index, infos[node.input[0]].dtype, casts_done, used_placeholders, value_infos, names)
-        )
+        new_nodes.extend(claim_node(node, index, infos[node.input[0]].dtype, casts_done, used_placeholders,
+                                    value_infos, names, transport=route == "python-op"))  # fmt: skip
         modified = True
     if modified:
         del graph.node[:]
@@ -356,7 +367,8 @@ def partition(model, lift_attention: bool = False) -> PartitionResult:
             f"{count} com.microsoft::Attention node(s) stay with ORT"
             + ("" if lift_attention else "; partition(..., lift_attention=True) rewrites them into MatMuls + MHA")
         )
-    return PartitionResult(model, decisions, lifted, notes, lift_requested=lift_attention, lift_decisions=lift_decisions)
+    return PartitionResult(model, decisions, lifted, notes, lift_requested=lift_attention, lift_decisions=lift_decisions,
+                           route=route)  # fmt: skip
 
 
 PLUGIN_ATTRIBUTE_TYPE = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT, "string": onnx.AttributeProto.STRING}
@@ -486,17 +498,20 @@ def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
     return decision
 
 
-def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos, names) -> List[onnx.NodeProto]:
-    """Rules 3-5: the plugin node, preceded by its input Casts and followed by its output Casts."""
+def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos, names,
+               transport: bool = True) -> List[onnx.NodeProto]:  # fmt: skip
+    """Rules 3-5: the plugin node, preceded by its input Casts and followed by its output Casts (``transport``:
+    the Python-op route's float32 Casts of a float16 / bfloat16 node)."""
     before: List[onnx.NodeProto] = []
     after: List[onnx.NodeProto] = []
-    reduced = dtype in ONNX_TO_ELEM
+    reduced = dtype in ONNX_TO_ELEM and transport
+    float_type = "float32" if transport or dtype not in ONNX_TO_ELEM else dtype
     supplied = []
     inputs = []
     for slot, name in enumerate(spec.PLUGIN_INPUTS):
         tensor = node.input[slot] if slot < len(node.input) else ""
         if not tensor:
-            placeholder = spec.ABSENT_INT32 if name == "key_padding_mask" else spec.ABSENT_FLOAT
+            placeholder = spec.ABSENT_INT32 if name == "key_padding_mask" else spec.absent_float(float_type)
             used_placeholders.add(placeholder)
             inputs.append(placeholder)
             continue
@@ -525,8 +540,9 @@ def claim_node(node, index, dtype, casts_done, used_placeholders, value_infos, n
             after.append(helper.make_node("Cast", [transport], [tensor], to=ONNX_TO_ELEM[dtype], name=transport))
             tensor = transport
         outputs.append(tensor)
+    elem = ONNX_TO_ELEM.get(float_type, onnx.TensorProto.FLOAT)
     for tensor in outputs:  # typed, so that ORT's checks of an unregistered load reach Rule 6's message
-        value_infos.append(helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None))
+        value_infos.append(helper.make_tensor_value_info(tensor, elem, None))
     plugin = onnx.NodeProto()
     plugin.CopyFrom(node)  # the name as its bytes, even when they are not UTF-8 (reading node.name would raise)
     del plugin.input[:], plugin.output[:]
@@ -621,9 +637,10 @@ class NameSet:
 
 def add_placeholders(graph: onnx.GraphProto, used: set) -> None:
     existing = {init.name for init in graph.initializer}
+    types = {spec.ABSENT_INT32: onnx.TensorProto.INT32, spec.absent_float("float32"): onnx.TensorProto.FLOAT,
+             **{spec.absent_float(dtype): elem for dtype, elem in ONNX_TO_ELEM.items()}}  # fmt: skip
     for name in sorted(used - existing):
-        dtype = np.int32 if name == spec.ABSENT_INT32 else np.float32
-        graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((0,), dtype), name))
+        graph.initializer.append(helper.make_tensor(name, types[name], [0], []))
 
 
 def add_plugin_domain(model: onnx.ModelProto) -> None:

@@ -80,6 +80,15 @@ PLUGIN_ATTRIBUTES = ORT_ATTRIBUTES + (
 # really supplied is said by ATTR_INPUTS, never guessed from sizes (a past of length 0 is a real input).
 ABSENT_FLOAT = "mha_ep.absent.float32"
 ABSENT_INT32 = "mha_ep.absent.int32"
+
+
+def absent_float(dtype: str) -> str:
+    """The placeholder of an absent float input of a node whose float tensors are ``dtype`` (float32 on the
+    Python-op route; the node's own type on the native route)."""
+    return f"mha_ep.absent.{dtype}"
+
+
+
 # Unwanted outputs get a name of this form; the op returns a zero-size array for them.
 UNUSED_OUTPUT_SUFFIX = "/mha_ep.unused"
 # float16/bfloat16 nodes: the bridge refuses those element types, so values travel as float32 through Cast

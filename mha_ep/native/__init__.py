@@ -1,0 +1,108 @@
+"""The native route: claimed nodes as a custom op of ORT's own execution providers, from a C library of ours.
+
+    options = mha_ep.register(onnxruntime.SessionOptions(), backend="cuda")      # route "auto" picks this one
+    session = onnxruntime.InferenceSession(partitioned, options, providers=["CUDAExecutionProvider"])
+
+``_native.c`` is one shared object, a Python extension module and an ORT custom-op library at once (``pip
+install`` builds it with the C compiler alone). ``register`` loads it into a SessionOptions
+(``register_custom_ops_library``), which adds the domain ``mha_ep`` with a MultiHeadAttention kernel for
+  * CUDAExecutionProvider (when the options ask for it): ORT's device buffers and stream, our kernels launched
+    by the CUDA driver from a plan made once per call signature (plan.py, gpu.py) out of the cuda backend's
+    pipeline; no Python, no host copy, no Memcpy node on a repeated signature, and ORT's ``enable_cuda_graph``
+    captures it; temporaries from ORT's allocator;
+  * CPUExecutionProvider: ORT's host buffers handed to Python without a copy (host.py), where the backend the
+    session runs (reference, or the cuda backend through host copies) computes the call.
+Both read a partitioned model in either form (mha_ep/partition.py): the Python op's, where float16 / bfloat16
+nodes talk float32 through Casts, and the native form (``partition(..., route="native")``), where they keep their
+own element type, so that a bfloat16 model runs on the GPU in a plain ORT session.
+
+Errors are ORT statuses that name the node, the input, its shape and what was expected: the run fails, the session
+stays usable, the process never aborts. This package imports neither CuPy nor onnxruntime until it has to.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Optional
+
+CONFIG_EPS = "mha_ep.native_eps"  # session config entry _native.c's RegisterCustomOps reads: "cpu" | "cpu,cuda"
+CONFIG_LOADED = "mha_ep.native"  # set once the library is in a SessionOptions (ORT refuses a second load)
+_lock = threading.Lock()
+_state: dict = {"module": None, "error": None}
+
+
+class Settings:
+    """Process-wide choices of the native planner (tests and benchmarks change them; ``reset_plans`` applies a
+    change to signatures already planned)."""
+
+    fused_path = True  # False: every call takes the three phases (MHA_EP_THREE_PHASE=1 does the same)
+    poison = False  # fill every temporary with NaN before the kernels run (tests)
+
+
+settings = Settings()
+
+
+def _import():
+    from mha_ep.native import _native
+
+    return _native
+
+
+def library():
+    """The configured ``_native`` module; raises ImportError with the reason when it was not built."""
+    with _lock:
+        if _state["module"] is not None:
+            return _state["module"]
+        module = _import()
+        from mha_ep.native import configs, gpu, host
+        from mha_ep.ops import interrupt
+
+        module.configure(configs.describe_kernel, gpu.plan_call, host.compute, configs.ATTRIBUTES)
+        interrupt.mark_op_code(host.compute)
+        atexit.register(module.shutdown)
+        _state["module"] = module
+        return module
+
+
+def unavailable_reason() -> Optional[str]:
+    """None when the native library is built and loads; else why not, in one sentence."""
+    try:
+        _import()
+    except ImportError as error:
+        return (f"the native custom-op library mha_ep/native/_native is not built ({error}); reinstall mha-ep with "
+                f"a C compiler and the Python headers present")  # fmt: skip
+    return None
+
+
+def library_path() -> str:
+    """The file ORT must open: the very module Python loaded (they then share its globals)."""
+    return library().__file__
+
+
+def stats() -> dict:
+    """The plan cache: plans held, hits, misses (planner calls), evictions."""
+    return library().stats()
+
+
+def reset_plans() -> None:
+    """Forget every plan (the next call of each signature plans again, with the current settings)."""
+    library().clear_plans()
+
+
+def register_library(session_options, with_cuda: bool) -> None:
+    """Load the native library into ``session_options``: CPU kernels, and CUDA kernels when ``with_cuda``. Once
+    per SessionOptions (a second load is refused by ORT; a second call here keeps the first choice)."""
+    path = library_path()
+    if _config_entry(session_options, CONFIG_LOADED):
+        return
+    session_options.add_session_config_entry(CONFIG_EPS, "cpu,cuda" if with_cuda else "cpu")
+    session_options.register_custom_ops_library(path)
+    session_options.add_session_config_entry(CONFIG_LOADED, "1")
+
+
+def _config_entry(session_options, key: str) -> Optional[str]:
+    try:
+        return session_options.get_session_config_entry(key)
+    except Exception:  # noqa: BLE001 - ORT raises when the entry does not exist
+        return None

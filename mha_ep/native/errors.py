@@ -1,0 +1,37 @@
+"""How the native route's Python callbacks answer the C library when a call fails: never by raising.
+
+A failure becomes (ORT error code, message): the library turns it into the OrtStatus that ends the run, and ORT's
+own error names the node again ("... running MultiHeadAttention node. Name:'mha' Status Message: <ours>"). Through
+``mha_ep.InferenceSession`` the failure is also recorded on the run's context (mha_ep/ops/context.py), so the
+session raises MhaRunError with the node and the message, as on the Python-op route.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mha_ep.errors import MESSAGE_PREFIX, MhaInputError, MhaModelError
+from mha_ep.ops.context import current_context
+from mha_ep.ops.op import describe
+
+log = logging.getLogger("mha_ep")
+ORT_FAIL = 1
+ORT_INVALID_ARGUMENT = 2
+
+
+def failure(node: str, error: BaseException) -> tuple:
+    """(code, message) of ``error`` raised by a call of node ``node``, recorded on the run's context if any."""
+    message = describe(error)
+    context = current_context()
+    if context is not None:
+        context.record(node, message)
+    code = ORT_INVALID_ARGUMENT if isinstance(error, (MhaInputError, MhaModelError)) else ORT_FAIL
+    return code, f"mha_ep MultiHeadAttention node '{node}': {message.removeprefix(MESSAGE_PREFIX)}"
+
+
+def interrupted(node: str) -> tuple:
+    """A Ctrl-C that reached a call: the run stops (KeyboardInterrupt follows, mha_ep/ops/interrupt.py)."""
+    context = current_context()
+    if context is not None:
+        context.interrupt()
+    return ORT_FAIL, f"mha_ep MultiHeadAttention node '{node}': interrupted (KeyboardInterrupt)"
