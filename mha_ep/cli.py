@@ -3,7 +3,7 @@
     mha-ep demo                          the shipped BERT and Whisper models, plugin vs stock ORT
     mha-ep partition IN -o OUT           partition a model and print the claim report
     mha-ep compare MODEL [--per-node]    stock ORT vs the plugin on random (or given) feeds, with a verdict
-    mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device (mha-ep bench WHAT --help)
+    mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native (mha-ep bench WHAT --help)
     mha-ep --version                     mha_ep, onnxruntime, onnxruntime-extensions, CuPy, the GPU, the backend
 
 Exit codes: 0 PASS (or done), 1 FAIL (outputs outside tolerance), 2 cannot run (bad input, a model that cannot
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     json_option(p)
     p.set_defaults(func=cmd_compare)
 
-    sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models | device (mha-ep bench WHAT --help)")
+    sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models | device | native (mha-ep bench WHAT --help)")
     return parser
 
 

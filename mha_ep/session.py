@@ -16,7 +16,7 @@ import onnx
 
 from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.context import run_context
-from mha_ep.ops.registration import attach, resolve_backend
+from mha_ep.ops.registration import attach, choose_route, resolve_backend
 from mha_ep.partition import PartitionResult, needs_external_data, partition, write_model
 
 
@@ -30,8 +30,11 @@ class InferenceSession:
     "reference", "cuda"), ``device_id`` (the GPU of the cuda backend), ``lift_attention`` (rewrite
     com.microsoft::Attention into MultiHeadAttention first), ``device_mode``: "auto" runs the whole model on the
     GPU (ORT CUDA pieces + our kernels, mha_ep/device) when ``providers`` include CUDAExecutionProvider and the
-    cuda backend can run, else through the bridge; "device" insists (DeviceModeUnavailableError says why not);
-    "python-op" never tries. ``mode`` and ``mode_reason`` say which runs and why. Other keywords go to onnxruntime.
+    cuda backend can run, else as one onnxruntime session; "device" insists (DeviceModeUnavailableError says why
+    not); "python-op" never tries. ``route`` ("auto", "native", "python-op": registration.choose_route) is the
+    one session's custom-op route: mha_ep's native library (its CUDA kernels on ORT's buffers and stream) or the
+    onnxruntime-extensions Python op. ``mode`` ("device", "native" or "python-op") and ``mode_reason`` say which
+    runs and why. Other keywords go to onnxruntime.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class InferenceSession:
         device_id: int = 0,
         lift_attention: bool = False,
         device_mode="auto",
+        route: str = "auto",
         **kwargs,
     ):
         import onnxruntime as ort
@@ -56,27 +60,37 @@ class InferenceSession:
                 f"mha_ep.InferenceSession: the second argument is onnxruntime.SessionOptions (as in onnxruntime), "
                 f"got the string {sess_options!r}; pass the backend by keyword: backend={sess_options!r}"
             )
-        if isinstance(path_or_bytes, PartitionResult):
-            self.partition: PartitionResult = path_or_bytes
-        else:
-            self.partition = partition(path_or_bytes, lift_attention=lift_attention)
+        given = path_or_bytes if isinstance(path_or_bytes, PartitionResult) else None
+        self.partition: Optional[PartitionResult] = given
         self.device_id = device_id
         self._runner = None
         wanted = normalise_mode(device_mode)
-        self.mode, self.mode_reason = "python-op", "device_mode='python-op' was asked for"
+        self.mode_reason = "device_mode='python-op' was asked for"
         if wanted != "python-op":
+            if self.partition is None:  # device mode cuts the Python-op form (device/plan.py)
+                self.partition = partition(path_or_bytes, lift_attention=lift_attention)
             self._runner, self.mode_reason = _device_runner(self.partition, backend, device_id, sess_options,
                                                             providers, provider_options, wanted, kwargs)  # fmt: skip
         if self._runner is not None:
-            self.mode = "device"
+            self.mode, self.route = "device", None
             self.backend = self._runner.executor.backend
             self._session = None
             return
         self.backend = resolve_backend(backend, device_id)
+        self.route, route_reason = choose_route(route, self.backend)
+        self.mode = self.route
+        self.mode_reason = f"{self.mode_reason}; {route_reason}"
+        if given is not None and given.route == "native" and self.route != "native":
+            raise MhaEpError(f"mha_ep.InferenceSession: the PartitionResult was made with route='native', which only "
+                             f"the native route runs, and this session takes the {self.route} route "
+                             f"({route_reason})")  # fmt: skip
+        if given is None and (self.partition is None or self.partition.route != self.route):
+            form = "native" if self.route == "native" else "python-op"
+            self.partition = partition(path_or_bytes, lift_attention=lift_attention, route=form)
         options = sess_options if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        attach(options, self.backend)
+        attach(options, self.backend, self.route)
         self._session = _make_session(
             self.partition.model, options, providers or ["CPUExecutionProvider"], provider_options, **kwargs
         )

@@ -38,15 +38,35 @@ def device_mode_unavailable_reason() -> str | None:
     return None
 
 
-@pytest.fixture(params=["reference", pytest.param("cuda", marks=pytest.mark.gpu),
-                        pytest.param("cuda-device", marks=pytest.mark.gpu)])  # fmt: skip
+def native_cuda_unavailable_reason() -> str | None:
+    """None when the native route's CUDA kernels can run here (the library, CuPy and a GPU, onnxruntime-gpu)."""
+    from mha_ep import native
+
+    return native.unavailable_reason() or device_mode_unavailable_reason()
+
+
+@pytest.fixture(params=["reference", "reference-native", pytest.param("cuda", marks=pytest.mark.gpu),
+                        pytest.param("cuda-device", marks=pytest.mark.gpu),
+                        pytest.param("cuda-native", marks=pytest.mark.gpu)])  # fmt: skip
 def run_backend(request) -> str:
-    """``backend`` plus "cuda-device": the same suite through device-resident mode (mha_ep/device), built with
-    tests/mha_models.plugin_session."""
+    """``backend`` plus the other ways a suite's model runs, built with tests/mha_models.plugin_session:
+    "reference-native" (the native library's CPU kernels: its ABI layer, checked on every CPU machine),
+    "cuda-device" (device-resident mode, mha_ep/device) and "cuda-native" (the native library's CUDA kernels in
+    one ORT CUDA session)."""
+    if request.param == "reference-native":
+        from mha_ep import native
+
+        reason = native.unavailable_reason()
+        if reason is not None:  # CI builds it: a missing library is a failure there, not a skip
+            pytest.fail(reason)
     if request.param == "cuda":
         reason = cuda_unavailable_reason(0)
         if reason is not None:
             pytest.skip(f"cuda backend unavailable: {reason}")
+    if request.param == "cuda-native":
+        reason = native_cuda_unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"the native route's CUDA kernels cannot run here: {reason}")
     if request.param == "cuda-device":
         reason = device_mode_unavailable_reason()
         if reason is not None:

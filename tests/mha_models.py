@@ -453,11 +453,18 @@ def with_(config: MhaConfig, **changes) -> MhaConfig:
 
 
 def plugin_session(model, backend: str):
-    """The plugin session a parity suite runs: ``backend`` through the bridge, or "cuda-device" for the whole
-    model in device-resident mode (ORT CUDA + the cuda backend on device arrays)."""
+    """The plugin session a parity suite runs: ``backend`` through the bridge (the Python op), "cuda-device" for
+    the whole model in device-resident mode (ORT CUDA + the cuda backend on device arrays), "reference-native" /
+    "cuda-native" for one ORT session with the native library's CPU / CUDA kernels on a model partitioned in the
+    native form."""
     import mha_ep
 
+    if backend == "reference-native":
+        return mha_ep.InferenceSession(model, backend="reference", device_mode="python-op", route="native")
+    if backend == "cuda-native":
+        return mha_ep.InferenceSession(model, backend="cuda", providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                       device_mode="python-op", route="native")  # fmt: skip
     if backend == "cuda-device":
         return mha_ep.InferenceSession(model, backend="cuda", providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
                                        device_mode="device")  # fmt: skip
-    return mha_ep.InferenceSession(model, backend=backend)
+    return mha_ep.InferenceSession(model, backend=backend, route="python-op")

@@ -201,12 +201,16 @@ def test_feeds_of_the_wrong_dtype_are_one_clear_error():
         session.run(None, feeds)
 
 
-def test_auto_picks_device_mode_with_the_cuda_provider_and_the_bridge_without():
+def test_auto_picks_device_mode_with_the_cuda_provider_and_one_session_without():
+    """Without device mode the one session takes the native route (the cuda backend, the library built), or the
+    Python op when asked for."""
     path = str(SHIPPED[0])
     assert mha_ep.InferenceSession(path, providers=PROVIDERS).mode == "device"
     assert mha_ep.InferenceSession(path, providers=["CUDAExecutionProvider"]).mode == "device"
-    assert mha_ep.InferenceSession(path, providers=["CPUExecutionProvider"]).mode == "python-op"
-    assert mha_ep.InferenceSession(path, providers=PROVIDERS, device_mode="python-op").mode == "python-op"
+    assert mha_ep.InferenceSession(path, providers=["CPUExecutionProvider"]).mode == "native"
+    assert mha_ep.InferenceSession(path, providers=PROVIDERS, device_mode="python-op").mode == "native"
+    assert mha_ep.InferenceSession(path, providers=PROVIDERS, device_mode="python-op",
+                                   route="python-op").mode == "python-op"  # fmt: skip
 
 
 def test_host_feeds_of_every_size_arrive_whole_and_outputs_come_back_exact():

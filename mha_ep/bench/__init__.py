@@ -9,8 +9,11 @@
                            built; plugin vs ORT CPU (and ORT CUDA); any backend (models.py)
     mha-ep bench device    whole models on the GPU: device-resident mode (eager, device feeds, CUDA graphs) and
                            the bridge against stock ORT CUDA (numpy feeds, IOBinding, its CUDA graph) (device.py)
+    mha-ep bench native    the native route in one plain ORT CUDA session against stock ORT CUDA: whole encoders
+                           (eager IOBinding, CUDA graphs), a shape's first call, a decoder loop with a growing KV
+                           cache, and the per-node host cost of a chain of claimed nodes (native.py)
 
-Each of those four takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
+Each of those five takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
 means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there is one, written into DIR;
 ``anchors`` writes to ./mha_ep_bench unless told otherwise); output.py has the two.
 
@@ -30,7 +33,7 @@ import importlib
 import sys
 
 # WHAT -> the module whose ``main(argv)`` runs it (and parses, and documents, its options)
-BENCHMARKS = {"hook": "hook", "anchors": "gpu", "models": "models", "device": "device"}
+BENCHMARKS = {"hook": "hook", "anchors": "gpu", "models": "models", "device": "device", "native": "native"}
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,9 @@ ELEM = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16}
 
 
 def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072, dtype: str = "float32",
-                 seed: int = 0) -> onnx.ModelProto:  # fmt: skip
+                 seed: int = 0, mask: bool = True) -> onnx.ModelProto:  # fmt: skip
+    """The encoder of the module docstring; ``mask=False`` leaves the key padding mask out (a Whisper-style
+    encoder: no ``attention_mask`` input)."""
     if dtype not in ELEM:
         raise ValueError(f"dtype must be one of {sorted(ELEM)}, got {dtype!r}")
     if hidden % heads:
@@ -44,7 +46,8 @@ def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int 
             nodes.append(helper.make_node("MatMul", [x, weight(p + f"W_{part}", (hidden, hidden))], [p + part],
                                           name=p + f"matmul_{part}"))  # fmt: skip
         nodes.append(helper.make_node(
-            "MultiHeadAttention", [p + "q", p + "k", p + "v", weight(p + "b_qkv", (3 * hidden,)), "attention_mask"],
+            "MultiHeadAttention",
+            [p + "q", p + "k", p + "v", weight(p + "b_qkv", (3 * hidden,))] + (["attention_mask"] if mask else []),
             [p + "context"], domain="com.microsoft", name=p + "attention", num_heads=heads,
         ))  # fmt: skip
         nodes.append(helper.make_node("MatMul", [p + "context", weight(p + "W_o", (hidden, hidden))], [p + "proj"],
@@ -71,8 +74,9 @@ def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int 
         x = out
     graph = helper.make_graph(
         nodes, f"bert_encoder_{layers}x{hidden}_{dtype}",
-        [helper.make_tensor_value_info("hidden_states", ELEM[dtype], ["batch", "sequence", hidden]),
-         helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT32, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("hidden_states", ELEM[dtype], ["batch", "sequence", hidden])]
+        + ([helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT32, ["batch", "sequence"])]
+           if mask else []),
         [helper.make_tensor_value_info("last_hidden_state", ELEM[dtype], ["batch", "sequence", hidden])],
         initializer=initializers,
     )  # fmt: skip
@@ -87,3 +91,104 @@ def encoder_feeds(batch: int, sequence: int, hidden: int = 768, dtype: str = "fl
     mask = (np.arange(sequence)[None, :] < np.array(lengths)[:, None]).astype(np.int32)
     states = rng.standard_normal((batch, sequence, hidden)).astype(dtype)
     return {"hidden_states": states, "attention_mask": mask}
+
+
+def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn: int = 1536, dtype: str = "float32",
+                         seed: int = 0) -> onnx.ModelProto:  # fmt: skip
+    """One Whisper-style decoder step with random weights, as ORT's optimizer (``--model_type bart``) leaves one.
+
+    Per layer: self-attention MultiHeadAttention over the new token with the past (B, N, P, H) prepended, its
+    presents as outputs; cross-attention MultiHeadAttention over the encoder's keys and values, given as BNSH
+    (B, N, T_enc, H) inputs; an FFN; residuals through SkipLayerNormalization. Inputs ``hidden_states`` (B, 1, D),
+    ``past_key_self_<l>`` / ``past_value_self_<l>`` (B, N, P, H) and ``cross_key_<l>`` / ``cross_value_<l>``
+    (B, N, T_enc, H); outputs ``last_hidden_state`` and ``present_key_self_<l>`` / ``present_value_self_<l>``.
+    Tiny-sized by default (Whisper tiny: 4 layers, d 384, 6 heads); small: 12 layers, d 768, 12 heads, ffn 3072."""
+    if dtype not in ELEM:
+        raise ValueError(f"dtype must be one of {sorted(ELEM)}, got {dtype!r}")
+    rng = np.random.default_rng(seed)
+    np_dtype = np.dtype(dtype)
+    head = hidden // heads
+    initializers, nodes, inputs, outputs = [], [], [], []
+
+    def weight(name: str, shape, std: float = 0.02, value=None) -> str:
+        array = rng.normal(0.0, std, shape) if value is None else np.full(shape, value)
+        initializers.append(numpy_helper.from_array(array.astype(np_dtype), name))
+        return name
+
+    def tensor(name: str, shape) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, ELEM[dtype], shape)
+
+    inputs.append(tensor("hidden_states", ["batch", 1, hidden]))
+    x = "hidden_states"
+    for layer in range(layers):
+        p = f"layer{layer}."
+        cache = ["batch", heads, "past_sequence", head]
+        inputs += [tensor(f"past_key_self_{layer}", cache), tensor(f"past_value_self_{layer}", cache)]
+        cross = ["batch", heads, "encoder_sequence", head]
+        inputs += [tensor(f"cross_key_{layer}", cross), tensor(f"cross_value_{layer}", cross)]
+        present = ["batch", heads, "total_sequence", head]
+        outputs += [tensor(f"present_key_self_{layer}", present), tensor(f"present_value_self_{layer}", present)]
+        for part in "qkv":
+            nodes.append(helper.make_node("MatMul", [x, weight(p + f"self_W_{part}", (hidden, hidden))],
+                                          [p + "self_" + part], name=p + f"self_matmul_{part}"))  # fmt: skip
+        nodes.append(helper.make_node(
+            "MultiHeadAttention",
+            [p + "self_q", p + "self_k", p + "self_v", weight(p + "self_b_qkv", (3 * hidden,)), "", "",
+             f"past_key_self_{layer}", f"past_value_self_{layer}"],
+            [p + "self_context", f"present_key_self_{layer}", f"present_value_self_{layer}"],
+            domain="com.microsoft", name=p + "self_attention", num_heads=heads,
+        ))  # fmt: skip
+        nodes.append(helper.make_node("MatMul", [p + "self_context", weight(p + "self_W_o", (hidden, hidden))],
+                                      [p + "self_proj"], name=p + "self_matmul_o"))  # fmt: skip
+        nodes.append(helper.make_node(
+            "SkipLayerNormalization",
+            [p + "self_proj", x, weight(p + "ln1.gamma", (hidden,), value=1.0),
+             weight(p + "ln1.beta", (hidden,), value=0.0), weight(p + "self_b_o", (hidden,))],
+            [p + "x1"], domain="com.microsoft", name=p + "skip_ln1", epsilon=1e-5,
+        ))  # fmt: skip
+        nodes.append(helper.make_node("MatMul", [p + "x1", weight(p + "cross_W_q", (hidden, hidden))], [p + "cross_q"],
+                                      name=p + "cross_matmul_q"))  # fmt: skip
+        nodes.append(helper.make_node(
+            "MultiHeadAttention", [p + "cross_q", f"cross_key_{layer}", f"cross_value_{layer}"],
+            [p + "cross_context"], domain="com.microsoft", name=p + "cross_attention", num_heads=heads,
+        ))  # fmt: skip
+        nodes.append(helper.make_node("MatMul", [p + "cross_context", weight(p + "cross_W_o", (hidden, hidden))],
+                                      [p + "cross_proj"], name=p + "cross_matmul_o"))  # fmt: skip
+        nodes.append(helper.make_node(
+            "SkipLayerNormalization",
+            [p + "cross_proj", p + "x1", weight(p + "ln2.gamma", (hidden,), value=1.0),
+             weight(p + "ln2.beta", (hidden,), value=0.0), weight(p + "cross_b_o", (hidden,))],
+            [p + "x2"], domain="com.microsoft", name=p + "skip_ln2", epsilon=1e-5,
+        ))  # fmt: skip
+        nodes.append(helper.make_node("MatMul", [p + "x2", weight(p + "W_1", (hidden, ffn))], [p + "h"],
+                                      name=p + "matmul_1"))  # fmt: skip
+        nodes.append(helper.make_node("BiasGelu", [p + "h", weight(p + "b_1", (ffn,))], [p + "g"],
+                                      domain="com.microsoft", name=p + "gelu"))  # fmt: skip
+        nodes.append(helper.make_node("MatMul", [p + "g", weight(p + "W_2", (ffn, hidden))], [p + "h2"],
+                                      name=p + "matmul_2"))  # fmt: skip
+        out = "last_hidden_state" if layer == layers - 1 else p + "out"
+        nodes.append(helper.make_node(
+            "SkipLayerNormalization",
+            [p + "h2", p + "x2", weight(p + "ln3.gamma", (hidden,), value=1.0),
+             weight(p + "ln3.beta", (hidden,), value=0.0), weight(p + "b_2", (hidden,))],
+            [out], domain="com.microsoft", name=p + "skip_ln3", epsilon=1e-5,
+        ))  # fmt: skip
+        x = out
+    outputs.insert(0, tensor("last_hidden_state", ["batch", 1, hidden]))
+    graph = helper.make_graph(nodes, f"whisper_decoder_step_{layers}x{hidden}_{dtype}", inputs, outputs,
+                              initializer=initializers)  # fmt: skip
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+def decoder_step_feeds(batch: int, past: int, layers: int = 4, hidden: int = 384, heads: int = 6,
+                       encoder_sequence: int = 1500, dtype: str = "float32", seed: int = 0) -> dict:  # fmt: skip
+    """Random feeds of whisper_decoder_step: N(0, 1) states, caches and encoder keys/values."""
+    rng = np.random.default_rng(seed)
+    head = hidden // heads
+    feeds = {"hidden_states": rng.standard_normal((batch, 1, hidden)).astype(dtype)}
+    for layer in range(layers):
+        for name, length in (("past_key_self", past), ("past_value_self", past), ("cross_key", encoder_sequence),
+                             ("cross_value", encoder_sequence)):  # fmt: skip
+            feeds[f"{name}_{layer}"] = rng.standard_normal((batch, heads, length, head)).astype(dtype)
+    return feeds

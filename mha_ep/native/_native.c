@@ -34,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ------------------------------------------------------------------------------------ the ORT ABI subset */
 #define ORT_API_USED 18 /* KernelContext_GetScratchBuffer and KernelInfoGetAllocator: ORT 1.18 */
@@ -99,7 +100,8 @@ struct OrtCustomOp {
   void (*ReleaseAliasMap)(int* input_index, int* output_index);
 };
 
-/* OrtApi ordinals used (mha_ep/native/abi.py lists the same table; tests/test_native_abi.py compares them). */
+/* OrtApi ordinals used (tests/test_native.py holds the same table, read off onnxruntime_c_api.h of API version 29,
+ * and compares the two through ordinals()). */
 enum {
   API_CreateStatus = 0,
   API_GetErrorMessage = 2,
@@ -705,7 +707,20 @@ static OrtStatus* status_from_result(PyObject* result, const char* node, const c
   return make_status(code, "%s", message);
 }
 
-static int python_ready(void) { return !atomic_load(&g_finalizing) && Py_IsInitialized(); }
+/* Python is entered only between enter_python() and leave_python(). At exit (shutdown(), from atexit) no new entry
+ * is let in, and the calls already inside are waited for with the GIL released: a thread that took or waited for
+ * the GIL once finalization began would be ended by CPython with a forced unwind through ORT's frames, which
+ * aborts the process ("FATAL: exception not rethrown"). */
+static atomic_int g_inside_python = 0;
+
+static int enter_python(void) {
+  atomic_fetch_add(&g_inside_python, 1);
+  if (!atomic_load(&g_finalizing) && Py_IsInitialized()) return 1;
+  atomic_fetch_sub(&g_inside_python, 1);
+  return 0;
+}
+
+static void leave_python(void) { atomic_fetch_sub(&g_inside_python, 1); }
 
 /* ------------------------------------------------------------------------------------------- the kernels */
 enum { EP_CPU = 0, EP_CUDA = 1 };
@@ -835,7 +850,7 @@ static PyObject* attribute_value(const OrtKernelInfo* info, const char* name, co
 }
 
 static OrtStatus* describe_kernel(const OrtKernelInfo* info, Kernel* k) {
-  if (!python_ready() || g_describe == NULL) {
+  if (g_describe == NULL || !enter_python()) {
     return make_status(ORT_FAIL, "mha_ep MultiHeadAttention: the mha_ep Python package is not ready (it was not "
                                  "imported, or the interpreter is shutting down)");
   }
@@ -878,6 +893,7 @@ done:
   Py_XDECREF(result);
   Py_XDECREF(attributes);
   PyGILState_Release(gil);
+  leave_python();
   return status;
 }
 
@@ -992,7 +1008,7 @@ static OrtStatus* compute_cpu(Kernel* k, OrtKernelContext* context) {
     OrtStatus* status = read_input(context, (size_t)slot, &tensors[slot], k->node);
     if (status != NULL) return status;
   }
-  if (!python_ready() || g_cpu_compute == NULL) {
+  if (g_cpu_compute == NULL || !enter_python()) {
     return make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': the interpreter is shutting down", k->node);
   }
   PyGILState_STATE gil = PyGILState_Ensure();
@@ -1010,6 +1026,7 @@ static OrtStatus* compute_cpu(Kernel* k, OrtKernelContext* context) {
     Py_XDECREF(result);
   }
   PyGILState_Release(gil);
+  leave_python();
   return status;
 }
 
@@ -1043,7 +1060,7 @@ static uint64_t resolve(const Bases* bases, Ref ref) {
 static Plan* make_plan(const Kernel* k, const Tensor* tensors, int64_t flags, const int64_t* key, int64_t length,
                        uint64_t hash, OrtStatus** status) {
   *status = NULL;
-  if (!python_ready() || g_planner == NULL) {
+  if (g_planner == NULL || !enter_python()) {
     *status = make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': no plan for this call signature, and "
                           "the interpreter that makes plans is shutting down", k->node);
     return NULL;
@@ -1087,6 +1104,7 @@ static Plan* make_plan(const Kernel* k, const Tensor* tensors, int64_t flags, co
 done:
   Py_XDECREF(result);
   PyGILState_Release(gil);
+  leave_python();
   return plan == NULL ? NULL : insert_plan(plan);
 }
 
@@ -1451,6 +1469,12 @@ static PyObject* py_shutdown(PyObject* self, PyObject* args) {
   (void)self;
   (void)args;
   atomic_store(&g_finalizing, 1);
+  Py_BEGIN_ALLOW_THREADS /* the calls inside Python finish (at most 10 s) before the interpreter goes */
+  for (int waited = 0; waited < 10000 && atomic_load(&g_inside_python) > 0; ++waited) {
+    struct timespec millisecond = {0, 1000000};
+    nanosleep(&millisecond, NULL);
+  }
+  Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
 
