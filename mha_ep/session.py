@@ -87,6 +87,10 @@ class InferenceSession:
         if given is None and (self.partition is None or self.partition.route != self.route):
             form = "native" if self.route == "native" else "python-op"
             self.partition = partition(path_or_bytes, lift_attention=lift_attention, route=form)
+        from mha_ep.device.mode import CUDA_PROVIDER, provider_names
+
+        if CUDA_PROVIDER in provider_names(providers) and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # ORT silently drops to the CPU when its CUDA libraries do not load
         options = sess_options if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

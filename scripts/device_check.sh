@@ -5,6 +5,8 @@
 #   scripts/device_check.sh STEP [STEP ...]    with both on PYTHONPATH; steps:
 #     gpu        every GPU test (-m gpu), log in $OUT/gpu.log
 #     device     the device-mode tests and the parity suites' device-mode cases
+#     native     the native route's GPU tests, the parity suites' cuda-native cases, the cuda backend's tests
+#     nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), $OUT/nbench
 #     threephase the parity suites on the three-phase path
 #     bench      mha-ep bench device (the encoder rows; REAL=/tmp/real adds the real-weight rows), $OUT/bench
 #     real       Whisper tiny.en and MiniLM in device mode from the packs in /tmp/pk/p0 /tmp/pk/p1 .device/p2
@@ -25,6 +27,11 @@ for step in "$@"; do
     gpu) timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee $OUT/gpu.log | quiet | tail -30 ;;
     device) timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_device_mode.py tests/test_parity_grid.py \
               tests/test_bad_input.py tests/test_parity_random.py -k "cuda-device or device_mode" 2>&1 | quiet | tail -15 ;;
+    native) timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_native.py tests/test_cuda_backend.py \
+              tests/test_cuda_layout.py tests/test_parity_grid.py tests/test_parity_random.py tests/test_bad_input.py \
+              tests/test_robustness.py tests/test_edge_cases.py -k "not cuda-device" 2>&1 | tee $OUT/native.log | quiet | tail -40 ;;
+    nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" --rows "${ROWS:-encoder,first,decode,chain}" \
+              --out $OUT/nbench 2>&1 | quiet ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_parity_grid.py \
               tests/test_parity_random.py 2>&1 | quiet | tail -4 ;;
     bench)
