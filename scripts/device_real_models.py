@@ -28,8 +28,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="where to rebuild the models (default: a temporary folder)")
     parser.add_argument("--which", nargs="+", default=["whisper", "minilm"], choices=["whisper", "minilm"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"])
-    parser.add_argument("--device-mode", default="python-op", choices=["python-op", "device"],
-                        help="device: whole models on the GPU (needs onnxruntime-gpu on the path)")
+    parser.add_argument("--device-mode", default="python-op", choices=["python-op", "device", "native"],
+                        help="device: whole models on the GPU in device mode; native: one ORT CUDA session with the "
+                             "native library (both need onnxruntime-gpu on the path)")
     args = parser.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="mha_ep_real_")
     device_models.unpack(args.packs, out)

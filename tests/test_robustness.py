@@ -175,11 +175,12 @@ PRELUDE = """
 
 
 def test_plain_session_bad_feed_logs_and_returns_nan(backend):
+    """The Python op in a plain session has no error channel: the error is logged, the outputs are NaN."""
     result = run_script(
         PRELUDE
         + f"""
     model = mha_ep.partition(build_model(config)).model
-    options = mha_ep.register(ort.SessionOptions(), backend={backend!r})
+    options = mha_ep.register(ort.SessionOptions(), backend={backend!r}, route="python-op")
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     bad = dict(good, key=good["key"][:1])  # key batch 1 vs query batch 2
     out = session.run(None, bad)[0]
@@ -194,6 +195,39 @@ def test_plain_session_bad_feed_logs_and_returns_nan(backend):
     assert "BAD_SHAPE (2, 3, 8) ALL_NAN True" in result.stdout, describe(result)
     assert "LOG mha_ep ERROR" in result.stderr, describe(result)
     assert "key batch 1 must equal query batch 2" in result.stderr, describe(result)
+    error = float(result.stdout.split("GOOD_ERROR ")[1].split()[0])
+    assert error <= TOLERANCE, f"good feed after the bad one: error {error:.3g} > {TOLERANCE}\n{describe(result)}"
+
+
+def test_plain_native_session_bad_feed_is_an_ort_error_and_the_session_recovers(backend):
+    """The native route in a plain session: the run fails with ORT's error carrying the node, the input and the
+    expectation (nothing is logged as NaN), and the next run is right. The cuda backend's session runs its claimed
+    node on the CUDA provider."""
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if backend == "cuda" else ["CPUExecutionProvider"]
+    result = run_script(
+        PRELUDE
+        + f"""
+    if {backend!r} == "cuda":
+        ort.preload_dlls()
+    model = mha_ep.partition(build_model(config), route="native").model
+    options = mha_ep.register(ort.SessionOptions(), backend={backend!r}, route="native")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers={providers!r})
+    bad = dict(good, key=good["key"][:1])  # key batch 1 vs query batch 2
+    try:
+        session.run(None, bad)
+        print("NO_ERROR")
+    except Exception as error:
+        print("ORT_ERROR", type(error).__name__, repr(str(error)))
+    again = session.run(None, good)[0]
+    print("GOOD_ERROR", max_rel_error(again, expected))
+    print("DONE")
+    """
+    )
+    assert result.returncode == 0, describe(result)
+    assert "DONE" in result.stdout and "NO_ERROR" not in result.stdout, describe(result)
+    line = next(l for l in result.stdout.splitlines() if l.startswith("ORT_ERROR"))
+    assert "InvalidArgument" in line and "node 'mha'" in line, line
+    assert "key batch 1 must equal query batch 2" in line, line
     error = float(result.stdout.split("GOOD_ERROR ")[1].split()[0])
     assert error <= TOLERANCE, f"good feed after the bad one: error {error:.3g} > {TOLERANCE}\n{describe(result)}"
 

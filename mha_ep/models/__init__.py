@@ -15,13 +15,21 @@ Only the builders need torch; the shipped models, the manifest, transcription an
 """
 
 
+DEVICE_MODES = ("python-op", "device", "native")
+
+
 def plugin_session(path, backend: str = "reference", device_mode: str = "python-op", **options):
-    """The tools' plugin session: through the bridge (ORT CPU around the op), or with ``device_mode="device"`` the
-    whole model in device-resident mode (ORT CUDA pieces + the cuda backend)."""
+    """The tools' plugin session: through the bridge (ORT CPU around the Python op); with ``device_mode="device"``
+    the whole model in device-resident mode (ORT CUDA pieces + the cuda backend); with ``"native"`` one ORT CUDA
+    session running the native library's CUDA kernels (mha_ep/native)."""
     import mha_ep
 
+    if device_mode == "native":
+        return mha_ep.InferenceSession(str(path), backend=backend, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                       device_mode="python-op", route="native", **options)  # fmt: skip
     providers = None if device_mode == "python-op" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return mha_ep.InferenceSession(str(path), backend=backend, providers=providers, device_mode=device_mode, **options)
+    return mha_ep.InferenceSession(str(path), backend=backend, providers=providers, device_mode=device_mode,
+                                   route="python-op", **options)  # fmt: skip
 
 
 def run_tool(main) -> int:

@@ -102,8 +102,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     parser.add_argument("--backend", default="reference")
     parser.add_argument("--min-cosine", type=float, default=0.99999)
-    parser.add_argument("--device-mode", choices=("python-op", "device"), default="python-op",
-                        help="device: the whole model on the GPU (ORT CUDA + the cuda backend; needs onnxruntime-gpu)")
+    parser.add_argument("--device-mode", choices=("python-op", "device", "native"), default="python-op",
+                        help="device: the whole model on the GPU (ORT CUDA + the cuda backend); native: one ORT CUDA session with mha_ep's native library (both need onnxruntime-gpu)")
     args = parser.parse_args(argv)
     ok = True
     for r in compare_embeddings(args.models, args.mask, args.dtype, args.backend, device_mode=args.device_mode):

@@ -182,8 +182,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     parser.add_argument("--backend", default="reference", help="plugin backend: reference | cuda | auto")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--device-mode", choices=("python-op", "device"), default="python-op",
-                        help="device: the whole model on the GPU (ORT CUDA + the cuda backend; needs onnxruntime-gpu)")
+    parser.add_argument("--device-mode", choices=("python-op", "device", "native"), default="python-op",
+                        help="device: the whole model on the GPU (ORT CUDA + the cuda backend); native: one ORT CUDA session with mha_ep's native library (both need onnxruntime-gpu)")
     args = parser.parse_args(argv)
     wavs = args.wavs or [audio.DEFAULT_DIR / n for n in audio.UTTERANCES]
     res = transcribe_both(wavs, args.models, args.dtype, args.backend, args.max_tokens, device_mode=args.device_mode)

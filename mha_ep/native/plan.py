@@ -43,6 +43,7 @@ OUTPUT_ALIGNMENT = 16  # bytes every output must have for the plan's vector stor
 UNALIGNED_OUTPUTS = 1  # signature flag: the outputs are written to scratch first, then copied into ORT's buffers
 SCRATCH_ALIGNMENT = 256
 MAX_ARGUMENT_BYTES = 4096  # _native.c MAX_ARGUMENT_BYTES
+NULL_POINTER = bytes(8)
 CUBLAS_COMPUTE_32F_PEDANTIC = 69  # float32 GEMMs through ORT's handle: never TF32, whatever its math mode
 
 
@@ -61,8 +62,31 @@ class Signature:
         return 1 << min(int(self.inputs[slot][2]), 8)
 
 
-def _shape_only(dtype, dims) -> np.ndarray:
-    return np.broadcast_to(np.zeros((), dtype), tuple(int(d) for d in dims))
+class ShapeOnly:
+    """An input's element type and shape without its data: all that build_problem, the rules and the pipeline read
+    of a planned call's arrays (slicing the first axis, as the bias split does, gives another one)."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype, shape):
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(d) for d in shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, key) -> "ShapeOnly":
+        if not isinstance(key, slice) or not self.shape:
+            raise TypeError(f"ShapeOnly takes a slice of its first axis, not {key!r}")
+        return ShapeOnly(self.dtype, (len(range(self.shape[0])[key]), *self.shape[1:]))
+
+    def __repr__(self) -> str:
+        return f"ShapeOnly({self.dtype}, {self.shape})"
+
+
+def _shape_only(dtype, dims) -> ShapeOnly:
+    return ShapeOnly(dtype, dims)
 
 
 def shape_only_mask(mask: np.ndarray, geometry: Geometry) -> PaddingMask:
@@ -178,15 +202,19 @@ class _Arguments:
         self.maps: list = []  # (offset, tma.EncodeArguments, ref)
 
     def place(self, data: bytes, alignment: int) -> int:
-        offset = -(-len(self.blob) // alignment) * alignment
-        self.blob.extend(b"\0" * (offset - len(self.blob)))
-        self.blob.extend(data)
+        blob = self.blob
+        offset = -(-len(blob) // alignment) * alignment
+        if offset > len(blob):
+            blob.extend(bytes(offset - len(blob)))
+        blob.extend(data)
         self.offsets.append(offset)
         return offset
 
     def add(self, arg) -> None:
-        if isinstance(arg, Pointer):
-            offset = self.place(b"\0" * 8, 8)
+        if isinstance(arg, np.generic):  # most arguments: sizes, strides, flags, scalars
+            self.place(arg.tobytes(), arg.itemsize)
+        elif isinstance(arg, Pointer):
+            offset = self.place(NULL_POINTER, 8)
             if arg.address is not None and arg.address != 0:
                 self.patches.append((offset, _ref(arg.address)))
         elif isinstance(arg, Struct):
@@ -203,10 +231,8 @@ class _Arguments:
             offset = self.place(data, arg.dtype.alignment)
             self.patches.extend((offset + field_offset, _ref(value)) for field_offset, value in pointers)
         elif isinstance(arg, TensorMap):
-            offset = self.place(b"\0" * tma.TENSOR_MAP_BYTES, tma.TENSOR_MAP_ALIGNMENT)
+            offset = self.place(bytes(tma.TENSOR_MAP_BYTES), tma.TENSOR_MAP_ALIGNMENT)
             self.maps.append((offset, tma.encode_arguments(arg.spec), _ref(arg.spec.address)))
-        elif isinstance(arg, np.generic):
-            self.place(arg.tobytes(), arg.itemsize)
         else:
             raise TypeError(f"native plan: kernel argument {arg!r} has no C form")
 
