@@ -66,7 +66,7 @@ def emit(args, text: str, data: dict) -> None:
 def cmd_partition(args) -> int:
     from mha_ep.partition import partition
 
-    result = partition(args.model, lift_attention=args.lift_attention)
+    result = partition(args.model, lift_attention=args.lift_attention, route=args.route)
     if args.output:
         result.save(args.output)
     data = json.loads(result.to_json())
@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("partition", parents=[common], help="claim MHA nodes for the plugin and print the decisions")
     p.add_argument("model", help="the ONNX model to partition")
     p.add_argument("-o", "--output", help="where to write the partitioned model")
+    p.add_argument("--route", choices=("python-op", "native"), default="python-op",
+                   help="the claimed nodes' form: python-op (default; float16/bfloat16 nodes talk float32 through "
+                        "Casts, runs on both routes) or native (nodes keep their type; for sessions that "
+                        "mha_ep.register put on the native route)")
     json_option(p)
     lift_option(p)
     p.set_defaults(func=cmd_partition)

@@ -92,6 +92,17 @@ def auto_backend_line(device_id: int = 0) -> str:
     return 'backend "auto": reference (NumPy; no usable GPU)'
 
 
+def native_line() -> str:
+    """The native custom-op library (mha_ep/native): built or not, and what register(route="auto") takes."""
+    from mha_ep import native
+
+    reason = native.unavailable_reason()
+    if reason is not None:
+        return f"native library: not built ({reason}); every session takes the onnxruntime-extensions route"
+    return (f"native library: built ({native.library_path()}); register(backend='cuda') takes it: claimed nodes "
+            f"on ORT's CUDA provider")  # fmt: skip
+
+
 def environment_lines(device_id: int = 0) -> List[str]:
     import platform
 
@@ -101,6 +112,7 @@ def environment_lines(device_id: int = 0) -> List[str]:
         f"mha_ep {__version__} (Python {platform.python_version()})",
         onnxruntime_line(),
         extensions_line(),
+        native_line(),
         cupy_line(),
         device_line(device_id),
         auto_backend_line(device_id),

@@ -7,6 +7,9 @@
 #     device     the device-mode tests and the parity suites' device-mode cases
 #     native     the native route's GPU tests, the parity suites' cuda-native cases, the cuda backend's tests
 #     nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), $OUT/nbench
+#     nprofile   scripts/profile_native.py: the Whisper-sized encoder's kernels, the B=1 S=32 first call's planner
+#     optimum    examples/optimum_native.py on the CUDA provider (transformers 4.x from .device/opt; the MiniLM
+#                model unpacked into $REAL by the real step)
 #     threephase the parity suites on the three-phase path
 #     bench      mha-ep bench device (the encoder rows; REAL=/tmp/real adds the real-weight rows), $OUT/bench
 #     real       Whisper tiny.en and MiniLM in device mode from the packs in /tmp/pk/p0 /tmp/pk/p1 .device/p2
@@ -32,6 +35,12 @@ for step in "$@"; do
               tests/test_robustness.py tests/test_edge_cases.py -k "not cuda-device" 2>&1 | tee $OUT/native.log | quiet | tail -40 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" --rows "${ROWS:-encoder,first,decode,chain}" \
               --out $OUT/nbench 2>&1 | quiet ;;
+    nprofile) timeout 300 python3 scripts/profile_native.py kernels "Whisper-tiny" 2>&1 | quiet | tail -60
+              timeout 200 python3 scripts/profile_native.py planner "B=1 S=32" 2>&1 | quiet | head -60 ;;
+    optimum)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/opt .device/opt/*.whl 2>&1 | quiet
+      PYTHONPATH=/tmp/opt:$PYTHONPATH timeout 200 python3 scripts/device_optimum.py --models "${REAL:-/tmp/real}" \
+        --tokenizers .device/tok 2>&1 | quiet | tail -12 ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_parity_grid.py \
               tests/test_parity_random.py 2>&1 | quiet | tail -4 ;;
     bench)
@@ -44,7 +53,8 @@ for step in "$@"; do
       timeout 500 python3 -m mha_ep bench device --repeats "${REPEATS:-10}" --rows "${ROWS:-all}" "${extra[@]}" \
         --out $OUT/bench 2>&1 | quiet ;;
     real) timeout 400 python3 scripts/device_real_models.py --packs /tmp/pk/p0 /tmp/pk/p1 .device/p2 \
-            --tokenizers .device/tok --backend cuda --device-mode device 2>&1 | quiet | tail -40 ;;
+            --tokenizers .device/tok --backend cuda --device-mode "${MODE:-device}" --out "${REAL:-/tmp/real}" 2>&1 \
+            | quiet | tail -40 ;;
     demo) timeout 200 python3 -m mha_ep demo 2>&1 | quiet | tail -15 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -516,3 +516,62 @@ def test_ort_s_cuda_graph_captures_claimed_nodes_and_replays_bit_identical_with_
         cupy.cuda.runtime.deviceSynchronize()
         want = eager.run(["output"], feeds)[0]
         assert np.array_equal(cupy.asnumpy(output), want), f"turn {turn}: the replay differs from the eager run"
+
+
+@pytest.mark.gpu
+def test_cuda_sessions_made_and_dropped_in_a_loop_give_back_host_and_device_memory(cuda_native, rng):
+    import gc
+
+    import cupy
+
+    config = GPU_CASES["f32 decode past"]
+    model = mha_ep.partition(build_model(config), route="native").model.SerializeToString()
+    feeds = random_feeds(config, rng)
+
+    def cycle(count: int):
+        for _ in range(count):
+            options = mha_ep.register(ort.SessionOptions(), backend="cuda", route="native")
+            session = ort.InferenceSession(model, options, providers=CUDA)
+            session.run(None, feeds)
+            del session, options
+        gc.collect()
+
+    cycle(20)
+    free_before, _ = cupy.cuda.runtime.memGetInfo()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cycle(200)
+    free_after, _ = cupy.cuda.runtime.memGetInfo()
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    assert free_before - free_after < 64 << 20, f"device memory fell by {(free_before - free_after) >> 20} MiB"
+    assert grown_mib < 64, f"peak RSS grew by {grown_mib:.1f} MiB over 200 CUDA sessions"
+
+
+@pytest.mark.gpu
+def test_inputs_and_outputs_bound_off_alignment_are_copied_not_misread(cuda_native, rng):
+    """IOBinding at addresses 2 bytes off any vector alignment: the plan copies the inputs into aligned scratch
+    and writes the outputs through scratch (UNALIGNED_OUTPUTS), so the results equal an aligned run's."""
+    import cupy
+
+    config = MhaConfig(dtype="float16", q_seq=16, kv_seq=16, num_heads=2, head_size=64, bias=True,
+                       presents=True)  # fmt: skip
+    session = native_session(build_model(config), backend="cuda", providers=CUDA)
+    feeds = random_feeds(config, rng)
+    want = run_named(session, feeds)
+    binding = session.io_binding()
+    keep = []
+    for name, value in feeds.items():
+        raw = cupy.zeros(value.size + 8, value.dtype)
+        view = raw[1 : 1 + value.size].reshape(value.shape)
+        view[...] = cupy.asarray(value)
+        keep.append(raw)
+        binding.bind_input(name, "cuda", 0, value.dtype, value.shape, view.data.ptr)
+    outputs = {}
+    for name, value in want.items():
+        raw = cupy.full(value.size + 8, np.nan, value.dtype)
+        outputs[name] = raw[1 : 1 + value.size].reshape(value.shape)
+        keep.append(raw)
+        binding.bind_output(name, "cuda", 0, value.dtype, value.shape, outputs[name].data.ptr)
+    session.run_with_iobinding(binding)
+    cupy.cuda.runtime.deviceSynchronize()
+    for name, value in want.items():
+        assert np.array_equal(cupy.asnumpy(outputs[name]), value), name
