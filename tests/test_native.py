@@ -135,13 +135,16 @@ PLAN_CASES = {
 }
 
 
-def signature_of(config: MhaConfig, alignment: int = 8):
-    """(KernelConfig, Signature) of ``config``'s node as the library would hand them to the planner."""
+def described(config: MhaConfig) -> int:
+    """The config id the library gets for ``config``'s claimed node (native form)."""
     part = mha_ep.partition(build_model(config), route="native")
     node = next(n for n in part.model.graph.node if n.domain == spec.PLUGIN_DOMAIN)
-    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    config_id, _, _ = configs.describe_kernel(attributes, "cuda")
-    kernel = configs.config(config_id)
+    return configs.describe_kernel({a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}, "cuda")[0]
+
+
+def signature_of(config: MhaConfig, alignment: int = 8):
+    """(KernelConfig, Signature) of ``config``'s node as the library would hand them to the planner."""
+    kernel = configs.config(described(config))
     shapes = input_shapes(config)
     entries = []
     for name in spec.PLUGIN_INPUTS:
@@ -575,3 +578,16 @@ def test_inputs_and_outputs_bound_off_alignment_are_copied_not_misread(cuda_nati
     cupy.cuda.runtime.deviceSynchronize()
     for name, value in want.items():
         assert np.array_equal(cupy.asnumpy(outputs[name]), value), name
+
+
+def test_the_planner_callback_answers_a_failure_and_never_raises():
+    """gpu.plan_call is what the library calls on a plan miss: whatever goes wrong (here, on a CPU machine, CuPy
+    itself is missing or the rules refuse the call) comes back as (code, message) naming the node."""
+    from mha_ep.native import gpu
+
+    config = MhaConfig(dtype="float16", mask="2d")
+    _, signature = signature_of(config)
+    entries = list(signature.inputs)
+    entries[4] = (6, (2, 3), 8)
+    answer = gpu.plan_call(described(config), "mha", 0, 0, tuple(entries))
+    assert isinstance(answer, tuple) and answer[0] in (1, 2) and "node 'mha'" in answer[1], answer

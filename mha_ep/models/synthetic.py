@@ -21,6 +21,18 @@ from onnx import helper, numpy_helper
 ELEM = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16}
 
 
+def skip_layer_norm(weight, prefix: str, tag: str, value: str, residual: str, bias: str, out: str, hidden: int,
+                    epsilon: float) -> onnx.NodeProto:  # fmt: skip
+    """com.microsoft::SkipLayerNormalization(value + residual + bias) with unit gamma and zero beta; ``weight``
+    makes the initializers (gamma, beta, then the drawn bias: the order the seeded weights come in)."""
+    return helper.make_node(
+        "SkipLayerNormalization",
+        [value, residual, weight(prefix + f"{tag}.gamma", (hidden,), value=1.0),
+         weight(prefix + f"{tag}.beta", (hidden,), value=0.0), weight(prefix + bias, (hidden,))],
+        [out], domain="com.microsoft", name=prefix + f"skip_{tag}", epsilon=epsilon,
+    )  # fmt: skip
+
+
 def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072, dtype: str = "float32",
                  seed: int = 0, mask: bool = True) -> onnx.ModelProto:  # fmt: skip
     """The encoder of the module docstring; ``mask=False`` leaves the key padding mask out (a Whisper-style
@@ -52,12 +64,7 @@ def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int 
         ))  # fmt: skip
         nodes.append(helper.make_node("MatMul", [p + "context", weight(p + "W_o", (hidden, hidden))], [p + "proj"],
                                       name=p + "matmul_o"))  # fmt: skip
-        nodes.append(helper.make_node(
-            "SkipLayerNormalization",
-            [p + "proj", x, weight(p + "ln1.gamma", (hidden,), value=1.0), weight(p + "ln1.beta", (hidden,), value=0.0),
-             weight(p + "b_o", (hidden,))],
-            [p + "x1"], domain="com.microsoft", name=p + "skip_ln1", epsilon=1e-12,
-        ))  # fmt: skip
+        nodes.append(skip_layer_norm(weight, p, "ln1", p + "proj", x, "b_o", p + "x1", hidden, 1e-12))
         nodes.append(helper.make_node("MatMul", [p + "x1", weight(p + "W_1", (hidden, ffn))], [p + "h"],
                                       name=p + "matmul_1"))  # fmt: skip
         nodes.append(helper.make_node("BiasGelu", [p + "h", weight(p + "b_1", (ffn,))], [p + "g"],
@@ -65,12 +72,7 @@ def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int 
         nodes.append(helper.make_node("MatMul", [p + "g", weight(p + "W_2", (ffn, hidden))], [p + "h2"],
                                       name=p + "matmul_2"))  # fmt: skip
         out = "last_hidden_state" if layer == layers - 1 else p + "out"
-        nodes.append(helper.make_node(
-            "SkipLayerNormalization",
-            [p + "h2", p + "x1", weight(p + "ln2.gamma", (hidden,), value=1.0),
-             weight(p + "ln2.beta", (hidden,), value=0.0), weight(p + "b_2", (hidden,))],
-            [out], domain="com.microsoft", name=p + "skip_ln2", epsilon=1e-12,
-        ))  # fmt: skip
+        nodes.append(skip_layer_norm(weight, p, "ln2", p + "h2", p + "x1", "b_2", out, hidden, 1e-12))
         x = out
     graph = helper.make_graph(
         nodes, f"bert_encoder_{layers}x{hidden}_{dtype}",
@@ -140,12 +142,7 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
         ))  # fmt: skip
         nodes.append(helper.make_node("MatMul", [p + "self_context", weight(p + "self_W_o", (hidden, hidden))],
                                       [p + "self_proj"], name=p + "self_matmul_o"))  # fmt: skip
-        nodes.append(helper.make_node(
-            "SkipLayerNormalization",
-            [p + "self_proj", x, weight(p + "ln1.gamma", (hidden,), value=1.0),
-             weight(p + "ln1.beta", (hidden,), value=0.0), weight(p + "self_b_o", (hidden,))],
-            [p + "x1"], domain="com.microsoft", name=p + "skip_ln1", epsilon=1e-5,
-        ))  # fmt: skip
+        nodes.append(skip_layer_norm(weight, p, "ln1", p + "self_proj", x, "self_b_o", p + "x1", hidden, 1e-5))
         nodes.append(helper.make_node("MatMul", [p + "x1", weight(p + "cross_W_q", (hidden, hidden))], [p + "cross_q"],
                                       name=p + "cross_matmul_q"))  # fmt: skip
         nodes.append(helper.make_node(
@@ -154,12 +151,7 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
         ))  # fmt: skip
         nodes.append(helper.make_node("MatMul", [p + "cross_context", weight(p + "cross_W_o", (hidden, hidden))],
                                       [p + "cross_proj"], name=p + "cross_matmul_o"))  # fmt: skip
-        nodes.append(helper.make_node(
-            "SkipLayerNormalization",
-            [p + "cross_proj", p + "x1", weight(p + "ln2.gamma", (hidden,), value=1.0),
-             weight(p + "ln2.beta", (hidden,), value=0.0), weight(p + "cross_b_o", (hidden,))],
-            [p + "x2"], domain="com.microsoft", name=p + "skip_ln2", epsilon=1e-5,
-        ))  # fmt: skip
+        nodes.append(skip_layer_norm(weight, p, "ln2", p + "cross_proj", p + "x1", "cross_b_o", p + "x2", hidden, 1e-5))
         nodes.append(helper.make_node("MatMul", [p + "x2", weight(p + "W_1", (hidden, ffn))], [p + "h"],
                                       name=p + "matmul_1"))  # fmt: skip
         nodes.append(helper.make_node("BiasGelu", [p + "h", weight(p + "b_1", (ffn,))], [p + "g"],
@@ -167,12 +159,7 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
         nodes.append(helper.make_node("MatMul", [p + "g", weight(p + "W_2", (ffn, hidden))], [p + "h2"],
                                       name=p + "matmul_2"))  # fmt: skip
         out = "last_hidden_state" if layer == layers - 1 else p + "out"
-        nodes.append(helper.make_node(
-            "SkipLayerNormalization",
-            [p + "h2", p + "x2", weight(p + "ln3.gamma", (hidden,), value=1.0),
-             weight(p + "ln3.beta", (hidden,), value=0.0), weight(p + "b_2", (hidden,))],
-            [out], domain="com.microsoft", name=p + "skip_ln3", epsilon=1e-5,
-        ))  # fmt: skip
+        nodes.append(skip_layer_norm(weight, p, "ln3", p + "h2", p + "x2", "b_2", out, hidden, 1e-5))
         x = out
     outputs.insert(0, tensor("last_hidden_state", ["batch", 1, hidden]))
     graph = helper.make_graph(nodes, f"whisper_decoder_step_{layers}x{hidden}_{dtype}", inputs, outputs,

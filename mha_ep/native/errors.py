@@ -35,3 +35,14 @@ def interrupted(node: str) -> tuple:
     if context is not None:
         context.interrupt()
     return ORT_FAIL, f"mha_ep MultiHeadAttention node '{node}': interrupted (KeyboardInterrupt)"
+
+
+def answer(node: str, error: BaseException) -> tuple:
+    """What a callback that caught ``error`` returns: interrupted() for a Ctrl-C, failure() otherwise; never
+    raises (a failure while describing the failure still gives an answer)."""
+    try:
+        if isinstance(error, KeyboardInterrupt):
+            return interrupted(node)
+        return failure(node, error)
+    except BaseException:  # noqa: BLE001
+        return ORT_FAIL, f"mha_ep MultiHeadAttention node '{node}': the call failed"

@@ -39,10 +39,5 @@ def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tup
             plan = plan_steps(configs.config(config_id), Signature(tuple(inputs)), DeviceFacts.of(device_id), flags,
                               fused_path=fused_path, poison=settings.poison)  # fmt: skip
             return encode_plan(plan, lambda launch: function_handle(device_id, launch))
-    except KeyboardInterrupt:
-        return errors.interrupted(node)
     except BaseException as error:  # noqa: BLE001 - nothing may go back into ORT as an exception
-        try:
-            return errors.failure(node, error)
-        except BaseException:  # noqa: BLE001
-            return errors.ORT_FAIL, f"mha_ep MultiHeadAttention node '{node}': planning failed"
+        return errors.answer(node, error)

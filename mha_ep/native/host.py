@@ -87,10 +87,5 @@ def compute(config_id: int, node: str, inputs: tuple, token: int):
             if values.size:
                 host_view(address, values.shape, out_type, writable=True)[...] = from_float32(values, out_type)
         return None
-    except KeyboardInterrupt:
-        return errors.interrupted(node)
     except BaseException as error:  # noqa: BLE001 - nothing may go back into ORT as an exception
-        try:
-            return errors.failure(node, error)
-        except BaseException:  # noqa: BLE001
-            return errors.ORT_FAIL, f"mha_ep MultiHeadAttention node '{node}': the call failed"
+        return errors.answer(node, error)
