@@ -112,8 +112,31 @@ def encode_floats(values: dict) -> str:
 
 
 def decode_floats(text: str) -> dict:
-    pairs = (item.split("=", 1) for item in text.split(";") if item)
-    return {name: float.fromhex(value) for name, value in pairs}
+    """The inverse of encode_floats. Raises ValueError naming the entry for one that is not the hex form of a
+    float32 value (the attributes it mirrors are float32: a crafted value beyond float32's range, or one that does
+    not fit a float at all, is refused rather than rounded)."""
+    import struct
+
+    values = {}
+    for item in filter(None, text.split(";")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"entry {item[:40]!r} is not name=value")
+        try:
+            number = float.fromhex(value)
+        except OverflowError:
+            raise ValueError(f"{name}={value[:40]} is beyond float32's range") from None
+        except ValueError:
+            raise ValueError(f"{name}={value[:40]} is not a hexadecimal float") from None
+        if number == number:  # NaN is a float32 value; compare the rest through float32
+            try:
+                same = struct.unpack("<f", struct.pack("<f", number))[0] == number
+            except OverflowError:
+                same = False
+            if not same:
+                raise ValueError(f"{name}={value[:40]} is not a float32 value (beyond its range or precision)")
+        values[name] = number
+    return values
 
 
 @functools.lru_cache(maxsize=1024)

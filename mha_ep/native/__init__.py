@@ -60,6 +60,7 @@ def library():
 
         module.configure(configs.describe_kernel, gpu.plan_call, host.compute, configs.ATTRIBUTES)
         interrupt.mark_op_code(host.compute)
+        interrupt.mark_op_code(gpu.plan_call)
         atexit.register(module.shutdown)
         _state["module"] = module
         return module

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from mha_ep.native import configs, errors
+from mha_ep.ops import interrupt
 from mha_ep.native.plan import Signature, encode_plan, plan_steps
 
 
@@ -41,3 +42,5 @@ def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tup
             return encode_plan(plan, lambda launch: function_handle(device_id, launch))
     except BaseException as error:  # noqa: BLE001 - nothing may go back into ORT as an exception
         return errors.answer(node, error)
+    finally:
+        interrupt.leaving_op()  # a Ctrl-C deferred during the call is re-sent once ORT has the thread back

@@ -16,6 +16,7 @@ import numpy as np
 
 from mha_ep import spec
 from mha_ep.native import configs, errors
+from mha_ep.ops import interrupt
 from mha_ep.ops.context import current_backend, current_context
 from mha_ep.ops.problem import build_problem
 
@@ -89,3 +90,5 @@ def compute(config_id: int, node: str, inputs: tuple, token: int):
         return None
     except BaseException as error:  # noqa: BLE001 - nothing may go back into ORT as an exception
         return errors.answer(node, error)
+    finally:
+        interrupt.leaving_op()  # a Ctrl-C deferred during the call is re-sent once ORT has the thread back

@@ -110,12 +110,15 @@ def result_hook(k_id, feed, attributes):
 
         return _ocos._on_pyop_invocation(k_id, feed, attributes)
     try:
-        return array_result_hook(k_id, feed, attributes)
-    except BaseException as error:  # noqa: BLE001 - escaping the bridge aborts the process
         try:
-            return (k_id,) + to_bridge(on_error(error, feed, attributes))
-        except BaseException:  # noqa: BLE001
-            return (k_id,) + _NO_OUTPUTS
+            return array_result_hook(k_id, feed, attributes)
+        except BaseException as error:  # noqa: BLE001 - escaping the bridge aborts the process
+            try:
+                return (k_id,) + to_bridge(on_error(error, feed, attributes))
+            except BaseException:  # noqa: BLE001
+                return (k_id,) + _NO_OUTPUTS
+    finally:
+        interrupt.leaving_op()  # a Ctrl-C deferred during the call is re-sent once ORT has the thread back
 
 
 def array_result_hook(k_id, feed, attributes):
