@@ -6,12 +6,10 @@
     report = mha_ep.compare("model.onnx", per_node=True)   # stock ORT vs plugin, per output and per node
     path = mha_ep.shipped_model("bert_random_mask2d_fp32.onnx")   # the shipped models, from anywhere
 
-``mha_ep.partition`` and ``mha_ep.compare`` are the modules of those names, and calling them calls their main
-function (``mha_ep.partition.partition``, ``mha_ep.compare.compare``).
-
-Where things live: spec.py (the contract), claim/ (the gate and the shared rules), partition.py (the pass),
-ops/ (the op, bridge adapter, registration, execute-time validation, backends: reference = NumPy, cuda = CuPy), compare.py, cli.py.
-Heavy imports (onnxruntime, CuPy) happen on first use.
+Where things live (docs/ARCHITECTURE.md has the map): spec.py (the contract), claim/ (the gate and the shared
+rules), partition_pass.py (the pass), model_io.py (model files), ops/ (the Python op, registration, execute-time
+validation, backends: reference = NumPy, cuda = CuPy), native/ (the native custom-op library), comparison.py,
+cli.py. Heavy imports (onnxruntime, CuPy) happen on first use.
 """
 
 from __future__ import annotations
@@ -36,10 +34,16 @@ __all__ = [
 
 from mha_ep.claim import Decision
 from mha_ep.errors import BackendUnavailableError, MhaEpError, MhaInputError, MhaModelError, MhaRunError
-from mha_ep.partition import PartitionResult
-from mha_ep import partition  # noqa: E402 - the module; calling it partitions (mha_ep.partition(path))
-from mha_ep import compare  # noqa: E402 - the module; calling it compares (mha_ep.compare(path))
+from mha_ep.partition_pass import partition
+from mha_ep.partition_result import PartitionResult
 from mha_ep.shipped import shipped_model  # noqa: E402
+
+
+def compare(model, *args, **kwargs):
+    """Stock ORT vs the plugin on the same feeds, per output and per node; see mha_ep.comparison.compare."""
+    from mha_ep.comparison import compare as _compare
+
+    return _compare(model, *args, **kwargs)
 
 
 def register(session_options, backend: str = "auto", device_id: int = 0, route: str = "auto"):

@@ -64,7 +64,7 @@ def emit(args, text: str, data: dict) -> None:
 
 
 def cmd_partition(args) -> int:
-    from mha_ep.partition import partition
+    from mha_ep.partition_pass import partition
 
     result = partition(args.model, lift_attention=args.lift_attention, route=args.route)
     if args.output:
@@ -79,7 +79,7 @@ def cmd_partition(args) -> int:
 
 def cmd_compare(args) -> int:
     from mha_ep import progress
-    from mha_ep.compare import compare
+    from mha_ep.comparison import compare
 
     feeds = load_feeds(args.feeds) if args.feeds else None
     report = compare(

@@ -2,7 +2,7 @@
 
 For every shipped BERT and Whisper model: partition it (claim report), run it with the plugin and with stock ORT
 on the same valid feeds, and print per-output errors (per node with --per-node) and timings. Exit status 0 only
-when every model's outputs match stock ORT within the dtype tolerances of mha_ep/compare.py.
+when every model's outputs match stock ORT within the dtype tolerances of mha_ep/comparison.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from mha_ep.compare import compare, table
+from mha_ep.comparison import compare, table
 from mha_ep.models import manifest
 from mha_ep.ops.backends import cuda_unavailable_reason
 from mha_ep.progress import bar as progress_bar_over

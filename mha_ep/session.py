@@ -16,8 +16,11 @@ import onnx
 
 from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.context import run_context
-from mha_ep.ops.registration import attach, choose_route, resolve_backend
-from mha_ep.partition import PartitionResult, needs_external_data, partition, write_model
+from mha_ep.ops.backends import resolve_backend
+from mha_ep.ops.registration import attach, choose_route
+from mha_ep.model_io import needs_external_data, write_model
+from mha_ep.partition_pass import partition
+from mha_ep.partition_result import PartitionResult
 
 
 class InferenceSession:

@@ -1,5 +1,5 @@
 """Where the plugin's host-to-host time goes, per call, on the GPU machine: cProfile of repeated
-``mha_ep.InferenceSession.run`` calls on one DESIGN.md anchor row (the same model and feeds as ``bench anchors``),
+``mha_ep.InferenceSession.run`` calls on one anchor row (docs/FACTS.md §2) (the same model and feeds as ``bench anchors``),
 beside the do-nothing echo op through the same bridge.
 
     PYTHONPATH=$PWD python3 scripts/profile_host.py --only "1,128,128" [--calls 300] [--top 30]

@@ -11,7 +11,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import mha_ep
-from mha_ep.ops import registration
+from mha_ep.ops import backends, registration
 from mha_ep.ops.backends import cuda_unavailable_reason, create_backend
 
 
@@ -39,7 +39,7 @@ def test_cuda_without_gpu_is_one_clear_error():
 
 @needs_no_gpu
 def test_auto_falls_back_to_reference_and_says_so_once(caplog, monkeypatch):
-    monkeypatch.setitem(registration._said_fallback, "done", False)
+    monkeypatch.setitem(backends._said_fallback, "done", False)
     with caplog.at_level(logging.WARNING, logger="mha_ep"):
         first = mha_ep.InferenceSession(tiny_model(), backend="auto")
         second = mha_ep.InferenceSession(tiny_model(), backend="auto")

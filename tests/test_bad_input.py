@@ -1,4 +1,4 @@
-"""Bad input: every input check of stock ORT (semantics doc 2.6) and every rule of mha_ep/claim/rules.py.
+"""Bad input: every input check of stock ORT (docs/SEMANTICS.md §2.6) and every rule of mha_ep/claim/rules.py.
 
 Each case is one malformed MultiHeadAttention call and gives up to three tests:
 
@@ -219,7 +219,7 @@ CASES = [
          f"({B}, {L}, {D}), value ({B}, {N}, {L}, {H})", "value",
          "Expect rank of key and value be same, and either 3 or 4", run_shapes="unranked"),
     # ---------------------------------------------------------------------- hidden and heads (rules 11-13)
-    # ORT never checks divisibility and fails later inside Tensor::Reshape (semantics 2.1)
+    # ORT never checks divisibility and fails later inside Tensor::Reshape (docs/SEMANTICS.md §2.1)
     case("query_hidden_not_divisible", BSNH, {"query": (B, S, 7), "key": (B, L, 7), "value": (B, L, 7)},
          "query hidden 7 not divisible by num_heads 2", "query", "Tensor size (42) != new size (36)"),
     case("key_hidden_not_divisible", BSNH, {"key": (B, L, 7)}, "key hidden 7 not divisible by num_heads 2", "key",
@@ -365,7 +365,7 @@ def feeds_of(inputs: Dict[str, object], rng: np.random.Generator, values=None) -
     return feeds
 
 
-# The stock-ORT error strings asserted here are those of ORT 1.31.1 (semantics doc 2.6); older ORTs (Python 3.10
+# The stock-ORT error strings asserted here are those of ORT 1.31.1 (docs/SEMANTICS.md §2.6); older ORTs (Python 3.10
 # tops out at 1.23) word them differently and even crash (SIGFPE) on some of these inputs, so only 1.31+ is asked.
 STOCK_ORT_IS_THE_REFERENCE = Version(onnxruntime.__version__) >= Version("1.31")
 

@@ -141,7 +141,7 @@ def test_fully_padded_rows_are_softmax_of_raw_scores(backend, dtype, mask):
 
 
 def test_minus_inf_fully_padded_row_is_nan_like_ort(backend):
-    """With mask_filter_value = -inf a fully padded row is NaN in ORT (semantics 3.5); so it is here."""
+    """With mask_filter_value = -inf a fully padded row is NaN in ORT (docs/SEMANTICS.md §3.5); so it is here."""
     problem = make_problem(Case(b=2, s=3, l=5, n=1, h=16, mask="lengths", full_padding=True,
                                 mask_filter_value=-np.inf), "float32")  # fmt: skip
     result = backend.run(problem)

@@ -47,7 +47,7 @@ BF16_NOISE_FLOOR = 1e-4
 
 # ----------------------------------------------------------------------------------------------- problems
 def make_problem(case: Case, dtype: str) -> MhaProblem:
-    """Presents are wanted exactly when there is a past (ORT needs both presents with a past, semantics 3.9)."""
+    """Presents are wanted exactly when there is a past (ORT needs both presents with a past, docs/SEMANTICS.md §3.9)."""
     return cuda_cases.make_problem(case, dtype, presents=case.p is not None)
 
 

@@ -25,11 +25,11 @@ import pytest
 from onnx import helper, numpy_helper
 
 import mha_ep
-from mha_ep.partition import save_model
+from mha_ep.model_io import save_model
 from mha_models import MhaConfig, build_model, random_feeds, stock_outputs
 from test_robustness import REPO
 
-partition_module = importlib.import_module("mha_ep.partition")  # the module; mha_ep.partition is the function
+partition_module = importlib.import_module("mha_ep.model_io")  # where PROTOBUF_LIMIT and the writers live
 
 CONFIG = MhaConfig(batch=1, q_seq=3, kv_seq=3, num_heads=2, head_size=4, shapes="static")
 BIG = 1 << 20  # float32 elements of the big initializer (4 MiB)

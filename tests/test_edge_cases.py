@@ -170,7 +170,7 @@ def test_saved_partitioned_model_has_ordinary_file_permissions(tmp_path):
     """save_model writes through tempfile.mkstemp, whose file is mode 0600, and os.replace keeps that mode: the
     model written by `mha-ep partition -o` (or over an existing 0644 file) is unreadable to other users, e.g. a
     serving account. Expected: the mode onnx.save would give (0666 & ~umask)."""
-    from mha_ep.partition import save_model
+    from mha_ep.model_io import save_model
 
     reference, target = tmp_path / "reference.onnx", tmp_path / "partitioned.onnx"
     onnx.save(one_mha(), reference)

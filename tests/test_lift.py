@@ -200,7 +200,7 @@ def test_mixed_graph_lifts_only_what_it_can():
 
 
 def test_in_place_lift_rewrites_the_given_model_and_partition_leaves_its_input_alone():
-    from mha_ep import partition
+    from mha_ep.partition_pass import partition
 
     model, _ = attention_model(unidirectional=1, present=True, mask=("2d",))
     original = model.SerializeToString()

@@ -1,7 +1,7 @@
 """Parity on the CPU grid of ORT's own test_mha.py: the plugin vs stock ORT CPU, float32, within 1e-5.
 
 The grid is ``no_kv_cache_test_cases`` and ``kv_cache_test_cases`` of onnxruntime/test/python/transformers/test_mha.py
-(commit df873177; semantics doc 5.2) in its default (non-comprehensive) mode, CPU provider:
+(commit df873177; docs/SEMANTICS.md §5.2) in its default (non-comprehensive) mode, CPU provider:
 
 * 12 iterations; iteration i takes ``list[i % len(list)]`` of each list: batch [1,2,3], sequence lengths (see
   below), heads [1,3,4,16], head sizes [8,16,32,40,64,80,96,128,160,192,224,256], mask format

@@ -85,7 +85,7 @@ def configs(draw, dtype: str = "float32"):
         v_head_size=draw(st.sampled_from(V_HEAD_SIZES)) if free_hv else None,
         has_past=has_past,
         past_seq=draw(st.integers(0, 6)) if has_past else 0,
-        # ORT CPU computes wrong results for a past without both presents (semantics 3.9): always ask for them
+        # ORT CPU computes wrong results for a past without both presents (docs/SEMANTICS.md §3.9): always ask for them
         presents=True if has_past else draw(st.booleans()),
         dtype=dtype,
         kv_layout=kv_layout,
@@ -319,7 +319,7 @@ def test_float_attributes_reach_the_op_exactly():
 
 @pytest.mark.parametrize("kv_layout", ["BSNH", "BNSH"])
 def test_past_without_presents_gets_the_right_answer(kv_layout, run_backend, rng):
-    """Stock ORT CPU computes wrong outputs for a past without both present outputs (semantics 3.9); the plugin
+    """Stock ORT CPU computes wrong outputs for a past without both present outputs (docs/SEMANTICS.md §3.9); the plugin
     computes the right answer, which is stock ORT's output for the same call with the presents requested."""
     config = with_(BASE, kv_layout=kv_layout, bias=True, mask="2d", causal=True, has_past=True, past_seq=3)
     feeds = random_feeds(config, rng)

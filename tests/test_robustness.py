@@ -317,7 +317,7 @@ def test_plain_session_backend_bug_is_logged_with_traceback_not_fatal():
 def test_an_escaping_exception_would_abort_the_process():
     """The hazard the two tests above guard against, shown once: a Python op that raises aborts the process (exit
     134 / SIGABRT), so 'exit 0' in those tests means something. If onnxruntime-extensions ever stops aborting, this
-    test fails and the note in DESIGN.md can be updated."""
+    test fails and the note in docs/FACTS.md §1 can be updated."""
     result = run_script(
         """
     import numpy as np, onnxruntime as ort

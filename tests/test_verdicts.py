@@ -15,7 +15,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import mha_ep
-from mha_ep.compare import Verdict
+from mha_ep.comparison import Verdict
 
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 

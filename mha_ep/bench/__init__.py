@@ -3,7 +3,7 @@
     mha-ep bench hook      the bridge: an echo Python op's per-call cost and output throughput with
                            onnxruntime-extensions' stock result hook (flatten().tolist()) vs mha_ep's array hook,
                            and the plugin op's fixed per-call overhead on a tiny MHA call (hook.py)
-    mha-ep bench anchors   the DESIGN.md anchor shapes, a sequence sweep (JSON + PNG), every provider present
+    mha-ep bench anchors   the anchor shapes (docs/FACTS.md §2), a sequence sweep (JSON + PNG), every provider present
                            (GPU; gpu.py has the columns)
     mha-ep bench models    whole models host to host: shipped BERT/Whisper, real MiniLM and Whisper tiny.en when
                            built; plugin vs ORT CPU (and ORT CUDA); any backend (models.py)

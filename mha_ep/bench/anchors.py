@@ -1,4 +1,4 @@
-"""The anchor shapes every benchmark runs (DESIGN.md), with the reference times they are judged against, and the
+"""The anchor shapes every benchmark runs (docs/FACTS.md §2), with the reference times they are judged against, and the
 FLOP model.
 
 An anchor's inputs are random normals rounded to its dtype (``anchor_problem``): never zeros, the same for every
@@ -23,7 +23,7 @@ class AnchorRow(NamedTuple):
     h: int
     dtype: str
     extra: Optional[str]  # None | "mask2d" (2D key padding mask) | "attn_bias" (B,1,S,T) | "causal"
-    ort_cuda_us: float  # stock ORT CUDA device time (DESIGN.md, measured 2026-11-29)
+    ort_cuda_us: float  # stock ORT CUDA device time (docs/FACTS.md §2, measured 2026-11-29)
     sdpa_us: float  # torch SDPA device time, the same run
 
     @property
@@ -65,7 +65,7 @@ def anchor_problem(b, s, t, n, h, dtype, extra, seed=0) -> MhaProblem:
 
 
 def flop_count(problem: MhaProblem) -> int:
-    """4*B*N*S*T*H (halved for causal), the FLOP model of DESIGN.md."""
+    """4*B*N*S*T*H (halved for causal), the FLOP model of docs/FACTS.md §2."""
     g = problem.geometry
     flops = 4 * g.batch * g.num_heads * g.q_seq * g.total_seq * g.head_size
     return flops // 2 if problem.causal else flops

@@ -1,4 +1,4 @@
-"""Timing of the cuda backend on the DESIGN.md anchor shapes.
+"""Timing of the cuda backend on the anchor shapes (docs/FACTS.md §2).
 
     PYTHONPATH=$PWD python3 -m mha_ep.bench.backend_timing [--repeats 20]
 
@@ -8,7 +8,7 @@ Per shape it reports
             kernels, both GEMMs, softmax, output kernel) from ``repeats`` back-to-back submissions between two
             CUDA events, which on small shapes includes the gaps Python's launch cost leaves on the GPU
             (per-kernel sums: run this module under ncu with --repeats 1);
-  TFLOP/s:  4*B*N*S*T*H / dev time (half for causal), the FLOP model of DESIGN.md;
+  TFLOP/s:  4*B*N*S*T*H / dev time (half for causal), the FLOP model of docs/FACTS.md §2;
   host µs:  median wall time of ``backend.run(problem)``: host float32 arrays in, host float32 arrays out;
   host GB/s: bytes in + out (float32) / host time.
 Inputs are random normals rounded to the call's dtype.

@@ -1,4 +1,4 @@
-"""Device timing of the fused attention kernel on the DESIGN.md anchor shapes, beside torch SDPA and the
+"""Device timing of the fused attention kernel on the anchor shapes (docs/FACTS.md §2), beside torch SDPA and the
 three-phase path, all measured in one run on one GPU.
 
     PYTHONPATH=$PWD python3 -m mha_ep.bench.fused_timing [--repeats 50] [--no-torch] [--no-three-phase]
@@ -20,7 +20,7 @@ already on the device: random normals rounded to the dtype, never zeros. Columns
                   a compute capability 9.0 device, with a trailing "s" when its steps do not overlap; "ws": the
                   warp-specialized kernel, no padding mask or attention_bias: ws128 two consumers, ws192 three),
                   best marked *;
-  TFLOP/s:        4*B*N*S*T*H / fused time (halved for causal), DESIGN.md's FLOP model;
+  TFLOP/s:        4*B*N*S*T*H / fused time (halved for causal), the FLOP model of docs/FACTS.md §2;
   fused staged:   flash_attention_mma reading the staged float32 BSNH arrays directly (rounding on load): the whole
                   device part of a call that needs no layout step;
   3-phase:        timer.backend_seconds with the fused path switched off (layout kernels + cuBLAS + softmax +

@@ -1,4 +1,4 @@
-"""``mha-ep bench anchors``: the DESIGN.md anchor shapes, a sequence-length sweep, and the shipped models.
+"""``mha-ep bench anchors``: the anchor shapes (docs/FACTS.md §2), a sequence-length sweep, and the shipped models.
 
 Columns (µs per call, median; "–" where a provider is absent or a row is too big for it):
   kernel      plugin device time, inputs already on the GPU (timer.backend_seconds: layout movers + fused kernel

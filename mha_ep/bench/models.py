@@ -20,7 +20,7 @@ import onnx
 from mha_ep.bench.gpu import ort_cuda_available
 from mha_ep.bench.output import add_output_options, emit
 from mha_ep.bench.timer import median_seconds
-from mha_ep.compare import errors
+from mha_ep.comparison import errors
 from mha_ep.feeds import random_feeds
 from mha_ep.models.export import default_out_dir
 from mha_ep.models.manifest import DEFAULT_DIR

@@ -6,7 +6,7 @@ concrete shapes, so the gate and the op cannot disagree. Each refusal is a sente
 the input it is about (``Refusal.subject``).
 
 The order follows the original CUDA execution provider's ``unsupported_reason`` (reference/multi_head_attention.rs);
-rules it did not have are marked "(ORT)" when they mirror a stock ORT input check (semantics doc section 2.6) and
+rules it did not have are marked "(ORT)" when they mirror a stock ORT input check (docs/SEMANTICS.md §2.6) and
 "(mha_ep)" when they are ours.
 
   Rule  1  attributes: num_heads present and > 0 (and fits a CUDA int); each ORT attribute of its ONNX kind

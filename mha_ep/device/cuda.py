@@ -1,6 +1,6 @@
 """The GPU executor of a device plan: ORT CUDA pieces and the cuda backend on one stream, tensors on the device.
 
-How one call runs (DESIGN.md, "Device-resident mode: facts measured"):
+How one call runs (docs/FACTS.md §5):
   1. Feeds go up once (a CuPy array, or anything with ``__dlpack__`` on this GPU, is used where it lies; NumPy
      feeds go up together through one pinned buffer, and outputs come down into pinned blocks: transfer.py).
   2. Each piece is an ORT CUDA session created with ``user_compute_stream`` = the backend's stream, and run through
@@ -240,7 +240,7 @@ def _piece_session(ort, piece: PieceStep, options, providers, saved: str, sessio
     copy out of a host buffer that the capture run allocated and freed. (Stock ORT refuses its own CUDA graphs for
     the same reason.) So the optimized piece, as ORT saves it, is read for Memcpy nodes.
     """
-    from mha_ep.partition import needs_external_data, write_model
+    from mha_ep.model_io import needs_external_data, write_model
 
     source = piece.model.SerializeToString() if not needs_external_data(piece.model) else saved + ".in.onnx"
     if isinstance(source, str):  # a piece over 2 GiB goes through a file and its external data

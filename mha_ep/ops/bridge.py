@@ -1,6 +1,6 @@
 """The adapter to onnxruntime-extensions' Python-op bridge: declaring the op, the result hook, the attribute cast.
 
-Written against onnxruntime-extensions 0.15.2 (DESIGN.md, "Facts about onnxruntime-extensions Python ops"). It
+Written against onnxruntime-extensions 0.15.2 (docs/FACTS.md §1). It
 reads three private names of that version, ``_ocos.Opdef._odlist``, ``Opdef._nativedef.attrs`` and the stock hook
 ``_ocos._on_pyop_invocation``; ``check_version`` says so once when another version is installed, and refuses
 when those names are gone.
@@ -63,7 +63,7 @@ def declare_ops(body, on_error) -> None:
 
     Two declarations share the op name and differ only in the element type of ``key_padding_mask`` (int32,
     int64); ORT picks one by the node's input types. Every declared input, output and attribute is required by
-    the bridge: mha_ep/partition.py writes them all (see the placeholder convention in mha_ep/spec.py).
+    the bridge: mha_ep/partition_pass.py writes them all (see the placeholder convention in mha_ep/spec.py).
     """
     with _declared_lock:
         if _declared["done"]:
@@ -124,7 +124,7 @@ def result_hook(k_id, feed, attributes):
 def array_result_hook(k_id, feed, attributes):
     """onnxruntime-extensions' invocation hook, returning arrays instead of ``flatten().tolist()``.
 
-    The C++ side accepts numpy arrays (a 4M-float output: 9 ms instead of 367 ms, DESIGN.md). It reads the buffer
+    The C++ side accepts numpy arrays (a 4M-float output: 9 ms instead of 367 ms, docs/FACTS.md §1). It reads the buffer
     in C order, so outputs are made contiguous. It keeps the stock hook's contract: a tuple of outputs or a single
     output; string outputs take the stock ``tolist`` path (measured: a rank-2 string array handed over as an array
     aborts the process). Installed as is, it would do this for every Python op in the process (the bridge

@@ -9,7 +9,7 @@ travel beside it. ``current_backend`` is the one way the op finds its backend:
 - A plain ``onnxruntime.InferenceSession`` (no context on the thread) uses the process default chosen by the last
   ``mha_ep.register(...)`` call (``"auto"`` when none was made). It has no error channel: the op logs the error on the ``mha_ep`` logger and
   returns NaN-poisoned outputs. It never raises: an exception escaping a Python op aborts the whole process
-  (DESIGN.md, measured).
+  (docs/FACTS.md §1, measured).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def current_backend(context: Optional[RunContext] = None):
         return context.backend
     backend = _default["backend"]
     if backend is None:
-        from mha_ep.ops.registration import resolve_backend
+        from mha_ep.ops.backends import resolve_backend
 
         with _default_lock:
             if _default["backend"] is None:

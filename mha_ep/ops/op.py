@@ -1,6 +1,6 @@
 """The op body: one call of a claimed node, which never raises.
 
-An exception escaping a Python op aborts the whole process (DESIGN.md, measured), so every failure becomes a
+An exception escaping a Python op aborts the whole process (docs/FACTS.md §1, measured), so every failure becomes a
 record on the run's error channel (mha_ep/ops/context.py) plus outputs of the right shape: NaN on a plain ORT
 session, where that record is a log line.
 """

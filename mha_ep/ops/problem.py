@@ -193,7 +193,7 @@ def build_problem(
     bias = by_name["bias"]
     if bias is not None:
         bias_q = bias[:d]
-        if kv_layout == "BSNH":  # semantics 3.3: the K/V bias is ignored for BNSH key/value
+        if kv_layout == "BSNH":  # docs/SEMANTICS.md §3.3: the K/V bias is ignored for BNSH key/value
             bias_k, bias_v = bias[d : 2 * d], bias[2 * d :]
 
     mask = by_name["key_padding_mask"]
@@ -221,7 +221,7 @@ def build_problem(
 
 
 def resolve_padding_mask(mask: np.ndarray, geometry: Geometry) -> PaddingMask:
-    """key_padding_mask -> PaddingMask, exactly as ORT's CPU kernel reads it (semantics 3.4).
+    """key_padding_mask -> PaddingMask, exactly as ORT's CPU kernel reads it (docs/SEMANTICS.md §3.4).
 
     Shapes were already checked by the rules; this only interprets values. Array methods only, so a CuPy mask
     (device mode) is resolved on its device.

@@ -6,15 +6,13 @@ body), mha_ep/ops/context.py (how the op finds its backend and where its errors 
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 from mha_ep.errors import BackendUnavailableError
 from mha_ep.ops import bridge, interrupt
-from mha_ep.ops.backends import create_backend, cuda_unavailable_reason
+from mha_ep.ops.backends import resolve_backend
 from mha_ep.ops.context import set_default_backend
 
-log = logging.getLogger("mha_ep")
 # Session config entry naming the backend attach() was given (the CPU kernels' and the Python op's).
 CONFIG_BACKEND = "mha_ep.backend"
 # ORT's intra-op threads spin for a while after each parallel node, waiting for more work. A claimed node runs
@@ -22,7 +20,6 @@ CONFIG_BACKEND = "mha_ep.backend"
 # share the cores with the spinning ones: on the H200 host the 8,512 float16 anchor took 21.2 ms a run with
 # spinning and 15.0 ms without (same run, interleaved). attach() turns it off; a caller's own setting is kept.
 ORT_SPINNING = "session.intra_op.allow_spinning"
-_said_fallback = {"done": False}
 # The unscoped array hook, for the bridge benchmark (mha_ep/bench.py swaps it with the stock hook).
 _array_result_hook = bridge.array_result_hook
 
@@ -34,21 +31,6 @@ def ensure_ops_registered() -> None:
 
     bridge.declare_ops(op_body, on_bridge_error)
     interrupt.install()
-
-
-def resolve_backend(backend: str = "auto", device_id: int = 0):
-    """"reference" | "cuda" | "auto" -> a backend object. "auto" falls back to reference and says so once."""
-    if backend == "auto":
-        reason = cuda_unavailable_reason(device_id)
-        if reason is None:
-            return create_backend("cuda", device_id)
-        if not _said_fallback["done"]:
-            _said_fallback["done"] = True
-            log.warning("mha_ep: no usable GPU (%s); claimed nodes run on the reference backend (NumPy)", reason)
-        return create_backend("reference")
-    if backend not in ("reference", "cuda"):
-        raise ValueError(f"backend must be 'reference', 'cuda' or 'auto', got {backend!r}")
-    return create_backend(backend, device_id)
 
 
 ROUTES = ("auto", "native", "python-op")

@@ -8,12 +8,15 @@ files + cuBLAS) and is imported only when asked for, so nothing here needs CuPy.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Optional, Protocol
 
 from mha_ep.errors import BackendUnavailableError
 from mha_ep.ops.problem import MhaProblem, MhaResult
 
 BACKENDS = ("reference", "cuda", "auto")
+log = logging.getLogger("mha_ep")
+_said_fallback = {"done": False}
 
 
 class Backend(Protocol):
@@ -58,3 +61,18 @@ def create_backend(name: str, device_id: int = 0) -> Backend:
 
         return CudaBackend(device_id)
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def resolve_backend(backend: str = "auto", device_id: int = 0) -> Backend:
+    """"reference" | "cuda" | "auto" -> a backend object. "auto" falls back to reference and says so once."""
+    if backend == "auto":
+        reason = cuda_unavailable_reason(device_id)
+        if reason is None:
+            return create_backend("cuda", device_id)
+        if not _said_fallback["done"]:
+            _said_fallback["done"] = True
+            log.warning("mha_ep: no usable GPU (%s); claimed nodes run on the reference backend (NumPy)", reason)
+        return create_backend("reference")
+    if backend not in ("reference", "cuda"):
+        raise ValueError(f"backend must be 'reference', 'cuda' or 'auto', got {backend!r}")
+    return create_backend(backend, device_id)

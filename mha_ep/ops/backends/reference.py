@@ -1,4 +1,4 @@
-"""Reference backend: NumPy, stock ORT 1.31.1 CPU math step by step (semantics doc section 3).
+"""Reference backend: NumPy, stock ORT 1.31.1 CPU math step by step (docs/SEMANTICS.md §3).
 
     1. Q gets b_q and goes to BNSH; BSNH key/value get b_k/b_v and go to BNSH; BNSH key/value are used as they are
        (their bias is ignored); a past is prepended along the sequence axis (present = concat(past, new)).

@@ -10,7 +10,7 @@
 // the layout mover builds. The output is written directly as BSNH (B, S, N*Hv) float32, each value rounded to the
 // compute dtype ELEM first (what the three-phase path's context_to_BSD writes).
 //
-// Semantics (stock ORT 1.31.1 CPU, semantics doc 3.2-3.7), per query row i and key j, all in float32:
+// Semantics (stock ORT 1.31.1 CPU, docs/SEMANTICS.md §3.2-3.7), per query row i and key j, all in float32:
 //   1. q, k, v = input + projection bias (bias on load; the host passes null for BNSH key/value, whose bias ORT
 //      ignores, and for operands the layout mover already biased), rounded once to ELEM;
 //   2. x  = scale * dot(q_i, k_j)   (with FLASH_WITH_KEY_OFFSET, fma(dot, scale, key_offset_BNT[b, h, j]), then

@@ -5,7 +5,7 @@
 //   masked_softmax<ELEM>: one block per row, for longer rows (shared-memory row cache up to 8192 keys; a
 //       register-resident block variant was measured slower on the H200: 1.02 ms against 0.65 ms at T = 4096).
 //
-// Semantics (ORT 1.31.1 CPU, semantics doc 3.4-3.6), per score x = scale * q.k (the GEMM's alpha):
+// Semantics (ORT 1.31.1 CPU, docs/SEMANTICS.md §3.4-3.6), per score x = scale * q.k (the GEMM's alpha):
 //   0. x += key_offset_BNT[b, h, j] (+ query_offset_BNS[b, h, i] when j >= P)
 //                                                        (when given: the projection biases' shares of a
 //                                                         float16 / bfloat16 score, dispatch.py score_terms)
@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
     row_max = block_reduce(row_max, MaxOp());
 
     // Pass 2: exponentials (one expf per score) and their sum. An all -inf row gives exp(-inf - -inf) = NaN,
-    // as in ORT (semantics 3.5: mask_filter_value -inf and a fully padded row).
+    // as in ORT (docs/SEMANTICS.md §3.5: mask_filter_value -inf and a fully padded row).
     float row_sum = 0.0f;
 #pragma unroll 4
     for (int j = threadIdx.x; j < total_seq; j += SOFTMAX_THREADS) {

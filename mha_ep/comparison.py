@@ -19,8 +19,6 @@ tighter in the tests (1e-5 float32, 4e-3 float16).
 
 from __future__ import annotations
 
-import sys
-import types
 import enum
 import time
 from dataclasses import dataclass, field
@@ -34,7 +32,9 @@ from mha_ep.claim.shapes import infer_static_infos
 from mha_ep.dtypes import dtype_name, elem_type
 from mha_ep.errors import BackendUnavailableError
 from mha_ep.feeds import random_feeds
-from mha_ep.partition import PartitionResult, is_ort_mha, is_plugin_mha, load_model
+from mha_ep.model_io import load_model
+from mha_ep.partition_pass import is_ort_mha, is_plugin_mha
+from mha_ep.partition_result import PartitionResult
 from mha_ep.progress import bar as progress_bar_over
 
 MODEL_TOLERANCE = {"float32": 1e-4, "float64": 1e-9, "float16": 2e-2, "bfloat16": 6e-2}
@@ -325,7 +325,7 @@ def compare(
     """
     import onnxruntime as ort
 
-    from mha_ep.partition import partition
+    from mha_ep.partition_pass import partition
     from mha_ep.session import InferenceSession
 
     say = progress or (lambda line: None)
@@ -436,13 +436,3 @@ def compare(
         report.notes.append(f"worst of {len(feed_sets)} feed sets (seeds {seed}..{seed + len(feed_sets) - 1}); "
                             f"times are the slowest set's")  # fmt: skip
     return report
-
-
-class _CallableModule(types.ModuleType):
-    """``mha_ep.compare`` is this module (``import mha_ep.compare`` names it); calling it calls ``compare()``."""
-
-    def __call__(self, *args, **kwargs):
-        return compare(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,262 @@
+"""The partition pass: claimed MultiHeadAttention nodes move to the plugin domain; declined ones stay for ORT.
+
+    result = partition(model, lift_attention=False, route="python-op")   # mha_ep.partition: this function
+
+Rules of the pass (the code refers to them by number):
+  1. Every ``com.microsoft::MultiHeadAttention`` node of the main graph, in graph order, gets one Decision from the
+     claim gate (claim/graph_rules.py ``decide_node``: the graph rules, then claim/rules.py), made on the static
+     dtypes and shapes that shape inference finds.
+  2. A declined node, and every node that is not MHA, stays byte for byte.
+  3. A claimed node becomes ``mha_ep::MultiHeadAttention`` with the same name and attributes (ORT's defaults
+     written out, since the bridge requires every declared attribute) and, for float32 nodes, the same tensor
+     names (float16/bfloat16 nodes: rule 5), plus the ``mha_ep_*`` attributes of mha_ep/spec.py.
+  4. Absent optional inputs are fed from zero-size placeholder initializers; unused outputs get placeholder names.
+  5. float16/bfloat16 nodes on the Python-op route (``route="python-op"``, the default): float inputs pass through
+     Cast(to=float32) and outputs come back through Cast(to=the node's dtype), exact both ways. One Cast per
+     tensor, shared by every claimed node that reads it. On the native route (``route="native"``: mha_ep/native,
+     whose kernels take every float type) nodes keep their tensors and their type, and the placeholders of absent
+     float inputs have the node's type.
+  6. A model-local function named like the plugin op makes an unregistered load fail with an error that says to
+     call mha_ep.register.
+  7. Nodes already in the plugin domain are left as they are and reported as claimed: partitioning a partitioned
+     model changes nothing. They are checked first (claim/graph_rules.py ``check_plugin_node``): a crafted one could abort the process
+     at run time (a string attribute that is not UTF-8 kills the bridge before mha_ep's code runs), so a node
+     whose slots or attributes are not what this pass writes raises MhaModelError.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List
+
+import onnx
+from onnx import helper
+
+from mha_ep import spec
+from mha_ep.claim import Decision
+from mha_ep.claim.graph_rules import check_plugin_node, decide_node
+from mha_ep.claim.names import node_name
+from mha_ep.claim.shapes import infer_static_infos
+from mha_ep.model_io import load_model
+from mha_ep.partition_result import PartitionResult
+
+log = logging.getLogger("mha_ep")
+
+MHA_OPSET_MIN_IR = 8  # model-local functions need IR version 8
+
+ONNX_TO_ELEM = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+
+def is_ort_mha(node: onnx.NodeProto) -> bool:
+    return node.op_type == spec.OP_TYPE and node.domain == spec.ORT_DOMAIN
+
+def is_plugin_mha(node: onnx.NodeProto) -> bool:
+    return node.op_type == spec.OP_TYPE and node.domain == spec.PLUGIN_DOMAIN
+
+ROUTES = ("python-op", "native")
+
+
+def partition(model, lift_attention: bool = False, route: str = "python-op") -> PartitionResult:
+    """Partition ``model`` (an onnx.ModelProto or a path); the input model is not modified. ``route``: the form
+    of the claimed nodes (Rule 5): "python-op" runs on both routes; "native" only where mha_ep.register took the
+    native route, without the float32 Casts of float16 / bfloat16 nodes."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    from mha_ep.environment import require_onnxruntime
+
+    require_onnxruntime()  # without ORT's symbolic shape inference every decision would rest on missing shapes
+    model = load_model(model)
+    notes: List[str] = []
+    lifted = 0
+    lift_decisions: list = []
+    if lift_attention:
+        from mha_ep.lift import lift_attention as lift
+        from mha_ep.lift import plan_lift
+
+        lift_decisions = plan_lift(model)
+        model, lifted = lift(model, in_place=True)  # model is this call's private copy (load_model)
+    infos = infer_static_infos(model)
+    graph = model.graph
+    decisions: List[Decision] = []
+    new_nodes: List[onnx.NodeProto] = []
+    work = PartitionPass(graph, route)
+    modified = False
+    for index, node in enumerate(graph.node):
+        if is_plugin_mha(node):  # Rule 7
+            check_plugin_node(node)
+            decisions.append(Decision(node_name(node), True))
+            new_nodes.append(node)
+            continue
+        if not is_ort_mha(node):  # Rule 2
+            new_nodes.append(node)
+            continue
+        decision = decide_node(node, infos)  # Rule 1
+        decisions.append(decision)
+        if not decision.claimed:
+            new_nodes.append(node)
+            continue
+        new_nodes.extend(work.claim(node, index, infos[node.input[0]].dtype))
+        modified = True
+    if modified:
+        work.finish(model, new_nodes)
+    nested = sum(is_ort_mha(n) for n in nested_nodes(graph))
+    if nested:
+        notes.append(
+            f"{nested} MultiHeadAttention node(s) inside control-flow subgraphs (If/Loop/Scan) are left to ORT: "
+            "the pass partitions the main graph only"
+        )
+    if any(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node):
+        count = sum(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node)
+        notes.append(
+            f"{count} com.microsoft::Attention node(s) stay with ORT"
+            + ("" if lift_attention else "; partition(..., lift_attention=True) rewrites them into MatMuls + MHA")
+        )
+    return PartitionResult(model, decisions, lifted, notes, lift_requested=lift_attention, lift_decisions=lift_decisions,
+                           route=route)  # fmt: skip
+
+
+def nested_nodes(graph: onnx.GraphProto):
+    """Every node inside the subgraphs of ``graph``'s nodes, recursively (not the main graph's own nodes)."""
+    for node in graph.node:
+        for attr in node.attribute:
+            subgraphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+            for sub in subgraphs:
+                yield from sub.node
+                yield from nested_nodes(sub)
+
+
+class PartitionPass:
+    """One run of rules 3-6 over a graph: the state its claimed nodes share, kept on the instance (the float32
+    Casts made so far, the placeholders used, the outputs' value infos, the names taken)."""
+
+    def __init__(self, graph: onnx.GraphProto, route: str):
+        self.transport = route == "python-op"  # rule 5's float32 Casts
+        self.casts: dict = {}  # tensor -> the output of its Cast to float32, shared by every node that reads it
+        self.placeholders: set = set()  # rule 4's initializers used
+        self.value_infos: List[onnx.ValueInfoProto] = []
+        self.names = NameSet(graph)
+
+    def claim(self, node: onnx.NodeProto, index: int, dtype: str) -> List[onnx.NodeProto]:
+        """Rules 3-5: the plugin node, preceded by its input Casts and followed by its output Casts."""
+        before: List[onnx.NodeProto] = []
+        after: List[onnx.NodeProto] = []
+        reduced = dtype in ONNX_TO_ELEM and self.transport
+        float_type = "float32" if self.transport or dtype not in ONNX_TO_ELEM else dtype
+        supplied = []
+        inputs = []
+        for slot, name in enumerate(spec.PLUGIN_INPUTS):
+            tensor = node.input[slot] if slot < len(node.input) else ""
+            if not tensor:
+                placeholder = spec.ABSENT_INT32 if name == "key_padding_mask" else spec.absent_float(float_type)
+                self.placeholders.add(placeholder)
+                inputs.append(placeholder)
+                continue
+            supplied.append(name)
+            if reduced and name in spec.FLOAT_INPUTS:
+                cast_name = tensor + spec.TRANSPORT_IN
+                if tensor not in self.casts:
+                    self.casts[tensor] = cast_name = self.names.new(tensor + spec.TRANSPORT_IN)
+                    before.append(
+                        helper.make_node("Cast", [tensor], [cast_name], to=onnx.TensorProto.FLOAT, name=cast_name)
+                    )
+                tensor = self.casts[tensor]
+            inputs.append(tensor)
+        wanted = []
+        outputs = []
+        name_text = node_name(node)
+        stem = name_text or f"{spec.OP_TYPE}_{index}"
+        for slot, name in enumerate(spec.PLUGIN_OUTPUTS):
+            tensor = node.output[slot] if slot < len(node.output) else ""
+            if not tensor:
+                outputs.append(self.names.new(f"{stem}{spec.UNUSED_OUTPUT_SUFFIX}/{name}"))
+                continue
+            wanted.append(name)
+            if reduced:
+                cast_input = self.names.new(tensor + spec.TRANSPORT_OUT)
+                after.append(helper.make_node("Cast", [cast_input], [tensor], to=ONNX_TO_ELEM[dtype], name=cast_input))
+                tensor = cast_input
+            outputs.append(tensor)
+        elem = ONNX_TO_ELEM.get(float_type, onnx.TensorProto.FLOAT)
+        for tensor in outputs:  # typed, so that ORT's checks of an unregistered load reach Rule 6's message
+            self.value_infos.append(helper.make_tensor_value_info(tensor, elem, None))
+        plugin = onnx.NodeProto()
+        plugin.CopyFrom(node)  # the name as its bytes, even when they are not UTF-8 (reading node.name would raise)
+        del plugin.input[:], plugin.output[:]
+        plugin.input.extend(inputs)
+        plugin.output.extend(outputs)
+        plugin.domain = spec.PLUGIN_DOMAIN
+        present = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        for attr in spec.ORT_ATTRIBUTES:
+            if attr.name not in present:
+                plugin.attribute.append(helper.make_attribute(attr.name, attr.default))
+        floats = {a.name: present.get(a.name, a.default) for a in spec.ORT_ATTRIBUTES if a.kind == "float"}
+        plugin.attribute.extend(
+            [
+                helper.make_attribute(spec.ATTR_INPUTS, ",".join(supplied)),
+                helper.make_attribute(spec.ATTR_OUTPUTS, ",".join(wanted)),
+                helper.make_attribute(spec.ATTR_DTYPE, dtype),
+                helper.make_attribute(spec.ATTR_NODE, name_text),
+                helper.make_attribute(spec.ATTR_FLOATS, spec.encode_floats(floats)),
+            ]
+        )
+        return before + [plugin] + after
+
+    def finish(self, model: onnx.ModelProto, new_nodes: list) -> None:
+        """The graph's new node list, the placeholders (rule 4), the typed outputs and the plugin domain (rule 6)."""
+        graph = model.graph
+        del graph.node[:]
+        graph.node.extend(new_nodes)
+        existing = {init.name for init in graph.initializer}
+        types = {spec.ABSENT_INT32: onnx.TensorProto.INT32, spec.absent_float("float32"): onnx.TensorProto.FLOAT,
+                 **{spec.absent_float(dtype): elem for dtype, elem in ONNX_TO_ELEM.items()}}  # fmt: skip
+        for name in sorted(self.placeholders - existing):
+            graph.initializer.append(helper.make_tensor(name, types[name], [0], []))
+        known = {v.name for v in graph.value_info} | {v.name for v in graph.output}
+        graph.value_info.extend(v for v in self.value_infos if v.name not in known)
+        add_plugin_domain(model)
+
+
+class NameSet:
+    """The names a graph already uses (nodes and tensors); ``new`` returns a name not among them and takes it."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.taken = {node_name(n) for n in graph.node}
+        for node in graph.node:
+            self.taken.update(node.input)
+            self.taken.update(node.output)
+        for values in (graph.input, graph.output, graph.value_info, graph.initializer):
+            self.taken.update(v.name for v in values)
+
+    def new(self, wanted: str) -> str:
+        name, suffix = wanted, 0
+        while name in self.taken:
+            suffix += 1
+            name = f"{wanted}.{suffix}"
+        self.taken.add(name)
+        return name
+
+def add_plugin_domain(model: onnx.ModelProto) -> None:
+    """The plugin and fallback-function opset imports, and Rule 6's model-local function."""
+    domains = {o.domain for o in model.opset_import}
+    for domain in (spec.PLUGIN_DOMAIN, spec.UNREGISTERED_DOMAIN):
+        if domain not in domains:
+            model.opset_import.append(helper.make_opsetid(domain, spec.PLUGIN_OPSET))
+    if not any(f.domain == spec.PLUGIN_DOMAIN and f.name == spec.OP_TYPE for f in model.functions):
+        model.functions.append(unregistered_function())
+    if model.ir_version < MHA_OPSET_MIN_IR:
+        model.ir_version = MHA_OPSET_MIN_IR
+
+def unregistered_function() -> onnx.FunctionProto:
+    return helper.make_function(
+        spec.PLUGIN_DOMAIN,
+        spec.OP_TYPE,
+        list(spec.PLUGIN_INPUTS),
+        list(spec.PLUGIN_OUTPUTS),
+        [
+            helper.make_node(
+                spec.UNREGISTERED_OP, list(spec.PLUGIN_INPUTS), list(spec.PLUGIN_OUTPUTS), domain=spec.UNREGISTERED_DOMAIN
+            )
+        ],
+        opset_imports=[helper.make_opsetid(spec.UNREGISTERED_DOMAIN, spec.PLUGIN_OPSET)],
+        attributes=[a.name for a in spec.PLUGIN_ATTRIBUTES],
+        doc_string="mha_ep::MultiHeadAttention runs only where mha_ep.register(session_options) was called.",
+    )
