@@ -342,7 +342,7 @@ def compare(
         from mha_ep.lift import lift_attention as lift
 
         original, lifted = lift(original)
-        notes.append(f"{lifted} Attention node(s) lifted into MHA on both sides (the lift is exact; tests/test_lift.py)")
+        notes.append(f"{lifted} Attention node(s) lifted into MHA on both sides (the lift is exact; tests/partition/test_lift.py)")
     say("shape inference and claim decisions ...")
     graph_outputs = [o.name for o in original.graph.output]
     exposed = expose_mha_outputs(original) if per_node else []

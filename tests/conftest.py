@@ -106,3 +106,24 @@ def max_rel_error(actual: np.ndarray, expected: np.ndarray) -> float:
         return float("inf")
     diff = np.where(both_nan, 0.0, np.abs(a - e) / np.maximum(1.0, np.abs(np.where(both_nan, 0.0, e))))
     return float(diff.max()) if diff.size else 0.0
+
+
+def skip_reason(report) -> str:
+    """The reason of a skipped test's report, without pytest's file:line prefix."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per reason for the skipped tests, most frequent first (a CPU run skips every GPU case)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    counts: dict[str, int] = {}
+    for report in skipped:
+        reason = skip_reason(report)
+        counts[reason] = counts.get(reason, 0) + 1
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason")
+    for reason, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        terminalreporter.write_line(f"{count:6d}  {reason}")

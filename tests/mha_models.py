@@ -7,7 +7,7 @@ Not a test module: the test files import it. Two levels:
   normal values, never zeros; right-padding key lengths ``randint(1, T+1)``; the (B, T) mask built from those
   lengths).
 * ``node_model(inputs, outputs, attributes, shapes=...)``: one MHA node over arbitrary input arrays, used for
-  *malformed* calls (test_bad_input.py), where the shapes break a rule on purpose.
+  *malformed* calls (tests/claim/test_bad_input.py), where the shapes break a rule on purpose.
 
 Layout legend (as in mha_ep/spec.py): B batch, S query length, L new key/value length, P past length,
 T = P + L, N heads, H query/key head size, Hv value head size, D = N*H, Dv = N*Hv.
@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
+from onnx import TensorProto as TP
 
 IR_VERSION = 10
 OPSETS = (("", 17), ("com.microsoft", 1))
@@ -468,3 +469,30 @@ def plugin_session(model, backend: str):
         return mha_ep.InferenceSession(model, backend="cuda", providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
                                        device_mode="device")  # fmt: skip
     return mha_ep.InferenceSession(model, backend=backend, route="python-op")
+
+
+def chain_model(num_heads=2, qk_on_second=False):
+    """Embedding lookup -> two MHA nodes, the second masked by a 2D attention mask."""
+    vocab, hidden = 50, 8
+    rng = np.random.default_rng(7)
+    table = onnx.numpy_helper.from_array(rng.standard_normal((vocab, hidden)).astype(np.float32), "embedding")
+    nodes = [
+        helper.make_node("Gather", ["embedding", "input_ids"], ["x"], name="embed"),
+        helper.make_node("MultiHeadAttention", ["x", "x", "x"], ["a"], domain="com.microsoft", num_heads=num_heads, name="layer0"),
+        helper.make_node(
+            "MultiHeadAttention", ["a", "a", "a", "", "attention_mask"], ["o", "", "", "qk"] if qk_on_second else ["o"],
+            domain="com.microsoft", num_heads=num_heads, name="layer1",
+        ),
+    ]
+    outputs = [helper.make_tensor_value_info("o", TP.FLOAT, ["batch", "sequence", hidden])]
+    if qk_on_second:
+        outputs.append(helper.make_tensor_value_info("qk", TP.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "chain",
+        [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence"]),
+         helper.make_tensor_value_info("attention_mask", TP.INT32, ["batch", "sequence"])],
+        outputs, initializer=[table],
+    )
+    return helper.make_model(
+        graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )

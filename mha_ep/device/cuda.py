@@ -175,10 +175,9 @@ class PieceIO:
     each run's outputs are new ORT allocations (the last call's may still be held).
 
     Where this onnxruntime exposes them, the calls go to ORT's C binding objects (``_iobinding``, ``_sess``)
-    with the device made once: its Python wrappers cost about 30 µs a piece (bind_input's OrtDevice.make, the
-    WebGPU capture checks of run_with_iobinding, an OrtValue wrapper per output), measured on this machine's
-    host for a two-output piece: 36 µs through the wrappers against 5.6 µs direct. Otherwise the public wrappers
-    are used, with the same effect."""
+    with the device made once: its Python wrappers cost several times the direct calls (bind_input's
+    OrtDevice.make, run_with_iobinding's capture checks, an OrtValue wrapper per output; docs/BENCH.md,
+    "Host-side choices"). Otherwise the public wrappers are used, with the same effect."""
 
     def __init__(self, ort, session, piece: PieceStep, dtypes: Dict[str, str], device_id: int, run_options):
         self.session = session

@@ -22,7 +22,7 @@ Rules of the cut (the code refers to them by number):
   5. Each tensor that crosses a cut must have a known element type (the pieces' inputs and outputs are typed);
      otherwise the plan is refused with the tensor's name.
 
-Nothing here imports onnxruntime or CuPy: the plan is data, checked on the CPU (tests/test_device_plan.py runs it
+Nothing here imports onnxruntime or CuPy: the plan is data, checked on the CPU (tests/device/test_device_plan.py runs it
 with ORT CPU pieces and the reference backend against stock ORT).
 """
 

@@ -1,8 +1,7 @@
 """Host <-> device copies of a device-mode call: NumPy feeds up, outputs down.
 
-Measured on the H200 host for the Whisper tiny.en decode step (22.8 MB of feeds, 5.4 MB of outputs, medians of 20
-in turns): 2.57 ms to upload the feeds one ``cupy.asarray`` at a time, 1.70 ms through one pinned buffer filled by
-the copy threads; 0.74 ms to download the outputs into fresh NumPy arrays, 0.16 ms into pinned ones. So:
+One pinned buffer filled by the copy threads uploads faster than one ``cupy.asarray`` per feed, and pinned
+output blocks download several times faster than fresh NumPy arrays (docs/BENCH.md, "Host-side choices"). So:
 
   * Up: feeds already in page-locked memory (an output of an earlier call, ``cupyx.empty_pinned``) go up
     directly. Others are packed into one grow-only pinned buffer, chunk by chunk on the copy threads

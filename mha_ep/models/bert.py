@@ -4,7 +4,7 @@ Graph (B batch, S sequence, D hidden):
     input_ids (B, S) int64, attention_mask (B, S) int64 (1 = token, 0 = padding; right padding),
     token_type_ids (B, S) int64  ->  last_hidden_state (B, S, D)
 
-Fusion (models.md): ``model_type="bert"``, ``use_multi_head_attention=True``: one MHA per layer with Q/K/V from
+Fusion (docs/FACTS.md §9.3): ``model_type="bert"``, ``use_multi_head_attention=True``: one MHA per layer with Q/K/V from
 three MatMuls and the packed q|k|v bias. Mask variants:
   "1d"  default fusion: key_padding_mask is a (B,) int32 key-length index (ReduceSum of the mask; right padding)
   "2d"  ``use_raw_attention_mask(True)``: key_padding_mask is the raw (B, S) int32 mask
@@ -78,7 +78,7 @@ def minilm():
 def _wrapper(model):
     import torch
 
-    class Bert(torch.nn.Module):  # keyword arguments: transformers 5 + TorchScript exporter (models.md)
+    class Bert(torch.nn.Module):  # keyword arguments: transformers 5 + TorchScript exporter (docs/FACTS.md §9.2)
         def __init__(self):
             super().__init__()
             self.bert = model

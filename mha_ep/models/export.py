@@ -1,6 +1,6 @@
 """Shared steps of the model builders: seeding, torch export, ORT fusion, fp16 conversion, summaries, progress.
 
-Recipe (shared/reference/models.md): TorchScript exporter (``dynamo=False``) on a model with
+Recipe (docs/FACTS.md §9): TorchScript exporter (``dynamo=False``) on a model with
 ``attn_implementation="eager"``; then ``onnxruntime.transformers.optimizer.optimize_model`` with
 ``use_multi_head_attention=True`` (BERT: ``model_type="bert"``; Whisper: ``model_type="bart"``, ``opt_level=1``);
 fp16 by ``convert_float_to_float16`` on the optimized model. torch and transformers are imported inside the
@@ -51,7 +51,7 @@ def seed_everything(seed: int) -> None:
 
 def randomize_small_params(module, seed: int, scale: float = 0.02) -> None:
     """Random init leaves biases at 0 and LayerNorm weights at 1; the exporter then shares one constant tensor
-    across all bias adds, which defeats ORT's fusion (models.md). Give every 1-D parameter its own values."""
+    across all bias adds, which defeats ORT's fusion (docs/FACTS.md §9.3). Give every 1-D parameter its own values."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ P past decoder tokens, F = 2 * E mel frames, E encoder positions, N heads, H hea
   (with past)            past_key_self_i / past_value_self_i (B, N, P, H),   present_key_self_i / present_value_self_i
                          past_key_cross_i / past_value_cross_i (B, N, E, H)  (B, N, P + 1, H)
 
-Fusion (models.md): ``model_type="bart"``, MHA on, ``opt_level=1``. The decoder with past gets 2L MHA; the first
+Fusion (docs/FACTS.md §9.3): ``model_type="bart"``, MHA on, ``opt_level=1``. The decoder with past gets 2L MHA; the first
 step L cross-attention MHA and L self-attention ``com.microsoft::Attention``; the encoder L ``Attention``. With
 ``lift=True`` (default) the builders run ``mha_ep.lift.lift_attention`` so every attention is MHA.
 """
@@ -42,7 +42,7 @@ class SmallWhisper:
     num_mel_bins: int = 80
     max_source_positions: int = 100
     max_target_positions: int = 64
-    # ids kept below the vocabulary size (models.md): pad 0, start-of-transcript 1, end 2
+    # ids kept below the vocabulary size (docs/FACTS.md §9): pad 0, start-of-transcript 1, end 2
     pad_token_id: int = 0
     decoder_start_token_id: int = 1
     eos_token_id: int = 2

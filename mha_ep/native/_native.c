@@ -100,7 +100,7 @@ struct OrtCustomOp {
   void (*ReleaseAliasMap)(int* input_index, int* output_index);
 };
 
-/* OrtApi ordinals used (tests/test_native.py holds the same table, read off onnxruntime_c_api.h of API version 29,
+/* OrtApi ordinals used (tests/native/test_native_abi.py holds the same table, read off onnxruntime_c_api.h of API version 29,
  * and compares the two through ordinals()). */
 enum {
   API_CreateStatus = 0,

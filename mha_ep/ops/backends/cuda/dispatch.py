@@ -14,7 +14,7 @@ two or three ping-ponging consumers, persistent): three consumers for head tile 
 HEAD_DIM_TILES that holds max(H, Hv).
 
 The measurements behind each default are in docs/BENCH.md ("Dispatch defaults"); the code keeps the reasons.
-This module imports no CuPy (tests/test_cuda_fused.py checks it); fused.py launches what it chooses.
+This module imports no CuPy (tests/cuda/test_cuda_scratch.py checks it); fused.py launches what it chooses.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Its elements are ``operand_dtype``: float32 (the staged transport arrays; an f16
 dtype on load) or the call's dtype (the layout mover's buffers). A bias (float32, (N*dim,)) is added on load.
 
 This module holds what a launch needs beside the dispatch rules: the kernels' shared-memory carving and launch
-bounds (each constant names its twin in the .cu files; tests/test_kernel_constants.py checks them), the
+bounds (each constant names its twin in the .cu files; tests/cuda/test_kernel_constants.py checks them), the
 instantiation names, and the arguments, as a steps.Launch (every route runs it: steps.py). Kernels are compiled
 and memoised by kernels.py (one cache for every kernel; the sm_90a ones also on disk). CuPy is imported only when
 a kernel is launched.

@@ -34,7 +34,7 @@ class Mover(NamedTuple):
     offset_out: object = None
 
 
-# layout.cu's struct Mover, field for field (tests/test_cuda_kernel_source.py compares the two): the kernels take
+# layout.cu's struct Mover, field for field (tests/cuda/test_kernel_sources.py compares the two): the kernels take
 # it by value, built here as a NumPy structured scalar with C alignment.
 MOVER_FIELDS = (
     ("cur", np.uint64), ("past_BNPH", np.uint64), ("bias_NH", np.uint64), ("dst_BNTH", np.uint64),

@@ -21,10 +21,8 @@ GROWTH_GRANULE = 1 << 20  # pinned buffers grow in whole MiB, so slowly growing 
 COPY_CHUNK_BYTES = 4 << 20  # host copies run in chunks of this size, several at once (numpy drops the GIL)
 SINGLE_UPLOAD_BYTES = 1 << 20  # below this, the inputs go up in one copy (per-copy overhead beats overlap)
 # Above THREADED_UPLOAD_BYTES the inputs' chunks are copied on the copy threads, in chunks of UPLOAD_CHUNK_BYTES,
-# each chunk's DMA queued as soon as it is copied. Chosen on the H200 host (2026-12-01, scripts/bridge_upload_knobs.py:
-# six anchor/sweep rows, six settings timed in turns, 15 rounds): 2 MiB chunks threaded above 1 MiB beat the
-# former 4 MiB / 4 MiB by 2-9% (1,2048 f16 7.86 -> 7.37 ms, 8,512 f16 14.2 -> 13.0 ms; 8,512 f32 equal);
-# 1 MiB chunks were no better and 512 KiB or 256 KiB ones slower (thread hand-offs).
+# each chunk's DMA queued as soon as it is copied. Smaller chunks lose to thread hand-offs, larger ones to less
+# overlap (docs/BENCH.md, "Host-side choices").
 THREADED_UPLOAD_BYTES = 1 << 20
 UPLOAD_CHUNK_BYTES = 2 << 20
 
@@ -91,9 +89,8 @@ def copy_pairs_in_chunks(
 ) -> Iterator[tuple[int, int, int]]:  # fmt: skip
     """Copy each ``(dst, src)`` pair (same shape, ``dst`` C-contiguous) chunk by chunk, on ``executor``'s threads
     when given. The chunks of *all* pairs are submitted at once, so a call's inputs are copied side by side: one
-    input at a time left most copy threads idle (a 12.6 MB input is three 4 MiB chunks). Measured in one plugin
-    session on the H200 host, runs timed in turns: 8,512 f32 anchor 11.9 -> 10.3 ms a run, Whisper-encoder f16
-    anchor 10.4 -> 8.8 ms.
+    input at a time left most copy threads idle (a 12.6 MB input is three 4 MiB chunks; docs/BENCH.md, "Host-side
+    choices").
 
     Yields (pair index, byte offset in that ``dst``, byte count) of each chunk in submission order (pair by pair,
     offsets ascending), as soon as that chunk is complete, so the caller can start the chunk's DMA while later

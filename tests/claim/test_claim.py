@@ -1,0 +1,219 @@
+"""The claim gate, unit level: the original's claim tests ported, and one declined case per rule.
+
+Shapes are written as tuples; None inside a tuple is a symbolic dim, and an input given as ``U`` has unknown rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mha_ep import limits
+from mha_ep.claim import Decision, TensorInfo, decide, rules
+from mha_ep.launch import LAUNCH_BLOCK
+
+U = TensorInfo()  # supplied, nothing known
+
+
+def f32(*shape):
+    return TensorInfo("float32", tuple(shape))
+
+
+def typed(dtype, *shape):
+    return TensorInfo(dtype, tuple(shape) if shape else None)
+
+
+def shapes(*dims):
+    """Like the original's ``shapes(&[...])``: dtype unknown; ``()`` = absent slot."""
+    return [TensorInfo(None, tuple(d)) if d else None for d in dims]
+
+
+def gate(inputs, num_heads=2, outputs=(True, False, False, False), **attrs) -> Decision:
+    return decide({"num_heads": num_heads, **attrs}, inputs, outputs, node_name="n")
+
+
+# ----------------------------------------------------------------------- the original's `mod tests`, ported
+def test_claim_requires_positive_num_heads():
+    assert not decide({}, [U, U, U]).claimed
+    assert "missing required `num_heads`" in decide({}, [U, U, U]).reason
+    zero = decide({"num_heads": 0}, [U, U, U])
+    assert not zero.claimed and "num_heads must be > 0, got 0" in zero.reason
+    assert decide({"num_heads": 2}, [U, U, U]).claimed
+
+
+def test_claim_declines_packed_qkv_rank5_query():
+    d = gate(shapes((1, 2, 2, 3, 4), (1, 2, 8), (1, 2, 8)))
+    assert not d.claimed and "packed-QKV" in d.reason and d.subject == "query"
+
+
+def test_claim_declines_packed_kv_rank5_key():
+    d = gate([f32(1, 2, 8), f32(1, 2, 2, 2, 4)])  # value absent: the packed-KV signature
+    assert not d.claimed
+    assert "packed-KV" in d.reason, d.reason
+
+
+def test_claim_declines_key_of_unsupported_rank():
+    d = gate([f32(1, 2, 8), f32(1, 2, 2, 2, 4), f32(1, 2, 8)])
+    assert not d.claimed
+    assert "key must be rank" in d.reason, d.reason
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        [f32(1, 2, 8), f32(1, 2, 8), f32(1, 2, 8)],
+        [f32(1, 2, 8), f32(1, 2, 2, 4), f32(1, 2, 2, 4)],
+        [f32(1, 2, 8), typed("float32"), typed("float32")],  # symbolic: accepted, re-validated at execute time
+    ],
+    ids=["bsnh", "bnsh", "unknown-rank"],
+)
+def test_claim_accepts_supported_key_value_ranks(inputs):
+    d = gate(inputs)
+    assert d.claimed, d.reason
+
+
+def test_claim_accepts_mismatched_v_head_size_without_past():
+    # Beyond the original (which declined it): stock ORT supports v_head_size != head_size without past.
+    # q hidden 8 -> head_size 4; value hidden 12 -> v_head_size 6.
+    d = gate(shapes((1, 2, 8), (1, 2, 8), (1, 2, 12)))
+    assert d.claimed, d.reason
+
+
+def test_claim_declines_mismatched_v_head_size_with_past():
+    inputs = shapes((1, 2, 8), (1, 2, 8), (1, 2, 12), (), (), (), (1, 2, 3, 4), (1, 2, 3, 4))
+    d = gate(inputs)
+    assert not d.claimed
+    assert "v_head_size 6 must equal qk_head_size 4" in d.reason
+
+
+def test_claim_declines_non_float_query():
+    d = gate([typed("int32"), typed("int32"), typed("int32")])
+    assert not d.claimed and "query dtype int32 not supported" in d.reason
+
+
+def test_claim_declines_dtype_mismatch_between_qkv():
+    d = gate([typed("float16"), typed("float32"), typed("float16")])
+    assert not d.claimed and "key dtype float32 must match query dtype float16" in d.reason
+
+
+def test_claim_accepts_plain_self_attention():
+    assert gate([f32(1, 4, 8), f32(1, 4, 8), f32(1, 4, 8)]).claimed
+
+
+def test_checked_geometry_rejects_byte_overflow():
+    with pytest.raises(rules.Refusal, match="mask byte size"):
+        rules.checked_bytes(2**63, 2, "mask")
+
+
+def test_host_geometry_allows_products_above_i32_when_offsets_fit():
+    batch = sequence = 65_536
+    assert rules.checked_i32(batch, "batch") == batch
+    elements = batch * sequence * 2 * 4
+    assert elements == 34_359_738_368 > limits.I32_MAX
+    assert rules.checked_bytes(elements, 4, "large MHA") == 137_438_953_472
+
+
+def test_checked_cuda_conversions_reject_i32_and_u32_overflow():
+    with pytest.raises(rules.Refusal, match="past sequence length=2147483648"):
+        rules.checked_i32(limits.I32_MAX + 1, "past sequence length")
+    too_many_blocks = (limits.U32_MAX + 1) * LAUNCH_BLOCK
+    with pytest.raises(rules.Refusal, match="mask launch grid blocks"):
+        rules.checked_grid(too_many_blocks, "mask launch")
+
+
+def test_claim_rejects_statically_known_zero_and_cuda_i32_geometry():
+    zero = decide({"num_heads": 1}, shapes((1, 0, 4), (1, 1, 4), (1, 1, 4)))
+    assert "query dim 1 must be > 0" in zero.reason
+    big = limits.I32_MAX + 1
+    oversized = decide({"num_heads": 1}, shapes((1, 1, big), (1, 1, big), (1, 1, big)))
+    assert "query dim 2=2147483648" in oversized.reason
+
+
+def test_claim_rejects_rank_one_qkv():
+    assert "query must be rank 3" in gate(shapes((8,))).reason
+    assert "key must be rank 3" in gate(shapes((1, 2, 8), (8,), (1, 2, 8))).reason
+
+
+def test_claim_rejects_statically_known_batch_past_and_mask_mismatches():
+    d = gate(shapes((2, 1, 8), (1, 1, 8), (2, 1, 8)))
+    assert "key batch 1 must equal query batch 2" in d.reason
+    d = gate(shapes((2, 1, 8), (2, 1, 8), (2, 1, 8), (), (2, 9)))
+    assert "key_padding_mask shape (2, 9) is incompatible with B=2, S=1, T=1" in d.reason
+    d = gate(shapes((2, 1, 8), (2, 1, 8), (2, 1, 8), (), (), (), (2, 2, 4, 4), (2, 2, 5, 4)))
+    assert "past_key seq 4 != past_value seq 5" in d.reason
+
+
+def test_claim_allows_empty_past():
+    # mha_ep extension: a past of length 0 (first decoding step of a merged decoder) is a real input.
+    d = gate(shapes((2, 1, 8), (2, 1, 8), (2, 1, 8), (), (), (), (2, 2, 0, 4), (2, 2, 0, 4)))
+    assert d.claimed, d.reason
+
+
+# ------------------------------------------------------------------------------- one declined case per rule
+Q, K, V = f32(2, 3, 8), f32(2, 5, 8), f32(2, 5, 8)
+NOT_CLAIMED = {
+    "attributes": (dict(inputs=[Q, K, V], num_heads=-1), "num_heads must be > 0, got -1"),
+    "attributes_unknown": (dict(inputs=[Q, K, V], mha_ep_node="x"), "unknown attribute 'mha_ep_node'"),
+    "rule_slot_counts": (dict(inputs=[Q, K, V] + [None] * 8), "the node has 11 inputs; MultiHeadAttention's schema has at most 10"),
+    "rule_slot_counts_outputs": (
+        dict(inputs=[Q, K, V], outputs=(True, False, False, False, True)),
+        "the node has 5 outputs; MultiHeadAttention's schema has at most 4",
+    ),
+    "rule_static_shapes": (dict(inputs=[f32(2, 3, 8), f32(2, 0, 8), f32(2, 5, 8)]), "key dim 1 must be > 0, got 0"),
+    "rule_query_dtype": (dict(inputs=[typed("float64", 2, 3, 8), K, V]), "query dtype float64 not supported"),
+    "rule_float_dtypes_match": (
+        dict(inputs=[Q, K, V, typed("float16", 24)]),
+        "bias dtype float16 must match query dtype float32",
+    ),
+    "rule_mask_dtype": (dict(inputs=[Q, K, V, None, typed("float32", 2)]), "key_padding_mask dtype float32"),
+    "rule_no_decoder_masked_inputs": (
+        dict(inputs=[Q, K, V, None, None, None, None, None, typed("int32", 1)]),
+        "DecoderMaskedMultiHeadAttention inputs",
+    ),
+    "rule_no_qk_output": (dict(inputs=[Q, K, V], outputs=(True, False, False, True)), "output 3 (qk)"),
+    "rule_query_rank": (dict(inputs=[f32(2, 3, 2, 3, 4), K, V]), "query must be rank 3"),
+    "rule_key_and_value_supplied": (dict(inputs=[Q]), "separate key and value inputs are required"),
+    "rule_key_value_ranks": (dict(inputs=[Q, K, f32(2, 2, 5, 4)]), "key and value must both be rank 3"),
+    "rule_query_hidden_divisible": (dict(inputs=[f32(2, 3, 9), K, V]), "query hidden 9 not divisible by num_heads 2"),
+    "rule_key_value_heads": (dict(inputs=[Q, f32(2, 3, 5, 4), f32(2, 3, 5, 4)]), "rank-4 key dim 1 (3)"),
+    "rule_head_sizes": (dict(inputs=[Q, f32(2, 5, 12), V]), "key hidden 12 must equal query hidden 8"),
+    "rule_key_value_lengths": (dict(inputs=[Q, K, f32(2, 6, 8)]), "key seq 5 != value seq 6"),
+    "rule_batches": (dict(inputs=[Q, K, f32(3, 5, 8)]), "value batch 3 must equal query batch 2"),
+    "rule_past": (
+        dict(inputs=[Q, K, V, None, None, None, f32(2, 2, 4, 4)]),
+        "past_key and past_value must be provided together",
+    ),
+    "rule_total_length": (
+        dict(inputs=[Q, f32(2, limits.I32_MAX, 8), f32(2, None, 8), None, None, None, f32(2, 2, 1, 4), f32(2, 2, 1, 4)]),
+        "total sequence length=2147483648 exceeds CUDA i32 limits",
+    ),
+    "rule_bias": (dict(inputs=[Q, K, V, f32(23)]), "bias length 23 must equal 2*hidden + v_hidden = 24"),
+    "rule_attention_bias": (
+        dict(inputs=[Q, K, V, None, None, f32(2, 3, 3, 5)]),
+        "attention_bias shape (2, 3, 3, 5) is incompatible with B=2, N=2, S=3, T=5",
+    ),
+    "rule_key_padding_mask": (
+        dict(inputs=[Q, K, V, None, typed("int32", 2, 3)]),
+        "key_padding_mask shape (2, 3) is incompatible with B=2, S=3, T=5",
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(NOT_CLAIMED))
+def test_rule_not_claimed(rule):
+    kwargs, fragment = NOT_CLAIMED[rule]
+    d = gate(**kwargs)
+    assert not d.claimed, f"{rule}: claimed, expected a refusal containing {fragment!r}"
+    assert fragment in d.reason, f"{rule}: reason {d.reason!r} lacks {fragment!r}"
+    assert d.reason.startswith(rules.PREFIX)
+    assert d.subject, f"{rule}: the refusal names no subject"
+
+
+def test_every_rule_has_a_not_claimed_case():
+    names = {rule.__name__ for rule in rules.RULES}
+    missing = names - set(NOT_CLAIMED)
+    assert not missing, f"rules without a *_not_claimed case: {sorted(missing)}"
+
+
+def test_rules_accept_symbolic_dims_and_revalidate_nothing_they_cannot_see():
+    symbolic = [f32(None, None, 8), f32(None, None, 8), f32(None, None, 8), f32(24), typed("int32", None, None)]
+    assert gate(symbolic).claimed

@@ -1,0 +1,49 @@
+"""The README's Python snippet runs as written from any directory, and the README keeps to words a new user knows."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from harness import REPO
+
+README = REPO / "README.md"
+
+
+def test_the_use_it_snippet_runs_from_another_directory(tmp_path):
+    snippet = re.search(r"## Use it\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)
+    env = dict(os.environ, PYTHONPATH=str(README.parent))
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "2 claimed" in done.stdout and (tmp_path / "model_mha_ep.onnx").is_file()
+
+
+def test_no_internal_jargon_and_no_test_counts():
+    text = README.read_text()
+    for phrase in ("main job", "the bridge", "anchor shapes", "sixth session", "whisper_small", "bert_small"):
+        assert phrase not in text, phrase
+    assert not re.search(r"\d+ passed", text)
+    assert "Bring your own model" in text and "Conflicting" in text and "ORTModelForFeatureExtraction" in text
+
+
+def setup_commands() -> list[str]:
+    section = README.read_text().split("## Set up\n", 1)[1].split("\n\n", 2)
+    return [line.strip() for line in section[0].splitlines() + section[1].splitlines() if line.strip()][:2]
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    demo, tests = setup_commands()
+    assert demo.endswith("mha-ep demo") and tests.endswith("python3 -m pytest -q"), (demo, tests)
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == tests, f".ci/run's last line {ci[-1]!r} is not the README's test command {tests!r}"
+
+
+def test_each_setup_command_makes_its_own_virtual_environment():
+    """A system Python that is "externally managed" (PEP 668) refuses pip installs; both commands work there."""
+    for command in setup_commands():
+        assert command.startswith("python3 -m venv .venv && . .venv/bin/activate && "), command
+    ignored = (REPO / ".gitignore").read_text().splitlines()
+    assert "/.venv/" in ignored or ".venv/" in ignored

@@ -1,0 +1,198 @@
+"""The native library's ABI layer, on any machine: the OrtApi ordinals and OrtCustomOp layout of
+onnxruntime_c_api.h, a warning-free build, the planner's plans as the library parses them (and refuses malformed
+ones), and the route register() takes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+import mha_ep
+from mha_ep import native
+from mha_ep.native import plan as native_plan
+from mha_ep.ops.backends.cuda.fused import DeviceFacts
+
+from mha_models import (
+    MhaConfig,
+)  # fmt: skip
+from native_cases import SOURCE, described, library, signature_of
+
+# OrtApi ordinals, read off onnxruntime_c_api.h (ORT_API_VERSION 29; the table is append-only, so they hold for
+# every later version): the position of each function in struct OrtApi.
+ORT_API_ORDINALS = {
+    "CreateStatus": 0, "GetErrorMessage": 2, "CreateCustomOpDomain": 26, "CustomOpDomain_Add": 27,
+    "AddCustomOpDomain": 28, "GetTensorMutableData": 51, "GetTensorElementType": 60, "GetDimensionsCount": 61,
+    "GetDimensions": 62, "GetTensorTypeAndShape": 65, "MemoryInfoGetId": 72, "KernelInfoGetAttribute_float": 85,
+    "KernelInfoGetAttribute_int64": 86, "KernelInfoGetAttribute_string": 87, "KernelContext_GetInputCount": 88,
+    "KernelContext_GetOutputCount": 89, "KernelContext_GetInput": 90, "KernelContext_GetOutput": 91,
+    "ReleaseStatus": 93, "ReleaseTensorTypeAndShapeInfo": 99, "ReleaseAllocator": 132,
+    "KernelContext_GetGPUComputeStream": 193, "GetSessionConfigEntry": 238, "KernelInfo_GetNodeName": 244,
+    "KernelContext_GetResource": 265, "KernelContext_GetScratchBuffer": 277, "KernelInfoGetAllocator": 278,
+}  # fmt: skip
+
+
+# struct OrtCustomOp after its uint32 version: one function pointer each, in this order (onnxruntime_c_api.h)
+CUSTOM_OP_FIELDS = (
+    "CreateKernel", "GetName", "GetExecutionProviderType", "GetInputType", "GetInputTypeCount", "GetOutputType",
+    "GetOutputTypeCount", "KernelCompute", "KernelDestroy", "GetInputCharacteristic", "GetOutputCharacteristic",
+    "GetInputMemoryType", "GetVariadicInputMinArity", "GetVariadicInputHomogeneity", "GetVariadicOutputMinArity",
+    "GetVariadicOutputHomogeneity", "CreateKernelV2", "KernelComputeV2", "InferOutputShapeFn", "GetStartVersion",
+    "GetEndVersion", "GetMayInplace", "ReleaseMayInplace", "GetAliasMap", "ReleaseAliasMap",
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------- the ABI
+def test_the_library_loads_and_calls_the_ordinals_of_ort_s_header():
+    module = library()
+    assert module.ordinals() == ORT_API_ORDINALS
+    layout = module.layout()
+    assert layout["api_version"] == 18 and layout["op_version"] == 18
+    offsets = {name: 8 + 8 * i for i, name in enumerate(CUSTOM_OP_FIELDS)}
+    assert layout["custom_op_size"] == 8 + 8 * len(CUSTOM_OP_FIELDS)
+    assert layout["create_kernel_v2"] == offsets["CreateKernelV2"]
+    assert layout["kernel_compute_v2"] == offsets["KernelComputeV2"]
+    assert layout["get_start_version"] == offsets["GetStartVersion"]
+    assert layout["input_memory_type"] == offsets["GetInputMemoryType"]
+    assert (layout["plan_magic"], layout["plan_version"]) == (native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION)
+    assert Path(native.library_path()).resolve().parent == SOURCE.parent  # ORT opens the file Python loaded
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")
+def test_the_library_compiles_warning_free(tmp_path):
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").exists():
+        pytest.skip("the Python headers are not installed")
+    done = subprocess.run(["gcc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{include}",
+                           str(SOURCE), "-o", str(tmp_path / "native.so")], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+# ------------------------------------------------------------------------------------------------- plans
+FACTS = (DeviceFacts("90", 132), DeviceFacts("80", 108))
+
+
+PLAN_CASES = {
+    "f32 staged": MhaConfig(bias=True, mask="1d"),
+    "f32 past presents": MhaConfig(bias=True, has_past=True, past_seq=4, presents=True, mask="2d"),
+    "f16 mask 2d bias": MhaConfig(dtype="float16", batch=2, q_seq=64, kv_seq=64, num_heads=4, head_size=64,
+                                  bias=True, mask="2d", attention_bias="1N"),
+    "f16 wide heads": MhaConfig(dtype="float16", batch=4, q_seq=512, kv_seq=512, num_heads=8, head_size=128),
+    "f16 three phases": MhaConfig(dtype="float16", head_size=6, mask="3d", mask_dtype="int64"),
+    "bf16 BNSH causal": MhaConfig(dtype="bfloat16", kv_layout="BNSH", causal=True, q_seq=5, kv_seq=5, bias=True),
+    "f16 past key bias": MhaConfig(dtype="float16", bias=True, has_past=True, past_seq=3, presents=True),
+}
+
+
+@pytest.mark.parametrize("facts", FACTS, ids=["sm90", "sm80"])
+@pytest.mark.parametrize("name", sorted(PLAN_CASES))
+def test_plans_encode_to_what_the_library_parses(name, facts):
+    config = PLAN_CASES[name]
+    kernel, signature = signature_of(config)
+    for flags in (0, native_plan.UNALIGNED_OUTPUTS):
+        plan = native_plan.plan_steps(kernel, signature, facts, flags)
+        handles = {}
+        encoded = native_plan.encode_plan(plan, lambda launch: handles.setdefault(launch.function, len(handles) + 1))
+        summary = library().check_plan(encoded)
+        assert summary["scratch_bytes"] == plan.scratch_bytes
+        assert summary["outputs"] == [tuple(s) for s in plan.output_shapes]
+        assert len(summary["steps"]) == len(plan.steps)
+        launches = [s for s in summary["steps"] if s["kind"] == "launch"]
+        assert [s["function"] for s in launches] == [handles[s.function] for s in plan.steps if hasattr(s, "function")]
+        want = {"output": (config.batch, config.q_seq, config.num_heads * config.hv)}
+        if config.presents:
+            want["present_key"] = (config.batch, config.num_heads, config.total_seq, config.head_size)
+        assert plan.output_shapes[0] == want["output"]
+        assert plan.output_shapes[1] == want.get("present_key", (0,))
+        if flags:  # every wanted output is written to scratch, then copied into ORT's buffer
+            assert [s["kind"] for s in summary["steps"][-len(want) - bool(config.presents):]].count("copy") >= len(want)
+
+
+def test_plans_bind_only_inputs_outputs_and_scratch_within_its_size():
+    from mha_ep.ops.backends.cuda.steps import Buffer, addresses_of
+
+    for config in PLAN_CASES.values():
+        kernel, signature = signature_of(config)
+        plan = native_plan.plan_steps(kernel, signature, FACTS[0])
+        for step in plan.steps:
+            for address in addresses_of(step):
+                assert isinstance(address, Buffer), (config.short(), step)
+                if address.name == "scratch":
+                    assert address.offset < plan.scratch_bytes
+                else:
+                    assert address.name in {f"in{i}" for i in range(8)} | {"out0", "out1", "out2"}
+
+
+def test_unaligned_inputs_are_copied_to_aligned_scratch_before_the_kernels_read_them():
+    from mha_ep.ops.backends.cuda.steps import Copy
+
+    kernel, signature = signature_of(PLAN_CASES["f16 mask 2d bias"], alignment=1)
+    plan = native_plan.plan_steps(kernel, signature, FACTS[0])
+    copies = [s for s in plan.steps if isinstance(s, Copy)]
+    assert {c.src.name for c in copies} >= {"in0", "in1", "in2", "in3"} and all(c.dst.name == "scratch" for c in copies)
+
+
+def test_a_signature_the_rules_refuse_names_the_input_and_its_shape():
+    from mha_ep.errors import MhaInputError
+
+    kernel, signature = signature_of(MhaConfig(dtype="float16", mask="2d"))
+    entries = list(signature.inputs)
+    entries[4] = (6, (2, 3), 8)  # a (B, T) mask with T = 3 instead of 5
+    with pytest.raises(MhaInputError, match=r"key_padding_mask"):
+        native_plan.plan_steps(kernel, native_plan.Signature(tuple(entries)), FACTS[0])
+    entries = list(signature.inputs)
+    entries[1] = (1, entries[1][1], 8)  # key in float32 beside a float16 query
+    with pytest.raises(MhaInputError, match=r"input key \[2, 5, 16\] is float32, expected float16"):
+        native_plan.plan_steps(kernel, native_plan.Signature(tuple(entries)), FACTS[0])
+
+
+@pytest.mark.parametrize("words, message", [
+    ([], "ends early"),
+    ([native_plan.PLAN_MAGIC, 99], "not a plan of version"),
+    ([native_plan.PLAN_MAGIC, 1, 0, 16, 3, 0, 0, 0, 1, 9], "unknown step kind 9"),
+    ([native_plan.PLAN_MAGIC, 1, 0, 16, 3, 0, 0, 0, 1, 3, 1, 9, 0, 3, 0, 0, 16], "index = 9"),
+    ([native_plan.PLAN_MAGIC, 1, -1], "scratch = -1"),
+    ([native_plan.PLAN_MAGIC, 1, 0, 16, 3, 0, 0, 0, 0, 7], "1 words after the last step"),
+])  # fmt: skip
+def test_malformed_plans_are_refused_with_a_reason(words, message):
+    import struct
+
+    with pytest.raises(ValueError, match=message):
+        library().check_plan(struct.pack(f"<{len(words)}q", *words))
+
+
+def test_route_auto_takes_the_native_library_for_the_cuda_backend_only():
+    from mha_ep.ops.backends import create_backend
+    from mha_ep.ops.registration import choose_route
+
+    library()
+    reference = create_backend("reference")
+    assert choose_route("auto", reference)[0] == "python-op"
+    assert choose_route("native", reference)[0] == "native"
+
+    class CudaLike:
+        name = "cuda"
+
+    assert choose_route("auto", CudaLike())[0] == "native"
+    options = mha_ep.register(ort.SessionOptions(), backend="reference")
+    assert mha_ep.route_of(options) == "python-op"
+    with pytest.raises(ValueError, match="already carry mha_ep's python-op route"):
+        mha_ep.register(options, backend="reference", route="native")
+    assert mha_ep.route_of(mha_ep.register(ort.SessionOptions(), backend="reference", route="native")) == "native"
+
+
+def test_the_planner_callback_answers_a_failure_and_never_raises():
+    """gpu.plan_call is what the library calls on a plan miss: whatever goes wrong (here, on a CPU machine, CuPy
+    itself is missing or the rules refuse the call) comes back as (code, message) naming the node."""
+    from mha_ep.native import gpu
+
+    config = MhaConfig(dtype="float16", mask="2d")
+    _, signature = signature_of(config)
+    entries = list(signature.inputs)
+    entries[4] = (6, (2, 3), 8)
+    answer = gpu.plan_call(described(config), "mha", 0, 0, tuple(entries))
+    assert isinstance(answer, tuple) and answer[0] in (1, 2) and "node 'mha'" in answer[1], answer

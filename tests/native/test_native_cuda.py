@@ -1,0 +1,186 @@
+"""The native library's CUDA kernels in plain ORT CUDA sessions (marker gpu; onnxruntime-gpu on the path): parity
+with stock ORT (poisoned temporaries too), the CUDA provider and no Memcpy in ORT's profile, no Python on a repeated
+signature, ORT's CUDA graph capturing claimed nodes, misaligned bindings, session lifetime."""
+
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import mha_ep
+from mha_ep import native
+
+from conftest import native_cuda_unavailable_reason
+from mha_models import (
+    MhaConfig,
+    assert_outputs_match,
+    build_model,
+    oracle_float64,
+    random_feeds,
+    stock_outputs,
+)  # fmt: skip
+from native_cases import CUDA, library, native_session, profile_providers, profiled_options, run_named, tolerance
+
+
+# --------------------------------------------------------------------------------------------- kernels, GPU
+@pytest.fixture
+def cuda_native():
+    reason = native_cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the native route's CUDA kernels cannot run here: {reason}")
+    ort.preload_dlls()
+    yield
+    native.settings.poison = False
+    native.settings.fused_path = True
+    native.reset_plans()
+
+
+GPU_CASES = {
+    "f16 bert": MhaConfig(dtype="float16", batch=2, q_seq=128, kv_seq=128, num_heads=12, head_size=64, bias=True,
+                          mask="2d"),
+    "f32 decode past": MhaConfig(batch=2, q_seq=1, kv_seq=1, past_seq=37, has_past=True, presents=True, num_heads=6,
+                                 head_size=64, bias=True, mask="1d"),
+    "bf16 causal": MhaConfig(dtype="bfloat16", batch=2, q_seq=33, kv_seq=33, num_heads=4, head_size=64, causal=True,
+                             attention_bias="B1"),
+    "f16 three phases": MhaConfig(dtype="float16", head_size=6, mask="3d", bias=True),
+    "f16 cross BNSH": MhaConfig(dtype="float16", q_seq=7, kv_seq=300, kv_layout="BNSH", num_heads=6, head_size=64,
+                                mask="3b2", mask_dtype="int64"),
+}
+
+
+def expected_of(config: MhaConfig, feeds: dict) -> dict:
+    return oracle_float64(config, feeds) if config.dtype == "bfloat16" else stock_outputs(config, feeds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poison", [False, True], ids=["plain", "poisoned"])
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_cuda_kernels_in_a_plain_session_match_stock_ort(name, poison, cuda_native, rng, tmp_path):
+    native.settings.poison = poison
+    native.reset_plans()
+    config = GPU_CASES[name]
+    options = profiled_options()
+    options.profile_file_prefix = str(tmp_path / "profile")
+    session = native_session(build_model(config), backend="cuda", providers=CUDA, options=options)
+    feeds = random_feeds(config, rng)
+    assert_outputs_match(run_named(session, feeds), expected_of(config, feeds), tolerance(config.dtype), name)
+    providers, ops = profile_providers(session)
+    assert providers == {"CUDAExecutionProvider"}, providers
+    assert not {op for op in ops if op.startswith("Memcpy")}, ops  # the model's inputs go up once, by ORT's binding
+
+
+@pytest.mark.gpu
+def test_a_repeated_signature_calls_no_python(cuda_native, rng):
+    config = GPU_CASES["f16 bert"]
+    session = native_session(build_model(config), backend="cuda", providers=CUDA)
+    feeds = random_feeds(config, rng)
+    session.run(None, feeds)
+    before = native.stats()
+    for _ in range(50):
+        session.run(None, feeds)
+    after = native.stats()
+    assert after["misses"] == before["misses"] and after["hits"] >= before["hits"] + 50, (before, after)
+
+
+@pytest.mark.gpu
+def test_the_python_op_form_and_the_three_phase_path_run_on_the_cuda_kernels(cuda_native, rng):
+    config = MhaConfig(dtype="float16", bias=True, mask="2d", q_seq=40, kv_seq=40, num_heads=4, head_size=32)
+    library()
+    part = mha_ep.partition(build_model(config))  # the float32 transport form
+    options = mha_ep.register(ort.SessionOptions(), backend="cuda", route="native")
+    feeds = random_feeds(config, rng)
+    want = stock_outputs(config, feeds)
+    for fused in (True, False):
+        native.settings.fused_path = fused
+        native.reset_plans()
+        session = ort.InferenceSession(part.model.SerializeToString(), options, providers=CUDA)
+        assert_outputs_match(run_named(session, feeds), want, tolerance("float16"), f"fused={fused}")
+
+
+@pytest.mark.gpu
+def test_ort_s_cuda_graph_captures_claimed_nodes_and_replays_bit_identical_with_fresh_inputs(cuda_native, rng):
+    import cupy
+
+    config = MhaConfig(dtype="float16", batch=2, q_seq=64, kv_seq=64, num_heads=4, head_size=64, bias=True,
+                       mask="1d")  # fmt: skip
+    model = build_model(config)
+    eager = native_session(model, backend="cuda", providers=CUDA)
+    graphed = native_session(model, backend="cuda", providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
+                                                                  "CPUExecutionProvider"])  # fmt: skip
+    first = random_feeds(config, rng)
+    inputs = {name: cupy.asarray(value) for name, value in first.items()}
+    output = cupy.empty((config.batch, config.q_seq, config.num_heads * config.hv), cupy.float16)
+    binding = graphed.io_binding()
+    for name, array in inputs.items():
+        binding.bind_input(name, "cuda", 0, array.dtype, array.shape, array.data.ptr)
+    binding.bind_output("output", "cuda", 0, output.dtype, output.shape, output.data.ptr)
+    for turn in range(6):  # ORT captures on an early run and replays from then on
+        feeds = first if turn == 0 else random_feeds(config, np.random.default_rng(turn))
+        for name, value in feeds.items():
+            inputs[name][...] = cupy.asarray(value)
+        graphed.run_with_iobinding(binding)
+        cupy.cuda.runtime.deviceSynchronize()
+        want = eager.run(["output"], feeds)[0]
+        assert np.array_equal(cupy.asnumpy(output), want), f"turn {turn}: the replay differs from the eager run"
+
+
+@pytest.mark.gpu
+def test_cuda_sessions_made_and_dropped_in_a_loop_give_back_host_and_device_memory(cuda_native, rng):
+    import gc
+
+    import cupy
+
+    config = GPU_CASES["f32 decode past"]
+    model = mha_ep.partition(build_model(config), route="native").model.SerializeToString()
+    feeds = random_feeds(config, rng)
+
+    def cycle(count: int):
+        for _ in range(count):
+            options = mha_ep.register(ort.SessionOptions(), backend="cuda", route="native")
+            session = ort.InferenceSession(model, options, providers=CUDA)
+            session.run(None, feeds)
+            del session, options
+        gc.collect()
+
+    cycle(20)
+    free_before, _ = cupy.cuda.runtime.memGetInfo()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cycle(200)
+    free_after, _ = cupy.cuda.runtime.memGetInfo()
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    assert free_before - free_after < 64 << 20, f"device memory fell by {(free_before - free_after) >> 20} MiB"
+    assert grown_mib < 64, f"peak RSS grew by {grown_mib:.1f} MiB over 200 CUDA sessions"
+
+
+@pytest.mark.gpu
+def test_inputs_and_outputs_bound_off_alignment_are_copied_not_misread(cuda_native, rng):
+    """IOBinding at addresses 2 bytes off any vector alignment: the plan copies the inputs into aligned scratch
+    and writes the outputs through scratch (UNALIGNED_OUTPUTS), so the results equal an aligned run's."""
+    import cupy
+
+    config = MhaConfig(dtype="float16", q_seq=16, kv_seq=16, num_heads=2, head_size=64, bias=True,
+                       presents=True)  # fmt: skip
+    session = native_session(build_model(config), backend="cuda", providers=CUDA)
+    feeds = random_feeds(config, rng)
+    want = run_named(session, feeds)
+    binding = session.io_binding()
+    keep = []
+    for name, value in feeds.items():
+        raw = cupy.zeros(value.size + 8, value.dtype)
+        view = raw[1 : 1 + value.size].reshape(value.shape)
+        view[...] = cupy.asarray(value)
+        keep.append(raw)
+        binding.bind_input(name, "cuda", 0, value.dtype, value.shape, view.data.ptr)
+    outputs = {}
+    for name, value in want.items():
+        raw = cupy.full(value.size + 8, np.nan, value.dtype)
+        outputs[name] = raw[1 : 1 + value.size].reshape(value.shape)
+        keep.append(raw)
+        binding.bind_output(name, "cuda", 0, value.dtype, value.shape, outputs[name].data.ptr)
+    session.run_with_iobinding(binding)
+    cupy.cuda.runtime.deviceSynchronize()
+    for name, value in want.items():
+        assert np.array_equal(cupy.asnumpy(outputs[name]), value), name
