@@ -3,11 +3,13 @@
     mha-ep demo                          the shipped BERT and Whisper models, plugin vs stock ORT
     mha-ep partition IN -o OUT           partition a model and print the claim report
     mha-ep compare MODEL [--per-node]    stock ORT vs the plugin on random (or given) feeds, with a verdict
+    mha-ep compare MODEL --reference U   ... and stock ORT on MODEL vs on U, the model before fusion
     mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native (mha-ep bench WHAT --help)
     mha-ep --version                     mha_ep, onnxruntime, onnxruntime-extensions, CuPy, the GPU, the backend
 
 Exit codes: 0 PASS (or done), 1 FAIL (outputs outside tolerance), 2 cannot run (bad input, a model that cannot
-be loaded, or that stock ORT cannot load or run), 3 NOTHING CLAIMED (compare: no node ran on the plugin).
+be loaded, or that stock ORT cannot load or run), 3 NOTHING CLAIMED (compare: no node ran on the plugin), 4 FUSION
+CHANGED THE MODEL (compare --reference: the fusion, not mha_ep, changed the outputs).
 --json, in every subcommand that takes it: the result as one JSON object on stdout, errors included.
 """
 
@@ -96,6 +98,7 @@ def cmd_compare(args) -> int:
         rtol=args.rtol,
         progress=None if args.quiet else lambda line: progress.write(f"mha-ep compare: {line}", file=sys.stderr),
         progress_bar=progress.wanted(args.quiet, args.json),
+        reference=args.reference,
     )
     if args.save_feeds and report.worst_feeds is not None:
         save_feeds(args.save_feeds, report.worst_feeds)
@@ -182,10 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", parents=[common], help="stock ORT vs the plugin on the same feeds, with a verdict",
                        description="Verdicts and exit codes: PASS 0, FAIL 1 (outputs outside tolerance), CANNOT RUN 2 "
                                    "(the model cannot be loaded, or stock ORT cannot load or run it), NOTHING CLAIMED 3 "
-                                   "(no node ran on the plugin).")  # fmt: skip
+                                   "(no node ran on the plugin), FUSION CHANGED THE MODEL 4 (with --reference: stock "
+                                   "ORT's outputs for the model differ from its outputs for the model before fusion).")  # fmt: skip
     p.add_argument("model", help="the ONNX model (not partitioned) to compare")
     backend_options(p)
     p.add_argument("--per-node", action="store_true", help="report every claimed node's output error")
+    p.add_argument("--reference", metavar="UNFUSED.onnx",
+                   help="the model before fusion: stock ORT runs it on the same feeds (matched by input name), and "
+                        "a difference from stock ORT on MODEL is verdict FUSION CHANGED THE MODEL")  # fmt: skip
     p.add_argument("--feeds", help=".npz file with the feeds (default: random, valid for the model)")
     p.add_argument("--save-feeds", metavar="PATH",
                    help="write the feeds used (with --runs: the set with the worst error) to this .npz, for --feeds")  # fmt: skip

@@ -3,11 +3,16 @@
 Verdicts, in the order they are decided (``Verdict``; the CLI's exit code in brackets):
   1. CANNOT RUN (2): the model cannot be loaded, or stock ORT itself cannot load or run it, or the plugin's
      backend cannot run here. ``CompareReport.reason`` is one line saying which and why.
-  2. NOTHING CLAIMED (3): no node would run on the plugin (no MultiHeadAttention, or every one declined), so there
+  2. FUSION CHANGED THE MODEL (4), only with ``reference`` (the model before fusion): stock ORT on the model
+     differs from stock ORT on the reference, on the same feeds, so the fusion that made the model's
+     MultiHeadAttention nodes changed its math; whether mha_ep matches stock ORT on the fused model is reported
+     beside it. Feeds are matched to the reference by input name; an input the reference needs and the model
+     lacks is CANNOT RUN (never guessed), inputs and outputs found in only one of the two are listed in notes.
+  3. NOTHING CLAIMED (3): no node would run on the plugin (no MultiHeadAttention, or every one declined), so there
      is nothing of ours to check; the partition report says why.
-  3. FAIL (1): an output (or, with ``per_node``, a claimed node's output) is outside tolerance, or the plugin run
+  4. FAIL (1): an output (or, with ``per_node``, a claimed node's output) is outside tolerance, or the plugin run
      failed where stock ORT ran.
-  4. PASS (0): everything is within tolerance.
+  5. PASS (0): everything is within tolerance (and, with ``reference``, the fusion kept the model's outputs).
 
 An element passes when ``|plugin - stock| <= atol`` or ``|plugin - stock| <= rtol * |stock|``; NaN in the same
 place on both sides, and equal infinities, count as equal. ``max_rel`` is max |d| / max(1, |stock|). The default
@@ -46,10 +51,11 @@ class Verdict(str, enum.Enum):
     FAIL = "FAIL"
     CANNOT_RUN = "CANNOT RUN"
     NOTHING_CLAIMED = "NOTHING CLAIMED"
+    FUSION_CHANGED = "FUSION CHANGED THE MODEL"
 
     @property
     def exit_code(self) -> int:
-        return {"PASS": 0, "FAIL": 1, "CANNOT RUN": 2, "NOTHING CLAIMED": 3}[self.value]
+        return {"PASS": 0, "FAIL": 1, "CANNOT RUN": 2, "NOTHING CLAIMED": 3, "FUSION CHANGED THE MODEL": 4}[self.value]
 
 
 @dataclass
@@ -111,11 +117,19 @@ class CompareReport:
     notes: List[str] = field(default_factory=list)
     oracle: str = "stock ORT CPU"
     worst_feeds: Optional[Dict[str, np.ndarray]] = field(default=None, repr=False)  # the set behind the worst error
+    reference: Optional[str] = None  # the model before fusion, when given: stock ORT on it vs stock ORT on model
+    fusion: List[Comparison] = field(default_factory=list)  # per common output: stock(model) vs stock(reference)
+
+    @property
+    def fusion_changed(self) -> List[Comparison]:
+        return [c for c in self.fusion if not c.passed]
 
     @property
     def verdict(self) -> Verdict:
         if self.cannot_run:
             return Verdict.CANNOT_RUN
+        if self.fusion_changed:
+            return Verdict.FUSION_CHANGED
         if self.partition is None or self.partition.claimed == 0:
             return Verdict.NOTHING_CLAIMED
         if self.plugin_error or not all(c.passed for c in self.outputs + self.nodes):
@@ -128,17 +142,34 @@ class CompareReport:
         verdict = self.verdict
         if verdict is Verdict.CANNOT_RUN:
             return self.cannot_run
+        if verdict is Verdict.FUSION_CHANGED:
+            worst = max(self.fusion_changed, key=lambda c: c.score)
+            ours = [c for c in self.outputs if c.name == worst.name]
+            if self.plugin_error:
+                plugin = f"; the plugin also failed: {self.plugin_error}"
+            elif ours:
+                plugin = ("; mha_ep matches stock ORT on the fused model there" if ours[0].passed else
+                          f"; mha_ep differs from stock ORT on the fused model too (rel {ours[0].max_rel:.3g})")  # fmt: skip
+            else:
+                plugin = ""
+            return (f"stock ORT gives other outputs for this model than for the reference {self.reference}: "
+                    f"{len(self.fusion_changed)} output(s) outside tolerance, worst {worst.name} (rel "
+                    f"{worst.max_rel:.3g}, tolerance {worst.tolerance:.0e}): the fusion changed the model's math"
+                    f"{plugin}")  # fmt: skip
         if verdict is Verdict.NOTHING_CLAIMED:
             if self.partition is None or not self.partition.decisions:
                 return "the model has no com.microsoft::MultiHeadAttention node, so nothing ran on the plugin"
             return (f"all {len(self.partition.decisions)} MultiHeadAttention node(s) were declined (reasons above), "
                     f"so nothing ran on the plugin")  # fmt: skip
+        kept = f"; the fusion kept the reference's {len(self.fusion)} output(s)" if self.fusion else ""
         if self.plugin_error:
-            return self.plugin_error
+            return self.plugin_error + kept
         failed = [c.name for c in self.outputs + self.nodes if not c.passed]
         if failed:
-            return f"{len(failed)} output(s) outside tolerance: {', '.join(failed[:5])}{' ...' if len(failed) > 5 else ''}"
-        return f"{len(self.outputs)} output(s){f' and {len(self.nodes)} node output(s)' if self.nodes else ''} within tolerance"
+            return (f"{len(failed)} output(s) outside tolerance: {', '.join(failed[:5])}"
+                    f"{' ...' if len(failed) > 5 else ''}{kept}")  # fmt: skip
+        return (f"{len(self.outputs)} output(s){f' and {len(self.nodes)} node output(s)' if self.nodes else ''} "
+                f"within tolerance{kept}")  # fmt: skip
 
     @property
     def passed(self) -> bool:
@@ -157,6 +188,9 @@ class CompareReport:
             lines.append("model outputs" + (f" (the model computes in {self.compute_dtype})" if self.compute_dtype else "") + ":")
             lines.extend(rows[:1] + rows[1 + len(self.nodes):])
             lines.append(f"  time per run: stock {self.stock_ms:.2f} ms, plugin {self.plugin_ms:.2f} ms")
+        if self.fusion:
+            lines.append(f"the fusion: stock ORT on this model vs stock ORT on the reference {self.reference}:")
+            lines.extend(table(COMPARISON_HEADER, [c.cells() for c in self.fusion]))
         lines.extend(f"  note: {n}" for n in self.notes)
         lines.append(f"{self.verdict.value}: {self.reason}")
         return "\n".join(lines)
@@ -177,6 +211,8 @@ class CompareReport:
             "partition": json_of(part) if part else None,
             "outputs": [c.to_dict() for c in self.outputs],
             "nodes": [c.to_dict() for c in self.nodes],
+            "reference": self.reference,
+            "fusion": [c.to_dict() for c in self.fusion],
             "stock_ms": self.stock_ms,
             "plugin_ms": self.plugin_ms,
             "notes": self.notes,
@@ -292,6 +328,79 @@ def _timed_run(session, feeds, repeat: int, outputs=None, tick=lambda: None):
     return outputs, (time.perf_counter() - start) * 1000.0 / max(repeat, 1)
 
 
+def graph_inputs(model: onnx.ModelProto) -> List[str]:
+    """The inputs a run must feed: graph inputs that are not initializers."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [v.name for v in model.graph.input if v.name not in initializers]
+
+
+def model_label(model) -> str:
+    """How a report names a model given as a path, bytes or a ModelProto."""
+    if isinstance(model, onnx.ModelProto):
+        return model.graph.name or "(model)"
+    return "(bytes)" if isinstance(model, bytes) else str(model)
+
+
+def check_reference(report: CompareReport, reference, stock, model: onnx.ModelProto, outputs: List[str],
+                    feed_sets: List[dict], first_stock: list, compute: Optional[str], atol, rtol, say) -> None:  # fmt: skip
+    """Stock ORT on ``reference`` (the model before fusion) against stock ORT on ``model``, per feed set, by
+    output name: fills ``report.fusion`` (each output's worst set), or ``report.cannot_run``; notes what only
+    one of the two models has."""
+    import onnxruntime as ort
+
+    try:
+        unfused = load_model(reference)
+    except (OSError, ValueError) as error:
+        report.cannot_run = f"the reference model cannot be loaded: {first_line(error)}"
+        return
+    needed = graph_inputs(unfused)
+    ours = graph_inputs(model)
+    missing = [name for name in needed if name not in ours]
+    if missing:
+        report.cannot_run = (f"the reference {report.reference} needs input(s) {missing} that this model does not "
+                             f"have (inputs are matched by name, never guessed); this model's inputs: {ours}")  # fmt: skip
+        return
+    extra = [name for name in ours if name not in needed]
+    if extra:
+        report.notes.append(f"input(s) only in this model, not fed to the reference: {extra}")
+    theirs = [o.name for o in unfused.graph.output]
+    common = [name for name in outputs if name in theirs]
+    if not common:
+        report.cannot_run = (f"this model and the reference {report.reference} share no output name (this model's: "
+                             f"{outputs}; the reference's: {theirs})")  # fmt: skip
+        return
+    only = sorted(set(outputs) ^ set(theirs))
+    if only:
+        report.notes.append(f"output(s) in only one of the model and the reference, not compared: {only}")
+    say("stock ORT: loading the reference ...")
+    try:
+        quiet = ort.SessionOptions()
+        quiet.log_severity_level = 4
+        session = ort.InferenceSession(unfused.SerializeToString(), quiet, providers=["CPUExecutionProvider"])
+    except Exception as error:  # noqa: BLE001 - the user's reference, reported in one line
+        report.cannot_run = f"stock ORT cannot load the reference: {first_line(error)}"
+        return
+    tolerance_dtype = max((d for d in (compute, compute_dtype(unfused)) if d in MODEL_TOLERANCE),
+                          key=lambda d: MODEL_TOLERANCE[d], default=None)  # fmt: skip
+    worst: Dict[str, Comparison] = {}
+    for index, feed_set in enumerate(feed_sets):
+        say(f"stock ORT: the reference on feed set {index + 1} ...")
+        try:
+            expected = session.run(None, {name: feed_set[name] for name in needed})
+            fused = first_stock if index == 0 else stock.run(None, feed_set)
+        except Exception as error:  # noqa: BLE001
+            report.cannot_run = f"stock ORT cannot run the reference on feed set {index + 1}: {first_line(error)}"
+            return
+        by_name_expected = dict(zip(theirs, expected))
+        by_name_fused = dict(zip([o.name for o in stock.get_outputs()], fused))
+        for name in common:
+            comparison = compare_arrays(name, by_name_fused[name], by_name_expected[name], atol=atol, rtol=rtol,
+                                        compute_dtype=tolerance_dtype)  # fmt: skip
+            if name not in worst or comparison.score > worst[name].score:
+                worst[name] = comparison
+    report.fusion = [worst[name] for name in common]
+
+
 def first_line(error: BaseException, limit: int = 300) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return text[:limit]
@@ -313,6 +422,7 @@ def compare(
     atol: Optional[float] = None,
     rtol: Optional[float] = None,
     progress_bar: bool = False,
+    reference=None,
 ) -> CompareReport:
     """Run ``model`` with stock ORT (CPU) and with the plugin on the same feeds; return the report and its verdict.
 
@@ -320,7 +430,9 @@ def compare(
     worst error over them (``report.worst_feeds`` is the set that gave it); ``progress`` (e.g. ``print``) hears
     one line per step; ``progress_bar`` shows a tqdm bar on stderr over the session runs and the per-output (and
     per-node) comparisons (mha_ep/progress.py; the CLI turns it on for a terminal only). ``atol``/``rtol``
-    replace the dtype-keyed tolerances. A model that cannot be loaded or that stock ORT cannot run gives verdict
+    replace the dtype-keyed tolerances. ``reference`` (a path, bytes or ModelProto of the model before fusion)
+    also runs it on stock ORT on the same feeds (matched by input name) and compares its outputs with stock ORT's
+    on ``model``: verdict FUSION CHANGED THE MODEL when they differ. A model that cannot be loaded or that stock ORT cannot run gives verdict
     CANNOT RUN; bad feeds or dims (the caller's mistake) raise ValueError.
     """
     import onnxruntime as ort
@@ -351,6 +463,8 @@ def compare(
     result.lifted_attention = lifted
     compute = compute_dtype(original)
     report = CompareReport(label, backend, result, compute_dtype=compute, notes=notes)
+    if reference is not None:
+        report.reference = model_label(reference)
     if feeds is not None:
         feed_sets = [dict(feeds)]
     else:
@@ -373,6 +487,11 @@ def compare(
     except Exception as error:  # noqa: BLE001 - e.g. a node whose inputs its kernel refuses
         report.cannot_run = f"stock ORT cannot run this model on these feeds: {first_line(error)}"
         return report
+    if reference is not None:
+        check_reference(report, reference, stock, original, graph_outputs, feed_sets, first_stock, compute, atol,
+                        rtol, say)  # fmt: skip
+        if report.cannot_run:
+            return report
     if result.claimed == 0:
         return report  # NOTHING CLAIMED: the plugin would run exactly what stock ORT ran
 

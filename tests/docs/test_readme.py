@@ -47,3 +47,19 @@ def test_each_setup_command_makes_its_own_virtual_environment():
         assert command.startswith("python3 -m venv .venv && . .venv/bin/activate && "), command
     ignored = (REPO / ".gitignore").read_text().splitlines()
     assert "/.venv/" in ignored or ".venv/" in ignored
+
+
+def test_the_verdict_table_lists_every_verdict_with_its_exit_code():
+    from mha_ep.comparison import Verdict
+
+    text = README.read_text()
+    for verdict in Verdict:
+        assert f"| {verdict.value} | {verdict.exit_code} |" in text, verdict
+
+
+def test_the_models_doc_shows_the_tested_fusion_table():
+    """docs/MODELS.md's table is families.ROUTES, row for row (the rows tests/models/test_fusion_routes.py runs)."""
+    from mha_ep.models import families
+
+    assert families.markdown_table() in (REPO / "docs" / "MODELS.md").read_text()
+    assert "docs/MODELS.md" in README.read_text()
