@@ -281,7 +281,12 @@ def compute_dtype(model: onnx.ModelProto) -> Optional[str]:
                 found.add(attr.t.data_type)
     values = list(graph.value_info) + list(graph.input) + list(graph.output)
     found |= {v.type.tensor_type.elem_type for v in values if v.type.HasField("tensor_type")}
-    names = [n for n in {dtype_name(t) for t in found} if n in MODEL_TOLERANCE]
+    return loosest({dtype_name(t) for t in found})
+
+
+def loosest(dtypes) -> Optional[str]:
+    """Of ``dtypes``, the float dtype with the loosest model tolerance; ``None`` when none is a float dtype."""
+    names = [n for n in dtypes if n in MODEL_TOLERANCE]
     return max(names, key=lambda n: MODEL_TOLERANCE[n]) if names else None
 
 
@@ -304,10 +309,15 @@ def expose_mha_outputs(model: onnx.ModelProto, infos=None) -> List[str]:
     return exposed
 
 
+def graph_inputs(model: onnx.ModelProto) -> List[str]:
+    """The inputs a run must feed: graph inputs that are not initializers."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [v.name for v in model.graph.input if v.name not in initializers]
+
+
 def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None:
     """Every graph input that is not an initializer has a feed, and no feed names an unknown input."""
-    initializers = {init.name for init in model.graph.initializer}
-    needed = [v.name for v in model.graph.input if v.name not in initializers]
+    needed = graph_inputs(model)
     missing = [name for name in needed if name not in feeds]
     unknown = sorted(set(feeds) - {v.name for v in model.graph.input})
     if missing or unknown:
@@ -315,6 +325,15 @@ def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None
             f"feeds do not fit the model: missing {missing or 'none'}, unknown {unknown or 'none'}; "
             f"the model's inputs are {needed}"
         )
+
+
+def stock_session(model: onnx.ModelProto):
+    """Stock ORT on the CPU, silent: its errors come back as exceptions, and the report gives them one line."""
+    import onnxruntime as ort
+
+    quiet = ort.SessionOptions()
+    quiet.log_severity_level = 4
+    return ort.InferenceSession(model.SerializeToString(), quiet, providers=["CPUExecutionProvider"])
 
 
 def _timed_run(session, feeds, repeat: int, outputs=None, tick=lambda: None):
@@ -326,12 +345,6 @@ def _timed_run(session, feeds, repeat: int, outputs=None, tick=lambda: None):
         session.run(None, feeds)
         tick()
     return outputs, (time.perf_counter() - start) * 1000.0 / max(repeat, 1)
-
-
-def graph_inputs(model: onnx.ModelProto) -> List[str]:
-    """The inputs a run must feed: graph inputs that are not initializers."""
-    initializers = {init.name for init in model.graph.initializer}
-    return [v.name for v in model.graph.input if v.name not in initializers]
 
 
 def model_label(model) -> str:
@@ -346,8 +359,6 @@ def check_reference(report: CompareReport, reference, stock, model: onnx.ModelPr
     """Stock ORT on ``reference`` (the model before fusion) against stock ORT on ``model``, per feed set, by
     output name: fills ``report.fusion`` (each output's worst set), or ``report.cannot_run``; notes what only
     one of the two models has."""
-    import onnxruntime as ort
-
     try:
         unfused = load_model(reference)
     except (OSError, ValueError) as error:
@@ -374,14 +385,11 @@ def check_reference(report: CompareReport, reference, stock, model: onnx.ModelPr
         report.notes.append(f"output(s) in only one of the model and the reference, not compared: {only}")
     say("stock ORT: loading the reference ...")
     try:
-        quiet = ort.SessionOptions()
-        quiet.log_severity_level = 4
-        session = ort.InferenceSession(unfused.SerializeToString(), quiet, providers=["CPUExecutionProvider"])
+        session = stock_session(unfused)
     except Exception as error:  # noqa: BLE001 - the user's reference, reported in one line
         report.cannot_run = f"stock ORT cannot load the reference: {first_line(error)}"
         return
-    tolerance_dtype = max((d for d in (compute, compute_dtype(unfused)) if d in MODEL_TOLERANCE),
-                          key=lambda d: MODEL_TOLERANCE[d], default=None)  # fmt: skip
+    tolerance_dtype = loosest([compute, compute_dtype(unfused)])
     worst: Dict[str, Comparison] = {}
     for index, feed_set in enumerate(feed_sets):
         say(f"stock ORT: the reference on feed set {index + 1} ...")
@@ -432,11 +440,9 @@ def compare(
     per-node) comparisons (mha_ep/progress.py; the CLI turns it on for a terminal only). ``atol``/``rtol``
     replace the dtype-keyed tolerances. ``reference`` (a path, bytes or ModelProto of the model before fusion)
     also runs it on stock ORT on the same feeds (matched by input name) and compares its outputs with stock ORT's
-    on ``model``: verdict FUSION CHANGED THE MODEL when they differ. A model that cannot be loaded or that stock ORT cannot run gives verdict
-    CANNOT RUN; bad feeds or dims (the caller's mistake) raise ValueError.
+    on ``model``: verdict FUSION CHANGED THE MODEL when they differ. A model that cannot be loaded or that stock
+    ORT cannot run gives verdict CANNOT RUN; bad feeds or dims (the caller's mistake) raise ValueError.
     """
-    import onnxruntime as ort
-
     from mha_ep.partition_pass import partition
     from mha_ep.session import InferenceSession
 
@@ -475,9 +481,7 @@ def compare(
 
     say("stock ORT: loading the model ...")
     try:
-        quiet = ort.SessionOptions()
-        quiet.log_severity_level = 4  # its errors come back as exceptions, and the report gives them one line
-        stock = ort.InferenceSession(original.SerializeToString(), quiet, providers=["CPUExecutionProvider"])
+        stock = stock_session(original)
     except Exception as error:  # noqa: BLE001 - e.g. an IR version it does not read, bfloat16 MHA, bad attributes
         report.cannot_run = f"stock ORT cannot load this model: {first_line(error)}"
         return report

@@ -57,7 +57,6 @@ class Route:
     blocked_by: str = ""  # for a row with claimed == 0: the pattern that no fusion matches
     model_type: str = ""
     opt_level: int = 0
-    raw_mask: bool = False
 
 
 def _wrap(forward: Callable, model):
@@ -273,7 +272,7 @@ def exported_and_fused(route: Route) -> Tuple[Optional[onnx.ModelProto], onnx.Mo
     if route.route == "dynamo":
         return None, export_dynamo(example)
     exported = export_torchscript(example)
-    fused = ex.fuse(exported, route.model_type, HEADS, HIDDEN, raw_mask=route.raw_mask, opt_level=route.opt_level)
+    fused = ex.fuse(exported, route.model_type, HEADS, HIDDEN, opt_level=route.opt_level)
     return exported, fused
 
 

@@ -33,6 +33,19 @@ def skip_layer_norm(weight, prefix: str, tag: str, value: str, residual: str, bi
     )  # fmt: skip
 
 
+def feed_forward(weight, prefix: str, x: str, tag: str, out: str, hidden: int, ffn: int, epsilon: float) -> list:
+    """A layer's feed-forward block as ORT's fusions leave it: MatMul, BiasGelu, MatMul, then the
+    SkipLayerNormalization ``tag`` that adds the residual ``x`` and writes ``out``."""
+    p = prefix
+    return [
+        helper.make_node("MatMul", [x, weight(p + "W_1", (hidden, ffn))], [p + "h"], name=p + "matmul_1"),
+        helper.make_node("BiasGelu", [p + "h", weight(p + "b_1", (ffn,))], [p + "g"], domain="com.microsoft",
+                         name=p + "gelu"),  # fmt: skip
+        helper.make_node("MatMul", [p + "g", weight(p + "W_2", (ffn, hidden))], [p + "h2"], name=p + "matmul_2"),
+        skip_layer_norm(weight, p, tag, p + "h2", x, "b_2", out, hidden, epsilon),
+    ]
+
+
 def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072, dtype: str = "float32",
                  seed: int = 0, mask: bool = True) -> onnx.ModelProto:  # fmt: skip
     """The encoder of the module docstring; ``mask=False`` leaves the key padding mask out (a Whisper-style
@@ -65,14 +78,8 @@ def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int 
         nodes.append(helper.make_node("MatMul", [p + "context", weight(p + "W_o", (hidden, hidden))], [p + "proj"],
                                       name=p + "matmul_o"))  # fmt: skip
         nodes.append(skip_layer_norm(weight, p, "ln1", p + "proj", x, "b_o", p + "x1", hidden, 1e-12))
-        nodes.append(helper.make_node("MatMul", [p + "x1", weight(p + "W_1", (hidden, ffn))], [p + "h"],
-                                      name=p + "matmul_1"))  # fmt: skip
-        nodes.append(helper.make_node("BiasGelu", [p + "h", weight(p + "b_1", (ffn,))], [p + "g"],
-                                      domain="com.microsoft", name=p + "gelu"))  # fmt: skip
-        nodes.append(helper.make_node("MatMul", [p + "g", weight(p + "W_2", (ffn, hidden))], [p + "h2"],
-                                      name=p + "matmul_2"))  # fmt: skip
         out = "last_hidden_state" if layer == layers - 1 else p + "out"
-        nodes.append(skip_layer_norm(weight, p, "ln2", p + "h2", p + "x1", "b_2", out, hidden, 1e-12))
+        nodes.extend(feed_forward(weight, p, p + "x1", "ln2", out, hidden, ffn, 1e-12))
         x = out
     graph = helper.make_graph(
         nodes, f"bert_encoder_{layers}x{hidden}_{dtype}",
@@ -152,14 +159,8 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
         nodes.append(helper.make_node("MatMul", [p + "cross_context", weight(p + "cross_W_o", (hidden, hidden))],
                                       [p + "cross_proj"], name=p + "cross_matmul_o"))  # fmt: skip
         nodes.append(skip_layer_norm(weight, p, "ln2", p + "cross_proj", p + "x1", "cross_b_o", p + "x2", hidden, 1e-5))
-        nodes.append(helper.make_node("MatMul", [p + "x2", weight(p + "W_1", (hidden, ffn))], [p + "h"],
-                                      name=p + "matmul_1"))  # fmt: skip
-        nodes.append(helper.make_node("BiasGelu", [p + "h", weight(p + "b_1", (ffn,))], [p + "g"],
-                                      domain="com.microsoft", name=p + "gelu"))  # fmt: skip
-        nodes.append(helper.make_node("MatMul", [p + "g", weight(p + "W_2", (ffn, hidden))], [p + "h2"],
-                                      name=p + "matmul_2"))  # fmt: skip
         out = "last_hidden_state" if layer == layers - 1 else p + "out"
-        nodes.append(skip_layer_norm(weight, p, "ln3", p + "h2", p + "x2", "b_2", out, hidden, 1e-5))
+        nodes.extend(feed_forward(weight, p, p + "x2", "ln3", out, hidden, ffn, 1e-5))
         x = out
     outputs.insert(0, tensor("last_hidden_state", ["batch", 1, hidden]))
     graph = helper.make_graph(nodes, f"whisper_decoder_step_{layers}x{hidden}_{dtype}", inputs, outputs,

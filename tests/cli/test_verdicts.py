@@ -4,9 +4,6 @@ user brings: never a traceback, one line that says which side could not run and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -16,6 +13,8 @@ from onnx import helper
 
 import mha_ep
 from mha_ep.comparison import Verdict
+
+from small_models import run_cli
 
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 
@@ -44,11 +43,6 @@ def no_mha():
         [helper.make_tensor_value_info("x", TP.FLOAT, [2, 3])],
         [helper.make_tensor_value_info("y", TP.FLOAT, [2, 3])],
     )
-
-
-def run_cli(*args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "mha_ep", *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 def written(tmp_path, model, name="model.onnx"):

@@ -22,8 +22,7 @@ from mha_ep.comparison import compare_arrays, compute_dtype
 from mha_ep.feeds import random_feeds
 
 from lift_models import attention_model
-
-OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+from small_models import OPSETS
 
 
 def run_cli(*args, cwd=None, prelude=""):
