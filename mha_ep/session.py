@@ -67,14 +67,14 @@ class InferenceSession:
         self.partition: Optional[PartitionResult] = given
         self.device_id = device_id
         self._runner = None
+        self._io = None
         wanted = normalise_mode(device_mode)
-        self.mode_reason = "device_mode='python-op' was asked for"
-        if wanted != "python-op":
+        self.mode_reason = ""
+        if wanted == "device":  # the piece-cutting executor, kept only for its comparison bench row
             if self.partition is None:  # device mode cuts the Python-op form (device/plan.py)
                 self.partition = partition(path_or_bytes, lift_attention=lift_attention)
             self._runner, self.mode_reason = _device_runner(self.partition, backend, device_id, sess_options,
                                                             providers, provider_options, wanted, kwargs)  # fmt: skip
-        if self._runner is not None:
             self.mode, self.route = "device", None
             self.backend = self._runner.executor.backend
             self._session = None
@@ -82,7 +82,6 @@ class InferenceSession:
         self.backend = resolve_backend(backend, device_id)
         self.route, route_reason = choose_route(route, self.backend)
         self.mode = self.route
-        self.mode_reason = f"{self.mode_reason}; {route_reason}"
         if given is not None and given.route == "native" and self.route != "native":
             raise MhaEpError(f"mha_ep.InferenceSession: the PartitionResult was made with route='native', which only "
                              f"the native route runs, and this session takes the {self.route} route "
@@ -90,17 +89,38 @@ class InferenceSession:
         if given is None and (self.partition is None or self.partition.route != self.route):
             form = "native" if self.route == "native" else "python-op"
             self.partition = partition(path_or_bytes, lift_attention=lift_attention, route=form)
-        from mha_ep.device.mode import CUDA_PROVIDER, provider_names
-
-        if CUDA_PROVIDER in provider_names(providers) and hasattr(ort, "preload_dlls"):
+        on_cuda = CUDA_PROVIDER in provider_names(providers)
+        if on_cuda and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # ORT silently drops to the CPU when its CUDA libraries do not load
         options = sess_options if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         attach(options, self.backend, self.route)
-        self._session = _make_session(
-            self.partition.model, options, providers or ["CPUExecutionProvider"], provider_options, **kwargs
-        )
+        providers = list(providers or ["CPUExecutionProvider"])
+        graph_note = ""
+        try:
+            self._session = _make_session(self.partition.model, options, providers, provider_options, **kwargs)
+        except Exception as error:  # noqa: BLE001 - ORT refuses its CUDA graph when a node runs on the CPU
+            if not wants_cuda_graph(providers, provider_options):
+                raise
+            providers, provider_options = without_cuda_graph(providers, provider_options)
+            self._session = _make_session(self.partition.model, options, providers, provider_options, **kwargs)
+            graph_note = f"; ORT refused its CUDA graph ({str(error).splitlines()[0][:200]}), so every call runs eagerly"
+        self.mode_reason = f"{route_reason}{graph_note}"
+        if self.route == "native" and self.backend.name == "cuda" and CUDA_PROVIDER in self._session.get_providers():
+            from mha_ep.native.cuda_io import CudaSessionIO, unsupported_tensors
+
+            odd = unsupported_tensors(self._session)
+            if odd:
+                self.mode_reason += (f"; tensors {odd[:3]} have no CuPy dtype, so run() is ORT's own and "
+                                     f"run_device is not offered")  # fmt: skip
+            else:
+                graphs = wants_cuda_graph(providers, provider_options)
+                self._io = CudaSessionIO(self._session, device_id, graphs, self._run_binding,
+                                         lambda: own_run_options(None))  # fmt: skip
+                self.mode_reason += ("; one ORT CUDA session: NumPy feeds and outputs move through page-locked "
+                                     "memory, run_device keeps them on the GPU"
+                                     + ("; ORT's CUDA graph per call signature" if graphs else ""))  # fmt: skip
 
     @property
     def decisions(self):
@@ -111,25 +131,47 @@ class InferenceSession:
         return self.partition.model
 
     def run(self, output_names, input_feed, run_options=None):
-        """Like onnxruntime's ``run``; raises MhaRunError when a claimed node fails (the session stays usable).
-        In device mode the feeds may be NumPy arrays, CuPy arrays or anything with ``__dlpack__`` on the
-        session's GPU; the outputs are NumPy arrays (``run_device`` keeps them on the GPU)."""
+        """Like onnxruntime's ``run``; raises MhaRunError when a claimed node fails (the session stays usable). On
+        the CUDA provider the feeds may also be CuPy arrays or anything with ``__dlpack__``; NumPy feeds go up and
+        the outputs come down through page-locked memory (native/cuda_io.py)."""
         if self._runner is not None:
             return self._runner.run(output_names, input_feed)
+        if self._io is not None:
+            return self._io_call(self._io.run_host, output_names, input_feed, run_options)
         options = self._options(run_options)
         return self._guarded(lambda: self._session.run(output_names, input_feed, options), options)
+
+    def run_device(self, output_names, input_feed, run_options=None) -> list:
+        """Like ``run``, with the outputs left on the GPU as CuPy arrays over ORT's output buffers (a decode loop
+        feeds them back, e.g. its KV cache, with no host round trip). Feeds: CuPy arrays, anything with
+        ``__dlpack__``, or NumPy arrays (uploaded). Needs the native route on the CUDA provider."""
+        if self._runner is not None:
+            return self._runner.run(output_names, input_feed, device_outputs=True)
+        if self._io is None:
+            raise MhaEpError(f"run_device needs the native route on the CUDA provider; this session: {self.mode_reason}")
+        return self._io_call(self._io.run_device, output_names, input_feed, run_options)
+
+    @property
+    def cuda_io(self):
+        """How this session's calls move tensors on the GPU (native/cuda_io.py), or None off the CUDA provider."""
+        return self._io
+
+    @staticmethod
+    def _io_call(method, output_names, input_feed, run_options):
+        return method(output_names, input_feed, lambda: own_run_options(run_options))
+
+    def _run_binding(self, binding, options) -> None:
+        """cuda_io's run: an IOBinding, or a direct C-level call standing in for one (cuda_io._Direct)."""
+        call = getattr(binding, "call", None)
+        if call is not None:
+            self._guarded(call, options)
+        else:
+            self._guarded(lambda: self._session.run_with_iobinding(binding, options), options)
 
     @property
     def device_runner(self):
         """Device mode's runner (mha_ep/device/cuda.py: plan, executor, ``graphs_enabled``), or None."""
         return self._runner
-
-    def run_device(self, output_names, input_feed) -> list:
-        """Device mode only: like ``run``, with the outputs left on the GPU as CuPy arrays (a decode loop can feed
-        them back, e.g. its KV cache, without a host round trip)."""
-        if self._runner is None:
-            raise MhaEpError(f"run_device needs device mode; this session runs claimed nodes as a Python op: {self.mode_reason}")
-        return self._runner.run(output_names, input_feed, device_outputs=True)
 
     def get_inputs(self):
         return self._session.get_inputs() if self._session is not None else _graph_args(self.partition.model.graph.input)
@@ -234,6 +276,43 @@ def _device_runner(result: PartitionResult, backend: str, device_id: int, sess_o
     runner = DeviceRunner(plan, CudaBackend(device_id), sess_options, cuda_options, graphs=graphs,
                           session_kwargs=session_kwargs)  # every ORT piece gets the keywords ORT would
     return runner, ""
+
+
+CUDA_PROVIDER = "CUDAExecutionProvider"
+
+
+def provider_names(providers: Optional[Sequence]) -> list:
+    """Provider names from onnxruntime's forms: "Name" or ("Name", {options})."""
+    return [p[0] if isinstance(p, (tuple, list)) else p for p in (providers or [])]
+
+
+def cuda_options_of(providers: Optional[Sequence], provider_options: Optional[Sequence]) -> dict:
+    """The caller's CUDA provider options, from either of onnxruntime's two ways of passing them."""
+    names = provider_names(providers)
+    for provider in providers or []:
+        if isinstance(provider, (tuple, list)) and provider[0] == CUDA_PROVIDER and len(provider) > 1:
+            return dict(provider[1])
+    if provider_options and CUDA_PROVIDER in names:
+        return dict(provider_options[names.index(CUDA_PROVIDER)] or {})
+    return {}
+
+
+def wants_cuda_graph(providers, provider_options) -> bool:
+    """Whether the caller turned on ORT's ``enable_cuda_graph`` for the CUDA provider."""
+    value = cuda_options_of(providers, provider_options).get("enable_cuda_graph", "0")
+    return str(value).lower() not in ("0", "false", "")
+
+
+def without_cuda_graph(providers, provider_options) -> tuple:
+    """(providers, provider_options) with the CUDA provider's ``enable_cuda_graph`` taken out."""
+    names = provider_names(providers)
+    options = cuda_options_of(providers, provider_options)
+    options.pop("enable_cuda_graph", None)
+    if provider_options is not None:
+        provider_options = [dict(o or {}) for o in provider_options]
+        provider_options[names.index(CUDA_PROVIDER)] = options
+        return [provider_names([p])[0] for p in providers], provider_options
+    return [(CUDA_PROVIDER, options) if name == CUDA_PROVIDER else p for name, p in zip(names, providers)], None
 
 
 class _GraphArg:

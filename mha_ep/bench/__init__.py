@@ -11,9 +11,13 @@
                            the bridge against stock ORT CUDA (numpy feeds, IOBinding, its CUDA graph) (device.py)
     mha-ep bench native    the native route in one plain ORT CUDA session against stock ORT CUDA: whole encoders
                            (eager IOBinding, CUDA graphs), a shape's first call, a decoder loop with a growing KV
-                           cache, and the per-node host cost of a chain of claimed nodes (native.py)
+                           cache, the per-node host cost of a chain of claimed nodes, and serving shapes (a new
+                           (batch, sequence) on every call) (native.py)
+    mha-ep bench generate  greedy generation over Whisper decoders (tiny/base/small sizes, real tiny.en): stock ORT
+                           CUDA with numpy feeds and with IOBinding against mha_ep in a plain session and
+                           mha_ep.InferenceSession's device loop; ms per token, tokens, encoder, 30 s total (generate.py)
 
-Each of those five takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
+Each of those six takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
 means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there is one, written into DIR;
 ``anchors`` writes to ./mha_ep_bench unless told otherwise); output.py has the two.
 
@@ -33,7 +37,8 @@ import importlib
 import sys
 
 # WHAT -> the module whose ``main(argv)`` runs it (and parses, and documents, its options)
-BENCHMARKS = {"hook": "hook", "anchors": "gpu", "models": "models", "device": "device", "native": "native"}
+BENCHMARKS = {"hook": "hook", "anchors": "gpu", "models": "models", "device": "device", "native": "native",
+              "generate": "generate"}
 
 
 def main(argv=None) -> int:

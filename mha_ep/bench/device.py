@@ -33,7 +33,7 @@ from mha_ep.bench.timer import paired_medians
 
 CUDA = "CUDAExecutionProvider"
 COLUMNS = ("ort_numpy", "ort_iobinding", "ort_graph", "python_op", "dev_numpy", "dev_feeds", "dev_graph",
-           "dev_graph_feeds")  # fmt: skip
+           "dev_graph_feeds", "nat_numpy", "nat_feeds", "nat_graph", "nat_graph_feeds")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,11 @@ def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[fl
     providers = [CUDA, "CPUExecutionProvider"]
     device = mha_ep.InferenceSession(model, backend="cuda", providers=providers, device_mode="device")
     runner = device.device_runner
-    bridge = mha_ep.InferenceSession(model, backend="cuda", providers=providers, device_mode="python-op")
-    calls["python_op"] = lambda: bridge.run(None, feeds)
+    try:
+        bridge = mha_ep.InferenceSession(model, backend="cuda", providers=providers, route="python-op")
+        calls["python_op"] = lambda: bridge.run(None, feeds)
+    except ImportError as error:  # onnxruntime-extensions missing: no python_op column
+        print(f"  (no python_op column: {error})", file=sys.stderr)
 
     def with_graphs(enabled: bool, call):
         def wrapped():
@@ -138,6 +141,24 @@ def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[fl
         device.run_device(None, device_feeds)
         runner.stream.synchronize()
 
+    import cupy as cp
+
+    plain = mha_ep.InferenceSession(model, backend="cuda", providers=providers)
+    graphed = mha_ep.InferenceSession(model, backend="cuda",
+                                      providers=[(CUDA, {"enable_cuda_graph": "1"}), "CPUExecutionProvider"])
+
+    def nat_device(session):
+        def call():
+            session.run_device(None, device_feeds)
+            cp.cuda.get_current_stream().synchronize()
+
+        return call
+
+    calls["nat_numpy"] = lambda: plain.run(None, feeds)
+    calls["nat_feeds"] = nat_device(plain)
+    if graphed.cuda_io is not None and graphed.cuda_io.graphs:
+        calls["nat_graph"] = lambda: graphed.run(None, feeds)
+        calls["nat_graph_feeds"] = nat_device(graphed)
     calls["dev_numpy"] = with_graphs(False, lambda: device.run(None, feeds))
     calls["dev_feeds"] = with_graphs(False, on_device)
     calls["dev_graph"] = with_graphs(True, lambda: device.run(None, feeds))
@@ -147,7 +168,10 @@ def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[fl
     medians = time_in_turns(calls, repeats)
     runner.graphs_enabled = True
     replayed = device.run(None, feeds)
+    nat_out = graphed.run(None, feeds)
     result = {
+        "nat_mode_reason": graphed.mode_reason,
+        "nat_graph_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(nat_out, expected)),
         "label": label, "mode": device.mode, "steps": runner.plan.describe().splitlines()[0],
         "graphs_captured": sum(entry is not None for entry in runner.graphs.entries.values()),
         "graph_refusal": runner.executor.graph_refusal, "eager_steps": runner.executor.eager_head,
@@ -213,7 +237,9 @@ def format_row(r: dict) -> str:
     cells = [f"{r.get(f'{c}_ms', float('nan')):.2f}" for c in COLUMNS]
     nan = float("nan")
     ratios = (r["dev_graph_ms"] / r["ort_numpy_ms"], r["dev_graph_feeds_ms"] / r["ort_iobinding_ms"],
-              r["dev_graph_feeds_ms"] / r.get("ort_graph_ms", nan), r["python_op_ms"] / r["dev_graph_ms"])  # fmt: skip
+              r["dev_graph_feeds_ms"] / r.get("ort_graph_ms", nan), r.get("python_op_ms", nan) / r["dev_graph_ms"],
+              r.get("nat_graph_ms", nan) / r["dev_graph_ms"], r.get("nat_graph_feeds_ms", nan) / r["dev_graph_feeds_ms"],
+              r["nat_feeds_ms"] / r["ort_iobinding_ms"])  # fmt: skip
     return (f"| {r['label']} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.2f}" for x in ratios)
             + f" | {r['max_rel_error_vs_ort_cuda']:.1e} |")  # fmt: skip
 
@@ -239,8 +265,9 @@ def main(argv: Optional[list] = None) -> int:
     rows = [EncoderRow(r.batch, r.sequence, r.dtype, args.layers) for r in ENCODER_ROWS
             if args.only in r.label and args.rows != "real"]  # fmt: skip
     print("| row | " + " | ".join(COLUMNS) + " | dev_graph/ort_numpy | dev_graph_feeds/ort_iobinding "
-          "| dev_graph_feeds/ort_graph | python_op/dev_graph | err vs ORT CUDA |")  # fmt: skip
-    print("|---|" + "---|" * (len(COLUMNS) + 5))
+          "| dev_graph_feeds/ort_graph | python_op/dev_graph | nat_graph/dev_graph | nat_graph_feeds/dev_graph_feeds "
+          "| nat_feeds/ort_iobinding | err vs ORT CUDA |")  # fmt: skip
+    print("|---|" + "---|" * (len(COLUMNS) + 8))
     from mha_ep.bench.models import ROWS as MODEL_ROWS
     from mha_ep.models.export import default_out_dir
 

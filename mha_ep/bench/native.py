@@ -11,6 +11,9 @@ partitioned in the native form with ``mha_ep.register(..., backend="cuda")`` (``
             FLOP model: 2*B*S*(4*D^2 + 2*D*F) per layer for the projections and FFN, plus 4*B*N*S^2*H attention.
   first     a shape's first call (serving: a new (B, S) on every call): ``--fresh`` sequence lengths from the row's
             S upward, each the first call of its shape in both sessions, the two sessions in turns.
+  serving   a new (batch, sequence) on every call, drawn from a serving spread (serving_shapes): stock ORT CUDA
+            with IOBinding, the native route in a plain session, and ``mha_ep.InferenceSession.run_device``, each
+            call the first of its shape everywhere (no graph or plan replayed); ``vs`` = total native / total stock.
   decode    a Whisper-style decoder step (mha_ep/models/synthetic.py whisper_decoder_step: self-attention over a
             past that grows by one every step, cross-attention over a 1500-position encoder) in a greedy-style loop:
             the presents come back as OrtValues on the GPU and are bound as the next step's past; ms per token =
@@ -89,6 +92,9 @@ ENCODERS = (
 )
 FIRST_CALLS = (Encoder(batch=32, sequence=128, dtype="float16", **BERT_BASE),
                Encoder(batch=1, sequence=32, dtype="float32", **BERT_BASE))  # fmt: skip
+
+
+SERVING = (Encoder(batch=0, sequence=0, dtype="float16", **BERT_BASE),)  # (B, S) drawn per call: serving_shapes
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,79 @@ def bench_first_calls(row: Encoder, fresh: int) -> dict:
             "vs_first": medians["native"] / medians["ort"]}  # fmt: skip
 
 
+def serving_shapes(calls: int, seed: int = 0) -> list:
+    """``calls`` distinct (batch, sequence) pairs as a serving queue sees them: batch from a skewed choice of
+    1..32 (most requests alone or in small batches), sequence log-normal around 96 tokens, within 8..512."""
+    rng = np.random.default_rng(seed)
+    pairs: list = []
+    while len(pairs) < calls:
+        batch = int(rng.choice([1, 1, 1, 2, 2, 4, 4, 8, 16, 32]))
+        sequence = int(np.clip(round(float(rng.lognormal(np.log(96), 0.7))), 8, 512))
+        if (batch, sequence) not in pairs:
+            pairs.append((batch, sequence))
+    return pairs
+
+
+def bench_serving(row: Encoder, calls: int) -> dict:
+    """A new (batch, sequence) on every call (serving_shapes), so that no graph and no plan is ever replayed.
+
+    Every call is the first of its shape in stock ORT CUDA with IOBinding and in one mha_ep session, the two in
+    turns (the order alternating): even calls in a plain session on the native route with IOBinding, odd calls in
+    ``mha_ep.InferenceSession`` with ``run_device`` (the two share the process's plan cache, so each gets shapes
+    of its own). A warm-up pass over other shapes first compiles the kernels the spread needs, as a server's
+    start would; the timed shapes are new to every cache. ``vs`` = mha_ep's total / stock's total over the same
+    calls."""
+    import cupy
+
+    import mha_ep
+
+    model = row.model()
+    stock, native = sessions(model)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=[CUDA, "CPUExecutionProvider"])
+
+    def bound(target, feeds):
+        names = [o.name for o in target.get_outputs()]
+        binding = target.io_binding()
+        for key, array in feeds.items():
+            binding.bind_input(key, "cuda", 0, array.dtype.type, list(array.shape), array.data.ptr)
+        for key in names:
+            binding.bind_output(key, "cuda", 0)
+        target.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+
+    def device_run(feeds):
+        session.run_device(None, feeds)
+        cupy.cuda.get_current_stream().synchronize()
+
+    mine = {"native": lambda feeds: bound(native, feeds), "session": device_run}
+    shapes = serving_shapes(calls + calls // 2, seed=11)
+    warm, timed = shapes[calls:], shapes[:calls]
+    for batch, sequence in warm:
+        feeds = {n: cupy.asarray(v) for n, v in row.feeds(sequence=sequence, batch=batch).items()}
+        for run in (lambda f: bound(stock, f), *mine.values()):
+            run(feeds)
+    times: dict = {"ort": {"native": [], "session": []}, "native": [], "session": []}
+    for index, (batch, sequence) in enumerate(timed):
+        which = "native" if index % 2 == 0 else "session"
+        feeds = {n: cupy.asarray(v) for n, v in row.feeds(sequence=sequence, batch=batch).items()}
+        pair = [("ort", lambda f: bound(stock, f)), (which, mine[which])]
+        for name, run in (pair if index % 4 < 2 else pair[::-1]):
+            cupy.cuda.runtime.deviceSynchronize()
+            start = time.perf_counter()
+            run(feeds)
+            elapsed = time.perf_counter() - start
+            (times["ort"][which] if name == "ort" else times[which]).append(elapsed)
+    totals = {name: sum(times[name]) * 1e3 for name in mine}
+    stock_totals = {name: sum(times["ort"][name]) * 1e3 for name in mine}
+    return {"kind": "serving", "label": f"{row.name} {row.dtype} 2D mask, serving: {calls} calls, each a new (B, S) "
+            f"(B 1-32, S 8-512 log-normal around 96), half plain session, half mha_ep.InferenceSession",
+            "shapes": timed, "ort_total_ms": sum(stock_totals.values()), "native_total_ms": totals["native"],
+            "session_total_ms": totals["session"], "ort_native_total_ms": stock_totals["native"],
+            "ort_session_total_ms": stock_totals["session"],
+            "vs_serving": totals["native"] / stock_totals["native"],
+            "session_vs_serving": totals["session"] / stock_totals["session"]}  # fmt: skip
+
+
 def decode_loop(session, row: Decoder, steps: int, start_past: int) -> Callable[[], float]:
     """One greedy-style generation of ``steps`` decoder steps whose presents are the next step's past (device
     OrtValues, no host round trip); returns its seconds."""
@@ -329,6 +408,10 @@ def format_row(r: dict) -> str:
                 f"| {r['max_rel_error_vs_ort_cuda']:.1e} |")  # fmt: skip
     if kind == "first":
         return f"| {r['label']} | first call | {r['ort_first_ms']:.3f} | {r['native_first_ms']:.3f} | {r['vs_first']:.2f} |"
+    if kind == "serving":
+        return (f"| {r['label']} | total ms, stock vs plain native | {r['ort_native_total_ms']:.1f} "
+                f"| {r['native_total_ms']:.1f} | {r['vs_serving']:.2f} | stock vs session {r['ort_session_total_ms']:.1f} "
+                f"| {r['session_total_ms']:.1f} | {r['session_vs_serving']:.2f} |")  # fmt: skip
     if kind == "decode":
         return (f"| {r['label']} | ms/token | {r['ort_ms_per_token']:.3f} | {r['native_ms_per_token']:.3f} "
                 f"| {r['vs_decode']:.2f} |")  # fmt: skip
@@ -347,9 +430,9 @@ def plot(results: list, path) -> bool:
         return False
     bars = []
     for r in results:
-        for key in ("vs_iobinding", "vs_graph", "vs_first", "vs_decode"):
+        for key in ("vs_iobinding", "vs_graph", "vs_first", "vs_decode", "vs_serving", "session_vs_serving"):
             if key in r:
-                bars.append((f"{r['label']} [{key[3:]}]", r[key]))
+                bars.append((f"{r['label']} [{key.replace('vs_', '')}]", r[key]))
     if not bars:
         return False
     figure, axes = plt.subplots(figsize=(11, 0.9 + 0.32 * len(bars)))
@@ -369,8 +452,9 @@ def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="mha-ep bench native", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--repeats", type=int, default=10, help="rounds timed in turns (median of each)")
-    parser.add_argument("--rows", default="encoder,first,decode,chain",
-                        help="comma-separated row kinds: encoder, first, decode, chain")
+    parser.add_argument("--rows", default="encoder,first,serving,decode,chain",
+                        help="comma-separated row kinds: encoder, first, serving, decode, chain")
+    parser.add_argument("--calls", type=int, default=60, help="calls (each a new shape) of the serving row")
     parser.add_argument("--only", default="", help="only rows whose label contains this text")
     parser.add_argument("--fresh", type=int, default=7, help="new shapes per first-call row")
     parser.add_argument("--steps", type=int, default=64, help="decoder steps per generation")
@@ -387,6 +471,8 @@ def main(argv: Optional[list] = None) -> int:
         work += [(row.label, lambda row=row: bench_encoder(row, args.repeats)) for row in ENCODERS]
     if "first" in kinds:
         work += [(row.label, lambda row=row: bench_first_calls(row, args.fresh)) for row in FIRST_CALLS]
+    if "serving" in kinds:
+        work += [(f"{row.label} serving", lambda row=row: bench_serving(row, args.calls)) for row in SERVING]
     if "decode" in kinds:
         work += [(row.label, lambda row=row: bench_decoder(row, args.repeats, args.steps)) for row in DECODERS]
     if "chain" in kinds:

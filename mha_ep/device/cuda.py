@@ -36,7 +36,7 @@ import onnx
 from mha_ep.dtypes import elem_type
 from mha_ep.device.plan import AttentionStep, DevicePlan, PieceStep
 from mha_ep.device.run import attention_problem, check_call, run_plan, run_steps
-from mha_ep.device.transfer import HostTransfers, check_feed_dtype, host_feed
+from mha_ep.native.transfer import HostTransfers, check_feed_dtype, host_feed
 from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.problem import resolve_padding_mask
 

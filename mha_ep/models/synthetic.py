@@ -19,6 +19,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 ELEM = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16}
+MAX_POSITIONS = 448  # Whisper's decoder positions (max_target_positions)
 
 
 def skip_layer_norm(weight, prefix: str, tag: str, value: str, residual: str, bias: str, out: str, hidden: int,
@@ -103,7 +104,7 @@ def encoder_feeds(batch: int, sequence: int, hidden: int = 768, dtype: str = "fl
 
 
 def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn: int = 1536, dtype: str = "float32",
-                         seed: int = 0) -> onnx.ModelProto:  # fmt: skip
+                         seed: int = 0, vocab: int = 0) -> onnx.ModelProto:  # fmt: skip
     """One Whisper-style decoder step with random weights, as ORT's optimizer (``--model_type bart``) leaves one.
 
     Per layer: self-attention MultiHeadAttention over the new token with the past (B, N, P, H) prepended, its
@@ -111,7 +112,12 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
     (B, N, T_enc, H) inputs; an FFN; residuals through SkipLayerNormalization. Inputs ``hidden_states`` (B, 1, D),
     ``past_key_self_<l>`` / ``past_value_self_<l>`` (B, N, P, H) and ``cross_key_<l>`` / ``cross_value_<l>``
     (B, N, T_enc, H); outputs ``last_hidden_state`` and ``present_key_self_<l>`` / ``present_value_self_<l>``.
-    Tiny-sized by default (Whisper tiny: 4 layers, d 384, 6 heads); small: 12 layers, d 768, 12 heads, ffn 3072."""
+    Tiny-sized by default (Whisper tiny: 4 layers, d 384, 6 heads); small: 12 layers, d 768, 12 heads, ffn 3072.
+
+    ``vocab`` > 0 makes it a whole decoder-with-past, as a generation loop runs it: the input is ``input_ids``
+    (B, 1) int64, embedded (a (vocab, D) table) plus a learned position (a (MAX_POSITIONS, D) table, indexed by the
+    past's length), and the output ``logits`` (B, 1, vocab) after a final LayerNormalization and a (D, vocab)
+    projection, in place of ``last_hidden_state``."""
     if dtype not in ELEM:
         raise ValueError(f"dtype must be one of {sorted(ELEM)}, got {dtype!r}")
     rng = np.random.default_rng(seed)
@@ -127,8 +133,20 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
     def tensor(name: str, shape) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, ELEM[dtype], shape)
 
-    inputs.append(tensor("hidden_states", ["batch", 1, hidden]))
-    x = "hidden_states"
+    if vocab:
+        inputs.append(helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", 1]))
+        nodes += [
+            helper.make_node("Gather", [weight("embed_tokens", (vocab, hidden)), "input_ids"], ["tokens"],
+                             name="embed_tokens"),
+            helper.make_node("Shape", ["past_key_self_0"], ["past_length"], name="past_length", start=2, end=3),
+            helper.make_node("Gather", [weight("embed_positions", (MAX_POSITIONS, hidden)), "past_length"],
+                             ["position"], name="embed_positions"),
+            helper.make_node("Add", ["tokens", "position"], ["embedded"], name="embed_add"),
+        ]  # fmt: skip
+        x = "embedded"
+    else:
+        inputs.append(tensor("hidden_states", ["batch", 1, hidden]))
+        x = "hidden_states"
     for layer in range(layers):
         p = f"layer{layer}."
         cache = ["batch", heads, "past_sequence", head]
@@ -162,11 +180,51 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
         out = "last_hidden_state" if layer == layers - 1 else p + "out"
         nodes.extend(feed_forward(weight, p, p + "x2", "ln3", out, hidden, ffn, 1e-5))
         x = out
-    outputs.insert(0, tensor("last_hidden_state", ["batch", 1, hidden]))
+    if vocab:
+        nodes += [
+            helper.make_node("LayerNormalization", [x, weight("final_ln.gamma", (hidden,), value=1.0),
+                                                    weight("final_ln.beta", (hidden,), value=0.0)],
+                             ["final"], name="final_layer_norm", axis=-1, epsilon=1e-5),
+            helper.make_node("MatMul", ["final", weight("lm_head", (hidden, vocab))], ["logits"], name="lm_head"),
+        ]  # fmt: skip
+        outputs.insert(0, tensor("logits", ["batch", 1, vocab]))
+    else:
+        outputs.insert(0, tensor("last_hidden_state", ["batch", 1, hidden]))
     graph = helper.make_graph(nodes, f"whisper_decoder_step_{layers}x{hidden}_{dtype}", inputs, outputs,
                               initializer=initializers)  # fmt: skip
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+def whisper_cross_kv(layers: int = 4, hidden: int = 384, heads: int = 6, dtype: str = "float32",
+                     seed: int = 1) -> onnx.ModelProto:  # fmt: skip
+    """The cross-attention keys and values of every decoder layer from the encoder's output, as Whisper's first
+    decoder step computes them once per utterance: input ``encoder_hidden_states`` (B, T, D), outputs
+    ``cross_key_<l>`` / ``cross_value_<l>`` (B, N, T, H) (MatMul, Reshape, Transpose; the value's bias added)."""
+    rng = np.random.default_rng(seed)
+    np_dtype = np.dtype(dtype)
+    head = hidden // heads
+    initializers = [numpy_helper.from_array(np.array([0, 0, heads, head], np.int64), "split_heads")]
+    nodes, outputs = [], []
+    for layer in range(layers):
+        for part in ("key", "value"):
+            name = f"cross_{part}_{layer}"
+            initializers.append(numpy_helper.from_array(rng.normal(0, 0.02, (hidden, hidden)).astype(np_dtype),
+                                                        f"W_{name}"))  # fmt: skip
+            source = f"{name}_projected"
+            nodes.append(helper.make_node("MatMul", ["encoder_hidden_states", f"W_{name}"], [source], name=f"{name}_matmul"))
+            if part == "value":
+                initializers.append(numpy_helper.from_array(rng.normal(0, 0.02, (hidden,)).astype(np_dtype), f"b_{name}"))
+                nodes.append(helper.make_node("Add", [source, f"b_{name}"], [f"{name}_biased"], name=f"{name}_bias"))
+                source = f"{name}_biased"
+            nodes.append(helper.make_node("Reshape", [source, "split_heads"], [f"{name}_BSNH"], name=f"{name}_reshape"))
+            nodes.append(helper.make_node("Transpose", [f"{name}_BSNH"], [name], name=f"{name}_transpose",
+                                          perm=[0, 2, 1, 3]))  # fmt: skip
+            outputs.append(helper.make_tensor_value_info(name, ELEM[dtype], ["batch", heads, "encoder_sequence", head]))
+    inputs = [helper.make_tensor_value_info("encoder_hidden_states", ELEM[dtype], ["batch", "encoder_sequence", hidden])]
+    graph = helper.make_graph(nodes, f"whisper_cross_kv_{layers}x{hidden}_{dtype}", inputs, outputs,
+                              initializer=initializers)  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
 def decoder_step_feeds(batch: int, past: int, layers: int = 4, hidden: int = 384, heads: int = 6,

@@ -1,7 +1,7 @@
 """Greedy Whisper transcription with KV cache over the three ONNX models, stock ORT vs the mha_ep plugin.
 
     python -m mha_ep.models.whisper_transcribe [--models DIR] [--dtype fp32|fp16] [--backend reference|cuda|auto]
-                                              [wav ...]
+                                              [--loop host|device] [wav ...]
 
 The models are the ones ``python -m mha_ep.models.build whisper --which tiny-en`` writes (default folder
 ~/.cache/mha_ep/models); the wavs default to the three espeak-ng utterances shipped in the top-level models/ folder (mha_ep.shipped).
@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -124,6 +124,60 @@ class Transcriber:
         return tokens
 
 
+class DeviceTranscriber(Transcriber):
+    """``Transcriber``'s greedy decoding with everything on the GPU (mha_ep/models/generate.py): the encoder's
+    output, the self- and cross-attention caches stay in ORT values on the device and are bound as the next
+    step's inputs, the token is chosen on the device, and each step reads back only the chosen tokens. Sessions
+    must run on the CUDA provider (stock ORT, a plain session with ``mha_ep.register``, or
+    ``mha_ep.InferenceSession``); ``stepper="run_device"`` drives an ``mha_ep.InferenceSession`` through its
+    ``run_device`` instead of IOBinding."""
+
+    def __init__(self, paths: Dict[str, Path], session_factory: Callable, suppress: Sequence[int] = (),
+                 suppress_begin: Sequence[int] = (), max_tokens: int = 64, device_id: int = 0,
+                 stepper: str = "iobinding"):  # fmt: skip
+        super().__init__(paths, session_factory, suppress, suppress_begin, max_tokens)
+        from mha_ep.models.generate import BoundStepper, DeviceStepper, suppression_bias
+
+        if stepper not in ("iobinding", "run_device"):
+            raise ValueError(f"stepper must be 'iobinding' or 'run_device', got {stepper!r}")
+        self.device_id = device_id
+        make = (lambda s: BoundStepper(s, device_id)) if stepper == "iobinding" else DeviceStepper
+        self.steppers = {part: make(self.sessions[part]) for part in PARTS}
+        vocab = self._vocab()
+        self.bias = suppression_bias(vocab, list(self.suppress), device_id)
+        self.bias_first = suppression_bias(vocab, list(self.suppress) + list(self.suppress_begin), device_id)
+
+    def _vocab(self) -> int:
+        shape = self.sessions["decoder"].get_outputs()[0].shape
+        if not isinstance(shape[-1], int):
+            raise ValueError(f"the decoder's logits have no fixed vocabulary axis: {shape}")
+        return shape[-1]
+
+    def decode(self, features_BMF: np.ndarray, progress: bool = False, step_seconds: Optional[list] = None
+               ) -> List[List[int]]:  # fmt: skip
+        """Token ids per batch row (the prompt and <|endoftext|> excluded); ``step_seconds`` receives each
+        decoder step's wall time."""
+        import cupy
+
+        from mha_ep.models.generate import greedy, past_name, pick
+
+        batch = features_BMF.shape[0]
+        with cupy.cuda.Device(self.device_id):
+            features = cupy.asarray(np.ascontiguousarray(features_BMF, self.float_dtype))
+            (states,) = self.steppers["encoder"].run({"input_features": features}).values()
+            prompt = cupy.asarray(np.tile(np.array([[SOT, NO_TIMESTAMPS]], dtype=np.int64), (batch, 1)))
+            init = self.steppers["decoder_init"].run({"input_ids": prompt, "encoder_hidden_states": states})
+            logits = init.pop("logits")
+            if hasattr(logits, "data_ptr"):
+                from mha_ep.native.cuda_io import ortvalue_array
+
+                logits = ortvalue_array(logits)
+            cache = {past_name(n): v for n, v in init.items() if n.startswith("present_") and "cross" not in n}
+            fixed = {past_name(n): v for n, v in init.items() if n.startswith("present_") and "cross" in n}
+            ids = pick(logits, self.bias_first)
+            return greedy(self.steppers["decoder"], ids, cache, fixed, self.max_tokens, self.bias, EOT, step_seconds)
+
+
 def tokenizer():
     try:
         from tokenizers import Tokenizer
@@ -136,8 +190,9 @@ def tokenizer():
 
 
 def transcribe_both(wavs, models=None, dtype="fp32", backend="reference", max_tokens=64, progress=True,
-                    device_mode="python-op"):  # fmt: skip
-    """Decode each wav with stock ORT and with the plugin; returns a list of per-utterance result dicts."""
+                    device_mode="python-op", loop="host"):  # fmt: skip
+    """Decode each wav with stock ORT (CPU) and with the plugin; returns a list of per-utterance result dicts.
+    ``loop="device"``: the plugin's loop keeps everything on the GPU (DeviceTranscriber; ``device_mode`` native)."""
     folder = Path(models) if models else default_out_dir()
     paths = model_paths(folder, dtype=dtype)
     suppress, begin = suppress_lists()
@@ -148,7 +203,11 @@ def transcribe_both(wavs, models=None, dtype="fp32", backend="reference", max_to
     timings = {}
     for label, factory in (("stock", stock_session_factory), ("plugin", plugin_session_factory(backend, device_mode=device_mode))):
         t0 = time.perf_counter()
-        tr = Transcriber(paths, factory, suppress, begin, max_tokens)
+        if label == "plugin" and loop == "device":
+            tr = DeviceTranscriber(paths, plugin_session_factory("cuda", device_mode="native"), suppress, begin,
+                                   max_tokens)  # fmt: skip
+        else:
+            tr = Transcriber(paths, factory, suppress, begin, max_tokens)
         setup = time.perf_counter() - t0  # the plugin's includes partitioning the three models
         runs[label], decode = [], []
         for i in range(len(wavs)):
@@ -184,9 +243,13 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device-mode", choices=("python-op", "device", "native"), default="python-op",
                         help="device: the whole model on the GPU (ORT CUDA + the cuda backend); native: one ORT CUDA session with mha_ep's native library (both need onnxruntime-gpu)")
+    parser.add_argument("--loop", choices=("host", "device"), default="host",
+                        help="device: the plugin's greedy loop on the GPU (KV cache in ORT values on the device, the "
+                             "token chosen there, one small read per step; the native route, onnxruntime-gpu)")
     args = parser.parse_args(argv)
     wavs = args.wavs or [audio.DEFAULT_DIR / n for n in audio.UTTERANCES]
-    res = transcribe_both(wavs, args.models, args.dtype, args.backend, args.max_tokens, device_mode=args.device_mode)
+    res = transcribe_both(wavs, args.models, args.dtype, args.backend, args.max_tokens, device_mode=args.device_mode,
+                          loop=args.loop)  # fmt: skip
     print(f"Whisper tiny.en {res['dtype']}, plugin backend {res['backend']}; claimed MHA nodes per model: "
           + ", ".join(f"{p} {c}/{n}" for p, (c, n) in res["claims"].items()))
     for r in res["utterances"]:

@@ -34,9 +34,9 @@ def test_calls_are_timed_in_turns_and_the_slow_ones_in_at_most_five_rounds():
 def test_a_row_prints_every_column_and_the_target_ratios():
     line = device.format_row(fake_result())
     cells = [cell.strip() for cell in line.strip("|").split("|")]
-    assert cells[0] == "row" and len(cells) == 1 + len(device.COLUMNS) + 4 + 1
-    columns = dict(zip(device.COLUMNS, map(float, cells[1:9])))
-    ratios = list(map(float, cells[9:13]))
+    assert cells[0] == "row" and len(cells) == 1 + len(device.COLUMNS) + 7 + 1
+    columns = dict(zip(device.COLUMNS, map(float, cells[1:13])))
+    ratios = list(map(float, cells[13:17]))
     assert ratios == [round(columns["dev_graph"] / columns["ort_numpy"], 2),
                       round(columns["dev_graph_feeds"] / columns["ort_iobinding"], 2),
                       round(columns["dev_graph_feeds"] / columns["ort_graph"], 2),

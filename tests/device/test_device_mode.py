@@ -73,7 +73,7 @@ def test_a_decode_loop_gets_page_locked_outputs_and_feeds_them_back():
     every step matches stock ORT CUDA, and the blocks go back to the pool once the arrays are gone."""
     import gc
 
-    from mha_ep.device.transfer import PINNED_OUTPUT_MIN_BYTES, is_page_locked
+    from mha_ep.native.transfer import PINNED_OUTPUT_MIN_BYTES, is_page_locked
 
     path = next(p for p in SHIPPED if p.stem == "whisper_random_decoder_fp32")
     model = onnx.load(path)
@@ -97,7 +97,7 @@ def test_a_decode_loop_gets_page_locked_outputs_and_feeds_them_back():
 
 
 def test_outputs_beyond_the_pinned_cap_are_ordinary_arrays(monkeypatch):
-    from mha_ep.device import transfer
+    from mha_ep.native import transfer
 
     monkeypatch.setattr(transfer, "PINNED_OUTPUT_BYTES", 0)
     model = bert_encoder(layers=1, hidden=128, heads=2, ffn=256)
@@ -201,16 +201,13 @@ def test_feeds_of_the_wrong_dtype_are_one_clear_error():
         session.run(None, feeds)
 
 
-def test_auto_picks_device_mode_with_the_cuda_provider_and_one_session_without():
-    """Without device mode the one session takes the native route (the cuda backend, the library built), or the
-    Python op when asked for."""
+def test_device_mode_is_taken_only_when_asked_for():
+    """Auto is one ORT session on the native route (mha_ep/native/cuda_io.py); device mode is opt-in."""
     path = str(SHIPPED[0])
-    assert mha_ep.InferenceSession(path, providers=PROVIDERS).mode == "device"
-    assert mha_ep.InferenceSession(path, providers=["CUDAExecutionProvider"]).mode == "device"
+    assert mha_ep.InferenceSession(path, providers=PROVIDERS).mode == "native"
+    assert mha_ep.InferenceSession(path, providers=PROVIDERS, device_mode="device").mode == "device"
     assert mha_ep.InferenceSession(path, providers=["CPUExecutionProvider"]).mode == "native"
-    assert mha_ep.InferenceSession(path, providers=PROVIDERS, device_mode="python-op").mode == "native"
-    assert mha_ep.InferenceSession(path, providers=PROVIDERS, device_mode="python-op",
-                                   route="python-op").mode == "python-op"  # fmt: skip
+    assert mha_ep.InferenceSession(path, providers=PROVIDERS, route="python-op").mode == "python-op"
 
 
 def test_host_feeds_of_every_size_arrive_whole_and_outputs_come_back_exact():
@@ -219,7 +216,7 @@ def test_host_feeds_of_every_size_arrive_whole_and_outputs_come_back_exact():
     import cupy
     import cupyx
 
-    from mha_ep.device.transfer import HostTransfers
+    from mha_ep.native.transfer import HostTransfers
 
     rng = np.random.default_rng(11)
     stream = cupy.cuda.Stream(non_blocking=True)

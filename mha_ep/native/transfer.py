@@ -41,7 +41,7 @@ def is_host_feed(value) -> bool:
 
 def check_feed_dtype(name: str, actual, expected: str) -> None:
     if str(actual) != expected:
-        raise MhaEpError(f"device mode: feed {name!r} has dtype {actual}, the model expects {expected}")
+        raise MhaEpError(f"feed {name!r} has dtype {actual}, the model expects {expected}")
 
 
 def host_feed(name: str, value, expected: str) -> Optional[np.ndarray]:

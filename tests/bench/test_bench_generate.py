@@ -1,0 +1,113 @@
+"""The generation and serving benchmarks' host-side pieces on the CPU: the decoder they generate with (its
+embedding, positions and logits), the cross-attention cache builder, the NumPy loop, the token agreement, the
+serving spread, the table row and the options (the GPU columns run on the device: docs/DEVICE_RUNBOOK.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from mha_ep.bench import generate, native
+from mha_ep.models.synthetic import decoder_step_feeds, whisper_cross_kv, whisper_decoder_step
+
+LAYERS, HIDDEN, HEADS, VOCAB = 2, 64, 2, 97
+
+
+def cpu_session(model):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def decoder_feeds(batch: int, past: int, seed: int = 0) -> dict:
+    feeds = decoder_step_feeds(batch, past, LAYERS, HIDDEN, HEADS, encoder_sequence=12, seed=seed)
+    feeds.pop("hidden_states")
+    feeds["input_ids"] = np.arange(batch, dtype=np.int64)[:, None] + 3
+    return feeds
+
+
+def test_the_generation_decoder_embeds_tokens_at_the_pasts_position_and_ends_in_logits():
+    session = cpu_session(whisper_decoder_step(LAYERS, HIDDEN, HEADS, 128, vocab=VOCAB))
+    names = [o.name for o in session.get_outputs()]
+    assert names[0] == "logits" and names[1:] == [f"present_{kv}_self_{l}" for l in range(LAYERS) for kv in ("key", "value")]
+    feeds = decoder_feeds(2, 5)
+    logits, key0 = session.run(["logits", "present_key_self_0"], feeds)
+    assert logits.shape == (2, 1, VOCAB) and key0.shape == (2, HEADS, 6, HIDDEN // HEADS)
+    assert float(np.std(logits)) > 0.05
+    other_token = dict(feeds, input_ids=feeds["input_ids"] + 1)
+    assert not np.allclose(session.run(["logits"], other_token)[0], logits)
+    # the same token, caches and values at a past one longer: the position embedding moves the logits
+    longer = decoder_feeds(2, 6)
+    longer["input_ids"] = feeds["input_ids"]
+    assert not np.allclose(session.run(["logits"], longer)[0], logits)
+
+
+def test_the_cross_cache_is_the_projected_states_split_into_heads():
+    model = whisper_cross_kv(LAYERS, HIDDEN, HEADS)
+    states = np.random.default_rng(1).standard_normal((2, 12, HIDDEN)).astype(np.float32)
+    outputs = dict(zip([o.name for o in cpu_session(model).get_outputs()],
+                       cpu_session(model).run(None, {"encoder_hidden_states": states})))  # fmt: skip
+    weights = {t.name: t for t in model.graph.initializer}
+    from onnx import numpy_helper
+
+    key = states @ numpy_helper.to_array(weights["W_cross_key_1"])
+    expected = key.reshape(2, 12, HEADS, HIDDEN // HEADS).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(outputs["cross_key_1"], expected, rtol=1e-5, atol=1e-6)
+    assert outputs["cross_value_0"].shape == (2, HEADS, 12, HIDDEN // HEADS)
+
+
+def test_the_numpy_loop_stops_each_row_at_end_of_text_and_suppresses_tokens():
+    session = cpu_session(whisper_decoder_step(LAYERS, HIDDEN, HEADS, 128, vocab=VOCAB, seed=2))
+    feeds = decoder_feeds(3, 2, seed=3)
+    first = feeds.pop("input_ids")
+    cache = {n: v for n, v in feeds.items() if n.startswith("past_")}
+    fixed = {n: v for n, v in feeds.items() if n.startswith("cross_")}
+    free = generate.host_greedy(session, first, cache, fixed, 12, [])
+    assert [len(t) for t in free] == [12, 12, 12] and [t[0] for t in free] == first[:, 0].tolist()
+    banned = free[0][1]
+    bias = np.zeros(VOCAB, np.float32)
+    bias[banned] = -np.inf
+    seconds: list = []
+    suppressed = generate.host_greedy(session, first, cache, fixed, 12, seconds, bias=bias)
+    assert all(banned not in t[1:] for t in suppressed) and len(seconds) == 12
+    stop = next(i for i in range(1, 12) if free[1][i] not in free[1][:i])
+    stopped = generate.host_greedy(session, first, cache, fixed, 12, [], eot=free[1][stop])
+    assert stopped[1] == free[1][:stop]
+
+
+def test_agreement_counts_positions_and_length_differences():
+    assert generate.agreement([[1, 2, 3]], [[1, 2, 3]]) == 1.0
+    assert generate.agreement([[1, 9, 3], [4]], [[1, 2, 3], [4, 5]]) == pytest.approx(3 / 5)
+    assert generate.agreement([[]], [[]]) == 1.0
+
+
+def test_serving_shapes_are_distinct_and_within_the_spread():
+    shapes = native.serving_shapes(60, seed=4)
+    assert len(set(shapes)) == 60 and shapes == native.serving_shapes(60, seed=4)
+    assert all(b in (1, 2, 4, 8, 16, 32) and 8 <= s <= 512 for b, s in shapes)
+    assert len({b for b, _ in shapes}) >= 4 and len({s for _, s in shapes}) >= 30
+
+
+def test_a_generation_row_prints_every_column_and_the_ratios():
+    samples = {c: [[0.001 * (i + 1)] * 3] for i, c in enumerate(generate.COLUMNS)}
+    tokens = {c: [[1, 2, 3]] for c in generate.COLUMNS}
+    tokens["stock_numpy"] = [[1, 2]]
+    tokens["mhaep_session"] = [[1, 2, 4]]
+    encoder = {c: 1.0 for c in generate.COLUMNS}
+    row = generate.summarise("row", samples, tokens, encoder, steps=3)
+    assert row["mhaep_plain_vs_iobinding"] == pytest.approx(1.5) and row["stock_numpy_agreement"] == 1.0
+    assert row["mhaep_session_agreement"] == pytest.approx(2 / 3)
+    assert row["mhaep_plain_total_30s_ms"] == pytest.approx(1.0 + 3 * 3.0)
+    cells = [cell.strip() for cell in generate.format_row(row).strip("|").split("|")]
+    assert cells[0] == "row" and cells[1:6] == ["1.000", "2.000", "3.000", "4.000", "5.000"]
+    assert cells[6:9] == ["1.50", "2.00", "2.50"]
+
+
+def test_the_options_have_help(capsys):
+    with pytest.raises(SystemExit) as done:
+        generate.main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--repeats", "--steps", "--sizes", "--batches", "--models", "--json", "--out"):
+        assert option in text
+    with pytest.raises(SystemExit):
+        generate.main(["--sizes", "huge"])

@@ -1,0 +1,250 @@
+"""``mha_ep.InferenceSession`` on the CUDA provider: one ORT session on the native route, tensors on the GPU
+(mha_ep/native/cuda_io.py), and the greedy loop over it (mha_ep/models/generate.py).
+
+Every case needs CuPy, a GPU, onnxruntime with the CUDA provider and the native library (the ``gpu`` marker;
+skipped cleanly elsewhere). Whole models are held to stock ORT CUDA, both without TF32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+
+import mha_ep
+from mha_ep import shipped
+from mha_ep.feeds import random_feeds
+from mha_ep.models.synthetic import bert_encoder, decoder_step_feeds, encoder_feeds, whisper_decoder_step
+
+from conftest import native_cuda_unavailable_reason
+
+pytestmark = pytest.mark.gpu
+SHIPPED = sorted(shipped.folder().glob("*.onnx"))
+CUDA = "CUDAExecutionProvider"
+PROVIDERS = [(CUDA, {"use_tf32": "0"}), "CPUExecutionProvider"]
+GRAPHS = [(CUDA, {"use_tf32": "0", "enable_cuda_graph": "1"}), "CPUExecutionProvider"]
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_native_cuda_route():
+    reason = native_cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def stock_cuda(model: onnx.ModelProto, feeds: dict) -> list:
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=PROVIDERS)
+    assert CUDA in session.get_providers()
+    return session.run(None, feeds)
+
+
+def assert_close(actual, expected, dtype: str, label: str) -> None:
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype, f"{label}: {a.shape} {a.dtype} vs {e.shape} {e.dtype}"
+        e64 = e.astype(np.float64)
+        error = float(np.max(np.abs(a.astype(np.float64) - e64) / np.maximum(1.0, np.abs(e64))))
+        assert error <= TOLERANCE[dtype], f"{label}: error {error:.3g} > {TOLERANCE[dtype]}"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_models_match_stock_ort_eagerly_and_on_the_device(path):
+    import cupy
+
+    model = onnx.load(path)
+    dtype = "float16" if "fp16" in path.stem else "float32"
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS)
+    assert session.mode == "native" and session.cuda_io is not None, session.mode_reason
+    for seed in range(2):
+        feeds = random_feeds(model, seed=seed)
+        expected = stock_cuda(model, feeds)
+        assert_close(session.run(None, feeds), expected, dtype, f"{path.stem} run, call {seed + 1}")
+        device = session.run_device(None, {n: cupy.asarray(v) for n, v in feeds.items()})
+        assert all(isinstance(a, cupy.ndarray) for a in device)
+        assert_close([cupy.asnumpy(a) for a in device], expected, dtype, f"{path.stem} run_device, call {seed + 1}")
+
+
+def test_graphs_per_signature_replay_fresh_values_and_new_shapes_get_their_own():
+    """enable_cuda_graph: each (B, S) gets a gpu_graph_id; calls 1 eager, 2 captured, 3-4 replayed with new values
+    at new addresses (a strided view, a NumPy feed beside CuPy ones), and a second shape in between."""
+    import cupy
+
+    model = bert_encoder(layers=2, hidden=64, heads=2, ffn=128, dtype="float16")
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
+    assert session.cuda_io is not None and session.cuda_io.graphs, session.mode_reason
+    for call in range(5):
+        for batch, sequence in ((2, 24), (3, 17)):
+            feeds = encoder_feeds(batch, sequence, hidden=64, dtype="float16", seed=10 * call + batch)
+            device_feeds = {name: cupy.asarray(value) for name, value in feeds.items()}
+            if call == 3:
+                wide = cupy.zeros((batch, sequence, 128), cupy.float16)
+                wide[:, :, ::2] = device_feeds["hidden_states"]
+                device_feeds["hidden_states"] = wide[:, :, ::2]
+            if call == 4:
+                device_feeds["attention_mask"] = feeds["attention_mask"]
+            expected = stock_cuda(model, feeds)
+            got = cupy.asnumpy(session.run_device(None, device_feeds)[0])
+            assert_close([got], expected, "float16", f"run_device call {call + 1} B={batch} S={sequence}")
+            assert_close(session.run(None, feeds), expected, "float16", f"run call {call + 1}")
+    slots = [slot for slot in session.cuda_io.slots.values() if slot is not None]
+    assert len(slots) == 2 and all(slot.calls >= 8 for slot in slots), [s.calls for s in slots]
+
+
+def test_graph_outputs_from_run_device_are_copies_the_next_replay_leaves_alone():
+    import cupy
+
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
+    first = encoder_feeds(2, 8, hidden=64, seed=1)
+    kept = []
+    for seed in range(4):
+        feeds = encoder_feeds(2, 8, hidden=64, seed=seed + 1)
+        kept.append(session.run_device(None, feeds)[0])
+    assert_close([cupy.asnumpy(kept[0])], stock_cuda(model, first), "float32", "the first call's output, kept")
+
+
+def test_the_cap_on_graphs_leaves_later_signatures_eager(monkeypatch):
+    from mha_ep.native import cuda_io
+
+    monkeypatch.setattr(cuda_io, "MAX_GRAPHS", 1)
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
+    for sequence in (8, 9, 8, 9, 9):
+        feeds = encoder_feeds(2, sequence, hidden=64, seed=sequence)
+        assert_close(session.run(None, feeds), stock_cuda(model, feeds), "float32", f"S={sequence}")
+    assert [slot is None for slot in session.cuda_io.slots.values()] == [False, True]
+
+
+def test_a_model_with_a_cpu_node_runs_eagerly_with_the_reason():
+    """ORT refuses its CUDA graph when a node runs on the CPU (the shipped Whisper decoder's shape arithmetic): the
+    session still runs, eagerly, and says why."""
+    path = next(p for p in SHIPPED if p.stem == "whisper_random_decoder_fp32")
+    model = onnx.load(path)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
+    feeds = random_feeds(model, seed=3)
+    assert_close(session.run(None, feeds), stock_cuda(model, feeds), "float32", "eager after the refusal")
+    if not session.cuda_io.graphs:
+        assert "ORT refused its CUDA graph" in session.mode_reason
+
+
+def test_a_decode_loop_gets_page_locked_outputs_and_feeds_them_back():
+    import gc
+
+    from mha_ep.native.transfer import PINNED_OUTPUT_MIN_BYTES, is_page_locked
+
+    path = next(p for p in SHIPPED if p.stem == "whisper_random_decoder_fp32")
+    model = onnx.load(path)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS)
+    stock = onnxruntime.InferenceSession(model.SerializeToString(), providers=PROVIDERS)
+    names = [o.name for o in stock.get_outputs()]
+    feeds = random_feeds(model, seed=7, dims={"batch": 2, "past_decode_len": 300})
+    for step in range(3):
+        actual, expected = session.run(None, feeds), stock.run(None, feeds)
+        assert_close(actual, expected, "float32", f"step {step}")
+        big = [a for a in actual if a.nbytes >= PINNED_OUTPUT_MIN_BYTES]
+        assert big and all(is_page_locked(a) for a in big), [(a.shape, a.nbytes) for a in actual]
+        outputs = dict(zip(names, actual))
+        feeds = {**feeds, **{n.replace("present", "past"): v for n, v in outputs.items() if n.startswith("present")}}
+        feeds["input_ids"] = np.argmax(outputs["logits"][:, -1:], axis=-1).astype(np.int64)
+    transfers = session.cuda_io.transfers
+    assert transfers.held_output_bytes > 0
+    del actual, big, outputs, feeds
+    gc.collect()
+    assert transfers.held_output_bytes == 0
+
+
+def test_device_feeds_written_on_the_callers_stream_are_waited_for():
+    import cupy
+
+    spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+      const long long start = clock64(); while (clock64() - start < cycles) {} }""", "spin")
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    feeds = encoder_feeds(2, 16, hidden=64, seed=5)
+    expected = stock_cuda(model, feeds)
+    for providers in (PROVIDERS, GRAPHS):
+        session = mha_ep.InferenceSession(model, backend="cuda", providers=providers)
+        user = cupy.cuda.Stream(non_blocking=True)
+        with user:
+            device_feeds = {name: cupy.zeros(value.shape, value.dtype) for name, value in feeds.items()}
+            for _ in range(3):
+                spin((1,), (1,), (np.int64(200_000_000),))
+                for name, value in feeds.items():
+                    device_feeds[name][...] = cupy.asarray(value)
+                got = cupy.asnumpy(session.run_device(None, device_feeds)[0])
+                assert_close([got], expected, "float32", "feeds from the caller's stream")
+                for array in device_feeds.values():
+                    array.fill(0)
+
+
+def test_a_bad_call_names_the_node_and_the_session_stays_usable():
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS)
+    bad = encoder_feeds(2, 8, hidden=64)
+    bad["attention_mask"] = bad["attention_mask"][:, :5]  # (B, 5) mask for 8 keys
+    with pytest.raises((mha_ep.MhaRunError, onnxruntime.capi.onnxruntime_pybind11_state.Fail)) as caught:
+        session.run(None, bad)
+    assert "layer0.attention" in str(caught.value) and "mask" in str(caught.value).lower(), str(caught.value)
+    good = encoder_feeds(2, 8, hidden=64, seed=3)
+    assert_close(session.run(None, good), stock_cuda(model, good), "float32", "after the bad call")
+
+
+def test_feeds_that_do_not_fit_are_one_clear_error():
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128, dtype="float16")
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS)
+    feeds = encoder_feeds(1, 4, hidden=64, dtype="float32")
+    with pytest.raises(mha_ep.MhaEpError, match="feed 'hidden_states' has dtype float32, the model expects float16"):
+        session.run(None, feeds)
+    with pytest.raises(ValueError, match=r"missing feed\(s\) for graph input\(s\) \['attention_mask'\]"):
+        session.run_device(None, {"hidden_states": feeds["hidden_states"].astype(np.float16)})
+    with pytest.raises(ValueError, match=r"output\(s\) \['nope'\] are not graph outputs"):
+        session.run(["nope"], encoder_feeds(1, 4, hidden=64, dtype="float16"))
+
+
+def test_the_cpu_provider_keeps_orts_own_run_and_says_so():
+    path = str(SHIPPED[0])
+    cpu = mha_ep.InferenceSession(path, providers=["CPUExecutionProvider"])
+    assert cpu.cuda_io is None
+    with pytest.raises(mha_ep.MhaEpError, match="run_device needs the native route on the CUDA provider"):
+        cpu.run_device(None, random_feeds(onnx.load(path), seed=0))
+    assert mha_ep.InferenceSession(path, providers=PROVIDERS, route="python-op").mode == "python-op"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_generation_on_the_device_matches_the_host_loop_token_for_token(batch):
+    """mha_ep/models/generate.py over stock ORT CUDA, a plain native session and mha_ep.InferenceSession: the same
+    tokens as the NumPy loop over stock ORT CUDA, with an end-of-text that stops rows at different steps."""
+    import cupy
+
+    from mha_ep.bench.generate import host_greedy, sessions_of
+    from mha_ep.models.generate import BoundStepper, DeviceStepper, greedy, suppression_bias
+
+    vocab, layers, hidden, heads = 300, 2, 64, 2
+    model = whisper_decoder_step(layers, hidden, heads, 128, vocab=vocab, seed=5)
+    feeds = decoder_step_feeds(batch, 3, layers, hidden, heads, encoder_sequence=40, seed=6)
+    feeds.pop("hidden_states")
+    cache = {n: v for n, v in feeds.items() if n.startswith("past_")}
+    fixed = {n: v for n, v in feeds.items() if n.startswith("cross_")}
+    first = np.arange(batch, dtype=np.int64)[:, None] + 7
+    suppressed = [0, 1, 2]
+    host_bias = np.zeros(vocab, np.float32)
+    host_bias[suppressed] = -np.inf
+    stock = sessions_of(model, "stock")
+    expected = host_greedy(stock, first, cache, fixed, 40, [], eot=None, bias=host_bias)
+    stop = next(i for i in range(3, 40) if expected[0][i] not in expected[0][:i])
+    eot = expected[0][stop]  # a token the first row first says at step stop + 1: it stops there, the others later
+    expected = host_greedy(stock, first, cache, fixed, 40, [], eot=eot, bias=host_bias)
+    bias = suppression_bias(vocab, suppressed)
+    for kind in ("stock", "plain", "session"):
+        session = sessions_of(model, kind)
+        if kind == "session":
+            stepper = DeviceStepper(session)
+            state = {n: cupy.asarray(v) for n, v in cache.items()}
+            kept = {n: cupy.asarray(v) for n, v in fixed.items()}
+        else:
+            stepper = BoundStepper(session)
+            state = {n: onnxruntime.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in cache.items()}
+            kept = {n: onnxruntime.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in fixed.items()}
+        got = greedy(stepper, cupy.asarray(first), state, kept, 40, bias, eot)
+        assert got == expected, f"{kind}: {got} vs {expected}"
+    assert len(expected[0]) == stop
