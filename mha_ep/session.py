@@ -31,13 +31,15 @@ class InferenceSession:
     they would there (providers default to ``["CPUExecutionProvider"]``; ORT's execution mode is set to
     sequential, the one in which the per-run context reaches the op). Keyword-only: ``backend`` ("auto",
     "reference", "cuda"), ``device_id`` (the GPU of the cuda backend), ``lift_attention`` (rewrite
-    com.microsoft::Attention into MultiHeadAttention first), ``device_mode``: "auto" runs the whole model on the
-    GPU (ORT CUDA pieces + our kernels, mha_ep/device) when ``providers`` include CUDAExecutionProvider and the
-    cuda backend can run, else as one onnxruntime session; "device" insists (DeviceModeUnavailableError says why
-    not); "python-op" never tries. ``route`` ("auto", "native", "python-op": registration.choose_route) is the
-    one session's custom-op route: mha_ep's native library (its CUDA kernels on ORT's buffers and stream) or the
-    onnxruntime-extensions Python op. ``mode`` ("device", "native" or "python-op") and ``mode_reason`` say which
-    runs and why. Other keywords go to onnxruntime.
+    com.microsoft::Attention into MultiHeadAttention first), ``route`` ("auto", "native", "python-op":
+    registration.choose_route): mha_ep's native library (its CUDA kernels on ORT's buffers and stream) or the
+    onnxruntime-extensions Python op. On the CUDA provider with the native route the session moves tensors
+    through native/cuda_io.py: ``run`` with NumPy through page-locked memory, ``run_device`` with CuPy, and ORT's
+    ``enable_cuda_graph`` (in the CUDA provider's options) as one graph per call signature; a session ORT refuses
+    that graph for runs eagerly and says so. ``device_mode="device"`` takes the older device-resident mode instead
+    (mha_ep/device: ORT CUDA pieces and attention steps as one whole-call graph; device/mode.py says when it can
+    run); "auto" (the default) and "python-op" never do. ``mode`` ("native", "python-op" or "device") and
+    ``mode_reason`` say which runs and why. Other keywords go to onnxruntime.
     """
 
     def __init__(
@@ -70,7 +72,7 @@ class InferenceSession:
         self._io = None
         wanted = normalise_mode(device_mode)
         self.mode_reason = ""
-        if wanted == "device":  # the piece-cutting executor, kept only for its comparison bench row
+        if wanted == "device":  # the piece-cutting executor: opt-in, for repeated shapes (device/mode.py)
             if self.partition is None:  # device mode cuts the Python-op form (device/plan.py)
                 self.partition = partition(path_or_bytes, lift_attention=lift_attention)
             self._runner, self.mode_reason = _device_runner(self.partition, backend, device_id, sess_options,

@@ -12,6 +12,9 @@
 #   device     the device-mode tests and the parity suites' device-mode cases
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
+#   generate   mha-ep bench generate: greedy Whisper generation (tiny/base/small sizes; REAL=DIR adds real tiny.en,
+#              from the packs, with TOKENIZERS/whisper's config.json), into $OUT/generate
+#   serving    mha-ep bench native --rows serving: a new (B, S) on every call, into $OUT/serving
 #   nprofile   scripts/profile_native.py: a Whisper-sized encoder's kernels, a B=1 S=32 first call's planner
 #   bench      mha-ep bench device (the encoder rows; REAL=DIR adds the real-weight rows), into $OUT/bench
 #   real       Whisper tiny.en and MiniLM from the model packs ($PACKS), tokens and embeddings vs stock ORT
@@ -41,7 +44,8 @@ OPT_WHEELS=${OPT_WHEELS:-.device/opt}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$ORT_SITE:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-quiet() { grep -v "W:onnxruntime\|WARNING: Target"; }
+# grep -v exits 1 when it passes no line (pip -q prints none): that is no failure of the step
+quiet() { grep -v "W:onnxruntime\|WARNING: Target" || true; }
 PYTEST_GPU="python3 -m pytest -q -p no:cacheprovider -m gpu"
 
 install_ort_gpu() {
@@ -76,6 +80,15 @@ for step in "$@"; do
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;
+    generate)
+      extra=()
+      if [ -n "${REAL:-}" ]; then
+        [ -d "$REAL" ] || python3 scripts/device_models.py unpack $PACKS --out "$REAL" | tail -2
+        extra=(--models "$REAL" --whisper-config "$TOKENIZERS/whisper")
+      fi
+      timeout 540 python3 -m mha_ep bench generate --repeats "${REPEATS:-3}" --steps "${STEPS:-64}" "${extra[@]}" \
+        --out "$OUT/generate" 2>&1 | quiet ;;
+    serving) timeout 200 python3 -m mha_ep bench native --rows serving --calls "${CALLS:-60}" --out "$OUT/serving" 2>&1 | quiet ;;
     nprofile) timeout 300 python3 scripts/profile_native.py kernels "Whisper-tiny" 2>&1 | quiet | tail -60
               timeout 200 python3 scripts/profile_native.py planner "B=1 S=32" 2>&1 | quiet | head -60 ;;
     bench)

@@ -241,7 +241,11 @@ def bench_real(models: Path, repeats: int, max_tokens: int, config_dir: Optional
 
     from mha_ep.models import audio
     from mha_ep.models.whisper_transcribe import (
-        DeviceTranscriber, Transcriber, model_paths, stock_session_factory, suppress_lists,
+        DeviceTranscriber,
+        Transcriber,
+        model_paths,
+        stock_session_factory,
+        suppress_lists,
     )  # fmt: skip
 
     paths = model_paths(models)

@@ -1,15 +1,17 @@
-"""Which mode a ``mha_ep.InferenceSession`` runs in: device-resident, or claimed nodes as a Python op inside one
-onnxruntime session (the bridge), and why.
+"""When a ``mha_ep.InferenceSession`` runs in device-resident mode, and why not.
 
-Device mode runs when all of these hold, checked in this order (the first that fails is the reason):
+Device mode is opt-in (``device_mode="device"``): by default a session on the CUDA provider is one ORT session on
+the native route (mha_ep/native/cuda_io.py), which is as fast or faster everywhere a bench row measured it except
+repeated shapes under whole-call graphs (docs/BENCH.md, section 5), where device mode's graphs still win by 6-16%.
+
+Device mode runs when all of these hold, checked in this order (the first that fails is the reason, raised as
+DeviceModeUnavailableError):
   1. the session's providers include CUDAExecutionProvider;
   2. the installed onnxruntime has that provider (onnxruntime-gpu);
   3. the backend is, or ``auto`` resolves to, ``cuda`` (CuPy and a GPU);
   4. the model cuts into a device plan (device/plan.py: every tensor crossing a cut has a known element type);
-  5. no tensor crossing a cut is bfloat16 (CuPy has no bfloat16 arrays; the bridge runs such models).
-``device_mode``: "auto" (the default) takes device mode when it can and the Python op otherwise, with the reason;
-"device" (or True) insists and raises DeviceModeUnavailableError with the reason; "python-op" (or False) never
-tries.
+  5. no tensor crossing a cut is bfloat16 (CuPy has no bfloat16 arrays; the one-session route runs such models).
+``device_mode``: "device" (or True) asks for it; "auto" (the default), "python-op" (or False) never take it.
 """
 
 from __future__ import annotations

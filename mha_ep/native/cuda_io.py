@@ -191,9 +191,9 @@ class CudaSessionIO:
     # --------------------------------------------------------------------------------------- internals
     def _split(self, feeds: Mapping) -> tuple:
         """(host feeds, device feeds), each checked against the model's dtype and made C-contiguous."""
-        from mha_ep.native.transfer import host_feed
-
         import cupy
+
+        from mha_ep.native.transfer import host_feed
 
         host, device = {}, {}
         for name, value in feeds.items():
