@@ -12,7 +12,8 @@ CUDA op, on ORT's buffers and stream). This module is how its calls move tensors
     provider), each call signature (feed names, shapes, dtypes) gets a ``gpu_graph_id`` of its own with inputs
     and outputs at fixed device addresses: the signature's first call runs eagerly (``gpu_graph_id`` -1) to learn
     the output shapes, the next ones are ORT's capture and replays. A call copies its feeds into the signature's
-    buffers and its outputs out of them. ORT cannot drop a graph it captured, so at most ``MAX_GRAPHS``
+    buffers and its outputs out of them; with device feeds (``run_device``) both copies go on the caller's
+    current stream around one synchronization, so the outputs are ready in that stream's order. ORT cannot drop a graph it captured, so at most ``MAX_GRAPHS``
     signatures get one; later ones run eagerly.
 
 ORT runs on a stream of its own and synchronizes it at the end of every run, so outputs are ready on any stream
@@ -130,6 +131,7 @@ class GraphSlot:
     binding: object = None
     calls: int = 0
     views: Dict[str, object] = field(default_factory=dict)  # name -> CuPy array over the output value
+    pending: object = None  # a CUDA event after the last run_device's copies out of the outputs
 
 
 class CudaSessionIO:
@@ -179,6 +181,9 @@ class CudaSessionIO:
         wanted = check_call(list(self.inputs), self.outputs, feeds, output_names)
         with self._lock, cupy.cuda.Device(self.device_id):
             host, device = self._split(feeds)
+            slot = self.slots.get(self.signature(host, device)) if self.graphs and not host else None
+            if slot is not None:
+                return self._replay_device(slot, device, wanted, make_options or self._options)
             self._settle_caller()
             arrays = self._call(host, device, wanted, make_options or self._options)
             if self._graph_of(host, device) is not None:  # the graph's buffers are written again by the next call
@@ -306,6 +311,8 @@ class CudaSessionIO:
     def _replay(self, slot: GraphSlot, host: dict, device: dict, wanted: List[str], make_options: Callable) -> list:
         import cupy
 
+        if slot.pending is not None:
+            slot.pending.synchronize()  # a run_device's copies out of the outputs have read them
         names = [name for name in host if host[name].nbytes]
         self.transfers.upload([host[name] for name in names], [slot.inputs[name].data.ptr for name in names])
         for name, array in device.items():
@@ -322,6 +329,41 @@ class CudaSessionIO:
             self._run_direct(lambda: c_session.run_with_iobinding(c_binding, options), options)
         slot.calls += 1
         return [slot.views[name] for name in wanted]
+
+    def _replay_device(self, slot: GraphSlot, device: dict, wanted: List[str], make_options: Callable) -> list:
+        """A replay with device feeds and device outputs, in one synchronization: the feeds are copied into the
+        graph's buffers on the caller's stream (behind the caller's own writes), that stream is synchronized once,
+        ORT replays, and the outputs are copied out on the caller's stream, an event after them; the next call of
+        this signature waits for that event before the replay writes the outputs again."""
+        import cupy
+
+        caller = cupy.cuda.get_current_stream()
+        if slot.pending is not None:
+            slot.pending.synchronize()  # the last call's output copies (perhaps on another stream) have read
+        copy = cupy.cuda.runtime.memcpyAsync
+        to_device = cupy.cuda.runtime.memcpyDeviceToDevice
+        for name, array in device.items():
+            if array.nbytes:
+                copy(slot.inputs[name].data.ptr, array.data.ptr, array.nbytes, to_device, caller.ptr)
+        caller.synchronize()
+        options = make_options()
+        options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
+        if self.direct is None:
+            self._run(slot.binding, options)
+        else:
+            c_session, c_binding = self.direct[0], slot.binding._iobinding
+            self._run_direct(lambda: c_session.run_with_iobinding(c_binding, options), options)
+        slot.calls += 1
+        outputs = []
+        for name in wanted:
+            view = slot.views[name]
+            out = cupy.empty(view.shape, view.dtype)
+            if view.nbytes:
+                copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, caller.ptr)
+            outputs.append(out)
+        slot.pending = cupy.cuda.Event(block=False, disable_timing=True)
+        slot.pending.record(caller)
+        return outputs
 
     def held_graphs(self) -> int:
         """Signatures with fixed buffers for a graph."""
