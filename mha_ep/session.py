@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import onnx
 
+from mha_ep.device.mode import CUDA_PROVIDER, cuda_options_of, provider_names
 from mha_ep.errors import MhaEpError, MhaRunError
 from mha_ep.ops.context import run_context
 from mha_ep.ops.backends import resolve_backend
@@ -244,9 +245,7 @@ def _device_runner(result: PartitionResult, backend: str, device_id: int, sess_o
     import onnxruntime as ort
 
     from mha_ep.device import DevicePlanError, plan_device
-    from mha_ep.device.mode import (
-        DeviceModeUnavailableError, cuda_options_of, reason_in_plan, reason_without_cuda_provider,
-    )  # fmt: skip
+    from mha_ep.device.mode import DeviceModeUnavailableError, reason_in_plan, reason_without_cuda_provider
     from mha_ep.ops.backends import cuda_unavailable_reason
 
     reason = reason_without_cuda_provider(providers, ort.get_available_providers())
@@ -278,25 +277,6 @@ def _device_runner(result: PartitionResult, backend: str, device_id: int, sess_o
     runner = DeviceRunner(plan, CudaBackend(device_id), sess_options, cuda_options, graphs=graphs,
                           session_kwargs=session_kwargs)  # every ORT piece gets the keywords ORT would
     return runner, ""
-
-
-CUDA_PROVIDER = "CUDAExecutionProvider"
-
-
-def provider_names(providers: Optional[Sequence]) -> list:
-    """Provider names from onnxruntime's forms: "Name" or ("Name", {options})."""
-    return [p[0] if isinstance(p, (tuple, list)) else p for p in (providers or [])]
-
-
-def cuda_options_of(providers: Optional[Sequence], provider_options: Optional[Sequence]) -> dict:
-    """The caller's CUDA provider options, from either of onnxruntime's two ways of passing them."""
-    names = provider_names(providers)
-    for provider in providers or []:
-        if isinstance(provider, (tuple, list)) and provider[0] == CUDA_PROVIDER and len(provider) > 1:
-            return dict(provider[1])
-    if provider_options and CUDA_PROVIDER in names:
-        return dict(provider_options[names.index(CUDA_PROVIDER)] or {})
-    return {}
 
 
 def wants_cuda_graph(providers, provider_options) -> bool:
