@@ -21,7 +21,8 @@ Rules of the pass (the code refers to them by number):
   7. Nodes already in the plugin domain are left as they are and reported as claimed: partitioning a partitioned
      model changes nothing. They are checked first (claim/graph_rules.py ``check_plugin_node``): a crafted one could abort the process
      at run time (a string attribute that is not UTF-8 kills the bridge before mha_ep's code runs), so a node
-     whose slots or attributes are not what this pass writes raises MhaModelError.
+     whose slots or attributes are not what this pass writes raises MhaModelError. A node written before the op
+     had its ten inputs (spec.LEGACY_PLUGIN_INPUTS: eight) gets the two new placeholder slots.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def partition(model, lift_attention: bool = False, route: str = "python-op") -> 
     modified = False
     for index, node in enumerate(graph.node):
         if is_plugin_mha(node):  # Rule 7
+            if len(node.input) == len(spec.LEGACY_PLUGIN_INPUTS):
+                node = work.upgrade(node)
+                modified = True
             check_plugin_node(node)
             decisions.append(Decision(node_name(node), True))
             new_nodes.append(node)
@@ -146,7 +150,8 @@ class PartitionPass:
         for slot, name in enumerate(spec.PLUGIN_INPUTS):
             tensor = node.input[slot] if slot < len(node.input) else ""
             if not tensor:
-                placeholder = spec.ABSENT_INT32 if name == "key_padding_mask" else spec.absent_float(float_type)
+                integer = name == "key_padding_mask" or name in spec.INT32_INPUTS
+                placeholder = spec.ABSENT_INT32 if integer else spec.absent_float(float_type)
                 self.placeholders.add(placeholder)
                 inputs.append(placeholder)
                 continue
@@ -200,6 +205,15 @@ class PartitionPass:
         )
         return before + [plugin] + after
 
+    def upgrade(self, node: onnx.NodeProto) -> onnx.NodeProto:
+        """Rule 7: a plugin node of eight inputs with the two int32 placeholder slots appended."""
+        upgraded = onnx.NodeProto()
+        upgraded.CopyFrom(node)
+        missing = len(spec.PLUGIN_INPUTS) - len(spec.LEGACY_PLUGIN_INPUTS)
+        upgraded.input.extend([spec.ABSENT_INT32] * missing)
+        self.placeholders.add(spec.ABSENT_INT32)
+        return upgraded
+
     def finish(self, model: onnx.ModelProto, new_nodes: list) -> None:
         """The graph's new node list, the placeholders (rule 4), the typed outputs and the plugin domain (rule 6)."""
         graph = model.graph
@@ -240,8 +254,14 @@ def add_plugin_domain(model: onnx.ModelProto) -> None:
     for domain in (spec.PLUGIN_DOMAIN, spec.UNREGISTERED_DOMAIN):
         if domain not in domains:
             model.opset_import.append(helper.make_opsetid(domain, spec.PLUGIN_OPSET))
-    if not any(f.domain == spec.PLUGIN_DOMAIN and f.name == spec.OP_TYPE for f in model.functions):
-        model.functions.append(unregistered_function())
+    current = unregistered_function()
+    for index, function in enumerate(model.functions):
+        if function.domain == spec.PLUGIN_DOMAIN and function.name == spec.OP_TYPE:
+            if list(function.input) != list(current.input):  # written for the eight-input op (rule 7)
+                model.functions[index].CopyFrom(current)
+            break
+    else:
+        model.functions.append(current)
     if model.ir_version < MHA_OPSET_MIN_IR:
         model.ir_version = MHA_OPSET_MIN_IR
 

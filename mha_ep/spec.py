@@ -37,11 +37,14 @@ SLOT = {name: i for i, name in enumerate(INPUTS)}
 OUT_SLOT = {name: i for i, name in enumerate(OUTPUTS)}
 
 # Inputs and outputs of the plugin op. The onnxruntime-extensions bridge requires every declared slot, so a
-# claimed node always carries these eight inputs and three outputs (see the placeholder convention below).
-PLUGIN_INPUTS = INPUTS[:8]
+# claimed node always carries these ten inputs and three outputs (see the placeholder convention below).
+PLUGIN_INPUTS = INPUTS
 PLUGIN_OUTPUTS = OUTPUTS[:3]
 FLOAT_INPUTS = ("query", "key", "value", "bias", "attention_bias", "past_key", "past_value")
-FLOAT_OUTPUTS = PLUGIN_OUTPUTS
+INT32_INPUTS = ("past_sequence_length", "cache_indirection")  # ORT's type constraint M: int32 only
+# mha_ep before the shared buffer wrote claimed nodes with the first eight inputs only; the partition pass gives
+# such a node the two new placeholder slots (partition_pass.py, rule 7).
+LEGACY_PLUGIN_INPUTS = INPUTS[:8]
 
 
 @dataclass(frozen=True)

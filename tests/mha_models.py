@@ -77,7 +77,9 @@ class MhaConfig:
     """One well-formed MultiHeadAttention call.
 
     ``has_past`` feeds past_key/past_value of length ``past_seq`` (0 is allowed: an empty past). ``presents`` asks
-    for present_key/present_value. ``mask_filter_value``/``scale``: None leaves the attribute out (ORT's defaults
+    for present_key/present_value. ``max_seq`` > 0 makes the past a shared buffer (docs/SEMANTICS.md §3.9): past and
+    presents (B, N, max_seq, H), past_sequence_length = [past_seq]; ``beams`` > 0 adds cache_indirection
+    (B / beams, beams, max_seq) with random beam indices (§3.10). ``mask_filter_value``/``scale``: None leaves the attribute out (ORT's defaults
     -10000 and 1/sqrt(H)). ``attention_bias`` is a key of BROADCASTS. ``fully_padded`` makes batch 0 attend to no
     key at all through the mask (key length 0 / an all-zero mask row), the case where ORT's additive mask gives
     softmax(scores - 10000) for a finite filter value and NaN for -inf.
@@ -103,6 +105,8 @@ class MhaConfig:
     mask_filter_value: Optional[float] = None
     scale: Optional[float] = None
     shapes: str = "static"  # "static" | "symbolic" | "unranked"
+    max_seq: int = 0  # > 0: a shared buffer of this length (M)
+    beams: int = 0  # > 0: cache_indirection with this many beams (W); batch is a multiple of it
 
     @property
     def hv(self) -> int:
@@ -118,6 +122,8 @@ class MhaConfig:
             f"B{self.batch} S{self.q_seq} L{self.kv_seq} P{self.past_seq if self.has_past else '-'} "
             f"N{self.num_heads} H{self.head_size} Hv{self.hv} {self.dtype} {self.kv_layout}"
         ]
+        if self.max_seq:
+            parts.append(f"shared M{self.max_seq}" + (f" W{self.beams}" if self.beams else ""))
         if self.bias:
             parts.append("bias")
         if self.mask != "none":
@@ -157,7 +163,12 @@ def input_shapes(config: MhaConfig) -> Dict[str, tuple]:
         bcast0, bcast1 = BROADCASTS[c.attention_bias]
         shapes["attention_bias"] = (1 if bcast0 else b, 1 if bcast1 else n, s, t)
     if c.has_past:
-        shapes["past_key"], shapes["past_value"] = (b, n, p, h), (b, n, p, hv)
+        rows = c.max_seq or p
+        shapes["past_key"], shapes["past_value"] = (b, n, rows, h), (b, n, rows, hv)
+    if c.max_seq:
+        shapes["past_sequence_length"] = (1,)
+    if c.beams:
+        shapes["cache_indirection"] = (b // c.beams, c.beams, c.max_seq)
     return shapes
 
 
@@ -165,8 +176,9 @@ def output_shapes(config: MhaConfig) -> Dict[str, tuple]:
     c = config
     shapes = {"output": (c.batch, c.q_seq, c.num_heads * c.hv)}
     if c.presents:
-        shapes["present_key"] = (c.batch, c.num_heads, c.total_seq, c.head_size)
-        shapes["present_value"] = (c.batch, c.num_heads, c.total_seq, c.hv)
+        rows = c.max_seq or c.total_seq
+        shapes["present_key"] = (c.batch, c.num_heads, rows, c.head_size)
+        shapes["present_value"] = (c.batch, c.num_heads, rows, c.hv)
     return shapes
 
 
@@ -254,7 +266,8 @@ def build_model(config: MhaConfig) -> onnx.ModelProto:
     """The single-node model of ``config`` (module docstring for the conventions)."""
     inputs = {}
     for slot, shape in input_shapes(config).items():
-        dtype = config.mask_dtype if slot == "key_padding_mask" else config.dtype
+        dtype = {"key_padding_mask": config.mask_dtype, "past_sequence_length": "int32",
+                 "cache_indirection": "int32"}.get(slot, config.dtype)  # fmt: skip
         inputs[slot] = (dtype, shape)
     outputs = ["output"] + (["present_key", "present_value"] if config.presents else [])
     return node_model(
@@ -336,6 +349,10 @@ def random_feeds(
     for slot, shape in input_shapes(config).items():
         if slot == "key_padding_mask":
             feeds[slot] = make_mask(config, rng, any_mask_values)
+        elif slot == "past_sequence_length":
+            feeds[slot] = np.array([config.past_seq], np.int32)
+        elif slot == "cache_indirection":
+            feeds[slot] = rng.integers(0, config.beams, size=shape).astype(np.int32)
         else:
             feeds[slot] = nonzero_normal(rng, shape, std, config.dtype)
     return feeds
@@ -343,7 +360,7 @@ def random_feeds(
 
 def slot_arrays(feeds: Mapping[str, np.ndarray]) -> list:
     """The feeds in slot order with None for absent inputs (the input of mha_ep.ops.problem.build_problem)."""
-    return [feeds.get(slot) for slot in INPUT_SLOTS[:8]]
+    return [feeds.get(slot) for slot in INPUT_SLOTS]
 
 
 def oracle_float64(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
@@ -370,7 +387,7 @@ def naive_same_dtype(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict
     """A naive implementation in ``config.dtype`` (the yardstick of flash-attention's tests for reduced precision):
     every stage is rounded to the dtype - Q+b_q, K+b_k, V+b_v, scale*QK^T, +attention_bias, +mask (added in float32
     first), the probabilities and the output - with float32 accumulation inside the two GEMMs and the softmax."""
-    from mha_ep.ops.backends.reference import additive_mask_BST, softmax_lastaxis, to_BNSH
+    from mha_ep.ops.backends.reference import additive_mask_BST, past_rows, shared_present, softmax_lastaxis, to_BNSH
     from mha_ep.ops.problem import build_problem
 
     def rnd(x):
@@ -387,9 +404,10 @@ def naive_same_dtype(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict
         k_BNLH, v_BNLH = to_BNSH(rnd(key), n), to_BNSH(rnd(value), n)
     else:
         k_BNLH, v_BNLH = rnd(problem.key), rnd(problem.value)
+    new_k_BNLH, new_v_BNLH = k_BNLH, v_BNLH
     if problem.past_key_BNPH is not None:
-        k_BNLH = np.concatenate([problem.past_key_BNPH, k_BNLH], axis=2)
-        v_BNLH = np.concatenate([problem.past_value_BNPH, v_BNLH], axis=2)
+        k_BNLH = np.concatenate([past_rows(problem, problem.past_key_BNPH), k_BNLH], axis=2)
+        v_BNLH = np.concatenate([past_rows(problem, problem.past_value_BNPH), v_BNLH], axis=2)
     scores = rnd(np.matmul(q_BNSH, k_BNLH.transpose(0, 1, 3, 2)) * np.float32(problem.scale))
     if problem.attention_bias is not None:
         scores = rnd(scores + problem.attention_bias)
@@ -400,7 +418,10 @@ def naive_same_dtype(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict
     g = problem.geometry
     out = rnd(np.matmul(probs, v_BNLH).transpose(0, 2, 1, 3).reshape(g.batch, g.q_seq, g.v_hidden))
     result = {"output": out}
-    if config.presents:
+    if config.presents and problem.shared is not None:
+        result["present_key"] = shared_present(problem, problem.past_key_BNPH, new_k_BNLH, np.float32)
+        result["present_value"] = shared_present(problem, problem.past_value_BNPH, new_v_BNLH, np.float32)
+    elif config.presents:
         result["present_key"], result["present_value"] = k_BNLH, v_BNLH
     return result
 
@@ -469,6 +490,17 @@ def plugin_session(model, backend: str):
         return mha_ep.InferenceSession(model, backend="cuda", providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
                                        device_mode="device")  # fmt: skip
     return mha_ep.InferenceSession(model, backend=backend, route="python-op")
+
+
+DEVICE_MODE_SHARED = "device mode declines shared past/present buffers (mha_ep/device/mode.py rule 6)"
+
+
+def skip_unless_route_runs(backend: str, shared: bool) -> None:
+    """pytest.skip where ``backend``'s route does not run the call: device mode and a shared buffer."""
+    import pytest
+
+    if shared and backend == "cuda-device":
+        pytest.skip(DEVICE_MODE_SHARED)
 
 
 def chain_model(num_heads=2, qk_on_second=False):

@@ -73,7 +73,8 @@ def signature_of(config: MhaConfig, alignment: int = 8):
         if name not in kernel.supplied:
             entries.append(None)
             continue
-        dtype = config.mask_dtype if name == "key_padding_mask" else config.dtype
+        dtype = {"key_padding_mask": config.mask_dtype, "past_sequence_length": "int32",
+                 "cache_indirection": "int32"}.get(name, config.dtype)  # fmt: skip
         entries.append((ELEMENT_CODES[dtype], shapes[name], alignment))
     return kernel, native_plan.Signature(tuple(entries))
 

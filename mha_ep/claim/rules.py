@@ -1,6 +1,6 @@
 """The rules of what mha_ep computes, shared by the claim gate and by execute-time validation.
 
-One list, one order, one message per rule. At claim time the rules see static shapes in which any dim may be
+One list, one order (``RULES``, the order below), one message per rule. At claim time the rules see static shapes in which any dim may be
 unknown (``None``): a rule that needs an unknown dim passes, and the same rule runs again at execute time on the
 concrete shapes, so the gate and the op cannot disagree. Each refusal is a sentence a person can act on and names
 the input it is about (``Refusal.subject``).
@@ -16,7 +16,7 @@ rules it did not have are marked "(ORT)" when they mirror a stock ORT input chec
   Rule  3  query dtype is float32, float16 or bfloat16
   Rule  4  key, value, bias, attention_bias, past_key, past_value share the query dtype
   Rule  5  key_padding_mask is int32 or int64
-  Rule  6  no past_sequence_length / cache_indirection (DecoderMaskedMHA inputs)
+  Rule  6  (ORT) past_sequence_length and cache_indirection are int32
   Rule  7  (mha_ep) the qk output (output 3) is not requested
   Rule  8  query is supplied and rank 3 (no packed QKV)
   Rule  9  key and value are both supplied (no packed QKV / packed KV)
@@ -28,10 +28,19 @@ rules it did not have are marked "(ORT)" when they mirror a stock ORT input chec
   Rule 14  key and value have the same sequence length
   Rule 15  key, value, past_key, past_value batch == query batch
   Rule 16  past_key and past_value come together, rank 4, dim 1 == num_heads, same length
+  Rule 21  the shared buffer (past_key (B, N, M, H) with past_sequence_length, docs/SEMANTICS.md §3.9): (ORT) one
+           element, both presents requested, 0 <= P < M and P + L <= M where the value is known (L <= M where
+           it is not); (mha_ep) BSNH key and value
   Rule 17  total sequence length P + L fits a CUDA int
   Rule 18  bias is rank 1 of length 2*D + Dv
   Rule 19  attention_bias is rank 4, (B|1, N|1, S, T)
   Rule 20  key_padding_mask is (B,), (3B+2,), (B, T) or (B, S, T)
+  Rule 22  cache_indirection (docs/SEMANTICS.md §3.10): (ORT) rank 3, dim 0 * dim 1 == B, dim 2 == M with a shared
+           buffer; (mha_ep) on the beam path an attention_bias broadcasts over the batch
+
+With a shared buffer, P is the *value* of past_sequence_length: ``Call.past_length`` carries it where the host
+knows it (execute time on the CPU routes). Where it does not (claim time; the native CUDA route, which reads it on
+the device), the rules that need T = P + L pass, and the device checks them (docs/SEMANTICS.md §3.9).
 """
 
 from __future__ import annotations
@@ -138,6 +147,7 @@ class Call:
     attrs: NodeAttributes
     inputs: Sequence[Optional[TensorInfo]]  # by slot, spec.INPUTS order; None = absent
     outputs: Sequence[bool] = (True, False, False, False)  # requested outputs, spec.OUTPUTS order
+    past_length: Optional[int] = None  # the value of past_sequence_length, where the host knows it
 
     def info(self, name: str) -> Optional[TensorInfo]:
         slot = spec.SLOT[name]
@@ -186,8 +196,32 @@ def kv_seq(call: Call) -> Optional[int]:
     return call.dim("key", 1) if rank == 3 else call.dim("key", 2) if rank == 4 else None
 
 
+def shared_buffer(call: Call) -> bool:
+    """ORT's ``past_present_share_buffer``: past_key together with past_sequence_length (docs/SEMANTICS.md §3.1)."""
+    return call.present("past_key") and call.present("past_sequence_length")
+
+
+def max_seq(call: Call) -> Optional[int]:
+    """M: the length of a shared buffer (past_key dim 2)."""
+    return call.dim("past_key", 2) if shared_buffer(call) else None
+
+
 def past_seq(call: Call) -> Optional[int]:
+    """P: the past's length, which for a shared buffer is the value of past_sequence_length (None when unknown)."""
+    if shared_buffer(call):
+        return call.past_length
     return call.dim("past_key", 2) if call.present("past_key") else 0
+
+
+def beam_path(call: Call) -> bool:
+    """Whether cache_indirection takes effect (docs/SEMANTICS.md §3.10), as far as shapes tell: a shared buffer,
+    one query token and a key_padding_mask that is absent or (B, T). ORT also needs P > 0, which only the value
+    says (at P = 0 there is no past row to redirect)."""
+    mask_rank = call.rank("key_padding_mask")
+    return (
+        call.present("cache_indirection") and shared_buffer(call) and call.dim("query", 1) == 1
+        and (not call.present("key_padding_mask") or mask_rank == 2)
+    )  # fmt: skip
 
 
 def total_seq(call: Call) -> Optional[int]:
@@ -253,15 +287,12 @@ def rule_mask_dtype(call: Call) -> None:
         raise Refusal(f"key_padding_mask dtype {dtype} must be int32 or int64", "key_padding_mask")
 
 
-def rule_no_decoder_masked_inputs(call: Call) -> None:
-    """Rule 6."""
-    for name in ("past_sequence_length", "cache_indirection"):
-        if call.present(name):
-            raise Refusal(
-                "DecoderMaskedMultiHeadAttention inputs (past_sequence_length / cache_indirection) are not "
-                "supported; leave this node to ORT or drop the shared-buffer / beam inputs",
-                name,
-            )
+def rule_decoder_masked_dtypes(call: Call) -> None:
+    """Rule 6 (ORT's type constraint M)."""
+    for name in spec.INT32_INPUTS:
+        dtype = call.dtype(name)
+        if call.present(name) and dtype is not None and dtype != "int32":
+            raise Refusal(f"{name} dtype {dtype} must be int32 (ORT's type constraint M)", name)
 
 
 def rule_no_qk_output(call: Call) -> None:
@@ -419,6 +450,54 @@ def rule_past(call: Call) -> None:
         raise Refusal(f"past_key seq {pk_len} != past_value seq {pv_len}", "past_value")
 
 
+def rule_shared_buffer(call: Call) -> None:
+    """Rule 21. ORT's own checks of a shared buffer, in its words; then mha_ep's: BSNH key and value."""
+    if not shared_buffer(call):
+        return
+    psl = call.info("past_sequence_length")
+    if psl.is_static and math.prod(psl.shape) != 1:
+        raise Refusal(
+            f"past_sequence_length tensor must be of one element when past_present_share_buffer is set, got shape "
+            f"{format_shape(psl.shape)}",
+            "past_sequence_length",
+        )
+    if len(call.outputs) < 3 or not (call.outputs[1] and call.outputs[2]):
+        raise Refusal(
+            "Shared past/present buffer requires both present_key and present_value outputs. (stock ORT refuses "
+            "the node too)",
+            "present_key",
+        )
+    if call.rank("key") == 4:
+        raise Refusal(
+            f"a shared past buffer (past_key with past_sequence_length) takes BSNH key and value (B, L, hidden); "
+            f"key {call.shape_text('key')} is BNSH, for which stock ORT's CPU kernel writes presents that hold "
+            "neither the past nor the new keys (docs/SEMANTICS.md §3.9)",
+            "key",
+        )
+    m, p, length = max_seq(call), call.past_length, kv_seq(call)
+    if m is None:
+        return
+    if p is None:
+        if length is not None and length > m:
+            raise Refusal(
+                f"kv_sequence_length ({length}) exceeds max_sequence_length ({m}), the shared buffer's length: no "
+                "past_sequence_length fits it",
+                "past_key",
+            )
+        return
+    if not 0 <= p < m:
+        raise Refusal(
+            f"past_sequence_length must be non-negative and less than max_sequence_length ({m}), got {p}",
+            "past_sequence_length",
+        )
+    if length is not None and p + length > m:
+        raise Refusal(
+            f"past_sequence_length ({p}) plus kv_sequence_length ({length}) must not exceed max_sequence_length "
+            f"({m}).",
+            "past_sequence_length",
+        )
+
+
 def rule_total_length(call: Call) -> None:
     """Rule 17."""
     total = total_seq(call)
@@ -503,13 +582,45 @@ def rule_key_padding_mask(call: Call) -> None:
         )
 
 
+def rule_cache_indirection(call: Call) -> None:
+    """Rule 22. ORT's checks of cache_indirection's shape (made whether or not it takes effect), in its words."""
+    if not call.present("cache_indirection"):
+        return
+    rank = call.rank("cache_indirection")
+    if rank is not None and rank != 3:
+        raise Refusal(f"Input 'cache_indirection' is expected to have 3 dimensions, got {rank}", "cache_indirection")
+    batches, beams, length = (call.dim("cache_indirection", a) for a in range(3))
+    rows = call.dim("query", 0)
+    if batches is not None and beams is not None and rows is not None and batches * beams != rows:
+        raise Refusal(
+            f"Input 'cache_indirection' dimension 0 ({batches}) times dimension 1 (num_beams={beams}) must equal "
+            f"batch_beam_size ({rows})",
+            "cache_indirection",
+        )
+    m = max_seq(call)
+    if m is not None and length is not None and length != m:
+        raise Refusal(
+            f"Input 'cache_indirection' dimension 2 should be same as (or less than) max_sequence_length, got "
+            f"{length} (it must equal the shared buffer's length {m})",
+            "cache_indirection",
+        )
+    bias_batch = call.dim("attention_bias", 0)
+    if beam_path(call) and bias_batch is not None and bias_batch != 1:
+        raise Refusal(
+            f"an attention_bias of shape {call.shape_text('attention_bias')} with cache_indirection: stock ORT's "
+            "beam path reads a per-row attention_bias at the row of the row's batch entry rather than its own "
+            "(docs/SEMANTICS.md §3.10), which mha_ep does not copy; give attention_bias dim 0 = 1",
+            "attention_bias",
+        )
+
+
 RULES: tuple[Callable[[Call], None], ...] = (
     rule_slot_counts,
     rule_static_shapes,
     rule_query_dtype,
     rule_float_dtypes_match,
     rule_mask_dtype,
-    rule_no_decoder_masked_inputs,
+    rule_decoder_masked_dtypes,
     rule_no_qk_output,
     rule_query_rank,
     rule_key_and_value_supplied,
@@ -520,10 +631,12 @@ RULES: tuple[Callable[[Call], None], ...] = (
     rule_key_value_lengths,
     rule_batches,
     rule_past,
+    rule_shared_buffer,
     rule_total_length,
     rule_bias,
     rule_attention_bias,
     rule_key_padding_mask,
+    rule_cache_indirection,
 )
 
 

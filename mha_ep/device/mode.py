@@ -10,7 +10,10 @@ DeviceModeUnavailableError):
   2. the installed onnxruntime has that provider (onnxruntime-gpu);
   3. the backend is, or ``auto`` resolves to, ``cuda`` (CuPy and a GPU);
   4. the model cuts into a device plan (device/plan.py: every tensor crossing a cut has a known element type);
-  5. no tensor crossing a cut is bfloat16 (CuPy has no bfloat16 arrays; the one-session route runs such models).
+  5. no tensor crossing a cut is bfloat16 (CuPy has no bfloat16 arrays; the one-session route runs such models);
+  6. no claimed node has a shared past/present buffer (past_sequence_length with a past: its length is a device
+     value, which device mode's host-side planning would have to read every call; the one-session route, whose
+     kernels read it on the device, runs static KV caches).
 ``device_mode``: "device" (or True) asks for it; "auto" (the default), "python-op" (or False) never take it.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from mha_ep import spec
 from mha_ep.errors import MhaEpError
 
 MODES = ("auto", "device", "python-op")
@@ -73,7 +77,12 @@ def reason_without_cuda_provider(providers: Optional[Sequence], available: Seque
 
 
 def reason_in_plan(plan) -> Optional[str]:
-    """Rule 5 on a plan that was made (rule 4's failure is the DevicePlanError's own message)."""
+    """Rules 5 and 6 on a plan that was made (rule 4's failure is the DevicePlanError's own message)."""
+    shared = [step.node_name for step in plan.attention_steps
+              if step.inputs[spec.SLOT["past_key"]] and step.inputs[spec.SLOT["past_sequence_length"]]]  # fmt: skip
+    if shared:
+        return (f"claimed node {shared[0]!r} (and {len(shared) - 1} more) has a shared past/present buffer "
+                f"(past_sequence_length), whose length only the device reads; the one-session route runs it")  # fmt: skip
     wide = sorted(name for name, dtype in plan.dtypes.items() if dtype == "bfloat16")
     if wide:
         return (f"tensor {wide[0]!r} (and {len(wide) - 1} more) crossing a device step is bfloat16, which CuPy "

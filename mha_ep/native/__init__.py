@@ -86,6 +86,15 @@ def stats() -> dict:
     return library().stats()
 
 
+def take_device_error(device_id: int = 0) -> Optional[str]:
+    """The first report of a shared-buffer kernel on ``device_id`` since the last call, as ORT's sentence naming
+    the node(s), or None (gpu.take_device_error: how a decode loop replaying CUDA graphs learns of a bad
+    past_sequence_length or beam index)."""
+    from mha_ep.native import gpu
+
+    return gpu.take_device_error(device_id)
+
+
 def reset_plans() -> None:
     """Forget every plan (the next call of each signature plans again, with the current settings)."""
     library().clear_plans()

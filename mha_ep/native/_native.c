@@ -208,6 +208,12 @@ static struct {
   CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
   CUresult (*cuTensorMapEncodeTiled)(void*, int, uint32_t, void*, const uint64_t*, const uint64_t*,
                                      const uint32_t*, const uint32_t*, int, int, int, int);
+  /* a shared buffer's status words (STEP_CHECK_STATUS, error_words): optional, checked where used */
+  CUresult (*cuStreamIsCapturing)(CUstream, int*);
+  CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned);
+  CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned);
 } cu;
 
 static struct {
@@ -247,6 +253,11 @@ static int load_cuda(void) {
       CU_SYMBOL(cuMemcpyAsync, "cuMemcpyAsync", NULL);
       CU_SYMBOL(cuMemsetD8Async, "cuMemsetD8Async", NULL);
       CU_SYMBOL(cuTensorMapEncodeTiled, "cuTensorMapEncodeTiled", NULL);
+      CU_SYMBOL(cuStreamIsCapturing, "cuStreamIsCapturing", NULL);
+      CU_SYMBOL(cuStreamSynchronize, "cuStreamSynchronize", NULL);
+      CU_SYMBOL(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync");
+      CU_SYMBOL(cuMemHostAlloc, "cuMemHostAlloc", NULL);
+      CU_SYMBOL(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer");
 #undef CU_SYMBOL
       if (!cu.cuInit || !cu.cuDeviceGet || !cu.cuDevicePrimaryCtxRetain || !cu.cuCtxGetCurrent ||
           !cu.cuCtxSetCurrent || !cu.cuGetErrorString || !cu.cuLaunchKernel || !cu.cuMemcpyAsync ||
@@ -297,7 +308,7 @@ static const char* cu_error_text(CUresult result) {
 /* ------------------------------------------------------------------------------------------------- plans */
 /* The encoded plan (mha_ep/native/plan.py encode_plan) is a sequence of little-endian int64 words. */
 #define PLAN_MAGIC 0x5048414d /* "MAHP" */
-#define PLAN_VERSION 1
+#define PLAN_VERSION 2
 #define MAX_OUTPUTS 3
 #define MAX_RANK 8
 #define MAX_ARGUMENT_BYTES 4096
@@ -305,8 +316,9 @@ static const char* cu_error_text(CUresult result) {
 #define MAX_PLANS 4096
 #define TENSOR_MAP_BYTES 128
 enum { SPACE_NULL = 0, SPACE_INPUT = 1, SPACE_OUTPUT = 2, SPACE_SCRATCH = 3 };
-enum { STEP_LAUNCH = 1, STEP_GEMM = 2, STEP_COPY = 3, STEP_FILL = 4 };
-#define MAX_INPUTS 8
+enum { STEP_LAUNCH = 1, STEP_GEMM = 2, STEP_COPY = 3, STEP_FILL = 4, STEP_CHECK_STATUS = 5 };
+#define MAX_INPUTS 10 /* spec.PLUGIN_INPUTS: the eight of ORT's MultiHeadAttention, past_sequence_length, cache_indirection */
+#define STATUS_WORDS 8 /* kernels/shared_buffer.cu STATUS_WORDS: code, a, b, c, site */
 
 typedef struct {
   int64_t space, index, add;
@@ -338,9 +350,9 @@ typedef struct {
   int64_t trans_a, trans_b, m, n, k, a_type, lda, stride_a, b_type, ldb, stride_b, ldc, stride_c, batch, compute;
   float alpha;
   Ref a, b, c;
-  /* copy, fill */
+  /* copy, fill; check status (dst: the status words) */
   Ref dst, src;
-  int64_t nbytes, byte;
+  int64_t nbytes, byte, beams;
 } Step;
 
 typedef struct Plan {
@@ -563,6 +575,9 @@ static Plan* parse_plan(const int64_t* words, int64_t count, char* error, size_t
         ok = read_ref(&r, &s->dst) && next_word(&r, &s->byte) && next_word(&r, &s->nbytes) &&
              in_range(&r, s->byte, 0, 255, "byte") && in_range(&r, s->nbytes, 0, INT64_MAX, "bytes");
         break;
+      case STEP_CHECK_STATUS:
+        ok = read_ref(&r, &s->dst) && next_word(&r, &s->beams) && in_range(&r, s->beams, 0, 0x7fffffff, "beams");
+        break;
       default:
         snprintf(r.error, sizeof r.error, "unknown step kind %lld", (long long)s->kind);
         ok = 0;
@@ -752,7 +767,8 @@ static const char* op_provider(const OrtCustomOp* op) {
 
 static int op_input_type(const OrtCustomOp* op, size_t index) {
   const OpVariant* v = (const OpVariant*)op;
-  return index == 4 ? v->mask_type : v->float_type;
+  if (index == 4) return v->mask_type;
+  return index == 8 || index == 9 ? ELEM_INT32 : v->float_type; /* past_sequence_length, cache_indirection */
 }
 
 static size_t op_input_count(const OrtCustomOp* op) {
@@ -1108,6 +1124,36 @@ done:
   return plan == NULL ? NULL : insert_plan(plan);
 }
 
+/* The sentence of a shared-buffer kernel's report (mha_ep/launch.py device_error_text words it the same). */
+enum { DEVICE_OK = 0, PAST_LENGTH_RANGE = 1, PAST_PLUS_LENGTH = 2, BEAM_INDEX = 3, MASK_LENGTH = 4, BIAS_LENGTH = 5 };
+
+static void device_error_text(const int32_t* w, int64_t beams, char* out, size_t size) {
+  switch (w[0]) {
+    case PAST_LENGTH_RANGE:
+      snprintf(out, size, "past_sequence_length must be non-negative and less than max_sequence_length (%d), got %d",
+               w[2], w[1]);
+      break;
+    case PAST_PLUS_LENGTH:
+      snprintf(out, size, "past_sequence_length (%d) plus kv_sequence_length (%d) must not exceed "
+               "max_sequence_length (%d).", w[1], w[2], w[3]);
+      break;
+    case BEAM_INDEX:
+      snprintf(out, size, "cache_indirection beam index out of range. Expected [0, %lld), got %d at flattened "
+               "batch_beam index %d, sequence position %d", (long long)beams, w[1], w[2], w[3]);
+      break;
+    case MASK_LENGTH:
+      snprintf(out, size, "key_padding_mask covers %d keys, but past_sequence_length + kv_sequence_length is %d", w[1],
+               w[2]);
+      break;
+    case BIAS_LENGTH:
+      snprintf(out, size, "Input 'attention_bias' dimension 3 should be same as total_sequence_length (%d), got %d",
+               w[2], w[1]);
+      break;
+    default:
+      snprintf(out, size, "device error code %d (%d, %d, %d)", w[0], w[1], w[2], w[3]);
+  }
+}
+
 static OrtStatus* launch_error(const Kernel* k, const char* what, CUresult result) {
   return make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': %s failed on CUDA device %d: %s (CUresult %d)",
                      k->node, what, k->device, cu_error_text(result), result);
@@ -1165,11 +1211,29 @@ static OrtStatus* run_plan(const Kernel* k, const Plan* plan, const Bases* bases
                            "(cublasStatus %d)", k->node, done);
       }
     } else if (s->kind == STEP_COPY) {
-      if (s->nbytes) result = cu.cuMemcpyAsync(resolve(bases, s->dst), resolve(bases, s->src), (size_t)s->nbytes, stream);
+      uint64_t dst = resolve(bases, s->dst), src = resolve(bases, s->src); /* equal: a present bound to its past */
+      if (s->nbytes && dst != src) result = cu.cuMemcpyAsync(dst, src, (size_t)s->nbytes, stream);
       if (result != 0) return launch_error(k, "a device copy", result);
     } else if (s->kind == STEP_FILL) {
       if (s->nbytes) result = cu.cuMemsetD8Async(resolve(bases, s->dst), (unsigned char)s->byte, (size_t)s->nbytes, stream);
       if (result != 0) return launch_error(k, "a device fill", result);
+    } else if (s->kind == STEP_CHECK_STATUS) {
+      /* After an eager call, the kernels' report becomes ORT's error; under a CUDA graph's capture the host cannot
+       * wait for it (the decode loop reads the sticky words instead: error_words). */
+      int capturing = 0;
+      if (cu.cuStreamIsCapturing == NULL || cu.cuStreamSynchronize == NULL || cu.cuMemcpyDtoHAsync == NULL) continue;
+      result = cu.cuStreamIsCapturing(stream, &capturing);
+      if (result != 0) return launch_error(k, "asking whether the stream is capturing", result);
+      if (capturing) continue;
+      int32_t words[STATUS_WORDS];
+      result = cu.cuMemcpyDtoHAsync(words, resolve(bases, s->dst), sizeof words, stream);
+      if (result == 0) result = cu.cuStreamSynchronize(stream);
+      if (result != 0) return launch_error(k, "reading the shared buffer's status", result);
+      if (words[0] != DEVICE_OK) {
+        char text[512];
+        device_error_text(words, s->beams, text, sizeof text);
+        return make_status(ORT_INVALID_ARGUMENT, "mha_ep MultiHeadAttention node '%s': %s", k->node, text);
+      }
     }
   }
   return NULL;
@@ -1426,7 +1490,7 @@ static PyObject* py_check_plan(PyObject* self, PyObject* args) {
     if (dims) PyList_Append(outputs, dims);
     Py_XDECREF(dims);
   }
-  static const char* KINDS[] = {"", "launch", "gemm", "copy", "fill"};
+  static const char* KINDS[] = {"", "launch", "gemm", "copy", "fill", "check_status"};
   for (int64_t i = 0; steps && i < plan->n_steps; ++i) {
     const Step* s = &plan->steps[i];
     PyObject* entry = s->kind == STEP_LAUNCH
@@ -1444,6 +1508,74 @@ static PyObject* py_check_plan(PyObject* self, PyObject* args) {
                                     "steps", steps);
   free_plan(plan);
   return summary;
+}
+
+/* The sticky report words of each device (mapped page-locked memory: the host reads what the kernels wrote without a
+ * copy), allocated once and kept for the life of the process (captured graphs hold their device address). */
+#define MAX_DEVICES 64
+static int32_t* g_error_words[MAX_DEVICES];
+static CUdeviceptr g_error_device[MAX_DEVICES];
+
+/* error_words(device) -> the device address of the device's sticky words (with that device's context current). */
+static PyObject* py_error_words(PyObject* self, PyObject* args) {
+  (void)self;
+  int device;
+  if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+  if (device < 0 || device >= MAX_DEVICES) {
+    PyErr_Format(PyExc_ValueError, "error_words: device %d is not in 0..%d", device, MAX_DEVICES - 1);
+    return NULL;
+  }
+  if (!load_cuda() || cu.cuMemHostAlloc == NULL || cu.cuMemHostGetDevicePointer == NULL) {
+    PyErr_Format(PyExc_RuntimeError, "error_words: %s", cu.error[0] ? cu.error : "the CUDA driver lacks mapped memory");
+    return NULL;
+  }
+  pthread_mutex_lock(&g_library_lock);
+  CUresult result = 0;
+  if (g_error_words[device] == NULL) {
+    void* host = NULL;
+    result = cu.cuMemHostAlloc(&host, STATUS_WORDS * sizeof(int32_t), 0x01 | 0x02 /* PORTABLE | DEVICEMAP */);
+    CUdeviceptr address = 0;
+    if (result == 0) result = cu.cuMemHostGetDevicePointer(&address, host, 0);
+    if (result == 0) {
+      memset(host, 0, STATUS_WORDS * sizeof(int32_t));
+      g_error_words[device] = host;
+      g_error_device[device] = address;
+    }
+  }
+  CUdeviceptr address = g_error_device[device];
+  pthread_mutex_unlock(&g_library_lock);
+  if (result != 0) {
+    PyErr_Format(PyExc_RuntimeError, "error_words: mapped memory for device %d: %s (CUresult %d)", device,
+                 cu_error_text(result), result);
+    return NULL;
+  }
+  return PyLong_FromUnsignedLongLong((unsigned long long)address);
+}
+
+/* take_device_error(device) -> None, or (code, a, b, c, site, beams) of the first report since the last take
+ * (cleared). */
+static PyObject* py_take_device_error(PyObject* self, PyObject* args) {
+  (void)self;
+  int device;
+  if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+  if (device < 0 || device >= MAX_DEVICES || g_error_words[device] == NULL) Py_RETURN_NONE;
+  volatile int32_t* words = g_error_words[device];
+  if (words[0] == DEVICE_OK) Py_RETURN_NONE;
+  PyObject* report = Py_BuildValue("(iiiiii)", words[0], words[1], words[2], words[3], words[4], words[5]);
+  for (int i = 1; i < STATUS_WORDS; ++i) words[i] = 0;
+  words[0] = DEVICE_OK; /* last: a kernel's next report may start */
+  return report;
+}
+
+/* device_error_text(code, a, b, c, beams) -> the C side's sentence (tests compare it with launch.py's). */
+static PyObject* py_device_error_text(PyObject* self, PyObject* args) {
+  (void)self;
+  int32_t words[STATUS_WORDS] = {0};
+  long long beams;
+  if (!PyArg_ParseTuple(args, "iiiiL", &words[0], &words[1], &words[2], &words[3], &beams)) return NULL;
+  char text[512];
+  device_error_text(words, beams, text, sizeof text);
+  return PyUnicode_FromString(text);
 }
 
 static PyObject* py_stats(PyObject* self, PyObject* args) {
@@ -1517,6 +1649,10 @@ static PyMethodDef METHODS[] = {
     {"kernel_output", py_kernel_output, METH_VARARGS, "kernel_output(token, index, dims) -> address"},
     {"check_plan", py_check_plan, METH_VARARGS, "check_plan(bytes) -> dict: parse an encoded plan"},
     {"stats", py_stats, METH_NOARGS, "stats() -> dict: plans cached, hits, misses, evictions"},
+    {"error_words", py_error_words, METH_VARARGS, "error_words(device) -> device address of the sticky report words"},
+    {"take_device_error", py_take_device_error, METH_VARARGS,
+     "take_device_error(device) -> None | (code, a, b, c, site, beams): the first report since the last take"},
+    {"device_error_text", py_device_error_text, METH_VARARGS, "device_error_text(code, a, b, c, beams) -> str"},
     {"clear_plans", py_clear_plans, METH_NOARGS, "clear_plans(): forget every plan"},
     {"shutdown", py_shutdown, METH_NOARGS, "shutdown(): no Python callback from now on (atexit)"},
     {"layout", py_layout, METH_NOARGS, "layout() -> dict: the ABI layout this library was built with"},

@@ -44,10 +44,18 @@ class KernelConfig:
 _lock = threading.Lock()
 _configs: list = []
 _ids: dict = {}
+_nodes: dict = {}  # config id -> the names of the nodes that share it, first NODE_NAMES of them
+NODE_NAMES = 4
 
 
 def config(config_id: int) -> KernelConfig:
     return _configs[config_id]
+
+
+def node_names(config_id: int) -> tuple:
+    """The names of (the first few) nodes whose kernels share config ``config_id``: who a device report names."""
+    with _lock:
+        return tuple(_nodes.get(config_id, ()))
 
 
 def describe_kernel(attributes: Mapping[str, object], ep: str) -> tuple:
@@ -60,6 +68,9 @@ def describe_kernel(attributes: Mapping[str, object], ep: str) -> tuple:
         if config_id is None:
             config_id = _ids[config] = len(_configs)
             _configs.append(config)
+        names = _nodes.setdefault(config_id, [])
+        if node not in names and len(names) < NODE_NAMES:
+            names.append(node)
     return config_id, config.supplied_mask, node
 
 

@@ -8,6 +8,7 @@ never raises (errors.py). CuPy is imported here only when a plan is made.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from mha_ep.native import configs, errors
 from mha_ep.ops import interrupt
@@ -27,6 +28,35 @@ def function_handle(device_id: int, launch) -> int:
     return int(kernel.kernel.ptr)
 
 
+def error_words(device_id: int) -> int:
+    """The device address of ``device_id``'s sticky report words (page-locked host memory the device writes
+    through; the native library allocates them once and keeps them: captured graphs hold the address)."""
+    from mha_ep.native import library
+
+    return int(library().error_words(device_id))
+
+
+def take_device_error(device_id: int = 0) -> Optional[str]:
+    """The first report a shared-buffer kernel on ``device_id`` made since the last call (launch.DeviceError:
+    a past_sequence_length or a beam index out of range, a mask or attention_bias of another length), as ORT's
+    sentence naming the node(s) of its kernel config; None when there was none. The report is cleared.
+
+    An eager call raises its own report as the run's ORT error; this is how a decode loop that replays captured
+    graphs (where the host cannot wait for the value) learns of one: read it after the step's synchronization.
+    The kernels clamped the bad value, so nothing outside the buffers was read or written."""
+    from mha_ep.launch import device_error_text
+    from mha_ep.native import library
+
+    report = library().take_device_error(device_id)
+    if report is None:
+        return None
+    code, a, b, c, site, beams = report
+    names = configs.node_names(site) or ("?",)
+    nodes = ", ".join(repr(name) for name in names)
+    return (f"mha_ep MultiHeadAttention node {nodes} on CUDA device {device_id} (under a replayed graph): "
+            f"{device_error_text(code, a, b, c, beams)}")
+
+
 def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tuple):
     """bytes (the encoded plan), or (ORT error code, message) naming the node, the input and its shape."""
     try:
@@ -36,9 +66,12 @@ def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tup
         from mha_ep.ops.backends.cuda.fused import DeviceFacts
 
         fused_path = settings.fused_path and os.environ.get("MHA_EP_THREE_PHASE") != "1"
+        config = configs.config(config_id)
         with cupy.cuda.Device(device_id):
-            plan = plan_steps(configs.config(config_id), Signature(tuple(inputs)), DeviceFacts.of(device_id), flags,
-                              fused_path=fused_path, poison=settings.poison)  # fmt: skip
+            flag = error_words(device_id) if "past_sequence_length" in config.supplied else None
+            plan = plan_steps(config, Signature(tuple(inputs)), DeviceFacts.of(device_id), flags,
+                              fused_path=fused_path, poison=settings.poison, error_flag=flag,
+                              error_site=config_id)  # fmt: skip
             return encode_plan(plan, lambda launch: function_handle(device_id, launch))
     except BaseException as error:  # noqa: BLE001 - nothing may go back into ORT as an exception
         return errors.answer(node, error)

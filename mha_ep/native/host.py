@@ -5,7 +5,9 @@ type, dims, address) of ORT's own buffers, which become numpy views (no copy); f
 widened to the float32 that backends take (exact). The call runs the op body's steps (problem.build_problem, the
 backend's ``run``) on the backend the run's context names (mha_ep.InferenceSession) or the process default (the
 last ``mha_ep.register``), and the outputs are written into buffers ORT allocates (``_native.kernel_output``),
-narrowed back to the node's type (exact: the backends round to it). It never raises (errors.py).
+narrowed back to the node's type (exact: the backends round to it). A shared buffer's present that ORT hands over
+as the past's own buffer (one OrtValue bound as both) gets only its new rows [P, P+L) written. It never raises
+(errors.py).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def compute(config_id: int, node: str, inputs: tuple, token: int):
     try:
         config = configs.config(config_id)
         arrays = []
+        addresses = {}
         out_type = 1
         for slot, name in enumerate(spec.PLUGIN_INPUTS):
             entry = inputs[slot]
@@ -66,6 +69,7 @@ def compute(config_id: int, node: str, inputs: tuple, token: int):
                 arrays.append(None)
                 continue
             element_type, dims, address = entry
+            addresses[name] = address
             if element_type not in STORAGE:
                 raise TypeError(f"input {name} has ONNX element type {element_type}, which mha_ep cannot read")
             array = host_view(address, tuple(dims), element_type)
@@ -85,8 +89,15 @@ def compute(config_id: int, node: str, inputs: tuple, token: int):
         for index, values in enumerate(outputs):
             values = EMPTY if values is None else values
             address = native.kernel_output(token, index, tuple(int(d) for d in values.shape))
-            if values.size:
-                host_view(address, values.shape, out_type, writable=True)[...] = from_float32(values, out_type)
+            if not values.size:
+                continue
+            target = host_view(address, values.shape, out_type, writable=True)
+            past = ("past_key", "past_value")[index - 1] if index else None
+            if problem.shared is not None and past is not None and address == addresses.get(past):
+                rows = slice(problem.shared.past_seq, problem.geometry.total_seq)  # the past's own buffer
+                target[:, :, rows] = from_float32(values[:, :, rows], out_type)
+            else:
+                target[...] = from_float32(values, out_type)
         return None
     except BaseException as error:  # noqa: BLE001 - nothing may go back into ORT as an exception
         return errors.answer(node, error)

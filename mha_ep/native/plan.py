@@ -9,7 +9,8 @@ config (configs.py), the device, and each supplied input's element type, shape a
      interface) for the call's steps on *named* buffers: ``in<i>`` (ORT's input slot i), ``out<i>`` (ORT's output
      i), ``scratch`` (one region from ORT's allocator per call, of the size the plan says);
   3. ``encode_plan`` writes the steps as the int64 words the library parses (its ``parse_plan``): kernel handles,
-     grids, argument bytes with the offsets where buffers are bound, TMA maps to encode, GEMMs, copies.
+     grids, argument bytes with the offsets where buffers are bound, TMA maps to encode, GEMMs, copies, and a
+     shared buffer's status check.
 Output shapes are fixed by the signature too: (B, S, Dv), the presents when wanted, and (0,) for an output the node
 does not use (a placeholder name).
 This module must not import CuPy: the encoder and the plans are tested on CPU machines (``resolve_function`` names
@@ -30,14 +31,16 @@ from mha_ep.native.configs import KernelConfig
 from mha_ep.ops.backends.cuda import gemm, tma
 from mha_ep.ops.backends.cuda.fused import DeviceFacts
 from mha_ep.ops.backends.cuda.pipeline import DeviceCall, attention_steps, output_shapes
-from mha_ep.ops.backends.cuda.steps import Buffer, Copy, Fill, Gemm, Launch, Pointer, Struct, TensorMap, struct_fields
+from mha_ep.ops.backends.cuda.steps import (
+    Buffer, CheckStatus, Copy, Fill, Gemm, Launch, Pointer, Struct, TensorMap, struct_fields,
+)
 from mha_ep.ops.problem import Geometry, MhaProblem, PaddingMask, build_problem
 
 # ONNX element types (onnxruntime_c_api.h ONNXTensorElementDataType) the op's inputs may have
 ELEMENT_NAMES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64"}
 PLAN_MAGIC = 0x5048414D  # _native.c PLAN_MAGIC
-PLAN_VERSION = 1
-STEP_LAUNCH, STEP_GEMM, STEP_COPY, STEP_FILL = 1, 2, 3, 4
+PLAN_VERSION = 2
+STEP_LAUNCH, STEP_GEMM, STEP_COPY, STEP_FILL, STEP_CHECK_STATUS = 1, 2, 3, 4, 5
 SPACES = {"in": 1, "out": 2, "scratch": 3}  # Buffer name prefix -> _native.c SPACE_*
 OUTPUT_ALIGNMENT = 16  # bytes every output must have for the plan's vector stores (else flags UNALIGNED_OUTPUTS)
 UNALIGNED_OUTPUTS = 1  # signature flag: the outputs are written to scratch first, then copied into ORT's buffers
@@ -110,6 +113,11 @@ def signature_problem(config: KernelConfig, signature: Signature) -> tuple:
             continue
         element = signature.element(slot)
         dims = entry[1]
+        if name in spec.INT32_INPUTS:
+            if element != "int32":
+                raise MhaInputError(f"{MESSAGE_PREFIX}input {name} {list(dims)} is {element}, expected int32")
+            arrays.append(_shape_only(np.int32, dims))
+            continue
         if name == "key_padding_mask":
             if element not in spec.MASK_DTYPES:
                 raise MhaInputError(f"{MESSAGE_PREFIX}input key_padding_mask {list(dims)} is {element}, expected "
@@ -144,14 +152,18 @@ class NativePlan:
     steps: list
     scratch_bytes: int
     output_shapes: tuple  # three shapes, (0,) for an output the node does not use
+    output_alignment: int = OUTPUT_ALIGNMENT  # bytes ORT's outputs must have for the steps (else UNALIGNED_OUTPUTS)
 
 
 def plan_steps(config: KernelConfig, signature: Signature, facts: DeviceFacts, flags: int = 0, *,
-               fused_path: bool = True, poison: bool = False) -> NativePlan:  # fmt: skip
+               fused_path: bool = True, poison: bool = False, error_flag=None, error_site: int = 0) -> NativePlan:  # fmt: skip
     """Steps 1-2 of the module docstring. ``flags`` UNALIGNED_OUTPUTS: ORT's outputs are not OUTPUT_ALIGNMENT-
-    aligned, so the steps write scratch and end with copies into them."""
+    aligned, so the steps write scratch and end with copies into them. A shared buffer's steps (element-wise
+    accesses: any alignment) write ORT's outputs themselves, so that a present bound to its past's own buffer
+    stays that buffer; ``error_flag`` / ``error_site``: pipeline.DeviceCall's."""
     problem, float_type, mask_type = signature_problem(config, signature)
     element = 4 if float_type == "float32" else 2
+    alignment = element if problem.shared is not None else OUTPUT_ALIGNMENT
     sources = {}
     for slot, name in enumerate(spec.PLUGIN_INPUTS):
         if signature.inputs[slot] is not None and name in config.supplied and name != "bias":
@@ -167,15 +179,16 @@ def plan_steps(config: KernelConfig, signature: Signature, facts: DeviceFacts, f
     outputs = {name: Buffer(f"out{i}") for i, name in enumerate(spec.PLUGIN_OUTPUTS) if name in wanted}
     temporaries = RegionTemporaries()
     copies = []
-    if flags & UNALIGNED_OUTPUTS:
+    if flags & UNALIGNED_OUTPUTS and problem.shared is None:
         for name, destination in list(outputs.items()):
             nbytes = int(np.prod(wanted[name])) * element
             outputs[name] = temporaries.take(f"{name}_aligned", nbytes)
             copies.append(Copy(destination, outputs[name], nbytes))
     call = DeviceCall(sources=sources, source_dtype=float_type, outputs=outputs, output_dtype=float_type,
-                      mask_form=mask_type or "resolved", attention_bias_dtype=float_type)  # fmt: skip
+                      mask_form=mask_type or "resolved", attention_bias_dtype=float_type, error_flag=error_flag,
+                      error_site=error_site)  # fmt: skip
     steps = attention_steps(problem, facts, call, temporaries, fused_path=fused_path, poison=poison)
-    return NativePlan(steps + copies, temporaries.size, shapes)
+    return NativePlan(steps + copies, temporaries.size, shapes, alignment)
 
 
 # ---------------------------------------------------------------------------------------------- encoding
@@ -268,7 +281,7 @@ def _gemm_words(step: Gemm) -> list:
 def encode_plan(plan: NativePlan, resolve_function: Callable[[Launch], int]) -> bytes:
     """The words _native.c parses (module docstring, step 3); ``resolve_function(launch)`` gives the CUfunction
     handle of a launch (loaded, with its shared-memory limit raised: gpu.py)."""
-    words = [PLAN_MAGIC, PLAN_VERSION, plan.scratch_bytes, OUTPUT_ALIGNMENT, len(plan.output_shapes)]
+    words = [PLAN_MAGIC, PLAN_VERSION, plan.scratch_bytes, plan.output_alignment, len(plan.output_shapes)]
     for shape in plan.output_shapes:
         words += [len(shape), *shape]
     words.append(len(plan.steps))
@@ -281,6 +294,8 @@ def encode_plan(plan: NativePlan, resolve_function: Callable[[Launch], int]) -> 
             words += [STEP_COPY, *_ref(step.dst), *_ref(step.src), step.nbytes]
         elif isinstance(step, Fill):
             words += [STEP_FILL, *_ref(step.dst), step.byte, step.nbytes]
+        elif isinstance(step, CheckStatus):
+            words += [STEP_CHECK_STATUS, *_ref(step.status), step.beams]
         else:
             raise TypeError(f"native plan: unknown step {step!r}")
     return struct.pack(f"<{len(words)}q", *(int(w) for w in words))

@@ -75,7 +75,9 @@ def declare_ops(body, on_error) -> None:
         attrs = {a.name: kinds[a.kind] for a in spec.PLUGIN_ATTRIBUTES}
         f32 = PyCustomOpDef.dt_float
         for mask_type in (PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64):
-            inputs = [mask_type if name == "key_padding_mask" else f32 for name in spec.PLUGIN_INPUTS]
+            i32 = PyCustomOpDef.dt_int32
+            inputs = [mask_type if name == "key_padding_mask" else i32 if name in spec.INT32_INPUTS else f32
+                      for name in spec.PLUGIN_INPUTS]  # fmt: skip
             opdef = onnx_op(
                 op_type=f"{spec.PLUGIN_DOMAIN}::{spec.OP_TYPE}",
                 inputs=inputs,

@@ -123,5 +123,7 @@ def on_bridge_error(error, feed, attributes) -> tuple:
     return fail(node_name, error, list(feed), attributes, current_context())
 
 
-def op_body(query, key, value, bias, key_padding_mask, attention_bias, past_key, past_value, **attributes):
-    return execute([query, key, value, bias, key_padding_mask, attention_bias, past_key, past_value], attributes)
+def op_body(query, key, value, bias, key_padding_mask, attention_bias, past_key, past_value, past_sequence_length,
+            cache_indirection, **attributes):  # fmt: skip
+    return execute([query, key, value, bias, key_padding_mask, attention_bias, past_key, past_value,
+                    past_sequence_length, cache_indirection], attributes)  # fmt: skip

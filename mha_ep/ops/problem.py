@@ -18,9 +18,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from mha_ep import spec
-from mha_ep.claim.rules import Call, Refusal, attributes_from_mapping, check
+from mha_ep.claim.rules import Call, Refusal, attributes_from_mapping, beam_path, check, shared_buffer
 from mha_ep.claim.tensor_info import TensorInfo
-from mha_ep.errors import MhaInputError
+from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
 
 FLOAT32_LOWEST = float(np.finfo(np.float32).min)  # ORT's causal fill (std::numeric_limits<float>::lowest())
 
@@ -72,6 +72,29 @@ class PaddingMask:
         return self.data
 
 
+@dataclass(frozen=True)
+class SharedBuffer:
+    """A shared past/present buffer (docs/SEMANTICS.md §3.9): past_key / past_value are (B, N, M, H), the call's L
+    new key/value rows go to rows [P, P+L) of presents of that shape, whose other rows equal the past's, and
+    attention runs over rows [0, P+L).
+
+    ``past_seq`` is P, the value of past_sequence_length, or None where only the device reads it (the native
+    CUDA route plans without it). ``beams`` is W, cache_indirection's dim 1 (0 without it); ``beam_path`` says
+    that cache_indirection takes effect once P > 0 (docs/SEMANTICS.md §3.10): past row j of row b*W + w is then
+    read from row b*W + cache_indirection[b, w, j].
+    """
+
+    max_seq: int
+    past_seq: Optional[int]
+    beams: int = 0
+    beam_path: bool = False
+
+    @property
+    def beams_active(self) -> bool:
+        """The beam path with a known P > 0 (the reference; the device decides for itself)."""
+        return self.beam_path and self.past_seq is not None and self.past_seq > 0
+
+
 @dataclass
 class MhaProblem:
     geometry: Geometry
@@ -88,17 +111,20 @@ class MhaProblem:
     bias_v: Optional[np.ndarray] = None  # (Dv,); likewise
     padding_mask: Optional[PaddingMask] = None
     attention_bias: Optional[np.ndarray] = None  # (B|1, N|1, S, T)
-    past_key_BNPH: Optional[np.ndarray] = None
-    past_value_BNPH: Optional[np.ndarray] = None  # (B, N, P, Hv)
+    past_key_BNPH: Optional[np.ndarray] = None  # (B, N, P, H); (B, N, M, H) with a shared buffer
+    past_value_BNPH: Optional[np.ndarray] = None  # (B, N, P, Hv); (B, N, M, Hv) with a shared buffer
     want_present_key: bool = False
     want_present_value: bool = False
+    shared: Optional[SharedBuffer] = None  # a shared past/present buffer (past_sequence_length given with a past)
+    past_sequence_length: Optional[np.ndarray] = None  # int32, one element; with ``shared`` only
+    cache_indirection_BWM: Optional[np.ndarray] = None  # int32 (B/W, W, M); only where ``shared.beam_path``
 
 
 @dataclass
 class MhaResult:
     output_BSDv: np.ndarray  # float32 (B, S, Dv)
-    present_key_BNTH: Optional[np.ndarray] = None  # float32 (B, N, T, H) when wanted
-    present_value_BNTHv: Optional[np.ndarray] = None  # float32 (B, N, T, Hv) when wanted
+    present_key_BNTH: Optional[np.ndarray] = None  # float32 (B, N, T, H) when wanted; (B, N, M, H) when shared
+    present_value_BNTHv: Optional[np.ndarray] = None  # float32 (B, N, T, Hv) when wanted; (B, N, M, Hv) when shared
 
 
 def problem_signature(problem: MhaProblem) -> tuple:
@@ -114,7 +140,7 @@ def problem_signature(problem: MhaProblem) -> tuple:
         shape(problem.bias_q), shape(problem.bias_k), shape(problem.bias_v),
         None if mask is None else (mask.kind, tuple(mask.data.shape)), shape(problem.attention_bias),
         shape(problem.past_key_BNPH), shape(problem.past_value_BNPH), problem.want_present_key,
-        problem.want_present_value,
+        problem.want_present_value, problem.shared, shape(problem.cache_indirection_BWM),
     )  # fmt: skip
 
 
@@ -128,9 +154,10 @@ def array_signature(slots: Sequence[Optional[np.ndarray]]) -> tuple:
     return tuple(None if array is None else (array.dtype, array.shape) for array in slots)
 
 
-def call_from_signature(attributes: Mapping[str, object], signature: tuple, dtype: str, outputs: Sequence[bool]) -> Call:
-    """The rule input for one call signature (array_signature). Float inputs are reported with the node's dtype
-    (they travel as f32)."""
+def call_from_signature(attributes: Mapping[str, object], signature: tuple, dtype: str, outputs: Sequence[bool],
+                        past_length: Optional[int] = None) -> Call:  # fmt: skip
+    """The rule input for one call signature (array_signature) and, for a shared buffer, the value of
+    past_sequence_length where it is known. Float inputs are reported with the node's dtype (they travel as f32)."""
     infos = []
     for name, entry in zip(spec.INPUTS, signature):
         if entry is None:
@@ -140,18 +167,19 @@ def call_from_signature(attributes: Mapping[str, object], signature: tuple, dtyp
         if name in spec.FLOAT_INPUTS and info.dtype == "float32":
             info = TensorInfo(dtype, info.shape)
         infos.append(info)
-    return Call(attributes_from_mapping(attributes), tuple(infos), tuple(outputs))
+    return Call(attributes_from_mapping(attributes), tuple(infos), tuple(outputs), past_length)
 
 
 @functools.lru_cache(maxsize=1024)
-def validated_call(attribute_items: tuple, signature: tuple, dtype: str, outputs: tuple) -> tuple:
+def validated_call(attribute_items: tuple, signature: tuple, dtype: str, outputs: tuple,
+                   past_length: Optional[int] = None) -> tuple:  # fmt: skip
     """The rules' verdict on one call signature: (Call, None) or (None, the refusal's reason).
 
     A node sends the same attributes and shapes call after call, so the op pays a dictionary lookup instead of
     building and hashing the Call again (about 30 µs a call on the GPU machine's host, measured).
     """
     try:
-        call = call_from_signature(dict(attribute_items), signature, dtype, outputs)
+        call = call_from_signature(dict(attribute_items), signature, dtype, outputs, past_length)
     except Refusal as refusal:
         return None, refusal.reason
     refusal = check(call)
@@ -170,7 +198,8 @@ def build_problem(
     ``mask_resolver(mask, geometry)``: resolve_padding_mask, or a caller's memo of it (device mode resolves a
     model's one mask once per call, not once per layer)."""
     slots = input_slots(arrays)
-    signature = (tuple(attributes.items()), array_signature(slots), dtype, tuple(bool(o) for o in outputs))
+    signature = (tuple(attributes.items()), array_signature(slots), dtype, tuple(bool(o) for o in outputs),
+                 past_length_value(slots[spec.SLOT["past_sequence_length"]]))  # fmt: skip
     try:
         call, reason = validated_call(*signature)
     except TypeError:  # an unhashable attribute value: the rules name it, unmemoised
@@ -187,7 +216,15 @@ def build_problem(
     kv_len = key.shape[2] if kv_layout == "BNSH" else key.shape[1]
     hv = value.shape[3] if kv_layout == "BNSH" else value.shape[2] // n
     past_key, past_value = by_name["past_key"], by_name["past_value"]
-    geometry = Geometry(b, s, kv_len, 0 if past_key is None else past_key.shape[2], n, h, hv)
+    shared = shared_of(call, past_key)
+    if shared is not None:  # P is the value (0 where only the device knows it: the shared path never reads it here)
+        past_len = shared.past_seq or 0
+    else:
+        past_len = 0 if past_key is None else past_key.shape[2]
+    geometry = Geometry(b, s, kv_len, past_len, n, h, hv)
+    indirection = by_name["cache_indirection"] if shared is not None and shared.beam_path else None
+    if shared is not None and shared.beams_active:
+        check_beam_indices(indirection, shared)
 
     bias_q = bias_k = bias_v = None
     bias = by_name["bias"]
@@ -198,6 +235,8 @@ def build_problem(
 
     mask = by_name["key_padding_mask"]
     padding_mask = None if mask is None else (mask_resolver or resolve_padding_mask)(mask, geometry)
+    if shared is not None and shared.beams_active and padding_mask is not None:
+        padding_mask = PaddingMask("keys_BT", mask != 0)  # the beam path keeps every nonzero value (§3.10)
     return MhaProblem(
         geometry=geometry,
         dtype=dtype,
@@ -217,7 +256,41 @@ def build_problem(
         past_value_BNPH=past_value,
         want_present_key=bool(outputs[1]),
         want_present_value=bool(outputs[2]),
+        shared=shared,
+        past_sequence_length=by_name["past_sequence_length"] if shared is not None else None,
+        cache_indirection_BWM=indirection,
     )
+
+
+def past_length_value(psl) -> Optional[int]:
+    """The value of a one-element past_sequence_length held on the host, or None (absent; another element count,
+    which the rules refuse; a shape-only or device array, whose value the host does not read)."""
+    if not isinstance(psl, np.ndarray) or psl.size != 1:
+        return None
+    return int(psl.reshape(-1)[0])
+
+
+def shared_of(call: Call, past_key) -> Optional[SharedBuffer]:
+    """The call's shared buffer, or None: past_sequence_length without a past is ignored, as by ORT (§3.9)."""
+    if not shared_buffer(call):
+        return None
+    beams = call.dim("cache_indirection", 1) if call.present("cache_indirection") else 0
+    return SharedBuffer(int(past_key.shape[2]), call.past_length, int(beams or 0), beam_path(call))
+
+
+def check_beam_indices(indirection_BWM: np.ndarray, shared: SharedBuffer) -> None:
+    """ORT's ValidateCacheIndirectionValues (docs/SEMANTICS.md §2.6): on the beam path, every beam index of the
+    past positions [0, P) lies in [0, W). Raises MhaInputError with ORT's message."""
+    beams, past = shared.beams, shared.past_seq
+    used_BWP = np.asarray(indirection_BWM)[:, :, :past]
+    bad = np.argwhere((used_BWP < 0) | (used_BWP >= beams))
+    if bad.size:
+        batch, beam, position = (int(i) for i in bad[0])
+        raise MhaInputError(
+            f"{MESSAGE_PREFIX}cache_indirection beam index out of range. Expected [0, {beams}), got "
+            f"{int(used_BWP[batch, beam, position])} at flattened batch_beam index {batch * beams + beam}, sequence "
+            f"position {position}"
+        )
 
 
 def resolve_padding_mask(mask: np.ndarray, geometry: Geometry) -> PaddingMask:
@@ -249,7 +322,10 @@ def output_shapes(
         else:
             return (b, s, query.shape[-1]), (), ()
         h = query.shape[2] // max(n, 1)
-        past = arrays[6].shape[2] if len(arrays) > 6 and arrays[6] is not None and arrays[6].ndim == 4 else 0
+        past_key = arrays[6] if len(arrays) > 6 else None
+        past = past_key.shape[2] if past_key is not None and past_key.ndim == 4 else 0
+        if past_key is not None and len(arrays) > 8 and arrays[8] is not None:  # a shared buffer: (B, N, M, H)
+            return (b, s, dv), (b, n, past, h), (b, n, past, hv)
         return (b, s, dv), (b, n, past + length, h), (b, n, past + length, hv)
     except Exception:  # noqa: BLE001 - poisoning must never fail
         return (), (), ()

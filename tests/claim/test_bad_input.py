@@ -29,7 +29,7 @@ from packaging.version import Version
 
 import mha_ep
 
-from mha_models import NODE_NAME, assert_outputs_match, node_model, plugin_session
+from mha_models import NODE_NAME, assert_outputs_match, node_model, plugin_session, skip_unless_route_runs
 
 PREFIX = "mha_ep MultiHeadAttention: "
 B, S, L, N, H, P = 2, 3, 5, 2, 4, 4
@@ -44,11 +44,11 @@ BSNH = {"query": Q, "key": K3, "value": K3}
 BNSH = {"query": Q, "key": K4, "value": K4}
 WITH_PAST = {**BSNH, "past_key": PAST, "past_value": PAST}
 PRESENTS = ("output", "present_key", "present_value")
-M = 8  # DecoderMaskedMHA-style shared buffer: past (B, N, M, H) + past_sequence_length, S = L = 1
+M = 8  # a shared buffer: past (B, N, M, H) + past_sequence_length, S = L = 1; with cache_indirection, W = 1 beam
 SHARED = {"query": (B, 1, D), "key": (B, 1, D), "value": (B, 1, D), "past_key": (B, N, M, H),
           "past_value": (B, N, M, H), "past_sequence_length": ("int32", (1,))}
-DMMHA = "DecoderMaskedMultiHeadAttention inputs (past_sequence_length / cache_indirection) are not supported; " \
-    "leave this node to ORT or drop the shared-buffer / beam inputs"
+BEAMS = {**SHARED, "cache_indirection": ("int32", (B, 1, M))}
+BEAM_GOOD = {"past_sequence_length": [4], "cache_indirection": np.zeros((B, 1, M))}
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class BadCase:
     attrs: Dict[str, object] = field(default_factory=lambda: {"num_heads": N})
     outputs: Tuple[str, ...] = ("output",)
     values: Dict[str, object] = field(default_factory=dict)  # fixed feed values of the bad call, by slot
+    good_values: Dict[str, object] = field(default_factory=dict)  # fixed feed values of the good call, by slot
 
 
 def case(name, base, changes, reason, subject, ort_error, **options) -> BadCase:
@@ -116,44 +117,60 @@ CASES = [
          {"key_padding_mask": ("float32", (B, L))},
          "key_padding_mask dtype float32 must be int32 or int64", "key_padding_mask",
          "Type 'tensor(float)' of input parameter (key_padding_mask)", claim_only=DTYPE),
-    # DecoderMaskedMHA inputs: declined on sight (ORT runs the well-formed ones); each of ORT's checks of them
-    case("past_sequence_length", SHARED, {}, DMMHA, "past_sequence_length", None, outputs=PRESENTS,
-         values={"past_sequence_length": [4]}, claim_only=STRUCTURAL),
-    case("cache_indirection", BSNH, {"cache_indirection": ("int32", (B, 1, L))}, DMMHA, "cache_indirection",
-         None, values={"cache_indirection": np.zeros((B, 1, L))}, claim_only=STRUCTURAL),
-    case("past_sequence_length_elements", SHARED, {"past_sequence_length": ("int32", (2,))}, DMMHA,
+    # the shared buffer and cache_indirection (rules 6, 21, 22; docs/SEMANTICS.md §3.9-3.10): ORT's own checks, in its
+    # words; the checks of values only a run sees are VALUE_CASES below
+    case("past_sequence_length_dtype", SHARED, {"past_sequence_length": ("int64", (1,))},
+         "past_sequence_length dtype int64 must be int32 (ORT's type constraint M)", "past_sequence_length",
+         "Type 'tensor(int64)' of input parameter (past_sequence_length)", outputs=PRESENTS, claim_only=DTYPE),
+    case("cache_indirection_dtype", BEAMS, {"cache_indirection": ("int64", (B, 1, M))},
+         "cache_indirection dtype int64 must be int32 (ORT's type constraint M)", "cache_indirection",
+         "Type 'tensor(int64)' of input parameter (cache_indirection)", outputs=PRESENTS, claim_only=DTYPE),
+    case("past_sequence_length_elements", SHARED, {"past_sequence_length": ("int32", (2,))},
+         "past_sequence_length tensor must be of one element when past_present_share_buffer is set, got shape (2,)",
          "past_sequence_length", "past_sequence_length tensor must be of one element when "
          "past_present_share_buffer is set", outputs=PRESENTS, values={"past_sequence_length": [4, 4]},
-         claim_only=STRUCTURAL),
-    case("past_sequence_length_range", SHARED, {}, DMMHA, "past_sequence_length",
-         f"past_sequence_length must be non-negative and less than max_sequence_length ({M}), got {M}",
-         outputs=PRESENTS, values={"past_sequence_length": [M]}, claim_only=STRUCTURAL),
-    case("past_sequence_length_negative", SHARED, {}, DMMHA, "past_sequence_length",
-         f"past_sequence_length must be non-negative and less than max_sequence_length ({M}), got -1",
-         outputs=PRESENTS, values={"past_sequence_length": [-1]}, claim_only=STRUCTURAL),
-    case("past_sequence_length_plus_length", SHARED, {"query": (B, 3, D), "key": (B, 3, D), "value": (B, 3, D)},
-         DMMHA, "past_sequence_length",
-         f"past_sequence_length (6) plus kv_sequence_length (3) must not exceed max_sequence_length ({M}).",
-         outputs=PRESENTS, values={"past_sequence_length": [6]}, claim_only=STRUCTURAL),
-    case("shared_buffer_without_presents", SHARED, {}, DMMHA, "past_sequence_length",
-         "Shared past/present buffer requires both present_key and present_value outputs.",
-         values={"past_sequence_length": [4]}, claim_only=STRUCTURAL),
-    case("cache_indirection_rank", SHARED, {"cache_indirection": ("int32", (B, M))}, DMMHA,
-         "past_sequence_length", "Input 'cache_indirection' is expected to have 3 dimensions, got 2",
-         outputs=PRESENTS, values={"past_sequence_length": [4], "cache_indirection": np.zeros((B, M))},
-         claim_only=STRUCTURAL),
-    case("cache_indirection_beams", SHARED, {"cache_indirection": ("int32", (1, 1, M))}, DMMHA,
-         "past_sequence_length", f"Input 'cache_indirection' dimension 0 (1) times dimension 1 (num_beams=1) "
+         good_values={"past_sequence_length": [4]}),
+    case("shared_buffer_without_presents", SHARED, {},
+         "Shared past/present buffer requires both present_key and present_value outputs. (stock ORT refuses the "
+         "node too)", "present_key", "Shared past/present buffer requires both present_key and present_value "
+         "outputs.", values={"past_sequence_length": [4]}, claim_only=STRUCTURAL),
+    case("shared_buffer_bnsh", {**SHARED, "key": (B, N, 1, H), "value": (B, N, 1, H)}, {},
+         f"a shared past buffer (past_key with past_sequence_length) takes BSNH key and value (B, L, hidden); key "
+         f"({B}, {N}, 1, {H}) is BNSH, for which stock ORT's CPU kernel writes presents that hold neither the past "
+         "nor the new keys (docs/SEMANTICS.md §3.9)", "key", None, outputs=PRESENTS,
+         values={"past_sequence_length": [4]}, claim_only="BNSH and BSNH differ in rank, which a rank-less model "
+         "also shows the gate only at run time; the good call would need BSNH ranks"),
+    case("shared_buffer_longer_than_cache", SHARED, {"query": (B, M + 1, D), "key": (B, M + 1, D),
+                                                     "value": (B, M + 1, D)},
+         f"kv_sequence_length ({M + 1}) exceeds max_sequence_length ({M}), the shared buffer's length: no "
+         "past_sequence_length fits it", "past_key",
+         f"past_sequence_length (0) plus kv_sequence_length ({M + 1}) must not exceed max_sequence_length ({M}).",
+         outputs=PRESENTS, values={"past_sequence_length": [0]},
+         claim_only="at run time the value of past_sequence_length is known, and its own check "
+         "(past_sequence_length_plus_length) speaks first"),
+    case("cache_indirection_rank", BEAMS, {"cache_indirection": ("int32", (B, M))},
+         "Input 'cache_indirection' is expected to have 3 dimensions, got 2", "cache_indirection",
+         "Input 'cache_indirection' is expected to have 3 dimensions, got 2", outputs=PRESENTS,
+         values={"past_sequence_length": [4], "cache_indirection": np.zeros((B, M))}, run_shapes="unranked",
+         good_values=BEAM_GOOD),
+    case("cache_indirection_beams", BEAMS, {"cache_indirection": ("int32", (1, 1, M))},
+         f"Input 'cache_indirection' dimension 0 (1) times dimension 1 (num_beams=1) must equal batch_beam_size "
+         f"({B})", "cache_indirection", f"Input 'cache_indirection' dimension 0 (1) times dimension 1 (num_beams=1) "
          f"must equal batch_beam_size ({B})", outputs=PRESENTS,
-         values={"past_sequence_length": [4], "cache_indirection": np.zeros((1, 1, M))}, claim_only=STRUCTURAL),
-    case("cache_indirection_length", SHARED, {"cache_indirection": ("int32", (B, 1, M - 1))}, DMMHA,
-         "past_sequence_length", f"Input 'cache_indirection' dimension 2 should be same as (or less than) "
-         f"max_sequence_length, got {M - 1}", outputs=PRESENTS,
-         values={"past_sequence_length": [4], "cache_indirection": np.zeros((B, 1, M - 1))}, claim_only=STRUCTURAL),
-    case("cache_indirection_beam_index", SHARED, {"cache_indirection": ("int32", (B, 1, M))}, DMMHA,
-         "past_sequence_length", "cache_indirection beam index out of range. Expected [0, 1), got 1",
-         outputs=PRESENTS, values={"past_sequence_length": [4], "cache_indirection": np.ones((B, 1, M))},
-         claim_only=STRUCTURAL),
+         values={"past_sequence_length": [4], "cache_indirection": np.zeros((1, 1, M))}, good_values=BEAM_GOOD),
+    case("cache_indirection_length", BEAMS, {"cache_indirection": ("int32", (B, 1, M - 1))},
+         f"Input 'cache_indirection' dimension 2 should be same as (or less than) max_sequence_length, got {M - 1} "
+         f"(it must equal the shared buffer's length {M})", "cache_indirection",
+         f"Input 'cache_indirection' dimension 2 should be same as (or less than) max_sequence_length, got {M - 1}",
+         outputs=PRESENTS, values={"past_sequence_length": [4], "cache_indirection": np.zeros((B, 1, M - 1))},
+         good_values=BEAM_GOOD),
+    case("cache_indirection_attention_bias", {**BEAMS, "attention_bias": (1, N, 1, 5)},
+         {"attention_bias": (B, N, 1, 5)},
+         f"an attention_bias of shape ({B}, {N}, 1, 5) with cache_indirection: stock ORT's beam path reads a "
+         "per-row attention_bias at the row of the row's batch entry rather than its own (docs/SEMANTICS.md "
+         "§3.10), which mha_ep does not copy; give attention_bias dim 0 = 1", "attention_bias", None,
+         outputs=PRESENTS, values={"past_sequence_length": [4], "cache_indirection": np.zeros((B, 1, M))},
+         good_values=BEAM_GOOD),
     case("qk_output", BSNH, {},
          "output 3 (qk) is requested, and mha_ep does not produce the pre-softmax scores; remove the qk output "
          "to run this node on the plugin", "qk", None, outputs=("output", "qk"), claim_only=STRUCTURAL),
@@ -330,8 +347,38 @@ CASES = [
          f"key_padding_mask must be rank 1, 2, or 3, got rank 4 (shape ({B}, 1, {S}, {L}))", "key_padding_mask",
          "Input 'key_padding_mask' shape is not expected.", run_shapes="unranked"),
 ]
-BY_NAME = {c.name: c for c in CASES}
-assert len(BY_NAME) == len(CASES), "case names must be unique"
+# Values only a run sees (docs/SEMANTICS.md §3.9-3.10): the node is claimed whatever its shapes, and the run fails
+# with stock ORT's own sentence, as stock ORT's run does. (On the native CUDA route the device reads these values:
+# an eager call reports them the same way; tests/native/test_native_cuda.py covers a captured graph.)
+VALUE_CASES = [
+    case("past_sequence_length_range", SHARED, {},
+         f"past_sequence_length must be non-negative and less than max_sequence_length ({M}), got {M}",
+         "past_sequence_length",
+         f"past_sequence_length must be non-negative and less than max_sequence_length ({M}), got {M}",
+         outputs=PRESENTS, values={"past_sequence_length": [M]}, good_values={"past_sequence_length": [4]},
+         run_shapes="static"),
+    case("past_sequence_length_negative", SHARED, {},
+         f"past_sequence_length must be non-negative and less than max_sequence_length ({M}), got -1",
+         "past_sequence_length",
+         f"past_sequence_length must be non-negative and less than max_sequence_length ({M}), got -1",
+         outputs=PRESENTS, values={"past_sequence_length": [-1]}, good_values={"past_sequence_length": [4]},
+         run_shapes="static"),
+    case("past_sequence_length_plus_length", {**SHARED, "query": (B, 3, D), "key": (B, 3, D), "value": (B, 3, D)},
+         {}, f"past_sequence_length (6) plus kv_sequence_length (3) must not exceed max_sequence_length ({M}).",
+         "past_sequence_length",
+         f"past_sequence_length (6) plus kv_sequence_length (3) must not exceed max_sequence_length ({M}).",
+         outputs=PRESENTS, values={"past_sequence_length": [6]}, good_values={"past_sequence_length": [5]},
+         run_shapes="static"),
+    case("cache_indirection_beam_index", BEAMS, {},
+         "cache_indirection beam index out of range. Expected [0, 1), got 1 at flattened batch_beam index 0, "
+         "sequence position 0", "cache_indirection",
+         "cache_indirection beam index out of range. Expected [0, 1), got 1 at flattened batch_beam index 0, "
+         "sequence position 0", outputs=PRESENTS,
+         values={"past_sequence_length": [4], "cache_indirection": np.ones((B, 1, M))}, good_values=BEAM_GOOD,
+         run_shapes="static"),
+]
+BY_NAME = {c.name: c for c in CASES + VALUE_CASES}
+assert len(BY_NAME) == len(CASES) + len(VALUE_CASES), "case names must be unique"
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -408,6 +455,7 @@ def check_not_claimed(c: BadCase, rng: np.random.Generator) -> None:
 
 
 def check_fails_at_run(c: BadCase, backend: str, rng: np.random.Generator) -> None:
+    skip_unless_route_runs(backend, shared="past_sequence_length" in c.bad)
     model = model_of(c.bad, c, c.run_shapes)
     decisions = mha_ep.partition(model).decisions
     assert [d.claimed for d in decisions] == [True], f"{c.name} ({c.run_shapes}): not claimed: {decisions}"
@@ -421,7 +469,7 @@ def check_fails_at_run(c: BadCase, backend: str, rng: np.random.Generator) -> No
     assert c.reason in message, f"{c.name}:\n  got      {message!r}\n  expected {c.reason!r}"
     assert c.subject in message, f"{c.name}: the message does not name {c.subject!r}: {message}"
     # the same session then runs a good call correctly
-    good = feeds_of(c.good, rng)
+    good = feeds_of(c.good, rng, c.good_values)
     actual = dict(zip(names, session.run(names, good)))
     stock = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     expected = dict(zip(names, stock.run(names, good)))
@@ -444,10 +492,23 @@ def _fails_at_run_test(c: BadCase):
     return test
 
 
+def _value_test(c: BadCase):
+    def test(run_backend, rng):
+        check_fails_at_run(c, run_backend, rng)
+        if STOCK_ORT_IS_THE_REFERENCE:
+            error = stock_error(model_of(c.bad, c, "static"), feeds_of(c.bad, rng, c.values))
+            assert c.ort_error in error, f"{c.name}: stock ORT's error lacks {c.ort_error!r}:\n{error}"
+
+    test.__doc__ = f"{c.name}: claimed with static shapes; the bad value fails the run as it fails stock ORT's"
+    return test
+
+
 for _case in CASES:
     globals()[f"test_{_case.name}_not_claimed"] = _not_claimed_test(_case)
     if not _case.claim_only:
         globals()[f"test_{_case.name}_fails_at_run"] = _fails_at_run_test(_case)
+for _case in VALUE_CASES:
+    globals()[f"test_{_case.name}_fails_at_run"] = _value_test(_case)
 del _case
 
 
@@ -469,7 +530,11 @@ def test_every_rule_has_a_case():
         "rule_query_dtype": ("not supported (expected float32",),
         "rule_float_dtypes_match": ("must match query dtype",),
         "rule_mask_dtype": ("must be int32 or int64",),
-        "rule_no_decoder_masked_inputs": ("DecoderMaskedMultiHeadAttention",),
+        "rule_decoder_masked_dtypes": ("must be int32 (ORT's type constraint M)",),
+        "rule_shared_buffer": ("must be of one element", "requires both present_key", "takes BSNH key and value",
+                               "must be non-negative", "must not exceed", "exceeds max_sequence_length"),
+        "rule_cache_indirection": ("expected to have 3 dimensions", "times dimension 1", "dimension 2 should be same",
+                                   "beam path reads a per-row attention_bias"),
         "rule_no_qk_output": ("output 3 (qk)",),
         "rule_query_rank": ("query must be rank 3",),
         "rule_key_and_value_supplied": ("separate key and value", "value is required"),
@@ -491,7 +556,7 @@ def test_every_rule_has_a_case():
     assert names == set(wording), f"rules without a wording entry here: {sorted(names ^ set(wording))}"
     for rule, phrases in wording.items():
         for phrase in phrases:
-            assert any(phrase in c.reason for c in CASES), f"{rule}: no case whose reason contains {phrase!r}"
+            assert any(phrase in c.reason for c in CASES + VALUE_CASES), f"{rule}: no case whose reason contains {phrase!r}"
 
 
 def test_execute_time_verdicts_are_memoised_per_signature_but_never_the_arrays():

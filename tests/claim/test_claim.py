@@ -150,6 +150,7 @@ def test_claim_allows_empty_past():
 
 # ------------------------------------------------------------------------------- one declined case per rule
 Q, K, V = f32(2, 3, 8), f32(2, 5, 8), f32(2, 5, 8)
+CACHE = f32(2, 2, 8, 4)  # a shared buffer of M = 8
 NOT_CLAIMED = {
     "attributes": (dict(inputs=[Q, K, V], num_heads=-1), "num_heads must be > 0, got -1"),
     "attributes_unknown": (dict(inputs=[Q, K, V], mha_ep_node="x"), "unknown attribute 'mha_ep_node'"),
@@ -165,9 +166,18 @@ NOT_CLAIMED = {
         "bias dtype float16 must match query dtype float32",
     ),
     "rule_mask_dtype": (dict(inputs=[Q, K, V, None, typed("float32", 2)]), "key_padding_mask dtype float32"),
-    "rule_no_decoder_masked_inputs": (
-        dict(inputs=[Q, K, V, None, None, None, None, None, typed("int32", 1)]),
-        "DecoderMaskedMultiHeadAttention inputs",
+    "rule_decoder_masked_dtypes": (
+        dict(inputs=[Q, K, V, None, None, None, None, None, typed("int64", 1)]),
+        "past_sequence_length dtype int64 must be int32",
+    ),
+    "rule_shared_buffer": (
+        dict(inputs=[Q, K, V, None, None, None, CACHE, CACHE, typed("int32", 1)], outputs=(True, True, False, False)),
+        "Shared past/present buffer requires both present_key and present_value outputs.",
+    ),
+    "rule_cache_indirection": (
+        dict(inputs=[Q, K, V, None, None, None, CACHE, CACHE, typed("int32", 1), typed("int32", 2, 8)],
+             outputs=(True, True, True, False)),
+        "Input 'cache_indirection' is expected to have 3 dimensions, got 2",
     ),
     "rule_no_qk_output": (dict(inputs=[Q, K, V], outputs=(True, False, False, True)), "output 3 (qk)"),
     "rule_query_rank": (dict(inputs=[f32(2, 3, 2, 3, 4), K, V]), "query must be rank 3"),
@@ -217,3 +227,39 @@ def test_every_rule_has_a_not_claimed_case():
 def test_rules_accept_symbolic_dims_and_revalidate_nothing_they_cannot_see():
     symbolic = [f32(None, None, 8), f32(None, None, 8), f32(None, None, 8), f32(24), typed("int32", None, None)]
     assert gate(symbolic).claimed
+
+
+# ------------------------------------------------------------------- the shared buffer and cache_indirection
+PRESENTS = (True, True, True, False)
+STEP = [f32(4, 1, 8), f32(4, 1, 8), f32(4, 1, 8)]  # one new token of 4 rows (2 batch entries x 2 beams)
+STEP_CACHE = f32(4, 2, 16, 4)
+PSL = typed("int32", 1)
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        STEP + [None, None, None, STEP_CACHE, STEP_CACHE, PSL],
+        STEP + [f32(24), None, None, STEP_CACHE, STEP_CACHE, PSL, typed("int32", 2, 2, 16)],
+        STEP + [None, typed("int32", 4, None), f32(1, 2, 1, None), STEP_CACHE, STEP_CACHE, PSL, typed("int32", 2, 2, 16)],
+        [f32(4, 3, 8), f32(4, 3, 8), f32(4, 3, 8), None, None, None, STEP_CACHE, STEP_CACHE, PSL, typed("int32", 4, 1, 16)],
+        STEP + [None, None, None, None, None, PSL],  # past_sequence_length without a past: ORT ignores it
+        [f32(4, 1, 8), f32(4, 2, 5, 4), f32(4, 2, 5, 4), None, None, None, None, None, PSL, typed("int32", 2, 2, 7)],
+    ],
+    ids=["shared", "beams", "beams-mask-bias", "prompt-with-beams", "psl-without-past", "cross-with-beams"],
+)
+def test_claim_accepts_shared_buffers_and_beams(inputs):
+    """A static KV cache's nodes (docs/SEMANTICS.md §3.9-3.10): claimed, the length only the run knows."""
+    d = gate(inputs, outputs=PRESENTS if inputs[6] is not None else (True, False, False, False))
+    assert d.claimed, d.reason
+
+
+def test_shared_buffer_rules_read_the_length_where_they_know_it():
+    """With the value of past_sequence_length, a (B, T) mask and attention_bias's T are checked against P + L."""
+    attrs = rules.attributes_from_mapping({"num_heads": 2})
+    inputs = STEP + [None, typed("int32", 4, 6), None, STEP_CACHE, STEP_CACHE, PSL]
+    assert rules.check(rules.Call(attrs, tuple(inputs), PRESENTS, past_length=5)) is None
+    refusal = rules.check(rules.Call(attrs, tuple(inputs), PRESENTS, past_length=6))
+    assert "key_padding_mask shape (4, 6) is incompatible with B=4, S=1, T=7" in refusal.reason
+    refusal = rules.check(rules.Call(attrs, tuple(inputs), PRESENTS, past_length=16))
+    assert "past_sequence_length must be non-negative and less than max_sequence_length (16), got 16" in refusal.reason

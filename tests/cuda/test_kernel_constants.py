@@ -68,6 +68,18 @@ def test_the_mask_kind_enum_matches_python():
     assert [launch.MaskKind.of(kind) for kind in (None, "key_lengths", "keys_BT", "keys_BST")] == list(launch.MaskKind)
 
 
+def test_the_device_error_enum_matches_python():
+    """kernels/shared_buffer.cu's reports, launch.DeviceError, and the native library's C copy (_native.c)."""
+    from harness import REPO
+
+    assert enums()["DeviceError"] == {("DEVICE_OK" if e.name == "OK" else e.name): e.value for e in launch.DeviceError}
+    native_source = (REPO / "mha_ep" / "native" / "_native.c").read_text()
+    for error in launch.DeviceError:
+        name = "DEVICE_OK" if error.name == "OK" else error.name
+        assert re.search(rf"\b{name} = {error.value}\b", native_source), name
+    assert re.search(rf"#define STATUS_WORDS {launch.STATUS_WORDS}\b", native_source)
+
+
 def test_the_feature_bits_match_python():
     assert enums()["FlashFeatures"] == {
         "FLASH_PLAIN": 0, "FLASH_WITH_PADDING": dispatch.FEATURE_PADDING, "FLASH_WITH_BIAS": dispatch.FEATURE_BIAS,
@@ -79,6 +91,8 @@ def test_the_feature_bits_match_python():
     "define, python",
     [
         ("SOFTMAX_THREADS", launch.SOFTMAX_THREADS),
+        ("SHARED_BUFFER_THREADS", launch.SHARED_BUFFER_THREADS),
+        ("STATUS_WORDS", launch.STATUS_WORDS),
         ("U32_LIMIT", limits.U32_MAX),
         ("SMEM_PAD", fused.MMA_SMEM_PAD),
         ("LOAD_CHUNK", dispatch.HEAD_SIZE_MULTIPLE),

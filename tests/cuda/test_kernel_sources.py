@@ -139,6 +139,11 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
         "const float*, const float*, float, int, int, int, int, int, int",
         "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
         "const float*, const float*, float, int, int, int, int, int, int, int",
+        "append_kv": "const {T}*, const {T}*, const {T}*, const {T}*, {T}*, {T}*, const int*, int, int, int, int, int, "
+        "int, int*, int*, int",
+        "shared_buffer_attention": "const {T}*, const {T}*, const {T}*, const {T}*, const {T}*, const {T}*, "
+        "const {T}*, const {T}*, const int*, const int*, int, const {M}*, int, int, const {T}*, int, int, int, {T}*, "
+        "float, float, int, int, int, int, int, int, int, int, int*, int*, int",
     }
     variants = {name: variants for name, (_, variants) in KERNELS.items()}
     assert set(signatures) == set(variants), "a kernel of kernels.KERNELS without a signature here"
@@ -148,7 +153,7 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
             for variant in variants[kernel]:
                 arguments = element if variant is None else f"{element}, {variant}"
                 instantiations.append(
-                    f"template __global__ void {kernel}<{arguments}>({params.format(T=element)});"
+                    f"template __global__ void {kernel}<{arguments}>({params.format(T=element, M=variant)});"
                 )
     # movers.MOVER_DTYPE, the struct the host passes by value, has the C layout of layout.cu's Mover
     layout = []
@@ -158,7 +163,7 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
         for name, (_, offset) in MOVER_DTYPE.fields.items():
             layout.append(f"static_assert(offsetof(Mover{i}, {name}) == {offset}, \"Mover.{name}\");")
     unit = tmp_path / "all.cu"
-    unit.write_text('#include <cstddef>\n#include "layout.cu"\n#include "softmax.cu"\n'
+    unit.write_text('#include <cstddef>\n#include "layout.cu"\n#include "softmax.cu"\n#include "shared_buffer.cu"\n'
                     + "\n".join(instantiations + layout) + "\n")  # fmt: skip
     done = subprocess.run(
         ["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", f"-I{KERNEL_DIR}", str(unit), "-o", str(tmp_path / "a.cubin")],

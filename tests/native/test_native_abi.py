@@ -9,6 +9,7 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
@@ -85,6 +86,11 @@ PLAN_CASES = {
     "f16 three phases": MhaConfig(dtype="float16", head_size=6, mask="3d", mask_dtype="int64"),
     "bf16 BNSH causal": MhaConfig(dtype="bfloat16", kv_layout="BNSH", causal=True, q_seq=5, kv_seq=5, bias=True),
     "f16 past key bias": MhaConfig(dtype="float16", bias=True, has_past=True, past_seq=3, presents=True),
+    "f32 shared buffer": MhaConfig(q_seq=1, kv_seq=1, bias=True, has_past=True, past_seq=3, presents=True, max_seq=8),
+    "f16 shared beams mask": MhaConfig(dtype="float16", batch=4, q_seq=1, kv_seq=1, bias=True, has_past=True,
+                                       past_seq=3, presents=True, max_seq=8, beams=2, mask="2d", mask_dtype="int64"),
+    "bf16 shared prompt causal": MhaConfig(dtype="bfloat16", q_seq=4, kv_seq=4, has_past=True, past_seq=0,
+                                           presents=True, max_seq=16, causal=True, attention_bias="1N"),
 }
 
 
@@ -105,10 +111,10 @@ def test_plans_encode_to_what_the_library_parses(name, facts):
         assert [s["function"] for s in launches] == [handles[s.function] for s in plan.steps if hasattr(s, "function")]
         want = {"output": (config.batch, config.q_seq, config.num_heads * config.hv)}
         if config.presents:
-            want["present_key"] = (config.batch, config.num_heads, config.total_seq, config.head_size)
+            want["present_key"] = (config.batch, config.num_heads, config.max_seq or config.total_seq, config.head_size)
         assert plan.output_shapes[0] == want["output"]
         assert plan.output_shapes[1] == want.get("present_key", (0,))
-        if flags:  # every wanted output is written to scratch, then copied into ORT's buffer
+        if flags and not config.max_seq:  # every wanted output is written to scratch, then copied into ORT's buffer
             assert [s["kind"] for s in summary["steps"][-len(want) - bool(config.presents):]].count("copy") >= len(want)
 
 
@@ -124,7 +130,7 @@ def test_plans_bind_only_inputs_outputs_and_scratch_within_its_size():
                 if address.name == "scratch":
                     assert address.offset < plan.scratch_bytes
                 else:
-                    assert address.name in {f"in{i}" for i in range(8)} | {"out0", "out1", "out2"}
+                    assert address.name in {f"in{i}" for i in range(10)} | {"out0", "out1", "out2"}
 
 
 def test_unaligned_inputs_are_copied_to_aligned_scratch_before_the_kernels_read_them():
@@ -153,10 +159,12 @@ def test_a_signature_the_rules_refuse_names_the_input_and_its_shape():
 @pytest.mark.parametrize("words, message", [
     ([], "ends early"),
     ([native_plan.PLAN_MAGIC, 99], "not a plan of version"),
-    ([native_plan.PLAN_MAGIC, 1, 0, 16, 3, 0, 0, 0, 1, 9], "unknown step kind 9"),
-    ([native_plan.PLAN_MAGIC, 1, 0, 16, 3, 0, 0, 0, 1, 3, 1, 9, 0, 3, 0, 0, 16], "index = 9"),
-    ([native_plan.PLAN_MAGIC, 1, -1], "scratch = -1"),
-    ([native_plan.PLAN_MAGIC, 1, 0, 16, 3, 0, 0, 0, 0, 7], "1 words after the last step"),
+    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 3, 0, 0, 0, 1, 9], "unknown step kind 9"),
+    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 3, 0, 0, 0, 1, 3, 1, 19, 0, 3, 0, 0, 16],
+     "index = 19"),
+    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, -1], "scratch = -1"),
+    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 3, 0, 0, 0, 0, 7], "1 words after the last step"),
+    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 3, 0, 0, 0, 1, 5, 3, 0, 0, -1], "beams = -1"),
 ])  # fmt: skip
 def test_malformed_plans_are_refused_with_a_reason(words, message):
     import struct
@@ -196,3 +204,53 @@ def test_the_planner_callback_answers_a_failure_and_never_raises():
     entries[4] = (6, (2, 3), 8)
     answer = gpu.plan_call(described(config), "mha", 0, 0, tuple(entries))
     assert isinstance(answer, tuple) and answer[0] in (1, 2) and "node 'mha'" in answer[1], answer
+
+
+# ------------------------------------------------------------------------------------------- shared buffers
+def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_present():
+    """A static cache's step (ops/backends/cuda/shared_buffer.py): status zeroed, the past copied into the present
+    (a no-op at run time when they are one buffer), append_kv, the attention, the status check; every launch
+    argument is a shape, an attribute or a named buffer (P is read on the device); ORT's outputs are written in
+    place at any alignment."""
+    from mha_ep.ops.backends.cuda.steps import Buffer, CheckStatus, Copy, Fill, Launch, Pointer
+
+    config = PLAN_CASES["f16 shared beams mask"]
+    kernel, signature = signature_of(config)
+    plan = native_plan.plan_steps(kernel, signature, FACTS[0], error_flag=0x7F0000, error_site=3)
+    kinds = [type(step).__name__ for step in plan.steps]
+    assert kinds == ["Fill", "Copy", "Copy", "Launch", "Launch", "CheckStatus"], kinds
+    fill, copy_key, copy_value, append, attention, check = plan.steps
+    assert isinstance(fill, Fill) and fill.byte == 0 and fill.dst == check.status
+    assert (copy_key.dst, copy_key.src) == (Buffer("out1"), Buffer("in6", 0, 256))
+    assert (copy_value.dst, copy_value.src) == (Buffer("out2"), Buffer("in7", 0, 256))
+    assert copy_key.nbytes == 2 * config.batch * config.num_heads * config.max_seq * config.head_size
+    assert append.function == "append_kv<__half>" and attention.function == "shared_buffer_attention<__half, long long>"
+    assert attention.grid == (config.batch * config.num_heads * config.q_seq, 1, 1)
+    pointers = [arg.address for arg in attention.args if isinstance(arg, Pointer)]
+    assert Buffer("in8", 0, 256) in pointers and Buffer("in9", 0, 256) in pointers
+    assert np.uint64(0x7F0000) in [arg for arg in attention.args if isinstance(arg, np.uint64)]
+    assert isinstance(check, CheckStatus) and check.beams == config.beams
+    assert plan.output_alignment == 2 and plan.output_shapes[1] == (4, 2, 8, 8)
+    unaligned = native_plan.plan_steps(kernel, signature, FACTS[0], native_plan.UNALIGNED_OUTPUTS)
+    assert [type(s) for s in unaligned.steps] == [type(s) for s in plan.steps]  # still ORT's own buffers
+    summary = library().check_plan(native_plan.encode_plan(plan, lambda launch: 1))
+    assert [s["kind"] for s in summary["steps"]] == ["fill", "copy", "copy", "launch", "launch", "check_status"]
+    assert summary["output_alignment"] == 2
+
+
+def test_a_shared_buffer_plan_refuses_what_its_kernel_cannot_hold():
+    from mha_ep.errors import MhaInputError
+
+    config = MhaConfig(q_seq=1, kv_seq=1, has_past=True, past_seq=0, presents=True, max_seq=20_000)
+    kernel, signature = signature_of(config)
+    with pytest.raises(MhaInputError, match=r"a shared buffer of max_sequence_length 20000 needs \d+ bytes"):
+        native_plan.plan_steps(kernel, signature, FACTS[0])
+
+
+@pytest.mark.parametrize("code", range(1, 6))
+def test_device_reports_read_the_same_from_c_and_python(code):
+    """The native library words a kernel's report (after an eager call) as launch.device_error_text does (a decode
+    loop's sticky report): one sentence, ORT's where ORT has one."""
+    from mha_ep.launch import device_error_text
+
+    assert library().device_error_text(code, 9, 7, 5, 3) == device_error_text(code, 9, 7, 5, beams=3)

@@ -21,6 +21,7 @@ from mha_models import (
     oracle_float64,
     random_feeds,
     stock_outputs,
+    with_,
 )  # fmt: skip
 from native_cases import CUDA, library, native_session, profile_providers, profiled_options, run_named, tolerance
 
@@ -184,3 +185,97 @@ def test_inputs_and_outputs_bound_off_alignment_are_copied_not_misread(cuda_nati
     cupy.cuda.runtime.deviceSynchronize()
     for name, value in want.items():
         assert np.array_equal(cupy.asnumpy(outputs[name]), value), name
+
+
+# ------------------------------------------------------------------------------------ the static KV binding
+STATIC = MhaConfig(dtype="float16", batch=4, q_seq=1, kv_seq=1, num_heads=6, head_size=64, bias=True, has_past=True,
+                   past_seq=0, presents=True, max_seq=48, beams=2, causal=True)  # fmt: skip
+
+
+def static_binding(session, config: MhaConfig, rng):
+    """Device buffers (CuPy) for every input and output of ``config``'s node, bound once: the present is the past's
+    own buffer (mha_ep/static_cache.py's binding) and past_sequence_length a device tensor."""
+    import cupy
+
+    feeds = random_feeds(config, rng)
+    buffers = {name: cupy.asarray(value) for name, value in feeds.items()}
+    buffers["output"] = cupy.full((config.batch, config.q_seq, config.num_heads * config.hv), cupy.nan, cupy.float16)
+    binding = session.io_binding()
+    for name, array in buffers.items():
+        if name != "output":
+            binding.bind_input(name, "cuda", 0, array.dtype, array.shape, array.data.ptr)
+    binding.bind_output("output", "cuda", 0, np.float16, buffers["output"].shape, buffers["output"].data.ptr)
+    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+        array = buffers[past]
+        binding.bind_output(present, "cuda", 0, array.dtype, array.shape, array.data.ptr)
+    return binding, buffers
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_a_static_cache_step_replays_for_every_past_length_with_the_present_bound_to_its_past(graph, cuda_native, rng):
+    """One binding, twelve decode steps, P advanced on the device between them (under ORT's CUDA graph: one
+    capture, every later step a replay). Each step matches stock ORT CPU fed a copy of the cache; only row P of
+    the cache changes."""
+    import cupy
+
+    provider = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}) if graph else "CUDAExecutionProvider"
+    session = native_session(build_model(STATIC), backend="cuda", providers=[provider, "CPUExecutionProvider"])
+    binding, buffers = static_binding(session, STATIC, rng)
+    for p in range(12):
+        step = random_feeds(with_(STATIC, past_seq=p), np.random.default_rng(p))
+        for name in ("query", "key", "value", "cache_indirection"):
+            buffers[name][...] = cupy.asarray(step[name])
+        buffers["past_sequence_length"][...] = p
+        host_cache = {name: cupy.asnumpy(buffers[name]) for name in ("past_key", "past_value")}
+        expected = stock_outputs(with_(STATIC, past_seq=p), {**step, **host_cache})
+        session.run_with_iobinding(binding)
+        cupy.cuda.runtime.deviceSynchronize()
+        context = f"step {p} ({'graph' if graph else 'eager'})"
+        assert_outputs_match({"output": cupy.asnumpy(buffers["output"])}, {"output": expected["output"]},
+                             tolerance("float16"), context)  # fmt: skip
+        for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+            after = cupy.asnumpy(buffers[past])
+            assert np.array_equal(np.delete(after, p, axis=2), np.delete(host_cache[past], p, axis=2)), context
+            assert np.array_equal(after[:, :, p], expected[present][:, :, p]), context
+    assert native.take_device_error(0) is None
+
+
+@pytest.mark.gpu
+def test_a_bad_past_length_is_an_ort_error_eagerly_and_a_device_report_under_a_graph(cuda_native, rng):
+    """Eager: ORT's own sentence, naming the node. Replayed: the kernels clamp, write no row of the cache, and the
+    report waits in native.take_device_error."""
+    import cupy
+
+    eager = native_session(build_model(STATIC), backend="cuda", providers=CUDA)
+    binding, buffers = static_binding(eager, STATIC, rng)
+    buffers["past_sequence_length"][...] = STATIC.max_seq
+    with pytest.raises(Exception, match=r"node 'mha'.*past_sequence_length must be non-negative and less than "
+                                        r"max_sequence_length \(48\), got 48"):  # fmt: skip
+        eager.run_with_iobinding(binding)
+    graphed = native_session(build_model(STATIC), backend="cuda",
+                             providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"])
+    binding, buffers = static_binding(graphed, STATIC, rng)
+    for p in range(3):  # warm-up and capture with good lengths
+        buffers["past_sequence_length"][...] = p
+        graphed.run_with_iobinding(binding)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert native.take_device_error(0) is None
+    cache = {name: buffers[name].copy() for name in ("past_key", "past_value")}
+    for bad, text in ((-3, "less than max_sequence_length (48), got -3"),
+                      (47, "past_sequence_length (47) plus kv_sequence_length (1) must not exceed")):  # fmt: skip
+        buffers["past_sequence_length"][...] = bad
+        graphed.run_with_iobinding(binding)
+        cupy.cuda.runtime.deviceSynchronize()
+        report = native.take_device_error(0)
+        assert report is not None and text in report and "'mha'" in report, report
+        assert native.take_device_error(0) is None  # taken
+        for name, before in cache.items():
+            assert bool((buffers[name] == before).all()), f"{name}: a bad length wrote the cache"
+        assert bool(cupy.isfinite(buffers["output"]).all())
+    buffers["past_sequence_length"][...] = 5
+    buffers["cache_indirection"][...] = 7  # beam indices out of [0, 2)
+    graphed.run_with_iobinding(binding)
+    cupy.cuda.runtime.deviceSynchronize()
+    report = native.take_device_error(0)
+    assert report is not None and "cache_indirection beam index out of range. Expected [0, 2), got 7" in report

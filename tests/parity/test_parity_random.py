@@ -34,6 +34,7 @@ from onnx import helper
 
 import mha_ep
 from mha_ep.ops.problem import build_problem
+from mha_ep.spec import FLOAT_INPUTS, INPUTS
 
 from conftest import PARITY_TOLERANCE
 from mha_models import (
@@ -118,9 +119,9 @@ def padded_rows(config: MhaConfig, feeds) -> np.ndarray:
     b, s, t = config.batch, config.q_seq, config.total_seq
     if "key_padding_mask" not in feeds:
         return np.zeros((b, s), bool)
-    slots = ("query", "key", "value", "bias", "key_padding_mask", "attention_bias", "past_key", "past_value")
-    arrays = [np.asarray(feeds[n], np.float32) if n in feeds and n != "key_padding_mask" else feeds.get(n) for n in slots]
-    problem = build_problem({"num_heads": config.num_heads}, arrays, "float32", (True, False, False, False))
+    arrays = [np.asarray(feeds[n], np.float32) if n in feeds and n in FLOAT_INPUTS else feeds.get(n) for n in INPUTS]
+    problem = build_problem({"num_heads": config.num_heads}, arrays, "float32", (True, config.presents,
+                                                                                 config.presents, False))
     keep = np.asarray(problem.padding_mask.keep_BST(s, t))
     if config.causal and s > 1:
         rows, cols = np.arange(s)[:, None], np.arange(t)[None, :]

@@ -60,7 +60,8 @@ def test_claimed_node_keeps_name_attributes_and_tensor_names():
     result = mha_ep.partition(two_node_model())
     (node0, node1) = plugin_nodes(result.model)
     assert (node0.name, node1.name) == ("attn0", "attn1")
-    assert list(node0.input) == ["q", "k", "v", "bias", "lengths", spec.ABSENT_FLOAT, spec.ABSENT_FLOAT, spec.ABSENT_FLOAT]
+    assert list(node0.input) == ["q", "k", "v", "bias", "lengths", spec.ABSENT_FLOAT, spec.ABSENT_FLOAT, spec.ABSENT_FLOAT,
+                                 spec.ABSENT_INT32, spec.ABSENT_INT32]
     assert node0.output[0] == "a" and node0.output[1].endswith("/present_key")
     attrs = {a.name: helper.get_attribute_value(a) for a in node1.attribute}
     assert attrs["num_heads"] == 2 and attrs["scale"] == pytest.approx(0.5)
@@ -129,6 +130,30 @@ def test_registered_plain_session_runs_the_partitioned_model(rng):
     }
     (ours,), (theirs,) = plugin.run(None, feeds), stock.run(None, feeds)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("route", ["python-op", "native"])
+def test_a_model_partitioned_for_the_eight_input_op_is_brought_up_to_date(route, rng):
+    """Rule 7: a claimed node written before the op took past_sequence_length and cache_indirection (eight
+    inputs, and a fallback function of eight) gets the two placeholder slots and the new function when the model
+    is partitioned again, and then runs."""
+    model = two_node_model()
+    result = mha_ep.partition(model, route=route)
+    old = result.model
+    for node in plugin_nodes(old):
+        del node.input[len(spec.LEGACY_PLUGIN_INPUTS):]
+    function = next(f for f in old.functions if f.domain == spec.PLUGIN_DOMAIN)
+    del function.input[len(spec.LEGACY_PLUGIN_INPUTS):]
+    again = mha_ep.partition(old, route=route)
+    assert [len(n.input) for n in plugin_nodes(again.model)] == [len(spec.PLUGIN_INPUTS)] * 2
+    assert [n.input[-2:] for n in plugin_nodes(again.model)] == [[spec.ABSENT_INT32] * 2] * 2
+    assert list(next(f for f in again.model.functions if f.domain == spec.PLUGIN_DOMAIN).input) == list(spec.PLUGIN_INPUTS)
+    options = mha_ep.register(ort.SessionOptions(), backend="reference", route=route)
+    session = ort.InferenceSession(again.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {"q": rng.standard_normal((2, 3, 8)).astype(np.float32), "k": rng.standard_normal((2, 5, 8)).astype(np.float32),
+             "v": rng.standard_normal((2, 5, 8)).astype(np.float32), "lengths": np.array([2, 5], np.int32)}  # fmt: skip
+    stock = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, feeds)[0], stock.run(None, feeds)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_int64_mask_uses_the_int64_variant(rng):

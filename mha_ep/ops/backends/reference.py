@@ -10,6 +10,9 @@
        masked, which matters only when L != S.
     5. probs = softmax over T, max-subtracted, in float32.
     6. out = probs·V, written as (B, S, N·Hv).
+A shared buffer (docs/SEMANTICS.md §3.9): the past is rows [0, P) of the (B, N, M, H) past_key / past_value, on the
+beam path (§3.10) row j of batch row b*W + w read from row b*W + cache_indirection[b, w, j]; the presents are the
+past with the new rows written at [P, P+L).
 float16/bfloat16 calls arrive as float32 values of that dtype and are computed in float32, as ORT's CPU kernel
 does for float16 (the Cast back to the node's dtype happens in the graph).
 """
@@ -82,8 +85,9 @@ def run_reference(problem: MhaProblem, compute_dtype=np.float32) -> MhaResult:
         k_BNLH, v_BNLH = problem.key.astype(f32, copy=False), problem.value.astype(f32, copy=False)
 
     if problem.past_key_BNPH is not None:
-        k_BNTH = np.concatenate([problem.past_key_BNPH.astype(f32, copy=False), k_BNLH], axis=2)
-        v_BNTH = np.concatenate([problem.past_value_BNPH.astype(f32, copy=False), v_BNLH], axis=2)
+        past_k_BNPH, past_v_BNPH = past_rows(problem, problem.past_key_BNPH), past_rows(problem, problem.past_value_BNPH)
+        k_BNTH = np.concatenate([past_k_BNPH.astype(f32, copy=False), k_BNLH], axis=2)
+        v_BNTH = np.concatenate([past_v_BNPH.astype(f32, copy=False), v_BNLH], axis=2)
     else:
         k_BNTH, v_BNTH = k_BNLH, v_BNLH
 
@@ -97,8 +101,34 @@ def run_reference(problem: MhaProblem, compute_dtype=np.float32) -> MhaResult:
     probs_BNST = softmax_lastaxis(scores_BNST.astype(f32, copy=False))
     out_BNSH = np.matmul(probs_BNST, v_BNTH)
     out_BSDv = np.ascontiguousarray(out_BNSH.transpose(0, 2, 1, 3)).reshape(g.batch, g.q_seq, g.v_hidden)
-    return MhaResult(
-        output_BSDv=out_BSDv.astype(f32, copy=False),
-        present_key_BNTH=np.ascontiguousarray(k_BNTH, dtype=f32) if problem.want_present_key else None,
-        present_value_BNTHv=np.ascontiguousarray(v_BNTH, dtype=f32) if problem.want_present_value else None,
-    )
+    if problem.shared is not None:
+        present_k = shared_present(problem, problem.past_key_BNPH, k_BNLH, f32) if problem.want_present_key else None
+        present_v = shared_present(problem, problem.past_value_BNPH, v_BNLH, f32) if problem.want_present_value else None
+    else:
+        present_k = np.ascontiguousarray(k_BNTH, dtype=f32) if problem.want_present_key else None
+        present_v = np.ascontiguousarray(v_BNTH, dtype=f32) if problem.want_present_value else None
+    return MhaResult(output_BSDv=out_BSDv.astype(f32, copy=False), present_key_BNTH=present_k,
+                     present_value_BNTHv=present_v)  # fmt: skip
+
+
+def past_rows(problem: MhaProblem, past_BNPH: np.ndarray) -> np.ndarray:
+    """The rows of the past that attention reads: all of them, or rows [0, P) of a shared buffer, redirected per
+    batch row by cache_indirection on the beam path."""
+    shared = problem.shared
+    if shared is None:
+        return past_BNPH
+    p = shared.past_seq
+    if not shared.beams_active:
+        return past_BNPH[:, :, :p]
+    b, n = past_BNPH.shape[:2]
+    w = shared.beams
+    source_BP = (np.arange(b) // w * w)[:, None] + problem.cache_indirection_BWM.reshape(b, -1)[:, :p]
+    return past_BNPH[source_BP[:, None, :], np.arange(n)[None, :, None], np.arange(p)[None, None, :]]
+
+
+def shared_present(problem: MhaProblem, past_BNMH: np.ndarray, new_BNLH: np.ndarray, dtype) -> np.ndarray:
+    """A shared buffer's present: the past, with the L new rows at [P, P+L)."""
+    p = problem.shared.past_seq
+    present_BNMH = np.array(past_BNMH, dtype=dtype)
+    present_BNMH[:, :, p : p + new_BNLH.shape[2]] = new_BNLH
+    return present_BNMH

@@ -51,7 +51,7 @@ from cupy_backends.cuda.libs import cublas
 
 from mha_ep.ops.backends.cuda import dispatch, fused
 from mha_ep.ops.backends.cuda.geometry import LaunchPlan, cached_plan
-from mha_ep.ops.backends.cuda.pipeline import POISON_BYTE, DeviceCall, attention_steps
+from mha_ep.ops.backends.cuda.pipeline import POISON_BYTE, DeviceCall, attention_steps, output_shapes
 from mha_ep.ops.backends.cuda.replay import REPLAY_MAX_BYTES, ReplayCache, replay_key
 from mha_ep.ops.backends.cuda.scratch import MhaScratch
 from mha_ep.ops.backends.cuda.staging import (
@@ -118,6 +118,10 @@ def input_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple, np.nd
         ("past_value", problem.past_value_BNPH),
     ]
     entries = [(name, np.dtype(f32), tuple(a.shape), a) for name, a in candidates if a is not None]
+    for name, array in (("past_sequence_length", problem.past_sequence_length),
+                        ("cache_indirection", problem.cache_indirection_BWM)):  # a shared buffer's (int32)
+        if array is not None:
+            entries.append((name, np.dtype(np.int32), tuple(array.shape), array))
     mask = problem.padding_mask
     if mask is not None:
         staged = np.int32 if mask.kind == "key_lengths" else np.uint8
@@ -126,14 +130,8 @@ def input_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple, np.nd
 
 
 def output_entries(problem: MhaProblem) -> list[tuple[str, np.dtype, tuple]]:
-    g = problem.geometry
     f32 = np.dtype(np.float32)
-    entries = [("output", f32, (g.batch, g.q_seq, g.v_hidden))]
-    if problem.want_present_key:
-        entries.append(("present_key", f32, (g.batch, g.num_heads, g.total_seq, g.head_size)))
-    if problem.want_present_value:
-        entries.append(("present_value", f32, (g.batch, g.num_heads, g.total_seq, g.v_head_size)))
-    return entries
+    return [(name, f32, shape) for name, shape in output_shapes(problem).items()]
 
 
 @dataclass(frozen=True)
@@ -237,7 +235,7 @@ class CudaBackend:
         ``borrow_outputs``: the result's arrays are views of a pinned buffer of the calling thread, valid until
         the same thread's next borrowing call of this backend (no copy into fresh arrays: for a caller that
         copies them at once, as the plugin op's bridge does). Other threads never write that buffer."""
-        plan = cached_plan(problem.geometry, problem.dtype)
+        plan = None if problem.shared is not None else cached_plan(problem.geometry, problem.dtype)
         with self._on_device():
             return self._run(problem, plan, self._output_staging(borrow_outputs), borrow_outputs)
 
@@ -261,7 +259,7 @@ class CudaBackend:
         except CUDA_ERRORS as error:
             raise MhaEpError(f"cuda backend on {self.device}: {type(error).__name__}: {error}") from error
 
-    def _run(self, problem: MhaProblem, plan: LaunchPlan, out: PinnedStaging, borrow: bool) -> MhaResult:
+    def _run(self, problem: MhaProblem, plan: Optional[LaunchPlan], out: PinnedStaging, borrow: bool) -> MhaResult:
         key = self._replay_key(problem, plan)
         if key is not None:
             entry = self.replays.lookup(key)
@@ -310,10 +308,10 @@ class CudaBackend:
                       [in_base + segment.offset for segment in segments], upload, self._copier)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ replayed calls
-    def _replay_key(self, problem: MhaProblem, plan: LaunchPlan):
+    def _replay_key(self, problem: MhaProblem, plan: Optional[LaunchPlan]):
         """replay.py's key when the call may be replayed (rules 2 and 4), else None; the rules' verdict is
         remembered per key."""
-        if self.replays is None or not self.fused_path:
+        if self.replays is None or not self.fused_path or plan is None:  # no plan: a shared buffer (never replayed)
             return None
         inputs = input_entries(problem)
         key = replay_key(problem, inputs)

@@ -309,6 +309,7 @@ def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
     """None when the fused kernel computes this call exactly as the three-phase path does; else why not.
 
     The rules, in order:
+      0. not a shared past/present buffer (its decode kernel: shared_buffer.py);
       1. the dtype has a kernel (float32, float16, bfloat16);
       2. H and Hv are multiples of 8 (16-byte vector loads) and at most the largest head tile (128);
       3. there is work and a key: B, N, S >= 1 and T >= 1 (T = 0 is ORT's all-zero output, left to the
@@ -318,6 +319,8 @@ def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
       5. the launch grid (query tiles x B x N blocks, at the smallest tile of any kernel) fits an int block index.
     """
     g = problem.geometry
+    if problem.shared is not None:  # 0
+        return "a shared past/present buffer runs the decode kernel (shared_buffer.py)"
     if problem.dtype not in ELEMENT_TYPES:  # 1
         return f"dtype {problem.dtype!r} has no fused kernel"
     for name, size in (("head_size", g.head_size), ("v_head_size", g.v_head_size)):  # 2

@@ -48,6 +48,8 @@ KERNELS = {
     "resolve_keep_flags": ("layout.cu", (None,)),
     "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE
     "masked_softmax": ("softmax.cu", (None,)),
+    "append_kv": ("shared_buffer.cu", (None,)),  # a shared past/present buffer: the new rows at [P, P+L)
+    "shared_buffer_attention": ("shared_buffer.cu", ("int", "long long", "unsigned char")),  # the mask's type
 }
 MASK_TYPES = {"int32": "int", "int64": "long long"}  # key_padding_mask element types -> their CUDA types
 MASK_KERNELS = ("resolve_key_lengths", "resolve_keep_flags")
@@ -93,7 +95,7 @@ def kernel_source(file_name: str) -> str:
     return expand_includes((KERNEL_DIR / file_name).read_text(), {file_name})
 
 
-def name_expression(kernel: str, dtype: str, variant: Optional[int] = None) -> str:
+def name_expression(kernel: str, dtype: str, variant=None) -> str:
     """``kernel<T[, variant]>``, T the CUDA type of ``dtype`` (an element type, or for MASK_KERNELS a mask type)."""
     element = (MASK_TYPES if kernel in MASK_KERNELS else ELEMENT_TYPES)[dtype]
     arguments = element if variant is None else f"{element}, {variant}"
@@ -126,7 +128,7 @@ def _module(device_id: int, file_name: str) -> cupy.RawModule:
     return module
 
 
-def get_kernel(device_id: int, kernel: str, dtype: str, variant: Optional[int] = None) -> cupy.RawKernel:
+def get_kernel(device_id: int, kernel: str, dtype: str, variant=None) -> cupy.RawKernel:
     """The compiled ``kernel<T[, variant]>`` of KERNELS for ``dtype`` on ``device_id`` (that device current)."""
     return get_function(device_id, name_expression(kernel, dtype, variant))
 

@@ -11,7 +11,9 @@ drives this one function:
   * the native route (mha_ep/native): ORT's own buffers, named by steps.Buffer and bound by its C library at every
     call; the mask as ORT hands it over (int32 / int64, any of its four shapes).
 
-The pipeline, in order (legend in mha_ep/spec.py):
+A shared past/present buffer (problem.shared: a static KV cache's decode step) takes its own steps,
+shared_buffer.py's, which read P on the device. Every other call takes the pipeline, in order (legend in
+mha_ep/spec.py):
   1. prepare: a raw key_padding_mask becomes the kernels' form (int32 (B,) key lengths clamped to [0, T], or uint8
      keep flags: ``> 0``); an attention_bias not in float32 is widened to it; a source the kernels would read with
      vector loads from an address not 16-byte aligned is copied to an aligned buffer;
@@ -43,6 +45,7 @@ from mha_ep.ops.backends.cuda.fused import DeviceFacts, Operand, fused_step
 from mha_ep.ops.backends.cuda.geometry import LaunchPlan, cached_plan, checked_grid
 from mha_ep.ops.backends.cuda.kernels import name_expression
 from mha_ep.ops.backends.cuda.movers import Mover, layout_movers, mover_struct
+from mha_ep.ops.backends.cuda.shared_buffer import shared_buffer_steps
 from mha_ep.ops.backends.cuda.steps import Address, Copy, Fill, Launch, Pointer, Step, alignment_of
 from mha_ep.ops.problem import MhaProblem
 
@@ -73,7 +76,11 @@ class DeviceCall:
              type of ORT's raw key_padding_mask ("int32", "int64");
     attention_bias_dtype: the element type of the attention_bias source ("float32", or the node's dtype);
     outputs: "output", "present_key", "present_value" -> address (a present not wanted: absent or None);
-    output_dtype: "float32" (the bridge's transport outputs) or the node's dtype.
+    output_dtype: "float32" (the bridge's transport outputs) or the node's dtype;
+    error_flag, error_site: a shared buffer's sticky report words (launch.STATUS_WORDS int32 the host can read
+             without a copy, mha_ep/native/gpu.py; None: none) and the number its reports carry as their site.
+    A shared-buffer call's sources also name past_sequence_length (int32, one element) and, on the beam path,
+    cache_indirection (int32 (B/W, W, M)).
     """
 
     sources: dict
@@ -82,6 +89,8 @@ class DeviceCall:
     output_dtype: str
     mask_form: str = "resolved"
     attention_bias_dtype: str = "float32"
+    error_flag: Address = None
+    error_site: int = 0
 
 
 @dataclass
@@ -109,8 +118,10 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
     forgets to write shows). Raises MhaInputError (geometry.plan_launch) for sizes the kernels cannot take."""
     if call.mask_form not in MASK_FORMS:
         raise ValueError(f"DeviceCall.mask_form must be one of {MASK_FORMS}, got {call.mask_form!r}")
-    plan = cached_plan(problem.geometry, problem.dtype)
     build = _Builder(temporaries, poison)
+    if problem.shared is not None:
+        return build.steps + shared_buffer_steps(problem, call, build.take)
+    plan = cached_plan(problem.geometry, problem.dtype)
     sources = _prepared_sources(problem, plan, call, build)
     fused_unsupported = dispatch.fused_unsupported_reason(problem) if fused_path else "the three-phase path was asked for"
     native = call.source_dtype != "float32"
@@ -139,11 +150,12 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
 def output_shapes(problem: MhaProblem) -> dict:
     """Shape of each output the call makes (presents only when wanted)."""
     g = problem.geometry
+    rows = g.total_seq if problem.shared is None else problem.shared.max_seq  # a shared buffer's presents: M rows
     shapes = {"output": (g.batch, g.q_seq, g.v_hidden)}
     if problem.want_present_key:
-        shapes["present_key"] = (g.batch, g.num_heads, g.total_seq, g.head_size)
+        shapes["present_key"] = (g.batch, g.num_heads, rows, g.head_size)
     if problem.want_present_value:
-        shapes["present_value"] = (g.batch, g.num_heads, g.total_seq, g.v_head_size)
+        shapes["present_value"] = (g.batch, g.num_heads, rows, g.v_head_size)
     return shapes
 
 

@@ -8,8 +8,12 @@ Three routes drive one pipeline and differ only in who runs its steps:
 A step is one of:
   Launch  one kernel: its NVRTC name expression, grid, block, dynamic shared memory and arguments;
   Gemm    one cuBLAS strided-batched GemmEx (fp32 compute, fp32 output, host alpha; the math mode is never TF32);
-  Copy    a device-to-device copy;
-  Fill    a byte pattern over device memory (poisoned buffers, for tests).
+  Copy    a device-to-device copy (none when the source is the destination: a shared past/present buffer bound
+          to one OrtValue);
+  Fill    a byte pattern over device memory (poisoned buffers, for tests);
+  CheckStatus  after an eager call, the status words the shared-buffer kernels report into (shared_buffer.py): the
+          native library raises ORT's error for a report; the CuPy runner skips it (its callers validated every
+          value on the host before the call).
 A kernel argument is a numpy scalar (np.int32, np.int64, np.float32: its C type), ``Pointer`` (an address, or
 None for null), ``Struct`` (a C struct by value whose pointer fields hold addresses) or ``TensorMap`` (a TMA map,
 cuda.h's CUtensorMap, encoded from its spec once the address is known).
@@ -140,7 +144,15 @@ class Fill:
     nbytes: int
 
 
-Step = Union[Launch, Gemm, Copy, Fill]
+@dataclass(frozen=True)
+class CheckStatus:
+    """launch.STATUS_WORDS int32 at ``status``: a report of launch.DeviceError; ``beams`` the call's W (its text)."""
+
+    status: Address
+    beams: int
+
+
+Step = Union[Launch, Gemm, Copy, Fill, CheckStatus]
 
 
 def addresses_of(step: Step) -> list:
@@ -159,6 +171,8 @@ def addresses_of(step: Step) -> list:
         return [step.a, step.b, step.c]
     if isinstance(step, Copy):
         return [step.dst, step.src]
+    if isinstance(step, CheckStatus):
+        return [step.status]
     return [step.dst]
 
 
@@ -213,11 +227,13 @@ def run_steps(device_id: int, steps, stream) -> None:
             elif isinstance(step, Gemm):
                 gemm.run_gemm(step, stream.ptr, _concrete)
             elif isinstance(step, Copy):
-                if step.nbytes:
+                if step.nbytes and _concrete(step.dst) != _concrete(step.src):
                     cupy.cuda.runtime.memcpyAsync(_concrete(step.dst), _concrete(step.src), step.nbytes,
                                                   cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)  # fmt: skip
             elif isinstance(step, Fill):
                 if step.nbytes:
                     cupy.cuda.runtime.memsetAsync(_concrete(step.dst), step.byte, step.nbytes, stream.ptr)
+            elif isinstance(step, CheckStatus):
+                continue
             else:
                 raise TypeError(f"cuda steps: unknown step {step!r}")

@@ -70,6 +70,19 @@ __device__ __forceinline__ void unravel3(long long idx, bool fits_u32, int n0, i
   }
 }
 
+// A warp's max and sum of one float per lane, every lane receiving the result (shuffles only).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 #define U32_LIMIT 4294967295LL
 #define FLOAT32_LOWEST (-3.402823466e+38f)  // ORT's causal fill (mha_ep/ops/problem.py FLOAT32_LOWEST)
 #define NEG_INFINITY __int_as_float(static_cast<int>(0xff800000u))  // NVRTC has no <cmath> INFINITY

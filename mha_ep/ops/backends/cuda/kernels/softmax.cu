@@ -114,18 +114,6 @@ __device__ __forceinline__ float masked_logit(float x, const MaskArgs& m, const 
   return x;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // One warp per row; lane l owns columns j = l + 32 k, k < COLS_PER_LANE (coalesced), kept in registers.
 template <typename ELEM, int COLS_PER_LANE>
 __global__ void __launch_bounds__(SOFTMAX_THREADS)
