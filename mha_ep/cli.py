@@ -5,6 +5,8 @@
     mha-ep compare MODEL [--per-node]    stock ORT vs the plugin on random (or given) feeds, with a verdict
     mha-ep compare MODEL --reference U   ... and stock ORT on MODEL vs on U, the model before fusion
     mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native (mha-ep bench WHAT --help)
+    mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W]
+                                         a decoder-with-past rewritten to a static KV cache: one graph of fixed shapes
     mha-ep --version                     mha_ep, onnxruntime, onnxruntime-extensions, CuPy, the GPU, the backend
 
 Exit codes: 0 PASS (or done), 1 FAIL (outputs outside tolerance), 2 cannot run (bad input, a model that cannot
@@ -75,6 +77,19 @@ def cmd_partition(args) -> int:
     data["output"] = args.output
     emit(args, result.report(), data)
     if args.output and not args.json:
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_static_cache(args) -> int:
+    from mha_ep.static_cache import static_cache
+
+    result = static_cache(args.model, max_length=args.max_length, batch=args.batch, beams=args.beams)
+    result.save(args.output)
+    data = result.to_dict()
+    data["output"] = args.output
+    emit(args, result.report(), data)
+    if not args.json:
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
@@ -209,6 +224,23 @@ def build_parser() -> argparse.ArgumentParser:
     lift_option(p)
     json_option(p)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("static-cache", parents=[common],
+                       help="rewrite a decoder-with-past so that one graph of fixed shapes serves every step",
+                       description="Self-attention pasts and presents become one (B, N, M, H) buffer the caller binds "
+                                   "to both, a new input past_sequence_length (int32, (1,)) says how many rows are "
+                                   "filled, and the shape arithmetic on the past's length becomes constants and "
+                                   "device computations (mha_ep/static_cache.py).")  # fmt: skip
+    p.add_argument("model", metavar="DECODER", help="the decoder-with-past (as ORT's optimizer leaves Whisper's)")
+    p.add_argument("-o", "--output", required=True, help="where to write the rewritten model")
+    p.add_argument("--max-length", type=int, required=True, metavar="M",
+                   help="rows of the KV buffer: the longest past plus step the decoder will see")  # fmt: skip
+    p.add_argument("--batch", type=int, metavar="B",
+                   help="fix every input's batch dim, the rows (default: symbolic; ORT's CUDA graph needs it fixed)")
+    p.add_argument("--beams", type=int, default=0, metavar="W",
+                   help="add the cache_indirection input (B / W, W, M) of beam search with W beams (default: none)")
+    json_option(p)
+    p.set_defaults(func=cmd_static_cache)
 
     sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models | device | native (mha-ep bench WHAT --help)")
     return parser

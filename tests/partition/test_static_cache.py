@@ -1,0 +1,415 @@
+"""The static-cache rewrite (mha_ep/static_cache.py): a decoder-with-past in the shared-buffer form decodes the
+same tokens as the dynamic one on stock ORT's CPU provider, its graph has fixed shapes and no Shape node, and what
+the rewrite cannot resolve is refused naming the node."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+import mha_ep
+from mha_ep.models.synthetic import whisper_decoder_step
+from mha_ep.static_cache import PAST_SEQUENCE_LENGTH, StaticCacheError, static_cache
+
+from small_models import run_cli
+
+PROMPT = 3
+STEPS = 16
+MAX_LENGTH = 32
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2}  # logits, absolute
+
+
+def session(model) -> ort.InferenceSession:
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+
+
+def run(sess: ort.InferenceSession, feeds: dict) -> dict:
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def whisper_prompt(precision: str, batch: int = 2, seed: int = 0, logits: bool = False):
+    """The first decoder step on a random prompt of PROMPT tokens: the first token (argmax; ``logits``: the last
+    position's logits (B, V) instead), the self pasts (B, N, PROMPT, H) and the cross K/V (B, N, 100, H), named as
+    the decoder-with-past's inputs."""
+    rng = np.random.default_rng(seed)
+    dtype = np.float32 if precision == "fp32" else np.float16
+    outputs = run(
+        session(mha_ep.shipped_model(f"whisper_random_decoder_init_{precision}.onnx")),
+        {"input_ids": rng.integers(0, 1000, (batch, PROMPT)).astype(np.int64),
+         "encoder_hidden_states": rng.standard_normal((batch, 100, 64)).astype(dtype)},
+    )  # fmt: skip
+    pasts = {name.replace("present", "past"): v for name, v in outputs.items() if name.startswith("present")}
+    self_kv = {name: v for name, v in pasts.items() if "_self_" in name}
+    last = outputs["logits"][:, -1]
+    return last if logits else last.argmax(-1), self_kv, {n: v for n, v in pasts.items() if n not in self_kv}
+
+
+def decode_both(dynamic, static, first, self_kv, others, steps: int, max_length: int, seed: int = 1,
+                static_session_of=None):
+    """Greedy decoding of ``steps`` tokens with the dynamic decoder (growing pasts) and the static one (pasts
+    (B, N, max_length, H), poisoned beyond the prompt), each from its own tokens, checking at every step that the
+    static presents keep every row but row P. Returns per model the tokens and last-position logits of each step,
+    and the static cache's filled rows next to the dynamic presents."""
+    rng = np.random.default_rng(seed)
+    past_length = next(iter(self_kv.values())).shape[2]
+    cache = {}
+    for name, value in self_kv.items():
+        buffer = (100 * rng.standard_normal(value.shape[:2] + (max_length,) + value.shape[3:])).astype(value.dtype)
+        buffer[:, :, :past_length] = value
+        cache[name] = buffer
+    grown = dict(self_kv)
+    tokens = {"dynamic": first, "static": first}
+    trace = {"dynamic": [], "static": [], "rows": []}
+    dynamic_session, static_session = session(dynamic), (static_session_of or session)(static)
+    for step in range(steps):
+        position = past_length + step
+        out = run(dynamic_session, {"input_ids": tokens["dynamic"][:, None], **grown, **others})
+        grown = {name: out[name.replace("past", "present")] for name in grown}
+        feeds = {"input_ids": tokens["static"][:, None], **cache, **others,
+                 PAST_SEQUENCE_LENGTH: np.array([position], np.int32)}  # fmt: skip
+        out_static = run(static_session, feeds)
+        for name in cache:
+            present = out_static[name.replace("past", "present")]
+            assert present.shape == cache[name].shape
+            assert np.array_equal(present[:, :, :position], cache[name][:, :, :position]), f"{name} step {step}"
+            assert np.array_equal(present[:, :, position + 1:], cache[name][:, :, position + 1:]), (
+                f"{name} step {step}: rows beyond past_sequence_length + 1 were written"
+            )
+            trace["rows"].append((present[:, :, : position + 1], grown[name]))
+            cache[name] = present
+        for kind, logits in (("dynamic", out["logits"][:, -1]), ("static", out_static["logits"][:, -1])):
+            tokens[kind] = logits.argmax(-1)
+            trace[kind].append((tokens[kind], logits.astype(np.float32)))
+    return trace
+
+
+def assert_same_decoding(trace, tolerance: float) -> None:
+    for step, ((token, logits), (static_token, static_logits)) in enumerate(zip(trace["dynamic"], trace["static"])):
+        assert np.array_equal(token, static_token), f"step {step}: tokens {token} vs {static_token}"
+        error = np.abs(logits - static_logits).max()
+        assert error <= tolerance, f"step {step}: logits differ by {error}"
+    for static_rows, dynamic_rows in trace["rows"]:
+        assert np.abs(static_rows.astype(np.float32) - dynamic_rows.astype(np.float32)).max() <= tolerance
+
+
+@pytest.mark.parametrize("batch", [2, None], ids=["batch2", "batch-symbolic"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_shipped_whisper_decoder_decodes_the_same_tokens(precision, batch):
+    decoder = onnx.load(mha_ep.shipped_model(f"whisper_random_decoder_{precision}.onnx"))
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=batch)
+    assert result.self_layers == tuple(
+        (f"past_key_self_{i}", f"past_value_self_{i}", f"present_key_self_{i}", f"present_value_self_{i}")
+        for i in range(2)
+    )
+    first, self_kv, cross = whisper_prompt(precision)
+    trace = decode_both(decoder, result.model, first, self_kv, cross, STEPS, MAX_LENGTH)
+    assert_same_decoding(trace, TOLERANCE[precision])
+
+
+@pytest.mark.parametrize("route", ["python-op", "native"])
+def test_the_static_decoder_on_mha_ep_decodes_the_same_tokens(route):
+    """The rewrite's claimed shared-buffer nodes (every self-attention and cross-attention node: partition claims
+    all four) on mha_ep's CPU routes, 16 steps: the dynamic decoder's tokens on stock ORT."""
+    decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    assert all(d.claimed for d in mha_ep.partition(result.model).decisions)
+
+    def plugin(model):
+        return mha_ep.InferenceSession(model, backend="reference", route=route)
+
+    first, self_kv, cross = whisper_prompt("fp32")
+    trace = decode_both(decoder, result.model, first, self_kv, cross, STEPS, MAX_LENGTH, static_session_of=plugin)
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+
+
+def beam_decode(step, first_logprobs, beams: int, steps: int, eot: int):
+    """Beam search (mha_ep/models/beam.py) of ``steps`` steps: ``step(ids (R,), sources (R,), position)`` runs the
+    decoder once, its cache already following ``sources``, and gives the logits (R, V). Returns the answers and
+    every step's logits."""
+    from mha_ep.models.beam import BeamSearch, log_softmax
+
+    search = BeamSearch(len(first_logprobs) // beams, beams, eot)
+    sources, ids = search.step(first_logprobs)
+    trace = []
+    for position in range(steps - 1):
+        trace.append(step(ids, sources, position))
+        sources, ids = search.step(log_softmax(trace[-1]))
+        if search.done:
+            break
+    return search.result(), trace
+
+
+def test_beam_search_over_the_static_decoder_with_cache_indirection_matches_the_reordered_dynamic_cache():
+    """5 beams over 2 prompts, 12 steps: the dynamic decoder with its cache reordered on the host after every step,
+    and the static decoder (beams=5) whose cache never moves, cache_indirection saying which beam's rows each row
+    reads (stock ORT's CPU beam path, docs/SEMANTICS.md §3.10), give the same answers; and so does mha_ep's native
+    CPU kernel on the latter."""
+    from mha_ep.models.beam import log_softmax
+
+    beams, entries, steps, eot = 5, 2, 12, 2
+    rows = beams * entries
+    decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    logits, self_kv, cross = whisper_prompt("fp32", batch=entries, logits=True)
+    self_kv, cross = ({name: np.repeat(value, beams, axis=0) for name, value in kv.items()} for kv in (self_kv, cross))
+    first_logprobs = log_softmax(np.repeat(logits, beams, axis=0))  # every beam starts from its entry's prompt
+
+    dynamic, grown = session(decoder), dict(self_kv)
+
+    def dynamic_step(ids, sources, position):
+        nonlocal grown
+        out = run(dynamic, {"input_ids": ids[:, None], **{n: v[sources] for n, v in grown.items()}, **cross})
+        grown = {name: out[name.replace("past", "present")] for name in grown}
+        return out["logits"][:, -1]
+
+    expected = beam_decode(dynamic_step, first_logprobs, beams, steps, eot)
+    static = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams).model
+    assert [n.input[9] for n in static.graph.node if len(n.input) > 9] == ["cache_indirection"] * 2
+    for static_run in (session(static), mha_ep.InferenceSession(static, backend="reference", route="native")):
+        cache = {}
+        for name, value in self_kv.items():
+            cache[name] = np.zeros(value.shape[:2] + (MAX_LENGTH,) + value.shape[3:], np.float32)
+            cache[name][:, :, :PROMPT] = value
+        indirection = np.zeros((entries, beams, MAX_LENGTH), np.int32)
+
+        def static_step(ids, sources, position):
+            p = PROMPT + position  # the rows before p - 1 follow the source beam; row p - 1 is the source's own
+            beam = (sources % beams).reshape(entries, beams)
+            indirection[...] = np.take_along_axis(indirection, beam[:, :, None], axis=1)
+            indirection[:, :, p - 1] = beam
+            out = run(static_run, {"input_ids": ids[:, None], **cache, **cross, "cache_indirection": indirection,
+                                   PAST_SEQUENCE_LENGTH: np.array([p], np.int32)})  # fmt: skip
+            cache.update((name, out[name.replace("past", "present")]) for name in cache)
+            return out["logits"][:, -1]
+
+        answers, trace = beam_decode(static_step, first_logprobs, beams, steps, eot)
+        assert answers == expected[0] and len(trace) == len(expected[1])
+        for position, (got, want) in enumerate(zip(trace, expected[1])):
+            assert np.abs(got - want).max() <= TOLERANCE["fp32"], f"{static_run}: step {position}"
+
+
+def test_synthetic_decoder_gives_the_same_logits():
+    decoder = whisper_decoder_step(layers=2, hidden=64, heads=4, ffn=128, vocab=100)
+    result = static_cache(decoder, max_length=16, batch=2)
+    rng = np.random.default_rng(5)
+    pasts = {f"past_{kind}_self_{layer}": rng.standard_normal((2, 4, 2, 16)).astype(np.float32)
+             for layer in range(2) for kind in ("key", "value")}  # fmt: skip
+    cross = {f"cross_{kind}_{layer}": rng.standard_normal((2, 4, 10, 16)).astype(np.float32)
+             for layer in range(2) for kind in ("key", "value")}  # fmt: skip
+    first = rng.integers(0, 100, 2).astype(np.int64)
+    trace = decode_both(decoder, result.model, first, pasts, cross, steps=8, max_length=16)
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+    assert not any(n.op_type == "Shape" for n in result.model.graph.node)
+    assert any("encoder_sequence" in note for note in result.notes), result.notes
+
+
+def test_rewritten_graph_has_fixed_shapes_and_no_shape_node():
+    result = static_cache(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"), max_length=MAX_LENGTH, batch=2)
+    model = result.model
+    graph = model.graph
+    assert not [n.name for n in graph.node if n.op_type in ("Shape", "Range", "Tile")]
+    for value in list(graph.input) + list(graph.output):
+        dims = value.type.tensor_type.shape.dim
+        assert dims and all(d.HasField("dim_value") for d in dims), value
+    self_nodes = [n for n in graph.node if n.op_type == "MultiHeadAttention" and len(n.input) > 6 and n.input[6]]
+    assert len(self_nodes) == 2
+    for node in self_nodes:
+        assert len(node.input) == 9 and node.input[8] == PAST_SEQUENCE_LENGTH
+    declared = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in graph.input}
+    assert declared[PAST_SEQUENCE_LENGTH] == [1]
+    assert declared["past_key_self_0"] == [2, 4, MAX_LENGTH, 16]
+    assert declared["past_key_cross_0"] == [2, 4, 100, 16] and declared["input_ids"] == [2, 1]
+    assert result.folded > 0 and "past_key_cross_0" in result.unchanged_inputs
+    onnx.checker.check_model(model, full_check=True)
+    report = result.report()
+    assert "2 self-attention" in report and PAST_SEQUENCE_LENGTH in report and "past_key_cross_1" in report
+
+
+def test_the_input_model_is_left_alone():
+    decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    before = decoder.SerializeToString()
+    static_cache(decoder, max_length=8, batch=1)
+    assert decoder.SerializeToString() == before
+
+
+def tiny_decoder(position_nodes, constants: dict, step="seq", extra_nodes=(), extra_outputs=()) -> onnx.ModelProto:
+    """A one-layer decoder (hidden 8, 2 heads of head size 4, vocab 50): embed_tokens[input_ids] plus
+    embed_positions[positions], ``positions`` made by ``position_nodes`` from the shapes (``constants``: their
+    int64 initializers), causal self-attention over a past, then logits. ``step``: input_ids' length dim."""
+    hidden, heads, head, vocab = 8, 2, 4, 50
+    rng = np.random.default_rng(0)
+    weights = {"embed_tokens": (vocab, hidden), "embed_positions": (64, hidden), "lm_head": (hidden, vocab)}
+    initializers = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+                    for name, shape in weights.items()]  # fmt: skip
+    initializers += [numpy_helper.from_array(np.array(v, np.int64), name) for name, v in constants.items()]
+    nodes = [
+        helper.make_node("Gather", ["embed_tokens", "input_ids"], ["tokens"], name="/decoder/embed_tokens"),
+        *position_nodes,
+        helper.make_node("Gather", ["embed_positions", "positions"], ["position"], name="/decoder/embed_positions"),
+        helper.make_node("Add", ["tokens", "position"], ["x"], name="/decoder/add_positions"),
+        helper.make_node("MultiHeadAttention", ["x", "x", "x", "", "", "", "past_key_self_0", "past_value_self_0"],
+                         ["y", "present_key_self_0", "present_value_self_0"], domain="com.microsoft",
+                         name="self_attn", num_heads=heads, unidirectional=1),
+        helper.make_node("MatMul", ["y", "lm_head"], ["logits"], name="/decoder/lm_head"),
+        *extra_nodes,
+    ]  # fmt: skip
+    inputs = [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", step])] + [
+        helper.make_tensor_value_info(f"past_{kind}_self_0", TP.FLOAT, ["batch", heads, "past", head])
+        for kind in ("key", "value")
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, ["batch", step, vocab]), *extra_outputs] + [
+        helper.make_tensor_value_info(f"present_{kind}_self_0", TP.FLOAT, ["batch", heads, "total", head])
+        for kind in ("key", "value")
+    ]
+    graph = helper.make_graph(nodes, "tiny_decoder", inputs, outputs, initializer=initializers)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+def shape_arithmetic_decoder() -> onnx.ModelProto:
+    """Positions (B, 1) = P through every op the rewrite evaluates: Shape, Slice, Squeeze, Cast, Mul, Sub,
+    Unsqueeze, Reshape, Expand and ConstantOfShape on Shape(input_ids), Range(P, P + 1), Concat, Gather, Tile,
+    Identity, and an Equal/Where pair that only the reference evaluator folds."""
+    make = helper.make_node
+    nodes = [
+        make("Shape", ["past_key_self_0"], ["past_shape"], name="/decoder/Shape"),
+        make("Slice", ["past_shape", "two_1d", "three_1d"], ["p_1d"], name="/decoder/Slice"),
+        make("Squeeze", ["p_1d", "zero_1d"], ["p"], name="/decoder/Squeeze"),
+        make("Cast", ["p"], ["p_int32"], name="/decoder/Cast", to=TP.INT32),
+        make("Cast", ["p_int32"], ["p_int64"], name="/decoder/Cast_1", to=TP.INT64),
+        make("Mul", ["p_int64", "two"], ["twice"], name="/decoder/Mul"),
+        make("Sub", ["twice", "p_int64"], ["p_again"], name="/decoder/Sub"),
+        make("Unsqueeze", ["p_again", "zero_1d"], ["p_again_1d"], name="/decoder/Unsqueeze"),
+        make("Reshape", ["p_again_1d", "one_by_one"], ["p_11"], name="/decoder/Reshape"),
+        make("Shape", ["input_ids"], ["ids_shape"], name="/decoder/Shape_1"),
+        make("Expand", ["p_11", "ids_shape"], ["p_b1"], name="/decoder/Expand"),
+        make("ConstantOfShape", ["ids_shape"], ["zeros"], name="/decoder/ConstantOfShape",
+             value=numpy_helper.from_array(np.array([0], np.int64))),
+        make("Add", ["p", "one"], ["p_next"], name="/decoder/Add"),
+        make("Range", ["p", "p_next", "one"], ["p_range"], name="/decoder/Range"),
+        make("Concat", ["p_range", "p_1d"], ["p_pair"], name="/decoder/Concat", axis=0),
+        make("Gather", ["p_pair", "one"], ["p_second"], name="/decoder/Gather"),
+        make("Sub", ["p_second", "p"], ["zero_offset"], name="/decoder/Sub_1"),
+        make("Equal", ["one", "one"], ["truth"], name="/decoder/Equal"),
+        make("Where", ["truth", "zero_offset", "one"], ["offset"], name="/decoder/Where"),
+        make("Add", ["p_b1", "zeros"], ["q"], name="/decoder/Add_1"),
+        make("Add", ["q", "offset"], ["q_offset"], name="/decoder/Add_2"),
+        make("Tile", ["q_offset", "ones_1d"], ["q_tiled"], name="/decoder/Tile"),
+        make("Identity", ["q_tiled"], ["positions"], name="/decoder/Identity"),
+    ]  # fmt: skip
+    constants = {"two_1d": [2], "three_1d": [3], "zero_1d": [0], "two": 2, "one": 1, "one_by_one": [1, 1],
+                 "ones_1d": [1, 1]}  # fmt: skip
+    return tiny_decoder(nodes, constants, step=1)
+
+
+@pytest.mark.parametrize("batch", [2, None], ids=["batch2", "batch-symbolic"])
+def test_every_evaluated_op_gives_the_dynamic_logits(batch):
+    decoder = shape_arithmetic_decoder()
+    result = static_cache(decoder, max_length=12, batch=batch)
+    left = {n.op_type for n in result.model.graph.node}
+    assert not left & {"Slice", "Squeeze", "Sub", "Range", "Concat", "Equal", "Where"}, left
+    if batch is not None:
+        assert not left & {"Shape", "Expand", "ConstantOfShape", "Tile", "Identity"}, left
+    else:  # the batch is known only at run time: the Shape of input_ids stays, and the nodes that read it
+        assert "Shape_1" in " ".join(result.notes) and "Expand" in left
+    rng = np.random.default_rng(4)
+    pasts = {f"past_{k}_self_0": rng.standard_normal((2, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
+    trace = decode_both(decoder, result.model, rng.integers(0, 50, 2).astype(np.int64), pasts, {}, steps=6,
+                        max_length=12)  # fmt: skip
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+
+
+def range_decoder(read_past: bool = False) -> onnx.ModelProto:
+    """Positions Range(P, P + seq), seq the symbolic step length of input_ids: a range whose length only the run
+    knows. ``read_past``: a ReduceSum also reads the past."""
+    make = helper.make_node
+    nodes = [
+        make("Shape", ["past_key_self_0"], ["past_shape"], name="/decoder/Shape"),
+        make("Gather", ["past_shape", "two"], ["past_length"], name="/decoder/Gather"),
+        make("Shape", ["input_ids"], ["ids_shape"], name="/decoder/Shape_1"),
+        make("Gather", ["ids_shape", "one"], ["step_length"], name="/decoder/Gather_1"),
+        make("Add", ["past_length", "step_length"], ["limit"], name="/decoder/Add"),
+        make("Range", ["past_length", "limit", "one"], ["positions"], name="/decoder/Range"),
+    ]
+    peek = [make("ReduceSum", ["past_key_self_0"], ["past_sum"], name="/decoder/peek")] if read_past else []
+    return tiny_decoder(nodes, {"two": 2, "one": 1}, extra_nodes=peek,
+                        extra_outputs=[helper.make_tensor_value_info("past_sum", TP.FLOAT, None)] if read_past else [])
+
+
+def test_range_decoder_runs_as_it_is():
+    """The refusal below is about the rewrite, not a broken model: stock ORT runs the dynamic one."""
+    rng = np.random.default_rng(2)
+    feeds = {f"past_{k}_self_0": rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
+    feeds["input_ids"] = rng.integers(0, 50, (1, 2)).astype(np.int64)
+    assert run(session(range_decoder()), feeds)["present_key_self_0"].shape == (1, 2, 5, 4)
+
+
+def test_refuses_a_range_whose_length_only_the_run_knows():
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(range_decoder(), max_length=16, batch=1)
+    message = str(caught.value)
+    assert "node '/decoder/Range' (Range)" in message and "past_sequence_length" in message
+    assert "start 'past_length'" in message and "limit 'limit'" in message and "CUDA graph" in message
+
+
+def test_refuses_a_model_without_self_attention_with_past():
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(mha_ep.shipped_model("whisper_random_decoder_init_fp32.onnx"), max_length=16, batch=1)
+    assert "node 'Attention_0' (MultiHeadAttention) has no past_key/past_value" in str(caught.value)
+
+
+def test_refuses_a_past_that_another_node_reads():
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(range_decoder(read_past=True), max_length=16, batch=1)
+    assert "node '/decoder/peek' (ReduceSum)" in str(caught.value) and "'past_key_self_0'" in str(caught.value)
+
+
+def test_refuses_a_model_already_in_the_shared_buffer_form():
+    once = static_cache(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"), max_length=16, batch=1)
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(once.model, max_length=16, batch=1)
+    assert "node 'Attention_0' (MultiHeadAttention)" in str(caught.value) and "inputs 8/9" in str(caught.value)
+
+
+@pytest.mark.parametrize("max_length", [0, -3])
+def test_refuses_a_buffer_without_rows(max_length):
+    with pytest.raises(StaticCacheError, match="max_length must be a whole number >= 1"):
+        static_cache(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"), max_length=max_length)
+
+
+def test_cli_writes_a_loadable_static_decoder(tmp_path):
+    target = tmp_path / "x.onnx"
+    done = run_cli("static-cache", str(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx")), "-o", str(target),
+                   "--max-length", "16", "--batch", "1")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "2 self-attention" in done.stdout and f"wrote {target}" in done.stderr
+    model = onnx.load(target)
+    onnx.checker.check_model(model, full_check=True)
+    assert [d.dim_value for d in model.graph.input[1].type.tensor_type.shape.dim] == [1, 4, 16, 16]
+    session(target)
+
+
+def test_cli_json_has_the_result_fields(tmp_path):
+    target = tmp_path / "x.onnx"
+    done = run_cli("static-cache", str(mha_ep.shipped_model("whisper_random_decoder_fp16.onnx")), "-o", str(target),
+                   "--max-length", "16", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["max_length"] == 16 and data["batch"] is None and data["output"] == str(target)
+    assert data["self_layers"][0]["present_value"] == "present_value_self_0" and data["folded"] > 0
+
+
+def test_cli_refusal_is_one_line_with_exit_code_2(tmp_path):
+    target = tmp_path / "x.onnx"
+    done = run_cli("static-cache", str(mha_ep.shipped_model("whisper_random_decoder_init_fp32.onnx")), "-o",
+                   str(target), "--max-length", "16")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mha-ep static-cache: error: ") and "Attention_0" in lines[0]
+    assert not target.exists()
