@@ -9,6 +9,8 @@
 #              $WHEELS into $SITE; prints the ORT version and providers
 #   gpu        every GPU test (pytest -m gpu), log in $OUT/gpu.log
 #   native     the native route's GPU tests, the Python-op and parity suites' GPU cases, the cuda backend's tests
+#   static     the static KV cache's GPU tests: shared-buffer parity on every GPU route, the static binding under
+#              ORT's CUDA graph, device reports, the static greedy and beam loops
 #   device     the device-mode tests and the parity suites' device-mode cases
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
@@ -75,6 +77,10 @@ for step in "$@"; do
     native) timeout 540 $PYTEST_GPU tests/native tests/ops tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_layout.py \
               tests/parity tests/claim/test_bad_input.py -k "not cuda-device" 2>&1 \
               | tee "$OUT/native.log" | quiet | tail -40 ;;
+    static) timeout 540 $PYTEST_GPU tests/native/test_native_cuda.py tests/models/test_static_decode.py \
+              tests/parity/test_parity_shared_buffer.py tests/claim/test_bad_input.py \
+              -k "static or shared or past_sequence or cache_indirection or bad_past" 2>&1 \
+              | tee "$OUT/static.log" | quiet | tail -40 ;;
     device) timeout 400 $PYTEST_GPU tests/device tests/parity tests/claim/test_bad_input.py \
               -k "cuda-device or device_mode" 2>&1 | quiet | tail -15 ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;

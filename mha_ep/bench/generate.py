@@ -12,6 +12,16 @@ each a whole greedy generation, all columns timed in turns (``--repeats`` genera
   mhaep_session    ``mha_ep.InferenceSession``'s device loop: the same loop through the session's own
                    ``run_with_iobinding`` (its error channel), the cache in ORT values
   mhaep_run_device ``mha_ep.InferenceSession.run_device``: the cache as CuPy arrays over ORT's buffers
+  static_greedy    the decoder rewritten into its static-cache form (mha_ep/static_cache.py, M = MAX_LENGTH): one
+                   ORT CUDA-graph replay and one token-choice kernel a step, queued ahead of the GPU, the host
+                   reading "all done?" every 8 steps and the tokens at the end (mha_ep/models/static_decode.py);
+                   its ms per token is the whole generation's time over its steps (no step is timed alone)
+And beam search with BEAMS beams (B batch entries, B x BEAMS decoder rows), each a whole generation timed in turns:
+  stock_beam       stock ORT CUDA, IOBinding, the dynamic cache reordered on the GPU by a gather before every step,
+                   the log-probabilities and each row's best tokens on the GPU, the choice on the host
+                   (mha_ep/models/generate.py bound_beam), ms per step the median step
+  static_beam      the static-cache decoder with cache_indirection, the beam choice and the cache indirection's
+                   reordering on the device (decode.cu beam_step), ms per step the whole search's time over its steps
 Per column: ms per token (the median step of a generation, median over generations), the token agreement with
 stock_iobinding (share of positions with the same token; stock_numpy over its steps), the encoder's time (the encoder and the cross-attention
 keys and values, once per utterance; numpy feeds for stock_numpy, device tensors for the others) and the total
@@ -45,7 +55,10 @@ from mha_ep.progress import bar, wanted, write
 
 CUDA = "CUDAExecutionProvider"
 PROVIDERS = [CUDA, "CPUExecutionProvider"]
-COLUMNS = ("stock_numpy", "stock_iobinding", "mhaep_plain", "mhaep_session", "mhaep_run_device")
+COLUMNS = ("stock_numpy", "stock_iobinding", "mhaep_plain", "mhaep_session", "mhaep_run_device", "static_greedy")
+BEAM_COLUMNS = ("stock_beam", "static_beam")
+BEAMS = 5
+MAX_LENGTH = 448  # the static cache's rows: Whisper's max_target_positions
 VOCAB = 51865
 ENCODER_POSITIONS = 1500
 PROMPT = 3
@@ -140,9 +153,44 @@ def summarise(label: str, samples: Dict[str, list], tokens: Dict[str, list], enc
         result[f"{column}_agreement"] = agreement(tokens[column], prefix if column == "stock_numpy" else reference)
         result[f"{column}_encoder_ms"] = encoder_ms[column]
         result[f"{column}_total_30s_ms"] = encoder_ms[column] + steps * per_token
-    for column in ("mhaep_plain", "mhaep_session", "mhaep_run_device"):
+    for column in ("mhaep_plain", "mhaep_session", "mhaep_run_device", "static_greedy"):
         result[f"{column}_vs_iobinding"] = result[f"{column}_ms_per_token"] / result["stock_iobinding_ms_per_token"]
     return result
+
+
+def summarise_beams(result: dict, samples: Dict[str, list], answers: Dict[str, list]) -> dict:
+    """The beam columns' ms per step (median step, median over searches), their ratio and agreement."""
+    for column in BEAM_COLUMNS:
+        result[f"{column}_ms_per_step"] = statistics.median(statistics.median(s) for s in samples[column]) * 1e3
+    result["static_beam_vs_stock_beam"] = result["static_beam_ms_per_step"] / result["stock_beam_ms_per_step"]
+    result["static_beam_agreement"] = agreement(answers["static_beam"], answers["stock_beam"])
+    result["beam_answers"] = answers
+    return result
+
+
+def whole_generation(run: Callable[[], list]) -> Callable[[], tuple]:
+    """A generation timed as a whole (the static loops queue their steps ahead of the GPU): (tokens, [its time
+    over its steps] per step)."""
+    import cupy
+
+    def timed():
+        start = time.perf_counter()
+        tokens, steps = run()
+        elapsed = time.perf_counter() - start
+        cupy.cuda.runtime.deviceSynchronize()
+        return tokens, [elapsed / max(steps, 1)] * max(steps, 1)
+
+    return timed
+
+
+def static_decoder(model, batch: int, stream, beams: int = 0):
+    """The static-cache form of ``model`` (a decoder-with-past) in an ORT CUDA-graph session on ``stream``."""
+    from mha_ep.models.static_decode import StaticDecoder, cuda_session
+    from mha_ep.static_cache import static_cache
+
+    rows = batch * max(beams, 1)
+    static = static_cache(model, max_length=MAX_LENGTH, batch=rows, beams=beams).model
+    return StaticDecoder(cuda_session(static, stream), batch, stream=stream, beams=beams)
 
 
 def bench_random(row: Row, repeats: int, steps: int) -> dict:
@@ -156,8 +204,11 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
     decoder = whisper_decoder_step(layers, hidden, heads, ffn, row.dtype, vocab=VOCAB)
     encoder = bert_encoder(layers, hidden, heads, ffn, row.dtype, mask=False)
     cross = whisper_cross_kv(layers, hidden, heads, row.dtype)
+    from mha_ep.models.generate import bound_beam
+    from mha_ep.models.static_decode import beam_static, greedy_static
+
     kinds = {"stock_numpy": "stock", "stock_iobinding": "stock", "mhaep_plain": "plain", "mhaep_session": "session",
-             "mhaep_run_device": "session"}
+             "mhaep_run_device": "session", "static_greedy": "plain"}
     made = {kind: [sessions_of(m, kind) for m in (decoder, encoder, cross)] for kind in set(kinds.values())}
     rng = np.random.default_rng(3)
     feeds = decoder_step_feeds(row.batch, PROMPT, layers, hidden, heads, ENCODER_POSITIONS, row.dtype, seed=4)
@@ -170,8 +221,19 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
     def device_values(arrays: dict) -> dict:
         return {n: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in arrays.items()}
 
+    stream = cupy.cuda.Stream(non_blocking=True)
+    greedy_decoder = static_decoder(decoder, row.batch, stream)
+    greedy_decoder.set_inputs(host_fixed)
+
+    def static_generation():
+        greedy_decoder.load_prompt({n.replace("past_", "present_", 1): v for n, v in host_cache.items()}, PROMPT)
+        tokens = greedy_static(greedy_decoder, cupy.asarray(first), PROMPT, steps)
+        return tokens, steps
+
     def generation(column: str) -> Callable[[], tuple]:
         session = made[kinds[column]][0]
+        if column == "static_greedy":
+            return whole_generation(static_generation)
         if column == "stock_numpy":
             def run():
                 seconds: list = []
@@ -210,8 +272,42 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
         return lambda: crs_step.run({"encoder_hidden_states": enc_step.run({"hidden_states": device_states})
                                      ["last_hidden_state"]})  # fmt: skip
 
-    return measure(row.label, {c: generation(c) for c in COLUMNS}, {c: encoder_call(c) for c in COLUMNS},
-                   repeats, steps)  # fmt: skip
+    result = measure(row.label, {c: generation(c) for c in COLUMNS}, {c: encoder_call(c) for c in COLUMNS},
+                     repeats, steps)  # fmt: skip
+    # beam search: B entries x BEAMS rows, the prompt cache and first logits of each entry repeated per beam, the
+    # end-of-text id suppressed (random weights would end at random), so that every search runs ``steps`` steps
+    rows = np.repeat(np.arange(row.batch), BEAMS)
+    beam_cache = {n: v[rows] for n, v in host_cache.items()}
+    beam_fixed = {n: v[rows] for n, v in host_fixed.items()}
+    first_logits = cupy.asarray(rng.standard_normal((row.batch, VOCAB)).astype(np.float32)[rows])
+    eot = VOCAB - 1
+    bias = cupy.zeros((VOCAB,), cupy.float32)
+    bias[eot] = -cupy.inf
+    beam_decoder = static_decoder(decoder, row.batch, stream, beams=BEAMS)
+    beam_decoder.set_inputs(beam_fixed)
+    stock_stepper = BoundStepper(made["stock"][0])
+    stock_cache, stock_fixed = device_values(beam_cache), device_values(beam_fixed)
+
+    def stock_beam():
+        seconds: list = []
+        return bound_beam(stock_stepper, first_logits, stock_cache, stock_fixed, BEAMS, steps, eot, bias,
+                          step_seconds=seconds), seconds  # fmt: skip
+
+    def static_beam():
+        beam_decoder.load_prompt({n.replace("past_", "present_", 1): v for n, v in beam_cache.items()}, PROMPT)
+        return beam_static(beam_decoder, first_logits, [0] * PROMPT, steps, eot, bias), steps
+
+    beams = {"stock_beam": stock_beam, "static_beam": whole_generation(static_beam)}
+    answers = {column: run()[0] for column, run in beams.items()}  # warm-up (and the graph's capture)
+    samples: Dict[str, list] = {c: [] for c in beams}
+    for _ in range(repeats):
+        for column, run in beams.items():
+            cupy.cuda.runtime.deviceSynchronize()
+            answers[column], seconds = run()
+            samples[column].append(seconds)
+    result["cache_bytes"] = {"greedy": sum(c.buffer.nbytes for c in greedy_decoder.caches),
+                             "beam": sum(c.buffer.nbytes for c in beam_decoder.caches)}  # fmt: skip
+    return summarise_beams(result, samples, answers)
 
 
 def measure(label: str, generations: Dict[str, Callable], encoders: Dict[str, Callable], repeats: int,
@@ -242,6 +338,7 @@ def bench_real(models: Path, repeats: int, max_tokens: int, config_dir: Optional
     from mha_ep.models import audio
     from mha_ep.models.whisper_transcribe import (
         DeviceTranscriber,
+        StaticTranscriber,
         Transcriber,
         model_paths,
         stock_session_factory,
@@ -261,6 +358,7 @@ def bench_real(models: Path, repeats: int, max_tokens: int, config_dir: Optional
         "mhaep_session": DeviceTranscriber(paths, lambda p: sessions_of(p, "session"), suppress, begin, max_tokens),
         "mhaep_run_device": DeviceTranscriber(paths, lambda p: sessions_of(p, "session"), suppress, begin,
                                               max_tokens, stepper="run_device"),
+        "static_greedy": StaticTranscriber(paths, suppress, begin, max_tokens),
     }  # fmt: skip
 
     def stock_numpy_step_times(f) -> tuple:
@@ -272,6 +370,11 @@ def bench_real(models: Path, repeats: int, max_tokens: int, config_dir: Optional
 
     generations = {"stock_numpy": lambda: stock_numpy_step_times(features[0])}
     for column, transcriber in transcribers.items():
+        if column == "static_greedy":
+            generations[column] = whole_generation(lambda t=transcriber: (lambda got: (got, len(got[0]) + 1))(
+                t.decode(features[0])))
+            continue
+
         def run(t=transcriber):
             seconds: list = []
             return t.decode(features[0], step_seconds=seconds), seconds
@@ -287,7 +390,7 @@ def bench_real(models: Path, repeats: int, max_tokens: int, config_dir: Optional
         if column == "stock_numpy":
             session = stock_host.sessions["encoder"]
             return lambda: session.run(None, {"input_features": features[0].astype(np.float32)})
-        transcriber = transcribers[column]
+        transcriber = transcribers["mhaep_plain" if column == "static_greedy" else column]
         device_features = cupy.asarray(features[0].astype(np.float32))
         return lambda: transcriber.steppers["encoder"].run({"input_features": device_features})
 
@@ -298,6 +401,60 @@ def bench_real(models: Path, repeats: int, max_tokens: int, config_dir: Optional
         result[f"{column}_identical_to_ort_cpu"] = [a == b for a, b in zip(tokens[column], cpu_tokens)]
     result["tokens"] = {"ort_cpu": cpu_tokens, **tokens}
     result["steps"] = len(tokens["stock_numpy"][0])
+    return bench_real_beams(result, paths, features, suppress, begin, max_tokens, repeats)
+
+
+def bench_real_beams(result: dict, paths: dict, features: list, suppress, begin, max_tokens: int,
+                     repeats: int) -> dict:  # fmt: skip
+    """Beam search (BEAMS beams) on the real rows: stock ORT CPU's host loop (BeamTranscriber) as the token
+    reference, stock ORT CUDA's bound_beam loop as the yardstick, the static-cache loop; searches timed in turns on
+    the first utterance, every utterance's answer checked."""
+    import cupy
+
+    from mha_ep.models.generate import BoundStepper, bound_beam, past_name, suppression_bias
+    from mha_ep.models.whisper_transcribe import (
+        EOT, NO_TIMESTAMPS, SOT, BeamTranscriber, StaticTranscriber, stock_session_factory,
+    )
+    from mha_ep.native.cuda_io import ortvalue_array
+
+    reference = BeamTranscriber(paths, stock_session_factory, suppress, begin, max_tokens, beams=BEAMS)
+    static = StaticTranscriber(paths, suppress, begin, max_tokens, beams=BEAMS)
+    steppers = {part: BoundStepper(sessions_of(paths[part], "stock")) for part in ("encoder", "decoder_init", "decoder")}
+    vocab = static.decoder.logits.shape[-1]
+    bias = suppression_bias(vocab, list(suppress))
+    first_bias = suppression_bias(vocab, list(suppress) + list(begin))
+
+    def stock_beam(f, seconds=None):
+        states = ortvalue_array(steppers["encoder"].run({"input_features": cupy.asarray(f.astype(np.float32))})
+                                ["encoder_hidden_states"])  # fmt: skip
+        rows = cupy.asarray(np.zeros(BEAMS, np.int64))
+        ids = cupy.asarray(np.tile(np.array([[SOT, NO_TIMESTAMPS]], np.int64), (BEAMS, 1)))
+        init = steppers["decoder_init"].run({"input_ids": ids, "encoder_hidden_states": states[rows]})
+        logits = ortvalue_array(init.pop("logits"))[:, -1]
+        cache = {past_name(n): v for n, v in init.items() if "_self_" in n}
+        fixed = {past_name(n): v for n, v in init.items() if "cross" in n}
+        return bound_beam(steppers["decoder"], logits, cache, fixed, BEAMS, max_tokens, EOT, bias, first_bias,
+                          step_seconds=seconds)  # fmt: skip
+
+    answers = {"ort_cpu": [reference.decode(f)[0] for f in features]}
+    answers["stock_beam"] = [stock_beam(f)[0] for f in features]
+    answers["static_beam"] = [static.decode(f)[0] for f in features]
+
+    def stock_timed():
+        seconds: list = []
+        return [stock_beam(features[0], seconds)[0]], seconds
+
+    runs = {"stock_beam": stock_timed,
+            "static_beam": whole_generation(lambda: (lambda got: (got, len(got[0]) + 1))(static.decode(features[0])))}
+    samples: Dict[str, list] = {c: [] for c in runs}
+    for _ in range(repeats):
+        for column, run in runs.items():
+            cupy.cuda.runtime.deviceSynchronize()
+            samples[column].append(run()[1])
+    summarise_beams(result, samples, {c: answers[c] for c in BEAM_COLUMNS})
+    for column in BEAM_COLUMNS:
+        result[f"{column}_identical_to_ort_cpu"] = [a == b for a, b in zip(answers[column], answers["ort_cpu"])]
+    result["beam_answers"] = answers
     return result
 
 
@@ -306,9 +463,11 @@ def format_row(r: dict) -> str:
     agreement_cells = "/".join(f"{r[f'{c}_agreement']:.2f}" for c in COLUMNS if c != "stock_iobinding")
     encoder = "/".join(f"{r[f'{c}_encoder_ms']:.2f}" for c in COLUMNS)
     total = "/".join(f"{r[f'{c}_total_30s_ms']:.0f}" for c in COLUMNS)
+    beams = "/".join(f"{r[f'{c}_ms_per_step']:.3f}" for c in BEAM_COLUMNS)
     return (f"| {r['label']} | " + " | ".join(cells) + f" | {r['mhaep_plain_vs_iobinding']:.2f} "
-            f"| {r['mhaep_session_vs_iobinding']:.2f} | {r['mhaep_run_device_vs_iobinding']:.2f} | {agreement_cells} "
-            f"| {encoder} | {total} |")  # fmt: skip
+            f"| {r['mhaep_session_vs_iobinding']:.2f} | {r['mhaep_run_device_vs_iobinding']:.2f} "
+            f"| {r['static_greedy_vs_iobinding']:.2f} | {beams} | {r['static_beam_vs_stock_beam']:.2f} "
+            f"| {r['static_beam_agreement']:.2f} | {agreement_cells} | {encoder} | {total} |")  # fmt: skip
 
 
 def plot(results: list, path: Path) -> bool:
@@ -365,8 +524,10 @@ def main(argv: Optional[list] = None) -> int:
         work.append(("Whisper tiny.en (real weights)", lambda: bench_real(args.models, args.repeats, args.max_tokens,
                                                                              args.whisper_config)))
     write("| row | " + " | ".join(f"{c} ms/token" for c in COLUMNS) + " | plain/iobinding | session/iobinding "
-          "| run_device/iobinding | agreement with stock_iobinding (numpy/plain/session/run_device) | encoder ms | 30 s total ms |")  # fmt: skip
-    write("|---|" + "---|" * (len(COLUMNS) + 6))
+          "| run_device/iobinding | static_greedy/iobinding | beam ms/step (stock/static) | static_beam/stock_beam "
+          "| beam agreement | agreement with stock_iobinding (numpy/plain/session/run_device/static) | encoder ms "
+          "| 30 s total ms |")  # fmt: skip
+    write("|---|" + "---|" * (len(COLUMNS) + 10))
     results = []
     with bar(len(work), "bench generate", wanted(as_json=args.json), unit="row") as progress:
         for label, run in work:

@@ -81,7 +81,8 @@ def anchor_feeds(problem, dtype):
 _echo_outputs: dict = {}
 
 
-def _echo_body(query, key, value, bias, key_padding_mask, attention_bias, past_key, past_value, **attributes):
+def _echo_body(query, key, value, bias, key_padding_mask, attention_bias, past_key, past_value, past_sequence_length,
+               cache_indirection, **attributes):  # fmt: skip
     """The do-nothing op: same inputs and outputs as the plugin op, returns a preallocated output."""
     shape = (query.shape[0], query.shape[1], value.shape[-1])
     out = _echo_outputs.get(shape)
@@ -106,7 +107,8 @@ def echo_session(partitioned, session_options=None):
         f32 = PyCustomOpDef.dt_float
         opdef = onnx_op(
             op_type="mha_ep.bench::EchoMha",
-            inputs=[PyCustomOpDef.dt_int32 if x == "key_padding_mask" else f32 for x in spec.PLUGIN_INPUTS],
+            inputs=[PyCustomOpDef.dt_int32 if x == "key_padding_mask" or x in spec.INT32_INPUTS else f32
+                    for x in spec.PLUGIN_INPUTS],  # fmt: skip
             outputs=[f32] * 3,
             attrs={a.name: kinds[a.kind] for a in spec.PLUGIN_ATTRIBUTES},
         )(_echo_body)

@@ -76,9 +76,12 @@ class BeamSearch:
     def step(self, logprobs_RV: np.ndarray) -> tuple:
         """One step on the rows' log-probabilities (R, V): (sources (R,), tokens (R,)), the next beams' source rows
         and their new tokens (the next decoder input)."""
+        return self.step_top(*best_tokens(np.asarray(logprobs_RV, np.float32), self.beams + 1))
+
+    def step_top(self, values: np.ndarray, ids: np.ndarray) -> tuple:
+        """``step`` on each row's W + 1 best log-probabilities and their token ids (R, W + 1), best first."""
         w = self.beams
         k = w + 1
-        values, ids = best_tokens(np.asarray(logprobs_RV, np.float32), k)
         sources = np.zeros(self.batch * w, np.int64)
         chosen = np.zeros(self.batch * w, np.int64)
         scores = np.full(self.batch * w, -np.inf, np.float32)

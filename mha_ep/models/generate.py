@@ -14,6 +14,11 @@ chosen tokens (8 bytes a row), which the loop needs to stop at end-of-text. ORT 
 synchronizes it before ``run_with_iobinding`` returns; CuPy's work runs on CuPy's stream and that small read
 waits for it, so every step's inputs are ready before ORT reads them.
 
+``bound_beam`` is beam search (mha_ep/models/beam.py) over a stepper: the log-probabilities and each row's W + 1
+best tokens on the GPU, the choice among them on the host (a few hundred bytes a step), the cache's rows
+reordered on the GPU (a gather along the batch axis) before each step: the loop stock ORT allows, the yardstick of
+the static-cache beam loop (mha_ep/models/static_decode.py).
+
 Cache names follow the exported models: an output ``present_X`` is the next step's input ``past_X`` (Whisper's
 ``present_key_self_0`` -> ``past_key_self_0``; mha_ep/models/synthetic.py's decoder the same).
 """
@@ -137,3 +142,49 @@ def greedy(stepper, ids, cache: Mapping[str, object], fixed: Mapping[str, object
         if step_seconds is not None:
             step_seconds.append(time.perf_counter() - start)
     return tokens
+
+
+def top_candidates(logits_RV, bias, count: int) -> tuple:
+    """(values, ids), NumPy (R, count): each row's ``count`` best log-probabilities of logits + bias (CuPy, on the
+    GPU: log-softmax, then a partition) and their ids, best first (ties: the lower id)."""
+    import cupy
+
+    x = logits_RV.astype(cupy.float32)
+    if bias is not None:
+        x = x + bias
+    top = x.max(axis=-1, keepdims=True)
+    logprobs = x - top - cupy.log(cupy.exp(x - top).sum(axis=-1, keepdims=True))
+    ids = cupy.argpartition(-logprobs, count - 1, axis=-1)[:, :count]
+    values = cupy.take_along_axis(logprobs, ids, axis=-1)
+    values, ids = cupy.asnumpy(values), cupy.asnumpy(ids)
+    order = np.lexsort((ids, -values), axis=-1)
+    return np.take_along_axis(values, order, axis=-1), np.take_along_axis(ids, order, axis=-1)
+
+
+def bound_beam(stepper, first_logits, cache: Mapping[str, object], fixed: Mapping[str, object], beams: int,
+               steps: int, eot: int, bias=None, first_bias=None, step_seconds: Optional[list] = None) -> List[List[int]]:  # fmt: skip
+    """Beam search over ``stepper`` (module docstring) for at most ``steps`` tokens: ``first_logits`` (R, V) CuPy,
+    the prompt's last logits, every row's ``cache`` its batch entry's prompt; ``first_bias`` the first choice's
+    suppression bias (default ``bias``). Each batch entry's answer (end-of-text excluded)."""
+    import cupy
+
+    from mha_ep.models.beam import BeamSearch
+    from mha_ep.native.cuda_io import ortvalue_array
+
+    rows = int(first_logits.shape[0])
+    search = BeamSearch(rows // beams, beams, eot)
+    sources, tokens = search.step_top(*top_candidates(first_logits, first_bias if first_bias is not None else bias,
+                                                      beams + 1))  # fmt: skip
+    for _ in range(steps - 1):
+        if search.done:
+            break
+        start = time.perf_counter()
+        order = cupy.asarray(sources)
+        reordered = {n: cupy.take(ortvalue_array(v) if hasattr(v, "data_ptr") else v, order, axis=0)
+                     for n, v in cache.items()}  # fmt: skip
+        cupy.cuda.get_current_stream().synchronize()  # ORT's stream does not wait for CuPy's
+        logits, cache = stepper.step(cupy.asarray(tokens)[:, None], reordered, fixed)
+        sources, tokens = search.step_top(*top_candidates(logits[:, -1, :], bias, beams + 1))
+        if step_seconds is not None:
+            step_seconds.append(time.perf_counter() - start)
+    return search.result()

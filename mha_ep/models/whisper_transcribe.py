@@ -178,6 +178,111 @@ class DeviceTranscriber(Transcriber):
             return greedy(self.steppers["decoder"], ids, cache, fixed, self.max_tokens, self.bias, EOT, step_seconds)
 
 
+class BeamTranscriber(Transcriber):
+    """Beam search (mha_ep/models/beam.py: OpenAI whisper's rules) over the same three sessions, on the host: every
+    beam a row of the decoder's batch, the cache reordered with NumPy after every step. The reference of the GPU
+    loops' beam answers (with stock ORT CPU sessions) and the beam yardstick of ``mha-ep bench generate``."""
+
+    def __init__(self, paths: Dict[str, Path], session_factory: Callable = stock_session_factory,
+                 suppress: Sequence[int] = (), suppress_begin: Sequence[int] = (), max_tokens: int = 64,
+                 beams: int = 5):  # fmt: skip
+        super().__init__(paths, session_factory, suppress, suppress_begin, max_tokens)
+        self.beams = beams
+
+    def _bias(self, vocab: int, first: bool) -> np.ndarray:
+        bias = np.zeros(vocab, np.float32)
+        bias[self.suppress] = -np.inf
+        if first:
+            bias[self.suppress_begin] = -np.inf
+        return bias
+
+    def decode(self, features_BMF: np.ndarray, progress: bool = False) -> List[List[int]]:
+        """Each utterance's answer (the prompt and <|endoftext|> excluded)."""
+        from mha_ep.models.beam import BeamSearch, log_softmax
+
+        rows = np.repeat(np.arange(features_BMF.shape[0]), self.beams)
+        (states,) = self.sessions["encoder"].run(None, {"input_features": features_BMF.astype(self.float_dtype)})
+        prompt = np.tile(np.array([[SOT, NO_TIMESTAMPS]], dtype=np.int64), (len(rows), 1))
+        outs = self.sessions["decoder_init"].run(None, {"input_ids": prompt, "encoder_hidden_states": states[rows]})
+        named = dict(zip(self.init_outputs, outs))
+        cache = {n.replace("present_", "past_"): v for n, v in named.items() if n.startswith("present_")}
+        search = BeamSearch(features_BMF.shape[0], self.beams, EOT)
+        logits = named["logits"][:, -1].astype(np.float32)
+        sources, tokens = search.step(log_softmax(logits, self._bias(logits.shape[-1], first=True)))
+        for step in range(self.max_tokens - 1):
+            if search.done:
+                break
+            feeds = {"input_ids": tokens[:, None].astype(np.int64)}
+            feeds.update({n: cache[n][sources] if "_self_" in n else cache[n] for n in self.dec_inputs if n != "input_ids"})
+            outs = dict(zip(self.dec_outputs, self.sessions["decoder"].run(None, feeds)))
+            cache.update((n.replace("present_", "past_"), v) for n, v in outs.items() if n.startswith("present_"))
+            logits = outs["logits"][:, -1].astype(np.float32)
+            sources, tokens = search.step(log_softmax(logits, self._bias(logits.shape[-1], first=False)))
+            if progress:
+                print(f"\r    step {step + 1}/{self.max_tokens}", end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        return search.result()
+
+
+class StaticTranscriber(Transcriber):
+    """The decoding loop with the fewest host steps: the encoder and the first decoder step through IOBinding on
+    the GPU, then the decoder-with-past rewritten into its static-cache form (mha_ep/static_cache.py), one CUDA
+    graph replay and one token-choice kernel a step (mha_ep/models/static_decode.py), greedy or beam search
+    (``beams``). Sessions: plain ORT CUDA sessions on mha_ep's native route, on one CuPy stream. ``batch``: the
+    utterances decoded at once (a static decoder has a fixed batch)."""
+
+    def __init__(self, paths: Dict[str, Path], suppress: Sequence[int] = (), suppress_begin: Sequence[int] = (),
+                 max_tokens: int = 64, device_id: int = 0, beams: int = 0, batch: int = 1,
+                 max_length: int = 448):  # fmt: skip
+        import cupy
+
+        from mha_ep.models.generate import BoundStepper, suppression_bias
+        from mha_ep.models.static_decode import StaticDecoder, cuda_session
+        from mha_ep.native.cuda_io import ortvalue_array
+        from mha_ep.static_cache import static_cache
+
+        self.device_id, self.beams, self.batch = device_id, beams, batch
+        self.rows = batch * max(beams, 1)
+        with cupy.cuda.Device(device_id):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        plain = lambda path: cuda_session(str(path), self.stream, device_id=device_id, graph=False)  # noqa: E731
+        super().__init__(paths, plain, suppress, suppress_begin, max_tokens)
+        static = static_cache(paths["decoder"], max_length=max_length, batch=self.rows, beams=beams).model
+        self.decoder = StaticDecoder(cuda_session(static, self.stream, device_id=device_id), batch,
+                                     stream=self.stream, device_id=device_id, beams=beams)  # fmt: skip
+        self.steppers = {part: BoundStepper(self.sessions[part], device_id) for part in ("encoder", "decoder_init")}
+        vocab = self.decoder.logits.shape[-1]
+        self.bias = suppression_bias(vocab, list(self.suppress), device_id)
+        self.bias_first = suppression_bias(vocab, list(self.suppress) + list(self.suppress_begin), device_id)
+        self._array = ortvalue_array
+
+    def decode(self, features_BMF: np.ndarray, progress: bool = False) -> List[List[int]]:
+        """Token ids per utterance (the prompt and <|endoftext|> excluded)."""
+        import cupy
+
+        from mha_ep.models.generate import past_name, pick
+        from mha_ep.models.static_decode import beam_static, greedy_static
+
+        if features_BMF.shape[0] != self.batch:
+            raise ValueError(f"this transcriber decodes {self.batch} utterance(s) at once, got "
+                             f"{features_BMF.shape[0]} (features {features_BMF.shape})")  # fmt: skip
+        prompt = [SOT, NO_TIMESTAMPS]
+        with cupy.cuda.Device(self.device_id), self.stream:
+            rows = cupy.asarray(np.repeat(np.arange(self.batch), max(self.beams, 1)))
+            features = cupy.asarray(np.ascontiguousarray(features_BMF, self.float_dtype))
+            states = self._array(self.steppers["encoder"].run({"input_features": features})["encoder_hidden_states"])
+            ids = cupy.asarray(np.tile(np.array([prompt], np.int64), (self.rows, 1)))
+            init = self.steppers["decoder_init"].run({"input_ids": ids, "encoder_hidden_states": states[rows]})
+            logits = self._array(init.pop("logits"))[:, -1].astype(cupy.float32)
+            self.decoder.set_inputs({past_name(n): v for n, v in init.items() if "cross" in n})
+            self.decoder.load_prompt({n: v for n, v in init.items() if "_self_" in n}, len(prompt))
+            if self.beams:
+                return beam_static(self.decoder, logits, prompt, self.max_tokens, EOT, self.bias, self.bias_first)
+            first = pick(logits[:, None], self.bias_first)
+            return greedy_static(self.decoder, first, len(prompt), self.max_tokens, self.bias, EOT)
+
+
 def tokenizer():
     try:
         from tokenizers import Tokenizer

@@ -305,6 +305,13 @@ static const char* cu_error_text(CUresult result) {
   return text;
 }
 
+/* The sticky report words of each device (mapped page-locked memory: the host reads what the kernels wrote without a
+ * copy), allocated once by error_words (the planner calls it) and kept for the life of the process (captured graphs
+ * hold their device address). */
+#define MAX_DEVICES 64
+static int32_t* g_error_words[MAX_DEVICES];
+static CUdeviceptr g_error_device[MAX_DEVICES];
+
 /* ------------------------------------------------------------------------------------------------- plans */
 /* The encoded plan (mha_ep/native/plan.py encode_plan) is a sequence of little-endian int64 words. */
 #define PLAN_MAGIC 0x5048414d /* "MAHP" */
@@ -315,7 +322,9 @@ static const char* cu_error_text(CUresult result) {
 #define MAX_ARGUMENTS 512
 #define MAX_PLANS 4096
 #define TENSOR_MAP_BYTES 128
-enum { SPACE_NULL = 0, SPACE_INPUT = 1, SPACE_OUTPUT = 2, SPACE_SCRATCH = 3 };
+/* SPACE_STICKY: a shared buffer's sticky report words (error_words), bound only while ORT captures a graph: an
+ * eager call reports through its own status words (STEP_CHECK_STATUS), a replayed graph through these. */
+enum { SPACE_NULL = 0, SPACE_INPUT = 1, SPACE_OUTPUT = 2, SPACE_SCRATCH = 3, SPACE_STICKY = 4 };
 enum { STEP_LAUNCH = 1, STEP_GEMM = 2, STEP_COPY = 3, STEP_FILL = 4, STEP_CHECK_STATUS = 5 };
 #define MAX_INPUTS 10 /* spec.PLUGIN_INPUTS: the eight of ORT's MultiHeadAttention, past_sequence_length, cache_indirection */
 #define STATUS_WORDS 8 /* kernels/shared_buffer.cu STATUS_WORDS: code, a, b, c, site */
@@ -421,7 +430,7 @@ static int read_ref(Reader* r, Ref* ref) {
   READ(r, ref->space);
   READ(r, ref->index);
   READ(r, ref->add);
-  if (!in_range(r, ref->space, SPACE_NULL, SPACE_SCRATCH, "space")) return 0;
+  if (!in_range(r, ref->space, SPACE_NULL, SPACE_STICKY, "space")) return 0;
   int64_t limit = ref->space == SPACE_INPUT ? MAX_INPUTS - 1 : ref->space == SPACE_OUTPUT ? MAX_OUTPUTS - 1 : 0;
   return in_range(r, ref->index, 0, limit, "index") && in_range(r, ref->add, 0, INT64_MAX, "offset");
 }
@@ -1053,6 +1062,7 @@ typedef struct {
   void* input[MAX_INPUTS];
   void* output[MAX_OUTPUTS];
   void* scratch;
+  void* sticky; /* the device's sticky report words while ORT captures, else NULL */
 } Bases;
 
 static uint64_t resolve(const Bases* bases, Ref ref) {
@@ -1067,6 +1077,8 @@ static uint64_t resolve(const Bases* bases, Ref ref) {
     case SPACE_SCRATCH:
       base = bases->scratch;
       break;
+    case SPACE_STICKY:
+      return (uint64_t)(uintptr_t)bases->sticky; /* no offset: NULL stays NULL */
     default:
       return 0;
   }
@@ -1303,6 +1315,11 @@ static OrtStatus* compute_cuda(Kernel* k, OrtKernelContext* context) {
     release_plan(plan);
     return launch_error(k, "making the device's context current", result);
   }
+  int capturing = 0;
+  if (cu.cuStreamIsCapturing != NULL && cu.cuStreamIsCapturing(stream, &capturing) == 0 && capturing &&
+      k->device >= 0 && k->device < MAX_DEVICES) {
+    bases.sticky = (void*)(uintptr_t)g_error_device[k->device]; /* allocated by the planner, before any capture */
+  }
   if (plan->scratch_bytes > 0) {
     status = API(GetScratchBufferFn, API_KernelContext_GetScratchBuffer)(context, k->memory,
                                                                          (size_t)plan->scratch_bytes, &bases.scratch);
@@ -1510,11 +1527,6 @@ static PyObject* py_check_plan(PyObject* self, PyObject* args) {
   return summary;
 }
 
-/* The sticky report words of each device (mapped page-locked memory: the host reads what the kernels wrote without a
- * copy), allocated once and kept for the life of the process (captured graphs hold their device address). */
-#define MAX_DEVICES 64
-static int32_t* g_error_words[MAX_DEVICES];
-static CUdeviceptr g_error_device[MAX_DEVICES];
 
 /* error_words(device) -> the device address of the device's sticky words (with that device's context current). */
 static PyObject* py_error_words(PyObject* self, PyObject* args) {

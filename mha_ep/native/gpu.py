@@ -68,10 +68,10 @@ def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tup
         fused_path = settings.fused_path and os.environ.get("MHA_EP_THREE_PHASE") != "1"
         config = configs.config(config_id)
         with cupy.cuda.Device(device_id):
-            flag = error_words(device_id) if "past_sequence_length" in config.supplied else None
+            if "past_sequence_length" in config.supplied:
+                error_words(device_id)  # allocated now, before ORT could capture a graph around the call
             plan = plan_steps(config, Signature(tuple(inputs)), DeviceFacts.of(device_id), flags,
-                              fused_path=fused_path, poison=settings.poison, error_flag=flag,
-                              error_site=config_id)  # fmt: skip
+                              fused_path=fused_path, poison=settings.poison, error_site=config_id)  # fmt: skip
             return encode_plan(plan, lambda launch: function_handle(device_id, launch))
     except BaseException as error:  # noqa: BLE001 - nothing may go back into ORT as an exception
         return errors.answer(node, error)

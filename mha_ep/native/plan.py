@@ -34,14 +34,15 @@ from mha_ep.ops.backends.cuda.pipeline import DeviceCall, attention_steps, outpu
 from mha_ep.ops.backends.cuda.steps import (
     Buffer, CheckStatus, Copy, Fill, Gemm, Launch, Pointer, Struct, TensorMap, struct_fields,
 )
-from mha_ep.ops.problem import Geometry, MhaProblem, PaddingMask, build_problem
+from mha_ep.ops.problem import Geometry, PaddingMask, build_problem
 
 # ONNX element types (onnxruntime_c_api.h ONNXTensorElementDataType) the op's inputs may have
 ELEMENT_NAMES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64"}
 PLAN_MAGIC = 0x5048414D  # _native.c PLAN_MAGIC
 PLAN_VERSION = 2
 STEP_LAUNCH, STEP_GEMM, STEP_COPY, STEP_FILL, STEP_CHECK_STATUS = 1, 2, 3, 4, 5
-SPACES = {"in": 1, "out": 2, "scratch": 3}  # Buffer name prefix -> _native.c SPACE_*
+SPACES = {"in": 1, "out": 2, "scratch": 3, "sticky": 4}  # Buffer name prefix -> _native.c SPACE_*
+STICKY = Buffer("sticky")  # a shared buffer's sticky report words: bound by the library while ORT captures a graph
 OUTPUT_ALIGNMENT = 16  # bytes every output must have for the plan's vector stores (else flags UNALIGNED_OUTPUTS)
 UNALIGNED_OUTPUTS = 1  # signature flag: the outputs are written to scratch first, then copied into ORT's buffers
 SCRATCH_ALIGNMENT = 256
@@ -156,11 +157,11 @@ class NativePlan:
 
 
 def plan_steps(config: KernelConfig, signature: Signature, facts: DeviceFacts, flags: int = 0, *,
-               fused_path: bool = True, poison: bool = False, error_flag=None, error_site: int = 0) -> NativePlan:  # fmt: skip
+               fused_path: bool = True, poison: bool = False, error_site: int = 0) -> NativePlan:  # fmt: skip
     """Steps 1-2 of the module docstring. ``flags`` UNALIGNED_OUTPUTS: ORT's outputs are not OUTPUT_ALIGNMENT-
     aligned, so the steps write scratch and end with copies into them. A shared buffer's steps (element-wise
     accesses: any alignment) write ORT's outputs themselves, so that a present bound to its past's own buffer
-    stays that buffer; ``error_flag`` / ``error_site``: pipeline.DeviceCall's."""
+    stays that buffer; their sticky reports go to STICKY, reporting ``error_site`` (pipeline.DeviceCall's)."""
     problem, float_type, mask_type = signature_problem(config, signature)
     element = 4 if float_type == "float32" else 2
     alignment = element if problem.shared is not None else OUTPUT_ALIGNMENT
@@ -185,8 +186,8 @@ def plan_steps(config: KernelConfig, signature: Signature, facts: DeviceFacts, f
             outputs[name] = temporaries.take(f"{name}_aligned", nbytes)
             copies.append(Copy(destination, outputs[name], nbytes))
     call = DeviceCall(sources=sources, source_dtype=float_type, outputs=outputs, output_dtype=float_type,
-                      mask_form=mask_type or "resolved", attention_bias_dtype=float_type, error_flag=error_flag,
-                      error_site=error_site)  # fmt: skip
+                      mask_form=mask_type or "resolved", attention_bias_dtype=float_type,
+                      error_flag=STICKY if problem.shared is not None else None, error_site=error_site)  # fmt: skip
     steps = attention_steps(problem, facts, call, temporaries, fused_path=fused_path, poison=poison)
     return NativePlan(steps + copies, temporaries.size, shapes, alignment)
 
@@ -198,10 +199,10 @@ def _ref(address) -> list:
         return [0, 0, 0]
     if not isinstance(address, Buffer):
         raise ValueError(f"native plan: address {address!r} is not a named buffer")
-    prefix = "scratch" if address.name == "scratch" else address.name.rstrip("0123456789")
+    prefix = address.name if address.name in ("scratch", "sticky") else address.name.rstrip("0123456789")
     if prefix not in SPACES:
-        raise ValueError(f"native plan: buffer {address.name!r} is not an input, an output or the scratch")
-    index = 0 if prefix == "scratch" else int(address.name[len(prefix):])
+        raise ValueError(f"native plan: buffer {address.name!r} is not an input, an output, the scratch or sticky")
+    index = 0 if prefix in ("scratch", "sticky") else int(address.name[len(prefix):])
     return [SPACES[prefix], index, int(address.offset)]
 
 

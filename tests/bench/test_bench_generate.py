@@ -97,9 +97,13 @@ def test_a_generation_row_prints_every_column_and_the_ratios():
     assert row["mhaep_plain_vs_iobinding"] == pytest.approx(1.5) and row["stock_numpy_agreement"] == 1.0
     assert row["mhaep_session_agreement"] == pytest.approx(2 / 3)
     assert row["mhaep_plain_total_30s_ms"] == pytest.approx(1.0 + 3 * 3.0)
+    assert row["static_greedy_vs_iobinding"] == pytest.approx(3.0)
+    beams = {"stock_beam": [[0.004, 0.004]], "static_beam": [[0.001, 0.001]]}
+    row = generate.summarise_beams(row, beams, {"stock_beam": [[5, 6]], "static_beam": [[5, 7]]})
+    assert row["static_beam_vs_stock_beam"] == pytest.approx(0.25) and row["static_beam_agreement"] == 0.5
     cells = [cell.strip() for cell in generate.format_row(row).strip("|").split("|")]
-    assert cells[0] == "row" and cells[1:6] == ["1.000", "2.000", "3.000", "4.000", "5.000"]
-    assert cells[6:9] == ["1.50", "2.00", "2.50"]
+    assert cells[0] == "row" and cells[1:7] == ["1.000", "2.000", "3.000", "4.000", "5.000", "6.000"]
+    assert cells[7:13] == ["1.50", "2.00", "2.50", "3.00", "4.000/1.000", "0.25"]
 
 
 def test_the_options_have_help(capsys):

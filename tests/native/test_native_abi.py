@@ -130,7 +130,7 @@ def test_plans_bind_only_inputs_outputs_and_scratch_within_its_size():
                 if address.name == "scratch":
                     assert address.offset < plan.scratch_bytes
                 else:
-                    assert address.name in {f"in{i}" for i in range(10)} | {"out0", "out1", "out2"}
+                    assert address.name in {f"in{i}" for i in range(10)} | {"out0", "out1", "out2", "sticky"}
 
 
 def test_unaligned_inputs_are_copied_to_aligned_scratch_before_the_kernels_read_them():
@@ -212,11 +212,11 @@ def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_pres
     (a no-op at run time when they are one buffer), append_kv, the attention, the status check; every launch
     argument is a shape, an attribute or a named buffer (P is read on the device); ORT's outputs are written in
     place at any alignment."""
-    from mha_ep.ops.backends.cuda.steps import Buffer, CheckStatus, Copy, Fill, Launch, Pointer
+    from mha_ep.ops.backends.cuda.steps import Buffer, CheckStatus, Fill, Pointer
 
     config = PLAN_CASES["f16 shared beams mask"]
     kernel, signature = signature_of(config)
-    plan = native_plan.plan_steps(kernel, signature, FACTS[0], error_flag=0x7F0000, error_site=3)
+    plan = native_plan.plan_steps(kernel, signature, FACTS[0], error_site=3)
     kinds = [type(step).__name__ for step in plan.steps]
     assert kinds == ["Fill", "Copy", "Copy", "Launch", "Launch", "CheckStatus"], kinds
     fill, copy_key, copy_value, append, attention, check = plan.steps
@@ -228,7 +228,7 @@ def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_pres
     assert attention.grid == (config.batch * config.num_heads * config.q_seq, 1, 1)
     pointers = [arg.address for arg in attention.args if isinstance(arg, Pointer)]
     assert Buffer("in8", 0, 256) in pointers and Buffer("in9", 0, 256) in pointers
-    assert np.uint64(0x7F0000) in [arg for arg in attention.args if isinstance(arg, np.uint64)]
+    assert native_plan.STICKY in pointers and np.int32(3) == attention.args[-1]  # the sticky words, the site
     assert isinstance(check, CheckStatus) and check.beams == config.beams
     assert plan.output_alignment == 2 and plan.output_shapes[1] == (4, 2, 8, 8)
     unaligned = native_plan.plan_steps(kernel, signature, FACTS[0], native_plan.UNALIGNED_OUTPUTS)

@@ -203,11 +203,11 @@ def static_binding(session, config: MhaConfig, rng):
     binding = session.io_binding()
     for name, array in buffers.items():
         if name != "output":
-            binding.bind_input(name, "cuda", 0, array.dtype, array.shape, array.data.ptr)
+            binding.bind_input(name, "cuda", 0, array.dtype.type, array.shape, array.data.ptr)
     binding.bind_output("output", "cuda", 0, np.float16, buffers["output"].shape, buffers["output"].data.ptr)
     for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
         array = buffers[past]
-        binding.bind_output(present, "cuda", 0, array.dtype, array.shape, array.data.ptr)
+        binding.bind_output(present, "cuda", 0, array.dtype.type, array.shape, array.data.ptr)
     return binding, buffers
 
 

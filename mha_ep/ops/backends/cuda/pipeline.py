@@ -77,8 +77,9 @@ class DeviceCall:
     attention_bias_dtype: the element type of the attention_bias source ("float32", or the node's dtype);
     outputs: "output", "present_key", "present_value" -> address (a present not wanted: absent or None);
     output_dtype: "float32" (the bridge's transport outputs) or the node's dtype;
-    error_flag, error_site: a shared buffer's sticky report words (launch.STATUS_WORDS int32 the host can read
-             without a copy, mha_ep/native/gpu.py; None: none) and the number its reports carry as their site.
+    error_flag, error_site: where a shared buffer's kernels leave their sticky reports (launch.STATUS_WORDS int32
+             the host reads without a copy: the native route's Buffer("sticky"), which its library binds while
+             ORT captures a graph, mha_ep/native/plan.py; None: nowhere) and the number the reports carry as site.
     A shared-buffer call's sources also name past_sequence_length (int32, one element) and, on the beam path,
     cache_indirection (int32 (B/W, W, M)).
     """

@@ -77,7 +77,7 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
     for present, past, width in (("present_key", "past_key", g.head_size), ("present_value", "past_value", g.v_head_size)):
         steps.append(Copy(out[present], src[past], element * g.batch * g.num_heads * shared.max_seq * width))
     site = i32(call.error_site)
-    sticky = np.uint64(call.error_flag or 0)  # a fixed host-mapped address, not a buffer bound per call
+    sticky = Pointer(call.error_flag)
     count = g.batch * g.kv_seq * g.num_heads * (g.head_size + g.v_head_size)
     blocks = min(-(-count // LAUNCH_BLOCK), APPEND_BLOCKS)
     steps.append(Launch(name_expression("append_kv", dtype), (blocks, 1, 1), (LAUNCH_BLOCK, 1, 1), 0,
