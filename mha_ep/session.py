@@ -9,13 +9,14 @@ the session is still usable.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from typing import Optional, Sequence
 
 import onnx
 
 from mha_ep.device.mode import CUDA_PROVIDER, cuda_options_of, provider_names
-from mha_ep.errors import MhaEpError, MhaRunError
+from mha_ep.errors import MESSAGE_PREFIX, MhaEpError, MhaRunError
 from mha_ep.ops.context import run_context
 from mha_ep.ops.backends import resolve_backend
 from mha_ep.ops.registration import attach, choose_route
@@ -221,6 +222,9 @@ class InferenceSession:
                 if context.errors:
                     node, message = context.errors[0]
                     raise MhaRunError(node, message) from error
+                reported = native_failure(str(error))
+                if reported is not None:  # the native library's own report (a device-side check): no Python ran
+                    raise MhaRunError(*reported) from error
                 raise
         if context.interrupted:
             raise KeyboardInterrupt
@@ -308,6 +312,17 @@ class _GraphArg:
 
     def __repr__(self) -> str:
         return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape})"
+
+
+NATIVE_FAILURE = re.compile(r"mha_ep MultiHeadAttention node '(.*?)': (.*)$", re.S)
+
+
+def native_failure(text: str):
+    """(node, message) of a claimed node's failure that the native library reported itself (its status text:
+    "mha_ep MultiHeadAttention node '<node>': <message>", e.g. a past_sequence_length the kernels found out of
+    range), or None."""
+    found = NATIVE_FAILURE.search(text)
+    return None if found is None else (found.group(1), MESSAGE_PREFIX + found.group(2).strip())
 
 
 def _graph_args(values) -> list:

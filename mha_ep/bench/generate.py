@@ -183,14 +183,18 @@ def whole_generation(run: Callable[[], list]) -> Callable[[], tuple]:
     return timed
 
 
-def static_decoder(model, batch: int, stream, beams: int = 0):
-    """The static-cache form of ``model`` (a decoder-with-past) in an ORT CUDA-graph session on ``stream``."""
+def static_decoder(model, batch: int, stream, fixed: dict, beams: int = 0):
+    """The static-cache form of ``model`` (a decoder-with-past) in an ORT CUDA-graph session on ``stream``, its
+    fixed inputs set to ``fixed`` (NumPy, which also gives their shapes)."""
     from mha_ep.models.static_decode import StaticDecoder, cuda_session
     from mha_ep.static_cache import static_cache
 
     rows = batch * max(beams, 1)
     static = static_cache(model, max_length=MAX_LENGTH, batch=rows, beams=beams).model
-    return StaticDecoder(cuda_session(static, stream), batch, stream=stream, beams=beams)
+    decoder = StaticDecoder(cuda_session(static, stream), batch, stream=stream, beams=beams,
+                            fixed_shapes={name: value.shape for name, value in fixed.items()})  # fmt: skip
+    decoder.set_inputs(fixed)
+    return decoder
 
 
 def bench_random(row: Row, repeats: int, steps: int) -> dict:
@@ -222,8 +226,7 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
         return {n: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in arrays.items()}
 
     stream = cupy.cuda.Stream(non_blocking=True)
-    greedy_decoder = static_decoder(decoder, row.batch, stream)
-    greedy_decoder.set_inputs(host_fixed)
+    greedy_decoder = static_decoder(decoder, row.batch, stream, host_fixed)
 
     def static_generation():
         greedy_decoder.load_prompt({n.replace("past_", "present_", 1): v for n, v in host_cache.items()}, PROMPT)
@@ -283,8 +286,7 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
     eot = VOCAB - 1
     bias = cupy.zeros((VOCAB,), cupy.float32)
     bias[eot] = -cupy.inf
-    beam_decoder = static_decoder(decoder, row.batch, stream, beams=BEAMS)
-    beam_decoder.set_inputs(beam_fixed)
+    beam_decoder = static_decoder(decoder, row.batch, stream, beam_fixed, beams=BEAMS)
     stock_stepper = BoundStepper(made["stock"][0])
     stock_cache, stock_fixed = device_values(beam_cache), device_values(beam_fixed)
 

@@ -85,9 +85,11 @@ class SelfCache:
 class StaticDecoder:
     """A static-cache decoder session with every input and output bound once to buffers of its own (module
     docstring). ``batch`` entries of ``beams`` rows each (``beams`` > 0: the decoder takes cache_indirection,
-    static_cache(..., beams=W)); the decoder's other inputs (``fixed``) must have static shapes but their rows."""
+    static_cache(..., beams=W)); the decoder's other inputs (``fixed``) have static shapes but their rows, or
+    shapes given in ``fixed_shapes`` (name -> shape, e.g. an encoder length the model leaves symbolic)."""
 
-    def __init__(self, session, batch: int, *, stream, device_id: int = 0, beams: int = 0):
+    def __init__(self, session, batch: int, *, stream, device_id: int = 0, beams: int = 0,
+                 fixed_shapes: Optional[Mapping[str, tuple]] = None):  # fmt: skip
         import cupy
         import onnxruntime as ort
 
@@ -132,9 +134,10 @@ class StaticDecoder:
                 if name in own:
                     continue
                 shape = [self.rows if i == 0 else d for i, d in enumerate(value.shape)]
+                shape = list((fixed_shapes or {}).get(name, shape))
                 if not all(isinstance(d, int) for d in shape):
-                    raise MhaEpError(f"input {name} has shape {value.shape}: a static-cache decoder's inputs have "
-                                     f"static shapes but their rows")  # fmt: skip
+                    raise MhaEpError(f"input {name} has shape {value.shape}: give its shape in fixed_shapes (a "
+                                     f"static-cache decoder's buffers are made once)")  # fmt: skip
                 dtype = {"tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32}.get(
                     value.type, np.float32)  # fmt: skip
                 self.fixed[name] = cupy.zeros(shape, dtype)

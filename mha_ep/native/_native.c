@@ -212,8 +212,9 @@ static struct {
   CUresult (*cuStreamIsCapturing)(CUstream, int*);
   CUresult (*cuStreamSynchronize)(CUstream);
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
-  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned);
-  CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned);
+  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
+  CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
+  CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t);
 } cu;
 
 static struct {
@@ -256,8 +257,9 @@ static int load_cuda(void) {
       CU_SYMBOL(cuStreamIsCapturing, "cuStreamIsCapturing", NULL);
       CU_SYMBOL(cuStreamSynchronize, "cuStreamSynchronize", NULL);
       CU_SYMBOL(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync");
-      CU_SYMBOL(cuMemHostAlloc, "cuMemHostAlloc", NULL);
-      CU_SYMBOL(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer");
+      CU_SYMBOL(cuMemAlloc, "cuMemAlloc_v2", "cuMemAlloc");
+      CU_SYMBOL(cuMemcpyDtoH, "cuMemcpyDtoH_v2", "cuMemcpyDtoH");
+      CU_SYMBOL(cuMemsetD8, "cuMemsetD8_v2", "cuMemsetD8");
 #undef CU_SYMBOL
       if (!cu.cuInit || !cu.cuDeviceGet || !cu.cuDevicePrimaryCtxRetain || !cu.cuCtxGetCurrent ||
           !cu.cuCtxSetCurrent || !cu.cuGetErrorString || !cu.cuLaunchKernel || !cu.cuMemcpyAsync ||
@@ -305,11 +307,10 @@ static const char* cu_error_text(CUresult result) {
   return text;
 }
 
-/* The sticky report words of each device (mapped page-locked memory: the host reads what the kernels wrote without a
- * copy), allocated once by error_words (the planner calls it) and kept for the life of the process (captured graphs
- * hold their device address). */
+/* The sticky report words of each device (STATUS_WORDS int32 of device memory), allocated once by error_words (the
+ * planner calls it, before ORT could capture a graph) and kept for the life of the process: captured graphs hold
+ * their address. take_device_error reads and clears them. */
 #define MAX_DEVICES 64
-static int32_t* g_error_words[MAX_DEVICES];
 static CUdeviceptr g_error_device[MAX_DEVICES];
 
 /* ------------------------------------------------------------------------------------------------- plans */
@@ -1528,7 +1529,40 @@ static PyObject* py_check_plan(PyObject* self, PyObject* args) {
 }
 
 
-/* error_words(device) -> the device address of the device's sticky words (with that device's context current). */
+/* Run ``body`` with device ``device``'s primary context current (the caller's restored after); the result. */
+static CUresult on_device(int device, CUresult (*body)(int, void*), void* data) {
+  CUdevice handle;
+  CUcontext context = NULL, previous = NULL;
+  CUresult result = cu.cuDeviceGet(&handle, device);
+  if (result == 0) result = cu.cuDevicePrimaryCtxRetain(&context, handle);
+  if (result != 0) return result;
+  result = cu.cuCtxGetCurrent(&previous);
+  if (result == 0) result = cu.cuCtxSetCurrent(context);
+  if (result == 0) {
+    result = body(device, data);
+    cu.cuCtxSetCurrent(previous);
+  }
+  cu.cuDevicePrimaryCtxRelease(handle);
+  return result;
+}
+
+static CUresult allocate_error_words(int device, void* data) {
+  (void)data;
+  CUdeviceptr address = 0;
+  CUresult result = cu.cuMemAlloc(&address, STATUS_WORDS * sizeof(int32_t));
+  if (result == 0) result = cu.cuMemsetD8(address, 0, STATUS_WORDS * sizeof(int32_t));
+  if (result == 0) g_error_device[device] = address;
+  return result;
+}
+
+static CUresult read_error_words(int device, void* data) {
+  int32_t* words = data;
+  CUresult result = cu.cuMemcpyDtoH(words, g_error_device[device], STATUS_WORDS * sizeof(int32_t));
+  if (result == 0 && words[0] != DEVICE_OK) result = cu.cuMemsetD8(g_error_device[device], 0, STATUS_WORDS * sizeof(int32_t));
+  return result;
+}
+
+/* error_words(device) -> the device address of the device's sticky words, allocated on the first call. */
 static PyObject* py_error_words(PyObject* self, PyObject* args) {
   (void)self;
   int device;
@@ -1537,27 +1571,17 @@ static PyObject* py_error_words(PyObject* self, PyObject* args) {
     PyErr_Format(PyExc_ValueError, "error_words: device %d is not in 0..%d", device, MAX_DEVICES - 1);
     return NULL;
   }
-  if (!load_cuda() || cu.cuMemHostAlloc == NULL || cu.cuMemHostGetDevicePointer == NULL) {
-    PyErr_Format(PyExc_RuntimeError, "error_words: %s", cu.error[0] ? cu.error : "the CUDA driver lacks mapped memory");
+  if (!load_cuda() || cu.cuMemAlloc == NULL || cu.cuMemcpyDtoH == NULL || cu.cuMemsetD8 == NULL) {
+    PyErr_Format(PyExc_RuntimeError, "error_words: %s", cu.error[0] ? cu.error : "the CUDA driver lacks cuMemAlloc");
     return NULL;
   }
-  pthread_mutex_lock(&g_library_lock);
   CUresult result = 0;
-  if (g_error_words[device] == NULL) {
-    void* host = NULL;
-    result = cu.cuMemHostAlloc(&host, STATUS_WORDS * sizeof(int32_t), 0x01 | 0x02 /* PORTABLE | DEVICEMAP */);
-    CUdeviceptr address = 0;
-    if (result == 0) result = cu.cuMemHostGetDevicePointer(&address, host, 0);
-    if (result == 0) {
-      memset(host, 0, STATUS_WORDS * sizeof(int32_t));
-      g_error_words[device] = host;
-      g_error_device[device] = address;
-    }
-  }
+  pthread_mutex_lock(&g_library_lock);
+  if (g_error_device[device] == 0) result = on_device(device, allocate_error_words, NULL);
   CUdeviceptr address = g_error_device[device];
   pthread_mutex_unlock(&g_library_lock);
   if (result != 0) {
-    PyErr_Format(PyExc_RuntimeError, "error_words: mapped memory for device %d: %s (CUresult %d)", device,
+    PyErr_Format(PyExc_RuntimeError, "error_words: device memory on device %d: %s (CUresult %d)", device,
                  cu_error_text(result), result);
     return NULL;
   }
@@ -1565,18 +1589,26 @@ static PyObject* py_error_words(PyObject* self, PyObject* args) {
 }
 
 /* take_device_error(device) -> None, or (code, a, b, c, site, beams) of the first report since the last take
- * (cleared). */
+ * (cleared). Synchronous: call it once the stream that replays the graphs has been synchronized. */
 static PyObject* py_take_device_error(PyObject* self, PyObject* args) {
   (void)self;
   int device;
   if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
-  if (device < 0 || device >= MAX_DEVICES || g_error_words[device] == NULL) Py_RETURN_NONE;
-  volatile int32_t* words = g_error_words[device];
+  if (device < 0 || device >= MAX_DEVICES || g_error_device[device] == 0) Py_RETURN_NONE;
+  int32_t words[STATUS_WORDS] = {0};
+  CUresult result;
+  Py_BEGIN_ALLOW_THREADS
+  pthread_mutex_lock(&g_library_lock);
+  result = on_device(device, read_error_words, words);
+  pthread_mutex_unlock(&g_library_lock);
+  Py_END_ALLOW_THREADS
+  if (result != 0) {
+    PyErr_Format(PyExc_RuntimeError, "take_device_error: reading device %d: %s (CUresult %d)", device,
+                 cu_error_text(result), result);
+    return NULL;
+  }
   if (words[0] == DEVICE_OK) Py_RETURN_NONE;
-  PyObject* report = Py_BuildValue("(iiiiii)", words[0], words[1], words[2], words[3], words[4], words[5]);
-  for (int i = 1; i < STATUS_WORDS; ++i) words[i] = 0;
-  words[0] = DEVICE_OK; /* last: a kernel's next report may start */
-  return report;
+  return Py_BuildValue("(iiiiii)", words[0], words[1], words[2], words[3], words[4], words[5]);
 }
 
 /* device_error_text(code, a, b, c, beams) -> the C side's sentence (tests compare it with launch.py's). */

@@ -29,8 +29,8 @@ def function_handle(device_id: int, launch) -> int:
 
 
 def error_words(device_id: int) -> int:
-    """The device address of ``device_id``'s sticky report words (page-locked host memory the device writes
-    through; the native library allocates them once and keeps them: captured graphs hold the address)."""
+    """The device address of ``device_id``'s sticky report words (device memory the native library allocates once
+    and keeps: captured graphs hold the address)."""
     from mha_ep.native import library
 
     return int(library().error_words(device_id))
@@ -42,7 +42,8 @@ def take_device_error(device_id: int = 0) -> Optional[str]:
     sentence naming the node(s) of its kernel config; None when there was none. The report is cleared.
 
     An eager call raises its own report as the run's ORT error; this is how a decode loop that replays captured
-    graphs (where the host cannot wait for the value) learns of one: read it after the step's synchronization.
+    graphs (where the host cannot wait for the value) learns of one: read it once the stream is synchronized
+    (a 32-byte copy).
     The kernels clamped the bad value, so nothing outside the buffers was read or written."""
     from mha_ep.launch import device_error_text
     from mha_ep.native import library

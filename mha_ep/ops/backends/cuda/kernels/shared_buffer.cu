@@ -22,7 +22,8 @@
 // Bad values the host cannot see (under a captured graph P and the beam indices are device data): P outside
 // [0, M), P + L > M, a beam index outside [0, W), a mask or attention_bias whose T is not P + L. A kernel that
 // meets one reports it (report_error: the call's status words, which the native library reads after an eager
-// call, and the process's sticky words, which a decode loop reads; docs/SEMANTICS.md §3.9), then clamps: P into
+// call, and the device's sticky words, bound while ORT captures a graph, which a decode loop reads; docs/SEMANTICS.md
+// §3.9), then clamps: P into
 // [0, M - L], the beam index into [0, W), the mask and bias reads into their T. Nothing outside the buffers is
 // read or written, and nothing is written past row M.
 //
@@ -56,7 +57,7 @@ __device__ __forceinline__ void report_error(int* status, int* sticky, int site,
       words[3] = c;
       words[4] = site;
       words[5] = beams;
-      __threadfence_system();
+      __threadfence();
     }
   }
 }
