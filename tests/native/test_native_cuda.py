@@ -227,6 +227,7 @@ def test_a_static_cache_step_replays_for_every_past_length_with_the_present_boun
         for name, value in step.items():
             if name not in ("past_key", "past_value"):  # the cache stays the one buffer; P goes in on the device
                 buffers[name][...] = cupy.asarray(value)
+        cupy.cuda.runtime.deviceSynchronize()  # ORT's stream does not wait for CuPy's
         host_cache = {name: cupy.asnumpy(buffers[name]) for name in ("past_key", "past_value")}
         expected = stock_outputs(with_(STATIC, past_seq=p), {**step, **host_cache})
         session.run_with_iobinding(binding)
@@ -250,6 +251,7 @@ def test_a_bad_past_length_is_an_ort_error_eagerly_and_a_device_report_under_a_g
     eager = native_session(build_model(STATIC), backend="cuda", providers=CUDA)
     binding, buffers = static_binding(eager, STATIC, rng)
     buffers["past_sequence_length"][...] = STATIC.max_seq
+    cupy.cuda.runtime.deviceSynchronize()
     with pytest.raises(Exception, match=r"node 'mha'.*past_sequence_length must be non-negative and less than "
                                         r"max_sequence_length \(48\), got 48"):  # fmt: skip
         eager.run_with_iobinding(binding)
@@ -258,6 +260,7 @@ def test_a_bad_past_length_is_an_ort_error_eagerly_and_a_device_report_under_a_g
     binding, buffers = static_binding(graphed, STATIC, rng)
     for p in range(3):  # warm-up and capture with good lengths
         buffers["past_sequence_length"][...] = p
+        cupy.cuda.runtime.deviceSynchronize()  # ORT's stream does not wait for CuPy's
         graphed.run_with_iobinding(binding)
     cupy.cuda.runtime.deviceSynchronize()
     assert native.take_device_error(0) is None
@@ -265,6 +268,7 @@ def test_a_bad_past_length_is_an_ort_error_eagerly_and_a_device_report_under_a_g
     for bad, text in ((-3, "less than max_sequence_length (48), got -3"),
                       (47, "past_sequence_length (47) plus kv_sequence_length (1) must not exceed")):  # fmt: skip
         buffers["past_sequence_length"][...] = bad
+        cupy.cuda.runtime.deviceSynchronize()
         graphed.run_with_iobinding(binding)
         cupy.cuda.runtime.deviceSynchronize()
         report = native.take_device_error(0)
@@ -275,6 +279,7 @@ def test_a_bad_past_length_is_an_ort_error_eagerly_and_a_device_report_under_a_g
         assert bool(cupy.isfinite(buffers["output"]).all())
     buffers["past_sequence_length"][...] = 5
     buffers["cache_indirection"][...] = 7  # beam indices out of [0, 2)
+    cupy.cuda.runtime.deviceSynchronize()
     graphed.run_with_iobinding(binding)
     cupy.cuda.runtime.deviceSynchronize()
     report = native.take_device_error(0)

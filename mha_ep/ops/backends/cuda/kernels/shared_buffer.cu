@@ -32,6 +32,7 @@
 
 #define SHARED_BUFFER_THREADS 128
 #define STATUS_WORDS 8
+#define INT_MAX_VALUE 2147483647
 
 // What report_error says (mha_ep/launch.py DeviceError; tests/cuda/test_kernel_constants.py checks the two agree).
 enum DeviceError {
@@ -176,15 +177,28 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
 
   const int batch_row0 = beam ? b / beams * beams : b;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  // The past row j of this output row: its batch row (redirected on the beam path), checked and clamped.
+  if (beam && row == 0) {  // ORT's check of the beam indices, reporting the first bad one in (row, position) order
+    __shared__ int first_bad;
+    if (threadIdx.x == 0) first_bad = INT_MAX_VALUE;
+    __syncthreads();
+    const long long used = (long long)batch * past;
+    for (long long i = threadIdx.x; i < used; i += blockDim.x) {
+      const long long at = i / past * max_seq + i % past;
+      const int index = cache_indirection[at];
+      if (index < 0 || index >= beams) atomicMin(&first_bad, (int)i);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && first_bad != INT_MAX_VALUE) {
+      const int bad_row = first_bad / past, bad_position = first_bad % past;
+      report_error(status, sticky, site, BEAM_INDEX, cache_indirection[(long long)bad_row * max_seq + bad_position],
+                   bad_row, bad_position, beams);
+    }
+  }
+  // The past row j of this output row: its batch row (redirected on the beam path, the index clamped).
   auto past_row = [&](int j) -> int {
     if (!beam) return b;
-    int index = cache_indirection[(long long)b * max_seq + j];  // (B/W, W, M) flattened: row b = batch*W + w
-    if (index < 0 || index >= beams) {
-      report_error(status, sticky, site, BEAM_INDEX, index, b, j, beams);
-      index = min(max(index, 0), beams - 1);
-    }
-    return batch_row0 + index;
+    const int index = cache_indirection[(long long)b * max_seq + j];  // (B/W, W, M) flattened: row b = batch*W + w
+    return batch_row0 + min(max(index, 0), beams - 1);
   };
 
   // 2-3. scores: a warp per key, lanes across the head
