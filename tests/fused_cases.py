@@ -22,7 +22,7 @@ KERNEL_DIR = Path(fused.__file__).parent / "kernels"
 
 
 FUSED_FILES = ("flash_attention.cu", "flash_common.cuh", "wgmma_common.cuh", "flash_attention_wgmma.cu",
-               "flash_attention_ws.cu")  # the fused kernels' code
+               "flash_attention_ws.cu", "split_keys.cu")  # the fused kernels' code
 
 
 SOURCE = "\n".join((KERNEL_DIR / name).read_text() for name in FUSED_FILES)
@@ -46,8 +46,9 @@ def make_problem(case: Case, dtype: str) -> MhaProblem:
 
 
 # ------------------------------------------------------------------------------------------------ GPU harness
-def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndarray:
-    """Output (B, S, Dv) float32 of the fused kernel on device copies of ``problem`` in operand ``form``."""
+def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: bool = False) -> np.ndarray:
+    """Output (B, S, Dv) float32 of the fused kernel on device copies of ``problem`` in operand ``form``
+    (``split``: fused_steps' split-key pair, its scratch poisoned, instead of the flash kernel)."""
     g = problem.geometry
     keep = []  # device arrays stay alive until the kernel is done
 
@@ -99,9 +100,22 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None) -> np.ndar
         mask = mask_device.data.ptr
     out = cupy.full((g.batch, g.q_seq, g.v_hidden), np.nan, dtype=cupy.float32)  # poison
     stream = cupy.cuda.Stream(non_blocking=True)
-    fused.run_fused(0, problem, q=q, k=k, v=v, operand_dtype=operand_dtype,
-                    attention_bias=dev(problem.attention_bias), mask=mask, out_BSD=out.data.ptr,
-                    stream=stream, tile=tile, **offset_args)  # fmt: skip
+    operands = dict(q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=dev(problem.attention_bias),
+                    mask=mask, out_BSD=out.data.ptr, **offset_args)  # fmt: skip
+    if split:
+        from mha_ep.ops.backends.cuda.steps import run_steps
+
+        def take(name: str, nbytes: int) -> int:
+            scratch = cupy.full((nbytes,), 0xFF, cupy.uint8)  # NaN in every float of it
+            keep.append(scratch)
+            return scratch.data.ptr
+
+        steps = fused.fused_steps(problem, take=take, facts=fused.DeviceFacts.of(0), **operands)
+        assert [step.function.split("<")[0] for step in steps] == ["split_key_attention", "combine_key_splits"]
+        cupy.cuda.runtime.deviceSynchronize()  # the poison is written before the stream reads it
+        run_steps(0, steps, stream)
+    else:
+        fused.run_fused(0, problem, stream=stream, tile=tile, **operands)
     stream.synchronize()
     return cupy.asnumpy(out)
 
@@ -191,6 +205,22 @@ WS_CASES = {  # no padding mask or attention_bias: flash_attention_ws has no cod
     "causal_L_ne_S_last_row_free": Case(b=1, s=200, l=300, n=2, h=64, causal=True),
     "causal_S130_T130_H128_past_presents": Case(b=2, s=130, l=130, p=70, n=2, h=128, causal=True),
     "unidirectional_S1_past8_no_causal_mask": Case(b=2, s=1, l=1, p=8, n=2, h=64, causal=True),
+}
+
+
+# decode steps (S <= dispatch.SPLIT_MAX_ROWS) for the split-key kernels: one split up to about 150 (T = 5000)
+SPLIT_CASES = {
+    "S1_T1500_H64_whisper_cross_BNSH": Case(b=1, s=1, l=1500, n=6, h=64, layout="BNSH", bias=False),
+    "S1_T203_H64_lengths": CASES["S1_T203_H64_lengths"],
+    "S1_T5_one_split": Case(b=2, s=1, l=5, n=2, h=64),
+    "S4_T700_causal_past_lengths": Case(b=2, s=4, l=4, p=696, n=3, h=64, causal=True, mask="lengths"),
+    "S3_T300_H40_hv24_keysBST_bias_BN": Case(b=2, s=3, l=300, n=2, h=40, hv=24, mask="BST",
+                                              attention_bias=(True, True)),  # fmt: skip
+    "S2_T5000_H128_keysBT_bias_1N": Case(b=1, s=2, l=5000, n=2, h=128, mask="BT", attention_bias=(False, True)),
+    "S1_T90_lengths_minus_inf_filter": Case(b=2, s=1, l=90, n=2, h=32, mask="lengths", mask_filter_value=-np.inf),
+    "S1_T64_fully_padded_batch0": Case(b=2, s=1, l=64, n=2, h=64, mask="lengths", full_padding=True),
+    "S1_past200_causal_scale_attr": Case(b=2, s=1, l=1, p=200, n=3, h=64, bias_scale=1.0, causal=True,
+                                         attrs={"scale": 0.3}),  # fmt: skip
 }
 
 

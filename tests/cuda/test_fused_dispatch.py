@@ -347,3 +347,70 @@ def test_launch_choices():
     assert all(fused.shared_bytes(problem_with(h=h, dtype="float32")) <= fused.SHARED_LIMIT // 2 for h in (32, 64))
     assert fused.Operand(0, "BSNH", 7, 40).strides(3) == (7 * 3 * 40, 40, 3 * 40)
     assert fused.Operand(0, "BNSH", 7, 40).strides(3) == (3 * 7 * 40, 7 * 40, 40)
+
+
+# ------------------------------------------------------------------------------------ split keys (decode steps)
+@pytest.mark.parametrize(
+    "case, sms, split",
+    [
+        # Whisper tiny's cross attention, B=1: 6 (b, h) pairs, 8 x 132 blocks wanted, at least 32 keys a block
+        (Case(b=1, s=1, l=1500, n=6, h=64, layout="BNSH"), 132, dispatch.KeySplit(47, 32)),
+        # Whisper small's, B=8: 96 pairs want 11 splits each
+        (Case(b=8, s=1, l=1500, n=12, h=64, layout="BNSH"), 132, dispatch.KeySplit(11, 137)),
+        # a GPU already full of pairs: splits only to keep a block's logits in shared memory (1024 keys)
+        (Case(b=528, s=4, l=4000, n=1, h=8, bias=False), 132, dispatch.KeySplit(4, 1000)),
+        (Case(b=2, s=1, l=5, n=2, h=64), 132, dispatch.KeySplit(1, 5)),  # a short row: one split
+        (Case(b=1, s=1, l=1500, n=6, h=64), 8, dispatch.KeySplit(11, 137)),  # a small GPU wants fewer blocks
+        (Case(b=1, s=5, l=1500, n=6, h=64), 132, None),  # 5 query rows: the flash kernels
+    ],
+)
+def test_key_split_cuts_a_decode_steps_keys_across_the_gpu(case, sms, split):
+    problem = make_problem(case, "float32")
+    got = dispatch.key_split(problem, sms)
+    assert got == split
+    if got is not None:  # every key in exactly one split, none empty, the logits within the block's budget
+        t = problem.geometry.total_seq
+        assert (got.splits - 1) * got.chunk < t <= got.splits * got.chunk
+        assert got.chunk <= dispatch.SPLIT_MAX_CHUNK
+
+
+def test_split_key_shared_memory_fits_the_default_limit_at_the_extremes():
+    widest = make_problem(Case(b=1, s=dispatch.SPLIT_MAX_ROWS, l=9000, n=1, h=128), "float32")
+    split = dispatch.key_split(widest, 1)
+    assert split.chunk == 1000  # 9 splits of at most SPLIT_MAX_CHUNK keys
+    assert fused.split_shared_bytes(widest, split.chunk) <= fused.DEFAULT_SHARED_LIMIT
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_steps_launch_the_split_pair_for_decode_steps_and_flash_otherwise(dtype):
+    """S <= SPLIT_MAX_ROWS: split_key_attention over (pairs, splits) blocks then combine_key_splits, the flash
+    arguments passed on, two scratch buffers (partial outputs, max and sum); S = 5: one flash launch."""
+    facts = fused.DeviceFacts("90", 132)
+    taken = {}
+
+    def take(name, nbytes):
+        taken[name] = nbytes
+        return 4096 * (len(taken) + 100)
+
+    for s, expected in ((1, ["split_key_attention", "combine_key_splits"]), (5, None)):
+        problem = make_problem(Case(b=2, s=s, l=300, n=3, h=64, hv=32, mask="lengths"), dtype)
+        g = problem.geometry
+        operands = dict(
+            q=fused.Operand(1 << 20, "BNSH", g.q_seq, 64), k=fused.Operand(2 << 20, "BNSH", g.total_seq, 64),
+            v=fused.Operand(3 << 20, "BNSH", g.total_seq, 32), operand_dtype=dtype, attention_bias=None,
+            mask=4 << 20, out_BSD=5 << 20,
+        )  # fmt: skip
+        steps = fused.fused_steps(problem, take=take, facts=facts, **operands)
+        if expected is None:
+            assert len(steps) == 1 and steps[0].function.startswith("flash_attention_")
+            continue
+        split = dispatch.key_split(problem, facts.sms)
+        assert [step.function.split("<")[0] for step in steps] == expected
+        attention, combine = steps
+        assert attention.grid == (g.batch * g.num_heads, split.splits, 1)
+        assert attention.args[: len(fused.fused_step(problem, facts=facts, **operands).args)] == \
+            fused.fused_step(problem, facts=facts, **operands).args  # fmt: skip
+        assert attention.shared == fused.split_shared_bytes(problem, split.chunk)
+        assert combine.grid == (g.batch * g.num_heads * g.q_seq, 1, 1) and combine.args[-1].address == 5 << 20
+        rows = g.batch * g.num_heads * split.splits * g.q_seq
+        assert taken == {"split_O": 4 * rows * g.v_head_size, "split_ML": 8 * rows}

@@ -11,7 +11,8 @@ ones also when causal; ``ws_unsupported_reason``) take ``flash_attention_ws`` in
 two or three ping-ponging consumers, persistent): three consumers for head tile 64 where their 192-row tiles pay
 (``prefers_three_consumers``), two for head tile 128, or head tile 64 with enough query tiles to fill the GPU
 (``prefers_warp_specialized``). Every kernel is templated on the head tile HEAD_DIM, the smallest of
-HEAD_DIM_TILES that holds max(H, Hv).
+HEAD_DIM_TILES that holds max(H, Hv). A decode step (S <= SPLIT_MAX_ROWS) takes none of them: ``key_split`` cuts
+its keys across blocks for ``split_key_attention`` and ``combine_key_splits`` (kernels/split_keys.cu).
 
 The measurements behind each default are in docs/BENCH.md ("Dispatch defaults"); the code keeps the reasons.
 This module imports no CuPy (tests/cuda/test_cuda_scratch.py checks it); fused.py launches what it chooses.
@@ -48,6 +49,12 @@ FEATURE_PADDING = 1  # kernels/flash_common.cuh FlashFeatures FLASH_WITH_PADDING
 FEATURE_BIAS = 2  # FLASH_WITH_BIAS
 FEATURE_KEY_OFFSET = 4  # FLASH_WITH_KEY_OFFSET
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+SPLIT_MAX_ROWS = 4  # kernels/split_keys.cu SPLIT_MAX_ROWS: query rows of a call the split-key kernel takes
+SPLIT_MAX_DIM = 128  # kernels/split_keys.cu SPLIT_MAX_DIM (the fused path's largest head tile)
+SPLIT_MIN_CHUNK = 32  # keys per split-key block, at least ...
+SPLIT_MAX_CHUNK = 1024  # ... and at most (the block's logits in shared memory)
+SPLIT_WAVES = 8  # split-key blocks aimed for, per SM (many small blocks: more loads in flight)
+GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
 
 
 def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
@@ -303,6 +310,34 @@ def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str, sms: i
     if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
         return default_wgmma_tile(problem, key_offset)
     return default_tile(problem)
+
+
+@dataclass(frozen=True)
+class KeySplit:
+    """How split_key_attention (kernels/split_keys.cu) cuts the T keys: ``splits`` blocks per (b, h), each of at
+    most ``chunk`` keys (the last one may hold fewer; none is empty)."""
+
+    splits: int
+    chunk: int
+
+
+def key_split(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> Optional[KeySplit]:
+    """The split-key kernel's cut of a fused call of at most SPLIT_MAX_ROWS query rows (a decode step), or None:
+    the flash kernels take it. A flash block holds 64 query rows of one (b, h) and walks every key, so at S = 1 the
+    GPU runs B*N blocks of mostly idle rows (Whisper's cross attention, B*N = 6, T = 1500: about 140 us of a
+    2 us read). Split, the blocks number about SPLIT_WAVES x ``sms``: each of at least SPLIT_MIN_CHUNK keys and
+    at most SPLIT_MAX_CHUNK (its logits sit in shared memory)."""
+    g = problem.geometry
+    if g.q_seq > SPLIT_MAX_ROWS or max(g.head_size, g.v_head_size) > SPLIT_MAX_DIM or g.total_seq == 0:
+        return None
+    pairs = g.batch * g.num_heads
+    wanted = -(-SPLIT_WAVES * sms // pairs)
+    splits = max(1, -(-g.total_seq // SPLIT_MAX_CHUNK), min(wanted, -(-g.total_seq // SPLIT_MIN_CHUNK)))
+    chunk = -(-g.total_seq // splits)
+    splits = -(-g.total_seq // chunk)  # no empty split
+    if splits > GRID_Y_MAX or pairs > I32_MAX:
+        return None
+    return KeySplit(splits, chunk)
 
 
 def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:

@@ -3,6 +3,7 @@ masked softmax -> P.V GEMM) wherever dispatch.py's rules say they compute the sa
 
     step = fused_step(problem, q=..., k=..., v=..., operand_dtype=..., attention_bias=..., mask=...,
                       out_BSD=..., facts=DeviceFacts.of(device_id), key_offset=..., query_offset=...)
+    steps = fused_steps(problem, take=take, ...)   # the same, or for a decode step the split-key pair
     run_fused(device_id, problem, stream=..., q=..., ...)   # the same, launched now (no allocation, no sync)
 
 Layout legend (mha_ep/spec.py): B batch, S query length, L new key length, P past length, T = P + L, N heads,
@@ -28,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from mha_ep.launch import ELEMENT_BYTES, ELEMENT_TYPES, MaskKind
-from mha_ep.ops.backends.cuda import kernels, tma
+from mha_ep.ops.backends.cuda import dispatch, kernels, tma
 from mha_ep.ops.backends.cuda.dispatch import (
     Tile, WgmmaTile, WsTile, choose_tile, default_tile, head_dim_tile, mma_features, query_tiles,
     wgmma_unsupported_reason, ws_tile_unsupported_reason, ws_unsupported_reason,
@@ -53,6 +54,8 @@ SM_SHARED_BYTES = 228 * 1024  # shared memory of one sm_90 SM; each resident blo
 WGMMA_SMEM_ALIGN = 1024  # kernels/flash_attention_wgmma.cu: tiles start 1024-byte aligned (128-byte swizzle)
 WS_STAGES = 2  # kernels/flash_attention_ws.cu WS_STAGES
 WS_BARRIER_BYTES = 8 * (2 + 4 * WS_STAGES)  # q_full, q_empty, full/empty x K/V x stages
+SPLIT_THREADS = 128  # kernels/split_keys.cu SPLIT_THREADS
+SPLIT_WARPS = SPLIT_THREADS // 32
 
 
 def blocks_per_sm_by_shared_memory(shared: int) -> int:
@@ -306,6 +309,62 @@ def fused_step(
     Addresses are ints or steps.Buffer names (the native route binds those at every call). Raises ValueError
     for operands the kernel cannot take.
     """
+    launch = _decided(problem, q, k, v, operand_dtype, attention_bias, mask, facts, tile, key_offset, query_offset)
+    args = _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD)
+    if isinstance(launch.tile, WsTile):
+        args += tuple(ws_tensor_maps(problem, operand_dtype, launch.tile, {"q": q, "k": k, "v": v}))
+    return Launch(launch.name, (launch.blocks, 1, 1), (launch.threads, 1, 1), launch.shared, args, fused=True)
+
+
+def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional[Tile] = None, **operands) -> list:
+    """The fused path's launches for ``problem``: fused_step's one kernel, or for a decode step that
+    dispatch.key_split cuts (and no ``tile`` named) the split-key pair, split_key_attention then
+    combine_key_splits (kernels/split_keys.cu), over two scratch buffers from ``take(name, nbytes)``. The
+    arguments are fused_step's, with its checks."""
+    split = None if tile is not None else dispatch.key_split(problem, facts.sms)
+    if split is None:
+        return [fused_step(problem, facts=facts, tile=tile, **operands)]
+    q, k, v, out_BSD = operands["q"], operands["k"], operands["v"], operands["out_BSD"]
+    attention_bias, mask = operands["attention_bias"], operands["mask"]
+    key_offset, query_offset = operands.get("key_offset"), operands.get("query_offset")
+    launch = _decided(problem, q, k, v, operands["operand_dtype"], attention_bias, mask, facts, None, key_offset,
+                      query_offset)  # fmt: skip
+    return split_key_steps(problem, split, take,
+                           _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD),
+                           operands["operand_dtype"], out_BSD)  # fmt: skip
+
+
+def split_shared_bytes(problem: MhaProblem, chunk: int) -> int:
+    """split_key_attention's dynamic shared memory: the query rows, the chunk's logits and each warp's P.V."""
+    g = problem.geometry
+    return 4 * g.q_seq * (g.head_size + chunk + SPLIT_WARPS * g.v_head_size)
+
+
+def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, arguments: tuple, operand_dtype: str,
+                    out_BSD: Address) -> list:  # fmt: skip
+    """The split-key pair of launches (fused_steps) with flash's ``arguments`` (_arguments)."""
+    g = problem.geometry
+    pairs = g.batch * g.num_heads
+    rows = pairs * split.splits * g.q_seq
+    partial_O = take("split_O", 4 * rows * g.v_head_size)
+    partial_ML = take("split_ML", 8 * rows)
+    elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
+    i32 = np.int32
+    log.debug("mha_ep: fused path: split keys, %d x %d blocks of %d keys", pairs, split.splits, split.chunk)
+    return [
+        Launch(f"split_key_attention<{elem}, {src}>", (pairs, split.splits, 1), (SPLIT_THREADS, 1, 1),
+               split_shared_bytes(problem, split.chunk),
+               arguments + (i32(split.chunk), Pointer(partial_O), Pointer(partial_ML)), fused=True),
+        Launch(f"combine_key_splits<{elem}>", (pairs * g.q_seq, 1, 1), (SPLIT_THREADS, 1, 1), 4 * split.splits,
+               (Pointer(partial_O), Pointer(partial_ML), i32(split.splits), i32(g.num_heads), i32(g.q_seq),
+                i32(g.v_head_size), Pointer(out_BSD)), fused=True),
+    ]  # fmt: skip
+
+
+def _decided(problem: MhaProblem, q: Operand, k: Operand, v: Operand, operand_dtype: str, attention_bias: Address,
+             mask: Address, facts: DeviceFacts, tile: Optional[Tile], key_offset: Address,
+             query_offset: Address) -> "FusedLaunch":  # fmt: skip
+    """fused_launch's decision for this call signature, remembered, and the operands' alignment checked."""
     key = (facts, problem_signature(problem), operand_dtype, tile, attention_bias is None, mask is None,
            q.layout, q.seq, q.dim, q.bias is None, k.layout, k.seq, k.dim, k.bias is None,
            v.layout, v.seq, v.dim, v.bias is None, key_offset is None, query_offset is None)  # fmt: skip
@@ -319,9 +378,15 @@ def fused_step(
         _launches[key] = launch
     for name, op in (("q", q), ("k", k), ("v", v)):
         _check_aligned(name, op.address, launch.in_bytes)
+    return launch
+
+
+def _arguments(launch: "FusedLaunch", q: Operand, k: Operand, v: Operand, attention_bias: Address, mask: Address,
+               key_offset: Address, query_offset: Address, out_BSD: Address) -> tuple:  # fmt: skip
+    """The arguments every fused kernel takes, up to out_BSD (flash_attention.cu, split_keys.cu)."""
     sq, sk, sv = launch.strides
     mask_kind = launch.mask_kind
-    args = (
+    return (
         Pointer(q.address), *sq, Pointer(q.bias),
         Pointer(k.address), *sk, Pointer(k.bias),
         Pointer(v.address), *sv, Pointer(v.bias),
@@ -330,9 +395,6 @@ def fused_step(
         Pointer(mask if mask_kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None),
         Pointer(key_offset), Pointer(query_offset), *launch.scalars, Pointer(out_BSD),
     )  # fmt: skip
-    if isinstance(launch.tile, WsTile):
-        args += tuple(ws_tensor_maps(problem, operand_dtype, launch.tile, {"q": q, "k": k, "v": v}))
-    return Launch(launch.name, (launch.blocks, 1, 1), (launch.threads, 1, 1), launch.shared, args, fused=True)
 
 
 MAX_LAUNCHES = 1024  # remembered launch decisions (forgotten all at once beyond)

@@ -60,6 +60,8 @@ INSTANTIATED = {
     "flash_attention_mma": ("flash_attention.cu", None),
     "flash_attention_wgmma": ("flash_attention_wgmma.cu", HOPPER_ARCH),
     "flash_attention_ws": ("flash_attention_ws.cu", HOPPER_ARCH),
+    "split_key_attention": ("split_keys.cu", None),  # a decode step's keys across blocks (dispatch.key_split)
+    "combine_key_splits": ("split_keys.cu", None),
 }
 COMPILE_OPTIONS = ()  # accurate expf: no fast-math
 

@@ -28,6 +28,8 @@ mha_ep/spec.py):
           dispatch.fused_unsupported_reason says why not, the three phases: cuBLAS scores, masked softmax, cuBLAS
           P.V and context_to_BSD;
      and outputs wanted in the node's dtype are narrowed from float32 buffers.
+"The fused kernel" is fused.fused_steps': one flash kernel, or for a decode step (S <= 4) the split-key pair,
+whose blocks share a row's keys (dispatch.key_split, kernels/split_keys.cu).
 This module must not import CuPy: its decisions are tested on CPU machines, and the native route plans on them.
 """
 
@@ -41,7 +43,7 @@ import numpy as np
 
 from mha_ep.launch import ELEMENT_BYTES, LAUNCH_BLOCK, SOFTMAX_THREADS, MaskKind
 from mha_ep.ops.backends.cuda import dispatch, gemm
-from mha_ep.ops.backends.cuda.fused import DeviceFacts, Operand, fused_step
+from mha_ep.ops.backends.cuda.fused import DeviceFacts, Operand, fused_steps
 from mha_ep.ops.backends.cuda.geometry import LaunchPlan, cached_plan, checked_grid
 from mha_ep.ops.backends.cuda.kernels import name_expression
 from mha_ep.ops.backends.cuda.movers import Mover, layout_movers, mover_struct
@@ -110,6 +112,9 @@ class _Builder:
 
     def add(self, step: Step) -> None:
         self.steps.append(step)
+
+    def extend(self, steps: list) -> None:
+        self.steps.extend(steps)
 
 
 def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, temporaries: Temporaries, *,
@@ -286,14 +291,14 @@ def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sou
     build.add(mover_launch(plan, "build_dense_BNTH_native", movers, problem.scale))
     count = g.batch * g.q_seq * g.v_hidden
     out_f32 = build.take("output_f32", 4 * count)
-    build.add(fused_step(
+    build.extend(fused_steps(
         problem,
         q=Operand(q_BNSH, "BNSH", plan.q_seq, plan.head_size),
         k=Operand(k_BNTH, "BNSH", plan.total_seq, plan.head_size),
         v=Operand(v_BNTH, "BNSH", plan.total_seq, plan.v_head_size),
         operand_dtype=problem.dtype, attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
         out_BSD=out_f32, facts=facts, key_offset=offsets.get("key_offset_BNT"),
-        query_offset=offsets.get("query_offset_BNS"),
+        query_offset=offsets.get("query_offset_BNS"), take=build.take,
     ))  # fmt: skip
     build.add(_narrow(problem.dtype, out_f32, outputs["output"], count))
 
@@ -303,13 +308,13 @@ def _float32_pipeline(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts,
                       build: _Builder, fused_unsupported: Optional[str]) -> None:  # fmt: skip
     """Module docstring, step 3 (float32 sources and outputs, values rounded to the compute dtype)."""
     if fused_unsupported is None and dispatch.reads_staged_inputs(problem):  # 3a: bias added on load
-        build.add(fused_step(
+        build.extend(fused_steps(
             problem,
             q=Operand(sources["query"], "BSNH", plan.q_seq, plan.head_size, sources.get("bias_q")),
             k=Operand(sources["key"], problem.kv_layout, plan.kv_seq, plan.head_size, sources.get("bias_k")),
             v=Operand(sources["value"], problem.kv_layout, plan.kv_seq, plan.v_head_size, sources.get("bias_v")),
             operand_dtype="float32", attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
-            out_BSD=outputs["output"], facts=facts,
+            out_BSD=outputs["output"], facts=facts, take=build.take,
         ))  # fmt: skip
         return
     # 3b: operands. A float32 call's K/V operands are the present outputs themselves; otherwise they are scratch
@@ -332,14 +337,14 @@ def _float32_pipeline(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts,
                            offsets=offsets)  # fmt: skip
     build.add(mover_launch(plan, "build_dense_BNTH", movers, problem.scale))
     if fused_unsupported is None:  # steps 3-5 in one flash-attention kernel (fused.py)
-        build.add(fused_step(
+        build.extend(fused_steps(
             problem,
             q=Operand(ops["q_BNSH"], "BNSH", plan.q_seq, plan.head_size),
             k=Operand(ops["k_BNTH"], "BNSH", plan.total_seq, plan.head_size),
             v=Operand(ops["v_BNTH"], "BNSH", plan.total_seq, plan.v_head_size),
             operand_dtype=plan.dtype, attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
             out_BSD=outputs["output"], facts=facts, key_offset=offsets.get("key_offset_BNT"),
-            query_offset=offsets.get("query_offset_BNS"),
+            query_offset=offsets.get("query_offset_BNS"), take=build.take,
         ))  # fmt: skip
         return
     log.debug("mha_ep: fused path not used: %s; three-phase path", fused_unsupported)
