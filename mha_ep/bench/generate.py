@@ -15,16 +15,19 @@ each a whole greedy generation, all columns timed in turns (``--repeats`` genera
   static_greedy    the decoder rewritten into its static-cache form (mha_ep/static_cache.py, M = MAX_LENGTH): one
                    ORT CUDA-graph replay and one token-choice kernel a step, queued ahead of the GPU, the host
                    reading "all done?" every 8 steps and the tokens at the end (mha_ep/models/static_decode.py);
-                   its ms per token is the whole generation's time over its steps (no step is timed alone)
+                   its ms per token is the loop's time over the decoder steps it ran (no step is timed alone; on
+                   the real rows the loop alone: the encoder and first step are in the encoder column)
 And beam search with BEAMS beams (B batch entries, B x BEAMS decoder rows), each a whole generation timed in turns:
   stock_beam       stock ORT CUDA, IOBinding, the dynamic cache reordered on the GPU by a gather before every step,
                    the log-probabilities and each row's best tokens on the GPU, the choice on the host
                    (mha_ep/models/generate.py bound_beam), ms per step the median step
   static_beam      the static-cache decoder with cache_indirection, the beam choice and the cache indirection's
-                   reordering on the device (decode.cu beam_step), ms per step the whole search's time over its steps
+                   reordering on the device (decode.cu beam_rows, beam_select), ms per step the search loop's time
+                   over its decoder steps
 Per column: ms per token (the median step of a generation, median over generations), the token agreement with
-stock_iobinding (share of positions with the same token; stock_numpy over its steps), the encoder's time (the encoder and the cross-attention
-keys and values, once per utterance; numpy feeds for stock_numpy, device tensors for the others) and the total
+stock_iobinding (share of positions with the same token; stock_numpy over its steps), the encoder's time (the
+encoder and the cross-attention keys and values, once per utterance; numpy feeds for stock_numpy, device tensors
+for the others) and the total
 for a 30 s utterance: encoder + ``--steps`` tokens.
 
 Rows: random weights at Whisper tiny, base and small size (mha_ep/models/synthetic.py: the decoder-with-past with
@@ -169,8 +172,8 @@ def summarise_beams(result: dict, samples: Dict[str, list], answers: Dict[str, l
 
 
 def whole_generation(run: Callable[[], list]) -> Callable[[], tuple]:
-    """A generation timed as a whole (the static loops queue their steps ahead of the GPU): (tokens, [its time
-    over its steps] per step)."""
+    """A generation timed as a whole (the static loops queue their steps ahead of the GPU): ``run()`` gives
+    (tokens, the decoder steps it ran); the result is (tokens, [its time over its steps] per step)."""
     import cupy
 
     def timed():
@@ -181,6 +184,14 @@ def whole_generation(run: Callable[[], list]) -> Callable[[], tuple]:
         return tokens, [elapsed / max(steps, 1)] * max(steps, 1)
 
     return timed
+
+
+def static_loop(transcriber, features) -> tuple:
+    """A StaticTranscriber's decode of ``features``, timed as its static loop alone (the encoder and the first
+    decoder step are the encoder columns' business): (tokens, [loop time over its decoder steps] per step)."""
+    got = transcriber.decode(features)
+    steps = max(transcriber.decoder.last_steps, 1)
+    return got, [transcriber.loop_seconds / steps] * steps
 
 
 def static_decoder(model, batch: int, stream, fixed: dict, beams: int = 0):
@@ -231,7 +242,7 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
     def static_generation():
         greedy_decoder.load_prompt({n.replace("past_", "present_", 1): v for n, v in host_cache.items()}, PROMPT)
         tokens = greedy_static(greedy_decoder, cupy.asarray(first), PROMPT, steps)
-        return tokens, steps
+        return tokens, greedy_decoder.last_steps
 
     def generation(column: str) -> Callable[[], tuple]:
         session = made[kinds[column]][0]
@@ -297,7 +308,7 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
 
     def static_beam():
         beam_decoder.load_prompt({n.replace("past_", "present_", 1): v for n, v in beam_cache.items()}, PROMPT)
-        return beam_static(beam_decoder, first_logits, [0] * PROMPT, steps, eot, bias), steps
+        return beam_static(beam_decoder, first_logits, [0] * PROMPT, steps, eot, bias), beam_decoder.last_steps
 
     beams = {"stock_beam": stock_beam, "static_beam": whole_generation(static_beam)}
     answers = {column: run()[0] for column, run in beams.items()}  # warm-up (and the graph's capture)
@@ -373,8 +384,7 @@ def bench_real(models: Path, repeats: int, max_tokens: int, config_dir: Optional
     generations = {"stock_numpy": lambda: stock_numpy_step_times(features[0])}
     for column, transcriber in transcribers.items():
         if column == "static_greedy":
-            generations[column] = whole_generation(lambda t=transcriber: (lambda got: (got, len(got[0]) + 1))(
-                t.decode(features[0])))
+            generations[column] = lambda t=transcriber: static_loop(t, features[0])
             continue
 
         def run(t=transcriber):
@@ -447,7 +457,7 @@ def bench_real_beams(result: dict, paths: dict, features: list, suppress, begin,
         return [stock_beam(features[0], seconds)[0]], seconds
 
     runs = {"stock_beam": stock_timed,
-            "static_beam": whole_generation(lambda: (lambda got: (got, len(got[0]) + 1))(static.decode(features[0])))}
+            "static_beam": lambda: static_loop(static, features[0])}
     samples: Dict[str, list] = {c: [] for c in runs}
     for _ in range(repeats):
         for column, run in runs.items():

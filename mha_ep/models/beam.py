@@ -1,6 +1,6 @@
 """Beam search as OpenAI's whisper decodes (``BeamSearchDecoder`` with patience 1, ``MaximumLikelihoodRanker``
 without a length penalty), on the host: the rules every beam loop of mha_ep follows, and the oracle of the device
-version (mha_ep/models/decode.cu ``beam_step``, which the GPU loop runs).
+version (mha_ep/models/decode.cu ``beam_rows`` and ``beam_select``, which the GPU loop runs).
 
 Rows are R = B * W, row b*W + w being beam w of batch entry b. A step:
   1. per row, log-probabilities of the logits (plus a suppression bias of 0 / -inf) and its W + 1 best tokens

@@ -1,15 +1,19 @@
 // The token choice of a static-cache decode loop, on the device, between two replays of the decoder's graph
-// (mha_ep/models/static_decode.py). One block each, one launch a step: the host never waits for a token.
+// (mha_ep/models/static_decode.py). A block per row reads the row's logits (loads batched LOADS_IN_FLIGHT deep:
+// a row of 51,865 logits is a latency-bound walk otherwise); the host never waits for a token.
 //
-//   greedy_step<T>: for every row r, token = argmax_v(logits[r, v] + bias[v]) (ties: the lowest id, as argmax);
-//                   a row that has said end-of-text keeps saying it. ids[r] := token, tokens[r, P+1] := token,
-//                   then past_sequence_length := P + 1 and done_all := every row has said end-of-text.
-//   beam_step<T>:   beam search as OpenAI's whisper decodes (BeamSearchDecoder, patience 1), over R = B*W rows:
-//       1. per row, log-probabilities lp = x - max - log(sum exp(x - max)) of x = logits + bias, and the W + 1
-//          best tokens (ties: the lowest id);
-//       2. per batch entry b, the W (W + 1) candidates (sum_logprob[beam] + lp) in descending order (ties: the
-//          lower beam, then the better rank): a candidate ending in end-of-text is kept as finished (its score,
-//          its length, its tokens) while fewer than W are; the others become the next beams until W are;
+//   greedy_step<T>: block r: token = argmax_v(logits[r, v] + bias[v]) (ties: the lowest id, as argmax); a row that
+//                   has said end-of-text keeps saying it. ids[r] := token, tokens[r, P+1] := token. The last
+//                   block to finish (an atomic count of arrivals, reset by it) sets past_sequence_length := P + 1
+//                   and done_all := every row has said end-of-text.
+//   beam_rows<T> then beam_select: beam search as OpenAI's whisper decodes (BeamSearchDecoder, patience 1), over
+//                   R = B*W rows:
+//       1. beam_rows, block r: log-probabilities lp = x - max - log(sum exp(x - max)) of x = logits + bias, and the
+//          W + 1 best tokens (ties: the lowest id), into candidate_lp / candidate_token (R, W + 1);
+//       2. beam_select (one block), per batch entry b, the W (W + 1) candidates (sum_logprob[beam] + lp) in
+//          descending order (ties: the lower beam, then the better rank): a candidate ending in end-of-text is
+//          kept as finished (its score, its length, its tokens) while fewer than W are; the others become the next
+//          beams until W are;
 //       3. the rows are reordered: the tokens (positions [0, P+1)) and cache_indirection of each new beam are
 //          its source beam's, position P of cache_indirection names the source beam (that step wrote its keys
 //          and values there), ids := the new tokens, sum_logprob := their scores, past_sequence_length := P + 1;
@@ -20,7 +24,10 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
-#define DECODE_THREADS 256
+#define DECODE_THREADS 256  // static_decode.py DECODE_THREADS: beam_rows' and beam_select's blocks
+#define GREEDY_THREADS 512  // static_decode.py GREEDY_THREADS
+#define LOADS_IN_FLIGHT 8   // logits a thread loads before it compares them
+#define BEAM_LOADS_IN_FLIGHT 2  // ... in beam_rows' top-k pass (its sorted list takes the registers)
 #define MAX_CANDIDATES 16  // W + 1 <= MAX_CANDIDATES: at most 15 beams
 #define NEG_INFINITY __int_as_float(static_cast<int>(0xff800000u))  // NVRTC has no <cmath> INFINITY
 
@@ -32,10 +39,10 @@ template <> __device__ __forceinline__ float as_float<__nv_bfloat16>(__nv_bfloat
 // a better than b: higher value, then lower id
 __device__ __forceinline__ bool better(float a, int ia, float b, int ib) { return a > b || (a == b && ia < ib); }
 
-// The block's best (value, id) pair; every thread receives it.
-__device__ void block_best(float& value, int& id) {
-  __shared__ float values[DECODE_THREADS / 32];
-  __shared__ int ids[DECODE_THREADS / 32];
+// The block's best (value, id) pair; every thread receives it (THREADS: the block's size).
+template <int THREADS> __device__ void block_best(float& value, int& id) {
+  __shared__ float values[THREADS / 32];
+  __shared__ int ids[THREADS / 32];
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float other = __shfl_xor_sync(0xffffffffu, value, offset);
     const int other_id = __shfl_xor_sync(0xffffffffu, id, offset);
@@ -51,7 +58,7 @@ __device__ void block_best(float& value, int& id) {
   __syncthreads();
   value = values[0];
   id = ids[0];
-  for (int w = 1; w < DECODE_THREADS / 32; ++w) {
+  for (int w = 1; w < THREADS / 32; ++w) {
     if (better(values[w], ids[w], value, id)) {
       value = values[w];
       id = ids[w];
@@ -79,36 +86,55 @@ __device__ __forceinline__ float scored(const T* __restrict__ logits, const floa
   return x;
 }
 
+// Every v of row `row`, in increasing order per thread (v = threadIdx.x + k * blockDim.x), as visit(x, v) of
+// x = logits[row, v] + bias[v]: DEPTH of them loaded before any is visited.
+template <int DEPTH, typename T, typename Visit>
+__device__ __forceinline__ void for_each_logit(const T* __restrict__ logits, const float* __restrict__ bias,
+                                               long long row, int vocab, Visit&& visit) {
+  const int stride = blockDim.x;
+  int v0 = threadIdx.x;
+  for (; v0 + (DEPTH - 1) * stride < vocab; v0 += DEPTH * stride) {
+    float x[DEPTH];
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u) x[u] = scored(logits, bias, row, vocab, v0 + u * stride);
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u) visit(x[u], v0 + u * stride);
+  }
+  for (int v = v0; v < vocab; v += stride) visit(scored(logits, bias, row, vocab, v), v);
+}
+
 // ------------------------------------------------------------------------------------------------ greedy
 template <typename T>
-__global__ void __launch_bounds__(DECODE_THREADS) greedy_step(
+__global__ void __launch_bounds__(GREEDY_THREADS) greedy_step(
     const T* __restrict__ logits, const float* __restrict__ bias, int rows, int vocab, long long* ids,
-    int* past_sequence_length, unsigned char* done, long long* tokens, int max_seq, int eot, int* done_all) {
-  const int past = *past_sequence_length;
-  __syncthreads();
-  int all_done = 1;  // thread 0's
-  for (int r = 0; r < rows; ++r) {
-    float best = NEG_INFINITY;
-    int best_id = vocab;
-    for (int v = threadIdx.x; v < vocab; v += blockDim.x) {
-      const float x = scored(logits, bias, r, vocab, v);
-      if (better(x, v, best, best_id)) {
-        best = x;
-        best_id = v;
-      }
+    int* past_sequence_length, unsigned char* done, long long* tokens, int max_seq, int eot, int* done_all,
+    unsigned* arrived) {
+  const int r = blockIdx.x;
+  const int past = *past_sequence_length;  // every block reads it before the last one moves it
+  float best = NEG_INFINITY;
+  int best_id = vocab;
+  for_each_logit<LOADS_IN_FLIGHT>(logits, bias, r, vocab, [&](float x, int v) {
+    if (better(x, v, best, best_id)) {
+      best = x;
+      best_id = v;
     }
-    block_best(best, best_id);
-    if (threadIdx.x == 0) {
-      const long long token = done[r] ? eot : best_id;
-      ids[r] = token;
-      if (past + 1 < max_seq) tokens[(long long)r * max_seq + past + 1] = token;
-      done[r] = done[r] || token == eot;
-      all_done = all_done && done[r];
-    }
-  }
+  });
+  block_best<GREEDY_THREADS>(best, best_id);
   if (threadIdx.x == 0) {
-    *past_sequence_length = min(past + 1, max_seq - 1);
-    *done_all = all_done;
+    const long long token = done[r] ? eot : best_id;
+    ids[r] = token;
+    if (past + 1 < max_seq) tokens[(long long)r * max_seq + past + 1] = token;
+    done[r] = done[r] || token == eot;
+    __threadfence();  // this row's writes are visible before its arrival is
+    if (atomicAdd(arrived, 1u) == (unsigned)rows - 1) {  // the last row: every row's choice is written
+      __threadfence();
+      const volatile unsigned char* seen = done;
+      int all_done = 1;
+      for (int rr = 0; rr < rows; ++rr) all_done = all_done && seen[rr];
+      *done_all = all_done;
+      *past_sequence_length = min(past + 1, max_seq - 1);
+      *arrived = 0u;
+    }
   }
 }
 
@@ -148,59 +174,56 @@ __device__ void block_top(float* top_values, int* top_ids, int k, float* shared_
 }
 
 template <typename T>
-__global__ void __launch_bounds__(DECODE_THREADS) beam_step(
-    const T* __restrict__ logits, const float* __restrict__ bias, int batch, int beams, int vocab, long long* ids,
-    int* past_sequence_length, float* sum_logprob, long long* tokens, long long* tokens_scratch,
-    int* cache_indirection, int* indirection_scratch, float* finished_score, int* finished_length,
-    long long* finished_tokens, int* finished_count, int prompt, int max_seq, int eot, int* done_all) {
+__global__ void __launch_bounds__(DECODE_THREADS) beam_rows(
+    const T* __restrict__ logits, const float* __restrict__ bias, int k, int vocab, float* candidate_lp,
+    int* candidate_token) {
   __shared__ float shared_values[DECODE_THREADS * MAX_CANDIDATES];
   __shared__ int shared_ids[DECODE_THREADS * MAX_CANDIDATES];
-  extern __shared__ float candidates[];  // per row: K log-probabilities, then K token ids (as floats' bits)
+  const int r = blockIdx.x;
+  float top_values[MAX_CANDIDATES];
+  int top_ids[MAX_CANDIDATES];
+  for (int i = 0; i < k; ++i) {
+    top_values[i] = NEG_INFINITY;
+    top_ids[i] = vocab;
+  }
+  float row_max = NEG_INFINITY;
+  for_each_logit<BEAM_LOADS_IN_FLIGHT>(logits, bias, r, vocab, [&](float x, int v) {
+    row_max = fmaxf(row_max, x);
+    if (better(x, v, top_values[k - 1], top_ids[k - 1])) {  // insert, keeping the list sorted
+      int at = k - 1;
+      while (at > 0 && better(x, v, top_values[at - 1], top_ids[at - 1])) {
+        top_values[at] = top_values[at - 1];
+        top_ids[at] = top_ids[at - 1];
+        --at;
+      }
+      top_values[at] = x;
+      top_ids[at] = v;
+    }
+  });
+  int unused = 0;
+  block_best<DECODE_THREADS>(row_max, unused);
+  float local = 0.f;
+  for_each_logit<LOADS_IN_FLIGHT>(logits, bias, r, vocab, [&](float x, int) { local += expf(x - row_max); });
+  const float log_total = logf(block_sum(local));
+  block_top(top_values, top_ids, k, shared_values, shared_ids);
+  if (threadIdx.x < k) {
+    candidate_lp[(long long)r * k + threadIdx.x] = shared_values[threadIdx.x] - row_max - log_total;
+    candidate_token[(long long)r * k + threadIdx.x] = shared_ids[threadIdx.x];
+  }
+}
+
+__global__ void __launch_bounds__(DECODE_THREADS) beam_select(
+    const float* __restrict__ candidate_lp, const int* __restrict__ candidate_token, int batch, int beams,
+    long long* ids, int* past_sequence_length, float* sum_logprob, long long* tokens, long long* tokens_scratch,
+    int* cache_indirection, int* indirection_scratch, float* finished_score, int* finished_length,
+    long long* finished_tokens, int* finished_count, int prompt, int max_seq, int eot, int* done_all) {
+  extern __shared__ float chosen[];  // per row: its source row, its token, its score
   const int rows = batch * beams, k = beams + 1;
   const int past = *past_sequence_length;
-  float* candidate_lp = candidates;
-  int* candidate_token = reinterpret_cast<int*>(candidates + (long long)rows * k);
-  int* new_source = candidate_token + (long long)rows * k;
-  long long* new_token = reinterpret_cast<long long*>(candidates + 2 * ((long long)rows * k + rows));
-  float* new_score = reinterpret_cast<float*>(new_token + rows);
+  int* new_source = reinterpret_cast<int*>(chosen);
+  float* new_score = chosen + rows;
+  long long* new_token = reinterpret_cast<long long*>(chosen + 2 * rows);  // 8-byte aligned: 2 * rows floats in
   __syncthreads();
-
-  // 1. each row's log-softmax and its K best tokens
-  for (int r = 0; r < rows; ++r) {
-    float top_values[MAX_CANDIDATES];
-    int top_ids[MAX_CANDIDATES];
-    for (int i = 0; i < k; ++i) {
-      top_values[i] = NEG_INFINITY;
-      top_ids[i] = vocab;
-    }
-    float row_max = NEG_INFINITY;
-    int unused = 0;
-    for (int v = threadIdx.x; v < vocab; v += blockDim.x) {
-      const float x = scored(logits, bias, r, vocab, v);
-      row_max = fmaxf(row_max, x);
-      if (better(x, v, top_values[k - 1], top_ids[k - 1])) {  // insert, keeping the list sorted
-        int at = k - 1;
-        while (at > 0 && better(x, v, top_values[at - 1], top_ids[at - 1])) {
-          top_values[at] = top_values[at - 1];
-          top_ids[at] = top_ids[at - 1];
-          --at;
-        }
-        top_values[at] = x;
-        top_ids[at] = v;
-      }
-    }
-    block_best(row_max, unused);
-    float local = 0.f;
-    for (int v = threadIdx.x; v < vocab; v += blockDim.x) local += expf(scored(logits, bias, r, vocab, v) - row_max);
-    const float log_total = logf(block_sum(local));
-    block_top(top_values, top_ids, k, shared_values, shared_ids);
-    if (threadIdx.x < k) {
-      candidate_lp[(long long)r * k + threadIdx.x] = shared_values[threadIdx.x] - row_max - log_total;
-      candidate_token[(long long)r * k + threadIdx.x] = shared_ids[threadIdx.x];
-    }
-    __syncthreads();
-  }
-
   // 2. per batch entry: the candidates in order, finished or next beams
   if (threadIdx.x < batch) {
     const int b = threadIdx.x;

@@ -14,10 +14,10 @@ with ORT's ``enable_cuda_graph``: its first runs capture the step, every later r
 attention kernels read P on the device). ``disable_synchronize_execution_providers`` keeps ORT from waiting for
 the GPU, so the host queues steps ahead of it.
 
-Between two replays a kernel of decode.cu updates, on the same stream: the tokens (``greedy_step``: argmax plus a
-0 / -inf suppression bias; ``beam_step``: beam search as mha_ep/models/beam.py, the cache indirection reordered),
-``input_ids`` and ``past_sequence_length``. The host reads one int (all rows done?) every ``check_every`` steps,
-and the tokens once at the end. A device report of a bad length or beam index (native.take_device_error) is
+Between two replays kernels of decode.cu update, on the same stream: the tokens (``greedy_step``: argmax plus a
+0 / -inf suppression bias, a block per row; ``beam_rows`` then ``beam_select``: beam search as
+mha_ep/models/beam.py, the cache indirection reordered), ``input_ids`` and ``past_sequence_length``. The host
+reads one int (all rows done?) every ``check_every`` steps, and the tokens once at the end. A device report of a bad length or beam index (native.take_device_error) is
 checked at each read and raised as MhaInputError.
 """
 
@@ -35,6 +35,7 @@ from mha_ep.models.beam import Finished, answers
 
 KERNEL_FILE = Path(__file__).with_name("decode.cu")
 DECODE_THREADS = 256  # decode.cu DECODE_THREADS
+GREEDY_THREADS = 512  # decode.cu GREEDY_THREADS
 MAX_CANDIDATES = 16  # decode.cu MAX_CANDIDATES
 CHECK_EVERY = 8  # steps between two reads of "all rows done"
 ELEMENT = {"tensor(float)": "float", "tensor(float16)": "__half", "tensor(bfloat16)": "__nv_bfloat16"}
@@ -49,8 +50,8 @@ def decode_function(device_id: int, name: str):
     key = (device_id, name)
     with _lock:
         if key not in _modules:
-            expressions = [f"{kernel}<{element}>" for kernel in ("greedy_step", "beam_step")
-                           for element in ("float", "__half", "__nv_bfloat16")]  # fmt: skip
+            expressions = [f"{kernel}<{element}>" for kernel in ("greedy_step", "beam_rows")
+                           for element in ("float", "__half", "__nv_bfloat16")] + ["beam_select"]  # fmt: skip
             module = _modules.get((device_id, None))
             if module is None:
                 module = _modules[(device_id, None)] = cupy.RawModule(code=KERNEL_FILE.read_text(),
@@ -158,6 +159,7 @@ class StaticDecoder:
                                  self.logits.data.ptr)  # fmt: skip
         self.run_options = ort.RunOptions()
         self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        self.last_steps = 0  # decoder steps the last greedy_static / beam_static ran (end-of-text seen late)
 
     def set_inputs(self, values: Mapping[str, object]) -> None:
         """Copy ``values`` (name -> CuPy or NumPy array, or an ORT value on the device) into the decoder's fixed
@@ -224,16 +226,19 @@ def greedy_static(decoder: StaticDecoder, first_ids, prompt: int, steps: int, bi
         tokens[:, prompt] = first_ids[:, 0]
         done = (first_ids[:, 0] == (eot if eot is not None else -1)).astype(cupy.uint8)
         done_all = cupy.zeros((1,), cupy.int32)
+        arrived = cupy.zeros((1,), cupy.uint32)  # greedy_step's count of finished rows (its last block resets it)
         decoder.ids[...] = first_ids
         decoder.past_sequence_length[...] = prompt
         kernel = decode_function(decoder.device_id, f"greedy_step<{decoder.logits_element}>")
         bias_ptr = 0 if bias is None else bias.data.ptr
+        decoder.last_steps = 0
         for step in range(1, steps):
             decoder.step()
-            kernel((1,), (DECODE_THREADS,), (decoder.logits, np.uint64(bias_ptr), np.int32(rows),
-                                             np.int32(decoder.logits.shape[-1]), decoder.ids,
-                                             decoder.past_sequence_length, done, tokens, np.int32(limit),
-                                             np.int32(-1 if eot is None else eot), done_all))  # fmt: skip
+            decoder.last_steps += 1
+            kernel((rows,), (GREEDY_THREADS,), (decoder.logits, np.uint64(bias_ptr), np.int32(rows),
+                                                np.int32(decoder.logits.shape[-1]), decoder.ids,
+                                                decoder.past_sequence_length, done, tokens, np.int32(limit),
+                                                np.int32(-1 if eot is None else eot), done_all, arrived))  # fmt: skip
             if step % check_every == 0:
                 finished = _read_done(done_all, decoder.stream)
                 decoder.check()
@@ -282,21 +287,29 @@ def beam_static(decoder: StaticDecoder, prompt_logits, prompt_tokens, steps: int
         done_all = cupy.zeros((1,), cupy.int32)
         decoder.logits[:, 0] = prompt_logits
         decoder.past_sequence_length[...] = prompt - 1
-        kernel = decode_function(decoder.device_id, f"beam_step<{decoder.logits_element}>")
-        shared = 8 * rows * k + 20 * rows
+        row_kernel = decode_function(decoder.device_id, f"beam_rows<{decoder.logits_element}>")
+        select_kernel = decode_function(decoder.device_id, "beam_select")
+        candidate_lp = cupy.empty((rows, k), cupy.float32)
+        candidate_token = cupy.empty((rows, k), cupy.int32)
+        shared = 16 * rows  # beam_select's chosen rows: source and score (4 bytes each), token (8)
 
         def choose(bias):
             bias_ptr = np.uint64(0 if bias is None else bias.data.ptr)
-            kernel((1,), (DECODE_THREADS,), (decoder.logits, bias_ptr, np.int32(batch), np.int32(beams),
-                                             np.int32(decoder.logits.shape[-1]), decoder.ids,
-                                             decoder.past_sequence_length, sum_logprob, tokens, scratch_tokens,
-                                             decoder.cache_indirection, scratch_indirection, finished_score,
-                                             finished_length, finished_tokens, finished_count, np.int32(prompt),
-                                             np.int32(limit), np.int32(eot), done_all), shared_mem=shared)  # fmt: skip
+            row_kernel((rows,), (DECODE_THREADS,), (decoder.logits, bias_ptr, np.int32(k),
+                                                   np.int32(decoder.logits.shape[-1]), candidate_lp,
+                                                   candidate_token))  # fmt: skip
+            select_kernel((1,), (DECODE_THREADS,), (candidate_lp, candidate_token, np.int32(batch), np.int32(beams),
+                                                    decoder.ids, decoder.past_sequence_length, sum_logprob, tokens,
+                                                    scratch_tokens, decoder.cache_indirection, scratch_indirection,
+                                                    finished_score, finished_length, finished_tokens, finished_count,
+                                                    np.int32(prompt), np.int32(limit), np.int32(eot), done_all),
+                          shared_mem=shared)  # fmt: skip
 
         choose(bias if first_bias is None else first_bias)  # the first tokens, from the prompt's logits
+        decoder.last_steps = 0
         for step in range(1, steps):
             decoder.step()
+            decoder.last_steps += 1
             choose(bias)
             if step % check_every == 0:
                 finished = _read_done(done_all, decoder.stream)

@@ -256,9 +256,11 @@ class StaticTranscriber(Transcriber):
         self.bias = suppression_bias(vocab, list(self.suppress), device_id)
         self.bias_first = suppression_bias(vocab, list(self.suppress) + list(self.suppress_begin), device_id)
         self._array = ortvalue_array
+        self.loop_seconds = 0.0  # the last decode's static loop alone (no encoder, no first step)
 
     def decode(self, features_BMF: np.ndarray, progress: bool = False) -> List[List[int]]:
-        """Token ids per utterance (the prompt and <|endoftext|> excluded)."""
+        """Token ids per utterance (the prompt and <|endoftext|> excluded); ``loop_seconds`` and
+        ``decoder.last_steps`` then say how long the static loop took and how many decoder steps it ran."""
         import cupy
 
         from mha_ep.models.generate import past_name, pick
@@ -277,10 +279,15 @@ class StaticTranscriber(Transcriber):
             logits = self._array(init.pop("logits"))[:, -1].astype(cupy.float32)
             self.decoder.set_inputs({past_name(n): v for n, v in init.items() if "cross" in n})
             self.decoder.load_prompt({n: v for n, v in init.items() if "_self_" in n}, len(prompt))
+            first = None if self.beams else pick(logits[:, None], self.bias_first)
+            self.stream.synchronize()
+            start = time.perf_counter()
             if self.beams:
-                return beam_static(self.decoder, logits, prompt, self.max_tokens, EOT, self.bias, self.bias_first)
-            first = pick(logits[:, None], self.bias_first)
-            return greedy_static(self.decoder, first, len(prompt), self.max_tokens, self.bias, EOT)
+                got = beam_static(self.decoder, logits, prompt, self.max_tokens, EOT, self.bias, self.bias_first)
+            else:
+                got = greedy_static(self.decoder, first, len(prompt), self.max_tokens, self.bias, EOT)
+            self.loop_seconds = time.perf_counter() - start  # the loops end synchronized
+            return got
 
 
 def tokenizer():

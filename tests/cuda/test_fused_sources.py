@@ -104,6 +104,32 @@ def test_kernel_sources_inline_every_local_header():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_split_key_and_decode_loop_kernels_compile_without_spills(tmp_path):
+    """Every instantiation of split_keys.cu (fused.fused_steps) and of the decode loop's decode.cu
+    (static_decode.py) that Python launches, for sm_90a: no error, no register spill."""
+    from mha_ep.models.static_decode import KERNEL_FILE
+
+    elements = ("float", "__half", "__nv_bfloat16")
+    names = [f"split_key_attention<{e}, {s}>" for e in elements for s in sorted({"float", e})]
+    names += [f"combine_key_splits<{e}>" for e in elements]
+    names += [f"{k}<{e}>" for k in ("greedy_step", "beam_rows") for e in elements] + ["beam_select"]
+    lines = ['#include "split_keys.cu"', f'#include "{KERNEL_FILE}"', "void* instances[] = {"]
+    lines += [f"  (void*){name}," for name in names] + ["};"]
+    unit = tmp_path / "unit.cu"
+    unit.write_text("\n".join(lines) + "\n")
+    done = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",
+         str(tmp_path / "a.cubin")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    compiled = re.findall(r"Compiling entry function '(\w+)'", done.stderr)
+    assert len(compiled) == len(names), compiled
+    spills = re.findall(r"(\d+) bytes spill stores", done.stderr)
+    assert len(spills) == len(names) and all(int(count) == 0 for count in spills), done.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_flash_attention_compiles_with_nvcc(tmp_path):
     """A few of the instantiations fused.py asks NVRTC for, compiled for sm_90a (offline check)."""
     names = [

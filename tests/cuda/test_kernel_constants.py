@@ -102,6 +102,9 @@ def test_the_feature_bits_match_python():
         ("WS_STAGES", fused.WS_STAGES),
         ("WARPGROUP_THREADS", dispatch.WARPGROUP_THREADS),
         ("WARPGROUP_ROWS", dispatch.WARPGROUP_ROWS),
+        ("SPLIT_THREADS", fused.SPLIT_THREADS),
+        ("SPLIT_MAX_ROWS", dispatch.SPLIT_MAX_ROWS),
+        ("SPLIT_MAX_DIM", dispatch.SPLIT_MAX_DIM),
     ],
 )
 def test_integer_defines_match_python(define, python):
@@ -111,6 +114,19 @@ def test_integer_defines_match_python(define, python):
 def test_float_defines_match_python():
     assert np.float32(define_value("FLOAT32_LOWEST")) == np.float32(problem.FLOAT32_LOWEST)  # as the kernel reads it
     assert define_value("LOG2E") == pytest.approx(math.log2(math.e), rel=1e-15)
+
+
+def test_the_decode_loop_kernels_constants_match_python():
+    """mha_ep/models/decode.cu (the token choice of the static decode loop) and static_decode.py."""
+    from mha_ep.models import beam, static_decode
+
+    text = static_decode.KERNEL_FILE.read_text()
+    found = {name: int(value) for name, value in DEFINE.findall(text) if value.strip().isdigit()}
+    assert found["DECODE_THREADS"] == static_decode.DECODE_THREADS
+    assert found["GREEDY_THREADS"] == static_decode.GREEDY_THREADS
+    assert found["MAX_CANDIDATES"] == static_decode.MAX_CANDIDATES == beam.MAX_BEAMS + 1
+    for kernel in ("greedy_step", "beam_rows", "beam_select"):
+        assert re.search(rf"\b{kernel}\s*\(", text), kernel
 
 
 def test_every_kernel_python_launches_is_defined_in_its_source():
