@@ -8,14 +8,17 @@
 #   install    onnxruntime-gpu (its wheel, or the pieces it was split into) into $ORT_SITE, the wheels in
 #              $WHEELS into $SITE; prints the ORT version and providers
 #   gpu        every GPU test (pytest -m gpu), log in $OUT/gpu.log
+#   gpu-parity, gpu-rest   the same in two halves (tests/parity and tests/claim; the others), for a machine that
+#              limits one command's time; logs in $OUT/gpu-parity.log, $OUT/gpu-rest.log
 #   native     the native route's GPU tests, the Python-op and parity suites' GPU cases, the cuda backend's tests
 #   static     the static KV cache's GPU tests: shared-buffer parity on every GPU route, the static binding under
-#              ORT's CUDA graph, device reports, the static greedy and beam loops
+#              ORT's CUDA graph, device reports, the static greedy and beam loops, the split-key decode kernels
 #   device     the device-mode tests and the parity suites' device-mode cases
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
-#   generate   mha-ep bench generate: greedy Whisper generation (tiny/base/small sizes; REAL=DIR adds real tiny.en,
-#              from the packs, with TOKENIZERS/whisper's config.json), into $OUT/generate
+#   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
+#              tiny.en, from the packs, with TOKENIZERS/whisper's config.json; DTYPE=float16 the float16 rows), into
+#              $OUT/generate (or $OUT/generate-$DTYPE)
 #   serving    mha-ep bench native --rows serving: a new (B, S) on every call, into $OUT/serving
 #   nprofile   scripts/profile_native.py: a Whisper-sized encoder's kernels, a B=1 S=32 first call's planner
 #   bench      mha-ep bench device (the encoder rows; REAL=DIR adds the real-weight rows), into $OUT/bench
@@ -74,12 +77,15 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl 2>&1 | quiet
       python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" ;;
     gpu) timeout 560 $PYTEST_GPU tests 2>&1 | tee "$OUT/gpu.log" | quiet | tail -30 ;;
+    gpu-parity) timeout 560 $PYTEST_GPU tests/parity tests/claim 2>&1 | tee "$OUT/gpu-parity.log" | quiet | tail -20 ;;
+    gpu-rest) timeout 560 $PYTEST_GPU tests --ignore=tests/parity --ignore=tests/claim 2>&1 | tee "$OUT/gpu-rest.log" \
+                | quiet | tail -20 ;;
     native) timeout 540 $PYTEST_GPU tests/native tests/ops tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_layout.py \
               tests/parity tests/claim/test_bad_input.py -k "not cuda-device" 2>&1 \
               | tee "$OUT/native.log" | quiet | tail -40 ;;
     static) timeout 540 $PYTEST_GPU tests/native/test_native_cuda.py tests/models/test_static_decode.py \
-              tests/parity/test_parity_shared_buffer.py tests/claim/test_bad_input.py \
-              -k "static or shared or past_sequence or cache_indirection or bad_past" 2>&1 \
+              tests/parity/test_parity_shared_buffer.py tests/claim/test_bad_input.py tests/cuda/test_fused_kernels.py \
+              -k "static or shared or past_sequence or cache_indirection or bad_past or split" 2>&1 \
               | tee "$OUT/static.log" | quiet | tail -40 ;;
     device) timeout 400 $PYTEST_GPU tests/device tests/parity tests/claim/test_bad_input.py \
               -k "cuda-device or device_mode" 2>&1 | quiet | tail -15 ;;
@@ -93,7 +99,7 @@ for step in "$@"; do
         extra=(--models "$REAL" --whisper-config "$TOKENIZERS/whisper")
       fi
       timeout 540 python3 -m mha_ep bench generate --repeats "${REPEATS:-3}" --steps "${STEPS:-64}" "${extra[@]}" \
-        --out "$OUT/generate" 2>&1 | quiet ;;
+        --dtype "${DTYPE:-float32}" --out "$OUT/generate${DTYPE:+-$DTYPE}" 2>&1 | quiet ;;
     serving) timeout 200 python3 -m mha_ep bench native --rows serving --calls "${CALLS:-60}" --out "$OUT/serving" 2>&1 | quiet ;;
     nprofile) timeout 300 python3 scripts/profile_native.py kernels "Whisper-tiny" 2>&1 | quiet | tail -60
               timeout 200 python3 scripts/profile_native.py planner "B=1 S=32" 2>&1 | quiet | head -60 ;;
