@@ -60,7 +60,13 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: boo
         return device_array.data.ptr
 
     offset_args = {}
-    if form == "staged":
+    if form == "raw":  # the native route's cross attention (pipeline.reads_kv_in_place): no mover at all
+        assert split and problem.kv_layout == "BNSH" and problem.past_key_BNPH is None, "raw: a split BNSH call"
+        q = fused.Operand(dev(problem.query_BSD, problem.dtype), "BSNH", g.q_seq, g.head_size, dev(problem.bias_q))
+        k = fused.Operand(dev(problem.key, problem.dtype), "BNSH", g.kv_seq, g.head_size)
+        v = fused.Operand(dev(problem.value, problem.dtype), "BNSH", g.kv_seq, g.v_head_size)
+        operand_dtype = problem.dtype
+    elif form == "staged":
         assert problem.past_key_BNPH is None, "a past needs the dense form"
         kv_seq = g.kv_seq
         q = fused.Operand(dev(problem.query_BSD), "BSNH", g.q_seq, g.head_size, dev(problem.bias_q))
@@ -110,7 +116,8 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: boo
             keep.append(scratch)
             return scratch.data.ptr
 
-        steps = fused.fused_steps(problem, take=take, facts=fused.DeviceFacts.of(0), **operands)
+        steps = fused.fused_steps(problem, take=take, facts=fused.DeviceFacts.of(0), raw_query=form == "raw",
+                                  **operands)  # fmt: skip
         assert [step.function.split("<")[0] for step in steps] == ["split_key_attention", "combine_key_splits"]
         cupy.cuda.runtime.deviceSynchronize()  # the poison is written before the stream reads it
         run_steps(0, steps, stream)
@@ -221,6 +228,10 @@ SPLIT_CASES = {
     "S1_T64_fully_padded_batch0": Case(b=2, s=1, l=64, n=2, h=64, mask="lengths", full_padding=True),
     "S1_past200_causal_scale_attr": Case(b=2, s=1, l=1, p=200, n=3, h=64, bias_scale=1.0, causal=True,
                                          attrs={"scale": 0.3}),  # fmt: skip
+    # a decoder's cross attention with a sharp query bias: the raw form keeps q + b_q in float32
+    "S1_T700_BNSH_bias_q_lengths": Case(b=2, s=1, l=700, n=3, h=64, layout="BNSH", mask="lengths", bias_scale=1.0,
+                                        attrs={"scale": 0.3}),  # fmt: skip
+    "S2_T300_H40_BNSH_bias_BN": Case(b=2, s=2, l=300, n=2, h=40, layout="BNSH", attention_bias=(True, True)),
 }
 
 

@@ -47,17 +47,20 @@ def test_fused_matches_reference(cupy_module, case_name, dtype, form):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", FORMS + ("offsets",))
+@pytest.mark.parametrize("form", FORMS + ("offsets", "raw"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case_name", list(SPLIT_CASES))
 def test_split_key_kernels_match_reference(cupy_module, case_name, dtype, form):
     """A decode step's keys split across blocks (dispatch.key_split) compute the flash kernels' function: every
-    operand form, mask, bias and dtype, scratch and output poisoned."""
+    operand form (``raw``: the native route's cross attention, pipeline.reads_kv_in_place), mask, bias and dtype,
+    scratch and output poisoned."""
     case = SPLIT_CASES[case_name]
     if form == "staged" and case.p is not None:
         pytest.skip("a past is read from the dense (layout mover's) K/V cache only")
     if form == "offsets" and (dtype == "float32" or not case.bias):
         pytest.skip("score offsets are float16 / bfloat16 calls' way with projection biases")
+    if form == "raw" and (dtype == "float32" or case.layout != "BNSH" or case.p is not None):
+        pytest.skip("the raw form is a float16 / bfloat16 BNSH call without a past")
     problem = make_problem(case, dtype)
     assert dispatch.fused_unsupported_reason(problem) is None and dispatch.key_split(problem) is not None
     assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, form, split=True))

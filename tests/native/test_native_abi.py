@@ -91,6 +91,8 @@ PLAN_CASES = {
                                        past_seq=3, presents=True, max_seq=8, beams=2, mask="2d", mask_dtype="int64"),
     "bf16 shared prompt causal": MhaConfig(dtype="bfloat16", q_seq=4, kv_seq=4, has_past=True, past_seq=0,
                                            presents=True, max_seq=16, causal=True, attention_bias="1N"),
+    "f16 cross decode": MhaConfig(dtype="float16", batch=2, q_seq=1, kv_seq=300, num_heads=6, head_size=64,
+                                  kv_layout="BNSH", bias=True, mask="1d"),
 }
 
 
@@ -204,6 +206,26 @@ def test_the_planner_callback_answers_a_failure_and_never_raises():
     entries[4] = (6, (2, 3), 8)
     answer = gpu.plan_call(described(config), "mha", 0, 0, tuple(entries))
     assert isinstance(answer, tuple) and answer[0] in (1, 2) and "node 'mha'" in answer[1], answer
+
+
+def test_a_float16_cross_attention_decode_step_reads_its_key_and_value_in_place():
+    """A decoder's cross attention on the native route (pipeline.reads_kv_in_place): no layout mover copies the
+    BNSH key and value; b_q widened to float32, the split-key pair reading the node's query, key and value
+    buffers, the output narrowed. The same call with a present wanted keeps the movers."""
+    from mha_ep.ops.backends.cuda.steps import Buffer, Pointer
+
+    config = PLAN_CASES["f16 cross decode"]
+    kernel, signature = signature_of(config)
+    plan = native_plan.plan_steps(kernel, signature, FACTS[0])
+    functions = [getattr(step, "function", type(step).__name__).split("<")[0] for step in plan.steps]
+    assert functions == ["resolve_key_lengths", "widen_to_float", "split_key_attention", "combine_key_splits",
+                         "narrow_output"], functions  # fmt: skip
+    attention = plan.steps[2]
+    pointers = [arg.address for arg in attention.args if isinstance(arg, Pointer)]
+    assert Buffer("in0", 0, 256) in pointers and Buffer("in1", 0, 256) in pointers and Buffer("in2", 0, 256) in pointers
+    assert attention.args[-1] == 0  # round_query: q + b_q stays in float32
+    with_present = native_plan.plan_steps(*signature_of(MhaConfig(**{**config.__dict__, "presents": True})), FACTS[0])
+    assert any(getattr(s, "function", "").startswith("build_dense_BNTH_native") for s in with_present.steps)
 
 
 # ------------------------------------------------------------------------------------------- shared buffers

@@ -244,6 +244,11 @@ CORNER_CASES = {
     # BNSH cross: the K/V bias is ignored; with and without a past
     "BNSH-bias": with_(BASE, kv_layout="BNSH", bias=True, presents=True),
     "BNSH-past": with_(BASE, kv_layout="BNSH", bias=True, has_past=True, past_seq=3, presents=True, mask="2d"),
+    # a decoder's cross attention, one or a few query rows over many keys (the split-key kernels; on the native
+    # route's float16 / bfloat16 path with no layout mover: pipeline.reads_kv_in_place)
+    "BNSH-decode-S1": with_(BASE, q_seq=1, kv_seq=300, kv_layout="BNSH", bias=True, mask="1d"),
+    "BNSH-decode-S3-bias": with_(BASE, q_seq=3, kv_seq=200, kv_layout="BNSH", bias=True, mask="2d",
+                                 attention_bias="BN"),  # fmt: skip
     # explicit scale, symbolic and unranked shapes
     "scale-0.5": with_(BASE, scale=0.5, mask="1d"),
     "symbolic": with_(BASE, shapes="symbolic", bias=True, mask="3d", attention_bias="1N", causal=True),
@@ -276,6 +281,7 @@ WIDE_BIASED_CASES = {
     "H128-past": with_(WIDE_BIASED, q_seq=9, kv_seq=9, has_past=True, past_seq=140, presents=True),
     "H64-past-S1-causal": with_(WIDE_BIASED, q_seq=1, kv_seq=1, head_size=64, has_past=True, past_seq=200,
                                 presents=True, causal=True, mask="2d"),
+    "H64-BNSH-S1-cross": with_(WIDE_BIASED, q_seq=1, kv_seq=1500, head_size=64, kv_layout="BNSH"),
 }  # fmt: skip
 
 

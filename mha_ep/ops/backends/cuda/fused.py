@@ -316,22 +316,31 @@ def fused_step(
     return Launch(launch.name, (launch.blocks, 1, 1), (launch.threads, 1, 1), launch.shared, args, fused=True)
 
 
-def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional[Tile] = None, **operands) -> list:
+def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional[Tile] = None,
+                raw_query: bool = False, **operands) -> list:  # fmt: skip
     """The fused path's launches for ``problem``: fused_step's one kernel, or for a decode step that
     dispatch.key_split cuts (and no ``tile`` named) the split-key pair, split_key_attention then
     combine_key_splits (kernels/split_keys.cu), over two scratch buffers from ``take(name, nbytes)``. The
-    arguments are fused_step's, with its checks."""
+    arguments are fused_step's, with its checks.
+
+    ``raw_query`` (split-key calls only): q is the float16 / bfloat16 query as the node received it, with a float32
+    ``q.bias`` the kernel adds on load and keeps in float32 (ORT's sum), k and v the node's own BNSH key and value
+    (which carry no bias): the native route's cross attention, with no layout mover (pipeline.py)."""
     split = None if tile is not None else dispatch.key_split(problem, facts.sms)
     if split is None:
+        if raw_query:
+            raise ValueError("fused attention: raw_query is for calls dispatch.key_split cuts")
         return [fused_step(problem, facts=facts, tile=tile, **operands)]
     q, k, v, out_BSD = operands["q"], operands["k"], operands["v"], operands["out_BSD"]
     attention_bias, mask = operands["attention_bias"], operands["mask"]
     key_offset, query_offset = operands.get("key_offset"), operands.get("query_offset")
+    if raw_query and (k.bias is not None or v.bias is not None or key_offset is not None or query_offset is not None):
+        raise ValueError("fused attention: a raw query's call has no key / value bias and no score offsets")
     launch = _decided(problem, q, k, v, operands["operand_dtype"], attention_bias, mask, facts, None, key_offset,
-                      query_offset)  # fmt: skip
+                      query_offset, check_bias=not raw_query)  # fmt: skip
     return split_key_steps(problem, split, take,
                            _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD),
-                           operands["operand_dtype"], out_BSD)  # fmt: skip
+                           operands["operand_dtype"], out_BSD, round_query=not raw_query)  # fmt: skip
 
 
 def split_shared_bytes(problem: MhaProblem, chunk: int) -> int:
@@ -341,8 +350,9 @@ def split_shared_bytes(problem: MhaProblem, chunk: int) -> int:
 
 
 def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, arguments: tuple, operand_dtype: str,
-                    out_BSD: Address) -> list:  # fmt: skip
-    """The split-key pair of launches (fused_steps) with flash's ``arguments`` (_arguments)."""
+                    out_BSD: Address, round_query: bool = True) -> list:  # fmt: skip
+    """The split-key pair of launches (fused_steps) with flash's ``arguments`` (_arguments); ``round_query``
+    False keeps the biased query in float32 (fused_steps' raw_query)."""
     g = problem.geometry
     pairs = g.batch * g.num_heads
     rows = pairs * split.splits * g.q_seq
@@ -354,7 +364,8 @@ def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, argumen
     return [
         Launch(f"split_key_attention<{elem}, {src}>", (pairs, split.splits, 1), (SPLIT_THREADS, 1, 1),
                split_shared_bytes(problem, split.chunk),
-               arguments + (i32(split.chunk), Pointer(partial_O), Pointer(partial_ML)), fused=True),
+               arguments + (i32(split.chunk), Pointer(partial_O), Pointer(partial_ML), i32(int(round_query))),
+               fused=True),
         Launch(f"combine_key_splits<{elem}>", (pairs * g.q_seq, 1, 1), (SPLIT_THREADS, 1, 1), 4 * split.splits,
                (Pointer(partial_O), Pointer(partial_ML), i32(split.splits), i32(g.num_heads), i32(g.q_seq),
                 i32(g.v_head_size), Pointer(out_BSD)), fused=True),
@@ -363,16 +374,17 @@ def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, argumen
 
 def _decided(problem: MhaProblem, q: Operand, k: Operand, v: Operand, operand_dtype: str, attention_bias: Address,
              mask: Address, facts: DeviceFacts, tile: Optional[Tile], key_offset: Address,
-             query_offset: Address) -> "FusedLaunch":  # fmt: skip
+             query_offset: Address, check_bias: bool = True) -> "FusedLaunch":  # fmt: skip
     """fused_launch's decision for this call signature, remembered, and the operands' alignment checked."""
     key = (facts, problem_signature(problem), operand_dtype, tile, attention_bias is None, mask is None,
            q.layout, q.seq, q.dim, q.bias is None, k.layout, k.seq, k.dim, k.bias is None,
-           v.layout, v.seq, v.dim, v.bias is None, key_offset is None, query_offset is None)  # fmt: skip
+           v.layout, v.seq, v.dim, v.bias is None, key_offset is None, query_offset is None, check_bias)  # fmt: skip
     launch = _launches.get(key)
     if launch is None:
         launch = fused_launch(problem, q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=attention_bias,
                               mask=mask, tile=tile, facts=facts,
-                              key_offset=key_offset is not None or query_offset is not None)  # fmt: skip
+                              key_offset=key_offset is not None or query_offset is not None,
+                              check_bias=check_bias)  # fmt: skip
         if len(_launches) >= MAX_LAUNCHES:
             _launches.clear()
         _launches[key] = launch
@@ -425,10 +437,11 @@ class FusedLaunch:
 
 def fused_launch(problem: MhaProblem, *, q: Operand, k: Operand, v: Operand, operand_dtype: str,
                  attention_bias: Address, mask: Address, tile: Optional[Tile], facts: DeviceFacts,
-                 key_offset: bool = False) -> FusedLaunch:  # fmt: skip
+                 key_offset: bool = False, check_bias: bool = True) -> FusedLaunch:  # fmt: skip
     """fused_step's checks and decisions for ``problem`` (raises ValueError like fused_step; addresses are read
     only for whether they are given; ``key_offset``: the call passes a key or query offset,
-    FLASH_WITH_KEY_OFFSET). Compiles nothing."""
+    FLASH_WITH_KEY_OFFSET; ``check_bias`` False: the split-key kernel adds a low-precision operand's float32 bias,
+    fused_steps' raw_query). Compiles nothing."""
     g = problem.geometry
     n = g.num_heads
     if q.seq != g.q_seq or k.seq != g.total_seq or v.seq != g.total_seq:
@@ -444,7 +457,8 @@ def fused_launch(problem: MhaProblem, *, q: Operand, k: Operand, v: Operand, ope
     for name, op in (("q", q), ("k", k), ("v", v)):
         _check_aligned(name, op.address, in_bytes, strides[name])
     check_mask_operands(problem, attention_bias, mask)
-    check_operand_bias(problem, operand_dtype, {"q": q, "k": k, "v": v})
+    if check_bias:
+        check_operand_bias(problem, operand_dtype, {"q": q, "k": k, "v": v})
     if key_offset and problem.dtype == "float32":
         raise ValueError("fused attention: key / query offsets are for float16 / bfloat16 calls "
                          "(flash_attention_fp32 adds every bias in float32 and takes none)")  # fmt: skip

@@ -19,7 +19,9 @@ mha_ep/spec.py):
      vector loads from an address not 16-byte aligned is copied to an aligned buffer;
   2. float16 / bfloat16 sources on the fused path (``native``): build_dense_BNTH_native moves Q, K and V into the
      kernel's operands in one launch (which for a wanted present *are* the present outputs), the fused kernel
-     writes float32, narrow_output rounds it into the node's output (exact: the values are already rounded);
+     writes float32, narrow_output rounds it into the node's output (exact: the values are already rounded); a
+     decoder's cross attention (``reads_kv_in_place``) skips the movers: the split-key kernels read its BNSH key
+     and value and its query as they are;
   3. every other call runs the float32 pipeline, widening its sources to float32 first when they are not:
        a. fused float32 calls without past or presents: one fused kernel on the sources themselves
           (dispatch.reads_staged_inputs);
@@ -272,9 +274,43 @@ def offset_buffers(plan: LaunchPlan, terms: dispatch.ScoreTerms, take: Callable[
 
 
 # ------------------------------------------------------------------------------------ 2. native fused path
+def reads_kv_in_place(problem: MhaProblem, facts: DeviceFacts) -> bool:
+    """Whether a float16 / bfloat16 call on the native route skips the layout movers: a decode step the split-key
+    kernels take (dispatch.key_split) with BNSH key and value, no past and no present wanted (a decoder's cross
+    attention). Its key and value are already (B, N, T, H) in the call's dtype, and ORT ignores their bias
+    (docs/SEMANTICS.md §3.3): the kernel reads them, and the raw query with b_q added on load in float32, where
+    the movers would copy the whole cross-attention cache every step."""
+    return (problem.kv_layout == "BNSH" and problem.past_key_BNPH is None and problem.past_value_BNPH is None
+            and not problem.want_present_key and not problem.want_present_value and problem.bias_k is None
+            and problem.bias_v is None and dispatch.key_split(problem, facts.sms) is not None)  # fmt: skip
+
+
+def _native_in_place(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sources: dict, outputs: dict,
+                     build: _Builder) -> None:  # fmt: skip
+    """reads_kv_in_place's launches: b_q widened to float32, the split-key pair on the sources, the output narrowed."""
+    g = problem.geometry
+    bias_q = None
+    if problem.bias_q is not None:
+        bias_q = _widen(problem.dtype, sources["bias_q"], g.num_heads * g.head_size, "bias_q", build)
+    count = g.batch * g.q_seq * g.v_hidden
+    out_f32 = build.take("output_f32", 4 * count)
+    build.extend(fused_steps(
+        problem,
+        q=Operand(sources["query"], "BSNH", plan.q_seq, plan.head_size, bias_q),
+        k=Operand(sources["key"], "BNSH", plan.total_seq, plan.head_size),
+        v=Operand(sources["value"], "BNSH", plan.total_seq, plan.v_head_size),
+        operand_dtype=problem.dtype, attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
+        out_BSD=out_f32, facts=facts, take=build.take, raw_query=True,
+    ))  # fmt: skip
+    build.add(_narrow(problem.dtype, out_f32, outputs["output"], count))
+
+
 def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sources: dict, outputs: dict,
                   build: _Builder) -> None:  # fmt: skip
     """The fused path on float16 / bfloat16 tensors as they are (module docstring, step 2)."""
+    if reads_kv_in_place(problem, facts):
+        _native_in_place(problem, plan, facts, sources, outputs, build)
+        return
     g = problem.geometry
     terms = dispatch.score_terms(problem)
     key_apart = problem.bias_k is not None and not terms.key_bias_in_operand  # present holds a bias K leaves out

@@ -14,9 +14,10 @@
 // P fragments; no-op in float32), the sum of p unrounded. A row with no finite logit gives 0/0 = NaN, as ORT.
 // Nothing is skipped (no causal-tile vote): every key's p is computed, an exact 0 where flash skips.
 //
-// In a block of SPLIT_THREADS: the query rows (ELEM-rounded floats) sit in shared memory; a warp per key forms its
-// S dot products (SPLIT_KEYS_PER_PASS keys at once), lanes over d (coalesced row reads), then a shuffle sum; a warp per row takes the chunk's max,
-// exponentials and sum; a warp per key again for P.V, lanes over d, summed across warps in shared memory.
+// In a block of SPLIT_THREADS: the query rows (floats, ELEM-rounded unless round_query is 0) sit in shared memory;
+// a warp forms the S dot products of SPLIT_KEYS_PER_PASS keys at once, lanes over d (SplitLoad: coalesced row
+// reads), then a shuffle sum; a warp per row takes the chunk's max, exponentials and sum; a warp per key again
+// for P.V, lanes over d, summed across warps in shared memory.
 //
 // Index rule as in layout.cu: promote the first factor of every product, `(long long)b * stride_b`; shared-memory
 // rows (under 48 KiB) are formed in int as row pointers, `(x_s + i * chunk)[jj]`.
@@ -27,7 +28,40 @@
 #define SPLIT_WARPS (SPLIT_THREADS / 32)
 #define SPLIT_MAX_ROWS 4   // dispatch.py SPLIT_MAX_ROWS: query rows a block holds (one warp each in the softmax)
 #define SPLIT_KEYS_PER_PASS 4  // keys a warp scores at once
-#define SPLIT_MAX_DIM 128  // dispatch.py SPLIT_MAX_DIM: head sizes (H, Hv) the lanes cover, 4 per lane
+#define SPLIT_MAX_DIM 128  // dispatch.py SPLIT_MAX_DIM: head sizes (H, Hv) the lanes cover, 4 elements per lane
+
+// A lane's share of a K or V row: SplitLoad<IN>::N consecutive elements as floats, one load (16-byte aligned rows,
+// H a multiple of 8: a vector never straddles the head's end). 16-bit rows: 8 bytes a lane (two bytes a lane
+// left a float16 step's cross attention at 47 us a layer against 16 for cuDNN's, docs/BENCH.md section 6).
+template <typename IN> struct SplitLoad;
+template <> struct SplitLoad<float> {
+  static constexpr int N = 1;
+  static __device__ __forceinline__ void load(const float* p, float (&out)[N]) { out[0] = *p; }
+};
+template <> struct SplitLoad<__half> {
+  static constexpr int N = 4;
+  static __device__ __forceinline__ void load(const __half* p, float (&out)[N]) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+    out[0] = lo.x;
+    out[1] = lo.y;
+    out[2] = hi.x;
+    out[3] = hi.y;
+  }
+};
+template <> struct SplitLoad<__nv_bfloat16> {
+  static constexpr int N = 4;
+  static __device__ __forceinline__ void load(const __nv_bfloat16* p, float (&out)[N]) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    out[0] = lo.x;
+    out[1] = lo.y;
+    out[2] = hi.x;
+    out[3] = hi.y;
+  }
+};
 
 template <typename ELEM, typename IN>
 __global__ void __launch_bounds__(SPLIT_THREADS)
@@ -41,7 +75,7 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
                         const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
                         int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
                         int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD, int chunk,
-                        float* __restrict__ partial_O, float2* __restrict__ partial_ML) {
+                        float* __restrict__ partial_O, float2* __restrict__ partial_ML, int round_query) {
   (void)skip_causal_tiles;
   (void)batch;
   (void)out_BSD;
@@ -59,14 +93,15 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
 
-  // Step 1: the query rows, + b_q, rounded to ELEM.
+  // Step 1: the query rows, + b_q, rounded to ELEM (round_query 0: kept in float32, as ORT's float32 math of a
+  // float16 graph sums q + b_q: the native route's call whose raw float16 query the kernel reads, fused_steps).
   const IN* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh;
   for (int idx = threadIdx.x; idx < q_seq * head_size; idx += SPLIT_THREADS) {
     const int i = idx / head_size;
     const int d = idx - i * head_size;
     float x = to_float<IN>(q_rows[(long long)i * stride_qs + d]);
     if (bias_q != nullptr) x += bias_q[(long long)h * head_size + d];
-    q_s[idx] = round_to<ELEM>(x);
+    q_s[idx] = round_query ? round_to<ELEM>(x) : x;
   }
   __syncthreads();
 
@@ -77,15 +112,22 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
   const IN* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
   const float* bias_k_h = bias_k == nullptr ? nullptr : bias_k + (long long)h * head_size;
   const float* offset_T = key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq;
+  constexpr int VEC = SplitLoad<IN>::N;            // elements a lane loads at once
+  constexpr int PIECES = SPLIT_MAX_DIM / (32 * VEC);  // ... and how many times a row
   for (int base = warp * SPLIT_KEYS_PER_PASS; base < count; base += SPLIT_WARPS * SPLIT_KEYS_PER_PASS) {
-    float kd[SPLIT_KEYS_PER_PASS][SPLIT_MAX_DIM / 32];
+    float kd[SPLIT_KEYS_PER_PASS][PIECES][VEC];
 #pragma unroll
     for (int u = 0; u < SPLIT_KEYS_PER_PASS; ++u) {
       const IN* k_row = k_rows + (long long)(n0 + min(base + u, count - 1)) * stride_ks;
 #pragma unroll
-      for (int t = 0; t < SPLIT_MAX_DIM / 32; ++t) {
-        const int d = lane + 32 * t;
-        kd[u][t] = (d < head_size) ? to_float<IN>(k_row[d]) : 0.0f;
+      for (int t = 0; t < PIECES; ++t) {
+        const int d = VEC * (lane + 32 * t);
+        if (d < head_size) {
+          SplitLoad<IN>::load(k_row + d, kd[u][t]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) kd[u][t][e] = 0.0f;
+        }
       }
     }
     float acc[SPLIT_KEYS_PER_PASS][SPLIT_MAX_ROWS];
@@ -94,16 +136,20 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
 #pragma unroll
       for (int i = 0; i < SPLIT_MAX_ROWS; ++i) acc[u][i] = 0.0f;
 #pragma unroll
-    for (int t = 0; t < SPLIT_MAX_DIM / 32; ++t) {
-      const int d = lane + 32 * t;
-      if (d >= head_size) continue;
-      const float bk = bias_k_h != nullptr ? bias_k_h[d] : 0.0f;
+    for (int t = 0; t < PIECES; ++t) {
+      const int d0 = VEC * (lane + 32 * t);
+      if (d0 >= head_size) continue;
 #pragma unroll
-      for (int u = 0; u < SPLIT_KEYS_PER_PASS; ++u) {
-        const float kr = round_to<ELEM>(bias_k_h != nullptr ? kd[u][t] + bk : kd[u][t]);
+      for (int e = 0; e < VEC; ++e) {
+        const int d = d0 + e;
+        const float bk = bias_k_h != nullptr ? bias_k_h[d] : 0.0f;
 #pragma unroll
-        for (int i = 0; i < SPLIT_MAX_ROWS; ++i) {
-          if (i < q_seq) acc[u][i] = fmaf((q_s + i * head_size)[d], kr, acc[u][i]);
+        for (int u = 0; u < SPLIT_KEYS_PER_PASS; ++u) {
+          const float kr = round_to<ELEM>(bias_k_h != nullptr ? kd[u][t][e] + bk : kd[u][t][e]);
+#pragma unroll
+          for (int i = 0; i < SPLIT_MAX_ROWS; ++i) {
+            if (i < q_seq) acc[u][i] = fmaf((q_s + i * head_size)[d], kr, acc[u][i]);
+          }
         }
       }
     }
@@ -155,11 +201,13 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
   // Step 5b: O_c = sum_j p_ij v_j, a warp per key, lanes over d.
   const IN* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
   const float* bias_v_h = bias_v == nullptr ? nullptr : bias_v + (long long)h * v_head_size;
-  float o[SPLIT_MAX_ROWS][SPLIT_MAX_DIM / 32];
+  float o[SPLIT_MAX_ROWS][PIECES][VEC];
 #pragma unroll
   for (int i = 0; i < SPLIT_MAX_ROWS; ++i)
 #pragma unroll
-    for (int t = 0; t < SPLIT_MAX_DIM / 32; ++t) o[i][t] = 0.0f;
+    for (int t = 0; t < PIECES; ++t)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o[i][t][e] = 0.0f;
 #pragma unroll 4
   for (int jj = warp; jj < count; jj += SPLIT_WARPS) {
     const IN* v_row = v_rows + (long long)(n0 + jj) * stride_vs;
@@ -167,14 +215,19 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
 #pragma unroll
     for (int i = 0; i < SPLIT_MAX_ROWS; ++i) p[i] = (i < q_seq) ? round_to<ELEM>((x_s + i * chunk)[jj]) : 0.0f;
 #pragma unroll
-    for (int t = 0; t < SPLIT_MAX_DIM / 32; ++t) {
-      const int d = lane + 32 * t;
-      if (d < v_head_size) {
-        float vd = to_float<IN>(v_row[d]);
-        if (bias_v_h != nullptr) vd += bias_v_h[d];
-        vd = round_to<ELEM>(vd);
+    for (int t = 0; t < PIECES; ++t) {
+      const int d0 = VEC * (lane + 32 * t);
+      if (d0 < v_head_size) {
+        float vv[VEC];
+        SplitLoad<IN>::load(v_row + d0, vv);
 #pragma unroll
-        for (int i = 0; i < SPLIT_MAX_ROWS; ++i) o[i][t] = fmaf(p[i], vd, o[i][t]);
+        for (int e = 0; e < VEC; ++e) {
+          float vd = vv[e];
+          if (bias_v_h != nullptr) vd += bias_v_h[d0 + e];
+          vd = round_to<ELEM>(vd);
+#pragma unroll
+          for (int i = 0; i < SPLIT_MAX_ROWS; ++i) o[i][t][e] = fmaf(p[i], vd, o[i][t][e]);
+        }
       }
     }
   }
@@ -182,9 +235,11 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
   for (int i = 0; i < SPLIT_MAX_ROWS; ++i) {
     if (i >= q_seq) break;
 #pragma unroll
-    for (int t = 0; t < SPLIT_MAX_DIM / 32; ++t) {
-      const int d = lane + 32 * t;
-      if (d < v_head_size) (o_s + (warp * q_seq + i) * v_head_size)[d] = o[i][t];
+    for (int t = 0; t < PIECES; ++t) {
+      const int d0 = VEC * (lane + 32 * t);
+      if (d0 >= v_head_size) continue;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) (o_s + (warp * q_seq + i) * v_head_size)[d0 + e] = o[i][t][e];
     }
   }
   __syncthreads();
