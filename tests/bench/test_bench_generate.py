@@ -106,6 +106,22 @@ def test_a_generation_row_prints_every_column_and_the_ratios():
     assert cells[7:13] == ["1.50", "2.00", "2.50", "3.00", "4.000/1.000", "0.25"]
 
 
+def test_a_static_loop_is_timed_over_the_decoder_steps_it_ran_without_the_encoder():
+    """static_loop reads the transcriber's own account (loop_seconds, decoder.last_steps: the loop alone, the
+    steps run past end-of-text included), not a wall clock around decode(), which also runs the encoder."""
+
+    class Transcriber:
+        decoder = type("Decoder", (), {"last_steps": 0})()
+        loop_seconds = 0.0
+
+        def decode(self, features):
+            self.loop_seconds, self.decoder.last_steps = 0.016, 16  # 10 tokens, ended at the 16th step's check
+            return [list(range(10))]
+
+    tokens, per_step = generate.static_loop(Transcriber(), np.zeros((1, 80, 3000), np.float32))
+    assert tokens == [list(range(10))] and per_step == [pytest.approx(0.001)] * 16
+
+
 def test_the_options_have_help(capsys):
     with pytest.raises(SystemExit) as done:
         generate.main(["--help"])
