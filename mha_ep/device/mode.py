@@ -19,7 +19,6 @@ DeviceModeUnavailableError):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from mha_ep import spec
@@ -31,12 +30,6 @@ CUDA_PROVIDER = "CUDAExecutionProvider"
 
 class DeviceModeUnavailableError(MhaEpError):
     """device_mode="device" was asked for where it cannot run; the message says why."""
-
-
-@dataclass(frozen=True)
-class ModeDecision:
-    mode: str  # "device" | "python-op"
-    reason: str  # why the bridge, or "" for device mode
 
 
 def normalise_mode(device_mode) -> str:

@@ -16,9 +16,6 @@ Only the builders need torch; the shipped models, the manifest, transcription an
 """
 
 
-DEVICE_MODES = ("python-op", "device", "native")
-
-
 def plugin_session(path, backend: str = "reference", device_mode: str = "python-op", **options):
     """The tools' plugin session: through the bridge (ORT CPU around the Python op); with ``"native"`` one ORT
     CUDA session running the native library's CUDA kernels (mha_ep/native); with ``device_mode="device"`` the

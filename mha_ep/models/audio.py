@@ -9,7 +9,6 @@ at 1e-10, floor at (max - 8), then ``(x + 4) / 4``. No torch and no librosa need
 from __future__ import annotations
 
 import wave
-from pathlib import Path
 
 import numpy as np
 

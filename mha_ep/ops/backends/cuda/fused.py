@@ -413,11 +413,6 @@ MAX_LAUNCHES = 1024  # remembered launch decisions (forgotten all at once beyond
 _launches: dict = {}
 
 
-def pointer_arg(address: Optional[int]) -> np.uint64:
-    """A kernel pointer argument (8 bytes by value); None is the null pointer."""
-    return np.uint64(0 if address is None else address)
-
-
 @dataclass(frozen=True)
 class FusedLaunch:
     """What fused_step decides once per call signature: the instantiation, its grid, block and shared memory, and

@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # CuPy is imported where a kernel is built, so the source hel
     import cupy
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-COMMON_HEADER = "common.cuh"
 # kernel -> (source file, its template arguments after the element type; None: the element type alone). Each is
 # built for every element type of ELEMENT_TYPES, except the MASK_KERNELS, built for each MASK_TYPES type alone.
 KERNELS = {
@@ -128,11 +127,6 @@ def _module(device_id: int, file_name: str) -> cupy.RawModule:
             )
             _modules[key] = module
     return module
-
-
-def get_kernel(device_id: int, kernel: str, dtype: str, variant=None) -> cupy.RawKernel:
-    """The compiled ``kernel<T[, variant]>`` of KERNELS for ``dtype`` on ``device_id`` (that device current)."""
-    return get_function(device_id, name_expression(kernel, dtype, variant))
 
 
 def get_function(device_id: int, expression: str) -> cupy.RawKernel:
