@@ -1,10 +1,12 @@
 """Two additions to pyproject.toml:
   * the native route's custom-op library, mha_ep/native/_native.c, built with the machine's C compiler and the
-    Python headers alone (no CUDA toolkit, no ORT headers: mha_ep/native/__init__.py). Without a compiler the
+    Python headers alone (no CUDA toolkit, no ORT headers: mha_ep/native/__init__.py), the source's SHA-256 built
+    in (a library built from an older _native.c is refused with how to rebuild it). Without a compiler the
     install still succeeds and says why the native route is missing; ``mha-ep --version`` says it too;
   * a wheel carries the top-level ``models/`` folder (the shipped models, MANIFEST.json, speech wavs) as
     ``mha_ep/_shipped_models``, where mha_ep/shipped.py looks first."""
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -13,9 +15,12 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 SHIPPED = ("*.onnx", "*.json", "*.wav")
+NATIVE_SOURCE = Path(__file__).resolve().parent / "mha_ep" / "native" / "_native.c"
 NATIVE = Extension(
     "mha_ep.native._native",
     sources=["mha_ep/native/_native.c"],
+    # the source's hash, which mha_ep/native/__init__.py compares with the _native.c beside the library it loads
+    define_macros=[("MHA_EP_SOURCE_SHA256", '"%s"' % hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest())],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration", "-fvisibility=hidden"],
     libraries=["dl", "pthread"],
     py_limited_api=True,  # the stable ABI (Py_LIMITED_API in the source): one build for Python 3.10 and newer

@@ -23,7 +23,9 @@ stays usable, the process never aborts. This package imports neither CuPy nor on
 from __future__ import annotations
 
 import atexit
+import hashlib
 import threading
+from pathlib import Path
 from typing import Optional
 
 CONFIG_EPS = "mha_ep.native_eps"  # session config entry _native.c's RegisterCustomOps reads: "cpu" | "cpu,cuda"
@@ -43,10 +45,31 @@ class Settings:
 settings = Settings()
 
 
+SOURCE = Path(__file__).with_name("_native.c")  # the library's source, where the package carries it (a checkout)
+REBUILD = "pip install -e . (or python setup.py build_ext --inplace) in the checkout"
+
+
 def _import():
     from mha_ep.native import _native
 
+    stale = stale_reason(_native, SOURCE)
+    if stale is not None:
+        raise ImportError(stale)
     return _native
+
+
+def stale_reason(module, source: Path) -> Optional[str]:
+    """Why ``module`` (the built library) must be rebuilt before use, or None: it was built from another
+    ``_native.c`` than ``source`` (an edit since ``pip install -e``, which builds it once). Nothing to compare
+    where the source is absent (a wheel)."""
+    if not source.is_file():
+        return None
+    built = module.source_sha256() if hasattr(module, "source_sha256") else ""
+    actual = hashlib.sha256(source.read_bytes()).hexdigest()
+    if built == actual:
+        return None
+    return (f"{Path(module.__file__).name} was built from another _native.c than {source} (built from "
+            f"{built[:12] or 'a source of unknown hash'}, the source is {actual[:12]}): rebuild it with {REBUILD}")
 
 
 def library():

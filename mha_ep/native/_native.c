@@ -1688,6 +1688,17 @@ static PyObject* py_ordinals(PyObject* self, PyObject* args) {
       "KernelInfoGetAllocator", API_KernelInfoGetAllocator);
 }
 
+/* MHA_EP_SOURCE_SHA256: the SHA-256 of this file as setup.py built it (mha_ep/native/__init__.py refuses a library
+ * built from another _native.c than the one beside it); "" when built without setup.py. */
+#ifndef MHA_EP_SOURCE_SHA256
+#define MHA_EP_SOURCE_SHA256 ""
+#endif
+static PyObject* py_source_sha256(PyObject* self, PyObject* args) {
+  (void)self;
+  (void)args;
+  return PyUnicode_FromString(MHA_EP_SOURCE_SHA256);
+}
+
 static PyMethodDef METHODS[] = {
     {"configure", py_configure, METH_VARARGS, "configure(describe, planner, cpu_compute, attributes)"},
     {"kernel_output", py_kernel_output, METH_VARARGS, "kernel_output(token, index, dims) -> address"},
@@ -1701,6 +1712,7 @@ static PyMethodDef METHODS[] = {
     {"shutdown", py_shutdown, METH_NOARGS, "shutdown(): no Python callback from now on (atexit)"},
     {"layout", py_layout, METH_NOARGS, "layout() -> dict: the ABI layout this library was built with"},
     {"ordinals", py_ordinals, METH_NOARGS, "ordinals() -> dict: the OrtApi ordinals this library calls"},
+    {"source_sha256", py_source_sha256, METH_NOARGS, "source_sha256() -> the SHA-256 of the _native.c it was built from"},
     {NULL, NULL, 0, NULL},
 };
 
