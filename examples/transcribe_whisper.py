@@ -8,6 +8,7 @@ Run (wavs: 16 kHz mono; default the three utterances shipped in the top-level mo
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 from mha_ep.models import audio
@@ -27,7 +28,10 @@ parser.add_argument("--backend", default="reference")
 args = parser.parse_args()
 
 wavs = args.wavs or [audio.DEFAULT_DIR / name for name in audio.UTTERANCES]
-paths = model_paths(default_out_dir(), dtype="fp32")  # encoder, decoder_init, decoder
+try:
+    paths = model_paths(default_out_dir(), dtype="fp32")  # encoder, decoder_init, decoder
+except FileNotFoundError as missing:  # not built yet: the message says how
+    sys.exit(f"{Path(__file__).name}: {missing}")
 suppress, suppress_begin = suppress_lists()
 tok = tokenizer()
 

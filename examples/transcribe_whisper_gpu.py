@@ -14,6 +14,7 @@ Run (wavs: 16 kHz mono; default the three utterances shipped in the top-level mo
 """
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -35,7 +36,10 @@ parser.add_argument("--beams", type=int, default=5, help="beams of the beam-sear
 args = parser.parse_args()
 
 wavs = args.wavs or [audio.DEFAULT_DIR / name for name in audio.UTTERANCES]
-paths = model_paths(default_out_dir(), dtype="fp32")  # encoder, decoder_init, decoder
+try:
+    paths = model_paths(default_out_dir(), dtype="fp32")  # encoder, decoder_init, decoder
+except FileNotFoundError as missing:  # not built yet: the message says how
+    sys.exit(f"{Path(__file__).name}: {missing}")
 suppress, suppress_begin = suppress_lists()
 tok = tokenizer()
 

@@ -50,7 +50,9 @@ def onnxruntime_line() -> str:
         version = ort.__version__
     except Exception as error:  # noqa: BLE001 - a broken install is a line, not a crash
         return f"onnxruntime: installed but not importable ({type(error).__name__}: {error})"
-    flavour = " + ".join(flavours) or "unknown distribution"
+    # the distribution says which flavour (onnxruntime, onnxruntime-gpu, ...); its version only where it differs
+    flavours = [flavour[: -len(version) - 1] if flavour.endswith(f" {version}") else flavour for flavour in flavours]
+    flavour = "distribution " + " + ".join(flavours) if flavours else "unknown distribution"
     warning = "; two ORT flavours are installed, which share one module: keep one" if len(flavours) > 1 else ""
     return f"onnxruntime: {version} ({flavour}; providers {providers}){warning}"
 

@@ -46,7 +46,13 @@ def load_model(model: Union[onnx.ModelProto, bytes, str, os.PathLike]) -> onnx.M
     if not isinstance(model, (bytes, bytearray, memoryview)) and any(
         t.data_location == onnx.TensorProto.EXTERNAL for t in loaded.graph.initializer
     ):
-        onnx.load_external_data_for_model(loaded, os.path.dirname(os.path.abspath(path)))
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            onnx.load_external_data_for_model(loaded, folder)
+        except OSError:
+            raise
+        except Exception as error:  # noqa: BLE001 - onnx's checker refuses a location (outside the folder, a link)
+            raise ValueError(f"{where}: its external data cannot be read: {error}") from None
     return loaded
 
 # One ModelProto serialises to at most 2 GiB (protobuf's limit; above it ``ByteSize()`` itself raises). Models

@@ -13,9 +13,10 @@
                            (eager IOBinding, CUDA graphs), a shape's first call, a decoder loop with a growing KV
                            cache, the per-node host cost of a chain of claimed nodes, and serving shapes (a new
                            (batch, sequence) on every call) (native.py)
-    mha-ep bench generate  greedy generation over Whisper decoders (tiny/base/small sizes, real tiny.en): stock ORT
-                           CUDA with numpy feeds and with IOBinding against mha_ep in a plain session and
-                           mha_ep.InferenceSession's device loop; ms per token, tokens, encoder, 30 s total (generate.py)
+    mha-ep bench generate  Whisper generation (tiny/base/small sizes, real tiny.en): stock ORT CUDA with numpy
+                           feeds and with IOBinding against mha_ep in a plain session, mha_ep.InferenceSession's
+                           device loop and the static-cache loop (one CUDA graph a step), greedy and 5 beams; ms
+                           per token, tokens, encoder, 30 s total (generate.py)
 
 Each of those six takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
 means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there is one, written into DIR;

@@ -27,3 +27,15 @@ def test_example_runs(script, expected):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert expected in done.stdout
+
+
+@pytest.mark.parametrize("script", ["transcribe_whisper.py", "transcribe_whisper_gpu.py"])
+def test_a_whisper_example_without_its_models_says_how_to_build_them(script, tmp_path):
+    """No traceback: one line naming the missing files and the build command, exit status 1."""
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MHA_EP_CACHE": str(tmp_path)}  # fmt: skip
+    done = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300,
+                          env=env)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert f"{script}: missing" in done.stderr and "python -m mha_ep.models.build whisper" in done.stderr

@@ -200,7 +200,8 @@ def test_version_prints_the_environment():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith(f"mha_ep {mha_ep.__version__}")
-    assert lines[1].startswith(f"onnxruntime: {ort.__version__} (onnxruntime")
+    assert lines[1].startswith(f"onnxruntime: {ort.__version__} (distribution onnxruntime")
+    assert lines[1].count(ort.__version__) == 1, lines[1]  # the version once, not again beside the distribution
     assert any(line.startswith("onnxruntime-extensions: ") for line in lines)
     assert any(line.startswith("CuPy: ") for line in lines)
     assert any(line.startswith("CUDA device") for line in lines)

@@ -107,6 +107,33 @@ def test_the_cli_says_why_it_refuses(tmp_path):
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
+def test_external_data_outside_the_models_folder_is_a_user_error(tmp_path):
+    """onnx refuses a location that leaves the model's folder; that is the user's model, said in one line, not an
+    internal error of ours."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    weight = numpy_helper.from_array(np.ones((8, 8), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 8])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 8])], [weight])  # fmt: skip
+    model = helper.make_model(graph)
+    onnx.save(model, folder / "model.onnx", save_as_external_data=True, location="w.bin", size_threshold=0)
+    moved = onnx.load(folder / "model.onnx", load_external_data=False)
+    for tensor in moved.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../outside.bin"
+    onnx.save(moved, folder / "model.onnx")
+    (tmp_path / "outside.bin").write_bytes((folder / "w.bin").read_bytes())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "mha_ep", "partition", str(folder / "model.onnx"), "-o",
+                             str(tmp_path / "out.onnx")], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    message = result.stderr + result.stdout
+    assert result.returncode != 0 and "internal error" not in message, message
+    assert "external data cannot be read" in message and "outside" in message, message
+    assert not (tmp_path / "out.onnx").exists()
+
+
 def test_a_failed_external_data_write_keeps_the_old_model_and_data(tmp_path, monkeypatch, small_limit):
     out = tmp_path / "model.onnx"
     old = mha_ep.partition(big_model()).model
