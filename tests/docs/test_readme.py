@@ -63,3 +63,24 @@ def test_the_models_doc_shows_the_tested_fusion_table():
 
     assert families.markdown_table() in (REPO / "docs" / "MODELS.md").read_text()
     assert "docs/MODELS.md" in README.read_text()
+
+
+def test_the_command_line_synopsis_lists_every_option_of_each_subcommand():
+    """The README's one-paragraph synopsis names every option ``--help`` shows (but -h, -v), for each subcommand."""
+    import argparse
+
+    from mha_ep import cli
+
+    text = README.read_text()
+    synopsis = text.split("Command line (each with `--help`", 1)[1].split("Examples to copy", 1)[0]
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices  # noqa: SLF001
+    for name in ("partition", "compare", "demo", "static-cache"):
+        assert f"mha-ep {name} " in synopsis, name
+        part = synopsis.split(f"mha-ep {name} ", 1)[1].split("`", 1)[0]
+        for action in commands[name]._actions:  # noqa: SLF001
+            options = [o for o in action.option_strings if o not in ("-h", "--help", "-v", "--verbose")]
+            if options:
+                assert any(f"{o} " in part or f"{o}]" in part for o in options), (
+                    f"mha-ep {name}: {options[-1]} missing from the README's synopsis"
+                )
