@@ -51,12 +51,13 @@ class Route:
 
     family: str
     route: str  # "torchscript" or "dynamo"
-    flags: str  # the optimizer's flags (torchscript) or the partition flag (dynamo)
+    flags: str  # the ORT optimizer's flags (torchscript; "" for dynamo, whose fusions take none)
     claimed: int
     outcome: str  # what the fusion makes, in words
     blocked_by: str = ""  # for a row with claimed == 0: the pattern that no fusion matches
     model_type: str = ""
     opt_level: int = 0
+    lift: bool = False  # mha_ep's --lift-attention (partition / compare): the fused model's Attention nodes lifted
 
 
 def _wrap(forward: Callable, model):
@@ -282,7 +283,7 @@ def fused_model(route: Route) -> onnx.ModelProto:
 
 
 def lifts(route: Route) -> bool:
-    return LIFT in route.flags
+    return route.lift
 
 
 def claimed_count(model: onnx.ModelProto, route: Route) -> int:
@@ -304,12 +305,13 @@ DEBERTA = ("DeBERTa's disentangled attention adds content-to-position and positi
            "relative position: no fusion of either route matches it")  # fmt: skip
 
 
-def _ts(family, flags, claimed, outcome, blocked_by="", model_type="bert", opt_level=0) -> Route:
-    return Route(family, "torchscript", flags, claimed, outcome, blocked_by, model_type=model_type, opt_level=opt_level)
+def _ts(family, flags, claimed, outcome, blocked_by="", model_type="bert", opt_level=0, lift=False) -> Route:
+    return Route(family, "torchscript", flags, claimed, outcome, blocked_by, model_type=model_type, opt_level=opt_level,
+                 lift=lift)  # fmt: skip
 
 
 def _dynamo(family, claimed, outcome=LIFTED, blocked_by="") -> Route:
-    return Route(family, "dynamo", LIFT, claimed, outcome, blocked_by)
+    return Route(family, "dynamo", "", claimed, outcome, blocked_by, lift=True)
 
 
 # The table of docs/MODELS.md, measured with torch 2.13, transformers 5.24, onnxscript 0.7.2 and ORT 1.31.1 on
@@ -343,20 +345,23 @@ ROUTES: Tuple[Route, ...] = (
     _ts("T5 encoder", BERT, 0, NOTHING, T5_BIAS),
     _dynamo("T5 encoder", 0, NOTHING, T5_BIAS),
     _dynamo("T5 encoder-decoder", 0, NOTHING, T5_BIAS),
-    _ts("Whisper encoder", BART + " " + LIFT, 2, LIFTED, model_type="bart", opt_level=1),
-    _ts("Whisper first decoder step", BART + " " + LIFT, 4, "MultiHeadAttention (cross) and Attention, lifted (self)",
-        model_type="bart", opt_level=1),
+    _ts("Whisper encoder", BART, 2, LIFTED, model_type="bart", opt_level=1, lift=True),
+    _ts("Whisper first decoder step", BART, 4, "MultiHeadAttention (cross) and Attention, lifted (self)",
+        model_type="bart", opt_level=1, lift=True),
     _ts("Whisper decoder with past", BART, 4, MHA, model_type="bart", opt_level=1),
 )
 
 
 def markdown_table(routes: Sequence[Route] = ROUTES) -> str:
     """The rows as docs/MODELS.md shows them."""
-    lines = ["| family | export | fusion flags | what comes out | claimed (tiny model) |", "|---|---|---|---|---|"]
+    lines = ["| family | export | ORT optimizer flags | mha_ep flag | what comes out | claimed (tiny model) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for r in routes:
         what = r.outcome + (f": {r.blocked_by}" if r.blocked_by else "")
         export = "TorchScript + ORT optimizer" if r.route == "torchscript" else "dynamo + onnxscript fusions"
-        lines.append(f"| {r.family} | {export} | `{r.flags}` | {what} | {r.claimed} |")
+        flags = f"`{r.flags}`" if r.flags else "(none)"
+        lift = f"`{LIFT}`" if r.lift else ""
+        lines.append(f"| {r.family} | {export} | {flags} | {lift} | {what} | {r.claimed} |")
     return "\n".join(lines)
 
 
@@ -378,7 +383,8 @@ def main(argv=None) -> int:
             got = f"error: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
         different += got != str(row.claimed)
         mark = "ok" if got == str(row.claimed) else "DIFFERS"
-        print(f"[{index}/{len(rows)}] {mark:7s} {row.family} via {row.route} `{row.flags}`: claimed {got} "
+        print(f"[{index}/{len(rows)}] {mark:7s} {row.family} via {row.route} `{row.flags}`"
+              f"{' ' + LIFT if row.lift else ''}: claimed {got} "
               f"(table: {row.claimed})", flush=True)  # fmt: skip
     print(f"{len(rows) - different} of {len(rows)} rows as in the table")
     return 1 if different else 0
