@@ -18,13 +18,10 @@ from mha_ep.feeds import random_feeds
 from mha_ep.models.synthetic import bert_encoder, encoder_feeds
 
 from conftest import device_mode_unavailable_reason
+from stock_cuda import PROVIDERS, assert_close, stock_cuda
 
 pytestmark = pytest.mark.gpu
 SHIPPED = sorted(shipped.folder().glob("*.onnx"))
-PROVIDERS = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
-# Whole models against stock ORT CUDA, both without TF32: the pieces are the same ORT CUDA kernels, so what differs
-# is the attention (held to ORT CPU at 1e-5 / 4e-3 node by node in the parity suites) carried through the rest.
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -32,20 +29,6 @@ def _needs_device_mode():
     reason = device_mode_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-
-
-def stock_cuda(model: onnx.ModelProto, feeds: dict) -> list:
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=PROVIDERS)
-    assert "CUDAExecutionProvider" in session.get_providers()
-    return session.run(None, feeds)
-
-
-def assert_close(actual, expected, dtype: str, label: str) -> None:
-    for a, e in zip(actual, expected):
-        assert a.shape == e.shape and a.dtype == e.dtype, f"{label}: {a.shape} {a.dtype} vs {e.shape} {e.dtype}"
-        e64 = e.astype(np.float64)
-        error = float(np.max(np.abs(a.astype(np.float64) - e64) / np.maximum(1.0, np.abs(e64))))
-        assert error <= TOLERANCE[dtype], f"{label}: error {error:.3g} > {TOLERANCE[dtype]}"
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)

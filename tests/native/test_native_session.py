@@ -18,13 +18,11 @@ from mha_ep.feeds import random_feeds
 from mha_ep.models.synthetic import bert_encoder, decoder_step_feeds, encoder_feeds, whisper_decoder_step
 
 from conftest import native_cuda_unavailable_reason
+from stock_cuda import CUDA, PROVIDERS, assert_close, stock_cuda
 
 pytestmark = pytest.mark.gpu
 SHIPPED = sorted(shipped.folder().glob("*.onnx"))
-CUDA = "CUDAExecutionProvider"
-PROVIDERS = [(CUDA, {"use_tf32": "0"}), "CPUExecutionProvider"]
 GRAPHS = [(CUDA, {"use_tf32": "0", "enable_cuda_graph": "1"}), "CPUExecutionProvider"]
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -32,20 +30,6 @@ def _needs_the_native_cuda_route():
     reason = native_cuda_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-
-
-def stock_cuda(model: onnx.ModelProto, feeds: dict) -> list:
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=PROVIDERS)
-    assert CUDA in session.get_providers()
-    return session.run(None, feeds)
-
-
-def assert_close(actual, expected, dtype: str, label: str) -> None:
-    for a, e in zip(actual, expected):
-        assert a.shape == e.shape and a.dtype == e.dtype, f"{label}: {a.shape} {a.dtype} vs {e.shape} {e.dtype}"
-        e64 = e.astype(np.float64)
-        error = float(np.max(np.abs(a.astype(np.float64) - e64) / np.maximum(1.0, np.abs(e64))))
-        assert error <= TOLERANCE[dtype], f"{label}: error {error:.3g} > {TOLERANCE[dtype]}"
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
