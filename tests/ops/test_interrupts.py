@@ -74,13 +74,17 @@ class Child:
                 why = "ended" if more is False else f"had not said it after {PATIENCE} s"
                 raise AssertionError(f"the child {why} before saying {prefix!r}\n{describe(result)}")
 
-    def said(self, prefix: str) -> bool:
-        """Whether the child has said a line starting with ``prefix`` (no waiting)."""
+    def _drain(self) -> None:
+        """Every line already read into ``lines`` (no waiting)."""
         try:
             while self._take(0):
                 pass
         except queue.Empty:
             pass
+
+    def said(self, prefix: str) -> bool:
+        """Whether the child has said a line starting with ``prefix`` (no waiting)."""
+        self._drain()
         return any(line.startswith(prefix) for line in self.lines)
 
     def finish(self) -> subprocess.CompletedProcess:
@@ -96,11 +100,7 @@ class Child:
             self.process.kill()
             self.process.wait()
         self._reader.join(PATIENCE)
-        try:
-            while self._take(0):
-                pass
-        except queue.Empty:
-            pass
+        self._drain()
         return subprocess.CompletedProcess(self.process.args, self.process.returncode, "".join(self.lines),
                                            self.process.stderr.read())  # fmt: skip
 
