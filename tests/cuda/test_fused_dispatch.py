@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from mha_ep.launch import ELEMENT_BYTES
 from mha_ep.ops.backends.cuda import dispatch, fused
 
 import cuda_cases
@@ -351,34 +352,42 @@ def test_launch_choices():
 
 # ------------------------------------------------------------------------------------ split keys (decode steps)
 @pytest.mark.parametrize(
-    "case, sms, split",
+    "case, sms, in_bytes, split",
     [
         # Whisper tiny's cross attention, B=1: 6 (b, h) pairs, 8 x 132 blocks wanted, at least 32 keys a block
-        (Case(b=1, s=1, l=1500, n=6, h=64, layout="BNSH"), 132, dispatch.KeySplit(47, 32)),
-        # Whisper small's, B=8: 96 pairs want 11 splits each
-        (Case(b=8, s=1, l=1500, n=12, h=64, layout="BNSH"), 132, dispatch.KeySplit(11, 137)),
-        # a GPU already full of pairs: splits only to keep a block's logits in shared memory (1024 keys)
-        (Case(b=528, s=4, l=4000, n=1, h=8, bias=False), 132, dispatch.KeySplit(4, 1000)),
-        (Case(b=2, s=1, l=5, n=2, h=64), 132, dispatch.KeySplit(1, 5)),  # a short row: one split
-        (Case(b=1, s=1, l=1500, n=6, h=64), 8, dispatch.KeySplit(11, 137)),  # a small GPU wants fewer blocks
-        (Case(b=1, s=5, l=1500, n=6, h=64), 132, None),  # 5 query rows: the flash kernels
+        (Case(b=1, s=1, l=1500, n=6, h=64, layout="BNSH"), 132, 4, dispatch.KeySplit(47, 32)),
+        # Whisper small's, B=8, float16 operands: 96 pairs want 11 splits each
+        (Case(b=8, s=1, l=1500, n=12, h=64, layout="BNSH"), 132, 2, dispatch.KeySplit(11, 137)),
+        # ... float32 ones: 137 keys of K and V would not fit SPLIT_SHARED_BYTES, 92 would, so 17 splits
+        (Case(b=8, s=1, l=1500, n=12, h=64, layout="BNSH"), 132, 4, dispatch.KeySplit(17, 89)),
+        # a GPU already full of pairs: splits only to keep a block's K, V and logits in shared memory
+        (Case(b=528, s=4, l=4000, n=1, h=8, bias=False), 132, 4, dispatch.KeySplit(7, 572)),
+        (Case(b=528, s=4, l=4000, n=1, h=8, bias=False), 132, 2, dispatch.KeySplit(4, 1000)),  # SPLIT_MAX_CHUNK
+        (Case(b=2, s=1, l=5, n=2, h=64), 132, 4, dispatch.KeySplit(1, 5)),  # a short row: one split
+        (Case(b=1, s=1, l=300, n=6, h=64), 8, 2, dispatch.KeySplit(10, 30)),  # a small GPU wants fewer blocks
+        (Case(b=1, s=5, l=1500, n=6, h=64), 132, 4, None),  # 5 query rows: the flash kernels
     ],
 )
-def test_key_split_cuts_a_decode_steps_keys_across_the_gpu(case, sms, split):
+def test_key_split_cuts_a_decode_steps_keys_across_the_gpu(case, sms, in_bytes, split):
     problem = make_problem(case, "float32")
-    got = dispatch.key_split(problem, sms)
+    got = dispatch.key_split(problem, sms, in_bytes)
     assert got == split
-    if got is not None:  # every key in exactly one split, none empty, the logits within the block's budget
+    if got is not None:  # every key in exactly one split, none empty, the block's shared memory within budget
         t = problem.geometry.total_seq
         assert (got.splits - 1) * got.chunk < t <= got.splits * got.chunk
         assert got.chunk <= dispatch.SPLIT_MAX_CHUNK
+        assert dispatch.split_shared_bytes(problem.geometry, got.chunk, in_bytes) <= dispatch.SPLIT_SHARED_BYTES
 
 
 def test_split_key_shared_memory_fits_the_default_limit_at_the_extremes():
+    """The widest block (4 query rows, H = Hv = 128, float32 operands) still takes SPLIT_MIN_CHUNK keys, and no
+    block needs its shared-memory limit raised."""
+    assert dispatch.SPLIT_SHARED_BYTES <= fused.DEFAULT_SHARED_LIMIT
     widest = make_problem(Case(b=1, s=dispatch.SPLIT_MAX_ROWS, l=9000, n=1, h=128), "float32")
     split = dispatch.key_split(widest, 1)
-    assert split.chunk == 1000  # 9 splits of at most SPLIT_MAX_CHUNK keys
-    assert fused.split_shared_bytes(widest, split.chunk) <= fused.DEFAULT_SHARED_LIMIT
+    assert split.chunk == 37 >= dispatch.SPLIT_MIN_CHUNK  # 244 splits of the 37 keys that fit
+    assert fused.split_shared_bytes(widest, split.chunk, "float32") <= fused.DEFAULT_SHARED_LIMIT
+    assert fused.split_shared_bytes(widest, split.chunk + 1, "float32") > dispatch.SPLIT_SHARED_BYTES
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -404,13 +413,13 @@ def test_fused_steps_launch_the_split_pair_for_decode_steps_and_flash_otherwise(
         if expected is None:
             assert len(steps) == 1 and steps[0].function.startswith("flash_attention_")
             continue
-        split = dispatch.key_split(problem, facts.sms)
+        split = dispatch.key_split(problem, facts.sms, ELEMENT_BYTES[dtype])
         assert [step.function.split("<")[0] for step in steps] == expected
         attention, combine = steps
         assert attention.grid == (g.batch * g.num_heads, split.splits, 1)
         assert attention.args[: len(fused.fused_step(problem, facts=facts, **operands).args)] == \
             fused.fused_step(problem, facts=facts, **operands).args  # fmt: skip
-        assert attention.shared == fused.split_shared_bytes(problem, split.chunk)
+        assert attention.shared == fused.split_shared_bytes(problem, split.chunk, dtype)
         assert combine.grid == (g.batch * g.num_heads * g.q_seq, 1, 1) and combine.args[-1].address == 5 << 20
         rows = g.batch * g.num_heads * split.splits * g.q_seq
         assert taken == {"split_O": 4 * rows * g.v_head_size, "split_ML": 8 * rows}

@@ -54,6 +54,9 @@ SPLIT_MAX_DIM = 128  # kernels/split_keys.cu SPLIT_MAX_DIM (the fused path's lar
 SPLIT_MIN_CHUNK = 32  # keys per split-key block, at least ...
 SPLIT_MAX_CHUNK = 1024  # ... and at most (the block's logits in shared memory)
 SPLIT_WAVES = 8  # split-key blocks aimed for, per SM (many small blocks: more loads in flight)
+SPLIT_THREADS = 128  # kernels/split_keys.cu SPLIT_THREADS
+SPLIT_WARPS = SPLIT_THREADS // 32
+SPLIT_SHARED_BYTES = 48 * 1024  # a split-key block's shared memory, at most: its chunk's K and V rows and logits
 GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
 
 
@@ -321,18 +324,30 @@ class KeySplit:
     chunk: int
 
 
-def key_split(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> Optional[KeySplit]:
+def split_shared_bytes(geometry, chunk: int, in_bytes: int) -> int:
+    """split_key_attention's dynamic shared memory for ``chunk`` keys a block of ``in_bytes`` operands: the query
+    rows, the chunk's logits and each warp's P.V in float32 (rounded up to 16 bytes), then the chunk's K and V
+    rows as they are in global memory."""
+    floats = geometry.q_seq * (geometry.head_size + chunk + SPLIT_WARPS * geometry.v_head_size)
+    return 4 * (-(-floats // 4) * 4) + chunk * (geometry.head_size + geometry.v_head_size) * in_bytes
+
+
+def key_split(problem: MhaProblem, sms: int = HOPPER_SM_COUNT, in_bytes: int = 4) -> Optional[KeySplit]:
     """The split-key kernel's cut of a fused call of at most SPLIT_MAX_ROWS query rows (a decode step), or None:
     the flash kernels take it. A flash block holds 64 query rows of one (b, h) and walks every key, so at S = 1 the
     GPU runs B*N blocks of mostly idle rows (Whisper's cross attention, B*N = 6, T = 1500: about 140 us of a
     2 us read). Split, the blocks number about SPLIT_WAVES x ``sms``: each of at least SPLIT_MIN_CHUNK keys and
-    at most SPLIT_MAX_CHUNK (its logits sit in shared memory)."""
+    at most as many as fit SPLIT_SHARED_BYTES (a block holds its chunk's K and V rows of ``in_bytes`` elements
+    and its logits in shared memory) and SPLIT_MAX_CHUNK."""
     g = problem.geometry
     if g.q_seq > SPLIT_MAX_ROWS or max(g.head_size, g.v_head_size) > SPLIT_MAX_DIM or g.total_seq == 0:
         return None
     pairs = g.batch * g.num_heads
+    per_key = 4 * g.q_seq + (g.head_size + g.v_head_size) * in_bytes
+    fitting = (SPLIT_SHARED_BYTES - split_shared_bytes(g, 0, in_bytes) - 12) // per_key  # 12: the rounding up
+    most = min(SPLIT_MAX_CHUNK, fitting)
     wanted = -(-SPLIT_WAVES * sms // pairs)
-    splits = max(1, -(-g.total_seq // SPLIT_MAX_CHUNK), min(wanted, -(-g.total_seq // SPLIT_MIN_CHUNK)))
+    splits = max(1, -(-g.total_seq // most), min(wanted, -(-g.total_seq // SPLIT_MIN_CHUNK)))
     chunk = -(-g.total_seq // splits)
     splits = -(-g.total_seq // chunk)  # no empty split
     if splits > GRID_Y_MAX or pairs > I32_MAX:

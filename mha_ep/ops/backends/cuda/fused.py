@@ -54,8 +54,7 @@ SM_SHARED_BYTES = 228 * 1024  # shared memory of one sm_90 SM; each resident blo
 WGMMA_SMEM_ALIGN = 1024  # kernels/flash_attention_wgmma.cu: tiles start 1024-byte aligned (128-byte swizzle)
 WS_STAGES = 2  # kernels/flash_attention_ws.cu WS_STAGES
 WS_BARRIER_BYTES = 8 * (2 + 4 * WS_STAGES)  # q_full, q_empty, full/empty x K/V x stages
-SPLIT_THREADS = 128  # kernels/split_keys.cu SPLIT_THREADS
-SPLIT_WARPS = SPLIT_THREADS // 32
+SPLIT_THREADS = dispatch.SPLIT_THREADS  # kernels/split_keys.cu SPLIT_THREADS
 
 
 def blocks_per_sm_by_shared_memory(shared: int) -> int:
@@ -326,7 +325,8 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
     ``raw_query`` (split-key calls only): q is the float16 / bfloat16 query as the node received it, with a float32
     ``q.bias`` the kernel adds on load and keeps in float32 (ORT's sum), k and v the node's own BNSH key and value
     (which carry no bias): the native route's cross attention, with no layout mover (pipeline.py)."""
-    split = None if tile is not None else dispatch.key_split(problem, facts.sms)
+    in_bytes = ELEMENT_BYTES[operands["operand_dtype"]]
+    split = None if tile is not None else dispatch.key_split(problem, facts.sms, in_bytes)
     if split is None:
         if raw_query:
             raise ValueError("fused attention: raw_query is for calls dispatch.key_split cuts")
@@ -343,10 +343,9 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
                            operands["operand_dtype"], out_BSD, round_query=not raw_query)  # fmt: skip
 
 
-def split_shared_bytes(problem: MhaProblem, chunk: int) -> int:
-    """split_key_attention's dynamic shared memory: the query rows, the chunk's logits and each warp's P.V."""
-    g = problem.geometry
-    return 4 * g.q_seq * (g.head_size + chunk + SPLIT_WARPS * g.v_head_size)
+def split_shared_bytes(problem: MhaProblem, chunk: int, operand_dtype: str) -> int:
+    """split_key_attention's dynamic shared memory (dispatch.split_shared_bytes)."""
+    return dispatch.split_shared_bytes(problem.geometry, chunk, ELEMENT_BYTES[operand_dtype])
 
 
 def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, arguments: tuple, operand_dtype: str,
@@ -363,7 +362,7 @@ def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, argumen
     log.debug("mha_ep: fused path: split keys, %d x %d blocks of %d keys", pairs, split.splits, split.chunk)
     return [
         Launch(f"split_key_attention<{elem}, {src}>", (pairs, split.splits, 1), (SPLIT_THREADS, 1, 1),
-               split_shared_bytes(problem, split.chunk),
+               split_shared_bytes(problem, split.chunk, operand_dtype),
                arguments + (i32(split.chunk), Pointer(partial_O), Pointer(partial_ML), i32(int(round_query))),
                fused=True),
         Launch(f"combine_key_splits<{elem}>", (pairs * g.q_seq, 1, 1), (SPLIT_THREADS, 1, 1), 4 * split.splits,

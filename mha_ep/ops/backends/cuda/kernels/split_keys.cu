@@ -14,68 +14,110 @@
 // P fragments; no-op in float32), the sum of p unrounded. A row with no finite logit gives 0/0 = NaN, as ORT.
 // Nothing is skipped (no causal-tile vote): every key's p is computed, an exact 0 where flash skips.
 //
-// In a block of SPLIT_THREADS: the query rows (floats, ELEM-rounded unless round_query is 0) sit in shared memory;
-// a warp forms the S dot products of SPLIT_KEYS_PER_PASS keys at once, lanes over d (SplitLoad: coalesced row
-// reads), then a shuffle sum; a warp per row takes the chunk's max, exponentials and sum; a warp per key again
-// for P.V, lanes over d, summed across warps in shared memory.
+// In a block of SPLIT_THREADS: the kernel is a stream of K and V, so it first asks for the whole chunk of both,
+// K then V, as two cp.async groups into shared memory (the chunk is sized to fit, dispatch.key_split), and
+// computes while V is still arriving: a warp that loaded a few rows and waited for them before the next kept the
+// read at a fraction of HBM's rate (docs/BENCH.md section 6). The query rows (floats, ELEM-rounded unless
+// round_query is 0) sit in shared memory and, each lane's slice of them, in registers. A key row is read from
+// shared memory by a group of lanes, 16 bytes a lane (split_lanes: 8 lanes for a float16 head of 64, 16 for a
+// float32 one), the group's dot products summed by shuffles; a warp per row takes the chunk's max, exponentials
+// and sum; P.V again by lane groups over keys, summed across groups by shuffles and across warps in shared
+// memory.
 //
 // Index rule as in layout.cu: promote the first factor of every product, `(long long)b * stride_b`; shared-memory
 // rows (under 48 KiB) are formed in int as row pointers, `(x_s + i * chunk)[jj]`.
 #include "common.cuh"
 #include "flash_common.cuh"
 
+#ifndef SPLIT_THREADS  // (scripts/split_key_sweep.py overrides the three #ifndef settings)
 #define SPLIT_THREADS 128  // fused.py SPLIT_THREADS
+#endif
 #define SPLIT_WARPS (SPLIT_THREADS / 32)
 #define SPLIT_MAX_ROWS 4   // dispatch.py SPLIT_MAX_ROWS: query rows a block holds (one warp each in the softmax)
-#define SPLIT_KEYS_PER_PASS 4  // keys a warp scores at once
-#define SPLIT_MAX_DIM 128  // dispatch.py SPLIT_MAX_DIM: head sizes (H, Hv) the lanes cover, 4 elements per lane
+#ifndef SPLIT_LOADS_IN_FLIGHT
+#define SPLIT_LOADS_IN_FLIGHT 4  // 16-byte loads a lane issues before it uses the first
+#endif
+#ifndef SPLIT_BLOCKS_PER_SM
+#define SPLIT_BLOCKS_PER_SM 4  // resident blocks the registers allow (SPLIT_SHARED_BYTES allows 4 too)
+#endif
+#define SPLIT_MAX_DIM 128  // dispatch.py SPLIT_MAX_DIM: head sizes (H, Hv) a warp covers, 16 bytes a lane
 
-// A lane's share of a K or V row: SplitLoad<IN>::N consecutive elements as floats, one load (16-byte aligned rows,
-// H a multiple of 8: a vector never straddles the head's end). 16-bit rows: 8 bytes a lane (two bytes a lane
-// left a float16 step's cross attention at 47 us a layer against 16 for cuDNN's, docs/BENCH.md section 6).
+// 16 bytes of a K or V row as SplitLoad<IN>::N floats, one load (the host checks 16-byte aligned addresses and
+// strides, fused.py _check_aligned, and H, Hv are multiples of 8: a load never straddles a row's end).
 template <typename IN> struct SplitLoad;
 template <> struct SplitLoad<float> {
-  static constexpr int N = 1;
-  static __device__ __forceinline__ void load(const float* p, float (&out)[N]) { out[0] = *p; }
+  static constexpr int N = 4;
+  static __device__ __forceinline__ void load(const float* p, float (&out)[N]) {
+    const float4 raw = *reinterpret_cast<const float4*>(p);
+    out[0] = raw.x;
+    out[1] = raw.y;
+    out[2] = raw.z;
+    out[3] = raw.w;
+  }
 };
 template <> struct SplitLoad<__half> {
-  static constexpr int N = 4;
+  static constexpr int N = 8;
   static __device__ __forceinline__ void load(const __half* p, float (&out)[N]) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
-    out[0] = lo.x;
-    out[1] = lo.y;
-    out[2] = hi.x;
-    out[3] = hi.y;
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const float2 p0 = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+    const float2 p1 = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+    const float2 p2 = __half22float2(*reinterpret_cast<const __half2*>(&raw.z));
+    const float2 p3 = __half22float2(*reinterpret_cast<const __half2*>(&raw.w));
+    out[0] = p0.x;
+    out[1] = p0.y;
+    out[2] = p1.x;
+    out[3] = p1.y;
+    out[4] = p2.x;
+    out[5] = p2.y;
+    out[6] = p3.x;
+    out[7] = p3.y;
   }
 };
 template <> struct SplitLoad<__nv_bfloat16> {
-  static constexpr int N = 4;
+  static constexpr int N = 8;
+  // A bfloat16 is a float32's high 16 bits: each 32-bit word holds two, the low one first.
   static __device__ __forceinline__ void load(const __nv_bfloat16* p, float (&out)[N]) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    out[0] = lo.x;
-    out[1] = lo.y;
-    out[2] = hi.x;
-    out[3] = hi.y;
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    out[0] = __uint_as_float(raw.x << 16);
+    out[1] = __uint_as_float(raw.x & 0xffff0000u);
+    out[2] = __uint_as_float(raw.y << 16);
+    out[3] = __uint_as_float(raw.y & 0xffff0000u);
+    out[4] = __uint_as_float(raw.z << 16);
+    out[5] = __uint_as_float(raw.z & 0xffff0000u);
+    out[6] = __uint_as_float(raw.w << 16);
+    out[7] = __uint_as_float(raw.w & 0xffff0000u);
   }
 };
 
-template <typename ELEM, typename IN>
-__global__ void __launch_bounds__(SPLIT_THREADS)
-    split_key_attention(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-                        const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
-                        long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-                        const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-                        const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-                        int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                        const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-                        const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-                        int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                        int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD, int chunk,
-                        float* __restrict__ partial_O, float2* __restrict__ partial_ML, int round_query) {
+// Lanes that read one row of `size` elements, 16 bytes each: a power of two from 1 to 32 (size <= SPLIT_MAX_DIM).
+template <typename IN> __device__ __forceinline__ int split_lanes(int size) {
+  const int vectors = size / SplitLoad<IN>::N;
+  int lanes = 1;
+  while (lanes < vectors) lanes <<= 1;
+  return lanes;
+}
+
+// The sum of v over each aligned group of `lanes` lanes, every lane of the group receiving it.
+__device__ __forceinline__ float group_sum(float v, int lanes) {
+  for (int offset = lanes >> 1; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// The kernel's body for at most ROWS query rows (the register arrays' size; 1 for a decode step's S = 1, whose
+// loops would otherwise issue SPLIT_MAX_ROWS rows' multiply-adds).
+template <typename ELEM, typename IN, int ROWS>
+__device__ __forceinline__ void split_key_rows(
+    const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
+    const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
+    long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
+    const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
+    const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
+    int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
+    const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
+    const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
+    int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
+    int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD, int chunk,
+    float* __restrict__ partial_O, float2* __restrict__ partial_ML, int round_query) {
   (void)skip_causal_tiles;
   (void)batch;
   (void)out_BSD;
@@ -83,15 +125,44 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
   float* q_s = smem;                        // q_seq x head_size
   float* x_s = q_s + q_seq * head_size;     // q_seq x chunk: the logits, then p
   float* o_s = x_s + q_seq * chunk;         // SPLIT_WARPS x q_seq x v_head_size: each warp's share of P.V
+  // chunk x head_size, then chunk x v_head_size IN elements: the chunk's K and V rows (16-byte aligned: the floats
+  // above rounded up to a multiple of 4, fused.py split_shared_bytes)
+  IN* k_s = reinterpret_cast<IN*>(smem + ((q_seq * (head_size + chunk + SPLIT_WARPS * v_head_size) + 3) & ~3));
+  IN* v_s = k_s + chunk * head_size;
+  constexpr int VEC = SplitLoad<IN>::N;     // elements of a 16-byte load
+  constexpr int U = SPLIT_LOADS_IN_FLIGHT;
+  // K and V rows are rounded to ELEM after their bias; without one an ELEM row is left as it is
+  const bool round_k = !same_type<ELEM, IN>::value || bias_k != nullptr;
+  const bool round_v = !same_type<ELEM, IN>::value || bias_v != nullptr;
 
   const long long bh = blockIdx.x;
-  const int b = (int)(bh / heads);
-  const int h = (int)(bh % heads);
+  const int b = (int)blockIdx.x / heads;  // B*N fits an int (dispatch.key_split): no 64-bit division
+  const int h = (int)blockIdx.x - b * heads;
   const int split = blockIdx.y;
   const int n0 = split * chunk;
   const int count = min(chunk, total_seq - n0);  // >= 1: the host makes ceil(T / chunk) splits
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+
+  // The chunk's K rows, then its V rows, into shared memory as they are (two cp.async groups).
+  const IN* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
+  const IN* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
+  {
+    const int pieces = head_size / VEC;  // 16-byte pieces of a row
+    for (int idx = threadIdx.x; idx < count * pieces; idx += SPLIT_THREADS) {
+      const int r = idx / pieces;
+      const int c = idx - r * pieces;
+      cp_async_16((k_s + r * head_size) + c * VEC, k_rows + (long long)(n0 + r) * stride_ks + c * VEC, true);
+    }
+    cp_async_commit();
+    const int v_pieces = v_head_size / VEC;
+    for (int idx = threadIdx.x; idx < count * v_pieces; idx += SPLIT_THREADS) {
+      const int r = idx / v_pieces;
+      const int c = idx - r * v_pieces;
+      cp_async_16((v_s + r * v_head_size) + c * VEC, v_rows + (long long)(n0 + r) * stride_vs + c * VEC, true);
+    }
+    cp_async_commit();
+  }
 
   // Step 1: the query rows, + b_q, rounded to ELEM (round_query 0: kept in float32, as ORT's float32 math of a
   // float16 graph sums q + b_q: the native route's call whose raw float16 query the kernel reads, fused_steps).
@@ -103,77 +174,75 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
     if (bias_q != nullptr) x += bias_q[(long long)h * head_size + d];
     q_s[idx] = round_query ? round_to<ELEM>(x) : x;
   }
+  cp_async_wait_all_but_newest();  // this thread's K pieces; the barrier makes them everyone's
   __syncthreads();
 
-  // Steps 2-4: the logits of the chunk's keys, a warp per SPLIT_KEYS_PER_PASS keys at a time (their rows loaded
-  // together: more loads in flight per warp).
+  // Steps 2-4: the logits of the chunk's keys. Lane `sub` of group `g` holds elements [sub*VEC, sub*VEC + VEC) of
+  // the query rows and of key rows base + u*groups + g, u < U.
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
                       causal, q_seq, total_seq, past_seq};
-  const IN* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
-  const float* bias_k_h = bias_k == nullptr ? nullptr : bias_k + (long long)h * head_size;
-  const float* offset_T = key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq;
-  constexpr int VEC = SplitLoad<IN>::N;            // elements a lane loads at once
-  constexpr int PIECES = SPLIT_MAX_DIM / (32 * VEC);  // ... and how many times a row
-  for (int base = warp * SPLIT_KEYS_PER_PASS; base < count; base += SPLIT_WARPS * SPLIT_KEYS_PER_PASS) {
-    float kd[SPLIT_KEYS_PER_PASS][PIECES][VEC];
+  {
+    const int lanes = split_lanes<IN>(head_size);
+    const int groups = 32 / lanes;
+    const int sub = lane & (lanes - 1);
+    const int g = lane / lanes;
+    const int d0 = sub * VEC;
+    const bool reads = d0 < head_size;
+    float q_r[ROWS][VEC];
+    float bk[VEC];
 #pragma unroll
-    for (int u = 0; u < SPLIT_KEYS_PER_PASS; ++u) {
-      const IN* k_row = k_rows + (long long)(n0 + min(base + u, count - 1)) * stride_ks;
+    for (int e = 0; e < VEC; ++e) {
+      bk[e] = (reads && bias_k != nullptr) ? bias_k[(long long)h * head_size + d0 + e] : 0.0f;
 #pragma unroll
-      for (int t = 0; t < PIECES; ++t) {
-        const int d = VEC * (lane + 32 * t);
-        if (d < head_size) {
-          SplitLoad<IN>::load(k_row + d, kd[u][t]);
+      for (int i = 0; i < ROWS; ++i) q_r[i][e] = (reads && i < q_seq) ? (q_s + i * head_size)[d0 + e] : 0.0f;
+    }
+    const float* offset_T = key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq;
+    for (int base = warp * groups * U; base < count; base += SPLIT_WARPS * groups * U) {
+      float kd[U][VEC];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int jj = min(base + u * groups + g, count - 1);
+        if (reads) {
+          SplitLoad<IN>::load((k_s + jj * head_size) + d0, kd[u]);
         } else {
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) kd[u][t][e] = 0.0f;
+          for (int e = 0; e < VEC; ++e) kd[u][e] = 0.0f;
         }
       }
-    }
-    float acc[SPLIT_KEYS_PER_PASS][SPLIT_MAX_ROWS];
+      float acc[U][ROWS];
 #pragma unroll
-    for (int u = 0; u < SPLIT_KEYS_PER_PASS; ++u)
+      for (int u = 0; u < U; ++u) {
 #pragma unroll
-      for (int i = 0; i < SPLIT_MAX_ROWS; ++i) acc[u][i] = 0.0f;
+        for (int i = 0; i < ROWS; ++i) acc[u][i] = 0.0f;
 #pragma unroll
-    for (int t = 0; t < PIECES; ++t) {
-      const int d0 = VEC * (lane + 32 * t);
-      if (d0 >= head_size) continue;
+        for (int e = 0; e < VEC; ++e) {
+          const float kr = round_k ? round_to<ELEM>(kd[u][e] + bk[e]) : kd[u][e];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const int d = d0 + e;
-        const float bk = bias_k_h != nullptr ? bias_k_h[d] : 0.0f;
-#pragma unroll
-        for (int u = 0; u < SPLIT_KEYS_PER_PASS; ++u) {
-          const float kr = round_to<ELEM>(bias_k_h != nullptr ? kd[u][t][e] + bk : kd[u][t][e]);
-#pragma unroll
-          for (int i = 0; i < SPLIT_MAX_ROWS; ++i) {
-            if (i < q_seq) acc[u][i] = fmaf((q_s + i * head_size)[d], kr, acc[u][i]);
+          for (int i = 0; i < ROWS; ++i) {
+            if (i < q_seq) acc[u][i] = fmaf(q_r[i][e], kr, acc[u][i]);
           }
         }
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+          if (i < q_seq) acc[u][i] = group_sum(acc[u][i], lanes);  // q_seq and lanes are uniform
+        }
       }
-    }
+      if (sub == 0) {
 #pragma unroll
-    for (int u = 0; u < SPLIT_KEYS_PER_PASS; ++u)
+        for (int u = 0; u < U; ++u) {
+          const int jj = base + u * groups + g;
+          if (jj >= count) break;
+          const int j = n0 + jj;
 #pragma unroll
-      for (int i = 0; i < SPLIT_MAX_ROWS; ++i) {
-        if (i < q_seq) acc[u][i] = warp_sum(acc[u][i]);  // q_seq is uniform: no divergent shuffle
-      }
-    if (lane < q_seq) {
-      const int i = lane;
-      const RowMask m = row_mask(mp, b, h, i);
-#pragma unroll
-      for (int u = 0; u < SPLIT_KEYS_PER_PASS; ++u) {
-        const int jj = base + u;
-        if (jj >= count) break;
-        const int j = n0 + jj;
-        float dot = acc[u][0];
-#pragma unroll
-        for (int r = 1; r < SPLIT_MAX_ROWS; ++r) dot = (i == r) ? acc[u][r] : dot;
-        float x = fmaf(dot, scale, offset_T != nullptr ? offset_T[j] : 0.0f);  // = dot * scale without offsets
-        if (query_offset_BNS != nullptr && j >= past_seq) x += query_offset_BNS[bh * q_seq + i];
-        if (m.bias_T != nullptr) x += m.bias_T[j];                   // step 3
-        (x_s + i * chunk)[jj] = masked_logit_per_key(x, mp, m, i, j);  // step 4
+          for (int i = 0; i < ROWS; ++i) {
+            if (i >= q_seq) break;
+            float x = fmaf(acc[u][i], scale, offset_T != nullptr ? offset_T[j] : 0.0f);  // = dot * scale
+            if (query_offset_BNS != nullptr && j >= past_seq) x += query_offset_BNS[bh * q_seq + i];
+            const RowMask m = row_mask(mp, b, h, i);
+            if (m.bias_T != nullptr) x += m.bias_T[j];
+            (x_s + i * chunk)[jj] = masked_logit_per_key(x, mp, m, i, j);
+          }
+        }
       }
     }
   }
@@ -196,50 +265,67 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
     l = warp_sum(l);
     if (lane == 0) ml[i] = make_float2(m, l);
   }
+  cp_async_wait_all();  // this thread's V pieces
   __syncthreads();
 
-  // Step 5b: O_c = sum_j p_ij v_j, a warp per key, lanes over d.
-  const IN* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
-  const float* bias_v_h = bias_v == nullptr ? nullptr : bias_v + (long long)h * v_head_size;
-  float o[SPLIT_MAX_ROWS][PIECES][VEC];
+  // Step 5b: O_c = sum_j p_ij v_j: lane groups over keys (as in steps 2-4), lanes over d.
+  {
+    const int lanes = split_lanes<IN>(v_head_size);
+    const int groups = 32 / lanes;
+    const int sub = lane & (lanes - 1);
+    const int g = lane / lanes;
+    const int d0 = sub * VEC;
+    const bool reads = d0 < v_head_size;
+    float bv[VEC];
 #pragma unroll
-  for (int i = 0; i < SPLIT_MAX_ROWS; ++i)
+    for (int e = 0; e < VEC; ++e) bv[e] = (reads && bias_v != nullptr) ? bias_v[(long long)h * v_head_size + d0 + e] : 0.0f;
+    float o[ROWS][VEC];
 #pragma unroll
-    for (int t = 0; t < PIECES; ++t)
+    for (int i = 0; i < ROWS; ++i)
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) o[i][t][e] = 0.0f;
-#pragma unroll 4
-  for (int jj = warp; jj < count; jj += SPLIT_WARPS) {
-    const IN* v_row = v_rows + (long long)(n0 + jj) * stride_vs;
-    float p[SPLIT_MAX_ROWS];
+      for (int e = 0; e < VEC; ++e) o[i][e] = 0.0f;
+    for (int base = warp * groups * U; base < count; base += SPLIT_WARPS * groups * U) {
+      float vd[U][VEC];
 #pragma unroll
-    for (int i = 0; i < SPLIT_MAX_ROWS; ++i) p[i] = (i < q_seq) ? round_to<ELEM>((x_s + i * chunk)[jj]) : 0.0f;
+      for (int u = 0; u < U; ++u) {
+        const int jj = min(base + u * groups + g, count - 1);
+        if (reads) {
+          SplitLoad<IN>::load((v_s + jj * v_head_size) + d0, vd[u]);
+        } else {
 #pragma unroll
-    for (int t = 0; t < PIECES; ++t) {
-      const int d0 = VEC * (lane + 32 * t);
-      if (d0 < v_head_size) {
-        float vv[VEC];
-        SplitLoad<IN>::load(v_row + d0, vv);
+          for (int e = 0; e < VEC; ++e) vd[u][e] = 0.0f;
+        }
+      }
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          float vd = vv[e];
-          if (bias_v_h != nullptr) vd += bias_v_h[d0 + e];
-          vd = round_to<ELEM>(vd);
+      for (int u = 0; u < U; ++u) {
+        const int jj = base + u * groups + g;
+        if (jj < count) {
+          float p[ROWS];
 #pragma unroll
-          for (int i = 0; i < SPLIT_MAX_ROWS; ++i) o[i][t][e] = fmaf(p[i], vd, o[i][t][e]);
+          for (int i = 0; i < ROWS; ++i) p[i] = (i < q_seq) ? round_to<ELEM>((x_s + i * chunk)[jj]) : 0.0f;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const float vr = round_v ? round_to<ELEM>(vd[u][e] + bv[e]) : vd[u][e];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) o[i][e] = fmaf(p[i], vr, o[i][e]);
+          }
         }
       }
     }
-  }
+    // The groups' sums (lanes with the same sub), then group 0 writes this warp's share.
 #pragma unroll
-  for (int i = 0; i < SPLIT_MAX_ROWS; ++i) {
-    if (i >= q_seq) break;
+    for (int i = 0; i < ROWS; ++i) {
+      if (i >= q_seq) break;
 #pragma unroll
-    for (int t = 0; t < PIECES; ++t) {
-      const int d0 = VEC * (lane + 32 * t);
-      if (d0 >= v_head_size) continue;
+      for (int e = 0; e < VEC; ++e) {
+        float x = o[i][e];
+        for (int offset = lanes; offset < 32; offset <<= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+        o[i][e] = x;
+      }
+      if (g == 0 && reads) {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) (o_s + (warp * q_seq + i) * v_head_size)[d0 + e] = o[i][t][e];
+        for (int e = 0; e < VEC; ++e) (o_s + (warp * q_seq + i) * v_head_size)[d0 + e] = o[i][e];
+      }
     }
   }
   __syncthreads();
@@ -249,6 +335,34 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
 #pragma unroll
     for (int w = 0; w < SPLIT_WARPS; ++w) sum += (o_s + w * q_seq * v_head_size)[idx];
     out[idx] = sum;
+  }
+}
+
+template <typename ELEM, typename IN>
+__global__ void __launch_bounds__(SPLIT_THREADS, SPLIT_BLOCKS_PER_SM)
+    split_key_attention(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
+                        const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
+                        long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
+                        const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
+                        const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
+                        int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
+                        const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
+                        const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
+                        int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
+                        int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD, int chunk,
+                        float* __restrict__ partial_O, float2* __restrict__ partial_ML, int round_query) {
+  if (q_seq == 1) {
+    split_key_rows<ELEM, IN, 1>(
+        q, stride_qb, stride_qh, stride_qs, bias_q, k, stride_kb, stride_kh, stride_ks, bias_k, v, stride_vb,
+        stride_vh, stride_vs, bias_v, attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep,
+        key_offset_BNT, query_offset_BNS, mask_filter_value, causal, skip_causal_tiles, scale, batch, heads, q_seq,
+        total_seq, past_seq, head_size, v_head_size, out_BSD, chunk, partial_O, partial_ML, round_query);
+  } else {
+    split_key_rows<ELEM, IN, SPLIT_MAX_ROWS>(
+        q, stride_qb, stride_qh, stride_qs, bias_q, k, stride_kb, stride_kh, stride_ks, bias_k, v, stride_vb,
+        stride_vh, stride_vs, bias_v, attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep,
+        key_offset_BNT, query_offset_BNS, mask_filter_value, causal, skip_causal_tiles, scale, batch, heads, q_seq,
+        total_seq, past_seq, head_size, v_head_size, out_BSD, chunk, partial_O, partial_ML, round_query);
   }
 }
 
