@@ -1,7 +1,7 @@
 """How close the beam-search choices of a ``bench generate`` random-weight row are (CPU, stock ORT): names the ties
 where two GPU loops may part.
 
-    python scripts/beam_margins.py --size base --batch 1 [--json out/gen/bench_generate.json]
+    python scripts/beam_margins.py --size base --batch 1 [--dtype float16] [--json out/gen/bench_generate.json]
 
 Re-runs the row's beam search exactly as mha_ep/bench/generate.py sets it up (the same seeds, the end-of-text id
 suppressed, BEAMS beams, ``--steps`` steps) with stock ORT CPU and mha_ep/models/beam.py, and prints per batch
@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 
-def search(size: str, batch: int, steps: int):
+def search(size: str, batch: int, steps: int, dtype: str = "float32"):
     import onnxruntime as ort
 
     from mha_ep.bench.generate import BEAMS, ENCODER_POSITIONS, PROMPT, SIZES, VOCAB
@@ -28,14 +28,14 @@ def search(size: str, batch: int, steps: int):
     from mha_ep.models.synthetic import decoder_step_feeds, whisper_decoder_step
 
     layers, hidden, heads, ffn = SIZES[size]
-    model = whisper_decoder_step(layers, hidden, heads, ffn, "float32", vocab=VOCAB)
+    model = whisper_decoder_step(layers, hidden, heads, ffn, dtype, vocab=VOCAB)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(3)  # the draws in bench_random's order
     rng.integers(0, VOCAB, size=(batch, 1))
     rng.standard_normal((batch, ENCODER_POSITIONS, hidden))
     rows = np.repeat(np.arange(batch), BEAMS)
     first_logits = rng.standard_normal((batch, VOCAB)).astype(np.float32)[rows]
-    feeds = decoder_step_feeds(batch, PROMPT, layers, hidden, heads, ENCODER_POSITIONS, "float32", seed=4)
+    feeds = decoder_step_feeds(batch, PROMPT, layers, hidden, heads, ENCODER_POSITIONS, dtype, seed=4)
     feeds.pop("hidden_states")
     cache = {n: v[rows] for n, v in feeds.items() if n.startswith("past_")}
     fixed = {n: v[rows] for n, v in feeds.items() if n.startswith("cross_")}
@@ -61,7 +61,7 @@ def search(size: str, batch: int, steps: int):
         inputs = {"input_ids": tokens[:, None].astype(np.int64), **{n: v[sources] for n, v in cache.items()}, **fixed}
         outputs = dict(zip(names, session.run(None, inputs)))
         cache = {n.replace("present_", "past_", 1): v for n, v in outputs.items() if n.startswith("present_")}
-        logprobs = log_softmax(outputs["logits"][:, -1], bias)
+        logprobs = log_softmax(outputs["logits"][:, -1].astype(np.float32), bias)
     return beam.result(), margins
 
 
@@ -74,10 +74,11 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="base", choices=("tiny", "base", "small"))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     ap.add_argument("--json", help="bench_generate.json of the run whose answers to compare")
     ap.add_argument("--below", type=float, default=1e-3, help="print the steps with margins under this")
     args = ap.parse_args(argv)
-    answers, margins = search(args.size, args.batch, args.steps)
+    answers, margins = search(args.size, args.batch, args.steps, args.dtype)
     for b in range(args.batch):
         close = [(step, m[b]) for step, m in enumerate(margins) if m[b] < args.below]
         print(f"entry {b}: smallest margin {min(m[b] for m in margins):.3g}; steps under {args.below:g}: "
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     if args.json:
         rows = json.load(open(args.json))["rows"]
         label = f"Whisper-{args.size}-sized"
-        row = next(r for r in rows if r["label"].startswith(label) and f"B={args.batch} float32" in r["label"])
+        row = next(r for r in rows if r["label"].startswith(label) and f"B={args.batch} {args.dtype}" in r["label"])
         got = row["beam_answers"]
         for b in range(args.batch):
             stock, static = got["stock_beam"][b], got["static_beam"][b]
