@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import onnx
 
 from mha_ep.device.mode import CUDA_PROVIDER, cuda_options_of, provider_names
-from mha_ep.errors import MESSAGE_PREFIX, MhaEpError, MhaRunError
+from mha_ep.errors import MESSAGE_PREFIX, MhaEpError, run_error, status_code_of
 from mha_ep.ops.context import run_context
 from mha_ep.ops.backends import resolve_backend
 from mha_ep.ops.registration import attach, choose_route
@@ -220,17 +220,15 @@ class InferenceSession:
                 if context.interrupted:
                     raise KeyboardInterrupt from None
                 if context.errors:
-                    node, message = context.errors[0]
-                    raise MhaRunError(node, message) from error
+                    raise context.first_error() from error
                 reported = native_failure(str(error))
                 if reported is not None:  # the native library's own report (a device-side check): no Python ran
-                    raise MhaRunError(*reported) from error
+                    raise run_error(*reported, status_code_of(error)) from error
                 raise
         if context.interrupted:
             raise KeyboardInterrupt
         if context.errors:
-            node, message = context.errors[0]
-            raise MhaRunError(node, message)
+            raise context.first_error()
         return result
 
     def __getattr__(self, name):

@@ -58,13 +58,21 @@ from mha_ep.launch import ELEMENT_BYTES
 DTYPE_BYTES = {**ELEMENT_BYTES, "int32": 4, "int64": 8}
 
 
-class Refusal(Exception):
-    """A rule's verdict: ``reason`` is the whole sentence, ``subject`` the input or attribute it is about."""
+# ORT status codes stock ORT 1.31.1's CPU kernel ends a run with, where a call breaks a rule at run time
+# (docs/SEMANTICS.md §2.6; tests/claim/test_bad_input.py holds each case to stock ORT's exception type)
+ORT_FAIL, ORT_INVALID_ARGUMENT, ORT_RUNTIME_EXCEPTION = 1, 2, 6
 
-    def __init__(self, reason: str, subject: str):
+
+class Refusal(Exception):
+    """A rule's verdict: ``reason`` is the whole sentence, ``subject`` the input or attribute it is about, and
+    ``code`` the ORT status code stock ORT fails the same call with at run time (INVALID_ARGUMENT from its input
+    checks, unless the rule says otherwise)."""
+
+    def __init__(self, reason: str, subject: str, code: int = ORT_INVALID_ARGUMENT):
         super().__init__(PREFIX + reason)
         self.reason = PREFIX + reason
         self.subject = subject
+        self.code = code
 
 
 # ---------------------------------------------------------------------------------------------------- attributes
@@ -315,6 +323,7 @@ def rule_query_rank(call: Call) -> None:
             f"query must be rank 3 (B, S, hidden); packed-QKV layouts (rank {rank}) are unsupported; "
             f"got shape {call.shape_text('query')}",
             "query",
+            ORT_RUNTIME_EXCEPTION if rank == 5 else ORT_INVALID_ARGUMENT,  # stock CPU: "Packed QKV ... not implemented"
         )
 
 
@@ -337,7 +346,8 @@ def rule_key_value_ranks(call: Call) -> None:
                 f"{name} must be rank 3 (B, T, hidden) or rank 4 (B, N, T, H); rank {rank} is unsupported "
                 f"(shape {call.shape_text(name)})",
                 name,
-            )
+                ORT_RUNTIME_EXCEPTION if name == "key" and rank == 5 else ORT_INVALID_ARGUMENT,  # "Packed KV not
+            )  # implemented for CPU"
     k_rank, v_rank = call.rank("key"), call.rank("value")
     if k_rank is not None and v_rank is not None and k_rank != v_rank:
         raise Refusal(
@@ -351,7 +361,8 @@ def rule_query_hidden_divisible(call: Call) -> None:
     """Rule 11."""
     hidden = call.dim("query", 2)
     if call.rank("query") == 3 and hidden is not None and hidden % call.attrs.num_heads:
-        raise Refusal(f"query hidden {hidden} not divisible by num_heads {call.attrs.num_heads}", "query")
+        raise Refusal(f"query hidden {hidden} not divisible by num_heads {call.attrs.num_heads}", "query",
+                      ORT_FAIL)  # stock CPU has no check: its Tensor::Reshape enforcement fails the run
 
 
 def rule_key_value_heads(call: Call) -> None:
@@ -360,8 +371,9 @@ def rule_key_value_heads(call: Call) -> None:
     for name in ("key", "value"):
         if call.rank(name) == 3:
             hidden = call.dim(name, 2)
-            if hidden is not None and hidden % n:
-                raise Refusal(f"{name} hidden {hidden} not divisible by num_heads {n}", name)
+            if hidden is not None and hidden % n:  # a key's hidden differs from the query's first (an ORT check)
+                raise Refusal(f"{name} hidden {hidden} not divisible by num_heads {n}", name,
+                              ORT_FAIL if name == "value" else ORT_INVALID_ARGUMENT)  # value: Reshape, as query's
         if call.rank(name) == 4:
             heads = call.dim(name, 1)
             if heads is not None and heads != n:

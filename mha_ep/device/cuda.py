@@ -37,7 +37,7 @@ from mha_ep.dtypes import elem_type
 from mha_ep.device.plan import AttentionStep, DevicePlan, PieceStep
 from mha_ep.device.run import attention_problem, check_call, run_plan, run_steps
 from mha_ep.native.transfer import HostTransfers, check_feed_dtype, host_feed
-from mha_ep.errors import MhaEpError, MhaRunError
+from mha_ep.errors import MhaEpError, refusal_code, run_error
 from mha_ep.ops.problem import resolve_padding_mask
 
 log = logging.getLogger("mha_ep")
@@ -165,7 +165,7 @@ class DeviceExecutor:
         try:
             results = run_on_device(self.backend, problem, self.keep)
         except MhaEpError as error:
-            raise MhaRunError(step.node_name, str(error)) from None
+            raise run_error(step.node_name, str(error), refusal_code(error)) from None
         return [None if name is None else value for name, value in zip(step.outputs, results)]
 
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Mapping, Optional, Protocol, Sequence
 import numpy as np
 
 from mha_ep.device.plan import AttentionStep, DevicePlan, PieceStep
-from mha_ep.errors import MhaEpError, MhaRunError
+from mha_ep.errors import MhaEpError, refusal_code, run_error
 
 
 class Executor(Protocol):
@@ -81,7 +81,7 @@ def attention_problem(step: AttentionStep, arrays: Sequence[Optional[object]], m
     try:
         return build_problem(step.attributes, list(arrays), step.dtype, step.wanted, mask_resolver)
     except MhaEpError as error:
-        raise MhaRunError(step.node_name, str(error)) from None
+        raise run_error(step.node_name, str(error), refusal_code(error)) from None
 
 
 # ------------------------------------------------------------------------------------------------ CPU twin
@@ -120,6 +120,6 @@ class HostExecutor:
         try:
             result = self.backend.run(problem)
         except MhaEpError as error:
-            raise MhaRunError(step.node_name, str(error)) from None
+            raise run_error(step.node_name, str(error), refusal_code(error)) from None
         values = (result.output_BSDv, result.present_key_BNTH, result.present_value_BNTHv)
         return [None if name is None else value.astype(step.dtype) for name, value in zip(step.outputs, values)]

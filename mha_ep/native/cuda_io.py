@@ -27,11 +27,11 @@ import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from mha_ep.errors import MhaEpError
+from mha_ep.native.ort_checks import call_error, dtype_error, execution_error, tensor_type, wanted_outputs
 
 MAX_GRAPHS = 16  # signatures with a captured graph per session (ORT keeps each graph until the session goes)
 COPY_THREADS = 4  # host copies into the staging buffer (transfer.py, staging.stage_uploads)
@@ -50,22 +50,6 @@ def unsupported_tensors(session) -> List[str]:
     """Inputs and outputs of ``session`` whose type has no CuPy dtype (they keep ORT's own run), as 'name (type)'."""
     args = list(session.get_inputs()) + list(session.get_outputs())
     return [f"{a.name} ({a.type})" for a in args if numpy_dtype(a.type) is None]
-
-
-def check_call(inputs: Sequence[str], outputs: Sequence[str], feeds: Mapping, output_names) -> List[str]:
-    """The output names a call asks for (all outputs when None or empty); ValueError naming the feed or output
-    that does not fit the model."""
-    missing = [name for name in inputs if name not in feeds]
-    if missing:
-        raise ValueError(f"missing feed(s) for graph input(s) {missing}; the model's inputs are {list(inputs)}")
-    unknown = [name for name in feeds if name not in inputs]
-    if unknown:
-        raise ValueError(f"feed(s) {unknown} name no graph input; the model's inputs are {list(inputs)}")
-    wanted = list(outputs) if not output_names else list(output_names)
-    bad = [name for name in wanted if name not in outputs]
-    if bad:
-        raise ValueError(f"output(s) {bad} are not graph outputs; the model's outputs are {list(outputs)}")
-    return wanted
 
 
 _DTYPES: Dict[str, np.dtype] = {}  # ORT type name -> NumPy dtype (looked up once: this runs per output per call)
@@ -88,12 +72,13 @@ def ortvalue_array(value):
 
 
 def device_feed(name: str, value, expected: str):
-    """A device feed as a C-contiguous CuPy array of dtype ``expected`` (MhaEpError naming the feed otherwise)."""
+    """A device feed as a C-contiguous CuPy array of dtype ``expected`` (ORT's InvalidArgument otherwise)."""
     import cupy
 
     array = value if isinstance(value, cupy.ndarray) else cupy.from_dlpack(value)
-    if array.dtype.name != expected:
-        raise MhaEpError(f"feed {name!r} has dtype {array.dtype}, the model expects {expected}")
+    error = dtype_error(name, array.dtype, tensor_type(expected))
+    if error is not None:
+        raise error
     return array if array.flags.c_contiguous else cupy.ascontiguousarray(array)
 
 
@@ -149,7 +134,8 @@ class CudaSessionIO:
         self.graphs = graphs
         self._run = run
         self._options = options
-        self.inputs = {a.name: numpy_dtype(a.type) for a in session.get_inputs()}
+        self.input_args = list(session.get_inputs())  # ORT's NodeArgs: a call is checked as run() checks it
+        self.inputs = {a.name: numpy_dtype(a.type) for a in self.input_args}
         self.outputs = [a.name for a in session.get_outputs()]
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -164,36 +150,71 @@ class CudaSessionIO:
         """NumPy (or device) feeds in, NumPy outputs out, through page-locked memory."""
         import cupy
 
-        wanted = check_call(list(self.inputs), self.outputs, feeds, output_names)
-        with self._lock, cupy.cuda.Device(self.device_id):
-            host, device = self._split(feeds)
-            if device:
-                self._settle_caller()
-            arrays = self._call(host, device, wanted, make_options or self._options)
-            results = self.transfers.download(arrays)
-            self.transfers.settle()
+        wanted = self._checked(feeds, output_names)
+        try:
+            with self._lock, cupy.cuda.Device(self.device_id):
+                host, device = self._split(feeds)
+                if device:
+                    self._settle_caller()
+                arrays = self._call(host, device, wanted, make_options or self._options)
+                results = self.transfers.download(arrays)
+                self.transfers.settle()
+        except RuntimeError as error:
+            self._raise_as_run(error, feeds, wanted, make_options)
         return results
 
     def run_device(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
         """Device (or NumPy) feeds in, CuPy outputs out."""
         import cupy
 
-        wanted = check_call(list(self.inputs), self.outputs, feeds, output_names)
-        with self._lock, cupy.cuda.Device(self.device_id):
-            host, device = self._split(feeds)
-            slot = self.slots.get(self.signature(host, device)) if self.graphs and not host else None
-            if slot is not None:
-                return self._replay_device(slot, device, wanted, make_options or self._options)
-            self._settle_caller()
-            arrays = self._call(host, device, wanted, make_options or self._options)
-            if self._graph_of(host, device) is not None:  # the graph's buffers are written again by the next call
-                with self.stream:
-                    arrays = [cupy.array(a, copy=True) for a in arrays]
-                self.stream.synchronize()
-            self.transfers.settle()
+        wanted = self._checked(feeds, output_names)
+        try:
+            with self._lock, cupy.cuda.Device(self.device_id):
+                host, device = self._split(feeds)
+                slot = self.slots.get(self.signature(host, device)) if self.graphs and not host else None
+                if slot is not None:
+                    return self._replay_device(slot, device, wanted, make_options or self._options)
+                self._settle_caller()
+                arrays = self._call(host, device, wanted, make_options or self._options)
+                if self._graph_of(host, device) is not None:  # the graph's buffers are written again next call
+                    with self.stream:
+                        arrays = [cupy.array(a, copy=True) for a in arrays]
+                    self.stream.synchronize()
+                self.transfers.settle()
+        except RuntimeError as error:
+            self._raise_as_run(error, feeds, wanted, make_options)
         return arrays
 
     # --------------------------------------------------------------------------------------- internals
+    def _raise_as_run(self, error: RuntimeError, feeds: Mapping, wanted: List[str], make_options) -> None:
+        """Raise what ORT's ``run`` raises for this failed call (ort_checks.execution_error: a stock node's
+        failure through IOBinding has lost its type), else ``error`` itself."""
+        import cupy
+
+        def rerun():
+            host = {}
+            for name, value in feeds.items():
+                on_device = isinstance(value, cupy.ndarray) or (not isinstance(value, np.ndarray)
+                                                                and hasattr(value, "__dlpack__"))  # fmt: skip
+                array = value if isinstance(value, cupy.ndarray) else cupy.from_dlpack(value) if on_device else value
+                host[name] = cupy.asnumpy(array) if on_device else value
+            options = (make_options or self._options)()
+            options.add_run_config_entry("gpu_graph_id", "-1")  # never a capture on the failure path
+            self.session.run(wanted, host, options)
+
+        failure = execution_error(error, rerun)
+        if failure is error:
+            raise error
+        raise failure from error
+
+    def _checked(self, feeds: Mapping, output_names) -> List[str]:
+        """The outputs the call asks for; raises what ORT's ``run`` raises for a call that does not fit the
+        model (ort_checks.py), before any copy or graph is touched."""
+        error = call_error(self.input_args, self.outputs, feeds, output_names)
+        if error is not None:
+            raise error
+        return wanted_outputs(self.outputs, output_names)
+
     def _split(self, feeds: Mapping) -> tuple:
         """(host feeds, device feeds), each checked against the model's dtype and made C-contiguous."""
         import cupy

@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import logging
 
-from mha_ep.errors import MESSAGE_PREFIX, MhaInputError, MhaModelError
+from mha_ep.errors import MESSAGE_PREFIX, ORT_FAIL, refusal_code
 from mha_ep.ops.context import current_context
 from mha_ep.ops.op import describe
 
 log = logging.getLogger("mha_ep")
-ORT_FAIL = 1
-ORT_INVALID_ARGUMENT = 2
 
 
 def failure(node: str, error: BaseException) -> tuple:
     """(code, message) of ``error`` raised by a call of node ``node``, recorded on the run's context if any."""
     message = describe(error)
+    code = refusal_code(error)
     context = current_context()
     if context is not None:
-        context.record(node, message)
-    code = ORT_INVALID_ARGUMENT if isinstance(error, (MhaInputError, MhaModelError)) else ORT_FAIL
+        context.record(node, message, code)
     return code, f"mha_ep MultiHeadAttention node '{node}': {message.removeprefix(MESSAGE_PREFIX)}"
 
 

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 import cupy
 import numpy as np
 
-from mha_ep.errors import MhaEpError
+from mha_ep.native.ort_checks import dtype_error, tensor_type
 from mha_ep.ops.backends.cuda.staging import PinnedStaging, align_up, pack_layout, stage_uploads
 
 MEMCPY_HOST_TO_DEVICE = 1
@@ -40,16 +40,20 @@ def is_host_feed(value) -> bool:
 
 
 def check_feed_dtype(name: str, actual, expected: str) -> None:
-    if str(actual) != expected:
-        raise MhaEpError(f"feed {name!r} has dtype {actual}, the model expects {expected}")
+    """onnxruntime's InvalidArgument, with ORT's text, when feed ``name`` has element type ``actual`` where the
+    model wants NumPy dtype ``expected`` (ort_checks.py: what ``run`` raises)."""
+    error = dtype_error(name, actual, tensor_type(expected))
+    if error is not None:
+        raise error
 
 
 def host_feed(name: str, value, expected: str) -> Optional[np.ndarray]:
-    """``value`` as a C-contiguous host array of dtype ``expected`` (MhaEpError naming the feed otherwise), or
+    """``value`` as a C-contiguous host array of dtype ``expected`` (ORT's InvalidArgument otherwise), or
     None when it lies on a device (a CuPy array, or anything else with ``__dlpack__``)."""
     if not is_host_feed(value):
         return None
-    array = np.ascontiguousarray(value)
+    # a list or tuple becomes the input's type, as ORT's run converts it
+    array = np.ascontiguousarray(value, dtype=expected if isinstance(value, (list, tuple)) else None)
     check_feed_dtype(name, array.dtype, expected)
     return array
 

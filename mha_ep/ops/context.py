@@ -29,11 +29,22 @@ class RunContext:
     backend: object
     run_options: object = None  # onnxruntime.RunOptions
     errors: list = field(default_factory=list)  # [(node_name, message)]
+    codes: list = field(default_factory=list)  # the ORT status code of each error (errors.ORT_STATUS_CLASSES)
     interrupted: bool = False  # a Ctrl-C reached an op of this run (mha_ep/ops/interrupt.py)
 
-    def record(self, node_name: str, message: str) -> None:
+    def record(self, node_name: str, message: str, code: int = 1) -> None:
+        """A claimed node's failure: its message, and the ORT status code stock ORT would end the run with (2,
+        INVALID_ARGUMENT, for an input the node refuses; 1, FAIL, otherwise)."""
         self.errors.append((node_name, message))
+        self.codes.append(code)
         self.stop()
+
+    def first_error(self):
+        """The first recorded failure as the MhaRunError the session raises."""
+        from mha_ep.errors import run_error
+
+        node, message = self.errors[0]
+        return run_error(node, message, self.codes[0])
 
     def interrupt(self) -> None:
         self.interrupted = True

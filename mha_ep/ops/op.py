@@ -13,7 +13,7 @@ import traceback
 import numpy as np
 
 from mha_ep import spec
-from mha_ep.errors import MhaEpError
+from mha_ep.errors import MhaEpError, refusal_code
 from mha_ep.ops import interrupt
 from mha_ep.ops.context import current_backend, current_context
 from mha_ep.ops.problem import build_problem, output_shapes
@@ -70,7 +70,7 @@ def fail(node_name, error, arrays, attributes, context) -> tuple:
         if outputs is None:
             message += "\n(the node's outputs could not be made, so they are empty)"
         if context is not None:
-            context.record(node_name, message)
+            context.record(node_name, message, refusal_code(error))
         else:
             log.error(
                 "mha_ep: node %r failed; its outputs are %s: %s",

@@ -173,7 +173,7 @@ def call_from_signature(attributes: Mapping[str, object], signature: tuple, dtyp
 @functools.lru_cache(maxsize=1024)
 def validated_call(attribute_items: tuple, signature: tuple, dtype: str, outputs: tuple,
                    past_length: Optional[int] = None) -> tuple:  # fmt: skip
-    """The rules' verdict on one call signature: (Call, None) or (None, the refusal's reason).
+    """The rules' verdict on one call signature: (Call, None) or (None, the Refusal: its reason and ORT status code).
 
     A node sends the same attributes and shapes call after call, so the op pays a dictionary lookup instead of
     building and hashing the Call again (about 30 µs a call on the GPU machine's host, measured).
@@ -181,9 +181,9 @@ def validated_call(attribute_items: tuple, signature: tuple, dtype: str, outputs
     try:
         call = call_from_signature(dict(attribute_items), signature, dtype, outputs, past_length)
     except Refusal as refusal:
-        return None, refusal.reason
+        return None, refusal
     refusal = check(call)
-    return (call, None) if refusal is None else (None, refusal.reason)
+    return (call, None) if refusal is None else (None, refusal)
 
 
 def build_problem(
@@ -201,11 +201,11 @@ def build_problem(
     signature = (tuple(attributes.items()), array_signature(slots), dtype, tuple(bool(o) for o in outputs),
                  past_length_value(slots[spec.SLOT["past_sequence_length"]]))  # fmt: skip
     try:
-        call, reason = validated_call(*signature)
+        call, refusal = validated_call(*signature)
     except TypeError:  # an unhashable attribute value: the rules name it, unmemoised
-        call, reason = validated_call.__wrapped__(*signature)
-    if reason is not None:
-        raise MhaInputError(reason)
+        call, refusal = validated_call.__wrapped__(*signature)
+    if refusal is not None:
+        raise MhaInputError(refusal.reason, code=refusal.code)
     by_name = dict(zip(spec.INPUTS, slots))
     query, key, value = by_name["query"], by_name["key"], by_name["value"]
     attrs = call.attrs

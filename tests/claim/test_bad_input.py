@@ -428,6 +428,16 @@ def stock_error(model, feeds) -> str:
     return ""
 
 
+def stock_exception(model, feeds) -> Optional[Exception]:
+    """The exception stock ORT CPU raises running this call, or None when it runs."""
+    try:
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+    except Exception as error:  # noqa: BLE001 - any ORT failure is what we look for
+        return error
+    return None
+
+
 def huge(c: BadCase) -> bool:
     return any(np.prod(dtype_shape(s)[1], dtype=object) > 2**26 for s in c.bad.values())
 
@@ -461,9 +471,14 @@ def check_fails_at_run(c: BadCase, backend: str, rng: np.random.Generator) -> No
     assert [d.claimed for d in decisions] == [True], f"{c.name} ({c.run_shapes}): not claimed: {decisions}"
     session = plugin_session(model, backend)
     names = [o.name for o in session.get_outputs()]
+    bad = feeds_of(c.bad, rng, c.values)
     with pytest.raises(mha_ep.MhaRunError) as caught:
-        session.run(names, feeds_of(c.bad, rng, c.values))
+        session.run(names, bad)
     message = str(caught.value)
+    if STOCK_ORT_IS_THE_REFERENCE and not huge(c):  # the type stock ORT raises for the same call, so that a
+        stock = stock_exception(model, bad)  # server's `except InvalidArgument` holds on every route
+        assert stock is None or isinstance(caught.value, type(stock)), \
+            f"{c.name}: {type(caught.value).__name__} is no {type(stock).__name__}, stock ORT's type: {stock}"  # fmt: skip
     assert caught.value.node_name == NODE_NAME, f"{c.name}: node {caught.value.node_name!r}: {message}"
     assert f"'{NODE_NAME}'" in message, f"{c.name}: the message does not name the node: {message}"
     assert c.reason in message, f"{c.name}:\n  got      {message!r}\n  expected {c.reason!r}"

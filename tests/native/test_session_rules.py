@@ -31,18 +31,6 @@ def test_taking_the_graph_out_keeps_every_other_option_and_provider():
     assert not wants_cuda_graph(out, options)
 
 
-def test_a_call_that_does_not_fit_the_model_names_what_is_wrong():
-    inputs, outputs = ["a", "b"], ["y", "z"]
-    assert cuda_io.check_call(inputs, outputs, {"a": 1, "b": 2}, None) == ["y", "z"]
-    assert cuda_io.check_call(inputs, outputs, {"a": 1, "b": 2}, ["z"]) == ["z"]
-    with pytest.raises(ValueError, match=r"missing feed\(s\) for graph input\(s\) \['b'\]"):
-        cuda_io.check_call(inputs, outputs, {"a": 1}, None)
-    with pytest.raises(ValueError, match=r"feed\(s\) \['c'\] name no graph input"):
-        cuda_io.check_call(inputs, outputs, {"a": 1, "b": 2, "c": 3}, None)
-    with pytest.raises(ValueError, match=r"output\(s\) \['w'\] are not graph outputs; the model's outputs are"):
-        cuda_io.check_call(inputs, outputs, {"a": 1, "b": 2}, ["w"])
-
-
 def test_types_without_a_cupy_dtype_are_named():
     assert cuda_io.numpy_dtype("tensor(float16)") == "float16" and cuda_io.numpy_dtype("tensor(int64)") == "int64"
     assert cuda_io.numpy_dtype("tensor(bfloat16)") is None

@@ -1,0 +1,120 @@
+"""What ``onnxruntime.InferenceSession.run`` raises for a call that does not fit the model, for the calls mha_ep
+makes through IOBinding (native/cuda_io.py).
+
+Through IOBinding ORT reports a bad feed as a RuntimeError ("Error in execution: Invalid rank for input ..."), and
+under a replayed CUDA graph it checks nothing. A server written against ``run`` catches ORT's own types
+(``InvalidArgument``) and ValueError, so the GPU path checks the call first and raises what ``run`` would, in
+``run``'s order: onnxruntime's Python layer (ValueError for missing inputs), then its C++ checks per feed (the
+name, the element type, the rank, the fixed dimensions), then the output names. With several bad feeds ORT names
+the first in a hash map's order of its own; this names the first in feed order, with the text ORT gives for it. The texts are ORT
+1.31.1's; tests/native/test_ort_checks.py holds them to ORT's own ``run`` on the CPU.
+
+A feed with no ``dtype`` and ``shape`` (a list: ORT converts it to the input's type) is left to the copy that
+converts it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+EXECUTION_ERROR = "Error in execution: "  # how ORT's IOBinding run reports a failed run, the status code dropped
+INVALID_ARGUMENT = "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : "  # how ORT's Python binding prefixes status code 2
+ORT_ELEMENT_NAMES = {"float32": "float", "float64": "double"}  # NumPy names that ORT spells differently
+
+
+def ort_exception(name: str, text: str) -> Exception:
+    """An instance of onnxruntime's exception class ``name`` (InvalidArgument, Fail, ...) carrying ``text``."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return getattr(state, name)(text)
+
+
+def invalid_argument(text: str) -> Exception:
+    """ORT's InvalidArgument with the binding's prefix, as ``run`` raises it."""
+    return ort_exception("InvalidArgument", INVALID_ARGUMENT + text)
+
+
+def tensor_type(dtype) -> str:
+    """ORT's type string of a tensor of NumPy ``dtype``: float32 -> "tensor(float)"."""
+    name = np.dtype(dtype).name
+    return f"tensor({ORT_ELEMENT_NAMES.get(name, name)})"
+
+
+def dtype_error(name: str, actual, expected_type: str) -> Optional[Exception]:
+    """ORT's error for feed ``name`` of element type ``actual`` where the model wants ``expected_type``
+    ("tensor(int64)"), or None when they agree."""
+    got = tensor_type(actual)
+    if got == expected_type:
+        return None
+    return invalid_argument(f"Unexpected input data type. Actual: ({got}) , expected: ({expected_type})")
+
+
+def shape_error(name: str, shape: Sequence[int], expected: Optional[Sequence]) -> Optional[Exception]:
+    """ORT's error for feed ``name`` of ``shape`` where the model declares ``expected`` (ints fixed, strings or
+    None symbolic; None: no shape declared), or None when it fits."""
+    if expected is None:
+        return None
+    if len(shape) != len(expected):
+        return invalid_argument(f"Invalid rank for input: {name} Got: {len(shape)} Expected: {len(expected)} "
+                                f"Please fix either the inputs/outputs or the model.")  # fmt: skip
+    wrong = [(i, got, want) for i, (got, want) in enumerate(zip(shape, expected))
+             if isinstance(want, int) and want >= 0 and got != want]  # fmt: skip
+    if not wrong:
+        return None
+    lines = "".join(f" index: {i} Got: {got} Expected: {want}\n" for i, got, want in wrong)
+    return invalid_argument(f"Got invalid dimensions for input: {name} for the following indices\n{lines} "
+                            f"Please fix either the inputs/outputs or the model.")  # fmt: skip
+
+
+def call_error(inputs: Sequence, output_names_of_model: Sequence[str], feeds: Mapping,
+               output_names: Optional[Sequence[str]]) -> Optional[Exception]:  # fmt: skip
+    """The exception ``run(output_names, feeds)`` raises on a session whose inputs are ``inputs`` (ORT's NodeArgs:
+    name, type, shape) and whose outputs are named ``output_names_of_model``; None when ORT would run the call."""
+    names = list(feeds)
+    missing = [arg.name for arg in inputs if arg.name not in feeds and not arg.type.startswith("optional")]
+    if missing:
+        return ValueError(f"Required inputs ({missing}) are missing from input feed ({names}).")
+    declared = {arg.name: arg for arg in inputs}
+    for name in names:
+        arg = declared.get(name)
+        if arg is None:
+            return invalid_argument(f"Invalid input name: {name}")
+        value = feeds[name]
+        if not arg.type.startswith("tensor(") or not (hasattr(value, "dtype") and hasattr(value, "shape")):
+            continue
+        try:
+            dtype = np.dtype(value.dtype)
+        except TypeError:  # a DLPack tensor of another library: its element type is checked once it is CuPy's
+            dtype = None
+        error = (dtype_error(name, dtype, arg.type) if dtype is not None else None) or \
+            shape_error(name, tuple(value.shape), arg.shape)  # fmt: skip
+        if error is not None:
+            return error
+    for name in output_names or ():
+        if name not in output_names_of_model:
+            return invalid_argument(f"Invalid output name:{name}")
+    return None
+
+
+def wanted_outputs(output_names_of_model: Sequence[str], output_names: Optional[Sequence[str]]) -> list:
+    """The outputs a call asks for: all of the model's when ``output_names`` is None or empty, as ``run``."""
+    return list(output_names_of_model) if not output_names else list(output_names)
+
+
+def execution_error(error: BaseException, rerun: Callable[[], object]) -> BaseException:
+    """What ``run`` raises for a call whose IOBinding run failed with ``error``.
+
+    ORT's ``run_with_iobinding`` (the Python wrapper and the C binding alike) turns a failed status into
+    RuntimeError("Error in execution: <message>"), so a stock node's failure (a Gather's index out of range, a
+    Reshape that cannot be made) loses the type ``run`` would give it. ``rerun`` runs the same call through ORT's
+    ``run`` (failure path only: the call is done once more); its exception is returned. ``error`` itself comes back
+    when it is no such report (a claimed node's MhaRunError, anything else) or the second run does not fail."""
+    if type(error) is not RuntimeError or not str(error).startswith(EXECUTION_ERROR):
+        return error
+    try:
+        rerun()
+    except Exception as ort_error:  # noqa: BLE001 - whatever run raises is the answer
+        return ort_error
+    return error
