@@ -96,7 +96,8 @@ class InferenceSession:
         on_cuda = CUDA_PROVIDER in provider_names(providers)
         if on_cuda and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # ORT silently drops to the CPU when its CUDA libraries do not load
-        options = sess_options if sess_options is not None else ort.SessionOptions()
+        # The caller's options stay as they were (a server reuses them): the session's settings go on a copy.
+        options = copy_session_options(sess_options) if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         attach(options, self.backend, self.route)
@@ -360,6 +361,70 @@ def own_run_options(caller=None):
         except Exception:  # noqa: BLE001 - ORT raises for an entry that was not set
             continue
         own.add_run_config_entry(key, value)
+    return own
+
+
+# Session config entries ORT 1.31.1 reads (onnxruntime_session_options_config_keys.h and the CUDA provider's, as
+# named in its library). ORT cannot list a SessionOptions' entries and answers a missing one with an exception, so
+# copy_session_options looks for these; mha_ep's own entries (registration.CONFIG_ROUTE, CONFIG_BACKEND) are not
+# copied: they record a library registered on the caller's options, which the copy registers anew.
+SESSION_CONFIG_KEYS = (
+    "ep.context_embed_mode", "ep.context_enable", "ep.context_file_path",
+    "ep.context_model_external_initializers_file_name", "ep.cuda.fpa_intb_gemm", "ep.cuda.fpa_intb_profile_m",
+    "ep.cuda.gqa_workspace_max_total_sequence_length", "ep.enable_weightless", "mlas.disable_kleidiai",
+    "mlas.kleidiai.conv_igemm_max_work", "mlas.nchwc_depthwise_sliding",
+    "mlas.nchwc_pointwise_conv_max_input_channel_batch", "mlas.qnbit.force_fp32", "mlas.use_lut_gemm",
+    "optimization.constant_folding_max_output_size_in_bytes", "optimization.disable_specified_optimizers",
+    "optimization.enable_cast_chain_elimination", "optimization.enable_gelu_approximation",
+    "optimization.minimal_build_optimizations", "session.allow_released_opsets_only",
+    "session.collect_node_memory_stats_to_file", "session.compile_only", "session.debug_layout_transformation",
+    "session.disable_aot_function_inlining", "session.disable_cpu_ep_fallback", "session.disable_double_qdq_remover",
+    "session.disable_model_compile", "session.disable_prepacking", "session.disable_qdq_constant_folding",
+    "session.disable_quant_qdq", "session.dynamic_block_base", "session.enable_dq_matmulnbits_fusion",
+    "session.enable_moe_expert_counting", "session.enable_moe_expert_statistics", "session.enable_quant_qdq_cleanup",
+    "session.fail_on_suboptimal_compiled_model", "session.force_spinning_stop",
+    "session.function_expansion_byte_limit", "session.function_expansion_node_limit", "session.gqa_value_layout",
+    "session.graph_optimizations_loop_level", "session.inter_op.allow_spinning", "session.inter_op.spin_backoff_max",
+    "session.inter_op.spin_duration_us", "session.intra_op.allow_spinning", "session.intra_op.spin_backoff_max",
+    "session.intra_op.spin_duration_us", "session.intra_op_thread_affinities", "session.layer_assignment_settings",
+    "session.load_model_format", "session.max_shape_override", "session.moe_expert_counter_alpha",
+    "session.moe_expert_counter_beta", "session.moe_expert_counter_state_file", "session.name_based_layer_assignment",
+    "session.node_partition_config_file", "session.optimized_model_external_initializers_file_name",
+    "session.optimized_model_external_initializers_min_size_in_bytes", "session.prepack.enable_parallel",
+    "session.qdq_matmulnbits_accuracy_level", "session.qdq_matmulnbits_block_size", "session.qdqisint8allowed",
+    "session.record_ep_graph_assignment_info", "session.resource_cuda_partitioning_settings",
+    "session.save_external_prepacked_constant_initializers", "session.save_model_format",
+    "session.set_denormal_as_zero", "session.strict_shape_type_inference", "session.strict_workspace_verification",
+    "session.use_device_allocator_for_initializers", "session.use_env_allocators",
+    "session.use_external_initializer_file_buffers_directly", "session.use_ort_model_bytes_directly",
+    "session.use_ort_model_bytes_for_initializers", "session.x64quantprecision",
+)  # fmt: skip
+
+
+def copy_session_options(options):
+    """A new onnxruntime.SessionOptions with ``options``' readable settings, ``options`` left untouched.
+
+    Copied: every property ORT lets Python set (execution mode, threads, optimization level, logging, profiling,
+    ...) and the SESSION_CONFIG_KEYS entries. ORT cannot read back, so cannot copy: custom-op libraries registered
+    with ``register_custom_ops_library``, initializers (``add_initializer``, ``add_external_initializers``),
+    free-dimension overrides and other config entries. Execution providers added with ``add_provider`` raise
+    ValueError: pass them as ``providers`` instead.
+    """
+    import onnxruntime as ort
+
+    if options.has_providers():
+        raise ValueError("mha_ep.InferenceSession: these SessionOptions carry execution providers added with "
+                         "add_provider, which onnxruntime cannot copy; pass them as providers=[...] instead")  # fmt: skip
+    own = ort.SessionOptions()
+    for name, attribute in vars(type(options)).items():
+        if isinstance(attribute, property) and attribute.fset is not None:
+            setattr(own, name, getattr(options, name))
+    for key in SESSION_CONFIG_KEYS:
+        try:
+            value = options.get_session_config_entry(key)
+        except Exception:  # noqa: BLE001 - ORT raises for an entry that was not set
+            continue
+        own.add_session_config_entry(key, value)
     return own
 
 

@@ -1,0 +1,117 @@
+"""mha_ep.InferenceSession as a server sees it: a claimed node's failure is onnxruntime's own exception type as
+well as MhaRunError, on both routes, and the caller's SessionOptions come out of the session unchanged."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+import mha_ep
+from mha_ep.errors import MhaRunError, run_error
+from mha_ep.session import SESSION_CONFIG_KEYS, copy_session_options
+
+from small_models import one_mha, qkv_feeds
+
+ROUTES = ("python-op", "native")
+
+
+def bad_key_feeds():
+    feeds = qkv_feeds()
+    feeds["k"] = feeds["v"] = np.random.default_rng(5).standard_normal((2, 3, 6)).astype(np.float32)  # hidden 6 != 8
+    return feeds
+
+
+def unshaped_model():
+    model = one_mha()
+    for value in model.graph.input:
+        value.type.tensor_type.ClearField("shape")  # shapes decided at run time
+    return model
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_refused_input_raises_ort_invalid_argument_as_stock_ort_does(route):
+    model = unshaped_model()
+    stock = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(InvalidArgument):
+        stock.run(None, bad_key_feeds())
+    session = mha_ep.InferenceSession(model, backend="reference", route=route)
+    try:
+        session.run(None, bad_key_feeds())
+    except InvalidArgument as error:  # a server's handler written for stock ORT
+        assert isinstance(error, MhaRunError) and error.node_name == "mha" and error.code == 2
+        assert type(error).__name__ == "MhaRunError[InvalidArgument]"
+        assert "key" in str(error)
+    else:
+        pytest.fail("no error")
+    assert np.isfinite(session.run(None, qkv_feeds())[0]).all()  # the session is still usable
+
+
+def test_run_errors_keep_their_type_through_pickling_and_without_a_code():
+    error = run_error("mha", "mha_ep MultiHeadAttention: query too short", 2)
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and isinstance(again, InvalidArgument)
+    assert (again.node_name, again.message, again.code, str(again)) == (error.node_name, error.message, 2, str(error))
+    assert isinstance(run_error("mha", "x"), Fail) and not isinstance(run_error("mha", "x"), InvalidArgument)
+    assert isinstance(MhaRunError("mha", "x"), RuntimeError)  # the plain class stays a RuntimeError too
+
+
+def fully_set_options() -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    options.inter_op_num_threads = 3
+    options.intra_op_num_threads = 2
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.enable_mem_pattern = False
+    options.use_deterministic_compute = True
+    options.log_severity_level = 3
+    options.logid = "server"
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    options.add_session_config_entry("session.set_denormal_as_zero", "1")
+    return options
+
+
+def readable(options) -> dict:
+    state = {n: str(getattr(options, n)) for n, a in vars(type(options)).items() if isinstance(a, property)}
+    for key in (*SESSION_CONFIG_KEYS, "mha_ep.route", "mha_ep.backend"):
+        try:
+            state[key] = options.get_session_config_entry(key)
+        except Exception:  # noqa: BLE001 - not set
+            pass
+    return state
+
+
+def test_the_copy_carries_every_readable_setting():
+    options = fully_set_options()
+    assert readable(copy_session_options(options)) == readable(options)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_callers_options_are_unchanged_and_serve_another_route(route):
+    """The session runs sequentially with mha_ep's library registered, on a copy: the caller's PARALLEL mode and
+    entries stay, and the same object then builds a session of the other route (it used to raise ValueError)."""
+    options = fully_set_options()
+    before = readable(options)
+    first = mha_ep.InferenceSession(unshaped_model(), options, backend="reference", route=route)
+    assert readable(options) == before
+    assert options.execution_mode == ort.ExecutionMode.ORT_PARALLEL
+    other = "native" if route == "python-op" else "python-op"
+    second = mha_ep.InferenceSession(unshaped_model(), options, backend="reference", route=other)
+    assert readable(options) == before
+    expected = ort.InferenceSession(unshaped_model().SerializeToString(), providers=["CPUExecutionProvider"])
+    for session in (first, second):
+        np.testing.assert_allclose(session.run(None, qkv_feeds())[0], expected.run(None, qkv_feeds())[0],
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_options_with_added_providers_are_refused_with_a_way_out():
+    options = ort.SessionOptions()
+    try:
+        options.add_provider("CPUExecutionProvider", {})
+    except Exception:  # noqa: BLE001 - an onnxruntime without add_provider for this EP
+        pytest.skip("this onnxruntime cannot add the CPU provider to SessionOptions")
+    with pytest.raises(ValueError, match=r"providers=\[\.\.\.\]"):
+        copy_session_options(options)
