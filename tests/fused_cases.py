@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_ep.ops.backends.cuda import dispatch, fused
+from mha_ep.ops.backends.cuda import dispatch, fused, runner
 from mha_ep.ops.backends.reference import run_reference
 from mha_ep.ops.problem import FLOAT32_LOWEST, MhaProblem, build_problem
 
@@ -109,7 +109,7 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: boo
     operands = dict(q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=dev(problem.attention_bias),
                     mask=mask, out_BSD=out.data.ptr, **offset_args)  # fmt: skip
     if split:
-        from mha_ep.ops.backends.cuda.steps import run_steps
+        from mha_ep.ops.backends.cuda.runner import run_steps
 
         def take(name: str, nbytes: int) -> int:
             scratch = cupy.full((nbytes,), 0xFF, cupy.uint8)  # NaN in every float of it
@@ -122,7 +122,7 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: boo
         cupy.cuda.runtime.deviceSynchronize()  # the poison is written before the stream reads it
         run_steps(0, steps, stream)
     else:
-        fused.run_fused(0, problem, stream=stream, tile=tile, **operands)
+        runner.run_fused(0, problem, stream=stream, tile=tile, **operands)
     stream.synchronize()
     return cupy.asnumpy(out)
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from mha_ep.bench.anchors import ANCHORS, anchor_problem, flop_count
 from mha_ep.bench.timer import GRAPH_LAUNCHES, backend_seconds, stream_seconds, torch_graph_seconds
-from mha_ep.ops.backends.cuda import dispatch, fused, kernels
+from mha_ep.ops.backends.cuda import dispatch, fused, kernels, runner
 
 TILE_AGREEMENT = 1e-2  # largest |Δ| between a tile's output and the default tile's (fp32 accumulation, P in f16)
 TILES = (dispatch.MmaTile(64, 64), dispatch.MmaTile(128, 64), dispatch.MmaTile(64, 128), dispatch.MmaTile(128, 128),
@@ -82,10 +82,10 @@ class Anchor:
             ops = [(self.q_BSD, g.q_seq), (self.k_BTD, g.total_seq), (self.v_BTD, g.total_seq)]
             layout, operand_dtype = "BSNH", "float32"
         q, k, v = (fused.Operand(a.data.ptr, layout, seq, g.head_size) for a, seq in ops)
-        fused.run_fused(0, p, q=q, k=k, v=v, operand_dtype=operand_dtype,
-                        attention_bias=None if self.attention_bias is None else self.attention_bias.data.ptr,
-                        mask=None if self.mask is None else self.mask.data.ptr, out_BSD=self.out.data.ptr,
-                        stream=stream, tile=tile)  # fmt: skip
+        runner.run_fused(0, p, q=q, k=k, v=v, operand_dtype=operand_dtype,
+                         attention_bias=None if self.attention_bias is None else self.attention_bias.data.ptr,
+                         mask=None if self.mask is None else self.mask.data.ptr, out_BSD=self.out.data.ptr,
+                         stream=stream, tile=tile)  # fmt: skip
 
 
 def torch_sdpa(torch, anchor: Anchor, extra):

@@ -49,10 +49,10 @@ def result_arrays(result) -> list[np.ndarray]:
 def failing_at_last_step(error: BaseException):
     """A stand-in for the backend's run_steps that queues every step of a call but the last one (the fused kernel
     or the three-phase path's context_to_BSD), then raises ``error``."""
-    from mha_ep.ops.backends.cuda import steps
+    from mha_ep.ops.backends.cuda import runner
 
     def run(device_id, call_steps, stream):
-        steps.run_steps(device_id, call_steps[:-1], stream)
+        runner.run_steps(device_id, call_steps[:-1], stream)
         raise error
 
     return run

@@ -42,7 +42,7 @@ ELEMENT = {"float16": "float16", "bfloat16": "uint16"}  # bfloat16 travels as it
 def run_movers(cupy, problem: MhaProblem, kernel: str) -> dict:
     """Every array the three movers write for ``problem`` with ``kernel``, as host float32."""
     from mha_ep.ops.backends.cuda.pipeline import mover_launch
-    from mha_ep.ops.backends.cuda.steps import run_steps
+    from mha_ep.ops.backends.cuda.runner import run_steps
 
     g, dtype = problem.geometry, problem.dtype
     plan = plan_launch(g, dtype)
@@ -192,7 +192,7 @@ def test_the_movers_sources_are_the_problems_arrays():
 def test_the_mover_struct_puts_the_present_where_the_kernel_reads_it():
     mover = Mover(cur=1, cur_is_bnsh=True, past=None, bias=3, bias_in_operand=False, dst=4, present=5, cur_seq=6,
                   past_seq=7, dim=8, offset_weight=9, offset_adds_bias=True, offset_guard=True, offset_out=10)
-    from mha_ep.ops.backends.cuda.steps import struct_array
+    from mha_ep.ops.backends.cuda.runner import struct_array
 
     bridge, native = struct_array(mover_struct(mover, 0.25, False)), struct_array(mover_struct(mover, 0.25, True))
     assert bridge.dtype == MOVER_DTYPE and bridge.shape == (1,)

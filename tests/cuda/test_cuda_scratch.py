@@ -201,7 +201,8 @@ def test_pinned_staging_only_grows():
 def test_cpu_modules_do_not_import_cupy():
     code = (
         "import sys; import mha_ep.ops.backends.cuda.scratch, mha_ep.ops.backends.cuda.staging, "
-        "mha_ep.ops.backends.cuda.geometry, mha_ep.ops.backends.cuda.dispatch, mha_ep.ops.backends.cuda; "
+        "mha_ep.ops.backends.cuda.geometry, mha_ep.ops.backends.cuda.dispatch, mha_ep.ops.backends.cuda, "
+        "mha_ep.ops.backends.cuda.steps, mha_ep.ops.backends.cuda.runner; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)

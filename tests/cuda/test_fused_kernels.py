@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from mha_ep.ops.backends.cuda import dispatch, fused
+from mha_ep.ops.backends.cuda import dispatch, fused, runner
 from mha_ep.ops.backends.reference import run_reference, to_BNSH
 from mha_ep.ops.problem import FLOAT32_LOWEST
 
@@ -214,19 +214,19 @@ def test_operand_checks(cupy_module):
     op = fused.Operand(256, "BSNH", g.q_seq, g.head_size)
     kv = fused.Operand(256, "BSNH", g.total_seq, g.head_size)
     with pytest.raises(ValueError, match="operand_dtype 'bfloat16'"):
-        fused.run_fused(0, problem, q=op, k=kv, v=kv, operand_dtype="bfloat16", attention_bias=None, mask=None,
+        runner.run_fused(0, problem, q=op, k=kv, v=kv, operand_dtype="bfloat16", attention_bias=None, mask=None,
                         out_BSD=0)  # fmt: skip
     with pytest.raises(ValueError, match="not 16-byte aligned"):
-        fused.run_fused(0, problem, q=replace(op, address=258), k=kv, v=kv, operand_dtype="float16",
+        runner.run_fused(0, problem, q=replace(op, address=258), k=kv, v=kv, operand_dtype="float16",
                         attention_bias=None, mask=None, out_BSD=0)  # fmt: skip
     with pytest.raises(ValueError, match=r"tile wg64x128 needs the wgmma kernel, which cannot run this call: "
                                          r"operands are float32 \(rounded to float16 on load"):  # fmt: skip
-        fused.run_fused(0, problem, q=op, k=kv, v=kv, operand_dtype="float32", attention_bias=None, mask=None,
+        runner.run_fused(0, problem, q=op, k=kv, v=kv, operand_dtype="float32", attention_bias=None, mask=None,
                         out_BSD=0, tile=dispatch.WgmmaTile(128))  # fmt: skip
     biased = make_problem(Case(h=128, attention_bias=(True, True)), "float16")
     q128 = fused.Operand(256, "BSNH", g.q_seq, 128)
     kv128 = fused.Operand(256, "BSNH", g.total_seq, 128)
     with pytest.raises(ValueError, match=r"tile 128x128 needs 243712 bytes of shared memory for this call, more than "
                                          r"the 232448 a block can have"):  # fmt: skip
-        fused.run_fused(0, biased, q=q128, k=kv128, v=kv128, operand_dtype="float16", attention_bias=256, mask=None,
+        runner.run_fused(0, biased, q=q128, k=kv128, v=kv128, operand_dtype="float16", attention_bias=256, mask=None,
                         out_BSD=0, tile=dispatch.MmaTile(128, 128))  # fmt: skip

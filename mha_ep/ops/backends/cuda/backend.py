@@ -57,7 +57,8 @@ from mha_ep.ops.backends.cuda.scratch import MhaScratch
 from mha_ep.ops.backends.cuda.staging import (
     SINGLE_UPLOAD_BYTES, PinnedStaging, Segment, pack_layout, parallel_copy, stage_uploads,
 )
-from mha_ep.ops.backends.cuda.steps import Gemm, run_steps
+from mha_ep.ops.backends.cuda.runner import run_steps
+from mha_ep.ops.backends.cuda.steps import Gemm
 from mha_ep.ops.problem import MhaProblem, MhaResult
 
 MEMCPY_HOST_TO_DEVICE = 1

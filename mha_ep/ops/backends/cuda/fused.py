@@ -4,7 +4,7 @@ masked softmax -> P.V GEMM) wherever dispatch.py's rules say they compute the sa
     step = fused_step(problem, q=..., k=..., v=..., operand_dtype=..., attention_bias=..., mask=...,
                       out_BSD=..., facts=DeviceFacts.of(device_id), key_offset=..., query_offset=...)
     steps = fused_steps(problem, take=take, ...)   # the same, or for a decode step the split-key pair
-    run_fused(device_id, problem, stream=..., q=..., ...)   # the same, launched now (no allocation, no sync)
+    runner.run_fused(device_id, problem, stream=..., q=..., ...)   # the same, launched now (runner.py)
 
 Layout legend (mha_ep/spec.py): B batch, S query length, L new key length, P past length, T = P + L, N heads,
 H head size, Hv value head size, D = N*H. An ``Operand`` is one of Q, K, V as a device address plus its layout:
@@ -246,7 +246,7 @@ def raise_shared_limit(kernel, shared: int) -> None:
 def get_fused_kernel(device_id: int, name: str, shared: int):
     """The compiled instantiation ``name`` on ``device_id`` (kernels.get_function: compiled once per process) with
     its dynamic shared-memory limit raised to ``shared`` bytes when needed (call with that device current). The
-    one lookup of every fused launch (steps.run_steps and the native route's planner): bench/fused_timing.py swaps
+    one lookup of every fused launch (runner.run_steps and the native route's planner): bench/fused_timing.py swaps
     it to time other kernel sources."""
     kernel = kernels.get_function(device_id, name)
     raise_shared_limit(kernel, shared)
@@ -259,17 +259,6 @@ def _check_aligned(name: str, address: Address, element_bytes: int, strides=()) 
     for stride in strides:
         if (stride * element_bytes) % VECTOR_ALIGNMENT:
             raise ValueError(f"fused attention: {name} stride {stride} is not a multiple of {VECTOR_ALIGNMENT} bytes")
-
-
-def run_fused(device_id: int, problem: MhaProblem, *, stream=None, **operands) -> None:
-    """Launch the fused kernel for ``problem`` on ``stream`` (default: the current stream) of ``device_id``:
-    ``fused_step``'s arguments, this device's facts. Launches only: no allocation, no synchronization."""
-    import cupy
-
-    from mha_ep.ops.backends.cuda.steps import run_steps
-
-    step = fused_step(problem, facts=DeviceFacts.of(device_id), **operands)
-    run_steps(device_id, [step], stream if stream is not None else cupy.cuda.get_current_stream())
 
 
 def fused_step(

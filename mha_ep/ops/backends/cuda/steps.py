@@ -1,7 +1,7 @@
-"""A call's device work as values: the steps the cuda backend's pipeline returns (pipeline.py), and how CuPy runs them.
+"""A call's device work as values: the steps the cuda backend's pipeline returns (pipeline.py).
 
 Three routes drive one pipeline and differ only in who runs its steps:
-  * the bridge and device-resident mode run them here (``run_steps``), through CuPy, on concrete addresses;
+  * the bridge and device-resident mode run them through CuPy (runner.py ``run_steps``), on concrete addresses;
   * the native route (mha_ep/native) encodes them once per call signature for its C library, which launches them
     with the CUDA driver on ORT's buffers and stream; there, addresses are ``Buffer`` names bound at every call.
 
@@ -18,7 +18,8 @@ A kernel argument is a numpy scalar (np.int32, np.int64, np.float32: its C type)
 None for null), ``Struct`` (a C struct by value whose pointer fields hold addresses) or ``TensorMap`` (a TMA map,
 cuda.h's CUtensorMap, encoded from its spec once the address is known).
 
-This module imports CuPy only inside ``run_steps``.
+This module holds values only and imports no CuPy; fused.py, gemm.py and tma.py build steps of them, and runner.py,
+which imports those three, runs them.
 """
 
 from __future__ import annotations
@@ -179,61 +180,3 @@ def addresses_of(step: Step) -> list:
 def struct_fields(dtype: np.dtype) -> list:
     """(field name, "pointer" | "value") of a Struct's dtype: np.uint64 fields are pointers."""
     return [(name, "pointer" if dtype.fields[name][0] == np.dtype(np.uint64) else "value") for name in dtype.names]
-
-
-# ------------------------------------------------------------------------------------------ running on CuPy
-def struct_array(arg: Struct) -> np.ndarray:
-    """``arg`` on concrete addresses as a one-element structured array (what CuPy passes by value)."""
-    values = tuple(_concrete(v) if kind == "pointer" else v for v, (_, kind) in zip(arg.values, struct_fields(arg.dtype)))
-    return np.array([values], dtype=arg.dtype)
-
-
-def _concrete(address: Address) -> int:
-    if address is None:
-        return 0
-    if isinstance(address, Buffer):
-        raise ValueError(f"cuda steps: address {address} is symbolic; CuPy runs steps on concrete addresses")
-    return int(address)
-
-
-def _kernel_argument(arg):
-    from mha_ep.ops.backends.cuda import tma
-
-    if isinstance(arg, Pointer):
-        return np.uint64(_concrete(arg.address))
-    if isinstance(arg, Struct):
-        return struct_array(arg)
-    if isinstance(arg, TensorMap):
-        return tma.encode(arg.spec)
-    return arg
-
-
-def run_steps(device_id: int, steps, stream) -> None:
-    """Queue ``steps`` (concrete addresses) on ``stream`` (a cupy Stream) on device ``device_id``: launches only,
-    no allocation, no synchronization."""
-    import cupy
-
-    from mha_ep.ops.backends.cuda import fused, gemm, kernels
-
-    with cupy.cuda.Device(device_id), stream:
-        for step in steps:
-            if isinstance(step, Launch):
-                if step.fused:
-                    function = fused.get_fused_kernel(device_id, step.function, step.shared)
-                else:
-                    function = kernels.get_function(device_id, step.function)
-                args = tuple(_kernel_argument(a) for a in step.args)
-                function(step.grid, step.block, args, shared_mem=step.shared)
-            elif isinstance(step, Gemm):
-                gemm.run_gemm(step, stream.ptr, _concrete)
-            elif isinstance(step, Copy):
-                if step.nbytes and _concrete(step.dst) != _concrete(step.src):
-                    cupy.cuda.runtime.memcpyAsync(_concrete(step.dst), _concrete(step.src), step.nbytes,
-                                                  cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)  # fmt: skip
-            elif isinstance(step, Fill):
-                if step.nbytes:
-                    cupy.cuda.runtime.memsetAsync(_concrete(step.dst), step.byte, step.nbytes, stream.ptr)
-            elif isinstance(step, CheckStatus):
-                continue
-            else:
-                raise TypeError(f"cuda steps: unknown step {step!r}")
