@@ -20,14 +20,14 @@ def plugin_session(path, backend: str = "reference", device_mode: str = "python-
     """The tools' plugin session: through the bridge (ORT CPU around the Python op); with ``"native"`` one ORT
     CUDA session running the native library's CUDA kernels (mha_ep/native); with ``device_mode="device"`` the
     whole model in device-resident mode (opt-in: ORT CUDA pieces + the cuda backend)."""
-    import mha_ep
+    from mha_ep.session import InferenceSession
 
     if device_mode == "native":
-        return mha_ep.InferenceSession(str(path), backend=backend, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
-                                       device_mode="python-op", route="native", **options)  # fmt: skip
+        return InferenceSession(str(path), backend=backend, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                device_mode="python-op", route="native", **options)  # fmt: skip
     providers = None if device_mode == "python-op" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return mha_ep.InferenceSession(str(path), backend=backend, providers=providers, device_mode=device_mode,
-                                   route="python-op", **options)  # fmt: skip
+    return InferenceSession(str(path), backend=backend, providers=providers, device_mode=device_mode,
+                            route="python-op", **options)  # fmt: skip
 
 
 def run_tool(main) -> int:

@@ -66,10 +66,11 @@ def cuda_session(model, stream, *, device_id: int = 0, graph: bool = True):
     ``graph=False``."""
     import onnxruntime as ort
 
-    import mha_ep
+    from mha_ep.ops.registration import register
+    from mha_ep.partition_pass import partition
 
-    partitioned = mha_ep.partition(model, route="native").model.SerializeToString()
-    options = mha_ep.register(ort.SessionOptions(), backend="cuda", route="native")
+    partitioned = partition(model, route="native").model.SerializeToString()
+    options = register(ort.SessionOptions(), backend="cuda", route="native")
     cuda = {"device_id": str(device_id), "enable_cuda_graph": "1" if graph else "0",
             "user_compute_stream": str(stream.ptr), "has_user_compute_stream": "1"}  # fmt: skip
     return ort.InferenceSession(partitioned, options, providers=[("CUDAExecutionProvider", cuda),
