@@ -150,9 +150,10 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        from mha_ep import __version__
         from mha_ep.environment import environment_lines
 
-        print("\n".join(environment_lines()))
+        print("\n".join(environment_lines(__version__)))
         parser.exit(0)
 
 
@@ -265,11 +266,10 @@ def main(argv=None) -> int:
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s")
     as_json = getattr(args, "json", False)
-    from mha_ep.environment import MISSING_ONNXRUNTIME, onnxruntime_missing
+    from mha_ep.errors import MISSING_ONNXRUNTIME, MhaEpError, onnxruntime_missing
 
     if onnxruntime_missing():
         return _error(args.command, as_json, MISSING_ONNXRUNTIME)
-    from mha_ep.errors import MhaEpError
 
     try:
         return args.func(args)

@@ -1,7 +1,9 @@
 """What this install has: versions of mha_ep and its runtime pieces, the GPU, and the backend "auto" picks.
 
-    mha-ep --version          prints environment_lines()
-    require_onnxruntime()     one clear ImportError (which extra to install) where onnxruntime is missing
+    mha-ep --version          prints environment_lines(mha_ep.__version__)
+
+Whether onnxruntime is there at all (``onnxruntime_missing``, ``require_onnxruntime``: one clear ImportError naming
+the extra to install) is errors.py's, below the partition pass that requires it.
 
 Nothing here imports onnxruntime or CuPy unless asked; a missing or broken piece is a line, never an exception.
 """
@@ -9,27 +11,11 @@ Nothing here imports onnxruntime or CuPy unless asked; a missing or broken piece
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 from typing import List, Optional
 
-MISSING_ONNXRUNTIME = (
-    "onnxruntime is not installed; install mha_ep with one ORT flavour: "
-    "pip install 'mha-ep[cpu]' (CPU), 'mha-ep[gpu]' (CUDA 13 GPU) or 'mha-ep[gpu-cuda12]'"
-)
+from mha_ep.errors import MISSING_ONNXRUNTIME, onnxruntime_missing
+
 ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "ort-nightly")
-
-
-def onnxruntime_missing() -> bool:
-    try:
-        return importlib.util.find_spec("onnxruntime") is None
-    except (ImportError, ValueError):
-        return True
-
-
-def require_onnxruntime() -> None:
-    """Raise ImportError naming the extra to install when onnxruntime cannot be imported."""
-    if onnxruntime_missing():
-        raise ImportError(MISSING_ONNXRUNTIME)
 
 
 def _distribution_version(name: str) -> Optional[str]:
@@ -105,13 +91,13 @@ def native_line() -> str:
             f"on ORT's CUDA provider")  # fmt: skip
 
 
-def environment_lines(device_id: int = 0) -> List[str]:
+def environment_lines(version: str, device_id: int = 0) -> List[str]:
+    """``mha-ep --version``'s lines; ``version``: mha_ep's own (the package's ``__version__``, which the caller
+    passes in: this module sits below the package's front)."""
     import platform
 
-    from mha_ep import __version__
-
     return [
-        f"mha_ep {__version__} (Python {platform.python_version()})",
+        f"mha_ep {version} (Python {platform.python_version()})",
         onnxruntime_line(),
         extensions_line(),
         native_line(),

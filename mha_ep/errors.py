@@ -1,6 +1,7 @@
 """Errors raised by mha_ep. Every message names the input, its shape and what was expected."""
 
 import functools
+import importlib.util
 
 MESSAGE_PREFIX = "mha_ep MultiHeadAttention: "  # every refusal and input error starts with it
 
@@ -78,3 +79,23 @@ def _run_error_class(code: int) -> type:
 
 class MhaModelError(MhaEpError, ValueError):
     """A model mha_ep refuses to load or write: a crafted ``mha_ep`` node, an unsafe output path."""
+
+
+# onnxruntime comes with an extra (one ORT flavour each); whatever needs it without it says so in one ImportError
+MISSING_ONNXRUNTIME = (
+    "onnxruntime is not installed; install mha_ep with one ORT flavour: "
+    "pip install 'mha-ep[cpu]' (CPU), 'mha-ep[gpu]' (CUDA 13 GPU) or 'mha-ep[gpu-cuda12]'"
+)
+
+
+def onnxruntime_missing() -> bool:
+    try:
+        return importlib.util.find_spec("onnxruntime") is None
+    except (ImportError, ValueError):
+        return True
+
+
+def require_onnxruntime() -> None:
+    """Raise ImportError naming the extra to install when onnxruntime cannot be imported."""
+    if onnxruntime_missing():
+        raise ImportError(MISSING_ONNXRUNTIME)

@@ -38,6 +38,7 @@ from mha_ep.claim import Decision
 from mha_ep.claim.graph_rules import check_plugin_node, decide_node
 from mha_ep.claim.names import node_name
 from mha_ep.claim.shapes import infer_static_infos
+from mha_ep.errors import require_onnxruntime
 from mha_ep.model_io import load_model
 from mha_ep.partition_result import PartitionResult
 
@@ -62,8 +63,6 @@ def partition(model, lift_attention: bool = False, route: str = "python-op") -> 
     native route, without the float32 Casts of float16 / bfloat16 nodes."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
-    from mha_ep.environment import require_onnxruntime
-
     require_onnxruntime()  # without ORT's symbolic shape inference every decision would rest on missing shapes
     model = load_model(model)
     notes: List[str] = []
