@@ -28,21 +28,13 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from mha_ep.native import choices
+
 CONFIG_EPS = "mha_ep.native_eps"  # session config entry _native.c's RegisterCustomOps reads: "cpu" | "cpu,cuda"
 CONFIG_LOADED = "mha_ep.native"  # set once the library is in a SessionOptions (ORT refuses a second load)
 _lock = threading.Lock()
 _state: dict = {"module": None, "error": None}
-
-
-class Settings:
-    """Process-wide choices of the native planner (tests and benchmarks change them; ``reset_plans`` applies a
-    change to signatures already planned)."""
-
-    fused_path = True  # False: every call takes the three phases (MHA_EP_THREE_PHASE=1 does the same)
-    poison = False  # fill every temporary with NaN before the kernels run (tests)
-
-
-settings = Settings()
+settings = choices.settings  # the planner's process-wide choices (choices.py)
 
 
 SOURCE = Path(__file__).with_name("_native.c")  # the library's source, where the package carries it (a checkout)
@@ -115,6 +107,7 @@ def take_device_error(device_id: int = 0) -> Optional[str]:
     past_sequence_length or beam index)."""
     from mha_ep.native import gpu
 
+    library()  # loaded, checked and configured before gpu.py reads its report words
     return gpu.take_device_error(device_id)
 
 

@@ -11,6 +11,7 @@ import os
 from typing import Optional
 
 from mha_ep.native import configs, errors
+from mha_ep.native.choices import settings
 from mha_ep.ops import interrupt
 from mha_ep.native.plan import Signature, encode_plan, plan_steps
 
@@ -30,10 +31,10 @@ def function_handle(device_id: int, launch) -> int:
 
 def error_words(device_id: int) -> int:
     """The device address of ``device_id``'s sticky report words (device memory the native library allocates once
-    and keeps: captured graphs hold the address)."""
-    from mha_ep.native import library
+    and keeps: captured graphs hold the address; called once the library is loaded: from ``plan_call``)."""
+    from mha_ep.native import _native
 
-    return int(library().error_words(device_id))
+    return int(_native.error_words(device_id))
 
 
 def take_device_error(device_id: int = 0) -> Optional[str]:
@@ -44,11 +45,12 @@ def take_device_error(device_id: int = 0) -> Optional[str]:
     An eager call raises its own report as the run's ORT error; this is how a decode loop that replays captured
     graphs (where the host cannot wait for the value) learns of one: read it once the stream is synchronized
     (a 32-byte copy).
-    The kernels clamped the bad value, so nothing outside the buffers was read or written."""
+    The kernels clamped the bad value, so nothing outside the buffers was read or written. Reached through
+    ``mha_ep.native.take_device_error``, which loads the library first."""
     from mha_ep.launch import device_error_text
-    from mha_ep.native import library
+    from mha_ep.native import _native
 
-    report = library().take_device_error(device_id)
+    report = _native.take_device_error(device_id)
     if report is None:
         return None
     code, a, b, c, site, beams = report
@@ -63,7 +65,6 @@ def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tup
     try:
         import cupy
 
-        from mha_ep.native import settings
         from mha_ep.ops.backends.cuda.fused import DeviceFacts
 
         fused_path = settings.fused_path and os.environ.get("MHA_EP_THREE_PHASE") != "1"
