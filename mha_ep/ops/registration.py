@@ -1,7 +1,9 @@
 """Registration and session options: which backend, the custom-op library on a SessionOptions, ORT's spinning.
 
 The pieces it puts together: mha_ep/ops/bridge.py (the onnxruntime-extensions adapter), mha_ep/ops/op.py (the op
-body), mha_ep/ops/context.py (how the op finds its backend and where its errors go).
+body), mha_ep/ops/context.py (how the op finds its backend and where its errors go), and mha_ep/native (the other
+route). Choosing between the two routes puts this module above both: in the routes layer (docs/ARCHITECTURE.md),
+though it lives in ops/.
 """
 
 from __future__ import annotations
