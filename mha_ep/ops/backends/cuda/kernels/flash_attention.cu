@@ -106,8 +106,8 @@ template <> struct Mma<__nv_bfloat16> {
 // step and waited for (a second barrier) after S = Q.K^T: two buffers would put 83 KB per block and leave two
 // blocks per SM instead of three (slower on the bias row; docs/BENCH.md, "Kernel notes").
 // ELEM operands (which the host passes without projection bias) and 16-byte-aligned bias rows move with cp.async
-// from addresses each thread forms once (AsyncTileCopy, BiasTileCopy): on the H200 the per-chunk address
-// arithmetic of a generic copy loop cost the plain S=T=4096 row 30% (docs/BENCH.md).
+// from addresses each thread forms once (AsyncTileCopy, BiasTileCopy): the per-chunk address arithmetic of a
+// generic copy loop cost the plain rows much of their time (docs/BENCH.md, "Kernel notes").
 // Float32 operands (rounded to ELEM, + bias) go through load_tile.
 // Fragments of one k-step are read with ldmatrix before its mma instructions are issued (in-order issue would
 // otherwise stall every mma on the ldmatrix just before it).
@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   static_assert((BLOCK_N & (BLOCK_N - 1)) == 0, "BLOCK_N is a power of two (the row max reduces as a tree)");
   // Each instantiation carries only the mask code its calls need (FlashFeatures; the host passes attention_bias
   // exactly when FEATURES has FLASH_WITH_BIAS and a padding mask exactly when it has FLASH_WITH_PADDING): the tile
-  // classification and the bias tiles cost the plain kernel's loop up to 20% when compiled in but unused (H200).
+  // classification and the bias tiles slow the plain kernel's loop even when compiled in but unused
+  // (docs/BENCH.md, "Kernel notes").
   constexpr bool WITH_PADDING = (FEATURES & FLASH_WITH_PADDING) != 0;
   constexpr bool WITH_BIAS = (FEATURES & FLASH_WITH_BIAS) != 0;
   constexpr bool WITH_OFFSET = (FEATURES & FLASH_WITH_KEY_OFFSET) != 0;
@@ -504,8 +505,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
 // (ty = tid / TX, tx = tid % TX). Thread (ty, tx) owns rows ROWS ty .. ROWS ty + ROWS - 1 and, of S, keys
 // tx + TX jj (jj < 64 / TX: a ROWS x KEYS register tile); of O, the columns (tx + TX dd) * O_VEC + e.
 // Launched shape (fused.py FP32_ROWS, FP32_ROW_THREADS): ROWS 4, TX 8, 128 threads, a 4 x 8 tile. Each 16-byte
-// float a thread loads from shared memory feeds 2.67 FFMA, against the 4 x 4 tile's 2 (which ran at 44% of the FFMA
-// peak, about what its shared-memory traffic allows; docs/BENCH.md). STAGES and MIN_BLOCKS come from
+// float a thread loads from shared memory feeds 2.67 FFMA, against the 4 x 4 tile's 2 (which shared-memory traffic
+// held well below the FFMA peak; docs/BENCH.md, "Kernel notes"). STAGES and MIN_BLOCKS come from
 // fused.fp32_pipeline.
 // Q, K and V sit row-major in shared memory, copied there with cp.async (the same load_tile as the tensor-core
 // kernel); the S update reads 4 consecutive d of a Q row and of a K row as 16-byte loads (rows padded by 4 floats:

@@ -1,7 +1,8 @@
 // Attention of a few query rows over many keys (a decode step: S <= SPLIT_MAX_ROWS), the keys split across blocks
 // (flash-decoding). The flash kernels (flash_attention.cu) give a block 64 query rows of one (b, h) and walk every
 // key in it: at S = 1 that is B*N blocks, each a long serial walk with 63 of its 64 rows idle (Whisper tiny's cross
-// attention, B = 1, T = 1500: 6 blocks, about 140 us where the keys and values take 2 us to read). Here:
+// attention, B = 1, T = 1500: 6 blocks, many times as long as the keys and values take to read; docs/BENCH.md,
+// "Kernel notes"). Here:
 //   split_key_attention<ELEM, IN>   grid (B*N, splits): block (bh, c) takes keys [c*chunk, min((c+1)*chunk, T)) for
 //                                   every query row of (b, h), and writes the chunk's unnormalised output O_c, its
 //                                   max m_c and its sum l_c (partial_O, partial_ML);
