@@ -49,7 +49,7 @@
 //
 // Index rule as in layout.cu: every product that can pass 2^31 is formed in long long by casting its FIRST factor,
 // `(long long)b * stride_b`, never `(long long)(b * stride_b)`.
-#include "flash_common.cuh"
+#include "flash_tile.cuh"
 
 // ------------------------------------------------------------------------------------ tensor-core helpers
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
@@ -113,16 +113,7 @@ template <> struct Mma<__nv_bfloat16> {
 // otherwise stall every mma on the ldmatrix just before it).
 template <typename ELEM, typename IN, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int FEATURES>
 __global__ void __launch_bounds__(BLOCK_M * 2)
-    flash_attention_mma(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-                        const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
-                        long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-                        const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-                        const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-                        int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                        const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-                        const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-                        int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                        int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
+    flash_attention_mma(FLASH_KERNEL_PARAMETERS(IN)) {
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 32 == 0, "tiles are multiples of 16 (keys: 32)");
   static_assert((BLOCK_N & (BLOCK_N - 1)) == 0, "BLOCK_N is a power of two (the row max reduces as a tree)");
   // Each instantiation carries only the mask code its calls need (FlashFeatures; the host passes attention_bias
@@ -241,8 +232,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   for (int n0 = 0, step = 0; n0 < total_seq; n0 += BLOCK_N, ++step) {
     if (n0 >= key_end) {
       // Every remaining key is in the causal future of every row here: skip when no row max is near lowest.
-      const bool dominated = row_max[0] > CAUSAL_SKIP_MAX_FLOOR && row_max[1] > CAUSAL_SKIP_MAX_FLOOR;
-      if (__syncthreads_and(dominated)) break;
+      if (causal_rest_dominated(row_max)) break;
       key_end = total_seq;
     }
     const int buffer = step & 1;
@@ -255,15 +245,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     // How the masks touch this key tile: with a mask input, classified before the loads and tensor-core work are
     // issued; the plain instantiation decides after its S tile, where the decision cost least on the H200.
     TileMask tm;
-    if constexpr (WITH_PADDING) {
-      tm = tile_mask(mp, b, m0, n0, BLOCK_N, lane);
-      if constexpr (WITH_OFFSET) tm.plain = false;  // every score takes its key's offset
-    } else if constexpr (WITH_BIAS || WITH_OFFSET) {
-      tm.in_range = n0 + BLOCK_N <= total_seq;
-      tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
-      tm.padding = TILE_KEEP_ALL;
-      tm.plain = false;
-    }
+    masked_tile_mask<FEATURES>(tm, mp, b, m0, n0, BLOCK_N, lane, total_seq, causal, past_seq);
     if constexpr (has_bias) {
       load_bias(n0);
       cp_async_commit();
@@ -308,11 +290,10 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       cp_async_wait_all_but_newest();
       __syncthreads();
     }
-    const bool plain_tile = tm.plain && scale > 0.0f;
-    const bool all_padded = WITH_PADDING && !has_bias && !tm.plain && tm.in_range && !tm.causal &&
-                            tm.padding == TILE_PAD_ALL;
-    const bool padded_tile = !WITH_OFFSET && all_padded && scale > 0.0f;  // raw products until the vote
-    const bool padded_exact = WITH_OFFSET && all_padded;                  // exact x, then the same vote
+    const TileKind kind = tile_kind<FEATURES>(tm, scale);
+    const bool plain_tile = kind.plain;
+    const bool padded_tile = kind.padded;         // raw products until the vote
+    const bool padded_exact = kind.padded_exact;  // exact x, then the same vote
     // With FLASH_WITH_KEY_OFFSET, x = fma(acc, scale, key offset) (+ query offset for j >= P), the key offsets of
     // this thread's columns read once per tile for both of its rows; a tile with no other term stops there.
     float key_off[S_PAIRS][2][2];
@@ -376,23 +357,13 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     float tile_max[2] = {pair_max[0][0], pair_max[1][0]};
     float alpha[2];
     float max_used[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      if (plain_tile) tile_max[r] *= scale;  // max of x = scale * acc
-      if (padded_tile) tile_max[r] = padded_logit(tile_max[r], scale, mask_filter_value);  // monotonic in acc
-      // Step B: the new running max m_new and the rescale factor alpha = exp(m_old - m_new) of what was summed
-      // so far. A row with no finite logit yet keeps m = -inf; it subtracts 0 instead (exp(-inf) = 0, no NaN).
-      alpha[r] = online_softmax_rescale<true>(row_max[r], tile_max[r], max_used[r]);
-    }
+    // Step B: the new running max m_new and the rescale factor alpha = exp(m_old - m_new) of what was summed so
+    // far. A row with no finite logit yet keeps m = -inf; it subtracts 0 instead (exp(-inf) = 0, no NaN).
+    quad_max_and_rescale(tile_max, plain_tile, padded_tile, scale, mask_filter_value, row_max, max_used, alpha);
     // A padded tile whose every p would be 0 adds nothing (O, l and m stay): skip to the barrier before step E.
     bool skip_tile = false;
     if (padded_tile || padded_exact) {
-      bool zero = true;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) zero = zero && fast_exp2((tile_max[r] - max_used[r]) * LOG2E) == 0.0f;
-      skip_tile = __all_sync(0xffffffffu, zero);
+      skip_tile = __all_sync(0xffffffffu, tile_adds_nothing(tile_max, max_used));
       if (padded_tile && !skip_tile) {
 #pragma unroll
         for (int np = 0; np < S_PAIRS; ++np)
@@ -537,16 +508,7 @@ template <int ROWS, int TX> struct F32Shape {
 
 template <typename ELEM, typename IN, int HEAD_DIM, int ROWS, int TX, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(F32Shape<ROWS, TX>::THREADS, MIN_BLOCKS)
-    flash_attention_fp32(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-                         const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
-                         long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-                         const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-                         const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-                         int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                         const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-                         const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-                         int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                         int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
+    flash_attention_fp32(FLASH_KERNEL_PARAMETERS(IN)) {
   static_assert(same_type<ELEM, float>::value, "the CUDA-core kernel computes in float32");
   static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM is a multiple of 16");
   static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");

@@ -107,18 +107,8 @@ __device__ __forceinline__ float group_sum(float v, int lanes) {
 // The kernel's body for at most ROWS query rows (the register arrays' size; 1 for a decode step's S = 1, whose
 // loops would otherwise issue SPLIT_MAX_ROWS rows' multiply-adds).
 template <typename ELEM, typename IN, int ROWS>
-__device__ __forceinline__ void split_key_rows(
-    const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-    const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
-    long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-    const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-    const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-    int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-    const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-    const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-    int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-    int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD, int chunk,
-    float* __restrict__ partial_O, float2* __restrict__ partial_ML, int round_query) {
+__device__ __forceinline__ void split_key_rows(FLASH_KERNEL_PARAMETERS(IN), int chunk, float* __restrict__ partial_O,
+                                               float2* __restrict__ partial_ML, int round_query) {
   (void)skip_causal_tiles;
   (void)batch;
   (void)out_BSD;
@@ -341,29 +331,12 @@ __device__ __forceinline__ void split_key_rows(
 
 template <typename ELEM, typename IN>
 __global__ void __launch_bounds__(SPLIT_THREADS, SPLIT_BLOCKS_PER_SM)
-    split_key_attention(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-                        const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
-                        long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-                        const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-                        const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-                        int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                        const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-                        const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-                        int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                        int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD, int chunk,
-                        float* __restrict__ partial_O, float2* __restrict__ partial_ML, int round_query) {
+    split_key_attention(FLASH_KERNEL_PARAMETERS(IN), int chunk, float* __restrict__ partial_O,
+                        float2* __restrict__ partial_ML, int round_query) {
   if (q_seq == 1) {
-    split_key_rows<ELEM, IN, 1>(
-        q, stride_qb, stride_qh, stride_qs, bias_q, k, stride_kb, stride_kh, stride_ks, bias_k, v, stride_vb,
-        stride_vh, stride_vs, bias_v, attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep,
-        key_offset_BNT, query_offset_BNS, mask_filter_value, causal, skip_causal_tiles, scale, batch, heads, q_seq,
-        total_seq, past_seq, head_size, v_head_size, out_BSD, chunk, partial_O, partial_ML, round_query);
+    split_key_rows<ELEM, IN, 1>(FLASH_KERNEL_ARGUMENTS, chunk, partial_O, partial_ML, round_query);
   } else {
-    split_key_rows<ELEM, IN, SPLIT_MAX_ROWS>(
-        q, stride_qb, stride_qh, stride_qs, bias_q, k, stride_kb, stride_kh, stride_ks, bias_k, v, stride_vb,
-        stride_vh, stride_vs, bias_v, attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep,
-        key_offset_BNT, query_offset_BNS, mask_filter_value, causal, skip_causal_tiles, scale, batch, heads, q_seq,
-        total_seq, past_seq, head_size, v_head_size, out_BSD, chunk, partial_O, partial_ML, round_query);
+    split_key_rows<ELEM, IN, SPLIT_MAX_ROWS>(FLASH_KERNEL_ARGUMENTS, chunk, partial_O, partial_ML, round_query);
   }
 }
 
