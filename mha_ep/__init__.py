@@ -8,7 +8,7 @@
 
 Where things live (docs/ARCHITECTURE.md has the map): spec.py (the contract), claim/ (the gate and the shared
 rules), partition_pass.py (the pass), model_io.py (model files), ops/ (the Python op, registration, execute-time
-validation, backends: reference = NumPy, cuda = CuPy), native/ (the native custom-op library), comparison.py,
+validation, backends: reference = NumPy, cuda = CuPy), native/ (the native custom-op library), comparison/,
 cli.py. Heavy imports (onnxruntime, CuPy) happen on first use.
 """
 

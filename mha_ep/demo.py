@@ -2,7 +2,7 @@
 
 For every shipped BERT and Whisper model: partition it (claim report), run it with the plugin and with stock ORT
 on the same valid feeds, and print per-output errors (per node with --per-node) and timings. Exit status 0 only
-when every model's outputs match stock ORT within the dtype tolerances of mha_ep/comparison.py.
+when every model's outputs match stock ORT within the dtype tolerances of mha_ep/comparison/maths.py.
 """
 
 from __future__ import annotations

@@ -304,10 +304,10 @@ def lift_attention(model: onnx.ModelProto, in_place: bool = False) -> Tuple[onnx
     """Rewrite every liftable ``com.microsoft::Attention`` node into Q/K/V MatMuls + ``MultiHeadAttention``.
 
     Returns ``(new_model, lifted_count)``; the input model is not modified unless ``in_place`` (for a caller that
-    owns its copy: a deep copy of Whisper tiny's 190 MB decoder costs about 0.5 s). Nodes that fail a rule of the module
-    docstring stay unchanged (see ``plan_lift`` for the reasons). The MHA node keeps the Attention node's name and
-    its output name, so downstream nodes and per-node reports are unaffected. Packed weights that are no longer
-    used by any node are dropped.
+    owns its copy: deep-copying a real decoder takes a noticeable time, docs/BENCH.md, "Host-side choices"). Nodes
+    that fail a rule of the module docstring stay unchanged (see ``plan_lift`` for the reasons). The MHA node keeps
+    the Attention node's name and its output name, so downstream nodes and per-node reports are unaffected. Packed
+    weights that are no longer used by any node are dropped.
     """
     decisions = _decide(model)
     plans = {id_: p for id_, (_, p) in enumerate(decisions) if p is not None}

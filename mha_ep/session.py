@@ -329,7 +329,8 @@ def _graph_args(values) -> list:
 
 
 # Run config entries that ORT 1.31.1's CPU and CUDA providers read (onnxruntime_run_options_config_keys.h). ORT
-# cannot list a RunOptions' entries and answers a missing one with an exception (about 25 us each), so these are
+# cannot list a RunOptions' entries and answers a missing one with an exception, which costs host time
+# (docs/BENCH.md, "Host-side choices"), so these are
 # the ones own_run_options looks for; the QNN entries, any others, and active LoRA adapters are not carried over.
 RUN_CONFIG_KEYS = (
     "memory.enable_memory_arena_shrinkage",

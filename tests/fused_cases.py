@@ -21,8 +21,8 @@ from cuda_cases import Case, dense_operands, naive_low_precision, to_device
 KERNEL_DIR = Path(fused.__file__).parent / "kernels"
 
 
-FUSED_FILES = ("flash_attention.cu", "flash_common.cuh", "wgmma_common.cuh", "flash_attention_wgmma.cu",
-               "flash_attention_ws.cu", "split_keys.cu")  # the fused kernels' code
+FUSED_FILES = ("flash_attention.cu", "flash_common.cuh", "flash_tile.cuh", "wgmma_common.cuh",
+               "flash_attention_wgmma.cu", "flash_attention_ws.cu", "split_keys.cu")  # the fused kernels' code
 
 
 SOURCE = "\n".join((KERNEL_DIR / name).read_text() for name in FUSED_FILES)

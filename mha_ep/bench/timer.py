@@ -4,8 +4,8 @@ Host: ``paired_medians`` times several functions in turns (a, b, a, b, ...) so e
 shared, noisy host; ``median_seconds`` is its one-function case.
 Device: ``stream_seconds`` captures GRAPH_LAUNCHES back-to-back submissions into a CUDA graph after warm-up and
 replays it ``repeats`` times, each replay between its own pair of CUDA events: seconds = median replay /
-GRAPH_LAUNCHES, without the gaps Python's launches leave on the GPU (50-80 µs a launch on the device machine's
-host). Work a graph cannot capture (cuBLAS calls, which CuPy refuses during capture; a failed capture) is timed the
+GRAPH_LAUNCHES, without the gaps Python's launches leave on the GPU (docs/BENCH.md, "How these were measured").
+Work a graph cannot capture (cuBLAS calls, which CuPy refuses during capture; a failed capture) is timed the
 same way from plain submissions, which include those gaps. ``backend_seconds`` times a cuda backend call's device
 work (layout movers and kernels, inputs already on the device) through the backend's ``prepared`` hook.
 """
@@ -22,7 +22,8 @@ GRAPH_LAUNCHES = 10  # submissions per captured graph
 
 def paired_medians(fns, repeats: int, warmup: int = 2) -> list[float]:
     """Median seconds per call of each of ``fns``, timed in turns (a, b, a, b, ...) so that every function sees
-    the same state of a shared, noisy host (measured: a series timed after another can be 2x off)."""
+    the same state of a shared, noisy host (a series timed after another can be far off: docs/BENCH.md, "How these
+    were measured")."""
     for fn in fns:
         for _ in range(warmup):
             fn()

@@ -8,7 +8,7 @@
 ``mha_ep.InferenceSession(..., providers=["CUDAExecutionProvider", ...], device_mode="device")`` asks for this
 mode (DeviceModeUnavailableError says why it cannot run); without it a GPU session is one ORT session on the
 native route (mha_ep/native/cuda_io.py). Device mode stays for repeated shapes, where its whole-call graphs are
-still 6-16% faster than ORT's graph around the native op (docs/BENCH.md, section 5).
+still faster than ORT's graph around the native op (docs/BENCH.md, section 5).
 """
 
 from mha_ep.device.plan import AttentionStep, DevicePlan, DevicePlanError, PieceStep, plan_device

@@ -108,7 +108,7 @@ class DeviceExecutor:
         self.run_options = ort.RunOptions()
         self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         # ORT's Python run_with_iobinding reads gpu_graph_id on every run; unset, the lookup raises and is caught
-        # (about 70 µs a piece on the H200's host). -1 is ORT's "no graph for this run", which the pieces have.
+        # (docs/BENCH.md, "Host-side choices"). -1 is ORT's "no graph for this run", which the pieces have.
         self.run_options.add_run_config_entry("gpu_graph_id", "-1")
         with cupy.cuda.Device(self.device_id), self.stream:
             self.constants = {name: cupy.asarray(array) for name, array in plan.constants.items()}

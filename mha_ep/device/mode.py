@@ -2,7 +2,7 @@
 
 Device mode is opt-in (``device_mode="device"``): by default a session on the CUDA provider is one ORT session on
 the native route (mha_ep/native/cuda_io.py), which is as fast or faster everywhere a bench row measured it except
-repeated shapes under whole-call graphs (docs/BENCH.md, section 5), where device mode's graphs still win by 6-16%.
+repeated shapes under whole-call graphs, where device mode's graphs still win (docs/BENCH.md, section 5).
 
 Device mode runs when all of these hold, checked in this order (the first that fails is the reason, raised as
 DeviceModeUnavailableError):

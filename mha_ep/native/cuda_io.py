@@ -276,7 +276,7 @@ class CudaSessionIO:
             self.stream.synchronize()
         options = make_options()
         # -1: no graph for this run. Set on every eager run: ORT's Python run_with_iobinding looks the entry up on
-        # every run, and a missing one costs a caught exception (about 70 µs on the H200's host).
+        # every run, and a missing one costs a caught exception (docs/BENCH.md, "Host-side choices").
         options.add_run_config_entry("gpu_graph_id", "-1")
         if self.direct is None:
             binding = self.session.io_binding()

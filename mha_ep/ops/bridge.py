@@ -94,8 +94,8 @@ def declare_ops(body, on_error) -> None:
 def adopt_op(opdef, on_error) -> None:
     """Give another op that mha_ep declares (the benchmarks' do-nothing floor op, mha_ep/bench/gpu.py) the path
     of mha_ep's own ops: arrays handed back as they are, and ``on_error(error, feed, attributes)``'s outputs
-    instead of an exception. (Through the stock hook its outputs would go back as ``flatten().tolist()``, about
-    40x slower for a 12.6 MB output: no floor.)"""
+    instead of an exception. (Through the stock hook its outputs would go back as ``flatten().tolist()``, far
+    slower than the calls it is the floor of: no floor; docs/BENCH.md, "Host-side choices".)"""
     _own_ops[id(opdef)] = on_error
 
 
@@ -126,7 +126,7 @@ def result_hook(k_id, feed, attributes):
 def array_result_hook(k_id, feed, attributes):
     """onnxruntime-extensions' invocation hook, returning arrays instead of ``flatten().tolist()``.
 
-    The C++ side accepts numpy arrays (a 4M-float output: 9 ms instead of 367 ms, docs/FACTS.md §1). It reads the buffer
+    The C++ side accepts numpy arrays, far cheaper than ``tolist`` for large outputs (docs/FACTS.md §1). It reads the buffer
     in C order, so outputs are made contiguous. It keeps the stock hook's contract: a tuple of outputs or a single
     output; string outputs take the stock ``tolist`` path (measured: a rank-2 string array handed over as an array
     aborts the process). Installed as is, it would do this for every Python op in the process (the bridge
@@ -160,7 +160,7 @@ _attribute_types: dict = {}  # Opdef id -> {attribute name: int | float | None (
 
 def cast_attributes(k_id, op, attributes) -> dict:
     """Opdef.cast_attributes, with the declared types read once per op (the stock method converts the C++
-    attribute map to a Python dict for every attribute of every call: 40 us for our nine, measured)."""
+    attribute map to a Python dict for every attribute of every call; docs/BENCH.md, "Host-side choices")."""
     casts = _attribute_types.get(k_id)
     if casts is None:
         from onnxruntime_extensions import PyCustomOpDef

@@ -176,7 +176,7 @@ def validated_call(attribute_items: tuple, signature: tuple, dtype: str, outputs
     """The rules' verdict on one call signature: (Call, None) or (None, the Refusal: its reason and ORT status code).
 
     A node sends the same attributes and shapes call after call, so the op pays a dictionary lookup instead of
-    building and hashing the Call again (about 30 µs a call on the GPU machine's host, measured).
+    building and hashing the Call again (what that saves: docs/BENCH.md, "Host-side choices").
     """
     try:
         call = call_from_signature(dict(attribute_items), signature, dtype, outputs, past_length)

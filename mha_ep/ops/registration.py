@@ -19,7 +19,7 @@ from mha_ep.ops.context import set_default_backend
 CONFIG_BACKEND = "mha_ep.backend"
 # ORT's intra-op threads spin for a while after each parallel node, waiting for more work. A claimed node runs
 # right after such nodes (the Casts of a float16 model) and copies its inputs on threads of its own, which then
-# share the cores with the spinning ones (a third slower; docs/BENCH.md, "Host-side choices"). attach() turns it
+# share the cores with the spinning ones, and the run is slower (docs/BENCH.md, "Host-side choices"). attach() turns it
 # off; a caller's own setting is kept.
 ORT_SPINNING = "session.intra_op.allow_spinning"
 # The unscoped array hook, for the bridge benchmark (mha_ep/bench.py swaps it with the stock hook).

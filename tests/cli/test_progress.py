@@ -41,7 +41,7 @@ def recording(monkeypatch, module):
 
 
 def test_compare_counts_every_session_run_and_comparison_on_its_bar(monkeypatch, capsys):
-    from mha_ep import comparison as compare_module
+    from mha_ep.comparison import runner as compare_module
 
     bars = recording(monkeypatch, compare_module)
     report = mha_ep.compare(chain_model(), backend="reference", per_node=True, runs=2, repeat=1, progress_bar=True)

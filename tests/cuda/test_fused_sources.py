@@ -14,7 +14,7 @@ from mha_ep.launch import ELEMENT_TYPES
 from mha_ep.ops.backends.cuda import dispatch, fused
 
 from cuda_cases import make_problem
-from fused_cases import CODE, KERNEL_DIR, WGMMA_DEFAULT_CASES, kernel_parameters
+from fused_cases import CODE, KERNEL_DIR, SOURCE, WGMMA_DEFAULT_CASES, kernel_parameters
 from harness import REPO
 
 
@@ -83,6 +83,22 @@ def test_flash_attention_semantics_are_spelled_out():
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in CODE
     assert CODE.count("masked_logit_per_key(x, mp, masks[r], rows[r], j)") == 2  # both tensor-core kernels
     assert "fence.proxy.async.shared::cta" in CODE  # cp.async writes made visible to wgmma's async proxy
+
+
+def test_the_fused_kernels_share_one_parameter_list_and_one_copy_of_the_tile_steps():
+    """flash_common.cuh's FLASH_KERNEL_PARAMETERS is every fused kernel's parameter list, and the tile steps of
+    flash_tile.cuh / wgmma_common.cuh are not written out again in a kernel (scripts/ptx_identity.py showed the
+    move changed no PTX)."""
+    assert SOURCE.count("long long stride_qb") == 1, "one parameter list: FLASH_KERNEL_PARAMETERS"
+    kernels = {"flash_attention_mma": "IN", "flash_attention_fp32": "IN", "flash_attention_wgmma": "ELEM",
+               "flash_attention_ws": "ELEM", "split_key_attention": "IN"}  # fmt: skip
+    for kernel, operand in kernels.items():
+        assert f"{kernel}(FLASH_KERNEL_PARAMETERS({operand})" in SOURCE, kernel
+    steps = ("__syncthreads_and(row_max[0] > CAUSAL_SKIP_MAX_FLOOR", "tm.padding == TILE_PAD_ALL",
+             "tile_max[r] = padded_logit(", "part_max[0][i % 4] = fmaxf(",
+             "p[kt][3] = zero ? 0u : Ops<ELEM, BLOCK_N>::pack(")  # fmt: skip
+    for step in steps:
+        assert SOURCE.count(step) == 1, step
 
 
 def test_wgmma_wrappers_are_generated():

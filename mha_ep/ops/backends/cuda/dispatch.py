@@ -40,8 +40,8 @@ WS_BLOCK_M = 128  # query rows of flash_attention_ws's default (two-consumer) ti
 # Head 64 takes flash_attention_ws from this many 128-row query tiles per SM on: with fewer, a persistent block
 # per SM leaves more of the GPU idle in the last round (a close call; BENCH.md).
 WS_HEAD64_TILES_PER_SM = 3
-# Time per query row and key of three consumers against two (measured 0.77-0.80, BENCH.md); 0.85 leaves a margin,
-# so three consumers are taken only where they clearly pay.
+# Time per query row and key of three consumers against two, set above the measured ratio so that three consumers
+# are taken only where they clearly pay (docs/BENCH.md, "Dispatch defaults").
 WS3_ROW_COST = 0.85
 WS_CAUSAL_LOGIT_BOUND = 1.0e37  # |scale * q.k| below this: a row's largest allowed logit dominates float32 lowest
 FLOAT16_MAX = 65504.0
@@ -335,10 +335,10 @@ def split_shared_bytes(geometry, chunk: int, in_bytes: int) -> int:
 def key_split(problem: MhaProblem, sms: int = HOPPER_SM_COUNT, in_bytes: int = 4) -> Optional[KeySplit]:
     """The split-key kernel's cut of a fused call of at most SPLIT_MAX_ROWS query rows (a decode step), or None:
     the flash kernels take it. A flash block holds 64 query rows of one (b, h) and walks every key, so at S = 1 the
-    GPU runs B*N blocks of mostly idle rows (Whisper's cross attention, B*N = 6, T = 1500: about 140 us of a
-    2 us read). Split, the blocks number about SPLIT_WAVES x ``sms``: each of at least SPLIT_MIN_CHUNK keys and
-    at most as many as fit SPLIT_SHARED_BYTES (a block holds its chunk's K and V rows of ``in_bytes`` elements
-    and its logits in shared memory) and SPLIT_MAX_CHUNK."""
+    GPU runs B*N blocks of mostly idle rows (Whisper's cross attention, B*N = 6, T = 1500: many times as long as
+    its keys and values take to read; docs/BENCH.md, "Kernel notes"). Split, the blocks number about SPLIT_WAVES x
+    ``sms``: each of at least SPLIT_MIN_CHUNK keys and at most as many as fit SPLIT_SHARED_BYTES (a block holds its
+    chunk's K and V rows of ``in_bytes`` elements and its logits in shared memory) and SPLIT_MAX_CHUNK."""
     g = problem.geometry
     if g.q_seq > SPLIT_MAX_ROWS or max(g.head_size, g.v_head_size) > SPLIT_MAX_DIM or g.total_seq == 0:
         return None

@@ -1,11 +1,10 @@
 """Replayed calls: the device work of a repeated call shape captured once as a CUDA graph.
 
 A call's device work on the fused path (three layout movers and the fused kernel) costs the host one Python
-kernel launch each (about 20 µs apiece on the GPU machine's host), plus allocating and freeing its buffers: more
-than the kernels themselves for small calls (a BERT-base layer at S=128 computes in 18 µs). When the same call
-shape comes back, the cuda backend keeps that shape's device buffers and replays a captured graph instead: one
-launch, no allocation. Per call the host then only packs the inputs into the pinned buffer, uploads them, launches
-the graph, downloads the outputs and synchronizes.
+kernel launch each, plus allocating and freeing its buffers: more than the kernels themselves for small calls
+(docs/BENCH.md, "Host-side choices"). When the same call shape comes back, the cuda backend keeps that shape's
+device buffers and replays a captured graph instead: one launch, no allocation. Per call the host then only packs
+the inputs into the pinned buffer, uploads them, launches the graph, downloads the outputs and synchronizes.
 
 The rules (pure, tested without a GPU):
   1. a shape is captured on its second sighting: a shape seen once (a decode step whose key length grows every

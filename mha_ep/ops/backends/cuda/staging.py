@@ -1,10 +1,10 @@
 """Host staging of the cuda backend: packing a call's arrays into one byte buffer, and grow-only pinned buffers.
 
 Every input of a call is copied into one pinned (page-locked) host buffer at 256-byte aligned offsets and moved
-with asynchronous copies (pinned 55 GB/s against pageable 7-8 GB/s on the H200 host, docs/FACTS.md §8); the outputs come
-back the same way through a second pinned buffer. The buffers belong to one backend instance, are reused by every
-call and only grow. The allocator is injected (``cupy.cuda.alloc_pinned_memory`` in the backend), so this module
-does not import CuPy.
+with asynchronous copies (pinned transfers are several times faster than pageable ones, docs/FACTS.md §8); the
+outputs come back the same way through a second pinned buffer. The buffers belong to one backend instance, are
+reused by every call and only grow. The allocator is injected (``cupy.cuda.alloc_pinned_memory`` in the backend),
+so this module does not import CuPy.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@
 //
 // Index rule as in layout.cu: every product that can pass 2^31 is formed in long long by casting its FIRST factor,
 // `(long long)b * stride_b`, never `(long long)(b * stride_b)`.
-#include "flash_common.cuh"
+#include "flash_tile.cuh"
 
 // ------------------------------------------------------------------------------------ tensor-core helpers
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
@@ -106,28 +106,20 @@ template <> struct Mma<__nv_bfloat16> {
 // step and waited for (a second barrier) after S = Q.K^T: two buffers would put 83 KB per block and leave two
 // blocks per SM instead of three (slower on the bias row; docs/BENCH.md, "Kernel notes").
 // ELEM operands (which the host passes without projection bias) and 16-byte-aligned bias rows move with cp.async
-// from addresses each thread forms once (AsyncTileCopy, BiasTileCopy): on the H200 the per-chunk address
-// arithmetic of a generic copy loop cost the plain S=T=4096 row 30% (docs/BENCH.md).
+// from addresses each thread forms once (AsyncTileCopy, BiasTileCopy): the per-chunk address arithmetic of a
+// generic copy loop cost the plain rows much of their time (docs/BENCH.md, "Kernel notes").
 // Float32 operands (rounded to ELEM, + bias) go through load_tile.
 // Fragments of one k-step are read with ldmatrix before its mma instructions are issued (in-order issue would
 // otherwise stall every mma on the ldmatrix just before it).
 template <typename ELEM, typename IN, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int FEATURES>
 __global__ void __launch_bounds__(BLOCK_M * 2)
-    flash_attention_mma(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-                        const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
-                        long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-                        const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-                        const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-                        int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                        const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-                        const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-                        int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                        int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
+    flash_attention_mma(FLASH_KERNEL_PARAMETERS(IN)) {
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 32 == 0, "tiles are multiples of 16 (keys: 32)");
   static_assert((BLOCK_N & (BLOCK_N - 1)) == 0, "BLOCK_N is a power of two (the row max reduces as a tree)");
   // Each instantiation carries only the mask code its calls need (FlashFeatures; the host passes attention_bias
   // exactly when FEATURES has FLASH_WITH_BIAS and a padding mask exactly when it has FLASH_WITH_PADDING): the tile
-  // classification and the bias tiles cost the plain kernel's loop up to 20% when compiled in but unused (H200).
+  // classification and the bias tiles slow the plain kernel's loop even when compiled in but unused
+  // (docs/BENCH.md, "Kernel notes").
   constexpr bool WITH_PADDING = (FEATURES & FLASH_WITH_PADDING) != 0;
   constexpr bool WITH_BIAS = (FEATURES & FLASH_WITH_BIAS) != 0;
   constexpr bool WITH_OFFSET = (FEATURES & FLASH_WITH_KEY_OFFSET) != 0;
@@ -240,8 +232,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   for (int n0 = 0, step = 0; n0 < total_seq; n0 += BLOCK_N, ++step) {
     if (n0 >= key_end) {
       // Every remaining key is in the causal future of every row here: skip when no row max is near lowest.
-      const bool dominated = row_max[0] > CAUSAL_SKIP_MAX_FLOOR && row_max[1] > CAUSAL_SKIP_MAX_FLOOR;
-      if (__syncthreads_and(dominated)) break;
+      if (causal_rest_dominated(row_max)) break;
       key_end = total_seq;
     }
     const int buffer = step & 1;
@@ -254,15 +245,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     // How the masks touch this key tile: with a mask input, classified before the loads and tensor-core work are
     // issued; the plain instantiation decides after its S tile, where the decision cost least on the H200.
     TileMask tm;
-    if constexpr (WITH_PADDING) {
-      tm = tile_mask(mp, b, m0, n0, BLOCK_N, lane);
-      if constexpr (WITH_OFFSET) tm.plain = false;  // every score takes its key's offset
-    } else if constexpr (WITH_BIAS || WITH_OFFSET) {
-      tm.in_range = n0 + BLOCK_N <= total_seq;
-      tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
-      tm.padding = TILE_KEEP_ALL;
-      tm.plain = false;
-    }
+    masked_tile_mask<FEATURES>(tm, mp, b, m0, n0, BLOCK_N, lane, total_seq, causal, past_seq);
     if constexpr (has_bias) {
       load_bias(n0);
       cp_async_commit();
@@ -307,11 +290,10 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       cp_async_wait_all_but_newest();
       __syncthreads();
     }
-    const bool plain_tile = tm.plain && scale > 0.0f;
-    const bool all_padded = WITH_PADDING && !has_bias && !tm.plain && tm.in_range && !tm.causal &&
-                            tm.padding == TILE_PAD_ALL;
-    const bool padded_tile = !WITH_OFFSET && all_padded && scale > 0.0f;  // raw products until the vote
-    const bool padded_exact = WITH_OFFSET && all_padded;                  // exact x, then the same vote
+    const TileKind kind = tile_kind<FEATURES>(tm, scale);
+    const bool plain_tile = kind.plain;
+    const bool padded_tile = kind.padded;         // raw products until the vote
+    const bool padded_exact = kind.padded_exact;  // exact x, then the same vote
     // With FLASH_WITH_KEY_OFFSET, x = fma(acc, scale, key offset) (+ query offset for j >= P), the key offsets of
     // this thread's columns read once per tile for both of its rows; a tile with no other term stops there.
     float key_off[S_PAIRS][2][2];
@@ -375,23 +357,13 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
     float tile_max[2] = {pair_max[0][0], pair_max[1][0]};
     float alpha[2];
     float max_used[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      if (plain_tile) tile_max[r] *= scale;  // max of x = scale * acc
-      if (padded_tile) tile_max[r] = padded_logit(tile_max[r], scale, mask_filter_value);  // monotonic in acc
-      // Step B: the new running max m_new and the rescale factor alpha = exp(m_old - m_new) of what was summed
-      // so far. A row with no finite logit yet keeps m = -inf; it subtracts 0 instead (exp(-inf) = 0, no NaN).
-      alpha[r] = online_softmax_rescale<true>(row_max[r], tile_max[r], max_used[r]);
-    }
+    // Step B: the new running max m_new and the rescale factor alpha = exp(m_old - m_new) of what was summed so
+    // far. A row with no finite logit yet keeps m = -inf; it subtracts 0 instead (exp(-inf) = 0, no NaN).
+    quad_max_and_rescale(tile_max, plain_tile, padded_tile, scale, mask_filter_value, row_max, max_used, alpha);
     // A padded tile whose every p would be 0 adds nothing (O, l and m stay): skip to the barrier before step E.
     bool skip_tile = false;
     if (padded_tile || padded_exact) {
-      bool zero = true;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) zero = zero && fast_exp2((tile_max[r] - max_used[r]) * LOG2E) == 0.0f;
-      skip_tile = __all_sync(0xffffffffu, zero);
+      skip_tile = __all_sync(0xffffffffu, tile_adds_nothing(tile_max, max_used));
       if (padded_tile && !skip_tile) {
 #pragma unroll
         for (int np = 0; np < S_PAIRS; ++np)
@@ -504,8 +476,8 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
 // (ty = tid / TX, tx = tid % TX). Thread (ty, tx) owns rows ROWS ty .. ROWS ty + ROWS - 1 and, of S, keys
 // tx + TX jj (jj < 64 / TX: a ROWS x KEYS register tile); of O, the columns (tx + TX dd) * O_VEC + e.
 // Launched shape (fused.py FP32_ROWS, FP32_ROW_THREADS): ROWS 4, TX 8, 128 threads, a 4 x 8 tile. Each 16-byte
-// float a thread loads from shared memory feeds 2.67 FFMA, against the 4 x 4 tile's 2 (which ran at 44% of the FFMA
-// peak, about what its shared-memory traffic allows; docs/BENCH.md). STAGES and MIN_BLOCKS come from
+// float a thread loads from shared memory feeds 2.67 FFMA, against the 4 x 4 tile's 2 (which shared-memory traffic
+// held well below the FFMA peak; docs/BENCH.md, "Kernel notes"). STAGES and MIN_BLOCKS come from
 // fused.fp32_pipeline.
 // Q, K and V sit row-major in shared memory, copied there with cp.async (the same load_tile as the tensor-core
 // kernel); the S update reads 4 consecutive d of a Q row and of a K row as 16-byte loads (rows padded by 4 floats:
@@ -536,16 +508,7 @@ template <int ROWS, int TX> struct F32Shape {
 
 template <typename ELEM, typename IN, int HEAD_DIM, int ROWS, int TX, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(F32Shape<ROWS, TX>::THREADS, MIN_BLOCKS)
-    flash_attention_fp32(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-                         const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
-                         long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-                         const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-                         const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-                         int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                         const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-                         const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-                         int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                         int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
+    flash_attention_fp32(FLASH_KERNEL_PARAMETERS(IN)) {
   static_assert(same_type<ELEM, float>::value, "the CUDA-core kernel computes in float32");
   static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM is a multiple of 16");
   static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");

@@ -1,6 +1,6 @@
 // Fused attention on Hopper's warpgroup MMA (wgmma.mma_async, sm_90a): flash_attention_mma's semantics, masks
-// and online softmax (flash_attention.cu's header states them; flash_common.cuh holds the shared pieces), with
-// the two products issued for a whole warpgroup from shared memory.
+// and online softmax (flash_attention.cu's header states them; flash_common.cuh and flash_tile.cuh hold the shared
+// pieces), with the two products issued for a whole warpgroup from shared memory.
 //
 // Why: on the H200 the mma.sync loop alone (no copies, no exponentials, no barrier) was slower than stock ORT
 // CUDA's whole call on the S=T=4096 head-64 f16 row. wgmma reads K and V straight from shared memory (no
@@ -60,16 +60,7 @@ __host__ __device__ constexpr int min_blocks(int head_dim, int block_m, int bloc
 template <typename ELEM, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int FEATURES, bool OVERLAP>
 __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
                                   wgmma_detail::min_blocks(HEAD_DIM, BLOCK_M, BLOCK_N, FEATURES, OVERLAP))
-    flash_attention_wgmma(const ELEM* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-                          const float* __restrict__ bias_q, const ELEM* __restrict__ k, long long stride_kb,
-                          long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-                          const ELEM* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-                          const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-                          int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                          const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-                          const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-                          int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                          int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD) {
+    flash_attention_wgmma(FLASH_KERNEL_PARAMETERS(ELEM)) {
   using namespace wgmma_detail;
   static_assert(sizeof(ELEM) == 2, "f16/bf16 operands");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head tiles of whole 64-element atoms");
@@ -158,10 +149,7 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
   cp_async_commit();
 
   float o_acc[ATOMS][32];  // O dims 64 a + 8 i + 2 tig (+1): [a][4 i], [a][4 i + 1] row g; [a][4 i + 2, + 3] row g + 8
-#pragma unroll
-  for (int a = 0; a < ATOMS; ++a)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o_acc[a][i] = 0.0f;
+  zero_accumulators(o_acc);
   float row_max[2] = {NEG_INFINITY, NEG_INFINITY};  // m_i: running max of the logits seen so far
   float row_sum[2] = {0.0f, 0.0f};                  // l_i: this thread's part of sum exp(x - m_i)
   // With OVERLAP: P of the previous key tile (the A fragments of its P.V; zeros before the first, with the
@@ -175,8 +163,7 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
 
   // O += P . V from V buffer `v_buffer`, asynchronously (P's registers and O stay untouched until its wait).
   auto issue_pv = [&](unsigned (&p)[K_SLICES][4], int v_buffer) {
-#pragma unroll
-    for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+    fence_accumulators(o_acc);
     fence_operands(p);
     wgmma_fence();
 #pragma unroll
@@ -200,8 +187,7 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
   for (int n0 = 0, step = 0; n0 < total_seq; n0 += BLOCK_N, ++step) {
     if (n0 >= key_end) {
       // Every remaining key is in the causal future of every row here: skip when no row max is near lowest.
-      const bool dominated = row_max[0] > CAUSAL_SKIP_MAX_FLOOR && row_max[1] > CAUSAL_SKIP_MAX_FLOOR;
-      if (__syncthreads_and(dominated)) break;
+      if (causal_rest_dominated(row_max)) break;
       key_end = total_seq;
     }
     const int buffer = step & 1;
@@ -212,15 +198,7 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
     fence_proxy_async();
     __syncthreads();
     TileMask tm;
-    if constexpr (WITH_PADDING) {
-      tm = tile_mask(mp, b, m0, n0, BLOCK_N, lane);
-      if constexpr (WITH_OFFSET) tm.plain = false;  // every score takes its key's offset
-    } else if constexpr (WITH_BIAS || WITH_OFFSET) {
-      tm.in_range = n0 + BLOCK_N <= total_seq;
-      tm.causal = causal && n0 + BLOCK_N - 1 > past_seq + m0;
-      tm.padding = TILE_KEEP_ALL;
-      tm.plain = false;
-    }
+    masked_tile_mask<FEATURES>(tm, mp, b, m0, n0, BLOCK_N, lane, total_seq, causal, past_seq);
     if constexpr (WITH_BIAS) {
       load_bias(n0);
       cp_async_commit();
@@ -267,11 +245,10 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
       cp_async_wait_all_but_newest();
       __syncthreads();
     }
-    const bool plain_tile = tm.plain && scale > 0.0f;
-    const bool all_padded = WITH_PADDING && !WITH_BIAS && !tm.plain && tm.in_range && !tm.causal &&
-                            tm.padding == TILE_PAD_ALL;
-    const bool padded_tile = !WITH_OFFSET && all_padded && scale > 0.0f;  // raw products until the vote
-    const bool padded_exact = WITH_OFFSET && all_padded;                  // exact x (key offsets), same vote
+    const TileKind kind = tile_kind<FEATURES>(tm, scale);
+    const bool plain_tile = kind.plain;
+    const bool padded_tile = kind.padded;         // raw products until the vote
+    const bool padded_exact = kind.padded_exact;  // exact x (key offsets), same vote
     // With FLASH_WITH_KEY_OFFSET, x = fma(acc, scale, key offset) (+ query offset for j >= P), the key offsets of
     // this thread's columns read once per tile for both of its rows; a tile with no other term stops there.
     float key_off[S_BLOCKS][2];
@@ -313,39 +290,21 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
         }
     }
 
-    // Online softmax, step A: the tile's row max (four independent chains over the n8 blocks, then the quad).
+    // Online softmax, steps A and B: the tile's row max (four independent chains over the n8 blocks, then the
+    // quad), m_new and alpha.
     float part_max[2][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      part_max[0][i] = fmaxf(s[4 * i], s[4 * i + 1]);
-      part_max[1][i] = fmaxf(s[4 * i + 2], s[4 * i + 3]);
-    }
-#pragma unroll
-    for (int i = 4; i < S_BLOCKS; ++i) {
-      part_max[0][i % 4] = fmaxf(part_max[0][i % 4], fmaxf(s[4 * i], s[4 * i + 1]));
-      part_max[1][i % 4] = fmaxf(part_max[1][i % 4], fmaxf(s[4 * i + 2], s[4 * i + 3]));
-    }
+    partial_row_max<S_BLOCKS>(s, part_max);
     float tile_max[2] = {fmaxf(fmaxf(part_max[0][0], part_max[0][1]), fmaxf(part_max[0][2], part_max[0][3])),
                          fmaxf(fmaxf(part_max[1][0], part_max[1][1]), fmaxf(part_max[1][2], part_max[1][3]))};
     float alpha[2];
     float max_used[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      if (plain_tile) tile_max[r] *= scale;  // max of x = scale * acc
-      if (padded_tile) tile_max[r] = padded_logit(tile_max[r], scale, mask_filter_value);  // monotonic in acc
-      // Step B: m_new and alpha = exp(m_old - m_new); a row with no finite logit yet subtracts 0 (no NaN).
-      alpha[r] = online_softmax_rescale<true>(row_max[r], tile_max[r], max_used[r]);
-    }
+    quad_max_and_rescale(tile_max, plain_tile, padded_tile, scale, mask_filter_value, row_max, max_used, alpha);
     // A padded tile whose every p would be 0 adds nothing (O, l and m stay). The vote is block-wide: the P.V
     // wgmma is issued by all four warps of a warpgroup or by none.
     bool skip_tile = false;
     if (padded_tile || padded_exact) {
-      bool zero = true;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) zero = zero && fast_exp2((tile_max[r] - max_used[r]) * LOG2E) == 0.0f;
-      skip_tile = __syncthreads_and(zero);  // (m did not move; a row still at -inf has l = 0 and O = 0)
+      // (m did not move; a row still at -inf has l = 0 and O = 0)
+      skip_tile = __syncthreads_and(tile_adds_nothing(tile_max, max_used));
       if (padded_tile && !skip_tile) {
 #pragma unroll
         for (int i = 0; i < S_BLOCKS * 4; ++i) s[i] = padded_logit(s[i], scale, mask_filter_value);
@@ -384,33 +343,22 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
 
     if constexpr (OVERLAP) {  // the previous tile's P.V has completed: O and P's registers are free again
       wgmma_wait_all();
-#pragma unroll
-      for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+      fence_accumulators(o_acc);
       fence_operands(p_frag);
     }
     // Step D: rescale the accumulator O by alpha.
     rescale_rows<ATOMS>(o_acc, alpha);
-    // Step E (with OVERLAP issued by the next step, or after the loop): O += P . V with P rounded to ELEM; P's A
-    // fragment of key slice kt is S's n8 blocks 2 kt, 2 kt + 1. A skipped tile's P is zero.
-    auto pack_p = [&](unsigned (&p)[K_SLICES][4]) {
-#pragma unroll
-      for (int kt = 0; kt < K_SLICES; ++kt) {
-        p[kt][0] = skip_tile ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt], s[8 * kt + 1]);
-        p[kt][1] = skip_tile ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 2], s[8 * kt + 3]);
-        p[kt][2] = skip_tile ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 4], s[8 * kt + 5]);
-        p[kt][3] = skip_tile ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 6], s[8 * kt + 7]);
-      }
-    };
+    // Step E (with OVERLAP issued by the next step, or after the loop): O += P . V with P rounded to ELEM (zero
+    // for a skipped tile).
     if constexpr (OVERLAP) {
-      pack_p(p_frag);
+      pack_p<ELEM, BLOCK_N>(p_frag, s, skip_tile);
       pv_buffer = buffer;
     } else {
       unsigned p_now[K_SLICES][4];
-      pack_p(p_now);
+      pack_p<ELEM, BLOCK_N>(p_now, s, skip_tile);
       issue_pv(p_now, buffer);
       wgmma_wait_all();
-#pragma unroll
-      for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+      fence_accumulators(o_acc);
     }
   }
   if constexpr (OVERLAP) {  // the last tile's P.V (its V tile was copied in its own step)
@@ -419,8 +367,7 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
     __syncthreads();
     issue_pv(p_frag, pv_buffer);
     wgmma_wait_all();
-#pragma unroll
-    for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+    fence_accumulators(o_acc);
   }
   cp_async_wait_all();  // (without OVERLAP) a prefetch of a skipped causal tile may still be in flight
 

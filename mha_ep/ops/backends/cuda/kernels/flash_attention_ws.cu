@@ -206,16 +206,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BLOCK_N / 2], int n0, in
         if (n0 + 8 * i + 2 * tig + (c & 1) >= total_seq) s[4 * i + c] = NEG_INFINITY;
   }
   float part_max[2][4];  // four independent chains over the n8 blocks, then the quad
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    part_max[0][i] = fmaxf(s[4 * i], s[4 * i + 1]);
-    part_max[1][i] = fmaxf(s[4 * i + 2], s[4 * i + 3]);
-  }
-#pragma unroll
-  for (int i = 4; i < S_BLOCKS; ++i) {
-    part_max[0][i % 4] = fmaxf(part_max[0][i % 4], fmaxf(s[4 * i], s[4 * i + 1]));
-    part_max[1][i % 4] = fmaxf(part_max[1][i % 4], fmaxf(s[4 * i + 2], s[4 * i + 3]));
-  }
+  partial_row_max<S_BLOCKS>(s, part_max);
   float max_used[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -248,38 +239,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BLOCK_N / 2], int n0, in
   for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * alpha[r] + tile_sum[r];
 }
 
-// P's A fragment of key slice kt is S's n8 blocks 2 kt, 2 kt + 1, rounded to ELEM.
-template <typename ELEM, int BLOCK_N>
-__device__ __forceinline__ void pack_p(unsigned (&p)[BLOCK_N / 16][4], const float (&s)[BLOCK_N / 2]) {
-#pragma unroll
-  for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
-    p[kt][0] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt], s[8 * kt + 1]);
-    p[kt][1] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 2], s[8 * kt + 3]);
-    p[kt][2] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 4], s[8 * kt + 5]);
-    p[kt][3] = Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 6], s[8 * kt + 7]);
-  }
-}
-
-template <int ATOMS>
-__device__ __forceinline__ void fence_accumulators(float (&o_acc)[ATOMS][32]) {
-#pragma unroll
-  for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
-}
-
 }  // namespace ws_detail
 
 template <typename ELEM, int HEAD_DIM, int BLOCK_N, int CONSUMERS, bool CAUSAL>
 __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
-    flash_attention_ws(const ELEM* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-                       const float* __restrict__ bias_q, const ELEM* __restrict__ k, long long stride_kb,
-                       long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-                       const ELEM* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-                       const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-                       int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                       const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-                       const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-                       int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                       int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD,
+    flash_attention_ws(FLASH_KERNEL_PARAMETERS(ELEM),
                        const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                        const __grid_constant__ TensorMap v_map) {
   using namespace wgmma_detail;
@@ -373,10 +337,7 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
     const int rows[2] = {tc.m0 + warp * 16 + g, tc.m0 + warp * 16 + g + 8};
     const CausalRows causal_rows = {tc.m0 + c * WARPGROUP_ROWS, {rows[0], rows[1]}, q_seq, past_seq};
     float o_acc[ATOMS][32];
-#pragma unroll
-    for (int a = 0; a < ATOMS; ++a)
-#pragma unroll
-      for (int i = 0; i < 32; ++i) o_acc[a][i] = 0.0f;
+    zero_accumulators(o_acc);
     float row_max[2] = {NEG_INFINITY, NEG_INFINITY};
     float row_sum[2] = {0.0f, 0.0f};
     float alpha[2];

@@ -1,6 +1,7 @@
-// Shared pieces of the fused attention kernels (flash_attention.cu: mma.sync and fp32; flash_attention_wgmma.cu:
-// Hopper's warpgroup MMA): the mask rules of steps 3-4 (semantics in flash_attention.cu's header), the per-tile
-// mask classification, the global -> shared copies (cp.async) and the fast 2^x.
+// Shared pieces of the fused attention kernels (flash_attention.cu: mma.sync and fp32; flash_attention_wgmma.cu and
+// flash_attention_ws.cu: Hopper's warpgroup MMA; split_keys.cu): their parameter list, the mask rules of steps 3-4
+// (semantics in flash_attention.cu's header), the per-tile mask classification, the global -> shared copies
+// (cp.async), the fast 2^x and step B of the online softmax.
 #pragma once
 #include "common.cuh"
 
@@ -11,6 +12,28 @@
 
 template <typename A, typename B> struct same_type { static constexpr bool value = false; };
 template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
+// ------------------------------------------------------------------------------------- the kernels' parameters
+// The parameters every fused kernel starts with (flash_attention_mma, _fp32, _wgmma, _ws, split_key_attention),
+// in the order fused.py passes them (tests/fused_cases.py kernel_parameters spells them for explicit
+// instantiations): Q, K and V as (OPERAND pointer, batch, head and sequence strides in elements, projection bias
+// or null), the mask inputs (MaskParams), the score offsets, the scalars and the float32 BSNH output. What each
+// means: flash_attention.cu's header. FLASH_KERNEL_ARGUMENTS passes them on, in the same order.
+#define FLASH_KERNEL_PARAMETERS(OPERAND)                                                                          \
+  const OPERAND* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,                   \
+      const float* __restrict__ bias_q, const OPERAND* __restrict__ k, long long stride_kb, long long stride_kh,  \
+      long long stride_ks, const float* __restrict__ bias_k, const OPERAND* __restrict__ v, long long stride_vb,  \
+      long long stride_vh, long long stride_vs, const float* __restrict__ bias_v,                                \
+      const float* __restrict__ attention_bias, int bias_d0, int bias_d1, int mask_kind,                         \
+      const int* __restrict__ key_lengths_B, const unsigned char* __restrict__ keep,                             \
+      const float* __restrict__ key_offset_BNT, const float* __restrict__ query_offset_BNS,                      \
+      float mask_filter_value, int causal, int skip_causal_tiles, float scale, int batch, int heads, int q_seq,  \
+      int total_seq, int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD
+#define FLASH_KERNEL_ARGUMENTS                                                                                    \
+  q, stride_qb, stride_qh, stride_qs, bias_q, k, stride_kb, stride_kh, stride_ks, bias_k, v, stride_vb,           \
+      stride_vh, stride_vs, bias_v, attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep,             \
+      key_offset_BNT, query_offset_BNS, mask_filter_value, causal, skip_causal_tiles, scale, batch, heads, q_seq, \
+      total_seq, past_seq, head_size, v_head_size, out_BSD
 
 // ------------------------------------------------------------------------------------------------ the masks
 // Per-call mask inputs (kernel arguments gathered once).

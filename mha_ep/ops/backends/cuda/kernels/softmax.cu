@@ -3,7 +3,7 @@
 //   masked_softmax_warp<ELEM, COLS_PER_LANE>: one warp per row, the row in registers (T <= 32 * COLS_PER_LANE,
 //       at most 1024): all loads in flight at once, shuffle-only reductions;
 //   masked_softmax<ELEM>: one block per row, for longer rows (shared-memory row cache up to 8192 keys; a
-//       register-resident block variant was measured slower on the H200: 1.02 ms against 0.65 ms at T = 4096).
+//       register-resident block variant was slower on the H200: docs/BENCH.md, "Kernel notes").
 //
 // Semantics (ORT 1.31.1 CPU, docs/SEMANTICS.md §3.4-3.6), per score x = scale * q.k (the GEMM's alpha):
 //   0. x += key_offset_BNT[b, h, j] (+ query_offset_BNS[b, h, i] when j >= P)

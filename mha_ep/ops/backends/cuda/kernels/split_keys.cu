@@ -1,7 +1,8 @@
 // Attention of a few query rows over many keys (a decode step: S <= SPLIT_MAX_ROWS), the keys split across blocks
 // (flash-decoding). The flash kernels (flash_attention.cu) give a block 64 query rows of one (b, h) and walk every
 // key in it: at S = 1 that is B*N blocks, each a long serial walk with 63 of its 64 rows idle (Whisper tiny's cross
-// attention, B = 1, T = 1500: 6 blocks, about 140 us where the keys and values take 2 us to read). Here:
+// attention, B = 1, T = 1500: 6 blocks, many times as long as the keys and values take to read; docs/BENCH.md,
+// "Kernel notes"). Here:
 //   split_key_attention<ELEM, IN>   grid (B*N, splits): block (bh, c) takes keys [c*chunk, min((c+1)*chunk, T)) for
 //                                   every query row of (b, h), and writes the chunk's unnormalised output O_c, its
 //                                   max m_c and its sum l_c (partial_O, partial_ML);
@@ -106,18 +107,8 @@ __device__ __forceinline__ float group_sum(float v, int lanes) {
 // The kernel's body for at most ROWS query rows (the register arrays' size; 1 for a decode step's S = 1, whose
 // loops would otherwise issue SPLIT_MAX_ROWS rows' multiply-adds).
 template <typename ELEM, typename IN, int ROWS>
-__device__ __forceinline__ void split_key_rows(
-    const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-    const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
-    long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-    const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-    const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-    int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-    const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-    const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-    int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-    int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD, int chunk,
-    float* __restrict__ partial_O, float2* __restrict__ partial_ML, int round_query) {
+__device__ __forceinline__ void split_key_rows(FLASH_KERNEL_PARAMETERS(IN), int chunk, float* __restrict__ partial_O,
+                                               float2* __restrict__ partial_ML, int round_query) {
   (void)skip_causal_tiles;
   (void)batch;
   (void)out_BSD;
@@ -340,29 +331,12 @@ __device__ __forceinline__ void split_key_rows(
 
 template <typename ELEM, typename IN>
 __global__ void __launch_bounds__(SPLIT_THREADS, SPLIT_BLOCKS_PER_SM)
-    split_key_attention(const IN* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,
-                        const float* __restrict__ bias_q, const IN* __restrict__ k, long long stride_kb,
-                        long long stride_kh, long long stride_ks, const float* __restrict__ bias_k,
-                        const IN* __restrict__ v, long long stride_vb, long long stride_vh, long long stride_vs,
-                        const float* __restrict__ bias_v, const float* __restrict__ attention_bias, int bias_d0,
-                        int bias_d1, int mask_kind, const int* __restrict__ key_lengths_B,
-                        const unsigned char* __restrict__ keep, const float* __restrict__ key_offset_BNT,
-                        const float* __restrict__ query_offset_BNS, float mask_filter_value, int causal,
-                        int skip_causal_tiles, float scale, int batch, int heads, int q_seq, int total_seq,
-                        int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD, int chunk,
-                        float* __restrict__ partial_O, float2* __restrict__ partial_ML, int round_query) {
+    split_key_attention(FLASH_KERNEL_PARAMETERS(IN), int chunk, float* __restrict__ partial_O,
+                        float2* __restrict__ partial_ML, int round_query) {
   if (q_seq == 1) {
-    split_key_rows<ELEM, IN, 1>(
-        q, stride_qb, stride_qh, stride_qs, bias_q, k, stride_kb, stride_kh, stride_ks, bias_k, v, stride_vb,
-        stride_vh, stride_vs, bias_v, attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep,
-        key_offset_BNT, query_offset_BNS, mask_filter_value, causal, skip_causal_tiles, scale, batch, heads, q_seq,
-        total_seq, past_seq, head_size, v_head_size, out_BSD, chunk, partial_O, partial_ML, round_query);
+    split_key_rows<ELEM, IN, 1>(FLASH_KERNEL_ARGUMENTS, chunk, partial_O, partial_ML, round_query);
   } else {
-    split_key_rows<ELEM, IN, SPLIT_MAX_ROWS>(
-        q, stride_qb, stride_qh, stride_qs, bias_q, k, stride_kb, stride_kh, stride_ks, bias_k, v, stride_vb,
-        stride_vh, stride_vs, bias_v, attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep,
-        key_offset_BNT, query_offset_BNS, mask_filter_value, causal, skip_causal_tiles, scale, batch, heads, q_seq,
-        total_seq, past_seq, head_size, v_head_size, out_BSD, chunk, partial_O, partial_ML, round_query);
+    split_key_rows<ELEM, IN, SPLIT_MAX_ROWS>(FLASH_KERNEL_ARGUMENTS, chunk, partial_O, partial_ML, round_query);
   }
 }
 

@@ -1,8 +1,9 @@
 // Pieces shared by the Hopper kernels (flash_attention_wgmma.cu, flash_attention_ws.cu): wgmma fences and waits,
-// shared-memory descriptors of the 128-byte swizzle, the Ops wrappers per element type and the swizzled cp.async
-// tile copy. The layouts they assume are stated in flash_attention_wgmma.cu's header.
+// shared-memory descriptors of the 128-byte swizzle, the Ops wrappers per element type, the swizzled cp.async
+// tile copy and the O accumulator's steps. The layouts they assume are stated in flash_attention_wgmma.cu's header;
+// the online softmax of a tile is flash_tile.cuh's.
 #pragma once
-#include "flash_common.cuh"
+#include "flash_tile.cuh"
 #include "wgmma_ops.cuh"
 
 #define WARPGROUP_THREADS 128  // four warps issue one wgmma
@@ -130,6 +131,34 @@ __device__ __forceinline__ TileCoords tile_coords(long long tile, int q_tiles, i
   t.b = (int)(bh / heads);
   t.h = (int)(bh % heads);
   return t;
+}
+
+// O (columns 64 a + 8 i + 2 tig, +1: [a][4 i], [a][4 i + 1] row g, [a][4 i + 2, + 3] row g + 8) starts at 0.
+template <int ATOMS> __device__ __forceinline__ void zero_accumulators(float (&o_acc)[ATOMS][32]) {
+#pragma unroll
+  for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o_acc[a][i] = 0.0f;
+}
+
+// fence_operands of every atom of O, around the wgmma that read or write it.
+template <int ATOMS> __device__ __forceinline__ void fence_accumulators(float (&o_acc)[ATOMS][32]) {
+#pragma unroll
+  for (int a = 0; a < ATOMS; ++a) fence_operands(o_acc[a]);
+}
+
+// Step E's A operand: P's fragment of key slice kt is S's n8 blocks 2 kt, 2 kt + 1, rounded to ELEM (zeros for a
+// skipped tile, `zero`).
+template <typename ELEM, int BLOCK_N>
+__device__ __forceinline__ void pack_p(unsigned (&p)[BLOCK_N / 16][4], const float (&s)[BLOCK_N / 2],
+                                       bool zero = false) {
+#pragma unroll
+  for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
+    p[kt][0] = zero ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt], s[8 * kt + 1]);
+    p[kt][1] = zero ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 2], s[8 * kt + 3]);
+    p[kt][2] = zero ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 4], s[8 * kt + 5]);
+    p[kt][3] = zero ? 0u : Ops<ELEM, BLOCK_N>::pack(s[8 * kt + 6], s[8 * kt + 7]);
+  }
 }
 
 // O *= alpha per row: [a][4 i], [a][4 i + 1] are row g, [a][4 i + 2, + 3] row g + 8.
