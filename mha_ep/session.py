@@ -356,13 +356,19 @@ def own_run_options(caller=None):
         return own
     for name in RUN_OPTION_FIELDS:
         setattr(own, name, getattr(caller, name))
-    for key in RUN_CONFIG_KEYS:
+    _copy_entries(caller.get_run_config_entry, own.add_run_config_entry, RUN_CONFIG_KEYS)
+    return own
+
+
+def _copy_entries(get, add, keys) -> None:
+    """``add(key, get(key))`` for each of ``keys`` that is set (ORT's ``get`` raises for one that is not, and
+    cannot list them)."""
+    for key in keys:
         try:
-            value = caller.get_run_config_entry(key)
+            value = get(key)
         except Exception:  # noqa: BLE001 - ORT raises for an entry that was not set
             continue
-        own.add_run_config_entry(key, value)
-    return own
+        add(key, value)
 
 
 # Session config entries ORT 1.31.1 reads (onnxruntime_session_options_config_keys.h and the CUDA provider's, as
@@ -420,12 +426,7 @@ def copy_session_options(options):
     for name, attribute in vars(type(options)).items():
         if isinstance(attribute, property) and attribute.fset is not None:
             setattr(own, name, getattr(options, name))
-    for key in SESSION_CONFIG_KEYS:
-        try:
-            value = options.get_session_config_entry(key)
-        except Exception:  # noqa: BLE001 - ORT raises for an entry that was not set
-            continue
-        own.add_session_config_entry(key, value)
+    _copy_entries(options.get_session_config_entry, own.add_session_config_entry, SESSION_CONFIG_KEYS)
     return own
 
 
