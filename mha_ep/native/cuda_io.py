@@ -17,28 +17,45 @@ CUDA op, on ORT's buffers and stream). This module is how its calls move tensors
     signatures get one; later ones run eagerly.
 
 ORT runs on a stream of its own and synchronizes it at the end of every run, so outputs are ready on any stream
-once ``run_with_iobinding`` returns; the inputs are made ready before it (our upload stream, or the caller's
+once ``run_with_iobinding`` returns; the inputs are made ready before it (the call's upload stream, or the caller's
 stream, is synchronized first).
+
+Threads: any number may call at once, as onnxruntime allows.
+  1. A call takes a lane (a stream and a pinned staging buffer of its own: transfer.HostTransfers) from the
+     session's pool and gives it back after; the pool grows to the number of calls in flight. The pinned output
+     blocks are one pool for all lanes (transfer.PinnedOutputs).
+  2. A signature's graph buffers (a GraphSlot) are held by one call from its copies in to its copies out. A call
+     that finds all its signature's slots held gets a new slot (a gpu_graph_id of its own) while MAX_GRAPHS
+     allows, else waits for one.
+  3. ORT's CUDA provider may not run one session from several threads while it uses CUDA graphs (its
+     documentation says so), so with graphs on ORT's run itself is serialized (``_ort_lock``); other calls'
+     copies go on meanwhile. Without graphs nothing is serialized.
+  4. A call's feeds and outputs are checked against the model once per call key (names, shapes, dtypes, where the
+     feeds lie): the verdict is remembered (``_verdicts``), so a repeated call pays one dictionary lookup.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from mha_ep.native.ort_checks import call_error, dtype_error, execution_error, tensor_type, wanted_outputs
 
 MAX_GRAPHS = 16  # signatures with a captured graph per session (ORT keeps each graph until the session goes)
-COPY_THREADS = 4  # host copies into the staging buffer (transfer.py, staging.stage_uploads)
+COPY_THREADS = 4  # host copies into the staging buffers (transfer.py, staging.stage_uploads), shared by the lanes
+MAX_VERDICTS = 4096  # call keys whose check is remembered (all forgotten at once past this)
 # ORT's tensor type names -> NumPy dtypes (bfloat16 has none: such sessions keep ORT's own run)
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
-             "tensor(bool)": "bool", "tensor(int16)": "int16", "tensor(uint16)": "uint16"}  # fmt: skip
+             "tensor(bool)": "bool", "tensor(int16)": "int16", "tensor(uint16)": "uint16", "tensor(uint32)": "uint32",
+             "tensor(uint64)": "uint64"}  # fmt: skip
 
 
 def numpy_dtype(ort_type: str) -> Optional[str]:
@@ -55,8 +72,9 @@ def unsupported_tensors(session) -> List[str]:
 _DTYPES: Dict[str, np.dtype] = {}  # ORT type name -> NumPy dtype (looked up once: this runs per output per call)
 
 
-def ortvalue_array(value):
-    """A CuPy array over an ORT value's device buffer (no copy; the array keeps the value alive)."""
+def ortvalue_array(value, device_id: int = -1):
+    """A CuPy array over an ORT value's device buffer on ``device_id`` (-1: the current device; no copy, the array
+    keeps the value alive). Device mode's pieces' outputs come through here too (device/cuda.py)."""
     import cupy
 
     kind = value.data_type()
@@ -67,7 +85,7 @@ def ortvalue_array(value):
     size = math.prod(shape) * dtype.itemsize
     if size == 0:
         return cupy.empty(shape, dtype)
-    memory = cupy.cuda.UnownedMemory(value.data_ptr(), size, value)
+    memory = cupy.cuda.UnownedMemory(value.data_ptr(), size, value, device_id)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
@@ -108,7 +126,8 @@ class _Direct:
 
 @dataclass
 class GraphSlot:
-    """One call signature's fixed buffers under ORT's CUDA graph (``graph_id`` its ``gpu_graph_id``)."""
+    """One set of fixed buffers for a call signature under ORT's CUDA graph (``graph_id`` its ``gpu_graph_id``);
+    held (``lock``) by one call from its copies in to its copies out."""
 
     graph_id: int
     inputs: Dict[str, object]  # name -> CuPy array the graph reads
@@ -117,6 +136,17 @@ class GraphSlot:
     calls: int = 0
     views: Dict[str, object] = field(default_factory=dict)  # name -> CuPy array over the output value
     pending: object = None  # a CUDA event after the last run_device's copies out of the outputs
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    options: object = None  # the slot's own RunOptions (gpu_graph_id set) for calls that bring none
+    event: object = None  # the CUDA event ``pending`` re-records (made once)
+
+
+@dataclass
+class Lane:
+    """A call's own stream and pinned staging buffer, taken from the session's pool for the call."""
+
+    stream: object
+    transfers: object  # transfer.HostTransfers on ``stream``
 
 
 class CudaSessionIO:
@@ -125,9 +155,7 @@ class CudaSessionIO:
     ``make_options``: the caller's run options)."""
 
     def __init__(self, session, device_id: int, graphs: bool, run: Callable, options: Callable):
-        import cupy
-
-        from mha_ep.native.transfer import HostTransfers
+        from mha_ep.native.transfer import PinnedOutputs
 
         self.session = session
         self.device_id = device_id
@@ -137,11 +165,15 @@ class CudaSessionIO:
         self.input_args = list(session.get_inputs())  # ORT's NodeArgs: a call is checked as run() checks it
         self.inputs = {a.name: numpy_dtype(a.type) for a in self.input_args}
         self.outputs = [a.name for a in session.get_outputs()]
-        with cupy.cuda.Device(device_id):
-            self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.transfers = HostTransfers(self.stream, device_id, ThreadPoolExecutor(COPY_THREADS, "mha_ep_copy"))
-        self.slots: Dict[tuple, Optional[GraphSlot]] = {}  # signature -> its graph (None: runs eagerly)
-        self._lock = threading.Lock()  # the staging buffer and the graph buffers: one call at a time
+        self.pinned_outputs = PinnedOutputs()
+        self._copier = ThreadPoolExecutor(COPY_THREADS, "mha_ep_copy")
+        self._lanes: "queue.SimpleQueue[Lane]" = queue.SimpleQueue()  # idle lanes
+        self.lanes_made = 0
+        self.slots: Dict[tuple, List[GraphSlot]] = {}  # signature -> its graph slots ([]: it runs eagerly)
+        self._slots_lock = threading.Lock()  # new slots and lanes
+        self._graph_count = 0
+        self._ort_lock = threading.Lock() if graphs else None  # rule 3 of the module docstring
+        self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
 
@@ -150,42 +182,129 @@ class CudaSessionIO:
         """NumPy (or device) feeds in, NumPy outputs out, through page-locked memory."""
         import cupy
 
-        wanted = self._checked(feeds, output_names)
+        key, known = self._known(feeds, output_names)
+        wanted = known[0] if known is not None else self._checked(feeds, output_names)
+        lane = self._take_lane()
         try:
-            with self._lock, cupy.cuda.Device(self.device_id):
-                host, device = self._split(feeds)
+            with cupy.cuda.Device(self.device_id):
+                host, device = self._split(feeds, checked=known is not None)
+                signature = known[1] if known is not None else self._remember(key, wanted, host, device)
                 if device:
                     self._settle_caller()
-                arrays = self._call(host, device, wanted, make_options or self._options)
-                results = self.transfers.download(arrays)
-                self.transfers.settle()
+                arrays, slot = self._call(lane, signature, host, device, wanted, make_options)
+                try:
+                    return lane.transfers.download(arrays)
+                finally:
+                    if slot is not None:
+                        slot.lock.release()
         except RuntimeError as error:
             self._raise_as_run(error, feeds, wanted, make_options)
-        return results
+        finally:
+            self._give_lane(lane)
 
     def run_device(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
         """Device (or NumPy) feeds in, CuPy outputs out."""
         import cupy
 
-        wanted = self._checked(feeds, output_names)
+        key, known = self._known(feeds, output_names)
+        wanted = known[0] if known is not None else self._checked(feeds, output_names)
         try:
-            with self._lock, cupy.cuda.Device(self.device_id):
-                host, device = self._split(feeds)
-                slot = self.slots.get(self.signature(host, device)) if self.graphs and not host else None
+            with cupy.cuda.Device(self.device_id):
+                host, device = self._split(feeds, checked=known is not None)
+                signature = known[1] if known is not None else self._remember(key, wanted, host, device)
+                slot = self._take_slot(signature) if self.graphs and not host else None
                 if slot is not None:
-                    return self._replay_device(slot, device, wanted, make_options or self._options)
-                self._settle_caller()
-                arrays = self._call(host, device, wanted, make_options or self._options)
-                if self._graph_of(host, device) is not None:  # the graph's buffers are written again next call
-                    with self.stream:
-                        arrays = [cupy.array(a, copy=True) for a in arrays]
-                    self.stream.synchronize()
-                self.transfers.settle()
+                    try:
+                        return self._replay_device(slot, device, wanted, make_options)
+                    finally:
+                        slot.lock.release()
+                return self._run_device_on_lane(signature, host, device, wanted, make_options)
         except RuntimeError as error:
             self._raise_as_run(error, feeds, wanted, make_options)
-        return arrays
 
-    # --------------------------------------------------------------------------------------- internals
+    def _run_device_on_lane(self, signature: tuple, host: dict, device: dict, wanted: List[str],
+                            make_options: Optional[Callable]) -> list:  # fmt: skip
+        """run_device's eager calls, a signature's first calls, and replays with host feeds: on a lane."""
+        import cupy
+
+        lane = self._take_lane()
+        try:
+            self._settle_caller()
+            arrays, slot = self._call(lane, signature, host, device, wanted, make_options)
+            if slot is None:
+                return arrays
+            try:  # the graph's buffers are written again by the next call of the signature
+                with lane.stream:
+                    arrays = [cupy.array(a, copy=True) for a in arrays]
+                lane.stream.synchronize()
+                return arrays
+            finally:
+                slot.lock.release()
+        finally:
+            self._give_lane(lane)
+
+    # ------------------------------------------------------------------------------------- the checks
+    def _known(self, feeds: Mapping, output_names) -> Tuple[Optional[tuple], Optional[tuple]]:
+        """(the call's key, its remembered verdict or None). The key is None where the call has feeds other than
+        NumPy or CuPy arrays (those are checked every call)."""
+        import cupy
+
+        items = []
+        for name, value in feeds.items():
+            kind = type(value)
+            if kind is not np.ndarray and kind is not cupy.ndarray:
+                return None, None
+            items.append((name, value.shape, value.dtype, kind is np.ndarray))
+        try:
+            names = tuple(output_names) if output_names else None
+        except TypeError:
+            return None, None
+        key = (names, tuple(items))
+        return key, self._verdicts.get(key)
+
+    def _remember(self, key: Optional[tuple], wanted: List[str], host: dict, device: dict) -> tuple:
+        """The call's graph signature, the verdict remembered under ``key`` (rule 4 of the module docstring)."""
+        signature = self.signature(host, device)
+        if key is not None:
+            if len(self._verdicts) >= MAX_VERDICTS:
+                self._verdicts.clear()
+            self._verdicts[key] = (wanted, signature)
+        return signature
+
+    def _checked(self, feeds: Mapping, output_names) -> List[str]:
+        """The outputs the call asks for; raises what ORT's ``run`` raises for a call that does not fit the
+        model (ort_checks.py), before any copy or graph is touched."""
+        error = call_error(self.input_args, self.outputs, feeds, output_names)
+        if error is not None:
+            raise error
+        return wanted_outputs(self.outputs, output_names)
+
+    def _split(self, feeds: Mapping, checked: bool = False) -> tuple:
+        """(host feeds, device feeds), each checked against the model's dtype (unless the call's verdict is
+        known: ``checked``) and made C-contiguous."""
+        import cupy
+
+        from mha_ep.native.transfer import host_feed
+
+        host, device = {}, {}
+        if checked:  # NumPy and CuPy arrays whose names, shapes and dtypes passed before
+            for name, value in feeds.items():
+                if type(value) is np.ndarray:
+                    host[name] = value if value.flags.c_contiguous else np.ascontiguousarray(value)
+                else:
+                    device[name] = value if value.flags.c_contiguous else cupy.ascontiguousarray(value)
+            return host, device
+        for name, value in feeds.items():
+            if isinstance(value, cupy.ndarray):  # the common device case first: no host checks
+                device[name] = device_feed(name, value, self.inputs[name])
+                continue
+            array = host_feed(name, value, self.inputs[name])
+            if array is None:
+                device[name] = device_feed(name, value, self.inputs[name])
+            else:
+                host[name] = array
+        return host, device
+
     def _raise_as_run(self, error: RuntimeError, feeds: Mapping, wanted: List[str], make_options) -> None:
         """Raise what ORT's ``run`` raises for this failed call (ort_checks.execution_error: a stock node's
         failure through IOBinding has lost its type), else ``error`` itself."""
@@ -200,38 +319,38 @@ class CudaSessionIO:
                 host[name] = cupy.asnumpy(array) if on_device else value
             options = (make_options or self._options)()
             options.add_run_config_entry("gpu_graph_id", "-1")  # never a capture on the failure path
-            self.session.run(wanted, host, options)
+            with self._ort_lock or nullcontext():
+                self.session.run(wanted, host, options)
 
         failure = execution_error(error, rerun)
         if failure is error:
             raise error
         raise failure from error
 
-    def _checked(self, feeds: Mapping, output_names) -> List[str]:
-        """The outputs the call asks for; raises what ORT's ``run`` raises for a call that does not fit the
-        model (ort_checks.py), before any copy or graph is touched."""
-        error = call_error(self.input_args, self.outputs, feeds, output_names)
-        if error is not None:
-            raise error
-        return wanted_outputs(self.outputs, output_names)
-
-    def _split(self, feeds: Mapping) -> tuple:
-        """(host feeds, device feeds), each checked against the model's dtype and made C-contiguous."""
+    # -------------------------------------------------------------------------------------- the lanes
+    def _take_lane(self) -> Lane:
+        try:
+            return self._lanes.get_nowait()
+        except queue.Empty:
+            pass
         import cupy
 
-        from mha_ep.native.transfer import host_feed
+        from mha_ep.native.transfer import HostTransfers
 
-        host, device = {}, {}
-        for name, value in feeds.items():
-            if isinstance(value, cupy.ndarray):  # the common device case first: no host checks
-                device[name] = device_feed(name, value, self.inputs[name])
-                continue
-            array = host_feed(name, value, self.inputs[name])
-            if array is None:
-                device[name] = device_feed(name, value, self.inputs[name])
-            else:
-                host[name] = array
-        return host, device
+        with cupy.cuda.Device(self.device_id):
+            stream = cupy.cuda.Stream(non_blocking=True)
+        with self._slots_lock:
+            self.lanes_made += 1
+        return Lane(stream, HostTransfers(stream, self.device_id, self._copier, self.pinned_outputs))
+
+    def _give_lane(self, lane: Lane) -> None:
+        """Back to the pool once its direct uploads have read the caller's page-locked feeds (the caller may write
+        them once the call returns). A lane whose stream failed is dropped, not reused."""
+        try:
+            lane.transfers.settle()
+        except Exception:  # noqa: BLE001 - the call's own error is the one raised; this lane is not reused
+            return
+        self._lanes.put(lane)
 
     @staticmethod
     def _settle_caller() -> None:
@@ -240,41 +359,41 @@ class CudaSessionIO:
 
         cupy.cuda.get_current_stream().synchronize()
 
-    def _graph_of(self, host: dict, device: dict) -> Optional[GraphSlot]:
-        if not self.graphs:
-            return None
-        return self.slots.get(self.signature(host, device))
-
     @staticmethod
     def signature(host: dict, device: dict) -> tuple:
         merged = {**host, **device}
         return tuple((name, tuple(merged[name].shape), str(merged[name].dtype)) for name in sorted(merged))
 
-    def _call(self, host: dict, device: dict, wanted: List[str], make_options: Callable) -> list:
-        """Run the session on the feeds; CuPy arrays of the ``wanted`` outputs (valid until the next call when they
-        are a graph's buffers)."""
+    # ---------------------------------------------------------------------------------------- running
+    def _call(self, lane: Lane, signature: tuple, host: dict, device: dict, wanted: List[str],
+              make_options: Optional[Callable]) -> tuple:  # fmt: skip
+        """Run the session on the feeds: (CuPy arrays of the ``wanted`` outputs, the GraphSlot held for them or
+        None). Arrays over a slot's buffers are valid until the caller releases ``slot.lock``. ``make_options``:
+        the caller's run options' maker, None when the call brought none."""
         if not self.graphs:
-            return self._eager(host, device, wanted, make_options)
-        key = self.signature(host, device)
-        if key not in self.slots:  # the signature's first call: eager, and it tells the output shapes
-            values = self._eager_values(host, device, make_options, skip_graph=True)
-            self.slots[key] = self._new_slot(host, device, values) if len(self.slots) < MAX_GRAPHS else None
-            return [ortvalue_array(values[name]) for name in wanted]
-        slot = self.slots[key]
+            return self._eager(lane, host, device, wanted, make_options), None
+        if signature not in self.slots:  # the signature's first call: eager, and it tells the output shapes
+            values = self._eager_values(lane, host, device, make_options)
+            self._first_slot(signature, host, device, values)
+            return [ortvalue_array(values[name]) for name in wanted], None
+        slot = self._take_slot(signature)
         if slot is None:
-            return self._eager(host, device, wanted, make_options, skip_graph=True)
-        return self._replay(slot, host, device, wanted, make_options)
+            return self._eager(lane, host, device, wanted, make_options), None
+        try:
+            return self._replay(lane, slot, host, device, wanted, make_options), slot
+        except BaseException:
+            slot.lock.release()
+            raise
 
-    def _eager(self, host: dict, device: dict, wanted: List[str], make_options: Callable,
-               skip_graph: bool = False) -> list:
-        values = self._eager_values(host, device, make_options, skip_graph)
+    def _eager(self, lane: Lane, host: dict, device: dict, wanted: List[str], make_options: Optional[Callable]) -> list:
+        values = self._eager_values(lane, host, device, make_options)
         return [ortvalue_array(values[name]) for name in wanted]
 
-    def _eager_values(self, host: dict, device: dict, make_options: Callable, skip_graph: bool) -> Dict[str, object]:
-        uploaded = self.transfers.to_device(host) if host else {}
+    def _eager_values(self, lane: Lane, host: dict, device: dict, make_options: Optional[Callable]) -> Dict[str, object]:
+        uploaded = lane.transfers.to_device(host) if host else {}
         if host:
-            self.stream.synchronize()
-        options = make_options()
+            lane.stream.synchronize()
+        options = (make_options or self._options)()
         # -1: no graph for this run. Set on every eager run: ORT's Python run_with_iobinding looks the entry up on
         # every run, and a missing one costs a caught exception (docs/BENCH.md, "Host-side choices").
         options.add_run_config_entry("gpu_graph_id", "-1")
@@ -284,7 +403,7 @@ class CudaSessionIO:
                 binding.bind_input(name, "cuda", self.device_id, array.dtype.type, list(array.shape), array.data.ptr)
             for name in self.outputs:
                 binding.bind_output(name, "cuda", self.device_id)
-            self._run(binding, options)
+            self._ort(binding, options)
             return dict(zip(self.outputs, binding.get_outputs()))
         c_session, c_device, make_binding = self.direct
         c_binding = make_binding()
@@ -292,9 +411,37 @@ class CudaSessionIO:
             c_binding.bind_input(name, c_device, self._element(array.dtype), list(array.shape), array.data.ptr)
         for name in self.outputs:
             c_binding.bind_output(name, c_device)
-        self._run_direct(lambda: c_session.run_with_iobinding(c_binding, options), options)
+        self._ort(_Direct(lambda: c_session.run_with_iobinding(c_binding, options)), options)
         vector = c_binding.get_outputs()
         return {name: vector[i] for i, name in enumerate(self.outputs)}
+
+    def _ort(self, binding, options) -> None:
+        """ORT's run of ``binding`` (an IOBinding, or _Direct) through the session's error channel; serialized
+        with graphs on (rule 3 of the module docstring)."""
+        lock = self._ort_lock
+        if lock is None:
+            self._run(binding, options)
+            return
+        with lock:
+            self._run(binding, options)
+
+    def _run_slot(self, slot: GraphSlot, make_options: Optional[Callable]) -> None:
+        """ORT's run of the slot's graph. A call without run options of its own uses the slot's RunOptions, made
+        once (the native route never sets ``terminate`` on them, and the slot serves one call at a time)."""
+        if make_options is None:
+            options = slot.options
+            if options is None:
+                options = slot.options = self._options()
+                options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
+        else:
+            options = make_options()
+            options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
+        if self.direct is None:
+            self._ort(slot.binding, options)
+        else:
+            c_session, c_binding = self.direct[0], slot.binding._iobinding
+            self._ort(_Direct(lambda: c_session.run_with_iobinding(c_binding, options)), options)
+        slot.calls += 1
 
     def _element(self, dtype) -> int:
         key = str(dtype)
@@ -304,58 +451,83 @@ class CudaSessionIO:
             self._types[key] = elem_type(key)
         return self._types[key]
 
-    def _run_direct(self, call: Callable, options) -> None:
-        """A direct C-level run with the session's error channel (the ``run`` callable's guard)."""
-        self._run(_Direct(call), options)
+    # ------------------------------------------------------------------------------------ graph slots
+    def _first_slot(self, signature: tuple, host: dict, device: dict, values: Dict[str, object]) -> None:
+        """The signature's first slot, shaped as its first (eager) call's feeds and outputs; none past MAX_GRAPHS
+        (the signature then runs eagerly)."""
+        with self._slots_lock:
+            if signature in self.slots:  # another thread's first call got there first
+                return
+            if self._graph_count >= MAX_GRAPHS:
+                self.slots[signature] = []
+                return
+            feeds = {name: (tuple(array.shape), np.dtype(array.dtype)) for name, array in {**host, **device}.items()}
+            outputs = {name: (tuple(value.shape()), np.dtype(numpy_dtype(value.data_type())))
+                       for name, value in values.items()}  # fmt: skip
+            self.slots[signature] = [self._new_slot(feeds, outputs)]
 
-    def _new_slot(self, host: dict, device: dict, values: Dict[str, object]) -> GraphSlot:
+    def _take_slot(self, signature: tuple) -> Optional[GraphSlot]:
+        """A slot of the signature, held by this call; None when the signature has none (runs eagerly)."""
+        slots = self.slots.get(signature)
+        if not slots:
+            return None
+        for slot in slots:
+            if slot.lock.acquire(blocking=False):
+                return slot
+        with self._slots_lock:
+            if self._graph_count < MAX_GRAPHS:  # every slot held: another one (rule 2 of the module docstring)
+                first = slots[0]
+                feeds = {name: (array.shape, array.dtype) for name, array in first.inputs.items()}
+                outputs = {name: (view.shape, view.dtype) for name, view in first.views.items()}
+                slot = self._new_slot(feeds, outputs)
+                slot.lock.acquire()
+                self.slots[signature] = self.slots[signature] + [slot]
+                return slot
+        slot = slots[threading.get_ident() % len(slots)]
+        slot.lock.acquire()
+        return slot
+
+    def _new_slot(self, feeds: Dict[str, tuple], outputs: Dict[str, tuple]) -> GraphSlot:
+        """A slot with buffers of the (shape, dtype) of ``feeds`` and ``outputs`` (under ``_slots_lock``)."""
         import cupy
         import onnxruntime as ort
 
-        graph_id = 1 + sum(slot is not None for slot in self.slots.values())  # ids from 1 (0 is ORT's own)
+        self._graph_count += 1
+        graph_id = self._graph_count  # ids from 1 (0 is ORT's own)
         with cupy.cuda.Device(self.device_id):
-            inputs = {name: cupy.empty(array.shape, array.dtype) for name, array in {**host, **device}.items()}
-        outputs = {}
-        for name, value in values.items():
-            dtype = np.dtype(numpy_dtype(value.data_type()))
-            outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape()), dtype.type, "cuda",
-                                                                      self.device_id)  # fmt: skip
+            inputs = {name: cupy.empty(shape, dtype) for name, (shape, dtype) in feeds.items()}
+        values = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type, "cuda", self.device_id)
+                  for name, (shape, dtype) in outputs.items()}  # fmt: skip
         binding = self.session.io_binding()
         for name, array in inputs.items():
             binding.bind_input(name, "cuda", self.device_id, array.dtype.type, list(array.shape), array.data.ptr)
-        for name, value in outputs.items():
+        for name, value in values.items():
             binding.bind_ortvalue_output(name, value)
-        slot = GraphSlot(graph_id, inputs, outputs, binding)
-        slot.views = {name: ortvalue_array(value) for name, value in outputs.items()}
+        slot = GraphSlot(graph_id, inputs, values, binding)
+        slot.views = {name: ortvalue_array(value) for name, value in values.items()}
         return slot
 
-    def _replay(self, slot: GraphSlot, host: dict, device: dict, wanted: List[str], make_options: Callable) -> list:
+    def _replay(self, lane: Lane, slot: GraphSlot, host: dict, device: dict, wanted: List[str],
+                make_options: Optional[Callable]) -> list:  # fmt: skip
         import cupy
 
         if slot.pending is not None:
             slot.pending.synchronize()  # a run_device's copies out of the outputs have read them
         names = [name for name in host if host[name].nbytes]
-        self.transfers.upload([host[name] for name in names], [slot.inputs[name].data.ptr for name in names])
+        lane.transfers.upload([host[name] for name in names], [slot.inputs[name].data.ptr for name in names])
         for name, array in device.items():
             if array.nbytes:
                 cupy.cuda.runtime.memcpyAsync(slot.inputs[name].data.ptr, array.data.ptr, array.nbytes,
-                                              cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)  # fmt: skip
-        self.stream.synchronize()
-        options = make_options()
-        options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
-        if self.direct is None:
-            self._run(slot.binding, options)
-        else:
-            c_session, c_binding = self.direct[0], slot.binding._iobinding
-            self._run_direct(lambda: c_session.run_with_iobinding(c_binding, options), options)
-        slot.calls += 1
+                                              cupy.cuda.runtime.memcpyDeviceToDevice, lane.stream.ptr)  # fmt: skip
+        lane.stream.synchronize()
+        self._run_slot(slot, make_options)
         return [slot.views[name] for name in wanted]
 
-    def _replay_device(self, slot: GraphSlot, device: dict, wanted: List[str], make_options: Callable) -> list:
+    def _replay_device(self, slot: GraphSlot, device: dict, wanted: List[str], make_options: Optional[Callable]) -> list:
         """A replay with device feeds and device outputs, in one synchronization: the feeds are copied into the
         graph's buffers on the caller's stream (behind the caller's own writes), that stream is synchronized once,
         ORT replays, and the outputs are copied out on the caller's stream, an event after them; the next call of
-        this signature waits for that event before the replay writes the outputs again."""
+        this slot waits for that event before the replay writes the outputs again."""
         import cupy
 
         caller = cupy.cuda.get_current_stream()
@@ -367,14 +539,7 @@ class CudaSessionIO:
             if array.nbytes:
                 copy(slot.inputs[name].data.ptr, array.data.ptr, array.nbytes, to_device, caller.ptr)
         caller.synchronize()
-        options = make_options()
-        options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
-        if self.direct is None:
-            self._run(slot.binding, options)
-        else:
-            c_session, c_binding = self.direct[0], slot.binding._iobinding
-            self._run_direct(lambda: c_session.run_with_iobinding(c_binding, options), options)
-        slot.calls += 1
+        self._run_slot(slot, make_options)
         outputs = []
         for name in wanted:
             view = slot.views[name]
@@ -382,10 +547,23 @@ class CudaSessionIO:
             if view.nbytes:
                 copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, caller.ptr)
             outputs.append(out)
-        slot.pending = cupy.cuda.Event(block=False, disable_timing=True)
-        slot.pending.record(caller)
+        if slot.event is None:
+            slot.event = cupy.cuda.Event(block=False, disable_timing=True)
+        slot.event.record(caller)
+        slot.pending = slot.event
         return outputs
 
+    # ------------------------------------------------------------------------------------------ state
     def held_graphs(self) -> int:
-        """Signatures with fixed buffers for a graph."""
-        return sum(slot is not None for slot in self.slots.values())
+        """Graph slots made (each with fixed buffers and a gpu_graph_id of its own)."""
+        return self._graph_count
+
+    def in_use(self) -> dict:
+        """Graph slots held and lanes out right now (both 0 once every call has returned)."""
+        held = sum(slot.lock.locked() for slots in list(self.slots.values()) for slot in slots)
+        return {"slots_held": held, "lanes_out": self.lanes_made - self._lanes.qsize()}
+
+    @property
+    def held_output_bytes(self) -> int:
+        """Bytes of pinned output blocks that arrays handed to callers still hold."""
+        return self.pinned_outputs.held_bytes

@@ -10,9 +10,10 @@ output blocks download several times faster than fresh NumPy arrays (docs/BENCH.
     guards the buffer: the next call waits for it before writing there again.
   * Down: each output is copied into its own page-locked block and handed back as a NumPy array over it. Fresh
     pageable arrays are what made the download slow (their pages fault in on first touch); a pooled pinned block
-    comes back already mapped. The block returns to this runner's pool when the last array over it is gone.
-    The blocks the caller holds are capped (PINNED_OUTPUT_BYTES); beyond the cap, outputs come back as ordinary
-    arrays. A decode loop that feeds the presents back gets both halves: its past goes up by direct DMA.
+    comes back already mapped. The block returns to the pool (PinnedOutputs: one per session, shared by its
+    lanes) when the last array over it is gone. The blocks callers hold are capped (PINNED_OUTPUT_BYTES); beyond
+    the cap, outputs come back as ordinary arrays. A decode loop that feeds the presents back gets both halves:
+    its past goes up by direct DMA.
 """
 
 from __future__ import annotations
@@ -79,20 +80,57 @@ class _PinnedOutput:
         self.__array_interface__ = {"data": (memory.ptr, False), "shape": shape, "typestr": dtype.str, "version": 3}
 
 
-class HostTransfers:
-    """One device runner's copies (one call at a time: the runner's lock), on ``stream`` of device ``device_id``;
-    ``copier`` is the thread pool for the host copies into the pinned buffer."""
+class PinnedOutputs:
+    """Page-locked blocks for outputs handed to callers, shared by every lane of a session (thread-safe): a pool,
+    and the count of bytes callers hold, capped at PINNED_OUTPUT_BYTES."""
 
-    def __init__(self, stream: cupy.cuda.Stream, device_id: int, copier=None):
+    def __init__(self):
+        self._pool = cupy.cuda.PinnedMemoryPool()
+        self._held_bytes = 0
+        self._held_lock = threading.Lock()  # callers on many threads; finalizers on whichever drops the last array
+
+    def host_array(self, shape: tuple, dtype) -> np.ndarray:
+        """An uninitialised host array: over a pooled pinned block, or an ordinary one when small or over the cap."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < PINNED_OUTPUT_MIN_BYTES:
+            return np.empty(shape, dtype)
+        size = align_up(nbytes)
+        with self._held_lock:
+            if self._held_bytes + size > PINNED_OUTPUT_BYTES:
+                return np.empty(shape, dtype)
+            self._held_bytes += size
+        try:
+            owner = _PinnedOutput(self._pool.malloc(size), tuple(shape), dtype)
+        except BaseException:
+            self._release(size)
+            raise
+        weakref.finalize(owner, self._release, size)
+        return np.asarray(owner)
+
+    def _release(self, nbytes: int) -> None:
+        with self._held_lock:
+            self._held_bytes -= nbytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of pinned output blocks that arrays handed to callers still hold."""
+        return self._held_bytes
+
+
+class HostTransfers:
+    """One lane's copies (one call at a time on it: the staging buffer and its events are the lane's), on
+    ``stream`` of device ``device_id``; ``copier`` is the thread pool for the host copies into the pinned buffer
+    (shareable); ``outputs`` the pinned output blocks (shared between a session's lanes; its own when None)."""
+
+    def __init__(self, stream: cupy.cuda.Stream, device_id: int, copier=None, outputs: Optional[PinnedOutputs] = None):
         self.stream = stream
         self.device_id = device_id
         self.copier = copier
         self._staging = PinnedStaging(cupy.cuda.alloc_pinned_memory)
         self._staging_free: Optional[cupy.cuda.Event] = None  # recorded after the last DMA out of the staging buffer
         self._direct_done: Optional[cupy.cuda.Event] = None  # recorded after the last direct upload (settle)
-        self._outputs_pool = cupy.cuda.PinnedMemoryPool()
-        self._held_bytes = 0
-        self._held_lock = threading.Lock()  # finalizers run on whichever thread drops the last array
+        self.outputs = outputs if outputs is not None else PinnedOutputs()
 
     # ------------------------------------------------------------------------------------------------- up
     def upload(self, arrays: Sequence[np.ndarray], destinations: Sequence[int]) -> None:
@@ -165,28 +203,9 @@ class HostTransfers:
         return results
 
     def _host_array(self, shape: tuple, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if nbytes < PINNED_OUTPUT_MIN_BYTES:
-            return np.empty(shape, dtype)
-        size = align_up(nbytes)
-        with self._held_lock:
-            if self._held_bytes + size > PINNED_OUTPUT_BYTES:
-                return np.empty(shape, dtype)
-            self._held_bytes += size
-        try:
-            owner = _PinnedOutput(self._outputs_pool.malloc(size), tuple(shape), dtype)
-        except BaseException:
-            self._release(size)
-            raise
-        weakref.finalize(owner, self._release, size)
-        return np.asarray(owner)
-
-    def _release(self, nbytes: int) -> None:
-        with self._held_lock:
-            self._held_bytes -= nbytes
+        return self.outputs.host_array(shape, dtype)
 
     @property
     def held_output_bytes(self) -> int:
-        """Bytes of pinned output blocks that arrays handed to callers still hold."""
-        return self._held_bytes
+        """Bytes of pinned output blocks that arrays handed to callers still hold (all lanes sharing ``outputs``)."""
+        return self.outputs.held_bytes
