@@ -32,7 +32,8 @@ class InferenceSession:
     partitioned: used as it is). ``sess_options``, ``providers`` and ``provider_options`` go to onnxruntime as
     they would there (providers default to ``["CPUExecutionProvider"]``; ORT's execution mode is set to
     sequential, the one in which the per-run context reaches the op). Keyword-only: ``backend`` ("auto",
-    "reference", "cuda"), ``device_id`` (the GPU of the cuda backend), ``lift_attention`` (rewrite
+    "reference", "cuda"), ``device_id`` (the GPU: the cuda backend's and the CUDA provider's; on_one_device),
+    ``lift_attention`` (rewrite
     com.microsoft::Attention into MultiHeadAttention first), ``route`` ("auto", "native", "python-op":
     registration.choose_route): mha_ep's native library (its CUDA kernels on ORT's buffers and stream) or the
     onnxruntime-extensions Python op. On the CUDA provider with the native route the session moves tensors
@@ -41,7 +42,8 @@ class InferenceSession:
     that graph for runs eagerly and says so. ``device_mode="device"`` takes the older device-resident mode instead
     (mha_ep/device: ORT CUDA pieces and attention steps as one whole-call graph; device/mode.py says when it can
     run); "auto" (the default) and "python-op" never do. ``mode`` ("native", "python-op" or "device") and
-    ``mode_reason`` say which runs and why. Other keywords go to onnxruntime.
+    ``mode_reason`` say which runs and why. Other keywords go to onnxruntime. Any number of threads may call
+    ``run``, ``run_device`` and ``run_with_iobinding`` at once (native/cuda_io.py, "Threads").
     """
 
     def __init__(
@@ -52,7 +54,7 @@ class InferenceSession:
         provider_options: Optional[Sequence[dict]] = None,
         *,
         backend: str = "auto",
-        device_id: int = 0,
+        device_id: Optional[int] = None,
         lift_attention: bool = False,
         device_mode="auto",
         route: str = "auto",
@@ -69,6 +71,7 @@ class InferenceSession:
             )
         given = path_or_bytes if isinstance(path_or_bytes, PartitionResult) else None
         self.partition: Optional[PartitionResult] = given
+        device_id, providers, provider_options = on_one_device(device_id, providers, provider_options)
         self.device_id = device_id
         self._runner = None
         self._io = None
@@ -163,15 +166,24 @@ class InferenceSession:
 
     @staticmethod
     def _io_call(method, output_names, input_feed, run_options):
-        return method(output_names, input_feed, lambda: own_run_options(run_options))
+        make_options = None if run_options is None else (lambda: own_run_options(run_options))
+        return method(output_names, input_feed, make_options)
 
     def _run_binding(self, binding, options) -> None:
-        """cuda_io's run: an IOBinding, or a direct C-level call standing in for one (cuda_io._Direct)."""
+        """cuda_io's run: an IOBinding, or a direct C-level call standing in for one (cuda_io._Direct). cuda_io
+        serves the native route only, where no Python op reads a run context: a claimed node's failure is the
+        native library's own report in ORT's status (native_failure), raised as MhaRunError."""
         call = getattr(binding, "call", None)
-        if call is not None:
-            self._guarded(call, options)
-        else:
-            self._guarded(lambda: self._session.run_with_iobinding(binding, options), options)
+        try:
+            if call is not None:
+                call()
+            else:
+                self._session.run_with_iobinding(binding, options)
+        except Exception as error:
+            reported = native_failure(str(error))
+            if reported is not None:
+                raise run_error(*reported, status_code_of(error)) from error
+            raise
 
     @property
     def device_runner(self):
@@ -179,7 +191,7 @@ class InferenceSession:
         return self._runner
 
     def get_inputs(self):
-        return self._session.get_inputs() if self._session is not None else _graph_args(self.partition.model.graph.input)
+        return self._session.get_inputs() if self._session is not None else self._runner.input_args
 
     def get_outputs(self):
         return self._session.get_outputs() if self._session is not None else _graph_args(self.partition.model.graph.output)
@@ -277,9 +289,38 @@ def _device_runner(result: PartitionResult, backend: str, device_id: int, sess_o
     # ORT's own enable_cuda_graph option switches our whole-call graphs (on unless it says "0"); the pieces never
     # capture graphs of their own (ORT's capture cannot nest inside ours).
     graphs = str(cuda_options.pop("enable_cuda_graph", "1")).lower() not in ("0", "false")
+    constants = {init.name for init in result.model.graph.initializer}
     runner = DeviceRunner(plan, CudaBackend(device_id), sess_options, cuda_options, graphs=graphs,
-                          session_kwargs=session_kwargs)  # every ORT piece gets the keywords ORT would
+                          session_kwargs=session_kwargs,  # every ORT piece gets the keywords ORT would
+                          input_args=_graph_args([v for v in result.model.graph.input if v.name not in constants]))
     return runner, ""
+
+
+def on_one_device(device_id: Optional[int], providers, provider_options) -> tuple:
+    """(device id, providers, provider_options) with the cuda backend and ORT's CUDA provider on one GPU.
+
+    ``device_id`` None: the CUDA provider's own ``device_id`` option (0 without one). Given: the CUDA provider's
+    ``device_id`` is set to it where the caller left it out (on copies: the caller's lists stay as they were), and a
+    different one there raises ValueError (the op would launch on one GPU and ORT keep its buffers on another)."""
+    names = provider_names(providers)
+    options = cuda_options_of(providers, provider_options)
+    if "device_id" in options:
+        theirs = int(options["device_id"])
+        if device_id is not None and int(device_id) != theirs:
+            raise ValueError(f"mha_ep.InferenceSession: device_id={device_id} but the CUDA provider's options say "
+                             f"device_id={options['device_id']!r}; give one of them, or the same GPU in both")  # fmt: skip
+        return theirs, providers, provider_options
+    if device_id is None:
+        return 0, providers, provider_options
+    if CUDA_PROVIDER not in names or int(device_id) == 0:
+        return int(device_id), providers, provider_options
+    options["device_id"] = str(int(device_id))
+    if provider_options is not None:
+        provider_options = [dict(o or {}) for o in provider_options]
+        provider_options[names.index(CUDA_PROVIDER)] = options
+        return int(device_id), list(providers), provider_options
+    providers = [(CUDA_PROVIDER, options) if name == CUDA_PROVIDER else p for name, p in zip(names, providers)]
+    return int(device_id), providers, None
 
 
 def wants_cuda_graph(providers, provider_options) -> bool:
@@ -307,7 +348,8 @@ class _GraphArg:
         tensor = value.type.tensor_type
         self.name = value.name
         self.type = f"tensor({onnx.TensorProto.DataType.Name(tensor.elem_type).lower()})"
-        self.shape = [d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in tensor.shape.dim]
+        self.shape = ([d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in tensor.shape.dim]
+                      if tensor.HasField("shape") else None)  # None: no rank recorded (ORT checks none)
 
     def __repr__(self) -> str:
         return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape})"

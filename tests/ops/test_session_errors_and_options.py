@@ -115,3 +115,24 @@ def test_options_with_added_providers_are_refused_with_a_way_out():
         pytest.skip("this onnxruntime cannot add the CPU provider to SessionOptions")
     with pytest.raises(ValueError, match=r"providers=\[\.\.\.\]"):
         copy_session_options(options)
+
+
+def test_device_id_and_the_cuda_providers_device_are_one_gpu():
+    """``device_id`` reaches ORT's CUDA provider where the caller left its device out (on copies), is read from it
+    when not given, and a different one in each place is refused with both named."""
+    from mha_ep.session import on_one_device
+
+    cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
+    providers = [cuda, cpu]
+    assert on_one_device(None, providers, None) == (0, providers, None)
+    assert on_one_device(1, providers, None) == (1, [(cuda, {"device_id": "1"}), cpu], None)
+    assert providers == [cuda, cpu]  # the caller's list unchanged
+    options = [{"arena_extend_strategy": "kSameAsRequested"}, {}]
+    assert on_one_device(1, providers, options)[2] == [{"arena_extend_strategy": "kSameAsRequested",
+                                                        "device_id": "1"}, {}]  # fmt: skip
+    assert options[0] == {"arena_extend_strategy": "kSameAsRequested"}
+    assert on_one_device(None, [(cuda, {"device_id": "1"}), cpu], None)[0] == 1
+    assert on_one_device(1, [(cuda, {"device_id": 1})], None)[0] == 1
+    with pytest.raises(ValueError, match=r"device_id=0 but the CUDA provider's options say device_id='1'"):
+        on_one_device(0, [(cuda, {"device_id": "1"})], None)
+    assert on_one_device(1, [cpu], None) == (1, [cpu], None)  # no CUDA provider: nothing to set
