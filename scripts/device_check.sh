@@ -26,6 +26,11 @@
 #              (MODE=device|native)
 #   optimum    examples/optimum_native.py's flow on the CUDA provider (wheels in $OPT_WHEELS; models from `real`)
 #   demo       mha-ep demo
+#   soak       mha-ep bench soak: 8 threads a session, good and bad calls mixed (SOAK_SECONDS a column, MODEL), into
+#              $OUT/soak
+#   hostpath   scripts/profile_session_graph.py: cuda_io's host time around ORT's graph replay, against device mode
+#   twogpu     on two GPUs: tests/native/test_two_gpus.py, examples/serve_two_gpus.py and mha-ep bench soak
+#              --devices 0,1 (MODEL, default BERT-base float16), into $OUT/twogpu
 #
 # Settings (environment), with their defaults:
 #   WHEELS=.device/whl          onnxruntime-extensions, tokenizers, ... for the machine's Python
@@ -109,7 +114,7 @@ for step in "$@"; do
       fi
       if [ -n "${REAL:-}" ]; then extra=(--models-dir "$REAL"); else extra=(--rows encoder); fi
       timeout 500 python3 -m mha_ep bench device --repeats "${REPEATS:-10}" --rows "${ROWS:-all}" "${extra[@]}" \
-        --out "$OUT/bench" 2>&1 | quiet ;;
+        --skip "${SKIP:-}" --only "${ONLY:-}" --out "$OUT/bench" 2>&1 | quiet ;;
     real) timeout 400 python3 scripts/device_real_models.py --packs $PACKS --tokenizers "$TOKENIZERS" --backend cuda \
             --device-mode "${MODE:-device}" --out "${REAL:-/tmp/real}" 2>&1 | quiet | tail -40 ;;
     optimum)
@@ -117,6 +122,15 @@ for step in "$@"; do
       PYTHONPATH=/tmp/opt:$PYTHONPATH timeout 200 python3 scripts/device_optimum.py --models "${REAL:-/tmp/real}" \
         --tokenizers "$TOKENIZERS" 2>&1 | quiet | tail -12 ;;
     demo) timeout 200 python3 -m mha_ep demo 2>&1 | quiet | tail -15 ;;
+    soak) timeout 400 python3 -m mha_ep bench soak --seconds "${SOAK_SECONDS:-30}" \
+            --model "${MODEL:-bert_random_mask2d_fp32.onnx}" --out "$OUT/soak" 2>&1 | quiet | tail -12 ;;
+    hostpath) timeout 300 python3 scripts/profile_session_graph.py --repeats "${REPEATS:-15}" 2>&1 | quiet | tail -8 ;;
+    twogpu)
+      timeout 200 $PYTEST_GPU tests/native/test_two_gpus.py 2>&1 | quiet | tail -5
+      timeout 120 python3 examples/serve_two_gpus.py 2>&1 | quiet | tail -3
+      timeout 300 python3 -m mha_ep bench soak --devices 0,1 --seconds "${SOAK_SECONDS:-30}" --threads 4 \
+        --model "${MODEL:-bert-base-f16}" --batches 8,16,32 --max-sequence 256 --out "$OUT/twogpu" 2>&1 \
+        | quiet | tail -6 ;;
     *) echo "unknown step $step (see the top of $0)"; exit 2 ;;
   esac
 done

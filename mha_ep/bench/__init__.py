@@ -17,8 +17,11 @@
                            feeds and with IOBinding against mha_ep in a plain session, mha_ep.InferenceSession's
                            device loop and the static-cache loop (one CUDA graph a step), greedy and 5 beams; ms
                            per token, tokens, encoder, 30 s total (generate.py)
+    mha-ep bench soak      many threads on one session, good and bad calls mixed: stock ORT CUDA, a plain native
+                           session and mha_ep.InferenceSession (with and without graphs), wrong answers and
+                           exception types counted; --devices 0,1: one session per GPU against one (soak.py)
 
-Each of those six takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
+Each of those seven takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
 means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there is one, written into DIR;
 ``anchors`` writes to ./mha_ep_bench unless told otherwise); output.py has the two.
 
@@ -39,7 +42,7 @@ import sys
 
 # WHAT -> the module whose ``main(argv)`` runs it (and parses, and documents, its options)
 BENCHMARKS = {"hook": "hook", "anchors": "gpu", "models": "models", "device": "device", "native": "native",
-              "generate": "generate"}
+              "generate": "generate", "soak": "soak"}
 
 
 def main(argv=None) -> int:

@@ -61,7 +61,7 @@ def test_bench_device_json_prints_its_rows_as_one_object(monkeypatch, capsys):
 
     monkeypatch.setattr(onnxruntime, "preload_dlls", lambda: None, raising=False)
     fake = {"label": "fake row", "max_rel_error_vs_ort_cuda": 1e-6, **{f"{c}_ms": 1.0 for c in device.COLUMNS}}
-    monkeypatch.setattr(device, "bench_encoder", lambda row, repeats: dict(fake, label=row.label))
+    monkeypatch.setattr(device, "bench_encoder", lambda row, repeats, skip=(): dict(fake, label=row.label))
     code, out, err = bench_in_process(capsys, "device", "--only", "S=128 float32", "--json")
     assert code == 0, err
     rows = json.loads(out)["rows"]
@@ -76,7 +76,7 @@ def test_bench_device_out_writes_the_object_json_prints(monkeypatch, capsys, tmp
 
     monkeypatch.setattr(onnxruntime, "preload_dlls", lambda: None, raising=False)
     fake = {"label": "fake row", "max_rel_error_vs_ort_cuda": 1e-6, **{f"{c}_ms": 1.0 for c in device.COLUMNS}}
-    monkeypatch.setattr(device, "bench_encoder", lambda row, repeats: dict(fake, label=row.label))
+    monkeypatch.setattr(device, "bench_encoder", lambda row, repeats, skip=(): dict(fake, label=row.label))
     monkeypatch.setattr(device, "plot", lambda results, path: False)
     code, out, err = bench_in_process(capsys, "device", "--only", "S=128 float32", "--json", "--out", str(tmp_path))
     assert code == 0, err
@@ -155,7 +155,7 @@ def test_every_option_of_every_subcommand_and_benchmark_has_help(monkeypatch):
                     if name != "bench"})  # fmt: skip
     for module in [*BENCHMARKS.values(), "fused_timing", "backend_timing"]:
         parsers[f"mha_ep.bench.{module}"] = bench_parser(monkeypatch, module)
-    assert len(parsers) == 1 + 4 + 6 + 2  # mha-ep; demo, partition, compare, static-cache; the benchmarks
+    assert len(parsers) == 1 + 4 + 7 + 2  # mha-ep; demo, partition, compare, static-cache; the seven benchmarks
     missing = [f"{name} {action.option_strings or action.dest}" for name, p in parsers.items()
                for action in p._actions if "-h" not in action.option_strings and not action.help]  # fmt: skip
     assert missing == []

@@ -1,0 +1,65 @@
+"""``mha-ep bench soak``'s pieces that run anywhere (mha_ep/bench/soak.py): the bad calls it makes, how it judges a
+call, and the soak itself, bounded by a count of calls per thread (never a time), on the CPU: many threads on one
+``mha_ep.InferenceSession`` and on one stock session, good and bad calls mixed, each answer held to stock ORT's."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+
+import mha_ep
+from mha_ep import shipped
+from mha_ep.bench import soak
+
+CPU = ["CPUExecutionProvider"]
+InvalidArgument = onnxruntime.capi.onnxruntime_pybind11_state.InvalidArgument
+
+
+@pytest.fixture(scope="module")
+def bert():
+    model = onnx.load(str(shipped.folder() / "bert_random_mask2d_fp32.onnx"))
+    stock = onnxruntime.InferenceSession(model.SerializeToString(), providers=CPU)
+    return model, stock, soak.make_cases(model, stock, shapes=3, seed=5)
+
+
+def test_every_bad_kind_that_applies_is_made_and_stock_refuses_the_ones_that_do_not_fit(bert):
+    _, _, cases = bert
+    kinds = {case.kind for case in cases}
+    # the shipped BERT's inputs are all int64: no float input for NaN
+    assert kinds == {"good", *soak.BAD_KINDS} - {"nan"}, kinds
+    refused = {case.kind for case in cases if isinstance(case.expected, type)}
+    assert {"rank", "dtype", "missing_input", "unknown_input", "unknown_output", "float_for_int"} <= refused, refused
+
+
+def test_threads_on_one_session_get_stocks_answers_and_stocks_exception_types(bert):
+    model, stock, cases = bert
+    # Stock ORT CPU runs a zero-length sequence; mha_ep refuses a claimed node's zero-length query
+    # (tests/claim/test_bad_input.py, query_zero_length: the original's rule, kept), so that kind is left out here.
+    cases = [case for case in cases if case.kind != "zero_length"]
+    session = mha_ep.InferenceSession(model, providers=CPU, backend="reference")
+    for name, run in (("mha_ep", session.run), ("stock", stock.run)):
+        tally = soak.soak([run], cases, threads=4, seconds=None, bad=0.5, tolerance=1e-4, seed=1, per_thread=10)
+        assert (tally.wrong, tally.mistyped) == (0, 0), (name, tally.examples)
+        assert tally.good + tally.bad_typed == 40 and tally.good and tally.bad_typed, (name, tally.row())
+
+
+def test_a_wrong_answer_and_a_wrong_exception_type_are_counted(bert):
+    _, _, cases = bert
+    good = next(c for c in cases if c.kind == "good")
+    refused = next(c for c in cases if c.expected is InvalidArgument)
+    tally = soak.Tally()
+    soak.judge(good, lambda names, feeds: [o + 1e-2 for o in good.expected], 1e-3, tally)
+    soak.judge(refused, lambda names, feeds: (_ for _ in ()).throw(ValueError("not ORT's type")), 1e-3, tally)
+    soak.judge(refused, lambda names, feeds: good.expected, 1e-3, tally)  # ran where stock raised
+    soak.judge(good, lambda names, feeds: good.expected, 1e-3, tally)
+    assert (tally.wrong, tally.mistyped, tally.good, tally.bad_typed) == (1, 2, 1, 0), tally.examples
+
+
+def test_outputs_close_holds_nan_to_nan_and_shapes_exactly():
+    a = np.array([1.0, np.nan], np.float32)
+    assert soak.outputs_close([a], [a.copy()], 1e-6)
+    assert not soak.outputs_close([np.array([1.0, 0.0], np.float32)], [a], 1e-6)
+    assert not soak.outputs_close([a[:1]], [a], 1e-6)
+    assert not soak.outputs_close([a.astype(np.float64)], [a], 1e-6)
