@@ -5,15 +5,21 @@ are ready: on the host for numpy feeds, after a stream synchronize for device fe
   ort_numpy       stock ORT CUDA, ``session.run`` with numpy feeds
   ort_iobinding   stock ORT CUDA, inputs and outputs bound on the GPU (IOBinding)
   ort_graph       stock ORT CUDA with ``enable_cuda_graph=1`` (inputs and outputs bound at fixed addresses)
+  ort_graph_numpy the same graph fed from NumPy: each feed copied into its bound buffer (``cupy.ndarray.set``), the
+                  replay, each output copied back (``OrtValue.numpy``): the host copies a NumPy caller pays
   python_op       mha_ep through the onnxruntime-extensions op, ORT CUDA around it (host copies per node)
   dev_numpy       mha_ep device mode, numpy feeds, whole-call graphs off
   dev_feeds       mha_ep device mode, CuPy feeds and outputs (``run_device``), graphs off
   dev_graph       mha_ep device mode, numpy feeds, whole-call graphs on
   dev_graph_feeds mha_ep device mode, CuPy feeds and outputs, graphs on
+  nat_numpy       mha_ep.InferenceSession (one ORT session, native route), ``run`` with NumPy feeds
+  nat_feeds       the same, ``run_device`` with CuPy feeds and outputs
+  nat_graph       the same with ORT's ``enable_cuda_graph``, ``run`` with NumPy feeds
+  nat_graph_feeds the same, ``run_device``
 and the worst output error of device mode against stock ORT CUDA (relative to max(1, |x|)).
 
 Rows: the BERT-base-sized encoder of mha_ep/models/synthetic.py (12 layers, hidden 768, 12 heads, (B, S) key
-padding mask) at B=8, S=128 and 512, float32 and float16; real MiniLM and Whisper tiny.en rows when their models
+padding mask) at B=8, S=128 and 512, float32 and float16, B=1 S=32 float32 and B=32 S=128 float16; real MiniLM and Whisper tiny.en rows when their models
 were built into ``--models-dir``.
 FLOP model of the encoder (reported as TFLOP/s of dev_graph): 2·B·S·(4D² + 2·D·F) per layer for the
 projections and FFN plus 4·B·N·S²·H for attention.
@@ -32,8 +38,8 @@ import numpy as np
 from mha_ep.bench.timer import paired_medians
 
 CUDA = "CUDAExecutionProvider"
-COLUMNS = ("ort_numpy", "ort_iobinding", "ort_graph", "python_op", "dev_numpy", "dev_feeds", "dev_graph",
-           "dev_graph_feeds", "nat_numpy", "nat_feeds", "nat_graph", "nat_graph_feeds")  # fmt: skip
+COLUMNS = ("ort_numpy", "ort_iobinding", "ort_graph", "ort_graph_numpy", "python_op", "dev_numpy", "dev_feeds",
+           "dev_graph", "dev_graph_feeds", "nat_numpy", "nat_feeds", "nat_graph", "nat_graph_feeds")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,8 @@ class EncoderRow:
         return float(self.layers * (dense + attention))
 
 
-ENCODER_ROWS = tuple(EncoderRow(8, s, d) for s in (128, 512) for d in ("float32", "float16"))
+ENCODER_ROWS = tuple(EncoderRow(8, s, d) for s in (128, 512) for d in ("float32", "float16")) + (
+    EncoderRow(1, 32, "float32"), EncoderRow(32, 128, "float16"))
 
 
 def time_in_turns(calls: Dict[str, Callable[[], None]], repeats: int, slow: tuple = ("python_op",)) -> Dict[str, float]:
@@ -110,12 +117,22 @@ def stock_calls(model_bytes: bytes, feeds: dict, device_feeds: dict, sess_option
     except Exception as error:  # noqa: BLE001 - ORT refuses graphs when a node runs on the CPU: no such column
         print(f"  (stock ORT's CUDA graph refused: {str(error).splitlines()[0][:160]})", file=sys.stderr)
     else:
-        calls["ort_graph"] = timed(graph, binding(graph, True))
+        fixed = binding(graph, True)
+        calls["ort_graph"] = timed(graph, fixed)
+
+        def graph_numpy():
+            for name, array in device_feeds.items():
+                array.set(feeds[name])
+            graph.run_with_iobinding(fixed)
+            [value.numpy() for value in fixed.get_outputs()]
+
+        calls["ort_graph_numpy"] = graph_numpy
     return calls, expected
 
 
-def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[float] = None) -> dict:
-    """Every column of one model with ``feeds`` (module docstring)."""
+def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[float] = None,
+                skip: tuple = ()) -> dict:  # fmt: skip
+    """Every column of one model with ``feeds`` (module docstring), but those in ``skip``."""
     import cupy
 
     import mha_ep
@@ -126,8 +143,9 @@ def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[fl
     device = mha_ep.InferenceSession(model, backend="cuda", providers=providers, device_mode="device")
     runner = device.device_runner
     try:
-        bridge = mha_ep.InferenceSession(model, backend="cuda", providers=providers, route="python-op")
-        calls["python_op"] = lambda: bridge.run(None, feeds)
+        if "python_op" not in skip:
+            bridge = mha_ep.InferenceSession(model, backend="cuda", providers=providers, route="python-op")
+            calls["python_op"] = lambda: bridge.run(None, feeds)
     except ImportError as error:  # onnxruntime-extensions missing: no python_op column
         print(f"  (no python_op column: {error})", file=sys.stderr)
 
@@ -166,7 +184,7 @@ def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[fl
     calls["dev_graph_feeds"] = with_graphs(True, on_device)
     runner.graphs_enabled = False
     eager = device.run(None, feeds)
-    medians = time_in_turns(calls, repeats)
+    medians = time_in_turns({name: call for name, call in calls.items() if name not in skip}, repeats)
     runner.graphs_enabled = True
     replayed = device.run(None, feeds)
     nat_out = graphed.run(None, feeds)
@@ -179,21 +197,21 @@ def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[fl
         "max_rel_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(eager, expected)),
         "graph_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(replayed, expected)),
     }  # fmt: skip
-    if flops:
+    if flops and "dev_graph" in medians:
         result["tflops_dev_graph"] = flops / medians["dev_graph"] / 1e12
     result.update({f"{name}_ms": seconds * 1e3 for name, seconds in medians.items()})
     return result
 
 
-def bench_encoder(row: EncoderRow, repeats: int) -> dict:
+def bench_encoder(row: EncoderRow, repeats: int, skip: tuple = ()) -> dict:
     from mha_ep.models.synthetic import bert_encoder, encoder_feeds
 
     model = bert_encoder(layers=row.layers, dtype=row.dtype)
     return bench_model(row.label, model, encoder_feeds(row.batch, row.sequence, dtype=row.dtype), repeats,
-                       row.flops())  # fmt: skip
+                       row.flops(), skip)  # fmt: skip
 
 
-def bench_real(row, models_dir: Path, repeats: int) -> Optional[dict]:
+def bench_real(row, models_dir: Path, repeats: int, skip: tuple = ()) -> Optional[dict]:
     """A real-weight row of bench/models.py (MiniLM, Whisper tiny.en), or None when its model was not built."""
     import onnx
 
@@ -203,7 +221,7 @@ def bench_real(row, models_dir: Path, repeats: int) -> Optional[dict]:
     if not path.exists():
         return None
     model = onnx.load(str(path))
-    return bench_model(row.label, model, random_feeds(model, seed=0, dims=row.dims), repeats)
+    return bench_model(row.label, model, random_feeds(model, seed=0, dims=row.dims), repeats, skip=skip)
 
 
 def plot(results: list, path: Path) -> bool:
@@ -236,11 +254,14 @@ def format_row(r: dict) -> str:
     """The row's medians, then the ratios the targets are read from: device mode (graphs on, its default) against
     stock ORT CUDA with numpy feeds, device feeds against IOBinding, graphs against ORT's graph, bridge / device."""
     cells = [f"{r.get(f'{c}_ms', float('nan')):.2f}" for c in COLUMNS]
-    nan = float("nan")
-    ratios = (r["dev_graph_ms"] / r["ort_numpy_ms"], r["dev_graph_feeds_ms"] / r["ort_iobinding_ms"],
-              r["dev_graph_feeds_ms"] / r.get("ort_graph_ms", nan), r.get("python_op_ms", nan) / r["dev_graph_ms"],
-              r.get("nat_graph_ms", nan) / r["dev_graph_ms"], r.get("nat_graph_feeds_ms", nan) / r["dev_graph_feeds_ms"],
-              r["nat_feeds_ms"] / r["ort_iobinding_ms"])  # fmt: skip
+
+    def ms(column: str) -> float:
+        return r.get(f"{column}_ms", float("nan"))
+
+    ratios = (ms("dev_graph") / ms("ort_numpy"), ms("dev_graph_feeds") / ms("ort_iobinding"),
+              ms("dev_graph_feeds") / ms("ort_graph"), ms("python_op") / ms("dev_graph"),
+              ms("nat_graph") / ms("dev_graph"), ms("nat_graph_feeds") / ms("dev_graph_feeds"),
+              ms("nat_feeds") / ms("ort_iobinding"), ms("nat_graph") / ms("ort_graph_numpy"))  # fmt: skip
     return (f"| {r['label']} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.2f}" for x in ratios)
             + f" | {r['max_rel_error_vs_ort_cuda']:.1e} |")  # fmt: skip
 
@@ -251,6 +272,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--repeats", type=int, default=10, help="rounds of calls timed in turns (median of each)")
     parser.add_argument("--only", default="", help="only rows whose label contains this text")
     parser.add_argument("--layers", type=int, default=12, help="encoder layers (12: BERT-base)")
+    parser.add_argument("--skip", default="", help="comma-separated columns not to time (e.g. python_op,ort_numpy)")
     parser.add_argument("--rows", choices=("all", "encoder", "real"), default="all",
                         help="the synthetic BERT-base encoder rows, the real-weight rows, or both")
     parser.add_argument("--models-dir", default=None,
@@ -267,8 +289,8 @@ def main(argv: Optional[list] = None) -> int:
             if args.only in r.label and args.rows != "real"]  # fmt: skip
     print("| row | " + " | ".join(COLUMNS) + " | dev_graph/ort_numpy | dev_graph_feeds/ort_iobinding "
           "| dev_graph_feeds/ort_graph | python_op/dev_graph | nat_graph/dev_graph | nat_graph_feeds/dev_graph_feeds "
-          "| nat_feeds/ort_iobinding | err vs ORT CUDA |")  # fmt: skip
-    print("|---|" + "---|" * (len(COLUMNS) + 8))
+          "| nat_feeds/ort_iobinding | nat_graph/ort_graph_numpy | err vs ORT CUDA |")  # fmt: skip
+    print("|---|" + "---|" * (len(COLUMNS) + 9))
     from mha_ep.bench.models import ROWS as MODEL_ROWS
     from mha_ep.models.export import default_out_dir
 
@@ -278,8 +300,9 @@ def main(argv: Optional[list] = None) -> int:
     total = len(rows) + len(real)
     for index, row in enumerate(list(rows) + real, 1):
         print(f"[{index}/{total}] {row.label}", file=sys.stderr, flush=True)
-        result = bench_encoder(row, args.repeats) if isinstance(row, EncoderRow) else bench_real(
-            row, models_dir, args.repeats)  # fmt: skip
+        skip = tuple(c for c in args.skip.split(",") if c)
+        result = bench_encoder(row, args.repeats, skip) if isinstance(row, EncoderRow) else bench_real(
+            row, models_dir, args.repeats, skip)  # fmt: skip
         if result is None:
             print(f"| {row.label} | not built: `{row.build}` |", flush=True)
             continue

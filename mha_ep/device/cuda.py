@@ -35,19 +35,15 @@ import onnx
 
 from mha_ep.dtypes import elem_type
 from mha_ep.device.plan import AttentionStep, DevicePlan, PieceStep
-from mha_ep.device.run import attention_problem, check_call, run_plan, run_steps
+from mha_ep.device.run import attention_problem, run_plan, run_steps
+from mha_ep.native.cuda_io import ortvalue_array
 from mha_ep.native.transfer import HostTransfers, check_feed_dtype, host_feed
 from mha_ep.errors import MhaEpError, refusal_code, run_error
 from mha_ep.ops.problem import resolve_padding_mask
 
 log = logging.getLogger("mha_ep")
-NUMPY_DTYPES = {
-    "float32": np.float32, "float16": np.float16, "float64": np.float64, "int64": np.int64, "int32": np.int32,
-    "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_, "uint16": np.uint16,
-    "uint32": np.uint32, "uint64": np.uint64,
-}  # fmt: skip
-ORT_TYPE_NAMES = {f"tensor({'float' if k == 'float32' else 'double' if k == 'float64' else k})": k for k in NUMPY_DTYPES}
-MAX_GRAPHS = 8  # feed signatures whose whole-call graph is kept, least recently used released first
+MAX_GRAPHS = 8  # feed signatures whose whole-call graph is kept, least recently used released first (cuda_io's
+# MAX_GRAPHS is another count: ORT cannot release a graph it captured, so there the later signatures run eagerly)
 # Device memory the kept graphs may hold together (their buffers stay allocated while they live); beyond it the
 # least recently used go first, and a call whose buffers alone exceed it runs eagerly.
 MAX_GRAPH_BYTES = 2 << 30
@@ -66,17 +62,6 @@ def cuda_provider_options(stream_ptr: int, device_id: int, user_options: Optiona
     if device_id == 0 and "device_id" not in (user_options or {}):
         del options["device_id"]  # ORT 1.31 warns "No registered plugin EP device found" when it is given
     return options
-
-
-def ortvalue_to_cupy(value, device_id: int) -> cupy.ndarray:
-    """A CuPy array over an ORT CUDA tensor, keeping the OrtValue (and so its memory) alive."""
-    dtype = np.dtype(NUMPY_DTYPES[ORT_TYPE_NAMES[value.data_type()]])
-    shape = tuple(value.shape())
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes == 0:
-        return cupy.empty(shape, dtype)
-    memory = cupy.cuda.UnownedMemory(value.data_ptr(), nbytes, value, device_id)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
 class DeviceExecutor:
@@ -152,7 +137,7 @@ class DeviceExecutor:
             if not inputs[name].flags.c_contiguous:
                 inputs[name] = cupy.ascontiguousarray(inputs[name])
         values = self.pieces[id(piece)].run(inputs)
-        outputs = {name: ortvalue_to_cupy(value, self.device_id) for name, value in zip(piece.outputs, values)}
+        outputs = {name: ortvalue_array(value, self.device_id) for name, value in zip(piece.outputs, values)}
         if self.keep is not None:
             self.keep.extend(outputs.values())
             self.keep.extend(inputs.values())
@@ -271,8 +256,9 @@ class DeviceRunner:
     """One device-mode session's runs: the plan, its executor, the whole-call graphs, one call at a time."""
 
     def __init__(self, plan: DevicePlan, backend, sess_options=None, cuda_options: Optional[dict] = None,
-                 graphs: bool = True, session_kwargs: Optional[dict] = None):  # fmt: skip
+                 graphs: bool = True, session_kwargs: Optional[dict] = None, input_args: Sequence = ()):  # fmt: skip
         self.plan = plan
+        self.input_args = list(input_args)  # the model's inputs as ORT's NodeArgs (name, type, shape) for the checks
         self.executor = DeviceExecutor(plan, backend, sess_options, cuda_options, session_kwargs)
         self.graphs = CallGraphs(self)
         self.graphs_enabled = graphs  # whole-call CUDA graphs for repeated feed signatures (module docstring, 5)
@@ -283,8 +269,18 @@ class DeviceRunner:
     def stream(self) -> cupy.cuda.Stream:
         return self.executor.stream
 
+    def _checked(self, feeds: dict, output_names) -> list:
+        """The outputs a call asks for; raises what onnxruntime's ``run`` raises for a call that does not fit the
+        model (native/ort_checks.py: its types and texts, as on the one-session route)."""
+        from mha_ep.native.ort_checks import call_error, wanted_outputs
+
+        error = call_error(self.input_args, self.plan.outputs, feeds, output_names)
+        if error is not None:
+            raise error
+        return wanted_outputs(self.plan.outputs, output_names)
+
     def run(self, output_names: Optional[Sequence[str]], feeds: dict, device_outputs: bool = False) -> list:
-        names = check_call(self.plan, feeds, output_names)
+        names = self._checked(feeds, output_names)
         with self._lock, cupy.cuda.Device(self.executor.device_id):
             # Device feeds were written on the caller's current stream, which need not be ordered with this
             # session's non-blocking stream: the call waits for it, and the caller's stream for device outputs.

@@ -34,13 +34,18 @@ def test_calls_are_timed_in_turns_and_the_slow_ones_in_at_most_five_rounds():
 def test_a_row_prints_every_column_and_the_target_ratios():
     line = device.format_row(fake_result())
     cells = [cell.strip() for cell in line.strip("|").split("|")]
-    assert cells[0] == "row" and len(cells) == 1 + len(device.COLUMNS) + 7 + 1
-    columns = dict(zip(device.COLUMNS, map(float, cells[1:13])))
-    ratios = list(map(float, cells[13:17]))
+    width = len(device.COLUMNS)
+    assert cells[0] == "row" and len(cells) == 1 + width + 8 + 1
+    columns = dict(zip(device.COLUMNS, map(float, cells[1 : 1 + width])))
+    ratios = list(map(float, cells[1 + width : 1 + width + 8]))
     assert ratios == [round(columns["dev_graph"] / columns["ort_numpy"], 2),
                       round(columns["dev_graph_feeds"] / columns["ort_iobinding"], 2),
                       round(columns["dev_graph_feeds"] / columns["ort_graph"], 2),
-                      round(columns["python_op"] / columns["dev_graph"], 2)]  # fmt: skip
+                      round(columns["python_op"] / columns["dev_graph"], 2),
+                      round(columns["nat_graph"] / columns["dev_graph"], 2),
+                      round(columns["nat_graph_feeds"] / columns["dev_graph_feeds"], 2),
+                      round(columns["nat_feeds"] / columns["ort_iobinding"], 2),
+                      round(columns["nat_graph"] / columns["ort_graph_numpy"], 2)]  # fmt: skip
 
 
 def test_the_plot_is_a_png_with_a_bar_per_column_and_row(tmp_path):

@@ -186,6 +186,27 @@ def test_feeds_of_the_wrong_dtype_are_one_clear_error():
         session.run(None, feeds)
 
 
+def test_feeds_that_do_not_fit_raise_what_ort_run_raises():
+    """Device mode checks a call as the one-session route does (native/ort_checks.py): ORT's ``run``'s own type
+    and text, the same as a stock session of the model."""
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128, dtype="float16")
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS, device_mode="device")
+    stock = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    good = encoder_feeds(1, 4, hidden=64, dtype="float16")
+    calls = [
+        (None, {"hidden_states": good["hidden_states"]}),  # a feed missing
+        (["nope"], good),  # no such output
+        (None, {**good, "attention_mask": good["attention_mask"][:, :, None]}),  # rank 3 for rank 2
+        (None, {**good, "extra": good["attention_mask"]}),  # no such input
+    ]
+    for names, feeds in calls:
+        with pytest.raises(Exception) as ours:
+            session.run(names, feeds)
+        with pytest.raises(Exception) as theirs:
+            stock.run(names, feeds)
+        assert (type(ours.value), str(ours.value)) == (type(theirs.value), str(theirs.value))
+
+
 def test_device_mode_is_taken_only_when_asked_for():
     """Auto is one ORT session on the native route (mha_ep/native/cuda_io.py); device mode is opt-in."""
     path = str(SHIPPED[0])
