@@ -169,16 +169,15 @@ class InferenceSession:
         make_options = None if run_options is None else (lambda: own_run_options(run_options))
         return method(output_names, input_feed, make_options)
 
-    def _run_binding(self, binding, options) -> None:
+    def _run_binding(self, binding, options):
         """cuda_io's run: an IOBinding, or a direct C-level call standing in for one (cuda_io._Direct). cuda_io
         serves the native route only, where no Python op reads a run context: a claimed node's failure is the
         native library's own report in ORT's status (native_failure), raised as MhaRunError."""
         call = getattr(binding, "call", None)
         try:
             if call is not None:
-                call()
-            else:
-                self._session.run_with_iobinding(binding, options)
+                return call()
+            return self._session.run_with_iobinding(binding, options)
         except Exception as error:
             reported = native_failure(str(error))
             if reported is not None:

@@ -29,9 +29,15 @@ Threads: any number may call at once, as onnxruntime allows.
      allows, else waits for one.
   3. ORT's CUDA provider may not run one session from several threads while it uses CUDA graphs (its
      documentation says so), so with graphs on ORT's run itself is serialized (``_ort_lock``); other calls'
-     copies go on meanwhile. Without graphs nothing is serialized.
+     copies go on meanwhile. ORT captures in cudaStreamCaptureModeGlobal, where another thread's allocation,
+     synchronous copy or new stream breaks the capture: every call's CUDA work is inside a Gate, and a run that
+     ORT may capture (a slot's first COLD_RUNS runs, counted per slot and per thread: ORT may keep graphs per
+     thread) waits until it is alone there. Without graphs there is no gate and nothing is serialized.
   4. A call's feeds and outputs are checked against the model once per call key (names, shapes, dtypes, where the
      feeds lie): the verdict is remembered (``_verdicts``), so a repeated call pays one dictionary lookup.
+  5. Without graphs, a host call whose feeds and outputs are small (OWN_RUN_MAX_BYTES; a call key's first call
+     finds out) goes through ORT's own ``run``: it copies as fast there, holds the GIL for less of the call, and
+     raises ORT's own exceptions.
 """
 
 from __future__ import annotations
@@ -51,11 +57,20 @@ from mha_ep.native.ort_checks import call_error, dtype_error, execution_error, t
 MAX_GRAPHS = 16  # signatures with a captured graph per session (ORT keeps each graph until the session goes)
 COPY_THREADS = 4  # host copies into the staging buffers (transfer.py, staging.stage_uploads), shared by the lanes
 MAX_VERDICTS = 4096  # call keys whose check is remembered (all forgotten at once past this)
+COLD_RUNS = 3  # ORT captures a graph id on its third run (docs/FACTS.md 7.5): runs before that may capture
+# Host calls whose feeds and outputs together are at most this go through ORT's own run (rule 5 of the module
+# docstring): below it page-locked staging saves less than its Python costs (docs/BENCH.md, "Host-side choices").
+OWN_RUN_MAX_BYTES = 1 << 20
 # ORT's tensor type names -> NumPy dtypes (bfloat16 has none: such sessions keep ORT's own run)
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
              "tensor(bool)": "bool", "tensor(int16)": "int16", "tensor(uint16)": "uint16", "tensor(uint32)": "uint32",
              "tensor(uint64)": "uint64"}  # fmt: skip
+
+
+def on_host(value) -> bool:
+    """A feed that lies on the host: a NumPy array, or anything without ``__dlpack__`` (lists, scalars)."""
+    return type(value) is np.ndarray or not hasattr(value, "__dlpack__")
 
 
 def numpy_dtype(ort_type: str) -> Optional[str]:
@@ -124,6 +139,50 @@ class _Direct:
         self.call = call
 
 
+class Gate:
+    """Calls together, or one run alone: ``with gate`` holds it shared for a call's CUDA work; ``alone()`` (from
+    inside) waits until every other call has left and keeps new ones out, ``together()`` goes back to shared.
+    ORT captures a graph in cudaStreamCaptureModeGlobal, where any other thread's allocation, synchronous copy or
+    stream creation breaks the capture (docs/FACTS.md, "Graph-capture discipline"). A waiting ``alone()`` goes
+    before new calls."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._calls = 0  # calls inside, together
+        self._alone = False
+        self._waiting = 0  # alone() callers waiting
+
+    def __enter__(self):
+        with self._cond:
+            while self._alone or self._waiting:
+                self._cond.wait()
+            self._calls += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._calls -= 1
+            if self._calls == 0:
+                self._cond.notify_all()
+
+    def alone(self) -> None:
+        with self._cond:
+            self._calls -= 1
+            self._waiting += 1
+            while self._alone or self._calls:
+                self._cond.wait()
+            self._waiting -= 1
+            self._alone = True
+
+    def together(self) -> None:
+        with self._cond:
+            self._alone = False
+            self._cond.notify_all()
+            while self._alone or self._waiting:  # another alone() goes first
+                self._cond.wait()
+            self._calls += 1
+
+
 @dataclass
 class GraphSlot:
     """One set of fixed buffers for a call signature under ORT's CUDA graph (``graph_id`` its ``gpu_graph_id``);
@@ -139,6 +198,8 @@ class GraphSlot:
     lock: threading.Lock = field(default_factory=threading.Lock)
     options: object = None  # the slot's own RunOptions (gpu_graph_id set) for calls that bring none
     event: object = None  # the CUDA event ``pending`` re-records (made once)
+    spec: tuple = ()  # ({feed: (shape, dtype)}, {output: (shape, dtype)}): what _fill allocates
+    thread_runs: Dict[int, int] = field(default_factory=dict)  # ORT runs of the slot per calling thread
 
 
 @dataclass
@@ -173,34 +234,39 @@ class CudaSessionIO:
         self._slots_lock = threading.Lock()  # new slots and lanes
         self._graph_count = 0
         self._ort_lock = threading.Lock() if graphs else None  # rule 3 of the module docstring
+        self._gate = Gate() if graphs else None  # rule 3: calls together, cold graph runs alone
         self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
 
     # ------------------------------------------------------------------------------------------ calls
     def run_host(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
-        """NumPy (or device) feeds in, NumPy outputs out, through page-locked memory."""
+        """NumPy (or device) feeds in, NumPy outputs out: small host calls through ORT's own ``run`` (rule 5 of
+        the module docstring), others through page-locked memory."""
         import cupy
 
         key, known = self._known(feeds, output_names)
         wanted = known[0] if known is not None else self._checked(feeds, output_names)
-        lane = self._take_lane()
+        if not self.graphs and (known is None or known[2]) and all(map(on_host, feeds.values())):
+            return self._own_run(key, known, wanted, output_names, feeds, make_options)
         try:
             with cupy.cuda.Device(self.device_id):
                 host, device = self._split(feeds, checked=known is not None)
                 signature = known[1] if known is not None else self._remember(key, wanted, host, device)
-                if device:
-                    self._settle_caller()
-                arrays, slot = self._call(lane, signature, host, device, wanted, make_options)
-                try:
-                    return lane.transfers.download(arrays)
-                finally:
-                    if slot is not None:
-                        slot.lock.release()
+                slot = self._take_slot(signature) if self.graphs else None  # before the gate: it may wait
+                with self._shared():
+                    lane = self._take_lane()
+                    try:
+                        if device:
+                            self._settle_caller()
+                        arrays = self._call(lane, signature, slot, host, device, wanted, make_options)
+                        return lane.transfers.download(arrays)
+                    finally:
+                        self._give_lane(lane)
+                        if slot is not None:
+                            slot.lock.release()
         except RuntimeError as error:
             self._raise_as_run(error, feeds, wanted, make_options)
-        finally:
-            self._give_lane(lane)
 
     def run_device(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
         """Device (or NumPy) feeds in, CuPy outputs out."""
@@ -212,36 +278,46 @@ class CudaSessionIO:
             with cupy.cuda.Device(self.device_id):
                 host, device = self._split(feeds, checked=known is not None)
                 signature = known[1] if known is not None else self._remember(key, wanted, host, device)
-                slot = self._take_slot(signature) if self.graphs and not host else None
-                if slot is not None:
+                slot = self._take_slot(signature) if self.graphs else None  # before the gate: it may wait
+                with self._shared():
                     try:
-                        return self._replay_device(slot, device, wanted, make_options)
+                        if slot is not None and not host:
+                            return self._replay_device(slot, device, wanted, make_options)
+                        return self._run_device_on_lane(signature, slot, host, device, wanted, make_options)
                     finally:
-                        slot.lock.release()
-                return self._run_device_on_lane(signature, host, device, wanted, make_options)
+                        if slot is not None:
+                            slot.lock.release()
         except RuntimeError as error:
             self._raise_as_run(error, feeds, wanted, make_options)
 
-    def _run_device_on_lane(self, signature: tuple, host: dict, device: dict, wanted: List[str],
-                            make_options: Optional[Callable]) -> list:  # fmt: skip
+    def _run_device_on_lane(self, signature: tuple, slot: Optional[GraphSlot], host: dict, device: dict,
+                            wanted: List[str], make_options: Optional[Callable]) -> list:  # fmt: skip
         """run_device's eager calls, a signature's first calls, and replays with host feeds: on a lane."""
         import cupy
 
         lane = self._take_lane()
         try:
             self._settle_caller()
-            arrays, slot = self._call(lane, signature, host, device, wanted, make_options)
+            arrays = self._call(lane, signature, slot, host, device, wanted, make_options)
             if slot is None:
                 return arrays
-            try:  # the graph's buffers are written again by the next call of the signature
-                with lane.stream:
-                    arrays = [cupy.array(a, copy=True) for a in arrays]
-                lane.stream.synchronize()
-                return arrays
-            finally:
-                slot.lock.release()
+            with lane.stream:  # the graph's buffers are written again by the next call of the signature
+                arrays = [cupy.array(a, copy=True) for a in arrays]
+            lane.stream.synchronize()
+            return arrays
         finally:
             self._give_lane(lane)
+
+    def _own_run(self, key: Optional[tuple], known: Optional[tuple], wanted: List[str], output_names, feeds: Mapping,
+                 make_options: Optional[Callable]) -> list:  # fmt: skip
+        """ORT's own ``run`` (rule 5): its exceptions are already the ones ``run`` raises. A call key's first call
+        comes here and learns whether its feeds and outputs are small enough to stay."""
+        options = make_options() if make_options is not None else None
+        results = self._run(_Direct(lambda: self.session.run(output_names, dict(feeds), options)), options)
+        if known is None and key is not None:
+            nbytes = sum(np.asarray(v).nbytes for v in feeds.values()) + sum(r.nbytes for r in results)
+            self._remember(key, wanted, feeds, {}, small=nbytes <= OWN_RUN_MAX_BYTES)
+        return results
 
     # ------------------------------------------------------------------------------------- the checks
     def _known(self, feeds: Mapping, output_names) -> Tuple[Optional[tuple], Optional[tuple]]:
@@ -262,13 +338,15 @@ class CudaSessionIO:
         key = (names, tuple(items))
         return key, self._verdicts.get(key)
 
-    def _remember(self, key: Optional[tuple], wanted: List[str], host: dict, device: dict) -> tuple:
-        """The call's graph signature, the verdict remembered under ``key`` (rule 4 of the module docstring)."""
+    def _remember(self, key: Optional[tuple], wanted: List[str], host: Mapping, device: Mapping,
+                  small: bool = False) -> tuple:  # fmt: skip
+        """The call's graph signature; the verdict (wanted outputs, signature, whether ORT's own run takes the
+        call) remembered under ``key`` (rules 4 and 5 of the module docstring)."""
         signature = self.signature(host, device)
         if key is not None:
             if len(self._verdicts) >= MAX_VERDICTS:
                 self._verdicts.clear()
-            self._verdicts[key] = (wanted, signature)
+            self._verdicts[key] = (wanted, signature, small)
         return signature
 
     def _checked(self, feeds: Mapping, output_names) -> List[str]:
@@ -319,13 +397,17 @@ class CudaSessionIO:
                 host[name] = cupy.asnumpy(array) if on_device else value
             options = (make_options or self._options)()
             options.add_run_config_entry("gpu_graph_id", "-1")  # never a capture on the failure path
-            with self._ort_lock or nullcontext():
+            with self._shared(), self._ort_lock or nullcontext():
                 self.session.run(wanted, host, options)
 
         failure = execution_error(error, rerun)
         if failure is error:
             raise error
         raise failure from error
+
+    def _shared(self):
+        """The gate for one call's CUDA work (with graphs on; nothing without)."""
+        return self._gate if self._gate is not None else nullcontext()
 
     # -------------------------------------------------------------------------------------- the lanes
     def _take_lane(self) -> Lane:
@@ -365,25 +447,18 @@ class CudaSessionIO:
         return tuple((name, tuple(merged[name].shape), str(merged[name].dtype)) for name in sorted(merged))
 
     # ---------------------------------------------------------------------------------------- running
-    def _call(self, lane: Lane, signature: tuple, host: dict, device: dict, wanted: List[str],
-              make_options: Optional[Callable]) -> tuple:  # fmt: skip
-        """Run the session on the feeds: (CuPy arrays of the ``wanted`` outputs, the GraphSlot held for them or
-        None). Arrays over a slot's buffers are valid until the caller releases ``slot.lock``. ``make_options``:
-        the caller's run options' maker, None when the call brought none."""
-        if not self.graphs:
-            return self._eager(lane, host, device, wanted, make_options), None
-        if signature not in self.slots:  # the signature's first call: eager, and it tells the output shapes
+    def _call(self, lane: Lane, signature: tuple, slot: Optional[GraphSlot], host: dict, device: dict,
+              wanted: List[str], make_options: Optional[Callable]) -> list:  # fmt: skip
+        """Run the session on the feeds (inside the gate): CuPy arrays of the ``wanted`` outputs. With ``slot``
+        (held by the call) a replay, whose arrays lie in the slot's buffers until the call releases it.
+        ``make_options``: the caller's run options' maker, None when the call brought none."""
+        if slot is not None:
+            return self._replay(lane, slot, host, device, wanted, make_options)
+        if self.graphs and signature not in self.slots:  # the signature's first call: eager; it tells the shapes
             values = self._eager_values(lane, host, device, make_options)
             self._first_slot(signature, host, device, values)
-            return [ortvalue_array(values[name]) for name in wanted], None
-        slot = self._take_slot(signature)
-        if slot is None:
-            return self._eager(lane, host, device, wanted, make_options), None
-        try:
-            return self._replay(lane, slot, host, device, wanted, make_options), slot
-        except BaseException:
-            slot.lock.release()
-            raise
+            return [ortvalue_array(values[name]) for name in wanted]
+        return self._eager(lane, host, device, wanted, make_options)
 
     def _eager(self, lane: Lane, host: dict, device: dict, wanted: List[str], make_options: Optional[Callable]) -> list:
         values = self._eager_values(lane, host, device, make_options)
@@ -426,8 +501,9 @@ class CudaSessionIO:
             self._run(binding, options)
 
     def _run_slot(self, slot: GraphSlot, make_options: Optional[Callable]) -> None:
-        """ORT's run of the slot's graph. A call without run options of its own uses the slot's RunOptions, made
-        once (the native route never sets ``terminate`` on them, and the slot serves one call at a time)."""
+        """ORT's run of the slot's graph (inside the gate). A call without run options of its own uses the slot's
+        RunOptions, made once (the native route never sets ``terminate`` on them, and the slot serves one call at
+        a time). A cold run, one that ORT may capture, runs alone (rule 3 of the module docstring)."""
         if make_options is None:
             options = slot.options
             if options is None:
@@ -436,12 +512,22 @@ class CudaSessionIO:
         else:
             options = make_options()
             options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
-        if self.direct is None:
-            self._ort(slot.binding, options)
-        else:
-            c_session, c_binding = self.direct[0], slot.binding._iobinding
-            self._ort(_Direct(lambda: c_session.run_with_iobinding(c_binding, options)), options)
-        slot.calls += 1
+        thread = threading.get_ident()
+        runs = slot.thread_runs.get(thread, 0)
+        cold = slot.calls < COLD_RUNS or runs < COLD_RUNS
+        if cold:
+            self._gate.alone()
+        try:
+            if self.direct is None:
+                self._ort(slot.binding, options)
+            else:
+                c_session, c_binding = self.direct[0], slot.binding._iobinding
+                self._ort(_Direct(lambda: c_session.run_with_iobinding(c_binding, options)), options)
+        finally:
+            if cold:
+                self._gate.together()
+            slot.calls += 1
+            slot.thread_runs[thread] = runs + 1
 
     def _element(self, dtype) -> int:
         key = str(dtype)
@@ -453,21 +539,24 @@ class CudaSessionIO:
 
     # ------------------------------------------------------------------------------------ graph slots
     def _first_slot(self, signature: tuple, host: dict, device: dict, values: Dict[str, object]) -> None:
-        """The signature's first slot, shaped as its first (eager) call's feeds and outputs; none past MAX_GRAPHS
-        (the signature then runs eagerly)."""
+        """The signature's first slot (inside the gate), shaped as its first (eager) call's feeds and outputs; none
+        past MAX_GRAPHS (the signature then runs eagerly)."""
+        feeds = {name: (tuple(array.shape), np.dtype(array.dtype)) for name, array in {**host, **device}.items()}
+        outputs = {name: (tuple(value.shape()), np.dtype(numpy_dtype(value.data_type())))
+                   for name, value in values.items()}  # fmt: skip
         with self._slots_lock:
             if signature in self.slots:  # another thread's first call got there first
                 return
             if self._graph_count >= MAX_GRAPHS:
                 self.slots[signature] = []
                 return
-            feeds = {name: (tuple(array.shape), np.dtype(array.dtype)) for name, array in {**host, **device}.items()}
-            outputs = {name: (tuple(value.shape()), np.dtype(numpy_dtype(value.data_type())))
-                       for name, value in values.items()}  # fmt: skip
-            self.slots[signature] = [self._new_slot(feeds, outputs)]
+            slot = self._slot_shell(feeds, outputs)
+            self._fill(slot)
+            self.slots[signature] = [slot]
 
     def _take_slot(self, signature: tuple) -> Optional[GraphSlot]:
-        """A slot of the signature, held by this call; None when the signature has none (runs eagerly)."""
+        """A slot of the signature, held by this call (taken before the gate: it may wait for one); None when the
+        signature has none yet or runs eagerly. A new slot is a shell whose buffers the call makes in the gate."""
         slots = self.slots.get(signature)
         if not slots:
             return None
@@ -476,10 +565,7 @@ class CudaSessionIO:
                 return slot
         with self._slots_lock:
             if self._graph_count < MAX_GRAPHS:  # every slot held: another one (rule 2 of the module docstring)
-                first = slots[0]
-                feeds = {name: (array.shape, array.dtype) for name, array in first.inputs.items()}
-                outputs = {name: (view.shape, view.dtype) for name, view in first.views.items()}
-                slot = self._new_slot(feeds, outputs)
+                slot = self._slot_shell(*slots[0].spec)
                 slot.lock.acquire()
                 self.slots[signature] = self.slots[signature] + [slot]
                 return slot
@@ -487,30 +573,37 @@ class CudaSessionIO:
         slot.lock.acquire()
         return slot
 
-    def _new_slot(self, feeds: Dict[str, tuple], outputs: Dict[str, tuple]) -> GraphSlot:
-        """A slot with buffers of the (shape, dtype) of ``feeds`` and ``outputs`` (under ``_slots_lock``)."""
+    def _slot_shell(self, feeds: Dict[str, tuple], outputs: Dict[str, tuple]) -> GraphSlot:
+        """A slot with its gpu_graph_id and the (shape, dtype) of its feeds and outputs, no buffers yet (under
+        ``_slots_lock``)."""
+        self._graph_count += 1  # ids from 1 (0 is ORT's own)
+        return GraphSlot(self._graph_count, {}, {}, spec=(feeds, outputs))
+
+    def _fill(self, slot: GraphSlot) -> None:
+        """The slot's buffers and binding (inside the gate: allocations must not meet another call's capture)."""
         import cupy
         import onnxruntime as ort
 
-        self._graph_count += 1
-        graph_id = self._graph_count  # ids from 1 (0 is ORT's own)
+        feeds, outputs = slot.spec
         with cupy.cuda.Device(self.device_id):
-            inputs = {name: cupy.empty(shape, dtype) for name, (shape, dtype) in feeds.items()}
-        values = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type, "cuda", self.device_id)
-                  for name, (shape, dtype) in outputs.items()}  # fmt: skip
+            slot.inputs = {name: cupy.empty(shape, dtype) for name, (shape, dtype) in feeds.items()}
+        slot.outputs = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type, "cuda",
+                                                                        self.device_id)
+                        for name, (shape, dtype) in outputs.items()}  # fmt: skip
         binding = self.session.io_binding()
-        for name, array in inputs.items():
+        for name, array in slot.inputs.items():
             binding.bind_input(name, "cuda", self.device_id, array.dtype.type, list(array.shape), array.data.ptr)
-        for name, value in values.items():
+        for name, value in slot.outputs.items():
             binding.bind_ortvalue_output(name, value)
-        slot = GraphSlot(graph_id, inputs, values, binding)
-        slot.views = {name: ortvalue_array(value) for name, value in values.items()}
-        return slot
+        slot.views = {name: ortvalue_array(value) for name, value in slot.outputs.items()}
+        slot.binding = binding
 
     def _replay(self, lane: Lane, slot: GraphSlot, host: dict, device: dict, wanted: List[str],
                 make_options: Optional[Callable]) -> list:  # fmt: skip
         import cupy
 
+        if slot.binding is None:
+            self._fill(slot)
         if slot.pending is not None:
             slot.pending.synchronize()  # a run_device's copies out of the outputs have read them
         names = [name for name in host if host[name].nbytes]
@@ -531,6 +624,8 @@ class CudaSessionIO:
         import cupy
 
         caller = cupy.cuda.get_current_stream()
+        if slot.binding is None:
+            self._fill(slot)
         if slot.pending is not None:
             slot.pending.synchronize()  # the last call's output copies (perhaps on another stream) have read
         copy = cupy.cuda.runtime.memcpyAsync

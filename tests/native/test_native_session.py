@@ -174,6 +174,9 @@ def test_threads_share_one_session_with_bad_calls_among_them(providers):
     stock = onnxruntime.InferenceSession(model.SerializeToString(), providers=PROVIDERS)
     cases = soak.make_cases(model, stock, shapes=4, seed=9)
     assert {case.kind for case in cases} == {"good", *soak.BAD_KINDS}
+    # Stock ORT runs a zero-length sequence; mha_ep refuses a claimed node's zero-length query (the original's rule,
+    # kept: tests/claim/test_bad_input.py, query_zero_length), so that kind is left out here.
+    cases = [case for case in cases if case.kind != "zero_length"]
     session = mha_ep.InferenceSession(model, backend="cuda", providers=providers)
 
     def on_device(names, feeds):

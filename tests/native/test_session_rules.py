@@ -56,3 +56,46 @@ def test_a_graph_is_keyed_by_every_feeds_name_shape_and_dtype():
     assert key == (("m", (2,), "int32"), ("x", (2, 3), "float32"))
     assert key == cuda_io.CudaSessionIO.signature({}, {**a, **b})
     assert key != cuda_io.CudaSessionIO.signature({"x": np.zeros((2, 4), np.float32)}, b)
+
+
+def test_the_gate_lets_calls_in_together_and_a_cold_run_in_alone():
+    """cuda_io.Gate (rule 3 of cuda_io's docstring): while one run is alone no other call does work, and no run is
+    alone while calls work together. Eight threads, each call every third time going alone, checked by counters
+    the threads keep under a lock (no sleeps: the invariant must hold whatever the interleaving)."""
+    import threading
+    import time
+
+    gate = cuda_io.Gate()
+    lock = threading.Lock()
+    state = {"together": 0, "alone": 0, "broken": [], "alone_runs": 0}
+
+    def work(kind: str) -> None:
+        with lock:
+            state[kind] += 1
+        for _ in range(3):
+            time.sleep(0)  # a yield to the other threads, not a wait
+            with lock:
+                if state["alone"] > 1 or (state["alone"] and state["together"]):
+                    state["broken"].append(dict(state, broken=None))
+        with lock:
+            state[kind] -= 1
+
+    def caller(index: int) -> None:
+        for call in range(60):
+            with gate:
+                work("together")
+                if (call + index) % 3 == 0:
+                    gate.alone()
+                    work("alone")
+                    with lock:
+                        state["alone_runs"] += 1
+                    gate.together()
+                    work("together")
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert state["broken"] == [] and state["alone_runs"] == 160
+    assert (gate._calls, gate._alone, gate._waiting) == (0, False, 0)

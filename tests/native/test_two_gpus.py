@@ -61,6 +61,9 @@ def test_both_gpus_serve_threads_at_once_with_bad_calls_among_them():
     model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
     stock = onnxruntime.InferenceSession(model.SerializeToString(), providers=PROVIDERS)
     cases = soak.make_cases(model, stock, shapes=4, seed=2)
+    # Stock ORT runs a zero-length sequence; mha_ep refuses a claimed node's zero-length query (the original's rule,
+    # kept: tests/claim/test_bad_input.py, query_zero_length), so that kind is left out here.
+    cases = [case for case in cases if case.kind != "zero_length"]
     sessions = [on_gpu(model, d) for d in (0, 1)]
     tally = soak.soak([s.run for s in sessions], cases, threads=4, seconds=None, bad=0.3, tolerance=1e-3, seed=5,
                       per_thread=12)  # fmt: skip
