@@ -170,19 +170,13 @@ class InferenceSession:
         return method(output_names, input_feed, make_options)
 
     def _run_binding(self, binding, options):
-        """cuda_io's run: an IOBinding, or a direct C-level call standing in for one (cuda_io._Direct). cuda_io
-        serves the native route only, where no Python op reads a run context: a claimed node's failure is the
-        native library's own report in ORT's status (native_failure), raised as MhaRunError."""
+        """cuda_io's run: an IOBinding, or a call standing in for one (cuda_io._Direct), with this session's error
+        channel (a claimed node's failure comes back as MhaRunError with the status code the node gave it; through
+        IOBinding ORT's own exception would only say RuntimeError)."""
         call = getattr(binding, "call", None)
-        try:
-            if call is not None:
-                return call()
-            return self._session.run_with_iobinding(binding, options)
-        except Exception as error:
-            reported = native_failure(str(error))
-            if reported is not None:
-                raise run_error(*reported, status_code_of(error)) from error
-            raise
+        if call is not None:
+            return self._guarded(call, options)
+        return self._guarded(lambda: self._session.run_with_iobinding(binding, options), options)
 
     @property
     def device_runner(self):

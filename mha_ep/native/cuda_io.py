@@ -24,15 +24,14 @@ Threads: any number may call at once, as onnxruntime allows.
   1. A call takes a lane (a stream and a pinned staging buffer of its own: transfer.HostTransfers) from the
      session's pool and gives it back after; the pool grows to the number of calls in flight. The pinned output
      blocks are one pool for all lanes (transfer.PinnedOutputs).
-  2. A signature's graph buffers (a GraphSlot) are held by one call from its copies in to its copies out. A call
-     that finds all its signature's slots held gets a new slot (a gpu_graph_id of its own) while MAX_GRAPHS
-     allows, else waits for one.
-  3. ORT's CUDA provider may not run one session from several threads while it uses CUDA graphs (its
-     documentation says so), so with graphs on ORT's run itself is serialized (``_ort_lock``); other calls'
-     copies go on meanwhile. ORT captures in cudaStreamCaptureModeGlobal, where another thread's allocation,
-     synchronous copy or new stream breaks the capture: every call's CUDA work is inside a Gate, and a run that
-     ORT may capture (a slot's first COLD_RUNS runs, counted per slot and per thread: ORT may keep graphs per
-     thread) waits until it is alone there. Without graphs there is no gate and nothing is serialized.
+  2. With graphs on, a call's CUDA work holds the session's graph lock (rule 3): a signature's GraphSlot (its
+     fixed buffers and gpu_graph_id) serves one call at a time.
+  3. With graphs on, a call's CUDA work holds the session's graph lock: one call at a time. ORT's CUDA provider
+     may not run one session from several threads while it uses CUDA graphs (its documentation says so), and it
+     captures in cudaStreamCaptureModeGlobal, where another thread's allocation or synchronous copy breaks the
+     capture. Letting only ORT's run wait, and then only the runs that might capture, both gave wrong answers
+     under 8 threads on the H200 (docs/BENCH.md, "Serving from threads"). Without graphs nothing is
+     serialized.
   4. A call's feeds and outputs are checked against the model once per call key (names, shapes, dtypes, where the
      feeds lie): the verdict is remembered (``_verdicts``), so a repeated call pays one dictionary lookup.
   5. Without graphs, a host call whose feeds and outputs are small (OWN_RUN_MAX_BYTES; a call key's first call
@@ -57,7 +56,6 @@ from mha_ep.native.ort_checks import call_error, dtype_error, execution_error, t
 MAX_GRAPHS = 16  # signatures with a captured graph per session (ORT keeps each graph until the session goes)
 COPY_THREADS = 4  # host copies into the staging buffers (transfer.py, staging.stage_uploads), shared by the lanes
 MAX_VERDICTS = 4096  # call keys whose check is remembered (all forgotten at once past this)
-COLD_RUNS = 3  # ORT captures a graph id on its third run (docs/FACTS.md 7.5): runs before that may capture
 # Host calls whose feeds and outputs together are at most this go through ORT's own run (rule 5 of the module
 # docstring): below it page-locked staging saves less than its Python costs (docs/BENCH.md, "Host-side choices").
 OWN_RUN_MAX_BYTES = 1 << 20
@@ -139,54 +137,9 @@ class _Direct:
         self.call = call
 
 
-class Gate:
-    """Calls together, or one run alone: ``with gate`` holds it shared for a call's CUDA work; ``alone()`` (from
-    inside) waits until every other call has left and keeps new ones out, ``together()`` goes back to shared.
-    ORT captures a graph in cudaStreamCaptureModeGlobal, where any other thread's allocation, synchronous copy or
-    stream creation breaks the capture (docs/FACTS.md, "Graph-capture discipline"). A waiting ``alone()`` goes
-    before new calls."""
-
-    def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._calls = 0  # calls inside, together
-        self._alone = False
-        self._waiting = 0  # alone() callers waiting
-
-    def __enter__(self):
-        with self._cond:
-            while self._alone or self._waiting:
-                self._cond.wait()
-            self._calls += 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._calls -= 1
-            if self._calls == 0:
-                self._cond.notify_all()
-
-    def alone(self) -> None:
-        with self._cond:
-            self._calls -= 1
-            self._waiting += 1
-            while self._alone or self._calls:
-                self._cond.wait()
-            self._waiting -= 1
-            self._alone = True
-
-    def together(self) -> None:
-        with self._cond:
-            self._alone = False
-            self._cond.notify_all()
-            while self._alone or self._waiting:  # another alone() goes first
-                self._cond.wait()
-            self._calls += 1
-
-
 @dataclass
 class GraphSlot:
-    """One set of fixed buffers for a call signature under ORT's CUDA graph (``graph_id`` its ``gpu_graph_id``);
-    held (``lock``) by one call from its copies in to its copies out."""
+    """One call signature's fixed buffers under ORT's CUDA graph (``graph_id`` its ``gpu_graph_id``)."""
 
     graph_id: int
     inputs: Dict[str, object]  # name -> CuPy array the graph reads
@@ -195,11 +148,8 @@ class GraphSlot:
     calls: int = 0
     views: Dict[str, object] = field(default_factory=dict)  # name -> CuPy array over the output value
     pending: object = None  # a CUDA event after the last run_device's copies out of the outputs
-    lock: threading.Lock = field(default_factory=threading.Lock)
     options: object = None  # the slot's own RunOptions (gpu_graph_id set) for calls that bring none
     event: object = None  # the CUDA event ``pending`` re-records (made once)
-    spec: tuple = ()  # ({feed: (shape, dtype)}, {output: (shape, dtype)}): what _fill allocates
-    thread_runs: Dict[int, int] = field(default_factory=dict)  # ORT runs of the slot per calling thread
 
 
 @dataclass
@@ -230,11 +180,10 @@ class CudaSessionIO:
         self._copier = ThreadPoolExecutor(COPY_THREADS, "mha_ep_copy")
         self._lanes: "queue.SimpleQueue[Lane]" = queue.SimpleQueue()  # idle lanes
         self.lanes_made = 0
-        self.slots: Dict[tuple, List[GraphSlot]] = {}  # signature -> its graph slots ([]: it runs eagerly)
-        self._slots_lock = threading.Lock()  # new slots and lanes
+        self.slots: Dict[tuple, Optional[GraphSlot]] = {}  # signature -> its graph (None: it runs eagerly)
+        self._lanes_lock = threading.Lock()
         self._graph_count = 0
-        self._ort_lock = threading.Lock() if graphs else None  # rule 3 of the module docstring
-        self._gate = Gate() if graphs else None  # rule 3: calls together, cold graph runs alone
+        self._graph_lock = threading.Lock() if graphs else None  # rule 3 of the module docstring
         self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
@@ -253,18 +202,15 @@ class CudaSessionIO:
             with cupy.cuda.Device(self.device_id):
                 host, device = self._split(feeds, checked=known is not None)
                 signature = known[1] if known is not None else self._remember(key, wanted, host, device)
-                slot = self._take_slot(signature) if self.graphs else None  # before the gate: it may wait
                 with self._shared():
                     lane = self._take_lane()
                     try:
                         if device:
                             self._settle_caller()
-                        arrays = self._call(lane, signature, slot, host, device, wanted, make_options)
+                        arrays = self._call(lane, signature, host, device, wanted, make_options)
                         return lane.transfers.download(arrays)
                     finally:
                         self._give_lane(lane)
-                        if slot is not None:
-                            slot.lock.release()
         except RuntimeError as error:
             self._raise_as_run(error, feeds, wanted, make_options)
 
@@ -278,28 +224,24 @@ class CudaSessionIO:
             with cupy.cuda.Device(self.device_id):
                 host, device = self._split(feeds, checked=known is not None)
                 signature = known[1] if known is not None else self._remember(key, wanted, host, device)
-                slot = self._take_slot(signature) if self.graphs else None  # before the gate: it may wait
                 with self._shared():
-                    try:
-                        if slot is not None and not host:
-                            return self._replay_device(slot, device, wanted, make_options)
-                        return self._run_device_on_lane(signature, slot, host, device, wanted, make_options)
-                    finally:
-                        if slot is not None:
-                            slot.lock.release()
+                    slot = self.slots.get(signature) if self.graphs and not host else None
+                    if slot is not None:
+                        return self._replay_device(slot, device, wanted, make_options)
+                    return self._run_device_on_lane(signature, host, device, wanted, make_options)
         except RuntimeError as error:
             self._raise_as_run(error, feeds, wanted, make_options)
 
-    def _run_device_on_lane(self, signature: tuple, slot: Optional[GraphSlot], host: dict, device: dict,
-                            wanted: List[str], make_options: Optional[Callable]) -> list:  # fmt: skip
+    def _run_device_on_lane(self, signature: tuple, host: dict, device: dict, wanted: List[str],
+                            make_options: Optional[Callable]) -> list:  # fmt: skip
         """run_device's eager calls, a signature's first calls, and replays with host feeds: on a lane."""
         import cupy
 
         lane = self._take_lane()
         try:
             self._settle_caller()
-            arrays = self._call(lane, signature, slot, host, device, wanted, make_options)
-            if slot is None:
+            arrays = self._call(lane, signature, host, device, wanted, make_options)
+            if not self.graphs or self.slots.get(signature) is None:
                 return arrays
             with lane.stream:  # the graph's buffers are written again by the next call of the signature
                 arrays = [cupy.array(a, copy=True) for a in arrays]
@@ -397,7 +339,7 @@ class CudaSessionIO:
                 host[name] = cupy.asnumpy(array) if on_device else value
             options = (make_options or self._options)()
             options.add_run_config_entry("gpu_graph_id", "-1")  # never a capture on the failure path
-            with self._shared(), self._ort_lock or nullcontext():
+            with self._shared():
                 self.session.run(wanted, host, options)
 
         failure = execution_error(error, rerun)
@@ -406,8 +348,8 @@ class CudaSessionIO:
         raise failure from error
 
     def _shared(self):
-        """The gate for one call's CUDA work (with graphs on; nothing without)."""
-        return self._gate if self._gate is not None else nullcontext()
+        """What one call's CUDA work holds: the graph lock with graphs on (rule 3), nothing without."""
+        return self._graph_lock if self._graph_lock is not None else nullcontext()
 
     # -------------------------------------------------------------------------------------- the lanes
     def _take_lane(self) -> Lane:
@@ -421,7 +363,7 @@ class CudaSessionIO:
 
         with cupy.cuda.Device(self.device_id):
             stream = cupy.cuda.Stream(non_blocking=True)
-        with self._slots_lock:
+        with self._lanes_lock:
             self.lanes_made += 1
         return Lane(stream, HostTransfers(stream, self.device_id, self._copier, self.pinned_outputs))
 
@@ -447,11 +389,12 @@ class CudaSessionIO:
         return tuple((name, tuple(merged[name].shape), str(merged[name].dtype)) for name in sorted(merged))
 
     # ---------------------------------------------------------------------------------------- running
-    def _call(self, lane: Lane, signature: tuple, slot: Optional[GraphSlot], host: dict, device: dict,
-              wanted: List[str], make_options: Optional[Callable]) -> list:  # fmt: skip
-        """Run the session on the feeds (inside the gate): CuPy arrays of the ``wanted`` outputs. With ``slot``
-        (held by the call) a replay, whose arrays lie in the slot's buffers until the call releases it.
-        ``make_options``: the caller's run options' maker, None when the call brought none."""
+    def _call(self, lane: Lane, signature: tuple, host: dict, device: dict, wanted: List[str],
+              make_options: Optional[Callable]) -> list:  # fmt: skip
+        """Run the session on the feeds: CuPy arrays of the ``wanted`` outputs (with graphs on, under the graph
+        lock; a replay's lie in its slot's buffers, valid until the lock is released). ``make_options``: the
+        caller's run options' maker, None when the call brought none."""
+        slot = self.slots.get(signature) if self.graphs else None
         if slot is not None:
             return self._replay(lane, slot, host, device, wanted, make_options)
         if self.graphs and signature not in self.slots:  # the signature's first call: eager; it tells the shapes
@@ -491,19 +434,13 @@ class CudaSessionIO:
         return {name: vector[i] for i, name in enumerate(self.outputs)}
 
     def _ort(self, binding, options) -> None:
-        """ORT's run of ``binding`` (an IOBinding, or _Direct) through the session's error channel; serialized
-        with graphs on (rule 3 of the module docstring)."""
-        lock = self._ort_lock
-        if lock is None:
-            self._run(binding, options)
-            return
-        with lock:
-            self._run(binding, options)
+        """ORT's run of ``binding`` (an IOBinding, or _Direct) through the session's error channel."""
+        self._run(binding, options)
 
     def _run_slot(self, slot: GraphSlot, make_options: Optional[Callable]) -> None:
-        """ORT's run of the slot's graph (inside the gate). A call without run options of its own uses the slot's
+        """ORT's run of the slot's graph (under the graph lock). A call without run options of its own uses the slot's
         RunOptions, made once (the native route never sets ``terminate`` on them, and the slot serves one call at
-        a time). A cold run, one that ORT may capture, runs alone (rule 3 of the module docstring)."""
+        a time)."""
         if make_options is None:
             options = slot.options
             if options is None:
@@ -512,22 +449,12 @@ class CudaSessionIO:
         else:
             options = make_options()
             options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
-        thread = threading.get_ident()
-        runs = slot.thread_runs.get(thread, 0)
-        cold = slot.calls < COLD_RUNS or runs < COLD_RUNS
-        if cold:
-            self._gate.alone()
-        try:
-            if self.direct is None:
-                self._ort(slot.binding, options)
-            else:
-                c_session, c_binding = self.direct[0], slot.binding._iobinding
-                self._ort(_Direct(lambda: c_session.run_with_iobinding(c_binding, options)), options)
-        finally:
-            if cold:
-                self._gate.together()
-            slot.calls += 1
-            slot.thread_runs[thread] = runs + 1
+        if self.direct is None:
+            self._ort(slot.binding, options)
+        else:
+            c_session, c_binding = self.direct[0], slot.binding._iobinding
+            self._ort(_Direct(lambda: c_session.run_with_iobinding(c_binding, options)), options)
+        slot.calls += 1
 
     def _element(self, dtype) -> int:
         key = str(dtype)
@@ -539,71 +466,35 @@ class CudaSessionIO:
 
     # ------------------------------------------------------------------------------------ graph slots
     def _first_slot(self, signature: tuple, host: dict, device: dict, values: Dict[str, object]) -> None:
-        """The signature's first slot (inside the gate), shaped as its first (eager) call's feeds and outputs; none
-        past MAX_GRAPHS (the signature then runs eagerly)."""
-        feeds = {name: (tuple(array.shape), np.dtype(array.dtype)) for name, array in {**host, **device}.items()}
-        outputs = {name: (tuple(value.shape()), np.dtype(numpy_dtype(value.data_type())))
-                   for name, value in values.items()}  # fmt: skip
-        with self._slots_lock:
-            if signature in self.slots:  # another thread's first call got there first
-                return
-            if self._graph_count >= MAX_GRAPHS:
-                self.slots[signature] = []
-                return
-            slot = self._slot_shell(feeds, outputs)
-            self._fill(slot)
-            self.slots[signature] = [slot]
-
-    def _take_slot(self, signature: tuple) -> Optional[GraphSlot]:
-        """A slot of the signature, held by this call (taken before the gate: it may wait for one); None when the
-        signature has none yet or runs eagerly. A new slot is a shell whose buffers the call makes in the gate."""
-        slots = self.slots.get(signature)
-        if not slots:
-            return None
-        for slot in slots:
-            if slot.lock.acquire(blocking=False):
-                return slot
-        with self._slots_lock:
-            if self._graph_count < MAX_GRAPHS:  # every slot held: another one (rule 2 of the module docstring)
-                slot = self._slot_shell(*slots[0].spec)
-                slot.lock.acquire()
-                self.slots[signature] = self.slots[signature] + [slot]
-                return slot
-        slot = slots[threading.get_ident() % len(slots)]
-        slot.lock.acquire()
-        return slot
-
-    def _slot_shell(self, feeds: Dict[str, tuple], outputs: Dict[str, tuple]) -> GraphSlot:
-        """A slot with its gpu_graph_id and the (shape, dtype) of its feeds and outputs, no buffers yet (under
-        ``_slots_lock``)."""
-        self._graph_count += 1  # ids from 1 (0 is ORT's own)
-        return GraphSlot(self._graph_count, {}, {}, spec=(feeds, outputs))
-
-    def _fill(self, slot: GraphSlot) -> None:
-        """The slot's buffers and binding (inside the gate: allocations must not meet another call's capture)."""
+        """The signature's slot, shaped as its first (eager) call's feeds and outputs; None past MAX_GRAPHS (the
+        signature then runs eagerly)."""
         import cupy
         import onnxruntime as ort
 
-        feeds, outputs = slot.spec
+        if self._graph_count >= MAX_GRAPHS:
+            self.slots[signature] = None
+            return
+        self._graph_count += 1  # ids from 1 (0 is ORT's own)
         with cupy.cuda.Device(self.device_id):
-            slot.inputs = {name: cupy.empty(shape, dtype) for name, (shape, dtype) in feeds.items()}
-        slot.outputs = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type, "cuda",
-                                                                        self.device_id)
-                        for name, (shape, dtype) in outputs.items()}  # fmt: skip
+            inputs = {name: cupy.empty(array.shape, array.dtype) for name, array in {**host, **device}.items()}
+        outputs = {}
+        for name, value in values.items():
+            dtype = np.dtype(numpy_dtype(value.data_type()))
+            outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape()), dtype.type, "cuda",
+                                                                      self.device_id)  # fmt: skip
         binding = self.session.io_binding()
-        for name, array in slot.inputs.items():
+        for name, array in inputs.items():
             binding.bind_input(name, "cuda", self.device_id, array.dtype.type, list(array.shape), array.data.ptr)
-        for name, value in slot.outputs.items():
+        for name, value in outputs.items():
             binding.bind_ortvalue_output(name, value)
-        slot.views = {name: ortvalue_array(value) for name, value in slot.outputs.items()}
-        slot.binding = binding
+        slot = GraphSlot(self._graph_count, inputs, outputs, binding)
+        slot.views = {name: ortvalue_array(value) for name, value in outputs.items()}
+        self.slots[signature] = slot
 
     def _replay(self, lane: Lane, slot: GraphSlot, host: dict, device: dict, wanted: List[str],
                 make_options: Optional[Callable]) -> list:  # fmt: skip
         import cupy
 
-        if slot.binding is None:
-            self._fill(slot)
         if slot.pending is not None:
             slot.pending.synchronize()  # a run_device's copies out of the outputs have read them
         names = [name for name in host if host[name].nbytes]
@@ -624,8 +515,6 @@ class CudaSessionIO:
         import cupy
 
         caller = cupy.cuda.get_current_stream()
-        if slot.binding is None:
-            self._fill(slot)
         if slot.pending is not None:
             slot.pending.synchronize()  # the last call's output copies (perhaps on another stream) have read
         copy = cupy.cuda.runtime.memcpyAsync
@@ -650,13 +539,13 @@ class CudaSessionIO:
 
     # ------------------------------------------------------------------------------------------ state
     def held_graphs(self) -> int:
-        """Graph slots made (each with fixed buffers and a gpu_graph_id of its own)."""
+        """Signatures with fixed buffers for a graph."""
         return self._graph_count
 
     def in_use(self) -> dict:
-        """Graph slots held and lanes out right now (both 0 once every call has returned)."""
-        held = sum(slot.lock.locked() for slots in list(self.slots.values()) for slot in slots)
-        return {"slots_held": held, "lanes_out": self.lanes_made - self._lanes.qsize()}
+        """Whether a call holds the graph lock, and the lanes out, right now (nothing once every call returned)."""
+        held = self._graph_lock is not None and self._graph_lock.locked()
+        return {"graph_lock_held": held, "lanes_out": self.lanes_made - self._lanes.qsize()}
 
     @property
     def held_output_bytes(self) -> int:
