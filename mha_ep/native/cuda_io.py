@@ -24,19 +24,19 @@ Threads: any number may call at once, as onnxruntime allows.
   1. A call takes a lane (a stream and a pinned staging buffer of its own: transfer.HostTransfers) from the
      session's pool and gives it back after; the pool grows to the number of calls in flight. The pinned output
      blocks are one pool for all lanes (transfer.PinnedOutputs).
-  2. With graphs on, a call's CUDA work holds the session's graph lock (rule 3): a signature's GraphSlot (its
-     fixed buffers and gpu_graph_id) serves one call at a time.
-  3. With graphs on, a call's CUDA work holds the session's graph lock: one call at a time. ORT's CUDA provider
-     may not run one session from several threads while it uses CUDA graphs (its documentation says so), and it
-     captures in cudaStreamCaptureModeGlobal, where another thread's allocation or synchronous copy breaks the
-     capture. Letting only ORT's run wait, and then only the runs that might capture, both gave wrong answers
-     under 8 threads on the H200 (docs/BENCH.md, "Serving from threads"). Without graphs nothing is
-     serialized.
+  2. With graphs on, a signature's GraphSlot (its fixed buffers and gpu_graph_id) serves one call at a time.
+  3. A graph session's CUDA work (copies, ORT's run, the graph slots) runs on one thread of its own, one call
+     after another; the calling threads check and split their calls, and wait. ORT's CUDA provider may not run
+     one session from several threads while it uses CUDA graphs (its documentation says so), it captures in
+     cudaStreamCaptureModeGlobal, where another thread's allocation or synchronous copy breaks the capture, and
+     it may keep a graph per thread. Letting calls overlap their copies around a serialized ORT run, and then
+     serializing whole calls on their own threads, both failed calls under 8 threads on the H200 (docs/BENCH.md,
+     "Serving from threads"). Without graphs nothing is serialized and every call runs on its own thread.
   4. A call's feeds and outputs are checked against the model once per call key (names, shapes, dtypes, where the
      feeds lie): the verdict is remembered (``_verdicts``), so a repeated call pays one dictionary lookup.
-  5. Without graphs, a host call whose feeds and outputs are small (OWN_RUN_MAX_BYTES; a call key's first call
-     finds out) goes through ORT's own ``run``: it copies as fast there, holds the GIL for less of the call, and
-     raises ORT's own exceptions.
+  5. A host call whose feeds and outputs are small (OWN_RUN_MAX_BYTES: the feeds before the call, the outputs
+     from the call key's first call) goes through ORT's own ``run``: it copies as fast there, holds the GIL for
+     less of the call, and raises ORT's own exceptions. Not with graphs on: a replay is what those calls want.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import math
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -183,7 +182,11 @@ class CudaSessionIO:
         self.slots: Dict[tuple, Optional[GraphSlot]] = {}  # signature -> its graph (None: it runs eagerly)
         self._lanes_lock = threading.Lock()
         self._graph_count = 0
-        self._graph_lock = threading.Lock() if graphs else None  # rule 3 of the module docstring
+        # rule 3 of the module docstring: a graph session's CUDA work runs on one thread of its own
+        self._graph_thread = ThreadPoolExecutor(1, "mha_ep_graphs") if graphs else None
+        # rule 5: ORT's own run checks each feed's rank against the declared shape, which a model input without
+        # one fails ("Expected: 0"); such models keep the IOBinding path
+        self._own_run_ok = all(a.shape for a in self.input_args)
         self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
@@ -196,21 +199,26 @@ class CudaSessionIO:
 
         key, known = self._known(feeds, output_names)
         wanted = known[0] if known is not None else self._checked(feeds, output_names)
-        if not self.graphs and (known is None or known[2]) and all(map(on_host, feeds.values())):
+        if not self.graphs and self._own_run_ok and (known is None or known[2]) and all(map(on_host, feeds.values())) \
+                and self._host_bytes(feeds) <= OWN_RUN_MAX_BYTES:  # fmt: skip
             return self._own_run(key, known, wanted, output_names, feeds, make_options)
         try:
             with cupy.cuda.Device(self.device_id):
                 host, device = self._split(feeds, checked=known is not None)
                 signature = known[1] if known is not None else self._remember(key, wanted, host, device)
-                with self._shared():
-                    lane = self._take_lane()
-                    try:
-                        if device:
-                            self._settle_caller()
-                        arrays = self._call(lane, signature, host, device, wanted, make_options)
-                        return lane.transfers.download(arrays)
-                    finally:
-                        self._give_lane(lane)
+                if device:
+                    self._settle_caller()
+
+                def work():
+                    with cupy.cuda.Device(self.device_id):
+                        lane = self._take_lane()
+                        try:
+                            arrays = self._call(lane, signature, host, device, wanted, make_options)
+                            return lane.transfers.download(arrays)
+                        finally:
+                            self._give_lane(lane)
+
+                return self._on_graph_thread(work)
         except RuntimeError as error:
             self._raise_as_run(error, feeds, wanted, make_options)
 
@@ -224,22 +232,27 @@ class CudaSessionIO:
             with cupy.cuda.Device(self.device_id):
                 host, device = self._split(feeds, checked=known is not None)
                 signature = known[1] if known is not None else self._remember(key, wanted, host, device)
-                with self._shared():
-                    slot = self.slots.get(signature) if self.graphs and not host else None
-                    if slot is not None:
-                        return self._replay_device(slot, device, wanted, make_options)
-                    return self._run_device_on_lane(signature, host, device, wanted, make_options)
+                caller = cupy.cuda.get_current_stream()  # the caller's own: the work below may run on another thread
+
+                def work():
+                    with cupy.cuda.Device(self.device_id):
+                        slot = self.slots.get(signature) if self.graphs and not host else None
+                        if slot is not None:
+                            return self._replay_device(slot, device, wanted, make_options, caller)
+                        return self._run_device_on_lane(signature, host, device, wanted, make_options, caller)
+
+                return self._on_graph_thread(work)
         except RuntimeError as error:
             self._raise_as_run(error, feeds, wanted, make_options)
 
     def _run_device_on_lane(self, signature: tuple, host: dict, device: dict, wanted: List[str],
-                            make_options: Optional[Callable]) -> list:  # fmt: skip
+                            make_options: Optional[Callable], caller) -> list:  # fmt: skip
         """run_device's eager calls, a signature's first calls, and replays with host feeds: on a lane."""
         import cupy
 
         lane = self._take_lane()
         try:
-            self._settle_caller()
+            caller.synchronize()  # the caller's stream has written its device feeds (ORT's does not wait for it)
             arrays = self._call(lane, signature, host, device, wanted, make_options)
             if not self.graphs or self.slots.get(signature) is None:
                 return arrays
@@ -249,6 +262,17 @@ class CudaSessionIO:
             return arrays
         finally:
             self._give_lane(lane)
+
+    def _on_graph_thread(self, work: Callable):
+        """``work()`` here without graphs; with graphs, on the session's one graph thread (rule 3), its result or
+        its exception handed back."""
+        if self._graph_thread is None:
+            return work()
+        return self._graph_thread.submit(work).result()
+
+    @staticmethod
+    def _host_bytes(feeds: Mapping) -> int:
+        return sum(value.nbytes for value in feeds.values() if isinstance(value, np.ndarray))
 
     def _own_run(self, key: Optional[tuple], known: Optional[tuple], wanted: List[str], output_names, feeds: Mapping,
                  make_options: Optional[Callable]) -> list:  # fmt: skip
@@ -339,17 +363,12 @@ class CudaSessionIO:
                 host[name] = cupy.asnumpy(array) if on_device else value
             options = (make_options or self._options)()
             options.add_run_config_entry("gpu_graph_id", "-1")  # never a capture on the failure path
-            with self._shared():
-                self.session.run(wanted, host, options)
+            self._on_graph_thread(lambda: self.session.run(wanted, host, options))
 
         failure = execution_error(error, rerun)
         if failure is error:
             raise error
         raise failure from error
-
-    def _shared(self):
-        """What one call's CUDA work holds: the graph lock with graphs on (rule 3), nothing without."""
-        return self._graph_lock if self._graph_lock is not None else nullcontext()
 
     # -------------------------------------------------------------------------------------- the lanes
     def _take_lane(self) -> Lane:
@@ -507,14 +526,14 @@ class CudaSessionIO:
         self._run_slot(slot, make_options)
         return [slot.views[name] for name in wanted]
 
-    def _replay_device(self, slot: GraphSlot, device: dict, wanted: List[str], make_options: Optional[Callable]) -> list:
+    def _replay_device(self, slot: GraphSlot, device: dict, wanted: List[str], make_options: Optional[Callable],
+                       caller) -> list:  # fmt: skip
         """A replay with device feeds and device outputs, in one synchronization: the feeds are copied into the
         graph's buffers on the caller's stream (behind the caller's own writes), that stream is synchronized once,
         ORT replays, and the outputs are copied out on the caller's stream, an event after them; the next call of
         this slot waits for that event before the replay writes the outputs again."""
         import cupy
 
-        caller = cupy.cuda.get_current_stream()
         if slot.pending is not None:
             slot.pending.synchronize()  # the last call's output copies (perhaps on another stream) have read
         copy = cupy.cuda.runtime.memcpyAsync
@@ -543,9 +562,8 @@ class CudaSessionIO:
         return self._graph_count
 
     def in_use(self) -> dict:
-        """Whether a call holds the graph lock, and the lanes out, right now (nothing once every call returned)."""
-        held = self._graph_lock is not None and self._graph_lock.locked()
-        return {"graph_lock_held": held, "lanes_out": self.lanes_made - self._lanes.qsize()}
+        """The lanes out right now (none once every call has returned)."""
+        return {"lanes_out": self.lanes_made - self._lanes.qsize()}
 
     @property
     def held_output_bytes(self) -> int:

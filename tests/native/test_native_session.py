@@ -188,7 +188,7 @@ def test_threads_share_one_session_with_bad_calls_among_them(providers):
                       per_thread=15)  # fmt: skip
     assert (tally.wrong, tally.mistyped) == (0, 0), tally.examples
     assert tally.good + tally.bad_typed == 180 and tally.good and tally.bad_typed, tally.row()
-    assert session.cuda_io.in_use() == {"graph_lock_held": False, "lanes_out": 0}
+    assert session.cuda_io.in_use() == {"lanes_out": 0}
     good = cases[0]
     assert soak.outputs_close(session.run(None, good.feeds), good.expected, 1e-3)
 
@@ -210,7 +210,7 @@ def test_a_call_that_finds_the_lanes_taken_gets_a_lane_of_its_own():
     assert_close([cupy.asnumpy(session.run_device(None, device_feeds)[0])], expected, "float32", "lane held")
     assert io.lanes_made == 2
     io._give_lane(lane)
-    assert io.in_use() == {"graph_lock_held": False, "lanes_out": 0}
+    assert io.in_use() == {"lanes_out": 0}
 
 
 def test_a_bad_call_names_the_node_and_the_session_stays_usable():

@@ -69,7 +69,7 @@ def test_both_gpus_serve_threads_at_once_with_bad_calls_among_them():
                       per_thread=12)  # fmt: skip
     assert (tally.wrong, tally.mistyped) == (0, 0), tally.examples
     assert tally.good + tally.bad_typed == 96 and tally.good, tally.row()
-    assert [s.cuda_io.in_use() for s in sessions] == [{"graph_lock_held": False, "lanes_out": 0}] * 2
+    assert [s.cuda_io.in_use() for s in sessions] == [{"lanes_out": 0}] * 2
 
 
 def test_a_device_id_that_disagrees_with_the_providers_is_refused():
