@@ -133,8 +133,9 @@ class HostTransfers:
         self.outputs = outputs if outputs is not None else PinnedOutputs()
 
     # ------------------------------------------------------------------------------------------------- up
-    def upload(self, arrays: Sequence[np.ndarray], destinations: Sequence[int]) -> None:
-        """Queue copies of the C-contiguous host ``arrays`` to the device addresses ``destinations``."""
+    def upload(self, arrays: Sequence[np.ndarray], destinations: Sequence[int], one_block: bool = False) -> None:
+        """Queue copies of the C-contiguous host ``arrays`` to the device addresses ``destinations`` (``one_block``:
+        all of them in one device allocation, so small calls may go up in one copy: staging.stage_uploads)."""
         staged, direct = [], False
         for array, address in zip(arrays, destinations):
             if array.nbytes == 0:
@@ -145,7 +146,7 @@ class HostTransfers:
             else:
                 staged.append((array, address))
         if staged:
-            self._upload_staged(staged)
+            self._upload_staged(staged, one_block)
         if direct:
             self._direct_done = self._record()
 
@@ -160,13 +161,13 @@ class HostTransfers:
         event.record(self.stream)
         return event
 
-    def _upload_staged(self, staged: list) -> None:
+    def _upload_staged(self, staged: list, one_block: bool) -> None:
         segments, total = pack_layout([(str(i), a.dtype, a.shape) for i, (a, _) in enumerate(staged)])
         if self._staging_free is not None:
             self._staging_free.synchronize()  # the previous call's DMA may still read the buffer
         self._staging.ensure(total)
         stage_uploads(self._staging, list(segments.values()), [array for array, _ in staged],
-                      [address for _, address in staged], self._dma, self.copier)  # fmt: skip
+                      [address for _, address in staged], self._dma, self.copier, one_block)  # fmt: skip
         self._staging_free = self._record()
 
     def _dma(self, src: int, nbytes: int, dst: int) -> None:  # staging.stage_uploads's upload(src, nbytes, dst)
@@ -185,7 +186,7 @@ class HostTransfers:
                 continue
             segment = segments[name]
             arrays[name] = cupy.ndarray(array.shape, array.dtype, block + segment.offset)
-        self.upload([feeds[name] for name in names], [arrays[name].data.ptr for name in names])
+        self.upload([feeds[name] for name in names], [arrays[name].data.ptr for name in names], one_block=True)
         return arrays
 
     # ----------------------------------------------------------------------------------------------- down

@@ -267,12 +267,15 @@ def test_copy_casts_float64_and_refuses_strided_destinations():
         list(copy_in_chunks(np.empty((5, 4), np.float32).T, dst))
 
 
+@pytest.mark.parametrize("one_block", [True, False])
 @pytest.mark.parametrize("threads", [0, 3])
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("sizes", [[(3,), (5, 7), (0,)], [(300_000,), (2, 400_000), (0, 4), (17,)]])
-def test_stage_uploads_moves_every_byte_to_its_destination(sizes, scattered, threads):
-    """The one upload of the bridge and of device mode: small calls laid out like the segments go up in one copy,
-    anything else chunk by chunk; every byte of every array reaches its own destination, casts included."""
+def test_stage_uploads_moves_every_byte_to_its_destination(sizes, scattered, threads, one_block):
+    """The one upload of the bridge and of device mode: small calls laid out like the segments in one device
+    allocation go up in one copy, anything else chunk by chunk (destinations that merely lie side by side may be
+    two allocations, which one copy cannot span); every byte of every array reaches its own destination, casts
+    included."""
     from mha_ep.ops.backends.cuda import staging as staging_module
 
     executor = concurrent.futures.ThreadPoolExecutor(threads) if threads else None
@@ -286,12 +289,13 @@ def test_stage_uploads_moves_every_byte_to_its_destination(sizes, scattered, thr
     base = 1 << 32  # fake device addresses; scattered: each array somewhere else
     destinations = [base + (i * (1 << 24) if scattered else seg.offset) for i, seg in enumerate(segments)]
     uploads = []
-    stage_uploads(pinned, segments, arrays, destinations, lambda src, n, dst: uploads.append((src, n, dst)), executor)
+    stage_uploads(pinned, segments, arrays, destinations, lambda src, n, dst: uploads.append((src, n, dst)), executor,
+                  one_block)  # fmt: skip
     raw = pinned.ensure(1)
     device = np.zeros(max(destinations) - base + total, np.uint8)  # the fake device memory the copies land in
     for src, n, dst in uploads:
         device[dst - base : dst - base + n] = raw[src - FakePinned.ptr : src - FakePinned.ptr + n]
-    small = total <= staging_module.SINGLE_UPLOAD_BYTES and not scattered
+    small = total <= staging_module.SINGLE_UPLOAD_BYTES and not scattered and one_block
     assert (len(uploads) == 1) == small
     for array, segment, dst in zip(arrays, segments, destinations):
         expected = array.astype(segment.dtype).reshape(-1).view(np.uint8)

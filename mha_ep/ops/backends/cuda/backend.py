@@ -306,7 +306,8 @@ class CudaBackend:
         laid out on the device as in the pinned buffer (staging.stage_uploads: one copy, or chunks on threads)."""
         segments = [in_segments[name] for name, _, _, _ in inputs]
         stage_uploads(self._pinned_in, segments, [array for _, _, _, array in inputs],
-                      [in_base + segment.offset for segment in segments], upload, self._copier)  # fmt: skip
+                      [in_base + segment.offset for segment in segments], upload, self._copier,
+                      one_block=True)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ replayed calls
     def _replay_key(self, problem: MhaProblem, plan: Optional[LaunchPlan]):

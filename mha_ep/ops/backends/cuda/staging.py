@@ -127,18 +127,22 @@ def copy_pairs_in_chunks(
 def stage_uploads(
     staging: PinnedStaging, segments: Sequence[Segment], arrays: Sequence[np.ndarray], destinations: Sequence[int],
     upload: Callable[[int, int, int], None], executor: Optional[concurrent.futures.Executor] = None,
+    one_block: bool = False,
 ) -> None:  # fmt: skip
     """Copy each of ``arrays`` into its segment of ``staging`` (already large enough) and queue its move to the
     device address of the same index in ``destinations`` with ``upload(src, nbytes, dst)``.
 
-    Calls of at most SINGLE_UPLOAD_BYTES whose destinations lie as the segments do go up in one copy after all
-    host copies; larger ones chunk by chunk (UPLOAD_CHUNK_BYTES), each chunk's upload queued as soon as it is in
-    the pinned buffer, on ``executor``'s threads above THREADED_UPLOAD_BYTES. Empty arrays move nothing."""
+    Calls of at most SINGLE_UPLOAD_BYTES whose destinations lie in one device allocation (``one_block``, the
+    caller's word) as the segments do go up in one copy after all host copies; larger ones, and destinations in
+    separate allocations, chunk by chunk (UPLOAD_CHUNK_BYTES), each chunk's upload queued as soon as it is in the
+    pinned buffer, on ``executor``'s threads above THREADED_UPLOAD_BYTES. Empty arrays move nothing. (One copy
+    across two allocations that merely lie side by side fails: cudaErrorInvalidValue, seen in graph replays.)"""
     if not segments:
         return
     first, last = segments[0], segments[-1]
     total = last.offset + last.nbytes - first.offset
-    laid_out = all(dst - destinations[0] == seg.offset - first.offset for seg, dst in zip(segments, destinations))
+    laid_out = one_block and all(dst - destinations[0] == seg.offset - first.offset
+                                 for seg, dst in zip(segments, destinations))  # fmt: skip
     views = [staging.view(segment) for segment in segments]
     if total <= SINGLE_UPLOAD_BYTES and laid_out:
         for view, array in zip(views, arrays):
