@@ -184,9 +184,7 @@ class CudaSessionIO:
         self._graph_count = 0
         # rule 3 of the module docstring: a graph session's CUDA work runs on one thread of its own
         self._graph_thread = ThreadPoolExecutor(1, "mha_ep_graphs") if graphs else None
-        # rule 5: ORT's own run checks each feed's rank against the declared shape, which a model input without
-        # one fails ("Expected: 0"); such models keep the IOBinding path
-        self._own_run_ok = all(a.shape for a in self.input_args)
+
         self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
@@ -199,7 +197,7 @@ class CudaSessionIO:
 
         key, known = self._known(feeds, output_names)
         wanted = known[0] if known is not None else self._checked(feeds, output_names)
-        if not self.graphs and self._own_run_ok and (known is None or known[2]) and all(map(on_host, feeds.values())) \
+        if not self.graphs and (known is None or known[2]) and all(map(on_host, feeds.values())) \
                 and self._host_bytes(feeds) <= OWN_RUN_MAX_BYTES:  # fmt: skip
             return self._own_run(key, known, wanted, output_names, feeds, make_options)
         try:

@@ -53,8 +53,10 @@ def dtype_error(name: str, actual, expected_type: str) -> Optional[Exception]:
 
 def shape_error(name: str, shape: Sequence[int], expected: Optional[Sequence]) -> Optional[Exception]:
     """ORT's error for feed ``name`` of ``shape`` where the model declares ``expected`` (ints fixed, strings or
-    None symbolic; None: no shape declared), or None when it fits."""
-    if expected is None:
+    None symbolic), or None when it fits. ``expected`` None or empty: no shape declared, as far as ORT's NodeArg
+    tells (it gives [] both for an input without a shape and for a rank-0 one, and ORT's run accepts any rank for
+    the first); a rank-0 input fed a higher rank is then left to ORT's own check in the run."""
+    if not expected:
         return None
     if len(shape) != len(expected):
         return invalid_argument(f"Invalid rank for input: {name} Got: {len(shape)} Expected: {len(expected)} "

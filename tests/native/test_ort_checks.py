@@ -126,3 +126,18 @@ def test_execution_error_leaves_other_errors_and_passing_reruns_alone():
     assert ort_checks.execution_error(other, lambda: 1 / 0) is other
     transient = RuntimeError(ort_checks.EXECUTION_ERROR + "something")
     assert ort_checks.execution_error(transient, lambda: None) is transient
+
+
+def test_an_input_without_a_declared_shape_takes_any_rank_as_run_does():
+    """ORT's NodeArg gives [] for an input with no shape, and ORT's run accepts any rank there; the checker must
+    not read [] as rank 0 (it did: "Invalid rank for input: query Got: 3 Expected: 0" on unranked models)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, None)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    stock = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert stock.get_inputs()[0].shape == []
+    for shape in ((3,), (2, 3, 4)):
+        feeds = {"x": np.ones(shape, np.float32)}
+        assert stock.run(None, feeds)[0].shape == shape
+        assert ort_checks.call_error(stock.get_inputs(), ["y"], feeds, None) is None
