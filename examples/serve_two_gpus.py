@@ -10,6 +10,7 @@ Default model: the shipped small BERT. Needs onnxruntime-gpu, CuPy and the nativ
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,10 +60,22 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--threads", type=int, default=4, help="threads per GPU")
     args = parser.parse_args()
-    import cupy
+    try:
+        import cupy
 
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # noqa: BLE001 - no CuPy, no driver, no GPU: one line, not a traceback
+        count, reason = 0, f"{type(error).__name__}: {error}"
+    else:
+        reason = "no GPU" if count == 0 else ""
+    if CUDA not in onnxruntime.get_available_providers():
+        reason = reason or f"this onnxruntime has no {CUDA}"
+    if reason:
+        print(f"serve_two_gpus.py: needs onnxruntime-gpu, CuPy and a GPU ({reason}); pip install -e \".[gpu]\"",
+              file=sys.stderr)
+        return 1
     onnxruntime.preload_dlls()
-    devices = list(range(cupy.cuda.runtime.getDeviceCount()))
+    devices = list(range(count))
     print(f"serving {args.model} from {len(devices)} GPU(s): {devices}"
           + ("" if len(devices) > 1 else " (one GPU here: the same code spreads over more)"))
     model = onnx.load(args.model)

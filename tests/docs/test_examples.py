@@ -39,3 +39,20 @@ def test_a_whisper_example_without_its_models_says_how_to_build_them(script, tmp
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert f"{script}: missing" in done.stderr and "python -m mha_ep.models.build whisper" in done.stderr
+
+
+def test_the_two_gpu_example_without_a_gpu_says_what_it_needs():
+    """On a machine without CuPy or a GPU (CI): one line saying what is missing, exit status 1, no traceback."""
+    pytest.importorskip("onnxruntime")
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("this machine has a GPU: the example serves instead (tests/native/test_two_gpus.py)")
+    except Exception:  # noqa: BLE001 - no CuPy or no driver: the case under test
+        pass
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(EXAMPLES / "serve_two_gpus.py")], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "serve_two_gpus.py: needs onnxruntime-gpu, CuPy and a GPU" in done.stderr
