@@ -184,8 +184,7 @@ class CudaSessionIO:
         self._graph_count = 0
         # rule 3 of the module docstring: a graph session's CUDA work runs on one thread of its own
         self._graph_thread = ThreadPoolExecutor(1, "mha_ep_graphs") if graphs else None
-
-        self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature)
+        self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature, ORT's own run takes it)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
 
