@@ -17,8 +17,11 @@
                            feeds and with IOBinding against mha_ep in a plain session, mha_ep.InferenceSession's
                            device loop and the static-cache loop (one CUDA graph a step), greedy and 5 beams; ms
                            per token, tokens, encoder, 30 s total (generate.py)
+    mha-ep bench serve     a model served by Ray Serve (mha_ep.serve, the serve extra) under closed-loop clients
+                           on 127.0.0.1, beside the same requests to a session in-process: throughput, p50/p99,
+                           batching on and off, replica counts, Serve's overhead per request (serve.py)
 
-Each of those six takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
+Each of those seven takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
 means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there is one, written into DIR;
 ``anchors`` writes to ./mha_ep_bench unless told otherwise); output.py has the two.
 
@@ -39,7 +42,7 @@ import sys
 
 # WHAT -> the module whose ``main(argv)`` runs it (and parses, and documents, its options)
 BENCHMARKS = {"hook": "hook", "anchors": "gpu", "models": "models", "device": "device", "native": "native",
-              "generate": "generate"}
+              "generate": "generate", "serve": "serve"}
 
 
 def main(argv=None) -> int:

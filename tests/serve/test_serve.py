@@ -279,3 +279,24 @@ def test_a_killed_replica_is_replaced_and_the_requests_it_held_get_an_error(port
     assert second["replica"] != first["replica"]
     outputs = [doomed.run.remote(None, bert_feeds(5 + i, seed=i)) for i in range(3)]  # a full batch runs at once
     assert [o.result(timeout_s=DEADLINE_S)[0].shape for o in outputs] == [(1, 5, 64), (1, 6, 64), (1, 7, 64)]
+
+
+def test_the_serving_benchmark_runs_tiny_and_reports_every_route(port, capsys):
+    """Structure only: the numbers are printed, never judged here."""
+    from mha_ep.bench import main
+
+    code = main(["serve", "--clients", "1,2", "--max-batch", "1,2", "--requests", "3", "--duration", "30",
+                 "--warmup", "1", "--pool", "4", "--sequence", "4:8", "--port", str(port), "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out)
+    rows = data["rows"]
+    assert {r["route"] for r in rows} == {"session", "engine", "http", "handle"}
+    assert len(rows) == 2 + 4 + 2 * 2 * 2  # session x clients, engine x batch x clients, served x batch x clients
+    for row in rows:
+        assert row["errors"] == 0 and row["answers"] > 0 and row["p99_ms"] >= row["p50_ms"], row
+        if row.get("max_batch", 1) == 1:
+            assert row["bit_equal"] == row["checked"] and row["max_err"] == 0.0, row
+    assert {o["route"] for o in data["summary"]["overhead_ms"]} == {"http", "handle"}
+    assert {b["route"] for b in data["summary"]["batching"]} == {"engine", "http", "handle"}
+    assert "closed-loop clients" in data["measures"]
