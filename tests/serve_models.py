@@ -14,7 +14,7 @@ from mha_ep.feeds import random_feeds
 BERT = "bert_random_mask2d_fp32.onnx"  # (batch, sequence) ids, mask and token types; last_hidden_state
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 # Batched answers may move in their last bits (mha_ep/serve/batching.py): held to this many float32 epsilons of
-# max(1, |x|). Measured on the reference backend, the shipped BERT at lengths 1-127: under 4.
+# max(1, |x|); the widest seen on the reference backend is a few (docs/BENCH.md, section 7).
 BATCHED_EPSILONS = 16
 
 
