@@ -66,27 +66,46 @@ def start_local(port: int, host: str = DEFAULT_HOST, address: Optional[str] = No
 
 def deploy(options: ServeOptions, name: str, deadline_s: float = DEADLINE_S):
     """Deploy ``options`` as application ``name`` at its route and return its handle once Serve reports it
-    RUNNING; RuntimeError with Serve's message when it fails or the deadline passes first."""
+    RUNNING. ValueError when the cluster lacks the replicas' CPUs or GPUs (Serve would wait for them without
+    end); RuntimeError with the replica's own error when it fails, or when the deadline passes first."""
     require_extra()
+    import ray
     from ray import serve
 
     from mha_ep.serve.deployment import application
+    from mha_ep.serve.options import capacity_problem
 
-    handle = serve.run(application(options), name=name, route_prefix=options.route_prefix)
+    problem = capacity_problem(options, ray.cluster_resources())
+    if problem:
+        raise ValueError(problem)
+    try:
+        handle = serve.run(application(options), name=name, route_prefix=options.route_prefix)
+    except RuntimeError as error:
+        _, deployments, _ = application_state(name, full=True)
+        reasons = [last_line(message) for _, _, message in deployments.values() if message]
+        raise RuntimeError(f"{error}{''.join(f' {reason}' for reason in reasons)}") from None
     wait_running(name, deadline_s=deadline_s)
     return handle
 
 
-def application_state(name: str) -> tuple:
-    """(application status, its deployments' statuses and replica states, Serve's message) as Serve reports."""
+def last_line(text: str) -> str:
+    """The last non-empty line of a traceback Serve reports: the exception and its message."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def application_state(name: str, full: bool = False) -> tuple:
+    """(application status, its deployments' statuses and replica states, Serve's message) as Serve reports;
+    ``full`` adds each deployment's own message (a failed replica's traceback) to its entry."""
     from ray import serve
 
     app = serve.status().applications.get(name)
     if app is None:
         return "MISSING", {}, f"no application {name!r}"
-    deployments = {d: (str(s.status.value), {str(k.value if hasattr(k, "value") else k): v
-                                             for k, v in s.replica_states.items()})
-                   for d, s in app.deployments.items()}  # fmt: skip
+    deployments = {}
+    for deployment, state in app.deployments.items():
+        replicas = {str(getattr(k, "value", k)): v for k, v in state.replica_states.items()}
+        deployments[deployment] = (str(state.status.value), replicas) + ((state.message,) if full else ())
     return str(app.status.value), deployments, app.message
 
 
@@ -101,7 +120,7 @@ def wait_running(name: str, replicas: Optional[int] = None, deadline_s: float = 
         counted = replicas is None or all(r.get("RUNNING", 0) == replicas for _, r in deployments.values())
         if status == "RUNNING" and healthy and counted:
             return state
-        if status in ("DEPLOY_FAILED", "UNHEALTHY") and not message.startswith("Deploying"):
+        if status == "DEPLOY_FAILED":  # UNHEALTHY passes while Serve replaces a replica: keep waiting
             raise RuntimeError(f"Serve application {name!r} is {status}: {message}")
         if time.monotonic() > end:
             raise RuntimeError(f"Serve application {name!r} not running after {deadline_s:.0f} s: {state}")

@@ -130,6 +130,9 @@ class Engine:
         """The Request for ``feeds`` (NumPy arrays, or nested lists converted as codec.to_array does), or the
         Failure (400) onnxruntime's ``run`` would raise for them: call_error's checks (input names, element types,
         ranks, fixed dims, output names), then the embedding guards on the CUDA provider."""
+        if not isinstance(feeds, Mapping):
+            error = TypeError(f"input_feed must be a mapping of input name to array, got {type(feeds).__name__}")
+            return Failure(error, BAD_REQUEST, "read")
         try:
             arrays = {name: to_array(name, value, self.input_types.get(name)) for name, value in feeds.items()}
         except RequestError as error:

@@ -92,6 +92,19 @@ def options_problem(options: ServeOptions) -> str:
     return ""
 
 
+def capacity_problem(options: ServeOptions, cluster: dict) -> str:
+    """"" when ``cluster`` (Ray's ``cluster_resources()``) has the CPUs and GPUs every replica asks for, else a
+    sentence saying what is asked and what there is: Serve would wait for them without end."""
+    wanted = options.resources()
+    for kind, each in (("CPU", wanted.num_cpus), ("GPU", wanted.num_gpus)):
+        have = float(cluster.get(kind, 0.0))
+        if each * options.replicas > have:
+            return (f"mha_ep.serve: {options.replicas} replica(s) x {each:g} {kind} ({wanted.reason}) is more than "
+                    f"the {have:g} {kind} the Ray cluster has; lower replicas, or set gpus_per_replica / "
+                    f"cpus_per_replica")  # fmt: skip
+    return ""
+
+
 def replica_resources(options: ServeOptions) -> Resources:
     """One GPU per replica when the model runs on the GPU (the CUDA provider, or the cuda backend), unless
     ``gpus_per_replica`` says otherwise; Ray then makes that GPU the replica's device 0 (CUDA_VISIBLE_DEVICES)."""

@@ -174,3 +174,11 @@ def test_batches_that_arrive_while_the_model_is_busy_go_into_one_next_run():
     first, later = asyncio.run(scenario())
     assert engine.runs == [["a"], ["b", "c", "d", "e"]]
     assert first == ["answer a"] and later == [["answer b", "answer c"], ["answer d"], ["answer e"]]
+
+
+def test_feeds_that_are_no_mapping_are_a_400_naming_what_came(engine):
+    failure = engine.request([bert_feeds(4)])
+    assert isinstance(failure, Failure) and (failure.status, failure.stage) == (400, "read")
+    assert str(failure.error) == "input_feed must be a mapping of input name to array, got list"
+    failure = engine.request({"input_ids": [[1, 2], [3]]})
+    assert failure.status == 400 and "input 'input_ids' is not a rectangular array of numbers" in str(failure.error)
