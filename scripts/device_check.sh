@@ -130,7 +130,7 @@ for step in "$@"; do
       PYTHONPATH=$SERVE_SITE:$PYTHONPATH timeout 580 python3 -m mha_ep bench serve --make-bert-base float16 \
         --model "$OUT/bert_base_f16.onnx" --backend cuda --providers cuda --replicas "${REPLICAS:-1,2}" \
         --max-batch "${MAX_BATCH:-1,16}" --clients "${CLIENTS:-1,16}" --sequence "${SEQUENCE:-128:128}" \
-        --duration "${DURATION:-10}" --out "$OUT/serve" 2>&1 | quiet ;;
+        --duration "${DURATION:-10}" --warmup "${WARMUP:-8}" --out "$OUT/serve" 2>&1 | quiet ;;
     *) echo "unknown step $step (see the top of $0)"; exit 2 ;;
   esac
 done
