@@ -4,10 +4,12 @@
     mha-ep partition IN -o OUT           partition a model and print the claim report
     mha-ep compare MODEL [--per-node]    stock ORT vs the plugin on random (or given) feeds, with a verdict
     mha-ep compare MODEL --reference U   ... and stock ORT on MODEL vs on U, the model before fusion
-    mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native, generate
+    mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native, generate, soak, serve
                                          (mha-ep bench WHAT --help)
     mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W]
                                          a decoder-with-past rewritten to a static KV cache: one graph of fixed shapes
+    mha-ep serve MODEL [--replicas N] [--port P] [--max-batch B]
+                                         serve a model over HTTP with Ray Serve (the serve extra), batching callers
     mha-ep --version                     mha_ep, onnxruntime, onnxruntime-extensions, CuPy, the GPU, the backend
 
 Exit codes: 0 PASS (or done), 1 FAIL (outputs outside tolerance), 2 cannot run (bad input, a model that cannot
@@ -131,6 +133,58 @@ def cmd_demo(args) -> int:
                     progress_bar=progress.wanted(args.quiet, args.json))  # fmt: skip
 
 
+def cmd_serve(args) -> int:
+    """Deploy MODEL with Ray Serve on this machine (or the cluster at --address), say where, and serve until
+    Ctrl-C or SIGTERM; then Serve and Ray stop."""
+    import os
+
+    from mha_ep.errors import MhaEpError
+    from mha_ep.model_io import load_model
+    from mha_ep.serve import ServeOptions, cluster
+    from mha_ep.serve.batching import plan_batching
+
+    cluster.require_extra()
+    plan = plan_batching(load_model(args.model))  # a model that cannot be read fails here, before Ray starts
+    options = ServeOptions(model=os.path.abspath(args.model), backend=args.backend, providers=args.providers,
+                           route=args.route, route_prefix=args.route_prefix, replicas=args.replicas,
+                           gpus_per_replica=args.gpus_per_replica, cpus_per_replica=args.cpus_per_replica,
+                           max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms)  # fmt: skip
+    cluster.start_local(args.port, host=args.host, address=args.address)
+    try:
+        try:
+            cluster.deploy(options, args.name)
+        except RuntimeError as error:
+            raise MhaEpError(f"the model could not be served: {error}") from None
+        url = f"http://{args.host}:{args.port}{options.route_prefix}"
+        resources = options.resources()
+        data = {"url": url, "name": args.name, "options": options.to_dict(), "batching": plan.to_dict(),
+                "replica_resources": {**resources.actor_options(), "reason": resources.reason}}  # fmt: skip
+        emit(args, f"mha-ep serve: {args.model} at {url} ({options.replicas} replica(s), {resources.num_gpus:g} "
+                   f"GPU each: {resources.reason}; batching: {plan.describe()}). POST JSON or .npz; Ctrl-C stops.",
+             data)  # fmt: skip
+        sys.stdout.flush()
+        wait_for_stop()
+    finally:
+        cluster.stop()
+    return 0
+
+
+def wait_for_stop() -> None:
+    """Block until Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    stopping = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        while not stopping.wait(timeout=3600):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_bench(argv) -> int:
     """The benchmarks parse (and document) their own options: ``mha-ep bench WHAT --help``."""
     from mha_ep.bench import main as bench_main
@@ -244,7 +298,38 @@ def build_parser() -> argparse.ArgumentParser:
     json_option(p)
     p.set_defaults(func=cmd_static_cache)
 
-    sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models | device | native | generate (mha-ep bench WHAT --help)")
+    p = sub.add_parser("serve", parents=[common], help="serve a model over HTTP with Ray Serve, batching callers",
+                       description="One mha_ep.InferenceSession per replica; requests from several callers share a "
+                                   "run along the model's batch dim (padded along its sequence dim where it has a "
+                                   "key-padding mask) and are cut back, so each answer is its own. POST "
+                                   "{\"inputs\": {name: array}} as JSON, or an np.savez archive as "
+                                   "application/x-npz; GET describes the model. Needs the serve extra: "
+                                   "pip install 'mha-ep[serve]'.")  # fmt: skip
+    p.add_argument("model", help="the ONNX model to serve (not partitioned)")
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
+                   help="where claimed nodes run: cuda (CuPy), reference (NumPy), auto (cuda when usable)")  # fmt: skip
+    p.add_argument("--providers", default="cpu", choices=["cpu", "cuda"],
+                   help="ORT's execution provider in each replica (cuda: one GPU per replica unless "
+                        "--gpus-per-replica says otherwise)")  # fmt: skip
+    p.add_argument("--route", choices=("auto", "native", "python-op"), default="auto",
+                   help="how claimed nodes reach their backend: native library or onnxruntime-extensions' Python op")
+    p.add_argument("--replicas", type=int, default=1, metavar="N", help="replicas, each with its own session (default 1)")
+    p.add_argument("--gpus-per-replica", type=float, metavar="G",
+                   help="GPUs each replica asks Ray for (default: 1 with --providers cuda or --backend cuda, else 0)")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C", help="CPUs each replica asks Ray for (1)")
+    p.add_argument("--max-batch", type=int, default=16, metavar="B",
+                   help="the most rows (the model's batch dim) one run takes; 1 turns batching off (default 16)")
+    p.add_argument("--batch-wait-ms", type=float, default=2.0, metavar="MS",
+                   help="how long a request that finds a replica idle waits for others to join it (default 2)")
+    p.add_argument("--port", type=int, default=8000, metavar="P", help="HTTP port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (default 127.0.0.1)")
+    p.add_argument("--route-prefix", default="/", help="the HTTP path the model answers at (default /)")
+    p.add_argument("--name", default="mha_ep", help="the Serve application's name (default mha_ep)")
+    p.add_argument("--address", help="a running Ray cluster to deploy on (default: start Ray on this machine)")
+    json_option(p)
+    p.set_defaults(func=cmd_serve)
+
+    sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models | device | native | generate | soak | serve (mha-ep bench WHAT --help)")
     return parser
 
 

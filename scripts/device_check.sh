@@ -31,6 +31,10 @@
 #   hostpath   scripts/profile_session_graph.py: cuda_io's host time around ORT's graph replay, against device mode
 #   twogpu     on two GPUs: tests/native/test_two_gpus.py, examples/serve_two_gpus.py and mha-ep bench soak
 #              --devices 0,1 (MODEL, default BERT-base float16), into $OUT/twogpu
+#   serve      mha-ep bench serve: BERT-base float16 (mha_ep/models/synthetic.py, written to $OUT/bert_base_f16.onnx
+#              once) served by Ray Serve, one replica per GPU: REPLICAS=1,2 against each other, MAX_BATCH=1,16
+#              (batching off, on), CLIENTS=1,16, SEQUENCE=128:128; ray[serve] and its dependencies from
+#              $SERVE_WHEELS (installed into $SERVE_SITE once), into $OUT/serve
 #
 # Settings (environment), with their defaults:
 #   WHEELS=.device/whl          onnxruntime-extensions, tokenizers, ... for the machine's Python
@@ -39,6 +43,7 @@
 #   SITE=/tmp/site ORT_SITE=/tmp/ortsite   where the wheels are installed (--target; nothing touches the system)
 #   PACKS=".device/p0 .device/p1 .device/p2"  TOKENIZERS=.device/tok  REAL=/tmp/real   the real-weight models
 #   OPT_WHEELS=.device/opt      the optimum example's wheels (transformers 4.x, optimum, optimum-onnx)
+#   SERVE_WHEELS=.device/serve SERVE_SITE=/tmp/servesite   ray[serve] with its dependencies, for the serve step
 #   OUT=./out                   logs, JSON and PNG files
 #   REPEATS=10 ROWS=...         benchmark repeats and rows
 set -u
@@ -51,6 +56,8 @@ ORT_SITE=${ORT_SITE:-/tmp/ortsite}
 PACKS=${PACKS:-.device/p0 .device/p1 .device/p2}
 TOKENIZERS=${TOKENIZERS:-.device/tok}
 OPT_WHEELS=${OPT_WHEELS:-.device/opt}
+SERVE_WHEELS=${SERVE_WHEELS:-.device/serve}
+SERVE_SITE=${SERVE_SITE:-/tmp/servesite}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$ORT_SITE:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -131,6 +138,13 @@ for step in "$@"; do
       timeout 300 python3 -m mha_ep bench soak --devices 0,1 --seconds "${SOAK_SECONDS:-30}" --threads 4 \
         --model "${MODEL:-bert-base-f16}" --batches 8,16,32 --max-sequence 256 --out "$OUT/twogpu" 2>&1 \
         | quiet | tail -6 ;;
+    serve)
+      [ -d "$SERVE_SITE/ray" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$SERVE_SITE" \
+        "$SERVE_WHEELS"/*.whl 2>&1 | quiet
+      PYTHONPATH=$SERVE_SITE:$PYTHONPATH timeout 580 python3 -m mha_ep bench serve --make-bert-base float16 \
+        --model "$OUT/bert_base_f16.onnx" --backend cuda --providers cuda --replicas "${REPLICAS:-1,2}" \
+        --max-batch "${MAX_BATCH:-1,16}" --clients "${CLIENTS:-1,16}" --sequence "${SEQUENCE:-128:128}" \
+        --duration "${DURATION:-10}" --warmup "${WARMUP:-8}" --out "$OUT/serve" 2>&1 | quiet ;;
     *) echo "unknown step $step (see the top of $0)"; exit 2 ;;
   esac
 done

@@ -20,8 +20,11 @@
     mha-ep bench soak      many threads on one session, good and bad calls mixed: stock ORT CUDA, a plain native
                            session and mha_ep.InferenceSession (with and without graphs), wrong answers and
                            exception types counted; --devices 0,1: one session per GPU against one (soak.py)
+    mha-ep bench serve     a model served by Ray Serve (mha_ep.serve, the serve extra) under closed-loop clients
+                           on 127.0.0.1, beside the same requests to a session in-process: throughput, p50/p99,
+                           batching on and off, replica counts, Serve's overhead per request (serve.py)
 
-Each of those seven takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
+Each of those eight takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
 means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there is one, written into DIR;
 ``anchors`` writes to ./mha_ep_bench unless told otherwise); output.py has the two.
 
@@ -42,7 +45,7 @@ import sys
 
 # WHAT -> the module whose ``main(argv)`` runs it (and parses, and documents, its options)
 BENCHMARKS = {"hook": "hook", "anchors": "gpu", "models": "models", "device": "device", "native": "native",
-              "generate": "generate", "soak": "soak"}
+              "generate": "generate", "soak": "soak", "serve": "serve"}
 
 
 def main(argv=None) -> int:

@@ -56,3 +56,17 @@ def test_the_two_gpu_example_without_a_gpu_says_what_it_needs():
                           timeout=300, env=env)  # fmt: skip
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "serve_two_gpus.py: needs onnxruntime-gpu, CuPy and a GPU" in done.stderr
+
+
+def test_the_serving_example_checks_every_answer_against_stock_ort():
+    """examples/serve_ray.py: its own local Ray in the child, requests over HTTP and a handle, stock ORT's
+    answers as the check (the serve extra; skipped without it)."""
+    from mha_ep.serve import missing_extra
+
+    if missing_extra():
+        pytest.skip(f"{missing_extra()}: examples/serve_ray.py needs it")
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(EXAMPLES / "serve_ray.py")], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "served answers match stock ORT: True" in done.stdout

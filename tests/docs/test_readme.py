@@ -75,7 +75,7 @@ def test_the_command_line_synopsis_lists_every_option_of_each_subcommand():
     synopsis = text.split("Command line (each with `--help`", 1)[1].split("Examples to copy", 1)[0]
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices  # noqa: SLF001
-    for name in ("partition", "compare", "demo", "static-cache"):
+    for name in ("partition", "compare", "demo", "static-cache", "serve"):
         assert f"mha-ep {name} " in synopsis, name
         part = synopsis.split(f"mha-ep {name} ", 1)[1].split("`", 1)[0]
         for action in commands[name]._actions:  # noqa: SLF001

@@ -32,7 +32,8 @@ LAYERS = (
     ("op", ("mha_ep.ops",)),
     ("routes", ("mha_ep.native", "mha_ep.device", "mha_ep.ops.registration")),
     ("session", ("mha_ep.session",)),
-    ("tools", ("mha_ep.comparison", "mha_ep.feeds", "mha_ep.demo", "mha_ep.environment", "mha_ep.models")),
+    ("tools", ("mha_ep.comparison", "mha_ep.feeds", "mha_ep.demo", "mha_ep.environment", "mha_ep.models",
+               "mha_ep.serve")),
     ("front", ("mha_ep.cli", "mha_ep.bench", "mha_ep.__main__", "mha_ep")),
 )  # fmt: skip
 
