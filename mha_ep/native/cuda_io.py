@@ -3,9 +3,10 @@
 The session is a plain ORT CUDA session over the native form of the model (claimed nodes run as mha_ep's native
 CUDA op, on ORT's buffers and stream). This module is how its calls move tensors:
 
-  * ``run`` with NumPy feeds: the feeds go up through one page-locked staging buffer (transfer.py), are bound to
-    the session with IOBinding, and the outputs come down into pooled page-locked blocks. ORT's own ``run``
-    would copy every feed from pageable memory and every output into fresh pageable arrays.
+  * ``run`` with NumPy feeds: over OWN_RUN_MAX_BYTES (rule 5 below), the feeds go up through the call's lane's
+    page-locked staging buffer (transfer.py), are bound to the session with IOBinding, and the outputs come down
+    into pooled page-locked blocks; ORT's own ``run`` would copy every feed from pageable memory and every output
+    into fresh pageable arrays. Smaller calls are ORT's own ``run``.
   * ``run_device``: CuPy arrays (or anything with ``__dlpack__``) are bound where they lie, after the caller's
     stream has finished writing them; the outputs are CuPy arrays over ORT's own output buffers (no copy).
   * Graphs: where the caller turned on ORT's ``enable_cuda_graph`` and ORT accepted it (every node on the CUDA
@@ -13,8 +14,8 @@ CUDA op, on ORT's buffers and stream). This module is how its calls move tensors
     and outputs at fixed device addresses: the signature's first call runs eagerly (``gpu_graph_id`` -1) to learn
     the output shapes, the next ones are ORT's capture and replays. A call copies its feeds into the signature's
     buffers and its outputs out of them; with device feeds (``run_device``) both copies go on the caller's
-    current stream around one synchronization, so the outputs are ready in that stream's order. ORT cannot drop a graph it captured, so at most ``MAX_GRAPHS``
-    signatures get one; later ones run eagerly.
+    current stream around one synchronization, so the outputs are ready in that stream's order. ORT cannot drop
+    a graph it captured, so at most ``MAX_GRAPHS`` signatures get one; later ones run eagerly.
 
 ORT runs on a stream of its own and synchronizes it at the end of every run, so outputs are ready on any stream
 once ``run_with_iobinding`` returns; the inputs are made ready before it (the call's upload stream, or the caller's

@@ -10,6 +10,7 @@ model, wait for what Serve reports (never for a length of time), and stop them.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from typing import Optional
@@ -20,6 +21,15 @@ MISSING_EXTRA = "mha_ep.serve needs Ray Serve: pip install 'mha-ep[serve]' (ray[
 DEFAULT_HOST = "127.0.0.1"
 DEADLINE_S = 120.0  # a bound on waiting for Serve, for failures only: what ends a wait is Serve's report
 POLL_S = 0.2
+# Serve's own waits on its HTTP proxy, which are failure bounds too. Its default 5 s ready check killed the proxy
+# before it had finished starting on a 2-core machine beside two busy processes (serve.start then fails with
+# ActorDiedError), so a local instance this module starts gets DEADLINE_S; set before Ray starts, so that Serve's
+# controller inherits them. A caller's own values, and a cluster joined at an address, are left as they are.
+# Ray also starts its workers at niceness 15, so beside any busy process at the default niceness the replicas and
+# the proxy all but stop (the serve tests beside two busy processes ran past 15 minutes); a local instance runs
+# them at the default niceness, as its driver.
+SERVE_WAITS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(DEADLINE_S),
+               "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": str(DEADLINE_S), "RAY_worker_niceness": "0"}  # fmt: skip
 
 
 def missing_extra() -> str:
@@ -59,6 +69,8 @@ def start_local(port: int, host: str = DEFAULT_HOST, address: Optional[str] = No
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
+            for name, value in SERVE_WAITS.items():
+                os.environ.setdefault(name, value)
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                      log_to_driver=False)  # fmt: skip
     serve.start(http_options={"host": host, "port": port})
