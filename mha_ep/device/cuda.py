@@ -272,12 +272,9 @@ class DeviceRunner:
     def _checked(self, feeds: dict, output_names) -> list:
         """The outputs a call asks for; raises what onnxruntime's ``run`` raises for a call that does not fit the
         model (native/ort_checks.py: its types and texts, as on the one-session route)."""
-        from mha_ep.native.ort_checks import call_error, wanted_outputs
+        from mha_ep.native.ort_checks import checked_outputs
 
-        error = call_error(self.input_args, self.plan.outputs, feeds, output_names)
-        if error is not None:
-            raise error
-        return wanted_outputs(self.plan.outputs, output_names)
+        return checked_outputs(self.input_args, self.plan.outputs, feeds, output_names)
 
     def run(self, output_names: Optional[Sequence[str]], feeds: dict, device_outputs: bool = False) -> list:
         names = self._checked(feeds, output_names)

@@ -51,7 +51,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from mha_ep.native.ort_checks import call_error, dtype_error, execution_error, tensor_type, wanted_outputs
+from mha_ep.native.ort_checks import checked_outputs, dtype_error, execution_error, tensor_type
 
 MAX_GRAPHS = 16  # signatures with a captured graph per session (ORT keeps each graph until the session goes)
 COPY_THREADS = 4  # host copies into the staging buffers (transfer.py, staging.stage_uploads), shared by the lanes
@@ -64,11 +64,6 @@ ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(d
              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
              "tensor(bool)": "bool", "tensor(int16)": "int16", "tensor(uint16)": "uint16", "tensor(uint32)": "uint32",
              "tensor(uint64)": "uint64"}  # fmt: skip
-
-
-def on_host(value) -> bool:
-    """A feed that lies on the host: a NumPy array, or anything without ``__dlpack__`` (lists, scalars)."""
-    return type(value) is np.ndarray or not hasattr(value, "__dlpack__")
 
 
 def numpy_dtype(ort_type: str) -> Optional[str]:
@@ -147,9 +142,8 @@ class GraphSlot:
     binding: object = None
     calls: int = 0
     views: Dict[str, object] = field(default_factory=dict)  # name -> CuPy array over the output value
-    pending: object = None  # a CUDA event after the last run_device's copies out of the outputs
     options: object = None  # the slot's own RunOptions (gpu_graph_id set) for calls that bring none
-    event: object = None  # the CUDA event ``pending`` re-records (made once)
+    event: object = None  # recorded after each run_device's copies out of the outputs (made on first use)
 
 
 @dataclass
@@ -195,9 +189,11 @@ class CudaSessionIO:
         the module docstring), others through page-locked memory."""
         import cupy
 
+        from mha_ep.native.transfer import is_host_feed
+
         key, known = self._known(feeds, output_names)
         wanted = known[0] if known is not None else self._checked(feeds, output_names)
-        if not self.graphs and (known is None or known[2]) and all(map(on_host, feeds.values())) \
+        if not self.graphs and (known is None or known[2]) and all(map(is_host_feed, feeds.values())) \
                 and self._host_bytes(feeds) <= OWN_RUN_MAX_BYTES:  # fmt: skip
             return self._own_run(key, known, wanted, output_names, feeds, make_options)
         try:
@@ -316,10 +312,7 @@ class CudaSessionIO:
     def _checked(self, feeds: Mapping, output_names) -> List[str]:
         """The outputs the call asks for; raises what ORT's ``run`` raises for a call that does not fit the
         model (ort_checks.py), before any copy or graph is touched."""
-        error = call_error(self.input_args, self.outputs, feeds, output_names)
-        if error is not None:
-            raise error
-        return wanted_outputs(self.outputs, output_names)
+        return checked_outputs(self.input_args, self.outputs, feeds, output_names)
 
     def _split(self, feeds: Mapping, checked: bool = False) -> tuple:
         """(host feeds, device feeds), each checked against the model's dtype (unless the call's verdict is
@@ -512,8 +505,8 @@ class CudaSessionIO:
                 make_options: Optional[Callable]) -> list:  # fmt: skip
         import cupy
 
-        if slot.pending is not None:
-            slot.pending.synchronize()  # a run_device's copies out of the outputs have read them
+        if slot.event is not None:
+            slot.event.synchronize()  # a run_device's copies out of the outputs have read them
         names = [name for name in host if host[name].nbytes]
         lane.transfers.upload([host[name] for name in names], [slot.inputs[name].data.ptr for name in names])
         for name, array in device.items():
@@ -532,8 +525,8 @@ class CudaSessionIO:
         this slot waits for that event before the replay writes the outputs again."""
         import cupy
 
-        if slot.pending is not None:
-            slot.pending.synchronize()  # the last call's output copies (perhaps on another stream) have read
+        if slot.event is not None:
+            slot.event.synchronize()  # the last call's output copies (perhaps on another stream) have read
         copy = cupy.cuda.runtime.memcpyAsync
         to_device = cupy.cuda.runtime.memcpyDeviceToDevice
         for name, array in device.items():
@@ -551,7 +544,6 @@ class CudaSessionIO:
         if slot.event is None:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)
         slot.event.record(caller)
-        slot.pending = slot.event
         return outputs
 
     # ------------------------------------------------------------------------------------------ state

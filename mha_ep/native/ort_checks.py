@@ -105,6 +105,16 @@ def wanted_outputs(output_names_of_model: Sequence[str], output_names: Optional[
     return list(output_names_of_model) if not output_names else list(output_names)
 
 
+def checked_outputs(inputs: Sequence, output_names_of_model: Sequence[str], feeds: Mapping,
+                    output_names: Optional[Sequence[str]]) -> list:  # fmt: skip
+    """The outputs the call asks for (wanted_outputs); raises what ``run`` raises for a call that does not fit
+    the model (call_error). The one check of the GPU path and of device mode."""
+    error = call_error(inputs, output_names_of_model, feeds, output_names)
+    if error is not None:
+        raise error
+    return wanted_outputs(output_names_of_model, output_names)
+
+
 def execution_error(error: BaseException, rerun: Callable[[], object]) -> BaseException:
     """What ``run`` raises for a call whose IOBinding run failed with ``error``.
 

@@ -195,16 +195,13 @@ class HostTransfers:
         results = []
         for array in arrays:
             array = cupy.ascontiguousarray(array)
-            host = self._host_array(array.shape, array.dtype)
+            host = self.outputs.host_array(array.shape, array.dtype)
             if array.nbytes:
                 cupy.cuda.runtime.memcpyAsync(host.ctypes.data, array.data.ptr, array.nbytes, MEMCPY_DEVICE_TO_HOST,
                                               self.stream.ptr)  # fmt: skip
             results.append(host)
         self.stream.synchronize()
         return results
-
-    def _host_array(self, shape: tuple, dtype) -> np.ndarray:
-        return self.outputs.host_array(shape, dtype)
 
     @property
     def held_output_bytes(self) -> int:
