@@ -26,22 +26,28 @@ Threads: any number may call at once, as onnxruntime allows.
      session's pool and gives it back after; the pool grows to the number of calls in flight. The pinned output
      blocks are one pool for all lanes (transfer.PinnedOutputs).
   2. With graphs on, a signature's GraphSlot (its fixed buffers and gpu_graph_id) serves one call at a time.
-  3. A graph session's CUDA work (copies, ORT's run, the graph slots) runs on one thread of its own, one call
-     after another; the calling threads check and split their calls, and wait. ORT's CUDA provider may not run
-     one session from several threads while it uses CUDA graphs (its documentation says so), it captures in
-     cudaStreamCaptureModeGlobal, where another thread's allocation or synchronous copy breaks the capture, and
-     it may keep a graph per thread. Letting calls overlap their copies around a serialized ORT run, and then
-     serializing whole calls on their own threads, both failed calls under 8 threads on the H200 (docs/BENCH.md,
-     "Serving from threads"). Without graphs nothing is serialized and every call runs on its own thread.
+  3. A graph session's CUDA work (copies, ORT's run, the graph slots) runs one call at a time (a lock), on at
+     most two threads: the first thread to call (the owner) runs its own calls, and any other thread's calls run
+     on the session's worker thread; the calling threads check and split their calls. ORT's CUDA provider may not
+     run one session from several threads at once while it uses CUDA graphs (its documentation says so), and it
+     keeps its graphs per thread (the provider's PerThreadContext: each of the two threads warms up and captures
+     a signature once, over the slot's same fixed buffers). A hop to the worker costs 0.25-0.5 ms a call on the
+     H200's host (scripts/profile_session_graph.py, "C - C'"), which a loop on one thread (a decoder's, a
+     benchmark's) does not pay. Without graphs nothing is serialized and every call runs on its own thread.
   4. A call's feeds and outputs are checked against the model once per call key (names, shapes, dtypes, where the
      feeds lie): the verdict is remembered (``_verdicts``), so a repeated call pays one dictionary lookup.
   5. A host call whose feeds and outputs are small (OWN_RUN_MAX_BYTES: the feeds before the call, the outputs
      from the call key's first call) goes through ORT's own ``run``: it copies as fast there, holds the GIL for
      less of the call, and raises ORT's own exceptions. Not with graphs on: a replay is what those calls want.
+  6. Every thread that calls, and the worker, is put in CUDA's thread-local capture mode on its first call
+     (capture_mode.py): ORT captures in global mode, where any other thread's allocation or synchronous copy (the
+     callers' checks, their own CuPy work) fails and breaks the capture. A call whose run still fails that way
+     (a thread that never called mha_ep made the unsafe call) is answered by an eager run (``capture_retries``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -51,7 +57,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from mha_ep.native.capture_mode import ignore_other_captures
 from mha_ep.native.ort_checks import checked_outputs, dtype_error, execution_error, tensor_type
+from mha_ep.ops.backends.cuda.staging import pack_layout
 
 MAX_GRAPHS = 16  # signatures with a captured graph per session (ORT keeps each graph until the session goes)
 COPY_THREADS = 4  # host copies into the staging buffers (transfer.py, staging.stage_uploads), shared by the lanes
@@ -64,6 +72,14 @@ ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(d
              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
              "tensor(bool)": "bool", "tensor(int16)": "int16", "tensor(uint16)": "uint16", "tensor(uint32)": "uint32",
              "tensor(uint64)": "uint64"}  # fmt: skip
+
+
+def capture_broke(error: BaseException) -> bool:
+    """Whether ORT's run failed because a CUDA stream capture was broken or refused a call (cudaErrorStreamCapture*:
+    "operation not permitted when stream is capturing", "operation would make the legacy stream depend on a
+    capturing blocking stream", an invalidated capture)."""
+    text = str(error)
+    return "StreamCapture" in text or "stream is capturing" in text or "capturing blocking stream" in text
 
 
 def numpy_dtype(ort_type: str) -> Optional[str]:
@@ -144,6 +160,10 @@ class GraphSlot:
     views: Dict[str, object] = field(default_factory=dict)  # name -> CuPy array over the output value
     options: object = None  # the slot's own RunOptions (gpu_graph_id set) for calls that bring none
     event: object = None  # recorded after each run_device's copies out of the outputs (made on first use)
+    order: List[str] = field(default_factory=list)  # input names in the order of their one allocation
+    addresses: Dict[str, int] = field(default_factory=dict)  # name -> device address of its input buffer
+    direct_run: Optional[Callable] = None  # the C session's run_with_iobinding bound to the slot's C binding
+    direct: object = None  # _Direct of direct_run with ``options``
 
 
 @dataclass
@@ -177,8 +197,12 @@ class CudaSessionIO:
         self.slots: Dict[tuple, Optional[GraphSlot]] = {}  # signature -> its graph (None: it runs eagerly)
         self._lanes_lock = threading.Lock()
         self._graph_count = 0
-        # rule 3 of the module docstring: a graph session's CUDA work runs on one thread of its own
+        # rule 3 of the module docstring: a graph session's CUDA work runs one call at a time, on the first calling
+        # thread (the owner) or on the session's worker thread
+        self._graph_lock = threading.Lock()
+        self._graph_owner: Optional[int] = None
         self._graph_thread = ThreadPoolExecutor(1, "mha_ep_graphs") if graphs else None
+        self.capture_retries = 0  # calls answered by an eager run after a graph capture broke (_raise_as_run)
         self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature, ORT's own run takes it)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
@@ -191,6 +215,7 @@ class CudaSessionIO:
 
         from mha_ep.native.transfer import is_host_feed
 
+        ignore_other_captures()  # rule 6
         key, known = self._known(feeds, output_names)
         wanted = known[0] if known is not None else self._checked(feeds, output_names)
         if not self.graphs and (known is None or known[2]) and all(map(is_host_feed, feeds.values())) \
@@ -204,22 +229,22 @@ class CudaSessionIO:
                     self._settle_caller()
 
                 def work():
-                    with cupy.cuda.Device(self.device_id):
-                        lane = self._take_lane()
-                        try:
-                            arrays = self._call(lane, signature, host, device, wanted, make_options)
-                            return lane.transfers.download(arrays)
-                        finally:
-                            self._give_lane(lane)
+                    lane = self._take_lane()
+                    try:
+                        arrays = self._call(lane, signature, host, device, wanted, make_options)
+                        return lane.transfers.download(arrays)
+                    finally:
+                        self._give_lane(lane)
 
                 return self._on_graph_thread(work)
         except RuntimeError as error:
-            self._raise_as_run(error, feeds, wanted, make_options)
+            return self._raise_as_run(error, feeds, wanted, make_options)
 
     def run_device(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
         """Device (or NumPy) feeds in, CuPy outputs out."""
         import cupy
 
+        ignore_other_captures()  # rule 6
         key, known = self._known(feeds, output_names)
         wanted = known[0] if known is not None else self._checked(feeds, output_names)
         try:
@@ -229,15 +254,14 @@ class CudaSessionIO:
                 caller = cupy.cuda.get_current_stream()  # the caller's own: the work below may run on another thread
 
                 def work():
-                    with cupy.cuda.Device(self.device_id):
-                        slot = self.slots.get(signature) if self.graphs and not host else None
-                        if slot is not None:
-                            return self._replay_device(slot, device, wanted, make_options, caller)
-                        return self._run_device_on_lane(signature, host, device, wanted, make_options, caller)
+                    slot = self.slots.get(signature) if self.graphs and not host else None
+                    if slot is not None:
+                        return self._replay_device(slot, device, wanted, make_options, caller)
+                    return self._run_device_on_lane(signature, host, device, wanted, make_options, caller)
 
                 return self._on_graph_thread(work)
         except RuntimeError as error:
-            self._raise_as_run(error, feeds, wanted, make_options)
+            return [cupy.asarray(a) for a in self._raise_as_run(error, feeds, wanted, make_options)]
 
     def _run_device_on_lane(self, signature: tuple, host: dict, device: dict, wanted: List[str],
                             make_options: Optional[Callable], caller) -> list:  # fmt: skip
@@ -258,11 +282,27 @@ class CudaSessionIO:
             self._give_lane(lane)
 
     def _on_graph_thread(self, work: Callable):
-        """``work()`` here without graphs; with graphs, on the session's one graph thread (rule 3), its result or
+        """``work()`` (called under the session's device): here without graphs; with graphs one call at a time
+        (rule 3), here on the owner thread (the first to call), else on the session's worker thread, its result or
         its exception handed back."""
         if self._graph_thread is None:
             return work()
-        return self._graph_thread.submit(work).result()
+        me = threading.get_ident()
+        if self._graph_owner is None:
+            with self._lanes_lock:
+                if self._graph_owner is None:
+                    self._graph_owner = me
+        if me == self._graph_owner:
+            with self._graph_lock:
+                return work()
+        return self._graph_thread.submit(self._on_worker, work).result()
+
+    def _on_worker(self, work: Callable):
+        import cupy
+
+        ignore_other_captures()  # rule 6: the owner, or another session's worker, may be capturing
+        with cupy.cuda.Device(self.device_id), self._graph_lock:
+            return work()
 
     @staticmethod
     def _host_bytes(feeds: Mapping) -> int:
@@ -340,9 +380,12 @@ class CudaSessionIO:
                 host[name] = array
         return host, device
 
-    def _raise_as_run(self, error: RuntimeError, feeds: Mapping, wanted: List[str], make_options) -> None:
+    def _raise_as_run(self, error: RuntimeError, feeds: Mapping, wanted: List[str], make_options) -> list:
         """Raise what ORT's ``run`` raises for this failed call (ort_checks.execution_error: a stock node's
-        failure through IOBinding has lost its type), else ``error`` itself."""
+        failure through IOBinding has lost its type), else ``error`` itself. A run that failed because a CUDA graph
+        capture broke (rule 6: a thread outside mha_ep made an unsafe CUDA call meanwhile, or the capture itself
+        could not allocate) is run once more, eagerly, and its outputs (NumPy) are the call's answer; counted in
+        ``capture_retries``."""
         import cupy
 
         def rerun():
@@ -354,8 +397,11 @@ class CudaSessionIO:
                 host[name] = cupy.asnumpy(array) if on_device else value
             options = (make_options or self._options)()
             options.add_run_config_entry("gpu_graph_id", "-1")  # never a capture on the failure path
-            self._on_graph_thread(lambda: self.session.run(wanted, host, options))
+            return self._on_graph_thread(lambda: self.session.run(wanted, host, options))
 
+        if self.graphs and capture_broke(error):
+            self.capture_retries += 1
+            return rerun()
         failure = execution_error(error, rerun)
         if failure is error:
             raise error
@@ -456,14 +502,17 @@ class CudaSessionIO:
             if options is None:
                 options = slot.options = self._options()
                 options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
+                if slot.direct_run is not None:
+                    slot.direct = _Direct(functools.partial(slot.direct_run, options))
         else:
             options = make_options()
             options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
-        if self.direct is None:
+        if slot.direct_run is None:
             self._ort(slot.binding, options)
+        elif make_options is None:
+            self._ort(slot.direct, options)
         else:
-            c_session, c_binding = self.direct[0], slot.binding._iobinding
-            self._ort(_Direct(lambda: c_session.run_with_iobinding(c_binding, options)), options)
+            self._ort(_Direct(functools.partial(slot.direct_run, options)), options)
         slot.calls += 1
 
     def _element(self, dtype) -> int:
@@ -485,8 +534,13 @@ class CudaSessionIO:
             self.slots[signature] = None
             return
         self._graph_count += 1  # ids from 1 (0 is ORT's own)
+        feeds = {**host, **device}
+        order = sorted(feeds)  # the signature's order: a replay's host feeds are staged in it (one DMA when small)
+        segments, total = pack_layout([(name, feeds[name].dtype, feeds[name].shape) for name in order])
         with cupy.cuda.Device(self.device_id):
-            inputs = {name: cupy.empty(array.shape, array.dtype) for name, array in {**host, **device}.items()}
+            block = cupy.cuda.alloc(total)  # one allocation: staging.stage_uploads may move it in one copy
+            inputs = {name: cupy.ndarray(feeds[name].shape, feeds[name].dtype, block + segments[name].offset)
+                      for name in order}  # fmt: skip
         outputs = {}
         for name, value in values.items():
             dtype = np.dtype(numpy_dtype(value.data_type()))
@@ -497,8 +551,11 @@ class CudaSessionIO:
             binding.bind_input(name, "cuda", self.device_id, array.dtype.type, list(array.shape), array.data.ptr)
         for name, value in outputs.items():
             binding.bind_ortvalue_output(name, value)
-        slot = GraphSlot(self._graph_count, inputs, outputs, binding)
+        slot = GraphSlot(self._graph_count, inputs, outputs, binding, order=order,
+                         addresses={name: array.data.ptr for name, array in inputs.items()})  # fmt: skip
         slot.views = {name: ortvalue_array(value) for name, value in outputs.items()}
+        if self.direct is not None:
+            slot.direct_run = functools.partial(self.direct[0].run_with_iobinding, binding._iobinding)
         self.slots[signature] = slot
 
     def _replay(self, lane: Lane, slot: GraphSlot, host: dict, device: dict, wanted: List[str],
@@ -507,11 +564,12 @@ class CudaSessionIO:
 
         if slot.event is not None:
             slot.event.synchronize()  # a run_device's copies out of the outputs have read them
-        names = [name for name in host if host[name].nbytes]
-        lane.transfers.upload([host[name] for name in names], [slot.inputs[name].data.ptr for name in names])
+        names = [name for name in slot.order if name in host and host[name].nbytes]
+        lane.transfers.upload([host[name] for name in names], [slot.addresses[name] for name in names],
+                              one_block=True)  # fmt: skip
         for name, array in device.items():
             if array.nbytes:
-                cupy.cuda.runtime.memcpyAsync(slot.inputs[name].data.ptr, array.data.ptr, array.nbytes,
+                cupy.cuda.runtime.memcpyAsync(slot.addresses[name], array.data.ptr, array.nbytes,
                                               cupy.cuda.runtime.memcpyDeviceToDevice, lane.stream.ptr)  # fmt: skip
         lane.stream.synchronize()
         self._run_slot(slot, make_options)
@@ -529,9 +587,11 @@ class CudaSessionIO:
             slot.event.synchronize()  # the last call's output copies (perhaps on another stream) have read
         copy = cupy.cuda.runtime.memcpyAsync
         to_device = cupy.cuda.runtime.memcpyDeviceToDevice
+        stream = caller.ptr
+        addresses = slot.addresses
         for name, array in device.items():
             if array.nbytes:
-                copy(slot.inputs[name].data.ptr, array.data.ptr, array.nbytes, to_device, caller.ptr)
+                copy(addresses[name], array.data.ptr, array.nbytes, to_device, stream)
         caller.synchronize()
         self._run_slot(slot, make_options)
         outputs = []
@@ -539,7 +599,7 @@ class CudaSessionIO:
             view = slot.views[name]
             out = cupy.empty(view.shape, view.dtype)
             if view.nbytes:
-                copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, caller.ptr)
+                copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, stream)
             outputs.append(out)
         if slot.event is None:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)

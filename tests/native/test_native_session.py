@@ -193,6 +193,48 @@ def test_threads_share_one_session_with_bad_calls_among_them(providers):
     assert soak.outputs_close(session.run(None, good.feeds), good.expected, 1e-3)
 
 
+def test_graph_calls_run_on_the_first_calling_thread_and_others_on_the_worker():
+    """cuda_io rule 3: a graph session's first calling thread runs its own calls (no thread switch), any other
+    thread's calls run on the session's worker thread, one call at a time; ORT keeps a graph per thread, so both
+    threads' replays of one signature read the same fixed buffers and give stock's answers."""
+    import threading
+
+    import cupy
+
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
+    io = session.cuda_io
+    ran_on = []
+    original = io._run
+
+    def recorded(binding, options):
+        ran_on.append(threading.get_ident())
+        return original(binding, options)
+
+    io._run = recorded
+
+    def calls(tag, count, results):
+        for call in range(count):
+            feeds = encoder_feeds(2, 8, hidden=64, seed=100 * len(tag) + call)
+            got = cupy.asnumpy(session.run_device(None, {n: cupy.asarray(v) for n, v in feeds.items()})[0])
+            results.append((f"{tag} call {call + 1}", got, stock_cuda(model, feeds)))
+
+    results, other = [], []
+    calls("first", 4, results)
+    thread = threading.Thread(target=calls, args=("other", 4, other))
+    thread.start()
+    thread.join()
+    calls("first again", 2, results)
+    for label, got, expected in results + other:
+        assert_close([got], expected, "float32", label)
+    main = threading.get_ident()
+    assert len(ran_on) == 10, ran_on
+    assert ran_on[:4] == [main] * 4 and ran_on[-2:] == [main] * 2, "the first thread ran its own calls"
+    assert len(set(ran_on[4:8])) == 1 and ran_on[4] not in (main, thread.ident), "the other's ran on the worker"
+    slot = next(slot for slot in io.slots.values() if slot is not None)
+    assert slot.calls == 9  # every call but the signature's first (eager) went through the slot
+
+
 def test_a_call_that_finds_the_lanes_taken_gets_a_lane_of_its_own():
     """No call waits on another call's copies: with the session's only lane out (as with a call in its copies),
     the next call gets a new lane, and both go back to the pool."""
