@@ -5,9 +5,14 @@ Columns (each its own session over the same model, on the CUDA provider, columns
   plain            ``onnxruntime.InferenceSession`` of the native form, mha_ep registered (mha_ep.register)
   session          ``mha_ep.InferenceSession`` (native/cuda_io.py: lanes per thread, no session-wide lock)
   session_graphs   the same with ORT's ``enable_cuda_graph`` (no peer: ORT forbids threads on one session while it
-                   uses CUDA graphs, so cuda_io serializes ORT's run there and overlaps the copies around it)
+                   uses CUDA graphs, so cuda_io runs one call at a time there, on the first caller's thread or the
+                   session's worker)
 With ``--devices 0,1``: ``gpu0`` (one mha_ep.InferenceSession on GPU 0) against ``gpu0+gpu1`` (one on each GPU at
 once, ``--threads`` threads per GPU); ``vs`` is the pair's good calls per second over the one's.
+
+``vs`` is the median over the rounds of each round's ratio (a column against its peer in the same round), and
+``vs_rounds`` lists them: on a shared host a whole column's rate moves between runs (plain ORT's between 520 and
+4,469 good/s on the H200 machines of one day), and a round's pair ran minutes apart at most.
 
 The calls: a pool of good feeds (``--shapes`` (batch, sequence) pairs drawn once; expected outputs from stock ORT
 CUDA, one thread) and BAD_KINDS of bad ones made from them (expected: the exception type stock ORT's ``run``
@@ -223,6 +228,15 @@ def soak(calls: List[Callable], cases: List[Case], threads: int, seconds: Option
     return total
 
 
+def ratio_of_rounds(numerators: List[float], denominators: List[float]) -> tuple:
+    """(median, each round's ratio rounded to 3 places) of ``numerators[i] / denominators[i]`` over the rounds
+    where the denominator is positive; (None, []) where none is."""
+    ratios = [n / d for n, d in zip(numerators, denominators) if d > 0]
+    if not ratios:
+        return None, []
+    return round(float(np.median(ratios)), 3), [round(r, 3) for r in ratios]
+
+
 def cuda_session(model, device_id: int = 0, graphs: bool = False):
     import mha_ep
 
@@ -245,12 +259,14 @@ def bench_threads(model, args, cases) -> List[dict]:
     mine = {"session": cuda_session(model), "session_graphs": cuda_session(model, graphs=True)}
     columns.update({name: s.run for name, s in mine.items()})
     tallies = {name: Tally() for name in columns}
+    rates = {name: [] for name in columns}  # good calls per second, round by round
     for round_index in range(args.rounds):
         for name, call in columns.items():
             got = soak([call], cases, args.threads, args.seconds / args.rounds, args.bad, args.tolerance,
                        seed=1000 * round_index)  # fmt: skip
             tallies[name].add(got)
             tallies[name].seconds += got.seconds
+            rates[name].append(got.good / got.seconds if got.seconds else 0.0)
     rows = []
     for name, tally in tallies.items():
         row = {"column": name, "threads": args.threads, **tally.row()}
@@ -260,10 +276,9 @@ def bench_threads(model, args, cases) -> List[dict]:
         rows.append(row)
     by = {r["column"]: r for r in rows}
     for name in ("plain", "session", "session_graphs"):
-        if by["stock"]["good_per_s"]:
-            by[name]["vs_stock"] = round(by[name]["good_per_s"] / by["stock"]["good_per_s"], 3)
-        if name != "plain" and by["plain"]["good_per_s"]:
-            by[name]["vs_plain"] = round(by[name]["good_per_s"] / by["plain"]["good_per_s"], 3)
+        for peer in ("stock", "plain"):
+            if peer != name:
+                by[name][f"vs_{peer}"], by[name][f"vs_{peer}_rounds"] = ratio_of_rounds(rates[name], rates[peer])
     return rows
 
 
@@ -271,19 +286,21 @@ def bench_devices(model, args, cases, devices: List[int]) -> List[dict]:
     sessions_ = {d: cuda_session(model, device_id=d) for d in devices}
     one = Tally()
     both = Tally()
+    rates: tuple = ([], [])  # good calls per second of the one and of the pair, round by round
     for round_index in range(args.rounds):
         got = soak([sessions_[devices[0]].run], cases, args.threads, args.seconds / args.rounds, args.bad,
                    args.tolerance, seed=1000 * round_index)  # fmt: skip
         one.add(got)
         one.seconds += got.seconds
+        rates[0].append(got.good / got.seconds if got.seconds else 0.0)
         got = soak([sessions_[d].run for d in devices], cases, args.threads, args.seconds / args.rounds, args.bad,
                    args.tolerance, seed=1000 * round_index)  # fmt: skip
         both.add(got)
         both.seconds += got.seconds
+        rates[1].append(got.good / got.seconds if got.seconds else 0.0)
     first = {"column": f"gpu{devices[0]}", "threads": args.threads, **one.row()}
     pair = {"column": "+".join(f"gpu{d}" for d in devices), "threads": args.threads * len(devices), **both.row()}
-    if first["good_per_s"]:
-        pair["vs_one"] = round(pair["good_per_s"] / first["good_per_s"], 3)
+    pair["vs_one"], pair["vs_one_rounds"] = ratio_of_rounds(rates[1], rates[0])
     for d, session in sessions_.items():
         pair[f"clean_after_gpu{d}"] = {**state_after(session), "answers": outputs_close(
             session.run(None, cases[0].feeds), cases[0].expected, args.tolerance)}  # fmt: skip
@@ -306,7 +323,8 @@ def load_model(name: str):
 
 
 def format_row(r: dict) -> str:
-    ratio = r.get("vs_plain", r.get("vs_one", r.get("vs_stock", "")))
+    key = next((k for k in ("vs_plain", "vs_one", "vs_stock") if r.get(k) is not None), None)
+    ratio = "" if key is None else f"{r[key]} ({min(r[key + '_rounds'])}-{max(r[key + '_rounds'])})"
     return (f"| {r['column']} | {r['threads']} | {r['good']} | {r['good_per_s']} | {ratio} | {r['wrong']} | "
             f"{r['bad_typed']} | {r['mistyped']} | {r['p50_ms']} | {r['p99_ms']} | {r.get('clean_after', '')} |")
 
@@ -318,7 +336,8 @@ def main(argv: Optional[list] = None) -> int:
                         help="a shipped model's file name, 'bert-base-f16', or a path")
     parser.add_argument("--threads", type=int, default=8, help="threads per session")
     parser.add_argument("--seconds", type=float, default=30.0, help="each column's total time")
-    parser.add_argument("--rounds", type=int, default=3, help="turns the columns take (seconds split between them)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="turns the columns take (seconds split between them); vs is the median of the rounds'")
     parser.add_argument("--bad", type=float, default=0.3, help="the share of bad calls")
     parser.add_argument("--shapes", type=int, default=24, help="good (batch, sequence) calls in the pool")
     parser.add_argument("--batches", default="1,2,3,4,8", help="the good calls' batch sizes")
@@ -343,7 +362,7 @@ def main(argv: Optional[list] = None) -> int:
     kinds = sorted({c.kind for c in cases} - {"good"})
     write(f"soak: {args.model}, {len(cases)} calls in the pool ({args.shapes} good shapes; bad kinds: {kinds}), "
           f"{args.threads} threads per session, {args.seconds:g} s a column in {args.rounds} turns")
-    print("| column | threads | good calls | good/s | vs | wrong | bad, stock's type | mistyped | p50 ms | p99 ms "
+    print("| column | threads | good calls | good/s | vs (rounds) | wrong | bad, stock's type | mistyped | p50 ms | p99 ms "
           "| after |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     devices = [int(d) for d in args.devices.split(",") if d.strip()]

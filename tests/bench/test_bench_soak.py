@@ -63,3 +63,14 @@ def test_outputs_close_holds_nan_to_nan_and_shapes_exactly():
     assert not soak.outputs_close([np.array([1.0, 0.0], np.float32)], [a], 1e-6)
     assert not soak.outputs_close([a[:1]], [a], 1e-6)
     assert not soak.outputs_close([a.astype(np.float64)], [a], 1e-6)
+
+
+def test_a_ratio_is_the_median_of_each_rounds_ratio_and_the_row_shows_their_range():
+    """A column's rate moves between rounds on a shared host; its peer's in the same round moves with it."""
+    median, rounds = soak.ratio_of_rounds([90.0, 300.0, 50.0, 10.0], [100.0, 200.0, 100.0, 0.0])
+    assert (median, rounds) == (0.9, [0.9, 1.5, 0.5])  # the round whose peer made no good call is left out
+    assert soak.ratio_of_rounds([1.0], [0.0]) == (None, [])
+    row = {"column": "session", "threads": 8, "good": 10, "good_per_s": 5.0, "vs_plain": median,
+           "vs_plain_rounds": rounds, "wrong": 0, "bad_typed": 1, "mistyped": 0, "p50_ms": 1.0, "p99_ms": 2.0}
+    assert "| 0.9 (0.5-1.5) |" in soak.format_row(row)
+    assert "| 5.0 |  | 0 |" in soak.format_row({**row, "vs_plain": None, "vs_plain_rounds": []})
