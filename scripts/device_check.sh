@@ -21,7 +21,8 @@
 #              $OUT/generate (or $OUT/generate-$DTYPE)
 #   serving    mha-ep bench native --rows serving: a new (B, S) on every call, into $OUT/serving
 #   nprofile   scripts/profile_native.py: a Whisper-sized encoder's kernels, a B=1 S=32 first call's planner
-#   bench      mha-ep bench device (the encoder rows; REAL=DIR adds the real-weight rows), into $OUT/bench
+#   bench      mha-ep bench device (the encoder rows; REAL=DIR adds the real-weight rows; ONLY=TEXT the rows whose
+#              label has it, SKIP=a,b columns left out), into $OUT/bench (or $OUT/bench-TEXT)
 #   real       Whisper tiny.en and MiniLM from the model packs ($PACKS), tokens and embeddings vs stock ORT
 #              (MODE=device|native)
 #   optimum    examples/optimum_native.py's flow on the CUDA provider (wheels in $OPT_WHEELS; models from `real`)
@@ -64,6 +65,8 @@ export PYTHONPATH=$PWD:$ORT_SITE:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFER
 # grep -v exits 1 when it passes no line (pip -q prints none): that is no failure of the step
 quiet() { grep -v "W:onnxruntime\|WARNING: Target" || true; }
 PYTEST_GPU="python3 -m pytest -q -p no:cacheprovider -m gpu"
+# bench's output folder per ONLY= row filter, so two filtered runs in one call keep both JSON files
+only_tag() { [ -n "${ONLY:-}" ] && printf -- '-%s' "$(printf '%s' "$ONLY" | tr -c 'A-Za-z0-9' '_')"; }
 
 install_ort_gpu() {
   local wheel
@@ -121,7 +124,7 @@ for step in "$@"; do
       fi
       if [ -n "${REAL:-}" ]; then extra=(--models-dir "$REAL"); else extra=(--rows encoder); fi
       timeout 500 python3 -m mha_ep bench device --repeats "${REPEATS:-10}" --rows "${ROWS:-all}" "${extra[@]}" \
-        --skip "${SKIP:-}" --only "${ONLY:-}" --out "$OUT/bench" 2>&1 | quiet ;;
+        --skip "${SKIP:-}" --only "${ONLY:-}" --out "$OUT/bench$(only_tag)" 2>&1 | quiet ;;
     real) timeout 400 python3 scripts/device_real_models.py --packs $PACKS --tokenizers "$TOKENIZERS" --backend cuda \
             --device-mode "${MODE:-device}" --out "${REAL:-/tmp/real}" 2>&1 | quiet | tail -40 ;;
     optimum)

@@ -157,7 +157,7 @@ def judge(case: Case, call: Callable, tolerance: float, tally: Tally) -> None:
         setattr(tally, kind, getattr(tally, kind) + 1)
         if len(tally.examples) < 5:
             want = case.expected.__name__ if isinstance(case.expected, type) else "outputs"
-            tally.examples.append(f"{case.kind}: raised {type(error).__name__}: {str(error)[:160]} (stock: {want})")
+            tally.examples.append(f"{case.kind}: raised {type(error).__name__}: {str(error)[:400]} (stock: {want})")
         return
     elapsed = time.perf_counter() - start
     if isinstance(case.expected, type):
@@ -246,9 +246,10 @@ def cuda_session(model, device_id: int = 0, graphs: bool = False):
 
 
 def state_after(session) -> dict:
-    """What an mha_ep session holds once every call returned: graph slots, lanes out (both must be 0)."""
+    """What an mha_ep session holds once every call returned (lanes out: must be 0), and how many calls an eager
+    run answered after a graph capture broke (cuda_io.capture_retries)."""
     io = session.cuda_io
-    return {} if io is None else io.in_use()
+    return {} if io is None else {**io.in_use(), "capture_retries": io.capture_retries}
 
 
 def bench_threads(model, args, cases) -> List[dict]:
