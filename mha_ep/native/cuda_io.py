@@ -400,7 +400,8 @@ class CudaSessionIO:
             return self._on_graph_thread(lambda: self.session.run(wanted, host, options))
 
         if self.graphs and capture_broke(error):
-            self.capture_retries += 1
+            with self._lanes_lock:  # callers' threads count here
+                self.capture_retries += 1
             return rerun()
         failure = execution_error(error, rerun)
         if failure is error:
