@@ -31,9 +31,9 @@ Threads: any number may call at once, as onnxruntime allows.
      on the session's worker thread; the calling threads check and split their calls. ORT's CUDA provider may not
      run one session from several threads at once while it uses CUDA graphs (its documentation says so), and it
      keeps its graphs per thread (the provider's PerThreadContext: each of the two threads warms up and captures
-     a signature once, over the slot's same fixed buffers). A hop to the worker costs 0.25-0.5 ms a call on the
-     H200's host (scripts/profile_session_graph.py, "C - C'"), which a loop on one thread (a decoder's, a
-     benchmark's) does not pay. Without graphs nothing is serialized and every call runs on its own thread.
+     a signature once, over the slot's same fixed buffers). A hop to the worker costs a thread switch each way
+     (docs/BENCH.md section 8, "a graph session's first caller runs its own calls"; scripts/
+     profile_session_graph.py, "C - C'"), which a loop on one thread (a decoder's, a benchmark's) does not pay. Without graphs nothing is serialized and every call runs on its own thread.
   4. A call's feeds and outputs are checked against the model once per call key (names, shapes, dtypes, where the
      feeds lie): the verdict is remembered (``_verdicts``), so a repeated call pays one dictionary lookup.
   5. A host call whose feeds and outputs are small (OWN_RUN_MAX_BYTES: the feeds before the call, the outputs
