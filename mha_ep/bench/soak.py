@@ -363,8 +363,8 @@ def main(argv: Optional[list] = None) -> int:
     kinds = sorted({c.kind for c in cases} - {"good"})
     write(f"soak: {args.model}, {len(cases)} calls in the pool ({args.shapes} good shapes; bad kinds: {kinds}), "
           f"{args.threads} threads per session, {args.seconds:g} s a column in {args.rounds} turns")
-    print("| column | threads | good calls | good/s | vs (rounds) | wrong | bad, stock's type | mistyped | p50 ms | p99 ms "
-          "| after |")  # fmt: skip
+    print("| column | threads | good calls | good/s | vs (rounds) | wrong | bad, stock's type | mistyped | p50 ms "
+          "| p99 ms | after |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     devices = [int(d) for d in args.devices.split(",") if d.strip()]
     rows = bench_devices(model, args, cases, devices) if len(devices) > 1 else bench_threads(model, args, cases)
