@@ -64,12 +64,13 @@ def current() -> Optional[int]:
 
 
 def ignore_other_captures() -> bool:
-    """Put this thread in THREAD_LOCAL mode (a RELAXED one stays RELAXED), once per thread: a thread-local flag
-    after that. False where the driver has no such call; the thread then keeps its mode."""
-    if getattr(_state, "set", False):
-        return True
+    """Put this thread in THREAD_LOCAL mode (a RELAXED one stays RELAXED), once per thread: the answer is kept in a
+    thread-local flag after that. False where the driver has no such call; the thread then keeps its mode."""
+    done = getattr(_state, "done", None)
+    if done is not None:
+        return done
     before = exchange(THREAD_LOCAL)
     if before == RELAXED:  # the thread's owner chose a laxer mode: keep it
         exchange(RELAXED)
-    _state.set = before is not None
-    return _state.set
+    _state.done = before is not None
+    return _state.done

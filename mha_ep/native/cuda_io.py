@@ -181,8 +181,9 @@ class CudaSessionIO:
     ``make_options``: the caller's run options)."""
 
     def __init__(self, session, device_id: int, graphs: bool, run: Callable, options: Callable):
-        from mha_ep.native.transfer import PinnedOutputs
+        from mha_ep.native.transfer import PinnedOutputs, is_host_feed
 
+        self._is_host_feed = is_host_feed  # transfer.py imports CuPy: looked up once here, used on every call
         self.session = session
         self.device_id = device_id
         self.graphs = graphs
@@ -212,16 +213,14 @@ class CudaSessionIO:
     def run_host(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
         """NumPy (or device) feeds in, NumPy outputs out: small host calls through ORT's own ``run`` (rule 5 of
         the module docstring), others through page-locked memory."""
-        import cupy
-
-        from mha_ep.native.transfer import is_host_feed
-
         ignore_other_captures()  # rule 6
         key, known = self._known(feeds, output_names)
         wanted = known[0] if known is not None else self._checked(feeds, output_names)
-        if not self.graphs and (known is None or known[2]) and all(map(is_host_feed, feeds.values())) \
+        if not self.graphs and (known is None or known[2]) and all(map(self._is_host_feed, feeds.values())) \
                 and self._host_bytes(feeds) <= OWN_RUN_MAX_BYTES:  # fmt: skip
             return self._own_run(key, known, wanted, output_names, feeds, make_options)
+        import cupy
+
         try:
             with cupy.cuda.Device(self.device_id):
                 host, device = self._split(feeds, checked=known is not None)

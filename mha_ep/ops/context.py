@@ -14,10 +14,9 @@ travel beside it. ``current_backend`` is the one way the op finds its backend:
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
 
 _local = threading.local()
 _default_lock = threading.Lock()
@@ -56,15 +55,24 @@ class RunContext:
             self.run_options.terminate = True
 
 
-@contextlib.contextmanager
-def run_context(backend, run_options=None) -> Iterator[RunContext]:
-    previous = getattr(_local, "context", None)
-    context = RunContext(backend, run_options)
-    _local.context = context
-    try:
-        yield context
-    finally:
-        _local.context = previous
+class run_context:
+    """``with run_context(backend, run_options) as context:`` this thread's RunContext for one run, the previous one
+    back after it (a class, not a generator: it is entered on every call of a GPU session's small-call path)."""
+
+    __slots__ = ("context", "previous")
+
+    def __init__(self, backend, run_options=None):
+        self.context = RunContext(backend, run_options)
+        self.previous: Optional[RunContext] = None
+
+    def __enter__(self) -> RunContext:
+        self.previous = getattr(_local, "context", None)
+        _local.context = self.context
+        return self.context
+
+    def __exit__(self, *exc_info) -> bool:
+        _local.context = self.previous
+        return False
 
 
 def current_context() -> Optional[RunContext]:
