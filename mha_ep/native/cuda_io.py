@@ -216,9 +216,12 @@ class CudaSessionIO:
         ignore_other_captures()  # rule 6
         key, known = self._known(feeds, output_names)
         wanted = known[0] if known is not None else self._checked(feeds, output_names)
-        if not self.graphs and (known is None or known[2]) and all(map(self._is_host_feed, feeds.values())) \
-                and self._host_bytes(feeds) <= OWN_RUN_MAX_BYTES:  # fmt: skip
-            return self._own_run(key, known, wanted, output_names, feeds, make_options)
+        if not self.graphs:
+            if known is not None:  # a remembered key: its feeds' kinds and sizes are the key's
+                if known[2]:
+                    return self._own_run(key, known, wanted, output_names, feeds, make_options)
+            elif all(map(self._is_host_feed, feeds.values())) and self._host_bytes(feeds) <= OWN_RUN_MAX_BYTES:
+                return self._own_run(key, known, wanted, output_names, feeds, make_options)
         import cupy
 
         try:
