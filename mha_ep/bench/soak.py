@@ -69,10 +69,14 @@ class Tally:
         self.latencies += other.latencies
         self.examples += other.examples[: max(0, 5 - len(self.examples))]
 
+    @property
+    def good_per_s(self) -> float:
+        return self.good / self.seconds if self.seconds else 0.0
+
     def row(self) -> dict:
         lat = sorted(self.latencies)
         return {"good": self.good, "wrong": self.wrong, "bad_typed": self.bad_typed, "mistyped": self.mistyped,
-                "seconds": round(self.seconds, 3), "good_per_s": round(self.good / self.seconds, 1) if self.seconds else 0.0,
+                "seconds": round(self.seconds, 3), "good_per_s": round(self.good_per_s, 1),
                 "p50_ms": round(1e3 * lat[len(lat) // 2], 3) if lat else None,
                 "p99_ms": round(1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
                 "examples": self.examples}  # fmt: skip
@@ -267,7 +271,7 @@ def bench_threads(model, args, cases) -> List[dict]:
                        seed=1000 * round_index)  # fmt: skip
             tallies[name].add(got)
             tallies[name].seconds += got.seconds
-            rates[name].append(got.good / got.seconds if got.seconds else 0.0)
+            rates[name].append(got.good_per_s)
     rows = []
     for name, tally in tallies.items():
         row = {"column": name, "threads": args.threads, **tally.row()}
@@ -293,12 +297,12 @@ def bench_devices(model, args, cases, devices: List[int]) -> List[dict]:
                    args.tolerance, seed=1000 * round_index)  # fmt: skip
         one.add(got)
         one.seconds += got.seconds
-        rates[0].append(got.good / got.seconds if got.seconds else 0.0)
+        rates[0].append(got.good_per_s)
         got = soak([sessions_[d].run for d in devices], cases, args.threads, args.seconds / args.rounds, args.bad,
                    args.tolerance, seed=1000 * round_index)  # fmt: skip
         both.add(got)
         both.seconds += got.seconds
-        rates[1].append(got.good / got.seconds if got.seconds else 0.0)
+        rates[1].append(got.good_per_s)
     first = {"column": f"gpu{devices[0]}", "threads": args.threads, **one.row()}
     pair = {"column": "+".join(f"gpu{d}" for d in devices), "threads": args.threads * len(devices), **both.row()}
     pair["vs_one"], pair["vs_one_rounds"] = ratio_of_rounds(rates[1], rates[0])

@@ -204,7 +204,7 @@ class CudaSessionIO:
         self._graph_lock = threading.Lock()
         self._graph_owner: Optional[int] = None
         self._graph_thread = ThreadPoolExecutor(1, "mha_ep_graphs") if graphs else None
-        self.capture_retries = 0  # calls answered by an eager run after a graph capture broke (_raise_as_run)
+        self.capture_retries = 0  # calls answered by an eager run after a graph capture broke (_rerun_or_raise)
         self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature, ORT's own run takes it)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
@@ -241,7 +241,7 @@ class CudaSessionIO:
 
                 return self._on_graph_thread(work)
         except RuntimeError as error:
-            return self._raise_as_run(error, feeds, wanted, make_options)
+            return self._rerun_or_raise(error, feeds, wanted, make_options)
 
     def run_device(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
         """Device (or NumPy) feeds in, CuPy outputs out."""
@@ -264,7 +264,7 @@ class CudaSessionIO:
 
                 return self._on_graph_thread(work)
         except RuntimeError as error:
-            return [cupy.asarray(a) for a in self._raise_as_run(error, feeds, wanted, make_options)]
+            return [cupy.asarray(a) for a in self._rerun_or_raise(error, feeds, wanted, make_options)]
 
     def _run_device_on_lane(self, signature: tuple, host: dict, device: dict, wanted: List[str],
                             make_options: Optional[Callable], caller) -> list:  # fmt: skip
@@ -383,7 +383,7 @@ class CudaSessionIO:
                 host[name] = array
         return host, device
 
-    def _raise_as_run(self, error: RuntimeError, feeds: Mapping, wanted: List[str], make_options) -> list:
+    def _rerun_or_raise(self, error: RuntimeError, feeds: Mapping, wanted: List[str], make_options) -> list:
         """Raise what ORT's ``run`` raises for this failed call (ort_checks.execution_error: a stock node's
         failure through IOBinding has lost its type), else ``error`` itself. A run that failed because a CUDA graph
         capture broke (rule 6: a thread outside mha_ep made an unsafe CUDA call meanwhile, or the capture itself
