@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import warnings
 from typing import Optional, Sequence
 
 import onnx
@@ -106,12 +107,19 @@ class InferenceSession:
         attach(options, self.backend, self.route)
         providers = list(providers or ["CPUExecutionProvider"])
         graph_note = ""
+        ort_stream, added = None, False
+        native_cuda = on_cuda and self.route == "native" and self.backend.name == "cuda"
+        if native_cuda and wants_cuda_graph(providers, provider_options):
+            # cuda_io rule 7: ORT's graphs run on a stream the session knows, so its copies queue around a replay
+            providers, provider_options, ort_stream, added = with_session_stream(providers, provider_options, device_id)
         try:
             self._session = _make_session(self.partition.model, options, providers, provider_options, **kwargs)
         except Exception as error:  # noqa: BLE001 - ORT refuses its CUDA graph when a node runs on the CPU
             if not wants_cuda_graph(providers, provider_options):
                 raise
-            providers, provider_options = without_cuda_graph(providers, provider_options)
+            providers, provider_options = without_cuda_graph(providers, provider_options,
+                                                             drop_stream=ort_stream is not None and added)  # fmt: skip
+            ort_stream = None
             self._session = _make_session(self.partition.model, options, providers, provider_options, **kwargs)
             graph_note = f"; ORT refused its CUDA graph ({str(error).splitlines()[0][:200]}), so every call runs eagerly"
         self.mode_reason = f"{route_reason}{graph_note}"
@@ -125,7 +133,7 @@ class InferenceSession:
             else:
                 graphs = wants_cuda_graph(providers, provider_options)
                 self._io = CudaSessionIO(self._session, device_id, graphs, self._run_binding,
-                                         lambda: own_run_options(None))  # fmt: skip
+                                         lambda: own_run_options(None), ort_stream=ort_stream)  # fmt: skip
                 self.mode_reason += ("; one ORT CUDA session: NumPy feeds and outputs move through page-locked "
                                      "memory, run_device keeps them on the GPU"
                                      + ("; ORT's CUDA graph per call signature" if graphs else ""))  # fmt: skip
@@ -308,12 +316,18 @@ def on_one_device(device_id: Optional[int], providers, provider_options) -> tupl
     if CUDA_PROVIDER not in names or int(device_id) == 0:
         return int(device_id), providers, provider_options
     options["device_id"] = str(int(device_id))
+    return (int(device_id), *with_cuda_options(providers, provider_options, options))
+
+
+def with_cuda_options(providers, provider_options, options: dict) -> tuple:
+    """(providers, provider_options): copies of the caller's, the CUDA provider's options replaced by ``options``
+    (in whichever of onnxruntime's two ways the caller passed them)."""
+    names = provider_names(providers)
     if provider_options is not None:
         provider_options = [dict(o or {}) for o in provider_options]
         provider_options[names.index(CUDA_PROVIDER)] = options
-        return int(device_id), list(providers), provider_options
-    providers = [(CUDA_PROVIDER, options) if name == CUDA_PROVIDER else p for name, p in zip(names, providers)]
-    return int(device_id), providers, None
+        return names, provider_options
+    return [(CUDA_PROVIDER, options) if name == CUDA_PROVIDER else p for name, p in zip(names, providers)], None
 
 
 def wants_cuda_graph(providers, provider_options) -> bool:
@@ -322,16 +336,36 @@ def wants_cuda_graph(providers, provider_options) -> bool:
     return str(value).lower() not in ("0", "false", "")
 
 
-def without_cuda_graph(providers, provider_options) -> tuple:
-    """(providers, provider_options) with the CUDA provider's ``enable_cuda_graph`` taken out."""
-    names = provider_names(providers)
+def with_session_stream(providers, provider_options, device_id: int) -> tuple:
+    """(providers, provider_options, stream, added): the CUDA provider's compute stream as a CuPy stream. The
+    caller's own ``user_compute_stream`` where it gave one (``added`` False); else a new non-blocking stream of the
+    session's, added to copies of the options (the caller's lists stay as they were). Only for sessions under
+    ORT's CUDA graphs (cuda_io rule 7): their calls run one at a time anyway, and the copies around a replay then
+    queue on the replay's own stream."""
+    import cupy
+
+    options = cuda_options_of(providers, provider_options)
+    given = options.get("user_compute_stream")
+    if given not in (None, "", "0", 0):
+        with warnings.catch_warnings():  # CuPy 13 deprecates ExternalStream for stream objects; this is a pointer
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return providers, provider_options, cupy.cuda.ExternalStream(int(given), device_id), False
+    with cupy.cuda.Device(device_id):
+        stream = cupy.cuda.Stream(non_blocking=True)
+    options.update({"user_compute_stream": str(stream.ptr), "has_user_compute_stream": "1"})
+    return (*with_cuda_options(providers, provider_options, options), stream, True)
+
+
+def without_cuda_graph(providers, provider_options, drop_stream: bool = False) -> tuple:
+    """(providers, provider_options) with the CUDA provider's ``enable_cuda_graph`` taken out, and with
+    ``drop_stream`` the ``user_compute_stream`` that with_session_stream added: eager calls run on streams of their
+    own."""
     options = cuda_options_of(providers, provider_options)
     options.pop("enable_cuda_graph", None)
-    if provider_options is not None:
-        provider_options = [dict(o or {}) for o in provider_options]
-        provider_options[names.index(CUDA_PROVIDER)] = options
-        return [provider_names([p])[0] for p in providers], provider_options
-    return [(CUDA_PROVIDER, options) if name == CUDA_PROVIDER else p for name, p in zip(names, providers)], None
+    if drop_stream:
+        options.pop("user_compute_stream", None)
+        options.pop("has_user_compute_stream", None)
+    return with_cuda_options(providers, provider_options, options)
 
 
 class _GraphArg:

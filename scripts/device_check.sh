@@ -134,7 +134,7 @@ for step in "$@"; do
     demo) timeout 200 python3 -m mha_ep demo 2>&1 | quiet | tail -15 ;;
     soak) timeout 400 python3 -m mha_ep bench soak --seconds "${SOAK_SECONDS:-30}" \
             --model "${MODEL:-bert_random_mask2d_fp32.onnx}" --out "$OUT/soak" 2>&1 | quiet | tail -12 ;;
-    hostpath) timeout 300 python3 scripts/profile_session_graph.py --repeats "${REPEATS:-15}" 2>&1 | quiet | tail -8 ;;
+    hostpath) timeout 300 python3 scripts/profile_session_graph.py --repeats "${REPEATS:-15}" 2>&1 | quiet | tail -14 ;;
     twogpu)
       timeout 200 $PYTEST_GPU tests/native/test_two_gpus.py 2>&1 | quiet | tail -5
       timeout 120 python3 examples/serve_two_gpus.py 2>&1 | quiet | tail -3

@@ -2,20 +2,27 @@
 
     PYTHONPATH=$PWD:/tmp/ortsite:/tmp/site python3 scripts/profile_session_graph.py [--repeats 15]
 
-Per BERT-base row, five calls timed in turns (medians, ms), each ending when its outputs are ready:
+Per BERT-base row, calls timed in turns (medians, ms), each ending when its outputs are ready:
   A  stock ORT CUDA, enable_cuda_graph, inputs and outputs bound at fixed addresses (its graph replayed)
   B  a plain ORT session on the native route, the same binding and graph (the native op inside ORT's graph)
   C  mha_ep.InferenceSession with enable_cuda_graph, run_device on CuPy feeds (cuda_io: copies in and out)
-  C' the same session's ORT call alone (the replay inside C, timed around run_with_iobinding)
+  C' the same session's ORT call alone (the replay inside C, timed around its run_with_iobinding)
   D  device mode, run_device (its whole-call graph)
-B - A is the native op against stock's attention inside ORT's graph, C - B what cuda_io adds around the replay,
+  E  the graph session's run on NumPy feeds, NumPy outputs (E' its ORT call)
+  F  stock's graph fed from NumPy: each feed copied into its bound buffer, the replay, each output copied back
+B - A is the native op against stock's attention inside ORT's graph, C - C' what cuda_io adds around the replay,
 D - B a whole-call graph of our own against ORT's graph with the native op's launches in it.
+
+A second table splits C and E into segments (medians, µs) between marks set where cuda_io's methods begin (">")
+and end ("<"); "sync" is the caller's wait for the outputs. A segment that holds a host wait on the GPU shows it.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections import defaultdict
 
 import cupy
 import onnxruntime as ort
@@ -24,9 +31,38 @@ import mha_ep
 from mha_ep.bench.native import bound_call, output_values
 from mha_ep.bench.timer import paired_medians
 from mha_ep.models.synthetic import bert_encoder, encoder_feeds
+from mha_ep.native.transfer import HostTransfers
 
 CUDA = "CUDAExecutionProvider"
 GRAPH = [(CUDA, {"enable_cuda_graph": "1"}), "CPUExecutionProvider"]
+
+
+def probe(owner, name: str, marks: list) -> None:
+    """Wrap ``owner.name`` (a method) so that each call appends (name>, t) on entry and (name<, t) on return."""
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        marks.append((name + ">", time.perf_counter()))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            marks.append((name + "<", time.perf_counter()))
+
+    setattr(owner, name, wrapped)
+
+
+def segments(call, marks: list, repeats: int) -> str:
+    """Median µs of each segment between consecutive marks of ``call`` (run ``repeats`` times after a warm-up)."""
+    spans = defaultdict(list)
+    for index in range(repeats + 3):
+        marks.clear()
+        call()
+        marks.append(("sync", time.perf_counter()))
+        if index < 3:
+            continue
+        for (a, ta), (b, tb) in zip(marks, marks[1:]):
+            spans[f"{a} {b}"].append((tb - ta) * 1e6)
+    return ", ".join(f"{k}: {statistics.median(v):.0f}" for k, v in spans.items())
 
 
 def main() -> None:
@@ -34,9 +70,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     ort.preload_dlls()
-    print("| row | A stock graph | B native op in ORT graph | C session graph run_device | C' its ORT call | D device mode "
-          "| C - C' µs | C / D |")
-    print("|---|---|---|---|---|---|---|---|")
+    header = ("| row | A stock graph | B native op in ORT graph | C session graph run_device | C' its ORT call "
+              "| D device mode | C - C' µs | C / D | E session graph run (NumPy) | E' its ORT call | F stock graph "
+              "NumPy | E - E' µs | E / F |")
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    breakdown = []
+    marks: list = []  # every probe's (name, time) marks: one list, cleared per call
     for batch, sequence, dtype in ((8, 128, "float32"), (8, 128, "float16"), (8, 512, "float16"), (1, 32, "float32")):
         model = bert_encoder(dtype=dtype)
         feeds = encoder_feeds(batch, sequence, dtype=dtype)
@@ -46,10 +86,27 @@ def main() -> None:
         plain = ort.InferenceSession(mha_ep.partition(model, route="native").model.SerializeToString(), options,
                                      providers=GRAPH)
         calls = []
+        stock_values = None
         for session in (stock, plain):
             _, values = output_values(session, feeds)
+            stock_values = stock_values or values
             calls.append(bound_call(session, device_feeds, values))
+        stock_feeds = {n: cupy.asarray(v) for n, v in feeds.items()}
+        stock_binding = stock.io_binding()
+        for name, array in stock_feeds.items():
+            stock_binding.bind_input(name, "cuda", 0, array.dtype.type, list(array.shape), array.data.ptr)
+        for name, value in stock_values.items():
+            stock_binding.bind_ortvalue_output(name, value)
+
+        def stock_numpy():
+            for name, array in stock_feeds.items():
+                array.set(feeds[name])
+            cupy.cuda.get_current_stream().synchronize()  # ORT's stream does not wait for the copies
+            stock.run_with_iobinding(stock_binding)
+            [value.numpy() for value in stock_binding.get_outputs()]
+
         graphed = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPH)
+        io = graphed.cuda_io
         inner = []
         original = graphed._run_binding
 
@@ -58,11 +115,14 @@ def main() -> None:
             original(binding, run_options)
             inner.append(time.perf_counter() - start)
 
-        graphed.cuda_io._run = timed_binding
+        io._run = timed_binding
 
         def session_call():
             graphed.run_device(None, device_feeds)
             cupy.cuda.get_current_stream().synchronize()
+
+        def session_numpy():
+            graphed.run(None, feeds)
 
         device = mha_ep.InferenceSession(model, backend="cuda", providers=[CUDA, "CPUExecutionProvider"],
                                          device_mode="device")
@@ -75,8 +135,23 @@ def main() -> None:
         a, b, c, d = (s * 1e3 for s in paired_medians(calls, args.repeats, warmup=4))
         tail = sorted(inner[-args.repeats:])
         inside = tail[len(tail) // 2] * 1e3
+        inner.clear()
+        e, f = (s * 1e3 for s in paired_medians([session_numpy, stock_numpy], args.repeats, warmup=4))
+        tail = sorted(inner[-args.repeats:])
+        inside_numpy = tail[len(tail) // 2] * 1e3
         print(f"| BERT-base B={batch} S={sequence} {dtype} | {a:.3f} | {b:.3f} | {c:.3f} | {inside:.3f} | {d:.3f} "
-              f"| {(c - inside) * 1e3:.0f} | {c / d:.2f} |", flush=True)
+              f"| {(c - inside) * 1e3:.0f} | {c / d:.2f} | {e:.3f} | {inside_numpy:.3f} | {f:.3f} "
+              f"| {(e - inside_numpy) * 1e3:.0f} | {e / f:.2f} |", flush=True)
+        for name in ("run_device", "run_host", "_replay_device", "_replay", "_run_slot", "_run"):
+            probe(io, name, marks)
+        if not breakdown:  # the class's methods: once
+            for name in ("upload", "download"):
+                probe(HostTransfers, name, marks)
+        breakdown.append((f"B={batch} S={sequence} {dtype}", segments(session_call, marks, args.repeats),
+                          segments(session_numpy, marks, args.repeats)))
+    print("\n| row | C run_device segments (µs) | E run (NumPy) segments (µs) |\n|---|---|---|")
+    for row in breakdown:
+        print("| " + " | ".join(row) + " |", flush=True)
 
 
 if __name__ == "__main__":

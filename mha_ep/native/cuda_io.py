@@ -44,6 +44,11 @@ Threads: any number may call at once, as onnxruntime allows.
      (capture_mode.py): ORT captures in global mode, where any other thread's allocation or synchronous copy (the
      callers' checks, their own CuPy work) fails and breaks the capture. A call whose run still fails that way
      (a thread that never called mha_ep made the unsafe call) is answered by an eager run (``capture_retries``).
+  7. A graph session's ORT runs on a stream the session knows (``ort_stream``: the caller's
+     ``user_compute_stream``, else one that session.with_session_stream made), and its lanes use that stream too:
+     a replay's copies in, ORT's replay and its copies out queue on one stream, with no host wait between them. A
+     replay runs with ``disable_synchronize_execution_providers``: ``run`` waits once, for its download, and
+     ``run_device`` not at all (the caller's stream waits, on an event, for the copies out).
 """
 
 from __future__ import annotations
@@ -160,7 +165,6 @@ class GraphSlot:
     calls: int = 0
     views: Dict[str, object] = field(default_factory=dict)  # name -> CuPy array over the output value
     options: object = None  # the slot's own RunOptions (gpu_graph_id set) for calls that bring none
-    event: object = None  # recorded after each run_device's copies out of the outputs (made on first use)
     order: List[str] = field(default_factory=list)  # input names in the order of their one allocation
     addresses: Dict[str, int] = field(default_factory=dict)  # name -> device address of its input buffer
     direct_run: Optional[Callable] = None  # the C session's run_with_iobinding bound to the slot's C binding
@@ -180,8 +184,14 @@ class CudaSessionIO:
     session's guarded ``run_with_iobinding``; ``options()`` makes a fresh RunOptions (a call may bring its own
     ``make_options``: the caller's run options)."""
 
-    def __init__(self, session, device_id: int, graphs: bool, run: Callable, options: Callable):
+    def __init__(self, session, device_id: int, graphs: bool, run: Callable, options: Callable, ort_stream=None):
+        import cupy
+
         from mha_ep.native.transfer import PinnedOutputs, is_host_feed
+
+        if graphs and ort_stream is None:
+            raise ValueError("CudaSessionIO: a session under ORT's CUDA graphs needs ort_stream, the CuPy stream ORT "
+                             "computes on (its user_compute_stream: session.with_session_stream)")  # fmt: skip
 
         self._is_host_feed = is_host_feed  # transfer.py imports CuPy: looked up once here, used on every call
         self.session = session
@@ -208,6 +218,9 @@ class CudaSessionIO:
         self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature, ORT's own run takes it)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
+        self.ort_stream = ort_stream if graphs else None  # rule 7
+        self._fed = cupy.cuda.Event(block=False, disable_timing=True) if graphs else None  # the caller wrote feeds
+        self._copied = cupy.cuda.Event(block=False, disable_timing=True) if graphs else None  # copies out queued
 
     # ------------------------------------------------------------------------------------------ calls
     def run_host(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
@@ -277,9 +290,11 @@ class CudaSessionIO:
             arrays = self._call(lane, signature, host, device, wanted, make_options)
             if not self.graphs or self.slots.get(signature) is None:
                 return arrays
-            with lane.stream:  # the graph's buffers are written again by the next call of the signature
+            self._copied.record(lane.stream)  # the replay (rule 7: queued on ORT's stream, not waited for)
+            caller.wait_event(self._copied)
+            with caller:  # copies the caller owns, in its stream's order (CuPy's pool reuses them in that order)
                 arrays = [cupy.array(a, copy=True) for a in arrays]
-            lane.stream.synchronize()
+            caller.synchronize()  # the slot's buffers are written again by the next call of the signature
             return arrays
         finally:
             self._give_lane(lane)
@@ -421,8 +436,11 @@ class CudaSessionIO:
 
         from mha_ep.native.transfer import HostTransfers
 
-        with cupy.cuda.Device(self.device_id):
-            stream = cupy.cuda.Stream(non_blocking=True)
+        if self.ort_stream is not None:  # rule 7: a graph session's copies queue on ORT's own stream
+            stream = self.ort_stream
+        else:
+            with cupy.cuda.Device(self.device_id):
+                stream = cupy.cuda.Stream(non_blocking=True)
         with self._lanes_lock:
             self.lanes_made += 1
         return Lane(stream, HostTransfers(stream, self.device_id, self._copier, self.pinned_outputs))
@@ -498,19 +516,17 @@ class CudaSessionIO:
         self._run(binding, options)
 
     def _run_slot(self, slot: GraphSlot, make_options: Optional[Callable]) -> None:
-        """ORT's run of the slot's graph (under the graph lock). A call without run options of its own uses the slot's
-        RunOptions, made once (the native route never sets ``terminate`` on them, and the slot serves one call at
-        a time)."""
+        """ORT's run of the slot's graph (under the graph lock), queued on ORT's stream with no wait for it (rule 7:
+        whoever reads the outputs waits). A call without run options of its own uses the slot's RunOptions, made
+        once (the native route never sets ``terminate`` on them, and the slot serves one call at a time)."""
         if make_options is None:
             options = slot.options
             if options is None:
-                options = slot.options = self._options()
-                options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
+                options = slot.options = self._slot_options(slot, self._options())
                 if slot.direct_run is not None:
                     slot.direct = _Direct(functools.partial(slot.direct_run, options))
         else:
-            options = make_options()
-            options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
+            options = self._slot_options(slot, make_options())
         if slot.direct_run is None:
             self._ort(slot.binding, options)
         elif make_options is None:
@@ -518,6 +534,12 @@ class CudaSessionIO:
         else:
             self._ort(_Direct(functools.partial(slot.direct_run, options)), options)
         slot.calls += 1
+
+    @staticmethod
+    def _slot_options(slot: GraphSlot, options):
+        options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
+        options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        return options
 
     def _element(self, dtype) -> int:
         key = str(dtype)
@@ -564,10 +586,11 @@ class CudaSessionIO:
 
     def _replay(self, lane: Lane, slot: GraphSlot, host: dict, device: dict, wanted: List[str],
                 make_options: Optional[Callable]) -> list:  # fmt: skip
+        """A replay with host feeds (or some of each): the feeds go into the slot's buffers on ORT's stream (the
+        lane's, rule 7; the caller's device feeds are settled already), ORT's replay queues behind them, and the
+        outputs are the slot's views, to be read on that stream (download, or a copy)."""
         import cupy
 
-        if slot.event is not None:
-            slot.event.synchronize()  # a run_device's copies out of the outputs have read them
         names = [name for name in slot.order if name in host and host[name].nbytes]
         lane.transfers.upload([host[name] for name in names], [slot.addresses[name] for name in names],
                               one_block=True)  # fmt: skip
@@ -575,39 +598,38 @@ class CudaSessionIO:
             if array.nbytes:
                 cupy.cuda.runtime.memcpyAsync(slot.addresses[name], array.data.ptr, array.nbytes,
                                               cupy.cuda.runtime.memcpyDeviceToDevice, lane.stream.ptr)  # fmt: skip
-        lane.stream.synchronize()
         self._run_slot(slot, make_options)
         return [slot.views[name] for name in wanted]
 
     def _replay_device(self, slot: GraphSlot, device: dict, wanted: List[str], make_options: Optional[Callable],
                        caller) -> list:  # fmt: skip
-        """A replay with device feeds and device outputs, in one synchronization: the feeds are copied into the
-        graph's buffers on the caller's stream (behind the caller's own writes), that stream is synchronized once,
-        ORT replays, and the outputs are copied out on the caller's stream, an event after them; the next call of
-        this slot waits for that event before the replay writes the outputs again."""
+        """A replay with device feeds and device outputs, with no host wait (rule 7): ORT's stream waits for the
+        caller's (its writes of the feeds), copies the feeds into the slot's buffers, replays, and copies the
+        outputs into fresh arrays; the caller's stream waits for those copies. The next replay, on the same
+        stream, cannot overwrite the outputs before they are copied."""
         import cupy
 
-        if slot.event is not None:
-            slot.event.synchronize()  # the last call's output copies (perhaps on another stream) have read
+        ort_stream = self.ort_stream
         copy = cupy.cuda.runtime.memcpyAsync
         to_device = cupy.cuda.runtime.memcpyDeviceToDevice
-        stream = caller.ptr
+        stream = ort_stream.ptr
+        self._fed.record(caller)
+        ort_stream.wait_event(self._fed)
         addresses = slot.addresses
         for name, array in device.items():
             if array.nbytes:
                 copy(addresses[name], array.data.ptr, array.nbytes, to_device, stream)
-        caller.synchronize()
         self._run_slot(slot, make_options)
         outputs = []
-        for name in wanted:
-            view = slot.views[name]
-            out = cupy.empty(view.shape, view.dtype)
-            if view.nbytes:
-                copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, stream)
-            outputs.append(out)
-        if slot.event is None:
-            slot.event = cupy.cuda.Event(block=False, disable_timing=True)
-        slot.event.record(caller)
+        with caller:  # the outputs' memory belongs to the caller's stream (CuPy's pool reuses it in that order)
+            for name in wanted:
+                view = slot.views[name]
+                out = cupy.empty(view.shape, view.dtype)
+                if view.nbytes:
+                    copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, stream)
+                outputs.append(out)
+        self._copied.record(ort_stream)
+        caller.wait_event(self._copied)
         return outputs
 
     # ------------------------------------------------------------------------------------------ state

@@ -128,8 +128,12 @@ class HostTransfers:
         self.device_id = device_id
         self.copier = copier
         self._staging = PinnedStaging(cupy.cuda.alloc_pinned_memory)
-        self._staging_free: Optional[cupy.cuda.Event] = None  # recorded after the last DMA out of the staging buffer
-        self._direct_done: Optional[cupy.cuda.Event] = None  # recorded after the last direct upload (settle)
+        # recorded after the last DMA out of the staging buffer, and after the last direct upload (settle); each
+        # event is made once and recorded again (a record is waited for before the next one)
+        self._staging_free = cupy.cuda.Event(block=False, disable_timing=True)
+        self._staging_used = False
+        self._direct_done = cupy.cuda.Event(block=False, disable_timing=True)
+        self._direct_pending = False
         self.outputs = outputs if outputs is not None else PinnedOutputs()
 
     # ------------------------------------------------------------------------------------------------- up
@@ -148,27 +152,24 @@ class HostTransfers:
         if staged:
             self._upload_staged(staged, one_block)
         if direct:
-            self._direct_done = self._record()
+            self._direct_done.record(self.stream)
+            self._direct_pending = True
 
     def settle(self) -> None:
         """Wait until the direct uploads of page-locked feeds have read them (a caller may write them next)."""
-        if self._direct_done is not None:
+        if self._direct_pending:
             self._direct_done.synchronize()
-            self._direct_done = None
-
-    def _record(self) -> cupy.cuda.Event:
-        event = cupy.cuda.Event(block=False, disable_timing=True)
-        event.record(self.stream)
-        return event
+            self._direct_pending = False
 
     def _upload_staged(self, staged: list, one_block: bool) -> None:
         segments, total = pack_layout([(str(i), a.dtype, a.shape) for i, (a, _) in enumerate(staged)])
-        if self._staging_free is not None:
+        if self._staging_used:
             self._staging_free.synchronize()  # the previous call's DMA may still read the buffer
         self._staging.ensure(total)
+        self._staging_used = True  # from here a DMA may read the buffer (even if a later one fails)
         stage_uploads(self._staging, list(segments.values()), [array for array, _ in staged],
                       [address for _, address in staged], self._dma, self.copier, one_block)  # fmt: skip
-        self._staging_free = self._record()
+        self._staging_free.record(self.stream)
 
     def _dma(self, src: int, nbytes: int, dst: int) -> None:  # staging.stage_uploads's upload(src, nbytes, dst)
         cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_HOST_TO_DEVICE, self.stream.ptr)

@@ -235,6 +235,81 @@ def test_graph_calls_run_on_the_first_calling_thread_and_others_on_the_worker():
     assert slot.calls == 9  # every call but the signature's first (eager) went through the slot
 
 
+def test_a_graph_session_runs_ort_on_a_stream_it_knows():
+    """cuda_io rule 7: under ORT's CUDA graphs the session hands ORT a stream of its own (or keeps the caller's
+    ``user_compute_stream``) and queues its copies on it; the caller's provider list is left as it was."""
+    import cupy
+
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    user = cupy.cuda.Stream(non_blocking=True)
+    given = [(CUDA, {"use_tf32": "0", "enable_cuda_graph": "1", "user_compute_stream": str(user.ptr),
+                     "has_user_compute_stream": "1"}), "CPUExecutionProvider"]  # fmt: skip
+    before = repr(GRAPHS)
+    for providers, theirs in ((GRAPHS, None), (given, user.ptr)):
+        session = mha_ep.InferenceSession(model, backend="cuda", providers=providers)
+        io = session.cuda_io
+        told = session.get_provider_options()[CUDA]["user_compute_stream"]
+        assert told == str(io.ort_stream.ptr), (told, io.ort_stream.ptr)
+        if theirs is not None:
+            assert io.ort_stream.ptr == theirs
+        for call in range(4):
+            feeds = encoder_feeds(2, 8, hidden=64, seed=30 + call)
+            assert_close(session.run(None, feeds), stock_cuda(model, feeds), "float32", f"run call {call + 1}")
+    assert repr(GRAPHS) == before
+
+
+def test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu():
+    """run_device on a captured signature makes no host wait (cuda_io rule 7): with the caller's stream held by a
+    kernel that spins until the host opens a gate, the call still returns; the caller then overwrites the feeds
+    on its stream, opens the gate, and reads stock's outputs for the feeds it passed. A call that waited for the
+    GPU would hold the gate shut: the test then opens the gate itself and fails."""
+    import threading
+
+    import cupy
+
+    gate = cupy.RawKernel(r"""extern "C" __global__ void gate(volatile int* flag) { while (*flag == 0) {} }""", "gate")
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
+    caller = cupy.cuda.Stream(non_blocking=True)
+    flag_memory = cupy.cuda.alloc_pinned_memory(4)
+    flag = np.frombuffer(flag_memory, np.int32, 1)
+    flag[0] = 0
+    feeds = encoder_feeds(2, 8, hidden=64, seed=60)
+    device_feeds, outputs, errors = {}, [], []
+    gated, returned = threading.Event(), threading.Event()
+
+    def calls():  # one thread makes every call: ORT keeps its captured graphs per thread (cuda_io rule 3)
+        try:
+            with caller:
+                for call in range(4):  # eager, then ORT's warm-up and capture: these may wait
+                    warm = encoder_feeds(2, 8, hidden=64, seed=50 + call)
+                    session.run_device(None, {n: cupy.asarray(v) for n, v in warm.items()})
+                device_feeds.update({n: cupy.asarray(v) for n, v in feeds.items()})
+                caller.synchronize()
+                gate((1,), (1,), (flag_memory.ptr,))
+                gated.set()
+                outputs.extend(session.run_device(None, device_feeds))
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+        finally:
+            gated.set()
+            returned.set()
+
+    worker = threading.Thread(target=calls)
+    worker.start()
+    gated.wait()
+    waited = not returned.wait(timeout=60)  # a failure guard only: a call that makes no host wait returns at once
+    flag[0] = 1
+    worker.join()
+    assert not errors, errors
+    assert not waited, "run_device waited for the GPU on a replay"
+    with caller:
+        for array in device_feeds.values():
+            array.fill(7)
+        got = cupy.asnumpy(outputs[0])
+    assert_close([got], stock_cuda(model, feeds), "float32", "the replay's outputs, read in the caller's order")
+
+
 def test_a_call_that_finds_the_lanes_taken_gets_a_lane_of_its_own():
     """No call waits on another call's copies: with the session's only lane out (as with a call in its copies),
     the next call gets a new lane, and both go back to the pool."""

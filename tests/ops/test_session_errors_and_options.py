@@ -136,3 +136,21 @@ def test_device_id_and_the_cuda_providers_device_are_one_gpu():
     with pytest.raises(ValueError, match=r"device_id=0 but the CUDA provider's options say device_id='1'"):
         on_one_device(0, [(cuda, {"device_id": "1"})], None)
     assert on_one_device(1, [cpu], None) == (1, [cpu], None)  # no CUDA provider: nothing to set
+
+
+def test_a_refused_graph_drops_the_stream_the_session_added_and_keeps_the_callers():
+    """When ORT refuses its CUDA graph, the session retries without ``enable_cuda_graph`` and without the
+    ``user_compute_stream`` it added for the graph (cuda_io rule 7), but never takes out a stream the caller gave;
+    on copies, in both of onnxruntime's ways of passing provider options."""
+    from mha_ep.session import without_cuda_graph
+
+    cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
+    ours = {"enable_cuda_graph": "1", "user_compute_stream": "1234", "has_user_compute_stream": "1", "device_id": "0"}
+    providers = [(cuda, dict(ours)), cpu]
+    assert without_cuda_graph(providers, None, drop_stream=True) == ([(cuda, {"device_id": "0"}), cpu], None)
+    kept = without_cuda_graph(providers, None, drop_stream=False)[0][0][1]
+    assert kept == {"user_compute_stream": "1234", "has_user_compute_stream": "1", "device_id": "0"}
+    assert providers[0][1] == ours  # the caller's dictionary unchanged
+    options = [dict(ours), {}]
+    assert without_cuda_graph([cuda, cpu], options, drop_stream=True) == ([cuda, cpu], [{"device_id": "0"}, {}])
+    assert options[0] == ours
