@@ -16,7 +16,6 @@ from typing import Optional, Sequence
 
 import onnx
 
-from mha_ep.device.mode import CUDA_PROVIDER, cuda_options_of, provider_names
 from mha_ep.errors import MESSAGE_PREFIX, MhaEpError, run_error, status_code_of
 from mha_ep.ops.context import run_context
 from mha_ep.ops.backends import resolve_backend
@@ -24,6 +23,8 @@ from mha_ep.ops.registration import attach, choose_route
 from mha_ep.model_io import needs_external_data, write_model
 from mha_ep.partition_pass import partition
 from mha_ep.partition_result import PartitionResult
+from mha_ep.providers import (CUDA_PROVIDER, on_one_device, provider_names, wants_cuda_graph, with_session_stream,
+                              without_cuda_graph)  # fmt: skip
 
 
 class InferenceSession:
@@ -40,9 +41,8 @@ class InferenceSession:
     onnxruntime-extensions Python op. On the CUDA provider with the native route the session moves tensors
     through native/cuda_io.py: ``run`` with NumPy through page-locked memory, ``run_device`` with CuPy, and ORT's
     ``enable_cuda_graph`` (in the CUDA provider's options) as one graph per call signature; a session ORT refuses
-    that graph for runs eagerly and says so. ``device_mode="device"`` takes the older device-resident mode instead
-    (mha_ep/device: ORT CUDA pieces and attention steps as one whole-call graph; device/mode.py says when it can
-    run); "auto" (the default) and "python-op" never do. ``mode`` ("native", "python-op" or "device") and
+    that graph for runs eagerly and says so (under it, ``run_device`` replays with no host wait: the workload of
+    repeated shapes). ``device_mode`` is retired (check_device_mode). ``mode`` ("native" or "python-op") and
     ``mode_reason`` say which runs and why. Other keywords go to onnxruntime. Any number of threads may call
     ``run``, ``run_device`` and ``run_with_iobinding`` at once (native/cuda_io.py, "Threads").
     """
@@ -63,8 +63,7 @@ class InferenceSession:
     ):
         import onnxruntime as ort
 
-        from mha_ep.device.mode import normalise_mode
-
+        check_device_mode(device_mode)
         if isinstance(sess_options, str):
             raise TypeError(
                 f"mha_ep.InferenceSession: the second argument is onnxruntime.SessionOptions (as in onnxruntime), "
@@ -74,19 +73,8 @@ class InferenceSession:
         self.partition: Optional[PartitionResult] = given
         device_id, providers, provider_options = on_one_device(device_id, providers, provider_options)
         self.device_id = device_id
-        self._runner = None
         self._io = None
-        wanted = normalise_mode(device_mode)
         self.mode_reason = ""
-        if wanted == "device":  # the piece-cutting executor: opt-in, for repeated shapes (device/mode.py)
-            if self.partition is None:  # device mode cuts the Python-op form (device/plan.py)
-                self.partition = partition(path_or_bytes, lift_attention=lift_attention)
-            self._runner, self.mode_reason = _device_runner(self.partition, backend, device_id, sess_options,
-                                                            providers, provider_options, wanted, kwargs)  # fmt: skip
-            self.mode, self.route = "device", None
-            self.backend = self._runner.executor.backend
-            self._session = None
-            return
         self.backend = resolve_backend(backend, device_id)
         self.route, route_reason = choose_route(route, self.backend)
         self.mode = self.route
@@ -150,8 +138,6 @@ class InferenceSession:
         """Like onnxruntime's ``run``; raises MhaRunError when a claimed node fails (the session stays usable). On
         the CUDA provider the feeds may also be CuPy arrays or anything with ``__dlpack__``; NumPy feeds go up and
         the outputs come down through page-locked memory (native/cuda_io.py)."""
-        if self._runner is not None:
-            return self._runner.run(output_names, input_feed)
         if self._io is not None:
             return self._io_call(self._io.run_host, output_names, input_feed, run_options)
         options = self._options(run_options)
@@ -161,8 +147,6 @@ class InferenceSession:
         """Like ``run``, with the outputs left on the GPU as CuPy arrays over ORT's output buffers (a decode loop
         feeds them back, e.g. its KV cache, with no host round trip). Feeds: CuPy arrays, anything with
         ``__dlpack__``, or NumPy arrays (uploaded). Needs the native route on the CUDA provider."""
-        if self._runner is not None:
-            return self._runner.run(output_names, input_feed, device_outputs=True)
         if self._io is None:
             raise MhaEpError(f"run_device needs the native route on the CUDA provider; this session: {self.mode_reason}")
         return self._io_call(self._io.run_device, output_names, input_feed, run_options)
@@ -185,22 +169,6 @@ class InferenceSession:
         if call is not None:
             return self._guarded(call, options)
         return self._guarded(lambda: self._session.run_with_iobinding(binding, options), options)
-
-    @property
-    def device_runner(self):
-        """Device mode's runner (mha_ep/device/cuda.py: plan, executor, ``graphs_enabled``), or None."""
-        return self._runner
-
-    def get_inputs(self):
-        return self._session.get_inputs() if self._session is not None else self._runner.input_args
-
-    def get_outputs(self):
-        return self._session.get_outputs() if self._session is not None else _graph_args(self.partition.model.graph.output)
-
-    def get_providers(self):
-        if self._session is not None:
-            return self._session.get_providers()
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
     def run_with_iobinding(self, iobinding, run_options=None):
         """Like onnxruntime's ``run_with_iobinding``, with this session's backend and error channel."""
@@ -245,141 +213,34 @@ class InferenceSession:
             raise context.first_error()
         return result
 
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_session", "_runner"):
+    def __getattr__(self, name):  # get_inputs, get_outputs, get_providers, io_binding, ...: onnxruntime's own
+        if name.startswith("__") or name == "_session":
             raise AttributeError(name)
-        if self._session is None:
-            raise AttributeError(f"{name!r} is not available in device mode (the model runs as device steps, with no "
-                                 f"single onnxruntime session behind it)")  # fmt: skip
         return getattr(self._session, name)
 
 
-def _device_runner(result: PartitionResult, backend: str, device_id: int, sess_options, providers,
-                   provider_options, wanted: str, session_kwargs: dict):  # fmt: skip
-    """(DeviceRunner, "") when device mode can run (device/mode.py's rules), else (None, the reason); with
-    ``wanted == "device"`` the reason is raised as DeviceModeUnavailableError instead."""
-    import onnxruntime as ort
-
-    from mha_ep.device import DevicePlanError, plan_device
-    from mha_ep.device.mode import DeviceModeUnavailableError, reason_in_plan, reason_without_cuda_provider
-    from mha_ep.ops.backends import cuda_unavailable_reason
-
-    reason = reason_without_cuda_provider(providers, ort.get_available_providers())
-    if reason is None and backend not in ("auto", "cuda"):
-        reason = f"backend={backend!r} was asked for; device mode runs the cuda backend"
-    if reason is None:
-        missing = cuda_unavailable_reason(device_id)
-        reason = None if missing is None else f"the cuda backend cannot run: {missing}"
-    plan = None
-    if reason is None:
-        try:
-            plan = plan_device(result.model)
-            reason = reason_in_plan(plan)
-        except DevicePlanError as error:
-            reason = str(error)
-    if reason is not None:
-        if wanted == "device":
-            raise DeviceModeUnavailableError(f"device_mode='device' cannot run: {reason}")
-        return None, reason
-    from mha_ep.device.cuda import DeviceRunner
-    from mha_ep.ops.backends.cuda import CudaBackend
-
-    if hasattr(ort, "preload_dlls"):
-        ort.preload_dlls()  # ORT silently drops to the CPU when its CUDA libraries do not load
-    cuda_options = cuda_options_of(providers, provider_options)
-    # ORT's own enable_cuda_graph option switches our whole-call graphs (on unless it says "0"); the pieces never
-    # capture graphs of their own (ORT's capture cannot nest inside ours).
-    graphs = str(cuda_options.pop("enable_cuda_graph", "1")).lower() not in ("0", "false")
-    constants = {init.name for init in result.model.graph.initializer}
-    runner = DeviceRunner(plan, CudaBackend(device_id), sess_options, cuda_options, graphs=graphs,
-                          session_kwargs=session_kwargs,  # every ORT piece gets the keywords ORT would
-                          input_args=_graph_args([v for v in result.model.graph.input if v.name not in constants]))
-    return runner, ""
+DEVICE_MODE_REPLACED = (
+    "the native route under ORT's CUDA graphs runs as fast on every bench row (docs/BENCH.md, section 8): for "
+    "repeated shapes pass providers=[('CUDAExecutionProvider', {'enable_cuda_graph': '1'}), 'CPUExecutionProvider'] "
+    "and call run_device with CuPy feeds"
+)
 
 
-def on_one_device(device_id: Optional[int], providers, provider_options) -> tuple:
-    """(device id, providers, provider_options) with the cuda backend and ORT's CUDA provider on one GPU.
-
-    ``device_id`` None: the CUDA provider's own ``device_id`` option (0 without one). Given: the CUDA provider's
-    ``device_id`` is set to it where the caller left it out (on copies: the caller's lists stay as they were), and a
-    different one there raises ValueError (the op would launch on one GPU and ORT keep its buffers on another)."""
-    names = provider_names(providers)
-    options = cuda_options_of(providers, provider_options)
-    if "device_id" in options:
-        theirs = int(options["device_id"])
-        if device_id is not None and int(device_id) != theirs:
-            raise ValueError(f"mha_ep.InferenceSession: device_id={device_id} but the CUDA provider's options say "
-                             f"device_id={options['device_id']!r}; give one of them, or the same GPU in both")  # fmt: skip
-        return theirs, providers, provider_options
-    if device_id is None:
-        return 0, providers, provider_options
-    if CUDA_PROVIDER not in names or int(device_id) == 0:
-        return int(device_id), providers, provider_options
-    options["device_id"] = str(int(device_id))
-    return (int(device_id), *with_cuda_options(providers, provider_options, options))
-
-
-def with_cuda_options(providers, provider_options, options: dict) -> tuple:
-    """(providers, provider_options): copies of the caller's, the CUDA provider's options replaced by ``options``
-    (in whichever of onnxruntime's two ways the caller passed them)."""
-    names = provider_names(providers)
-    if provider_options is not None:
-        provider_options = [dict(o or {}) for o in provider_options]
-        provider_options[names.index(CUDA_PROVIDER)] = options
-        return names, provider_options
-    return [(CUDA_PROVIDER, options) if name == CUDA_PROVIDER else p for name, p in zip(names, providers)], None
-
-
-def wants_cuda_graph(providers, provider_options) -> bool:
-    """Whether the caller turned on ORT's ``enable_cuda_graph`` for the CUDA provider."""
-    value = cuda_options_of(providers, provider_options).get("enable_cuda_graph", "0")
-    return str(value).lower() not in ("0", "false", "")
-
-
-def with_session_stream(providers, provider_options, device_id: int) -> tuple:
-    """(providers, provider_options, stream, added): the CUDA provider's compute stream as a CuPy stream. The
-    caller's own ``user_compute_stream`` where it gave one (``added`` False); else a new non-blocking stream of the
-    session's, added to copies of the options (the caller's lists stay as they were). Only for sessions under
-    ORT's CUDA graphs (cuda_io rule 7): their calls run one at a time anyway, and the copies around a replay then
-    queue on the replay's own stream."""
-    import cupy
-
-    options = cuda_options_of(providers, provider_options)
-    given = options.get("user_compute_stream")
-    if given not in (None, "", "0", 0):
-        with warnings.catch_warnings():  # CuPy 13 deprecates ExternalStream for stream objects; this is a pointer
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return providers, provider_options, cupy.cuda.ExternalStream(int(given), device_id), False
-    with cupy.cuda.Device(device_id):
-        stream = cupy.cuda.Stream(non_blocking=True)
-    options.update({"user_compute_stream": str(stream.ptr), "has_user_compute_stream": "1"})
-    return (*with_cuda_options(providers, provider_options, options), stream, True)
-
-
-def without_cuda_graph(providers, provider_options, drop_stream: bool = False) -> tuple:
-    """(providers, provider_options) with the CUDA provider's ``enable_cuda_graph`` taken out, and with
-    ``drop_stream`` the ``user_compute_stream`` that with_session_stream added: eager calls run on streams of their
-    own."""
-    options = cuda_options_of(providers, provider_options)
-    options.pop("enable_cuda_graph", None)
-    if drop_stream:
-        options.pop("user_compute_stream", None)
-        options.pop("has_user_compute_stream", None)
-    return with_cuda_options(providers, provider_options, options)
-
-
-class _GraphArg:
-    """What get_inputs()/get_outputs() give in device mode: name, type and shape, as onnxruntime's NodeArg."""
-
-    def __init__(self, value):
-        tensor = value.type.tensor_type
-        self.name = value.name
-        self.type = f"tensor({onnx.TensorProto.DataType.Name(tensor.elem_type).lower()})"
-        self.shape = ([d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in tensor.shape.dim]
-                      if tensor.HasField("shape") else None)  # None: no rank recorded (ORT checks none)
-
-    def __repr__(self) -> str:
-        return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape})"
+def check_device_mode(device_mode) -> None:
+    """The retired ``device_mode`` keyword (device-resident mode, removed on 2026-12-04): "auto" (the default) says
+    nothing; "python-op", False or None warn that it has no effect; "device" or True raise MhaEpError naming what
+    replaced it; anything else is a ValueError."""
+    if device_mode == "auto":
+        return
+    if device_mode is True or device_mode == "device":
+        raise MhaEpError(f"mha_ep.InferenceSession: device_mode={device_mode!r}: device-resident mode was retired; "
+                         f"{DEVICE_MODE_REPLACED}")  # fmt: skip
+    if device_mode is False or device_mode is None or device_mode == "python-op":
+        warnings.warn(f"mha_ep.InferenceSession: device_mode={device_mode!r} has no effect: the keyword is retired "
+                      f"with device-resident mode; leave it out", DeprecationWarning, stacklevel=3)  # fmt: skip
+        return
+    raise ValueError(f"mha_ep.InferenceSession: device_mode is retired; it accepted 'auto', 'device' or "
+                     f"'python-op', got {device_mode!r}")  # fmt: skip
 
 
 NATIVE_FAILURE = re.compile(r"mha_ep MultiHeadAttention node '(.*?)': (.*)$", re.S)
@@ -391,10 +252,6 @@ def native_failure(text: str):
     range), or None."""
     found = NATIVE_FAILURE.search(text)
     return None if found is None else (found.group(1), MESSAGE_PREFIX + found.group(2).strip())
-
-
-def _graph_args(values) -> list:
-    return [_GraphArg(v) for v in values]
 
 
 # Run config entries that ORT 1.31.1's CPU and CUDA providers read (onnxruntime_run_options_config_keys.h). ORT

@@ -13,7 +13,6 @@
 #   native     the native route's GPU tests, the Python-op and parity suites' GPU cases, the cuda backend's tests
 #   static     the static KV cache's GPU tests: shared-buffer parity on every GPU route, the static binding under
 #              ORT's CUDA graph, device reports, the static greedy and beam loops, the split-key decode kernels
-#   device     the device-mode tests and the parity suites' device-mode cases
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
 #   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
@@ -24,12 +23,12 @@
 #   bench      mha-ep bench device (the encoder rows; REAL=DIR adds the real-weight rows; ONLY=TEXT the rows whose
 #              label has it, SKIP=a,b columns left out), into $OUT/bench (or $OUT/bench-TEXT)
 #   real       Whisper tiny.en and MiniLM from the model packs ($PACKS), tokens and embeddings vs stock ORT
-#              (MODE=device|native)
+#              (ROUTE=native|python-op)
 #   optimum    examples/optimum_native.py's flow on the CUDA provider (wheels in $OPT_WHEELS; models from `real`)
 #   demo       mha-ep demo
 #   soak       mha-ep bench soak: 8 threads a session, good and bad calls mixed (SOAK_SECONDS a column, MODEL), into
 #              $OUT/soak
-#   hostpath   scripts/profile_session_graph.py: cuda_io's host time around ORT's graph replay, against device mode
+#   hostpath   scripts/profile_session_graph.py: cuda_io's host time around ORT's graph replay, in segments
 #   twogpu     on two GPUs: tests/native/test_two_gpus.py, examples/serve_two_gpus.py and mha-ep bench soak
 #              --devices 0,1 (MODEL, default BERT-base float16), into $OUT/twogpu
 #   serve      mha-ep bench serve: BERT-base float16 (mha_ep/models/synthetic.py, written to $OUT/bert_base_f16.onnx
@@ -96,14 +95,12 @@ for step in "$@"; do
     gpu-rest) timeout 560 $PYTEST_GPU tests --ignore=tests/parity --ignore=tests/claim 2>&1 | tee "$OUT/gpu-rest.log" \
                 | quiet | tail -20 ;;
     native) timeout 540 $PYTEST_GPU tests/native tests/ops tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_layout.py \
-              tests/parity tests/claim/test_bad_input.py -k "not cuda-device" 2>&1 \
+              tests/parity tests/claim/test_bad_input.py 2>&1 \
               | tee "$OUT/native.log" | quiet | tail -40 ;;
     static) timeout 540 $PYTEST_GPU tests/native/test_native_cuda.py tests/models/test_static_decode.py \
               tests/parity/test_parity_shared_buffer.py tests/claim/test_bad_input.py tests/cuda/test_fused_kernels.py \
               -k "static or shared or past_sequence or cache_indirection or bad_past or split" 2>&1 \
               | tee "$OUT/static.log" | quiet | tail -40 ;;
-    device) timeout 400 $PYTEST_GPU tests/device tests/parity tests/claim/test_bad_input.py \
-              -k "cuda-device or device_mode" 2>&1 | quiet | tail -15 ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;
@@ -126,7 +123,7 @@ for step in "$@"; do
       timeout 500 python3 -m mha_ep bench device --repeats "${REPEATS:-10}" --rows "${ROWS:-all}" "${extra[@]}" \
         --skip "${SKIP:-}" --only "${ONLY:-}" --out "$OUT/bench$(only_tag)" 2>&1 | quiet ;;
     real) timeout 400 python3 scripts/device_real_models.py --packs $PACKS --tokenizers "$TOKENIZERS" --backend cuda \
-            --device-mode "${MODE:-device}" --out "${REAL:-/tmp/real}" 2>&1 | quiet | tail -40 ;;
+            --route "${ROUTE:-native}" --out "${REAL:-/tmp/real}" 2>&1 | quiet | tail -40 ;;
     optimum)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/opt "$OPT_WHEELS"/*.whl 2>&1 | quiet
       PYTHONPATH=/tmp/opt:$PYTHONPATH timeout 200 python3 scripts/device_optimum.py --models "${REAL:-/tmp/real}" \

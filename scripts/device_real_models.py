@@ -28,9 +28,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="where to rebuild the models (default: a temporary folder)")
     parser.add_argument("--which", nargs="+", default=["whisper", "minilm"], choices=["whisper", "minilm"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"])
-    parser.add_argument("--device-mode", default="python-op", choices=["python-op", "device", "native"],
-                        help="device: whole models on the GPU in device mode; native: one ORT CUDA session with the "
-                             "native library (both need onnxruntime-gpu on the path)")
+    parser.add_argument("--route", default="python-op", choices=["python-op", "native"],
+                        help="native: one ORT CUDA session with the native library (needs onnxruntime-gpu on the "
+                             "path)")
     args = parser.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="mha_ep_real_")
     device_models.unpack(args.packs, out)
@@ -41,11 +41,11 @@ def main(argv=None) -> int:
     if "whisper" in args.which:
         print(f"== Whisper tiny.en, {args.dtype}, stock ORT vs plugin ({args.backend})", flush=True)
         status |= whisper_transcribe.main(["--models", out, "--dtype", args.dtype, "--backend", args.backend,
-                                           "--device-mode", args.device_mode]) or 0
+                                           "--route", args.route]) or 0
     if "minilm" in args.which:
         print(f"== all-MiniLM-L6-v2, {args.dtype}, 1D and 2D masks, stock ORT vs plugin ({args.backend})", flush=True)
         status |= minilm_embeddings.main(["--models", out, "--mask", "1d", "2d", "--dtype", args.dtype,
-                                          "--backend", args.backend, "--device-mode", args.device_mode]) or 0
+                                          "--backend", args.backend, "--route", args.route]) or 0
     return status
 
 

@@ -26,15 +26,15 @@ def backend(request) -> str:
     return request.param
 
 
-def device_mode_unavailable_reason() -> str | None:
-    """None when device mode can run here (CuPy, a GPU, onnxruntime with the CUDA provider)."""
+def cuda_provider_unavailable_reason() -> str | None:
+    """None when the cuda backend and ORT's CUDA provider can both run here (CuPy, a GPU, onnxruntime-gpu)."""
     reason = cuda_unavailable_reason(0)
     if reason is not None:
         return f"cuda backend unavailable: {reason}"
     import onnxruntime
 
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-        return "onnxruntime has no CUDAExecutionProvider (device mode needs onnxruntime-gpu)"
+        return "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)"
     return None
 
 
@@ -42,17 +42,15 @@ def native_cuda_unavailable_reason() -> str | None:
     """None when the native route's CUDA kernels can run here (the library, CuPy and a GPU, onnxruntime-gpu)."""
     from mha_ep import native
 
-    return native.unavailable_reason() or device_mode_unavailable_reason()
+    return native.unavailable_reason() or cuda_provider_unavailable_reason()
 
 
 @pytest.fixture(params=["reference", "reference-native", pytest.param("cuda", marks=pytest.mark.gpu),
-                        pytest.param("cuda-device", marks=pytest.mark.gpu),
                         pytest.param("cuda-native", marks=pytest.mark.gpu)])  # fmt: skip
 def run_backend(request) -> str:
     """``backend`` plus the other ways a suite's model runs, built with tests/mha_models.plugin_session:
-    "reference-native" (the native library's CPU kernels: its ABI layer, checked on every CPU machine),
-    "cuda-device" (device-resident mode, mha_ep/device) and "cuda-native" (the native library's CUDA kernels in
-    one ORT CUDA session)."""
+    "reference-native" (the native library's CPU kernels: its ABI layer, checked on every CPU machine) and
+    "cuda-native" (the native library's CUDA kernels in one ORT CUDA session)."""
     if request.param == "reference-native":
         from mha_ep import native
 
@@ -67,10 +65,6 @@ def run_backend(request) -> str:
         reason = native_cuda_unavailable_reason()
         if reason is not None:
             pytest.skip(f"the native route's CUDA kernels cannot run here: {reason}")
-    if request.param == "cuda-device":
-        reason = device_mode_unavailable_reason()
-        if reason is not None:
-            pytest.skip(f"device mode unavailable: {reason}")
     return request.param
 
 

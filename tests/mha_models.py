@@ -475,32 +475,17 @@ def with_(config: MhaConfig, **changes) -> MhaConfig:
 
 
 def plugin_session(model, backend: str):
-    """The plugin session a parity suite runs: ``backend`` through the bridge (the Python op), "cuda-device" for
-    the whole model in device-resident mode (ORT CUDA + the cuda backend on device arrays), "reference-native" /
+    """The plugin session a parity suite runs: ``backend`` through the bridge (the Python op), "reference-native" /
     "cuda-native" for one ORT session with the native library's CPU / CUDA kernels on a model partitioned in the
     native form."""
     import mha_ep
 
     if backend == "reference-native":
-        return mha_ep.InferenceSession(model, backend="reference", device_mode="python-op", route="native")
+        return mha_ep.InferenceSession(model, backend="reference", route="native")
     if backend == "cuda-native":
         return mha_ep.InferenceSession(model, backend="cuda", providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
-                                       device_mode="python-op", route="native")  # fmt: skip
-    if backend == "cuda-device":
-        return mha_ep.InferenceSession(model, backend="cuda", providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
-                                       device_mode="device")  # fmt: skip
+                                       route="native")  # fmt: skip
     return mha_ep.InferenceSession(model, backend=backend, route="python-op")
-
-
-DEVICE_MODE_SHARED = "device mode declines shared past/present buffers (mha_ep/device/mode.py rule 6)"
-
-
-def skip_unless_route_runs(backend: str, shared: bool) -> None:
-    """pytest.skip where ``backend``'s route does not run the call: device mode and a shared buffer."""
-    import pytest
-
-    if shared and backend == "cuda-device":
-        pytest.skip(DEVICE_MODE_SHARED)
 
 
 def chain_model(num_heads=2, qk_on_second=False):

@@ -1,4 +1,4 @@
-"""What the GPU session tests (tests/native/test_native_session.py, tests/device/test_device_mode.py) hold mha_ep
+"""What the GPU session tests (tests/native/test_native_session.py and their neighbours) hold mha_ep
 to: stock ORT CUDA's outputs for the same model and feeds, both without TF32, and the closeness rule. The pieces
 around attention are the same ORT CUDA kernels, so what differs is the attention (held to ORT CPU at 1e-5 / 4e-3
 node by node in the parity suites) carried through the rest of a whole model."""

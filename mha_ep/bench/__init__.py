@@ -7,8 +7,9 @@
                            (GPU; gpu.py has the columns)
     mha-ep bench models    whole models host to host: shipped BERT/Whisper, real MiniLM and Whisper tiny.en when
                            built; plugin vs ORT CPU (and ORT CUDA); any backend (models.py)
-    mha-ep bench device    whole models on the GPU: device-resident mode (eager, device feeds, CUDA graphs) and
-                           the bridge against stock ORT CUDA (numpy feeds, IOBinding, its CUDA graph) (device.py)
+    mha-ep bench device    whole models on the GPU: mha_ep.InferenceSession (eager, device feeds, ORT's CUDA
+                           graphs) and the bridge against stock ORT CUDA (numpy feeds, IOBinding, its CUDA graph)
+                           (device.py)
     mha-ep bench native    the native route in one plain ORT CUDA session against stock ORT CUDA: whole encoders
                            (eager IOBinding, CUDA graphs), a shape's first call, a decoder loop with a growing KV
                            cache, the per-node host cost of a chain of claimed nodes, and serving shapes (a new

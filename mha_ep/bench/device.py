@@ -1,4 +1,4 @@
-"""``mha-ep bench device``: whole models on the GPU, device-resident mode against stock ORT CUDA, in one run.
+"""``mha-ep bench device``: whole models on the GPU, ``mha_ep.InferenceSession`` against stock ORT CUDA, in one run.
 
 Columns (median ms per call, every variant timed in turns, ``--repeats`` rounds; a call ends when its outputs
 are ready: on the host for numpy feeds, after a stream synchronize for device feeds):
@@ -8,20 +8,18 @@ are ready: on the host for numpy feeds, after a stream synchronize for device fe
   ort_graph_numpy the same graph fed from NumPy: each feed copied into its bound buffer (``cupy.ndarray.set``), the
                   replay, each output copied back (``OrtValue.numpy``): the host copies a NumPy caller pays
   python_op       mha_ep through the onnxruntime-extensions op, ORT CUDA around it (host copies per node)
-  dev_numpy       mha_ep device mode, numpy feeds, whole-call graphs off
-  dev_feeds       mha_ep device mode, CuPy feeds and outputs (``run_device``), graphs off
-  dev_graph       mha_ep device mode, numpy feeds, whole-call graphs on
-  dev_graph_feeds mha_ep device mode, CuPy feeds and outputs, graphs on
   nat_numpy       mha_ep.InferenceSession (one ORT session, native route), ``run`` with NumPy feeds
   nat_feeds       the same, ``run_device`` with CuPy feeds and outputs
   nat_graph       the same with ORT's ``enable_cuda_graph``, ``run`` with NumPy feeds
   nat_graph_feeds the same, ``run_device``
-and the worst output error of device mode against stock ORT CUDA (relative to max(1, |x|)).
+and the worst output error of the session against stock ORT CUDA (relative to max(1, |x|)), eager and under
+ORT's graph. (Device-resident mode, whose four dev_* columns stood here, was retired on 2026-12-04: the graph
+columns matched or beat it on every row, docs/BENCH.md section 8.)
 
 Rows: the BERT-base-sized encoder of mha_ep/models/synthetic.py (12 layers, hidden 768, 12 heads, (B, S) key
 padding mask) at B=8, S=128 and 512, float32 and float16, B=1 S=32 float32 and B=32 S=128 float16; real MiniLM and Whisper tiny.en rows when their models
 were built into ``--models-dir``.
-FLOP model of the encoder (reported as TFLOP/s of dev_graph): 2·B·S·(4D² + 2·D·F) per layer for the
+FLOP model of the encoder (reported as TFLOP/s of nat_graph_feeds): 2·B·S·(4D² + 2·D·F) per layer for the
 projections and FFN plus 4·B·N·S²·H for attention.
 """
 
@@ -38,8 +36,11 @@ import numpy as np
 from mha_ep.bench.timer import paired_medians
 
 CUDA = "CUDAExecutionProvider"
-COLUMNS = ("ort_numpy", "ort_iobinding", "ort_graph", "ort_graph_numpy", "python_op", "dev_numpy", "dev_feeds",
-           "dev_graph", "dev_graph_feeds", "nat_numpy", "nat_feeds", "nat_graph", "nat_graph_feeds")  # fmt: skip
+COLUMNS = ("ort_numpy", "ort_iobinding", "ort_graph", "ort_graph_numpy", "python_op", "nat_numpy", "nat_feeds",
+           "nat_graph", "nat_graph_feeds")  # fmt: skip
+# the ratios a row prints after its columns, (numerator, denominator): the targets are read from them
+RATIOS = (("nat_numpy", "ort_numpy"), ("nat_feeds", "ort_iobinding"), ("nat_graph_feeds", "ort_graph"),
+          ("nat_graph", "ort_graph_numpy"), ("python_op", "nat_numpy"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def max_rel_error(actual, expected) -> float:
 def stock_calls(model_bytes: bytes, feeds: dict, device_feeds: dict, sess_options=None) -> tuple:
     """The ort_numpy, ort_iobinding and ort_graph calls of stock ORT CUDA (every output bound on the GPU), and its
     outputs for the error column."""
+    import cupy
     import onnxruntime as ort
 
     plain = ort.InferenceSession(model_bytes, sess_options, providers=[CUDA, "CPUExecutionProvider"])
@@ -123,6 +125,7 @@ def stock_calls(model_bytes: bytes, feeds: dict, device_feeds: dict, sess_option
         def graph_numpy():
             for name, array in device_feeds.items():
                 array.set(feeds[name])
+            cupy.cuda.get_current_stream().synchronize()  # ORT's stream does not wait for copies on this one
             graph.run_with_iobinding(fixed)
             [value.numpy() for value in fixed.get_outputs()]
 
@@ -140,65 +143,38 @@ def bench_model(label: str, model, feeds: dict, repeats: int, flops: Optional[fl
     device_feeds = {name: cupy.asarray(value) for name, value in feeds.items()}
     calls, expected = stock_calls(model.SerializeToString(), feeds, device_feeds)
     providers = [CUDA, "CPUExecutionProvider"]
-    device = mha_ep.InferenceSession(model, backend="cuda", providers=providers, device_mode="device")
-    runner = device.device_runner
     try:
         if "python_op" not in skip:
             bridge = mha_ep.InferenceSession(model, backend="cuda", providers=providers, route="python-op")
             calls["python_op"] = lambda: bridge.run(None, feeds)
     except ImportError as error:  # onnxruntime-extensions missing: no python_op column
         print(f"  (no python_op column: {error})", file=sys.stderr)
-
-    def with_graphs(enabled: bool, call):
-        def wrapped():
-            runner.graphs_enabled = enabled
-            call()
-
-        return wrapped
-
-    def on_device():
-        device.run_device(None, device_feeds)
-        runner.stream.synchronize()
-
-    import cupy as cp
-
     plain = mha_ep.InferenceSession(model, backend="cuda", providers=providers)
     graphed = mha_ep.InferenceSession(model, backend="cuda",
                                       providers=[(CUDA, {"enable_cuda_graph": "1"}), "CPUExecutionProvider"])
 
-    def nat_device(session):
+    def on_device(session):
         def call():
             session.run_device(None, device_feeds)
-            cp.cuda.get_current_stream().synchronize()
+            cupy.cuda.get_current_stream().synchronize()
 
         return call
 
     calls["nat_numpy"] = lambda: plain.run(None, feeds)
-    calls["nat_feeds"] = nat_device(plain)
+    calls["nat_feeds"] = on_device(plain)
     if graphed.cuda_io is not None and graphed.cuda_io.graphs:
         calls["nat_graph"] = lambda: graphed.run(None, feeds)
-        calls["nat_graph_feeds"] = nat_device(graphed)
-    calls["dev_numpy"] = with_graphs(False, lambda: device.run(None, feeds))
-    calls["dev_feeds"] = with_graphs(False, on_device)
-    calls["dev_graph"] = with_graphs(True, lambda: device.run(None, feeds))
-    calls["dev_graph_feeds"] = with_graphs(True, on_device)
-    runner.graphs_enabled = False
-    eager = device.run(None, feeds)
+        calls["nat_graph_feeds"] = on_device(graphed)
+    eager = plain.run(None, feeds)
     medians = time_in_turns({name: call for name, call in calls.items() if name not in skip}, repeats)
-    runner.graphs_enabled = True
-    replayed = device.run(None, feeds)
-    nat_out = graphed.run(None, feeds)
+    replayed = graphed.run(None, feeds)
     result = {
-        "nat_mode_reason": graphed.mode_reason,
-        "nat_graph_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(nat_out, expected)),
-        "label": label, "mode": device.mode, "steps": runner.plan.describe().splitlines()[0],
-        "graphs_captured": sum(entry is not None for entry in runner.graphs.entries.values()),
-        "graph_refusal": runner.executor.graph_refusal, "eager_steps": runner.executor.eager_head,
+        "label": label, "mode_reason": plain.mode_reason, "graph_mode_reason": graphed.mode_reason,
         "max_rel_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(eager, expected)),
         "graph_error_vs_ort_cuda": max(max_rel_error(a, e) for a, e in zip(replayed, expected)),
     }  # fmt: skip
-    if flops and "dev_graph" in medians:
-        result["tflops_dev_graph"] = flops / medians["dev_graph"] / 1e12
+    if flops and "nat_graph_feeds" in medians:
+        result["tflops_nat_graph_feeds"] = flops / medians["nat_graph_feeds"] / 1e12
     result.update({f"{name}_ms": seconds * 1e3 for name, seconds in medians.items()})
     return result
 
@@ -243,7 +219,7 @@ def plot(results: list, path: Path) -> bool:
     axes.set_xscale("log")
     axes.set_xlabel("ms per call (median, timed in turns); lower is better")
     axes.legend(fontsize=7, ncols=len(COLUMNS), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(results)))
-    axes.set_title("mha_ep device-resident mode vs stock ORT CUDA, whole models")
+    axes.set_title("mha_ep.InferenceSession vs stock ORT CUDA, whole models")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -251,17 +227,14 @@ def plot(results: list, path: Path) -> bool:
 
 
 def format_row(r: dict) -> str:
-    """The row's medians, then the ratios the targets are read from: device mode (graphs on, its default) against
-    stock ORT CUDA with numpy feeds, device feeds against IOBinding, graphs against ORT's graph, bridge / device."""
+    """The row's medians, then RATIOS: the session against stock ORT CUDA with NumPy feeds, device feeds against
+    IOBinding, ORT's graph with device feeds and with NumPy feeds, and the bridge against the session."""
     cells = [f"{r.get(f'{c}_ms', float('nan')):.2f}" for c in COLUMNS]
 
     def ms(column: str) -> float:
         return r.get(f"{column}_ms", float("nan"))
 
-    ratios = (ms("dev_graph") / ms("ort_numpy"), ms("dev_graph_feeds") / ms("ort_iobinding"),
-              ms("dev_graph_feeds") / ms("ort_graph"), ms("python_op") / ms("dev_graph"),
-              ms("nat_graph") / ms("dev_graph"), ms("nat_graph_feeds") / ms("dev_graph_feeds"),
-              ms("nat_feeds") / ms("ort_iobinding"), ms("nat_graph") / ms("ort_graph_numpy"))  # fmt: skip
+    ratios = [ms(top) / ms(bottom) for top, bottom in RATIOS]
     return (f"| {r['label']} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.2f}" for x in ratios)
             + f" | {r['max_rel_error_vs_ort_cuda']:.1e} |")  # fmt: skip
 
@@ -287,10 +260,9 @@ def main(argv: Optional[list] = None) -> int:
         ort.preload_dlls()
     rows = [EncoderRow(r.batch, r.sequence, r.dtype, args.layers) for r in ENCODER_ROWS
             if args.only in r.label and args.rows != "real"]  # fmt: skip
-    print("| row | " + " | ".join(COLUMNS) + " | dev_graph/ort_numpy | dev_graph_feeds/ort_iobinding "
-          "| dev_graph_feeds/ort_graph | python_op/dev_graph | nat_graph/dev_graph | nat_graph_feeds/dev_graph_feeds "
-          "| nat_feeds/ort_iobinding | nat_graph/ort_graph_numpy | err vs ORT CUDA |")  # fmt: skip
-    print("|---|" + "---|" * (len(COLUMNS) + 9))
+    print("| row | " + " | ".join(COLUMNS) + " | " + " | ".join(f"{a}/{b}" for a, b in RATIOS)
+          + " | err vs ORT CUDA |")  # fmt: skip
+    print("|---|" + "---|" * (len(COLUMNS) + len(RATIOS) + 1))
     from mha_ep.bench.models import ROWS as MODEL_ROWS
     from mha_ep.models.export import default_out_dir
 

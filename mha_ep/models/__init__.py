@@ -16,18 +16,20 @@ Only the builders need torch; the shipped models, the manifest, transcription an
 """
 
 
-def plugin_session(path, backend: str = "reference", device_mode: str = "python-op", **options):
-    """The tools' plugin session: through the bridge (ORT CPU around the Python op); with ``"native"`` one ORT
-    CUDA session running the native library's CUDA kernels (mha_ep/native); with ``device_mode="device"`` the
-    whole model in device-resident mode (opt-in: ORT CUDA pieces + the cuda backend)."""
+ROUTES = ("python-op", "native")  # the tools' --route choices (plugin_session)
+
+
+def plugin_session(path, backend: str = "reference", route: str = "python-op", **options):
+    """The tools' plugin session: ``route="python-op"`` through the bridge (ORT CPU around the Python op);
+    ``"native"`` one ORT CUDA session running the native library's CUDA kernels (mha_ep/native)."""
     from mha_ep.session import InferenceSession
 
-    if device_mode == "native":
+    if route not in ROUTES:
+        raise ValueError(f"plugin_session: route must be one of {ROUTES}, got {route!r}")
+    if route == "native":
         return InferenceSession(str(path), backend=backend, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
-                                device_mode="python-op", route="native", **options)  # fmt: skip
-    providers = None if device_mode == "python-op" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return InferenceSession(str(path), backend=backend, providers=providers, device_mode=device_mode,
-                            route="python-op", **options)  # fmt: skip
+                                route="native", **options)  # fmt: skip
+    return InferenceSession(str(path), backend=backend, route="python-op", **options)
 
 
 def run_tool(main) -> int:

@@ -18,6 +18,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
+from mha_ep.models import ROUTES
 from mha_ep.models.export import default_out_dir
 
 SENTENCES = [
@@ -62,7 +63,7 @@ def embed(session, feeds) -> np.ndarray:
 
 
 def compare_embeddings(models=None, masks=("1d", "2d"), dtype="fp32", backend="reference",
-                       sentences: Sequence[str] = SENTENCES, device_mode: str = "python-op") -> List[dict]:
+                       sentences: Sequence[str] = SENTENCES, route: str = "python-op") -> List[dict]:
     import onnxruntime as ort
 
     from mha_ep.models import plugin_session
@@ -77,7 +78,7 @@ def compare_embeddings(models=None, masks=("1d", "2d"), dtype="fp32", backend="r
                 f"{path} is missing; build it with: python -m mha_ep.models.build bert --which minilm --out {folder}"
             )
         stock = embed(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), feeds)
-        session = plugin_session(path, backend, device_mode)
+        session = plugin_session(path, backend, route)
         plugin = embed(session, feeds)
         cos = (stock * plugin).sum(1)
         results.append(
@@ -102,11 +103,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     parser.add_argument("--backend", default="reference")
     parser.add_argument("--min-cosine", type=float, default=0.99999)
-    parser.add_argument("--device-mode", choices=("python-op", "device", "native"), default="python-op",
-                        help="device: the whole model on the GPU (ORT CUDA + the cuda backend); native: one ORT CUDA session with mha_ep's native library (both need onnxruntime-gpu)")
+    parser.add_argument("--route", choices=ROUTES, default="python-op",
+                        help="native: one ORT CUDA session with mha_ep's native library (needs onnxruntime-gpu)")
     args = parser.parse_args(argv)
     ok = True
-    for r in compare_embeddings(args.models, args.mask, args.dtype, args.backend, device_mode=args.device_mode):
+    for r in compare_embeddings(args.models, args.mask, args.dtype, args.backend, route=args.route):
         print(f"MiniLM mask {r['mask']} {r['dtype']}: claimed {r['claimed']}/{r['mha_nodes']} MHA; token counts "
               f"{r['lengths']}; model sanity: paraphrase cosine {r['paraphrase_cosine']:.3f}, unrelated "
               f"{r['unrelated_cosine']:.3f}")

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from mha_ep.models import audio
+from mha_ep.models import ROUTES
 from mha_ep.models.export import default_out_dir
 
 SOT, EOT, NO_TIMESTAMPS = 50257, 50256, 50362  # tiny.en special tokens
@@ -36,14 +37,14 @@ def stock_session_factory(path):
 
 
 def plugin_session_factory(backend: str = "reference", device_id: int = 0, lift_attention: bool = True,
-                           device_mode: str = "python-op"):  # fmt: skip
-    """Sessions through mha_ep: every MHA node the gate accepts runs in the plugin (``device_mode``: see
+                           route: str = "python-op"):  # fmt: skip
+    """Sessions through mha_ep: every MHA node the gate accepts runs in the plugin (``route``: see
     mha_ep.models.plugin_session)."""
 
     def make(path):
         from mha_ep.models import plugin_session
 
-        return plugin_session(path, backend, device_mode, device_id=device_id, lift_attention=lift_attention)
+        return plugin_session(path, backend, route, device_id=device_id, lift_attention=lift_attention)
 
     return make
 
@@ -302,9 +303,9 @@ def tokenizer():
 
 
 def transcribe_both(wavs, models=None, dtype="fp32", backend="reference", max_tokens=64, progress=True,
-                    device_mode="python-op", loop="host"):  # fmt: skip
+                    route="python-op", loop="host"):  # fmt: skip
     """Decode each wav with stock ORT (CPU) and with the plugin; returns a list of per-utterance result dicts.
-    ``loop="device"``: the plugin's loop keeps everything on the GPU (DeviceTranscriber; ``device_mode`` native)."""
+    ``loop="device"``: the plugin's loop keeps everything on the GPU (DeviceTranscriber; the native route)."""
     folder = Path(models) if models else default_out_dir()
     paths = model_paths(folder, dtype=dtype)
     suppress, begin = suppress_lists()
@@ -313,10 +314,10 @@ def transcribe_both(wavs, models=None, dtype="fp32", backend="reference", max_to
     results = []
     runs = {}
     timings = {}
-    for label, factory in (("stock", stock_session_factory), ("plugin", plugin_session_factory(backend, device_mode=device_mode))):
+    for label, factory in (("stock", stock_session_factory), ("plugin", plugin_session_factory(backend, route=route))):
         t0 = time.perf_counter()
         if label == "plugin" and loop == "device":
-            tr = DeviceTranscriber(paths, plugin_session_factory("cuda", device_mode="native"), suppress, begin,
+            tr = DeviceTranscriber(paths, plugin_session_factory("cuda", route="native"), suppress, begin,
                                    max_tokens)  # fmt: skip
         else:
             tr = Transcriber(paths, factory, suppress, begin, max_tokens)
@@ -353,14 +354,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32")
     parser.add_argument("--backend", default="reference", help="plugin backend: reference | cuda | auto")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--device-mode", choices=("python-op", "device", "native"), default="python-op",
-                        help="device: the whole model on the GPU (ORT CUDA + the cuda backend); native: one ORT CUDA session with mha_ep's native library (both need onnxruntime-gpu)")
+    parser.add_argument("--route", choices=ROUTES, default="python-op",
+                        help="native: one ORT CUDA session with mha_ep's native library (needs onnxruntime-gpu)")
     parser.add_argument("--loop", choices=("host", "device"), default="host",
                         help="device: the plugin's greedy loop on the GPU (KV cache in ORT values on the device, the "
                              "token chosen there, one small read per step; the native route, onnxruntime-gpu)")
     args = parser.parse_args(argv)
     wavs = args.wavs or [audio.DEFAULT_DIR / n for n in audio.UTTERANCES]
-    res = transcribe_both(wavs, args.models, args.dtype, args.backend, args.max_tokens, device_mode=args.device_mode,
+    res = transcribe_both(wavs, args.models, args.dtype, args.backend, args.max_tokens, route=args.route,
                           loop=args.loop)  # fmt: skip
     print(f"Whisper tiny.en {res['dtype']}, plugin backend {res['backend']}; claimed MHA nodes per model: "
           + ", ".join(f"{p} {c}/{n}" for p, (c, n) in res["claims"].items()))

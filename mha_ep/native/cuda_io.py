@@ -104,7 +104,7 @@ _DTYPES: Dict[str, np.dtype] = {}  # ORT type name -> NumPy dtype (looked up onc
 
 def ortvalue_array(value, device_id: int = -1):
     """A CuPy array over an ORT value's device buffer on ``device_id`` (-1: the current device; no copy, the array
-    keeps the value alive). Device mode's pieces' outputs come through here too (device/cuda.py)."""
+    keeps the value alive)."""
     import cupy
 
     kind = value.data_type()

@@ -108,7 +108,7 @@ def wanted_outputs(output_names_of_model: Sequence[str], output_names: Optional[
 def checked_outputs(inputs: Sequence, output_names_of_model: Sequence[str], feeds: Mapping,
                     output_names: Optional[Sequence[str]]) -> list:  # fmt: skip
     """The outputs the call asks for (wanted_outputs); raises what ``run`` raises for a call that does not fit
-    the model (call_error). The one check of the GPU path and of device mode."""
+    the model (call_error). The one check of the GPU path."""
     error = call_error(inputs, output_names_of_model, feeds, output_names)
     if error is not None:
         raise error

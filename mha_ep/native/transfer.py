@@ -1,4 +1,4 @@
-"""Host <-> device copies of a GPU session's call (native/cuda_io.py; device mode's too): NumPy feeds up, outputs down.
+"""Host <-> device copies of a GPU session's call (native/cuda_io.py): NumPy feeds up, outputs down.
 
 One pinned buffer filled by the copy threads uploads faster than one ``cupy.asarray`` per feed, and pinned
 output blocks download several times faster than fresh NumPy arrays (docs/BENCH.md, "Host-side choices"). So:

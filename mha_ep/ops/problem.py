@@ -195,8 +195,8 @@ def build_problem(
 ) -> MhaProblem:
     """Validate one call with the shared rules and resolve it. Raises MhaInputError naming the input.
 
-    ``mask_resolver(mask, geometry)``: resolve_padding_mask, or a caller's memo of it (device mode resolves a
-    model's one mask once per call, not once per layer)."""
+    ``mask_resolver(mask, geometry)``: resolve_padding_mask, or a caller's own (the native planner's reads
+    shapes only: native/plan.py)."""
     slots = input_slots(arrays)
     signature = (tuple(attributes.items()), array_signature(slots), dtype, tuple(bool(o) for o in outputs),
                  past_length_value(slots[spec.SLOT["past_sequence_length"]]))  # fmt: skip
@@ -297,7 +297,7 @@ def resolve_padding_mask(mask: np.ndarray, geometry: Geometry) -> PaddingMask:
     """key_padding_mask -> PaddingMask, exactly as ORT's CPU kernel reads it (docs/SEMANTICS.md §3.4).
 
     Shapes were already checked by the rules; this only interprets values. Array methods only, so a CuPy mask
-    (device mode) is resolved on its device.
+    is resolved on its device.
     """
     b, t = geometry.batch, geometry.total_seq
     if mask.ndim == 1:  # (B,) or (3B+2,): key lengths are the first B entries; the cu_seqlens part is unused

@@ -35,17 +35,15 @@ def test_a_row_prints_every_column_and_the_target_ratios():
     line = device.format_row(fake_result())
     cells = [cell.strip() for cell in line.strip("|").split("|")]
     width = len(device.COLUMNS)
-    assert cells[0] == "row" and len(cells) == 1 + width + 8 + 1
+    assert cells[0] == "row" and len(cells) == 1 + width + len(device.RATIOS) + 1
     columns = dict(zip(device.COLUMNS, map(float, cells[1 : 1 + width])))
-    ratios = list(map(float, cells[1 + width : 1 + width + 8]))
-    assert ratios == [round(columns["dev_graph"] / columns["ort_numpy"], 2),
-                      round(columns["dev_graph_feeds"] / columns["ort_iobinding"], 2),
-                      round(columns["dev_graph_feeds"] / columns["ort_graph"], 2),
-                      round(columns["python_op"] / columns["dev_graph"], 2),
-                      round(columns["nat_graph"] / columns["dev_graph"], 2),
-                      round(columns["nat_graph_feeds"] / columns["dev_graph_feeds"], 2),
+    ratios = list(map(float, cells[1 + width : 1 + width + len(device.RATIOS)]))
+    assert ratios == [round(columns["nat_numpy"] / columns["ort_numpy"], 2),
                       round(columns["nat_feeds"] / columns["ort_iobinding"], 2),
-                      round(columns["nat_graph"] / columns["ort_graph_numpy"], 2)]  # fmt: skip
+                      round(columns["nat_graph_feeds"] / columns["ort_graph"], 2),
+                      round(columns["nat_graph"] / columns["ort_graph_numpy"], 2),
+                      round(columns["python_op"] / columns["nat_numpy"], 2)]  # fmt: skip
+    assert not any(column.startswith("dev_") for column in device.COLUMNS)  # device mode is retired
 
 
 def test_the_plot_is_a_png_with_a_bar_per_column_and_row(tmp_path):

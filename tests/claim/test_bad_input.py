@@ -29,7 +29,7 @@ from packaging.version import Version
 
 import mha_ep
 
-from mha_models import NODE_NAME, assert_outputs_match, node_model, plugin_session, skip_unless_route_runs
+from mha_models import NODE_NAME, assert_outputs_match, node_model, plugin_session
 
 PREFIX = "mha_ep MultiHeadAttention: "
 B, S, L, N, H, P = 2, 3, 5, 2, 4, 4
@@ -465,7 +465,6 @@ def check_not_claimed(c: BadCase, rng: np.random.Generator) -> None:
 
 
 def check_fails_at_run(c: BadCase, backend: str, rng: np.random.Generator) -> None:
-    skip_unless_route_runs(backend, shared="past_sequence_length" in c.bad)
     model = model_of(c.bad, c, c.run_shapes)
     decisions = mha_ep.partition(model).decisions
     assert [d.claimed for d in decisions] == [True], f"{c.name} ({c.run_shapes}): not claimed: {decisions}"

@@ -272,7 +272,7 @@ def test_copy_casts_float64_and_refuses_strided_destinations():
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("sizes", [[(3,), (5, 7), (0,)], [(300_000,), (2, 400_000), (0, 4), (17,)]])
 def test_stage_uploads_moves_every_byte_to_its_destination(sizes, scattered, threads, one_block):
-    """The one upload of the bridge and of device mode: small calls laid out like the segments in one device
+    """The one upload of the bridge and of a GPU session's lanes: small calls laid out like the segments in one device
     allocation go up in one copy, anything else chunk by chunk (destinations that merely lie side by side may be
     two allocations, which one copy cannot span); every byte of every array reaches its own destination, casts
     included."""

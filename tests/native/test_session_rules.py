@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mha_ep.native import cuda_io
-from mha_ep.session import cuda_options_of, provider_names, wants_cuda_graph, without_cuda_graph
+from mha_ep.providers import cuda_options_of, provider_names, wants_cuda_graph, without_cuda_graph
 
 CUDA = "CUDAExecutionProvider"
 

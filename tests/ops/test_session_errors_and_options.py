@@ -120,7 +120,7 @@ def test_options_with_added_providers_are_refused_with_a_way_out():
 def test_device_id_and_the_cuda_providers_device_are_one_gpu():
     """``device_id`` reaches ORT's CUDA provider where the caller left its device out (on copies), is read from it
     when not given, and a different one in each place is refused with both named."""
-    from mha_ep.session import on_one_device
+    from mha_ep.providers import on_one_device
 
     cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
     providers = [cuda, cpu]
@@ -142,7 +142,7 @@ def test_a_refused_graph_drops_the_stream_the_session_added_and_keeps_the_caller
     """When ORT refuses its CUDA graph, the session retries without ``enable_cuda_graph`` and without the
     ``user_compute_stream`` it added for the graph (cuda_io rule 7), but never takes out a stream the caller gave;
     on copies, in both of onnxruntime's ways of passing provider options."""
-    from mha_ep.session import without_cuda_graph
+    from mha_ep.providers import without_cuda_graph
 
     cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
     ours = {"enable_cuda_graph": "1", "user_compute_stream": "1234", "has_user_compute_stream": "1", "device_id": "0"}
@@ -154,3 +154,26 @@ def test_a_refused_graph_drops_the_stream_the_session_added_and_keeps_the_caller
     options = [dict(ours), {}]
     assert without_cuda_graph([cuda, cpu], options, drop_stream=True) == ([cuda, cpu], [{"device_id": "0"}, {}])
     assert options[0] == ours
+
+
+def test_the_retired_device_mode_names_its_replacement_and_the_rest_of_the_keyword_warns():
+    """Device-resident mode was retired: asking for it raises MhaEpError naming what replaced it (ORT's CUDA graph
+    on the native route), the values that never took it only warn, and anything else is a ValueError."""
+    import warnings
+
+    from mha_ep.errors import MhaEpError
+    from mha_ep.session import check_device_mode
+
+    for value in ("device", True):
+        with pytest.raises(MhaEpError, match=r"retired.*enable_cuda_graph.*run_device"):
+            check_device_mode(value)
+    for value in ("python-op", False, None):
+        with pytest.warns(DeprecationWarning, match="has no effect"):
+            check_device_mode(value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_device_mode("auto")  # the default: silent
+    with pytest.raises(ValueError, match="got 'gpu'"):
+        check_device_mode("gpu")
+    with pytest.raises(MhaEpError, match="retired"):
+        mha_ep.InferenceSession(b"not read: the keyword is checked first", device_mode="device")

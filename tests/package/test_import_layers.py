@@ -24,13 +24,13 @@ PACKAGE = REPO / "mha_ep"
 # (layer, module prefixes), lowest first; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
     ("base", ("mha_ep.spec", "mha_ep.limits", "mha_ep.launch", "mha_ep.dtypes", "mha_ep.errors", "mha_ep.progress",
-              "mha_ep.shipped")),
+              "mha_ep.shipped", "mha_ep.providers")),
     ("claim", ("mha_ep.claim",)),
     ("graph", ("mha_ep.model_io", "mha_ep.lift", "mha_ep.partition_result", "mha_ep.partition_pass",
                "mha_ep.static_cache")),
     ("compute", ("mha_ep.ops.problem", "mha_ep.ops.backends")),
     ("op", ("mha_ep.ops",)),
-    ("routes", ("mha_ep.native", "mha_ep.device", "mha_ep.ops.registration")),
+    ("routes", ("mha_ep.native", "mha_ep.ops.registration")),
     ("session", ("mha_ep.session",)),
     ("tools", ("mha_ep.comparison", "mha_ep.feeds", "mha_ep.demo", "mha_ep.environment", "mha_ep.models",
                "mha_ep.serve")),

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from conftest import PARITY_TOLERANCE
 from mha_models import (
-    MhaConfig, build_model, plugin_session, random_feeds, skip_unless_route_runs, stock_outputs, with_,
+    MhaConfig, build_model, plugin_session, random_feeds, stock_outputs, with_,
 )
 from test_parity_random import RANDOM_SETTINGS, check_vs_oracle, check_vs_stock
 
@@ -54,14 +54,12 @@ def shared_configs(draw, dtype: str = "float32"):
 @settings(max_examples=100, **RANDOM_SETTINGS)
 @given(config=shared_configs("float32"), seed=st.integers(0, 2**31 - 1))
 def test_random_shared_buffer_float32_matches_stock_ort(run_backend, config, seed):
-    skip_unless_route_runs(run_backend, shared=True)
     check_vs_stock(config, run_backend, seed)
 
 
 @settings(max_examples=50, **RANDOM_SETTINGS)
 @given(config=shared_configs("float16"), seed=st.integers(0, 2**31 - 1))
 def test_random_shared_buffer_float16_matches_stock_ort(run_backend, config, seed):
-    skip_unless_route_runs(run_backend, shared=True)
     check_vs_stock(config, run_backend, seed)
 
 
@@ -95,7 +93,6 @@ SHARED_CORNERS = {
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", list(SHARED_CORNERS))
 def test_shared_buffer_corner_matches_stock_ort(name, dtype, run_backend, rng):
-    skip_unless_route_runs(run_backend, shared=True)
     seed = int(rng.integers(0, 2**30))
     for parity in (0, 1):  # an even seed draws 0/1 mask values, an odd one "any" values (2, -1, ...)
         check_vs_stock(with_(SHARED_CORNERS[name], dtype=dtype), run_backend, 2 * seed + parity)

@@ -28,7 +28,7 @@ A call shape seen before on the fused path replays steps 2-5 as a captured CUDA 
 shape (replay.py: the rules, and why).
 
 Seams: step 1 (``_stage``: host arrays into device buffers); steps 2-5 (``device_steps``: a DeviceCall on device
-addresses -> steps, and ``run_steps``: queue them on a stream, launches only), public, for device mode and the native
+addresses -> steps, and ``run_steps``: queue them on a stream, launches only), public, for the native
 route too; and ``prepared(problem)``, which stages a call and hands back its steps 2-5 as a ``PreparedCall`` to
 submit as often as wanted: the hook the benchmarks time (mha_ep/bench).
 """
@@ -425,7 +425,7 @@ class CudaBackend:
     # ------------------------------------------------------------------------------------- device-side interface
     @property
     def stream(self) -> cupy.cuda.Stream:
-        """The backend's own stream: every call of the bridge runs on it (device mode shares it with ORT)."""
+        """The backend's own stream: every call of the bridge runs on it."""
         return self._stream
 
     @property

@@ -24,7 +24,7 @@ class Mover(NamedTuple):
     bias: object
     bias_in_operand: bool
     dst: object
-    present: object  # the float32 present (bridge) or the call-dtype present apart from dst (device mode)
+    present: object  # the float32 present (bridge) or the call-dtype present apart from dst (native)
     cur_seq: int
     past_seq: int
     dim: int

@@ -7,7 +7,6 @@ hands out device memory for the scratch buffers a path needs (``take(name, nbyte
 list of steps.py values (kernel launches, cuBLAS GEMMs, copies), queued in that order on one stream. Every route
 drives this one function:
   * the bridge (backend.py): inputs staged as float32 (the mask resolved on the host), outputs float32;
-  * device-resident mode (device_entry.py): CuPy arrays in the node's dtype, outputs in the node's dtype;
   * the native route (mha_ep/native): ORT's own buffers, named by steps.Buffer and bound by its C library at every
     call; the mask as ORT hands it over (int32 / int64, any of its four shapes).
 

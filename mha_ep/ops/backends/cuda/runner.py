@@ -1,5 +1,5 @@
-"""Running a call's steps (steps.py values) through CuPy, on concrete addresses: the bridge's and device-resident
-mode's way (the native route's C library launches the same steps itself: mha_ep/native).
+"""Running a call's steps (steps.py values) through CuPy, on concrete addresses: the bridge's way (the native
+route's C library launches the same steps itself: mha_ep/native).
 
     run_steps(device_id, steps, stream)                       # queue them on a cupy Stream: launches only
     run_fused(device_id, problem, stream=..., q=..., ...)     # fused.fused_step's launch, run now

@@ -1,7 +1,7 @@
 """A call's device work as values: the steps the cuda backend's pipeline returns (pipeline.py).
 
-Three routes drive one pipeline and differ only in who runs its steps:
-  * the bridge and device-resident mode run them through CuPy (runner.py ``run_steps``), on concrete addresses;
+Two routes drive one pipeline and differ only in who runs its steps:
+  * the bridge runs them through CuPy (runner.py ``run_steps``), on concrete addresses;
   * the native route (mha_ep/native) encodes them once per call signature for its C library, which launches them
     with the CUDA driver on ORT's buffers and stream; there, addresses are ``Buffer`` names bound at every call.
 
