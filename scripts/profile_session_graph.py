@@ -28,7 +28,7 @@ import cupy
 import onnxruntime as ort
 
 import mha_ep
-from mha_ep.bench.native import bound_call, output_values
+from mha_ep.bench.native import bound_call, fixed_binding, output_values
 from mha_ep.bench.timer import paired_medians
 from mha_ep.models.synthetic import bert_encoder, encoder_feeds
 from mha_ep.native.transfer import HostTransfers
@@ -91,11 +91,7 @@ def main() -> None:
             stock_values = stock_values or values
             calls.append(bound_call(session, device_feeds, values))
         stock_feeds = {n: cupy.asarray(v) for n, v in feeds.items()}
-        stock_binding = stock.io_binding()
-        for name, array in stock_feeds.items():
-            stock_binding.bind_input(name, "cuda", 0, array.dtype.type, list(array.shape), array.data.ptr)
-        for name, value in stock_values.items():
-            stock_binding.bind_ortvalue_output(name, value)
+        stock_binding = fixed_binding(stock, stock_feeds, stock_values)
 
         def stock_numpy():
             for name, array in stock_feeds.items():

@@ -144,13 +144,19 @@ def sessions(model, graph: bool = False) -> tuple:
     return stock, native
 
 
-def bound_call(session, device_feeds: dict, outputs: dict) -> Callable[[], None]:
-    """A run of ``session`` with IOBinding: inputs from CuPy arrays, outputs into ORT values at fixed addresses."""
+def fixed_binding(session, device_feeds: dict, outputs: dict):
+    """An IOBinding of ``session``: inputs from CuPy arrays, outputs into ORT values at fixed addresses."""
     binding = session.io_binding()
     for name, array in device_feeds.items():
         binding.bind_input(name, "cuda", 0, array.dtype.type, list(array.shape), array.data.ptr)
     for name, value in outputs.items():
         binding.bind_ortvalue_output(name, value)
+    return binding
+
+
+def bound_call(session, device_feeds: dict, outputs: dict) -> Callable[[], None]:
+    """A run of ``session`` with fixed_binding, ending once the outputs are ready."""
+    binding = fixed_binding(session, device_feeds, outputs)
 
     def call():
         session.run_with_iobinding(binding)
