@@ -110,6 +110,10 @@ class InferenceSession:
             ort_stream = None
             self._session = _make_session(self.partition.model, options, providers, provider_options, **kwargs)
             graph_note = f"; ORT refused its CUDA graph ({str(error).splitlines()[0][:200]}), so every call runs eagerly"
+        if ort_stream is not None and added:
+            # the stream outlives ORT's session: the ORT object holds it, and releases it after its own C session
+            # (this session sits in a reference cycle, whose collector may drop cuda_io first)
+            self._session._mha_ep_compute_stream = ort_stream
         self.mode_reason = f"{route_reason}{graph_note}"
         if self.route == "native" and self.backend.name == "cuda" and CUDA_PROVIDER in self._session.get_providers():
             from mha_ep.native.cuda_io import CudaSessionIO, unsupported_tensors

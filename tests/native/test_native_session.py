@@ -252,6 +252,8 @@ def test_a_graph_session_runs_ort_on_a_stream_it_knows():
         assert told == str(io.ort_stream.ptr), (told, io.ort_stream.ptr)
         if theirs is not None:
             assert io.ort_stream.ptr == theirs
+        else:  # the session's own stream lives as long as ORT's session object
+            assert session._session._mha_ep_compute_stream is io.ort_stream
         for call in range(4):
             feeds = encoder_feeds(2, 8, hidden=64, seed=30 + call)
             assert_close(session.run(None, feeds), stock_cuda(model, feeds), "float32", f"run call {call + 1}")
