@@ -105,12 +105,11 @@ class InferenceSession:
         except Exception as error:  # noqa: BLE001 - ORT refuses its CUDA graph when a node runs on the CPU
             if not wants_cuda_graph(providers, provider_options):
                 raise
-            providers, provider_options = without_cuda_graph(providers, provider_options,
-                                                             drop_stream=ort_stream is not None and added)  # fmt: skip
-            ort_stream = None
+            providers, provider_options = without_cuda_graph(providers, provider_options, drop_stream=added)
+            ort_stream, added = None, False
             self._session = _make_session(self.partition.model, options, providers, provider_options, **kwargs)
             graph_note = f"; ORT refused its CUDA graph ({str(error).splitlines()[0][:200]}), so every call runs eagerly"
-        if ort_stream is not None and added:
+        if added:
             # the stream outlives ORT's session: the ORT object holds it, and releases it after its own C session
             # (this session sits in a reference cycle, whose collector may drop cuda_io first)
             self._session._mha_ep_compute_stream = ort_stream

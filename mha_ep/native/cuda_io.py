@@ -65,7 +65,6 @@ import numpy as np
 
 from mha_ep.native.capture_mode import ignore_other_captures
 from mha_ep.native.ort_checks import checked_outputs, dtype_error, execution_error, tensor_type
-from mha_ep.ops.backends.cuda.staging import pack_layout
 
 MAX_GRAPHS = 16  # signatures with a captured graph per session (ORT keeps each graph until the session goes)
 COPY_THREADS = 4  # host copies into the staging buffers (transfer.py, staging.stage_uploads), shared by the lanes
@@ -290,8 +289,7 @@ class CudaSessionIO:
             arrays = self._call(lane, signature, host, device, wanted, make_options)
             if not self.graphs or self.slots.get(signature) is None:
                 return arrays
-            self._copied.record(lane.stream)  # the replay (rule 7: queued on ORT's stream, not waited for)
-            caller.wait_event(self._copied)
+            self._caller_waits_for(lane.stream, caller)  # the replay (rule 7: queued on ORT's stream, not waited for)
             with caller:  # copies the caller owns, in its stream's order (CuPy's pool reuses them in that order)
                 arrays = [cupy.array(a, copy=True) for a in arrays]
             caller.synchronize()  # the slot's buffers are written again by the next call of the signature
@@ -556,17 +554,16 @@ class CudaSessionIO:
         import cupy
         import onnxruntime as ort
 
+        from mha_ep.native.transfer import device_block
+
         if self._graph_count >= MAX_GRAPHS:
             self.slots[signature] = None
             return
         self._graph_count += 1  # ids from 1 (0 is ORT's own)
         feeds = {**host, **device}
         order = sorted(feeds)  # the signature's order: a replay's host feeds are staged in it (one DMA when small)
-        segments, total = pack_layout([(name, feeds[name].dtype, feeds[name].shape) for name in order])
         with cupy.cuda.Device(self.device_id):
-            block = cupy.cuda.alloc(total)  # one allocation: staging.stage_uploads may move it in one copy
-            inputs = {name: cupy.ndarray(feeds[name].shape, feeds[name].dtype, block + segments[name].offset)
-                      for name in order}  # fmt: skip
+            inputs = device_block([(name, feeds[name].dtype, feeds[name].shape) for name in order])
         outputs = {}
         for name, value in values.items():
             dtype = np.dtype(numpy_dtype(value.data_type()))
@@ -589,15 +586,10 @@ class CudaSessionIO:
         """A replay with host feeds (or some of each): the feeds go into the slot's buffers on ORT's stream (the
         lane's, rule 7; the caller's device feeds are settled already), ORT's replay queues behind them, and the
         outputs are the slot's views, to be read on that stream (download, or a copy)."""
-        import cupy
-
         names = [name for name in slot.order if name in host and host[name].nbytes]
         lane.transfers.upload([host[name] for name in names], [slot.addresses[name] for name in names],
                               one_block=True)  # fmt: skip
-        for name, array in device.items():
-            if array.nbytes:
-                cupy.cuda.runtime.memcpyAsync(slot.addresses[name], array.data.ptr, array.nbytes,
-                                              cupy.cuda.runtime.memcpyDeviceToDevice, lane.stream.ptr)  # fmt: skip
+        self._copy_into(slot, device, lane.stream.ptr)
         self._run_slot(slot, make_options)
         return [slot.views[name] for name in wanted]
 
@@ -615,10 +607,7 @@ class CudaSessionIO:
         stream = ort_stream.ptr
         self._fed.record(caller)
         ort_stream.wait_event(self._fed)
-        addresses = slot.addresses
-        for name, array in device.items():
-            if array.nbytes:
-                copy(addresses[name], array.data.ptr, array.nbytes, to_device, stream)
+        self._copy_into(slot, device, stream)
         self._run_slot(slot, make_options)
         outputs = []
         with caller:  # the outputs' memory belongs to the caller's stream (CuPy's pool reuses it in that order)
@@ -628,9 +617,23 @@ class CudaSessionIO:
                 if view.nbytes:
                     copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, stream)
                 outputs.append(out)
+        self._caller_waits_for(ort_stream, caller)
+        return outputs
+
+    @staticmethod
+    def _copy_into(slot: GraphSlot, device: dict, stream: int) -> None:
+        """Queue copies of the device feeds ``device`` into the slot's input buffers on ``stream`` (a pointer)."""
+        import cupy
+
+        for name, array in device.items():
+            if array.nbytes:
+                cupy.cuda.runtime.memcpyAsync(slot.addresses[name], array.data.ptr, array.nbytes,
+                                              cupy.cuda.runtime.memcpyDeviceToDevice, stream)  # fmt: skip
+
+    def _caller_waits_for(self, ort_stream, caller) -> None:
+        """The caller's stream waits (on the device) for what is queued on ORT's stream so far (rule 7)."""
         self._copied.record(ort_stream)
         caller.wait_event(self._copied)
-        return outputs
 
     # ------------------------------------------------------------------------------------------ state
     def held_graphs(self) -> int:

@@ -35,6 +35,14 @@ PINNED_OUTPUT_MIN_BYTES = 64 << 10  # smaller outputs: ordinary arrays (a pinned
 MEMORY_TYPE_HOST = 1  # cudaPointerAttributes.type of page-locked host memory
 
 
+def device_block(entries) -> Dict[str, cupy.ndarray]:
+    """CuPy arrays for (name, dtype, shape) ``entries``, in order, in one device allocation laid out as
+    staging.pack_layout lays out the staging buffer (so that staging.stage_uploads may fill it in one copy)."""
+    segments, total = pack_layout(entries)
+    block = cupy.cuda.alloc(total)
+    return {name: cupy.ndarray(shape, dtype, block + segments[name].offset) for name, dtype, shape in entries}
+
+
 def is_host_feed(value) -> bool:
     """A feed that lies on the host: a NumPy array, or anything without ``__dlpack__`` (lists, scalars)."""
     return isinstance(value, np.ndarray) or not (isinstance(value, cupy.ndarray) or hasattr(value, "__dlpack__"))
@@ -178,15 +186,9 @@ class HostTransfers:
         """CuPy arrays holding the host ``feeds`` (C-contiguous), in one device allocation laid out like the
         staging buffer, so that small calls go up in one DMA. The copies are queued on the stream."""
         names = [name for name in feeds if feeds[name].nbytes]
-        segments, total = pack_layout([(name, feeds[name].dtype, feeds[name].shape) for name in names])
-        block = cupy.cuda.alloc(total) if names else None
-        arrays = {}
-        for name, array in feeds.items():
-            if array.nbytes == 0:
-                arrays[name] = cupy.empty(array.shape, array.dtype)
-                continue
-            segment = segments[name]
-            arrays[name] = cupy.ndarray(array.shape, array.dtype, block + segment.offset)
+        placed = device_block([(name, feeds[name].dtype, feeds[name].shape) for name in names]) if names else {}
+        arrays = {name: placed[name] if name in placed else cupy.empty(array.shape, array.dtype)
+                  for name, array in feeds.items()}  # fmt: skip
         self.upload([feeds[name] for name in names], [arrays[name].data.ptr for name in names], one_block=True)
         return arrays
 
