@@ -36,7 +36,8 @@ Threads: any number may call at once, as onnxruntime allows.
      scripts/profile_session_graph.py), which a loop on one thread (a decoder's, a benchmark's) does not pay.
      Without graphs nothing is serialized and every call runs on its own thread.
   4. A call's feeds and outputs are checked against the model once per call key (names, shapes, dtypes, where the
-     feeds lie): the verdict is remembered (``_verdicts``), so a repeated call pays one dictionary lookup.
+     feeds lie): the verdict is remembered (``_checks``, a refusal included: ort_checks.CheckVerdicts; then
+     ``_verdicts``, with the call's graph signature), so a repeated call, good or bad, pays a dictionary lookup.
   5. A host call whose feeds and outputs are small (OWN_RUN_MAX_BYTES: the feeds before the call, the outputs
      from the call key's first call) goes through ORT's own ``run``: it copies as fast there, holds the GIL for
      less of the call, and raises ORT's own exceptions. Not with graphs on: a replay is what those calls want.
@@ -64,7 +65,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from mha_ep.native.capture_mode import ignore_other_captures
-from mha_ep.native.ort_checks import checked_outputs, dtype_error, execution_error, tensor_type
+from mha_ep.native.ort_checks import CheckVerdicts, call_key, dtype_error, execution_error, tensor_type
 
 MAX_GRAPHS = 16  # signatures with a captured graph per session (ORT keeps each graph until the session goes)
 COPY_THREADS = 4  # host copies into the staging buffers (transfer.py, staging.stage_uploads), shared by the lanes
@@ -193,6 +194,7 @@ class CudaSessionIO:
                              "computes on (its user_compute_stream: session.with_session_stream)")  # fmt: skip
 
         self._is_host_feed = is_host_feed  # transfer.py imports CuPy: looked up once here, used on every call
+        self._device_array = cupy.ndarray
         self.session = session
         self.device_id = device_id
         self.graphs = graphs
@@ -215,6 +217,9 @@ class CudaSessionIO:
         self._graph_thread = ThreadPoolExecutor(1, "mha_ep_graphs") if graphs else None
         self.capture_retries = 0  # calls answered by an eager run after a graph capture broke (_rerun_or_raise)
         self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature, ORT's own run takes it)
+        # call key -> the check's verdict (the wanted outputs, or the refusal a bad call raises again): ORT's checks,
+        # before any copy or graph is touched
+        self._checks = CheckVerdicts(self.input_args, self.outputs, MAX_VERDICTS)
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
         self.ort_stream = ort_stream if graphs else None  # rule 7
@@ -227,7 +232,7 @@ class CudaSessionIO:
         the module docstring), others through page-locked memory."""
         ignore_other_captures()  # rule 6
         key, known = self._known(feeds, output_names)
-        wanted = known[0] if known is not None else self._checked(feeds, output_names)
+        wanted = known[0] if known is not None else self._checks.wanted(key, feeds, output_names)
         if not self.graphs:
             if known is not None:  # a remembered key: its feeds' kinds and sizes are the key's
                 if known[2]:
@@ -261,7 +266,7 @@ class CudaSessionIO:
 
         ignore_other_captures()  # rule 6
         key, known = self._known(feeds, output_names)
-        wanted = known[0] if known is not None else self._checked(feeds, output_names)
+        wanted = known[0] if known is not None else self._checks.wanted(key, feeds, output_names)
         try:
             with cupy.cuda.Device(self.device_id):
                 host, device = self._split(feeds, checked=known is not None)
@@ -338,21 +343,9 @@ class CudaSessionIO:
     # ------------------------------------------------------------------------------------- the checks
     def _known(self, feeds: Mapping, output_names) -> Tuple[Optional[tuple], Optional[tuple]]:
         """(the call's key, its remembered verdict or None). The key is None where the call has feeds other than
-        NumPy or CuPy arrays (those are checked every call)."""
-        import cupy
-
-        items = []
-        for name, value in feeds.items():
-            kind = type(value)
-            if kind is not np.ndarray and kind is not cupy.ndarray:
-                return None, None
-            items.append((name, value.shape, value.dtype, kind is np.ndarray))
-        try:
-            names = tuple(output_names) if output_names else None
-        except TypeError:
-            return None, None
-        key = (names, tuple(items))
-        return key, self._verdicts.get(key)
+        NumPy or CuPy arrays (those are checked every call): ort_checks.call_key."""
+        key = call_key(feeds, output_names, self._device_array)
+        return key, (self._verdicts.get(key) if key is not None else None)
 
     def _remember(self, key: Optional[tuple], wanted: List[str], host: Mapping, device: Mapping,
                   small: bool = False) -> tuple:  # fmt: skip
@@ -364,11 +357,6 @@ class CudaSessionIO:
                 self._verdicts.clear()
             self._verdicts[key] = (wanted, signature, small)
         return signature
-
-    def _checked(self, feeds: Mapping, output_names) -> List[str]:
-        """The outputs the call asks for; raises what ORT's ``run`` raises for a call that does not fit the
-        model (ort_checks.py), before any copy or graph is touched."""
-        return checked_outputs(self.input_args, self.outputs, feeds, output_names)
 
     def _split(self, feeds: Mapping, checked: bool = False) -> tuple:
         """(host feeds, device feeds), each checked against the model's dtype (unless the call's verdict is

@@ -105,14 +105,59 @@ def wanted_outputs(output_names_of_model: Sequence[str], output_names: Optional[
     return list(output_names_of_model) if not output_names else list(output_names)
 
 
-def checked_outputs(inputs: Sequence, output_names_of_model: Sequence[str], feeds: Mapping,
-                    output_names: Optional[Sequence[str]]) -> list:  # fmt: skip
-    """The outputs the call asks for (wanted_outputs); raises what ``run`` raises for a call that does not fit
-    the model (call_error). The one check of the GPU path."""
-    error = call_error(inputs, output_names_of_model, feeds, output_names)
-    if error is not None:
-        raise error
-    return wanted_outputs(output_names_of_model, output_names)
+def call_key(feeds: Mapping, output_names, device_array: type) -> Optional[tuple]:
+    """A call's key: the output names asked for, and each feed's name, shape, dtype and kind (NumPy, or
+    ``device_array``: CuPy's ndarray) in feed order: all that call_error reads. None where a feed is of another
+    kind (a list, a DLPack tensor of another library) or the names are not a sequence: such calls are checked
+    every time."""
+    items = []
+    for name, value in feeds.items():
+        kind = type(value)
+        if kind is not np.ndarray and kind is not device_array:
+            return None
+        items.append((name, value.shape, value.dtype, kind is np.ndarray))
+    try:
+        names = tuple(output_names) if output_names else None
+    except TypeError:
+        return None
+    return names, tuple(items)
+
+
+class CheckVerdicts:
+    """call_error's verdict per call key, so a repeated call is checked by one dictionary lookup (cuda_io rule 4).
+
+    A call key (call_key: the output names, and each feed's name, shape, dtype and kind in feed order) holds
+    everything call_error reads, so its verdict is the key's: the outputs a passing call wants, or the
+    refusal of a call that does not fit. A refused call raises a new exception of the first one's type and
+    arguments each time, as ORT's ``run`` raises anew. A server's bad calls repeat (a client with the wrong dtype
+    sends it again), and stock ORT checks them in C++ with the GIL released; checked in Python each time they held
+    the GIL several times longer than a remembered verdict does (docs/BENCH.md, "Host-side choices"). Past
+    ``limit`` keys all are forgotten at once.
+    Calls without a key (feeds other than NumPy or CuPy arrays) are checked every time."""
+
+    def __init__(self, inputs: Sequence, output_names_of_model: Sequence[str], limit: int):
+        self.inputs = list(inputs)
+        self.outputs = list(output_names_of_model)
+        self.limit = limit
+        self._verdicts: dict = {}  # call key -> list of wanted outputs, or (exception type, its args)
+
+    def wanted(self, key: Optional[tuple], feeds: Mapping, output_names: Optional[Sequence[str]]) -> list:
+        """The outputs the call asks for; raises what ``run`` raises for a call that does not fit the model."""
+        verdict = self._verdicts.get(key) if key is not None else None
+        if verdict is None:
+            error = call_error(self.inputs, self.outputs, feeds, output_names)
+            verdict = wanted_outputs(self.outputs, output_names) if error is None else (type(error), error.args)
+            if key is not None:
+                if len(self._verdicts) >= self.limit:
+                    self._verdicts.clear()
+                self._verdicts[key] = verdict
+        if type(verdict) is tuple:
+            kind, args = verdict
+            raise kind(*args)
+        return verdict
+
+    def __len__(self) -> int:
+        return len(self._verdicts)
 
 
 def execution_error(error: BaseException, rerun: Callable[[], object]) -> BaseException:

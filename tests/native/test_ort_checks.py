@@ -141,3 +141,72 @@ def test_an_input_without_a_declared_shape_takes_any_rank_as_run_does():
         feeds = {"x": np.ones(shape, np.float32)}
         assert stock.run(None, feeds)[0].shape == shape
         assert ort_checks.call_error(stock.get_inputs(), ["y"], feeds, None) is None
+
+
+class DeviceArray:  # stands in for CuPy's ndarray: call_key tells the two kinds apart by type alone
+    pass
+
+
+def outcome(call):
+    """(the exception's type, its text, the exception) a call raised, or ("ran", its result, None)."""
+    try:
+        return "ran", call(), None
+    except Exception as error:  # noqa: BLE001 - compared with ORT's own
+        return type(error), str(error), error
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_remembered_verdict_is_what_run_gives_each_time_and_checked_once(session, case, monkeypatch):
+    """CheckVerdicts (cuda_io rule 4): a call key's first call is checked, later ones are answered from the
+    remembered verdict, a refusal raised anew each time with ORT's type and text."""
+    make, output_names = CASES[case]
+    feeds = make(good())
+    outputs = [o.name for o in session.get_outputs()]
+    ran = outcome(lambda: session.run(output_names, feeds))
+    checks = []
+    real = ort_checks.call_error
+    monkeypatch.setattr(ort_checks, "call_error", lambda *args: checks.append(1) or real(*args))
+    verdicts = ort_checks.CheckVerdicts(session.get_inputs(), outputs, limit=8)
+    key = ort_checks.call_key(feeds, output_names, DeviceArray)
+    assert key is not None
+    first, second = (outcome(lambda: verdicts.wanted(key, feeds, output_names)) for _ in range(2))
+    assert len(checks) == 1 and len(verdicts) == 1
+    if ran[0] == "ran":
+        assert first[:2] == second[:2] == ("ran", ort_checks.wanted_outputs(outputs, output_names))
+    else:
+        assert first[:2] == second[:2] == ran[:2], f"ORT raised {ran[0].__name__}: {ran[1]}"
+        assert second[2] is not first[2]  # a new exception: tracebacks do not pile up on one object
+
+
+def test_a_call_key_holds_every_fact_the_check_reads(session):
+    feeds = good()
+    key = ort_checks.call_key(feeds, None, DeviceArray)
+    assert key == ort_checks.call_key({k: v.copy() for k, v in feeds.items()}, [], DeviceArray)  # data: no part
+    others = [
+        {**feeds, "x": feeds["x"].astype(np.float64)},  # a dtype
+        {**feeds, "x": feeds["x"][:1]},  # a shape
+        {"m": feeds["m"], "x": feeds["x"], "h": feeds["h"]},  # the feeds' order (ORT names the first bad one)
+        {**feeds, "q": feeds["x"]},  # a name
+    ]
+    assert len({key, *(ort_checks.call_key(f, None, DeviceArray) for f in others)}) == 1 + len(others)
+    assert key != ort_checks.call_key(feeds, ["y"], DeviceArray)
+    device = DeviceArray()
+    device.shape, device.dtype = feeds["x"].shape, feeds["x"].dtype
+    assert key != ort_checks.call_key({**feeds, "x": device}, None, DeviceArray)  # where a feed lies
+    assert ort_checks.call_key({**feeds, "x": feeds["x"].tolist()}, None, DeviceArray) is None  # converted by ORT
+    assert ort_checks.call_key(feeds, 3, DeviceArray) is None  # not a sequence of names: left to ORT
+
+
+def test_calls_without_a_key_are_checked_every_time_and_the_memory_is_bounded(session, monkeypatch):
+    checks = []
+    real = ort_checks.call_error
+    monkeypatch.setattr(ort_checks, "call_error", lambda *args: checks.append(1) or real(*args))
+    verdicts = ort_checks.CheckVerdicts(session.get_inputs(), ["y", "z", "w"], limit=2)
+    listed = {**good(), "x": good()["x"].tolist()}
+    for _ in range(2):
+        assert verdicts.wanted(None, listed, None) == ["y", "z", "w"]
+    assert len(checks) == 2 and len(verdicts) == 0
+    for batch in (1, 2, 3):
+        feeds = {**good(), "x": np.ones((batch, 4, 2), np.float32)}
+        verdicts.wanted(ort_checks.call_key(feeds, None, DeviceArray), feeds, None)
+        assert len(verdicts) <= 2
