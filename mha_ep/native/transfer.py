@@ -149,19 +149,21 @@ class HostTransfers:
         """Queue copies of the C-contiguous host ``arrays`` to the device addresses ``destinations`` (``one_block``:
         all of them in one device allocation, so small calls may go up in one copy: staging.stage_uploads)."""
         staged, direct = [], False
-        for array, address in zip(arrays, destinations):
-            if array.nbytes == 0:
-                continue
-            if is_page_locked(array):
-                self._dma(array.ctypes.data, array.nbytes, address)
-                direct = True
-            else:
-                staged.append((array, address))
-        if staged:
-            self._upload_staged(staged, one_block)
-        if direct:
-            self._direct_done.record(self.stream)
-            self._direct_pending = True
+        try:
+            for array, address in zip(arrays, destinations):
+                if array.nbytes == 0:
+                    continue
+                if is_page_locked(array):
+                    self._dma(array.ctypes.data, array.nbytes, address)
+                    direct = True
+                else:
+                    staged.append((array, address))
+            if staged:
+                self._upload_staged(staged, one_block)
+        finally:  # a failed call's queued DMAs still read the caller's memory: settle waits for them too
+            if direct:
+                self._direct_done.record(self.stream)
+                self._direct_pending = True
 
     def settle(self) -> None:
         """Wait until the direct uploads of page-locked feeds have read them (a caller may write them next)."""
@@ -175,9 +177,11 @@ class HostTransfers:
             self._staging_free.synchronize()  # the previous call's DMA may still read the buffer
         self._staging.ensure(total)
         self._staging_used = True  # from here a DMA may read the buffer (even if a later one fails)
-        stage_uploads(self._staging, list(segments.values()), [array for array, _ in staged],
-                      [address for _, address in staged], self._dma, self.copier, one_block)  # fmt: skip
-        self._staging_free.record(self.stream)
+        try:
+            stage_uploads(self._staging, list(segments.values()), [array for array, _ in staged],
+                          [address for _, address in staged], self._dma, self.copier, one_block)  # fmt: skip
+        finally:  # after the DMAs queued so far, a failed call's too: the next call waits for them before writing
+            self._staging_free.record(self.stream)
 
     def _dma(self, src: int, nbytes: int, dst: int) -> None:  # staging.stage_uploads's upload(src, nbytes, dst)
         cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_HOST_TO_DEVICE, self.stream.ptr)
