@@ -13,13 +13,14 @@ CUDA op, on ORT's buffers and stream). This module is how its calls move tensors
     provider), each call signature (feed names, shapes, dtypes) gets a ``gpu_graph_id`` of its own with inputs
     and outputs at fixed device addresses: the signature's first call runs eagerly (``gpu_graph_id`` -1) to learn
     the output shapes, the next ones are ORT's capture and replays. A call copies its feeds into the signature's
-    buffers and its outputs out of them; with device feeds (``run_device``) both copies go on the caller's
-    current stream around one synchronization, so the outputs are ready in that stream's order. ORT cannot drop
-    a graph it captured, so at most ``MAX_GRAPHS`` signatures get one; later ones run eagerly.
+    buffers and its outputs out of them, on ORT's own stream around its replay with no host wait between (rule
+    7); with device feeds (``run_device``) ORT's stream waits for the caller's before the copies in, and the
+    caller's for ORT's after the copies out, so the outputs are ready in the caller's stream's order. ORT cannot
+    drop a graph it captured, so at most ``MAX_GRAPHS`` signatures get one; later ones run eagerly.
 
-ORT runs on a stream of its own and synchronizes it at the end of every run, so outputs are ready on any stream
-once ``run_with_iobinding`` returns; the inputs are made ready before it (the call's upload stream, or the caller's
-stream, is synchronized first).
+An eager run synchronizes ORT's stream at its end, so its outputs are ready on any stream once
+``run_with_iobinding`` returns; its inputs are made ready before it (the caller's stream is synchronized first,
+and so is the call's upload stream, unless it is ORT's own: rule 7).
 
 Threads: any number may call at once, as onnxruntime allows.
   1. A call takes a lane (a stream and a pinned staging buffer of its own: transfer.HostTransfers) from the
@@ -473,7 +474,7 @@ class CudaSessionIO:
 
     def _eager_values(self, lane: Lane, host: dict, device: dict, make_options: Optional[Callable]) -> Dict[str, object]:
         uploaded = lane.transfers.to_device(host) if host else {}
-        if host:
+        if host and self.ort_stream is None:  # rule 7: a graph session's ORT runs behind the copies, on their stream
             lane.stream.synchronize()
         options = (make_options or self._options)()
         # -1: no graph for this run. Set on every eager run: ORT's Python run_with_iobinding looks the entry up on
