@@ -26,8 +26,8 @@
 #              (ROUTE=native|python-op)
 #   optimum    examples/optimum_native.py's flow on the CUDA provider (wheels in $OPT_WHEELS; models from `real`)
 #   demo       mha-ep demo
-#   soak       mha-ep bench soak: 8 threads a session, good and bad calls mixed (SOAK_SECONDS a column, MODEL), into
-#              $OUT/soak
+#   soak       mha-ep bench soak: 8 threads a session, good and bad calls mixed (SOAK_SECONDS a column in
+#              SOAK_ROUNDS turns, SOAK_COLUMNS e.g. plain,session, MODEL), into $OUT/soak
 #   hostpath   scripts/profile_session_graph.py: cuda_io's host time around ORT's graph replay, in segments
 #   twogpu     on two GPUs: tests/native/test_two_gpus.py, examples/serve_two_gpus.py and mha-ep bench soak
 #              --devices 0,1 (MODEL, default BERT-base float16), into $OUT/twogpu
@@ -129,7 +129,8 @@ for step in "$@"; do
       PYTHONPATH=/tmp/opt:$PYTHONPATH timeout 200 python3 scripts/device_optimum.py --models "${REAL:-/tmp/real}" \
         --tokenizers "$TOKENIZERS" 2>&1 | quiet | tail -12 ;;
     demo) timeout 200 python3 -m mha_ep demo 2>&1 | quiet | tail -15 ;;
-    soak) timeout 400 python3 -m mha_ep bench soak --seconds "${SOAK_SECONDS:-30}" \
+    soak) timeout 400 python3 -m mha_ep bench soak --seconds "${SOAK_SECONDS:-30}" --rounds "${SOAK_ROUNDS:-5}" \
+            --columns "${SOAK_COLUMNS:-stock,plain,session,session_graphs}" \
             --model "${MODEL:-bert_random_mask2d_fp32.onnx}" --out "$OUT/soak" 2>&1 | quiet | tail -12 ;;
     hostpath) timeout 300 python3 scripts/profile_session_graph.py --repeats "${REPEATS:-15}" 2>&1 | quiet | tail -14 ;;
     twogpu)

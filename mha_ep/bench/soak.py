@@ -7,6 +7,7 @@ Columns (each its own session over the same model, on the CUDA provider, columns
   session_graphs   the same with ORT's ``enable_cuda_graph`` (no peer: ORT forbids threads on one session while it
                    uses CUDA graphs, so cuda_io runs one call at a time there, on the first caller's thread or the
                    session's worker)
+``--columns`` times only some of them (e.g. ``plain,session``: the device time goes to the ratio one wants).
 With ``--devices 0,1``: ``gpu0`` (one mha_ep.InferenceSession on GPU 0) against ``gpu0+gpu1`` (one on each GPU at
 once, ``--threads`` threads per GPU); ``vs`` is the pair's good calls per second over the one's.
 
@@ -256,13 +257,29 @@ def state_after(session) -> dict:
     return {} if io is None else {**io.in_use(), "capture_retries": io.capture_retries}
 
 
+COLUMNS = ("stock", "plain", "session", "session_graphs")
+
+
+def chosen_columns(text: str) -> List[str]:
+    """The columns named in ``text`` (comma-separated), in COLUMNS' order; ValueError naming the known ones for
+    anything else, or for none."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in COLUMNS]
+    if unknown or not names:
+        raise ValueError(f"--columns: {unknown or text!r} not among the columns {', '.join(COLUMNS)}")
+    return [name for name in COLUMNS if name in names]
+
+
 def bench_threads(model, args, cases) -> List[dict]:
     from mha_ep.bench.native import sessions
 
+    chosen = chosen_columns(args.columns)
     stock, plain = sessions(model)
     columns = {"stock": stock.run, "plain": plain.run}
-    mine = {"session": cuda_session(model), "session_graphs": cuda_session(model, graphs=True)}
-    columns.update({name: s.run for name, s in mine.items()})
+    mine = {name: cuda_session(model, graphs=name == "session_graphs") for name in ("session", "session_graphs")
+            if name in chosen}  # fmt: skip
+    columns.update({name: session.run for name, session in mine.items()})
+    columns = {name: call for name, call in columns.items() if name in chosen}
     tallies = {name: Tally() for name in columns}
     rates = {name: [] for name in columns}  # good calls per second, round by round
     for round_index in range(args.rounds):
@@ -282,7 +299,7 @@ def bench_threads(model, args, cases) -> List[dict]:
     by = {r["column"]: r for r in rows}
     for name in ("plain", "session", "session_graphs"):
         for peer in ("stock", "plain"):
-            if peer != name:
+            if peer != name and name in by and peer in by:
                 by[name][f"vs_{peer}"], by[name][f"vs_{peer}_rounds"] = ratio_of_rounds(rates[name], rates[peer])
     return rows
 
@@ -347,10 +364,16 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--shapes", type=int, default=24, help="good (batch, sequence) calls in the pool")
     parser.add_argument("--batches", default="1,2,3,4,8", help="the good calls' batch sizes")
     parser.add_argument("--max-sequence", type=int, default=64, help="the good calls' longest sequence")
+    parser.add_argument("--columns", default=",".join(COLUMNS),
+                        help=f"the columns to time (of {', '.join(COLUMNS)}; ratios need their peer)")
     parser.add_argument("--devices", default="", help="e.g. 0,1: one session per GPU against one GPU alone")
     parser.add_argument("--seed", type=int, default=0, help="seed of the calls' random feeds and of each thread's draws")
     add_output_options(parser, "also write bench_soak.json into this folder")
     args = parser.parse_args(argv)
+    try:
+        chosen_columns(args.columns)
+    except ValueError as error:
+        parser.error(str(error))
     import onnxruntime as ort
 
     if hasattr(ort, "preload_dlls"):

@@ -74,3 +74,11 @@ def test_a_ratio_is_the_median_of_each_rounds_ratio_and_the_row_shows_their_rang
            "vs_plain_rounds": rounds, "wrong": 0, "bad_typed": 1, "mistyped": 0, "p50_ms": 1.0, "p99_ms": 2.0}
     assert "| 0.9 (0.5-1.5) |" in soak.format_row(row)
     assert "| 5.0 |  | 0 |" in soak.format_row({**row, "vs_plain": None, "vs_plain_rounds": []})
+
+
+def test_the_columns_asked_for_come_in_their_order_and_a_typo_names_the_known_ones():
+    assert soak.chosen_columns("session, plain") == ["plain", "session"]
+    assert soak.chosen_columns(",".join(soak.COLUMNS)) == list(soak.COLUMNS)
+    for text in ("plain,sesion", "", " , "):
+        with pytest.raises(ValueError, match="stock, plain, session, session_graphs"):
+            soak.chosen_columns(text)
