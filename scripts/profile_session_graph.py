@@ -9,6 +9,8 @@ Per BERT-base row, calls timed in turns (medians, ms), each ending when its outp
   C' the same session's ORT call alone (the replay inside C, timed around its run_with_iobinding)
   E  the graph session's run on NumPy feeds, NumPy outputs (E' its ORT call)
   F  stock's graph fed from NumPy: each feed copied into its bound buffer, the replay, each output copied back
+  H  C's run_device alone, in µs: it returns before the GPU has run (rule 7), so this is its host time; H - C' is
+     cuda_io's host time around ORT's replay call (issue 32's target: 30 µs), timed with no probe in the call
 B - A is the native op against stock's attention inside ORT's graph; C / A the whole session call (its copies in
 and out included) against stock's bare replay. A replay is queued, not waited for (cuda_io rule 7), so C' is host
 time only and C - C' holds the wait for the GPU.
@@ -65,13 +67,28 @@ def segments(call, marks: list, repeats: int) -> str:
     return ", ".join(f"{k}: {statistics.median(v):.0f}" for k, v in spans.items())
 
 
+def host_time(call, inner: list, repeats: int) -> tuple:
+    """(median µs ``call`` takes to return, median µs of the ORT calls it made: ``inner``'s new entries), over
+    ``repeats`` calls after 3 warm-ups, each followed by a synchronize of the current stream outside the timing."""
+    own = []
+    first = len(inner)
+    for _ in range(repeats + 3):
+        start = time.perf_counter()
+        call()
+        own.append(time.perf_counter() - start)
+        cupy.cuda.get_current_stream().synchronize()
+    ort_calls = inner[first:][-repeats:]
+    return statistics.median(own[3:]) * 1e6, statistics.median(ort_calls) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     ort.preload_dlls()
     header = ("| row | A stock graph | B native op in ORT graph | C session graph run_device | C' its ORT call "
-              "| C / A | E session graph run (NumPy) | E' its ORT call | F stock graph NumPy | E / F |")
+              "| C / A | E session graph run (NumPy) | E' its ORT call | F stock graph NumPy | E / F "
+              "| H run_device returns µs | H - C' µs |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     breakdown = []
@@ -127,8 +144,10 @@ def main() -> None:
         e, f = (s * 1e3 for s in paired_medians([session_numpy, stock_numpy], args.repeats, warmup=4))
         tail = sorted(inner[-args.repeats:])
         inside_numpy = tail[len(tail) // 2] * 1e3
+        own, ort_call = host_time(lambda: graphed.run_device(None, device_feeds), inner, 4 * args.repeats)
         print(f"| BERT-base B={batch} S={sequence} {dtype} | {a:.3f} | {b:.3f} | {c:.3f} | {inside:.3f} | {c / a:.2f} "
-              f"| {e:.3f} | {inside_numpy:.3f} | {f:.3f} | {e / f:.2f} |", flush=True)
+              f"| {e:.3f} | {inside_numpy:.3f} | {f:.3f} | {e / f:.2f} | {own:.1f} | {own - ort_call:.1f} |",
+              flush=True)  # fmt: skip
         for name in ("run_device", "run_host", "_replay_device", "_replay", "_run_slot", "_run"):
             probe(io, name, marks)
         if not breakdown:  # the class's methods: once
