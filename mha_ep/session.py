@@ -174,7 +174,9 @@ class InferenceSession:
         return self._guarded(lambda: self._session.run_with_iobinding(binding, options), options)
 
     def run_with_iobinding(self, iobinding, run_options=None):
-        """Like onnxruntime's ``run_with_iobinding``, with this session's backend and error channel."""
+        """Like onnxruntime's ``run_with_iobinding``, with this session's backend and error channel. ORT's own call:
+        under ``enable_cuda_graph`` one thread at a time, as ORT asks (``run`` and ``run_device`` serialize
+        themselves and use the ``gpu_graph_id`` values 1 to native.cuda_io.MAX_GRAPHS)."""
         options = self._options(run_options)
         return self._guarded(lambda: self._session.run_with_iobinding(iobinding, options), options)
 
