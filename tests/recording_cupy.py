@@ -1,0 +1,140 @@
+"""A stand-in for CuPy that records the CUDA calls made through it and runs none: to hold, on any machine, the order
+of calls that native/cuda_io.py promises around a graph replay (its rule 7).
+
+``install()`` puts it in ``sys.modules`` as ``cupy``; use it in a child process only (tests/native/
+test_replay_protocol.py), since modules imported after it keep it. Every call lands in ``LOG`` as a tuple:
+  ("record", event, stream)         Event.record(stream)
+  ("wait", stream, event)           Stream.wait_event(event)
+  ("synchronize", stream)           Stream.synchronize() or Event.synchronize() (event names start with "event")
+  ("copy", dst, src, nbytes, stream) cupy.cuda.runtime.memcpyAsync (the stream found by its pointer)
+  ("alloc", stream, shape)          cupy.empty, under the current stream
+Streams and events are named ("legacy", the names given to Stream, "event1", "event2", ... in order of creation).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+
+import numpy as np
+
+LOG: list = []
+_local = threading.local()
+_streams: dict = {}  # pointer -> Stream
+_counts = {"event": 0, "address": 1 << 20}
+
+
+def _address(nbytes: int) -> int:
+    address = _counts["address"]
+    _counts["address"] += max(nbytes, 256)
+    return address
+
+
+class _Pointer:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __add__(self, offset: int) -> "_Pointer":
+        return _Pointer(self.ptr + offset)
+
+
+class _Flags:
+    c_contiguous = True
+
+
+class ndarray:
+    def __init__(self, shape, dtype=np.float32, memptr=None):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.data = memptr if memptr is not None else _Pointer(_address(self.nbytes))
+        self.flags = _Flags()
+
+
+class Stream:
+    def __init__(self, non_blocking: bool = False, name: str = "", ptr: int = 0):
+        self.name = name or f"stream{len(_streams)}"
+        self.ptr = ptr or 0x1000 + len(_streams)
+        _streams[self.ptr] = self
+
+    def __enter__(self):
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        _stack().pop()
+        return False
+
+    def wait_event(self, event) -> None:
+        LOG.append(("wait", self.name, event.name))
+
+    def synchronize(self) -> None:
+        LOG.append(("synchronize", self.name))
+
+
+LEGACY = Stream(name="legacy", ptr=0x10)
+
+
+def _stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = [LEGACY]
+    return stack
+
+
+def get_current_stream():
+    return _stack()[-1]
+
+
+class Event:
+    def __init__(self, block: bool = False, disable_timing: bool = False):
+        _counts["event"] += 1
+        self.name = f"event{_counts['event']}"
+
+    def record(self, stream=None) -> None:
+        LOG.append(("record", self.name, (stream or get_current_stream()).name))
+
+    def synchronize(self) -> None:
+        LOG.append(("synchronize", self.name))
+
+
+class Device:
+    def __init__(self, device_id: int = 0):
+        self.id = device_id
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+def empty(shape, dtype=np.float32):
+    array = ndarray(shape, dtype)
+    LOG.append(("alloc", get_current_stream().name, array.shape))
+    return array
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+    LOG.append(("copy", dst, src, nbytes, _streams[stream].name))
+
+
+class _PinnedMemoryPool:
+    def malloc(self, nbytes: int):
+        raise RuntimeError("recording_cupy: no pinned memory")
+
+
+def install() -> types.ModuleType:
+    """Put the stand-in in sys.modules as cupy (and cupy.cuda, cupy.cuda.runtime); returns it."""
+    cupy = types.ModuleType("cupy")
+    cuda = types.ModuleType("cupy.cuda")
+    runtime = types.ModuleType("cupy.cuda.runtime")
+    cupy.cuda, cuda.runtime = cuda, runtime
+    cupy.ndarray, cupy.empty = ndarray, empty
+    cuda.Stream, cuda.Event, cuda.Device, cuda.get_current_stream = Stream, Event, Device, get_current_stream
+    cuda.PinnedMemoryPool = _PinnedMemoryPool
+    runtime.memcpyAsync, runtime.memcpyDeviceToDevice = memcpy_async, 3
+    runtime.CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
+    sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime})
+    return cupy
