@@ -8,11 +8,13 @@ test_replay_protocol.py), since modules imported after it keep it. Every call la
   ("synchronize", stream)           Stream.synchronize() or Event.synchronize() (event names start with "event")
   ("copy", dst, src, nbytes, stream) cupy.cuda.runtime.memcpyAsync (the stream found by its pointer)
   ("alloc", stream, shape)          cupy.empty, under the current stream
+Device memory is addresses only (nothing is copied); host memory (pinned buffers and blocks) is real bytes.
 Streams and events are named ("legacy", the names given to Stream, "event1", "event2", ... in order of creation).
 """
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 import types
@@ -120,9 +122,37 @@ def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> Non
     LOG.append(("copy", dst, src, nbytes, _streams[stream].name))
 
 
+class _HostMemory(bytearray):
+    """Page-locked memory's stand-in: host bytes with their address (``ptr``) and the buffer protocol."""
+
+    def __init__(self, nbytes: int):
+        super().__init__(nbytes)
+        self.ptr = ctypes.addressof((ctypes.c_char * max(nbytes, 1)).from_buffer(self)) if nbytes else 0
+
+
+def alloc_pinned_memory(nbytes: int) -> _HostMemory:
+    return _HostMemory(nbytes)
+
+
 class _PinnedMemoryPool:
-    def malloc(self, nbytes: int):
-        raise RuntimeError("recording_cupy: no pinned memory")
+    def malloc(self, nbytes: int) -> _HostMemory:
+        return _HostMemory(nbytes)
+
+
+def alloc(nbytes: int) -> _Pointer:
+    return _Pointer(_address(nbytes))
+
+
+class _Attributes:
+    type = 0  # not page-locked: host feeds go through the staging buffer
+
+
+def pointer_attributes(ptr: int) -> _Attributes:
+    return _Attributes()
+
+
+def ascontiguousarray(array):
+    return array
 
 
 def install() -> types.ModuleType:
@@ -131,10 +161,11 @@ def install() -> types.ModuleType:
     cuda = types.ModuleType("cupy.cuda")
     runtime = types.ModuleType("cupy.cuda.runtime")
     cupy.cuda, cuda.runtime = cuda, runtime
-    cupy.ndarray, cupy.empty = ndarray, empty
+    cupy.ndarray, cupy.empty, cupy.ascontiguousarray = ndarray, empty, ascontiguousarray
     cuda.Stream, cuda.Event, cuda.Device, cuda.get_current_stream = Stream, Event, Device, get_current_stream
-    cuda.PinnedMemoryPool = _PinnedMemoryPool
+    cuda.PinnedMemoryPool, cuda.alloc_pinned_memory, cuda.alloc = _PinnedMemoryPool, alloc_pinned_memory, alloc
     runtime.memcpyAsync, runtime.memcpyDeviceToDevice = memcpy_async, 3
+    runtime.pointerGetAttributes = pointer_attributes
     runtime.CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
     sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime})
     return cupy

@@ -198,7 +198,8 @@ class HostTransfers:
 
     # ----------------------------------------------------------------------------------------------- down
     def download(self, arrays: Sequence[cupy.ndarray]) -> List[np.ndarray]:
-        """NumPy copies of the device ``arrays`` (queued on the stream, then one synchronize)."""
+        """NumPy copies of the device ``arrays`` (queued on the stream, then one synchronize, which also frees the
+        staging buffer and the caller's page-locked feeds)."""
         results = []
         for array in arrays:
             array = cupy.ascontiguousarray(array)
@@ -208,6 +209,9 @@ class HostTransfers:
                                               self.stream.ptr)  # fmt: skip
             results.append(host)
         self.stream.synchronize()
+        # every DMA this lane queued before is done too: the next call need not wait for the staging buffer, nor
+        # settle for direct uploads
+        self._staging_used = self._direct_pending = False
         return results
 
     @property

@@ -20,11 +20,13 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 CHILD = r"""
-import json, threading
+import json, sys, threading
 import recording_cupy
 cupy = recording_cupy.install()
 import numpy as np, onnxruntime as ort
 from mha_ep.native import cuda_io
+from mha_ep.native.transfer import device_block
+from mha_ep.ops.backends.cuda.staging import pack_layout
 
 class Arg:
     def __init__(self, name, type_, shape):
@@ -40,25 +42,33 @@ def run(binding, options):  # the session's guarded run_with_iobinding
     recording_cupy.LOG.append(("ort run", options.get_run_config_entry("gpu_graph_id"),
                                options.get_run_config_entry("disable_synchronize_execution_providers")))
 
+on_device = sys.argv[1] == "device"
 io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
-feeds = {n: cupy.ndarray((1, 32), np.int64) for n in ("input_ids", "token_type_ids", "attention_mask")}
+names = ("input_ids", "token_type_ids", "attention_mask")
+rng = np.random.default_rng(0)
+feeds = {n: cupy.ndarray((1, 32), np.int64) if on_device else rng.integers(0, 99, (1, 32)) for n in names}
+# the signature's slot as its first (eager) call leaves it: its inputs one block in signature order
 key, _ = io._known(feeds, None)
 host, device = io._split(feeds)
 signature = io._remember(key, ["last_hidden_state"], host, device)
-inputs = {n: cupy.ndarray(a.shape, a.dtype) for n, a in device.items()}
-slot = cuda_io.GraphSlot(1, inputs, {"last_hidden_state": None}, binding=object(), order=sorted(inputs),
+order = sorted(names)
+inputs = device_block([(n, np.dtype(np.int64), (1, 32)) for n in order])
+slot = cuda_io.GraphSlot(1, inputs, {"last_hidden_state": None}, binding=object(), order=order,
                          addresses={n: a.data.ptr for n, a in inputs.items()})
 slot.views = {"last_hidden_state": cupy.ndarray((1, 32, 768), np.float32)}
 io.slots[signature] = slot
-result = {"feeds": {n: a.data.ptr for n, a in feeds.items()}, "slot": slot.addresses,
-          "view": slot.views["last_hidden_state"].data.ptr, "calls": {}, "outputs": {}}
+segments, _ = pack_layout([(n, np.dtype(np.int64), (1, 32)) for n in order])
+result = {"feeds": {n: a.data.ptr for n, a in feeds.items()} if on_device else {}, "slot": slot.addresses,
+          "view": slot.views["last_hidden_state"].data.ptr, "calls": {}, "outputs": {},
+          "block": [slot.addresses[order[0]], segments[order[-1]].offset + segments[order[-1]].nbytes]}
 
 def call(caller):
     with cupy.cuda.Stream(name=caller):
-        outputs = io.run_device(None, feeds)
-    result["outputs"][caller] = [o.data.ptr for o in outputs]
+        outputs = io.run_device(None, feeds) if on_device else io.run_host(None, feeds)
+    result["outputs"][caller] = [o.data.ptr if on_device else o.ctypes.data for o in outputs]
 
-for caller, on_a_thread in (("caller", False), ("second caller", True)):
+calls = (("caller", False), ("second caller", True)) if on_device else (("caller", False), ("caller again", False))
+for caller, on_a_thread in calls:
     del recording_cupy.LOG[:]
     if on_a_thread:
         thread = threading.Thread(target=call, args=(caller,))
@@ -68,19 +78,23 @@ for caller, on_a_thread in (("caller", False), ("second caller", True)):
         call(caller)
     result["calls"][caller] = list(recording_cupy.LOG)
 result["slot_calls"] = slot.calls
+lanes = [io._lanes.get_nowait() for _ in range(io._lanes.qsize())]
+result["staging"] = [lane.transfers._staging.address for lane in lanes]
 print(json.dumps(result))
 """
 
 
-def replay_calls() -> dict:
+def replay_calls(feeds: str) -> dict:
+    """The child's record of two replays with ``feeds`` "device" (run_device) or "host" (run, NumPy)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", CHILD, feeds], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_a_replay_queues_its_copies_and_orts_run_between_two_stream_waits_and_waits_on_the_host_for_nothing():
-    got = replay_calls()
+    got = replay_calls("device")
     assert got["slot_calls"] == 2  # both calls replayed the slot's graph
     names = ("input_ids", "token_type_ids", "attention_mask")
     for caller in ("caller", "second caller"):  # the first thread's own call, then one run on the session's worker
@@ -100,3 +114,26 @@ def test_a_replay_queues_its_copies_and_orts_run_between_two_stream_waits_and_wa
         assert calls == expected, caller
         assert fed != copied
         assert not any(c[0] == "synchronize" for c in calls)
+
+
+def test_a_replay_of_numpy_feeds_goes_up_in_one_copy_and_waits_once_for_its_download():
+    """``run`` with NumPy feeds on a replayed signature (rule 7): the feeds go up from the lane's staging buffer
+    in one copy into the slot's one input block, on ORT's stream; the replay queues behind it; the output comes
+    down on the same stream, and the host waits once, for that download. The next call finds the staging buffer
+    free (the download's wait covered its copy) and waits for nothing more."""
+    got = replay_calls("host")
+    assert got["slot_calls"] == 2
+    (staging,) = got["staging"]  # one lane: the calls came one after the other
+    start, nbytes = got["block"]
+    for caller in ("caller", "caller again"):
+        calls = [tuple(c) for c in got["calls"][caller]]
+        staged = calls[1][1]
+        (output,) = got["outputs"][caller]
+        expected = [
+            ("copy", start, staging, nbytes, "ort"),  # every feed up in one copy, into the slot's block
+            ("record", staged, "ort"),  # the staging buffer is read until here
+            ("ort run", "1", "1"),
+            ("copy", output, got["view"], 32 * 768 * 4, "ort"),  # down into the output's page-locked block
+            ("synchronize", "ort"),  # the call's one wait
+        ]
+        assert calls == expected, caller
