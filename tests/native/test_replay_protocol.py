@@ -1,14 +1,14 @@
-"""The CUDA calls of a graph replay through ``run_device``, in order, on any machine (native/cuda_io.py rule 7).
+"""The CUDA calls of a graph replay, in order, on any machine (native/cuda_io.py rule 7).
 
 A child process puts tests/recording_cupy.py in CuPy's place (every CUDA call recorded, none run), gives a graph
-session's CudaSessionIO a slot for the call's signature as the signature's first call leaves it, and calls
-``run_device`` from the session's first thread and from another one (whose call runs on the session's worker).
-Rule 7's promise, call by call: ORT's stream waits for the caller's (an event) before the feeds are copied into the
-slot on ORT's stream; ORT's replay is queued with ``disable_synchronize_execution_providers``; the output is
-allocated under the caller's stream and copied on ORT's; the caller's stream waits for ORT's (another event); and
-nothing is waited for on the host. The GPU side of the same promise: tests/native/test_native_session.py,
-``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``.
-"""
+session's CudaSessionIO a slot for the call's signature as the signature's first call leaves it, and calls it twice:
+``run_device`` from the session's first thread and from another one (whose call runs on the session's worker), or
+``run`` with NumPy feeds. Rule 7's promise, call by call: ORT's stream waits for the caller's (an event) before the
+feeds are copied into the slot on ORT's stream; ORT's replay is queued with
+``disable_synchronize_execution_providers``; the output is allocated under the caller's stream and copied on ORT's;
+the caller's stream waits for ORT's (another event); nothing is waited for on the host, except ``run``'s one wait
+for its download. The GPU side of the same promise: tests/native/test_native_session.py,
+``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``."""
 
 from __future__ import annotations
 
