@@ -143,6 +143,15 @@ def alloc(nbytes: int) -> _Pointer:
     return _Pointer(_address(nbytes))
 
 
+class UnownedMemory:
+    def __init__(self, ptr: int, size: int, owner, device_id: int = -1):
+        self.ptr, self.size, self.owner = ptr, size, owner
+
+
+def memory_pointer(memory, offset: int) -> _Pointer:
+    return _Pointer(memory.ptr + offset)
+
+
 class _Attributes:
     type = 0  # not page-locked: host feeds go through the staging buffer
 
@@ -166,6 +175,7 @@ def install() -> types.ModuleType:
     cuda.PinnedMemoryPool, cuda.alloc_pinned_memory, cuda.alloc = _PinnedMemoryPool, alloc_pinned_memory, alloc
     runtime.memcpyAsync, runtime.memcpyDeviceToDevice = memcpy_async, 3
     runtime.pointerGetAttributes = pointer_attributes
+    cuda.UnownedMemory, cuda.MemoryPointer = UnownedMemory, memory_pointer
     runtime.CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
     sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime})
     return cupy

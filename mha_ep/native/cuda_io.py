@@ -293,8 +293,9 @@ class CudaSessionIO:
         lane = self._take_lane()
         try:
             caller.synchronize()  # the caller's stream has written its device feeds (ORT's does not wait for it)
+            replay = self.graphs and self.slots.get(signature) is not None
             arrays = self._call(lane, signature, host, device, wanted, make_options)
-            if not self.graphs or self.slots.get(signature) is None:
+            if not replay:  # an eager run's outputs: ORT's own, and ready (ORT synchronized its stream after it)
                 return arrays
             self._caller_waits_for(lane.stream, caller)  # the replay (rule 7: queued on ORT's stream, not waited for)
             with caller:  # copies the caller owns, in its stream's order (CuPy's pool reuses them in that order)

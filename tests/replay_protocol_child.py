@@ -1,0 +1,136 @@
+"""The child process of tests/native/test_replay_protocol.py: a graph session's CudaSessionIO over stand-ins for
+CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls printed as JSON.
+
+    python tests/replay_protocol_child.py device|host
+
+The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``);
+later calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's
+owner), the third from another thread (its call runs on the session's worker). ``host``: run with NumPy feeds,
+three calls from this thread. Printed: each call's recorded CUDA calls and ORT runs, the feeds' and the slot's
+addresses, the slot's binding, the outputs' addresses, the lanes' staging buffers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import recording_cupy
+
+cupy = recording_cupy.install()
+
+import numpy as np  # noqa: E402 - after the stand-in, as every module that imports CuPy must be
+import onnxruntime as ort  # noqa: E402
+
+from mha_ep.native import cuda_io  # noqa: E402
+from mha_ep.ops.backends.cuda.staging import pack_layout  # noqa: E402
+
+NAMES = ("input_ids", "token_type_ids", "attention_mask")
+OUTPUT = "last_hidden_state"
+OUTPUT_SHAPE = (1, 32, 768)
+
+
+class Arg:  # ORT's NodeArg as cuda_io reads it
+    def __init__(self, name: str, type_: str, shape: list):
+        self.name, self.type, self.shape = name, type_, shape
+
+
+class Value:
+    """An OrtValue on the device, as cuda_io reads it; ``ortvalue_from_shape_and_type`` is ORT's maker."""
+
+    def __init__(self, shape):
+        self._shape = list(shape)
+        self._ptr = recording_cupy.alloc(int(np.prod(shape)) * 4).ptr
+
+    def data_type(self) -> str:
+        return "tensor(float)"
+
+    def shape(self) -> list:
+        return self._shape
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    @staticmethod
+    def ortvalue_from_shape_and_type(shape, element_type, device, device_id):
+        return Value(shape)
+
+
+class Binding:
+    """ORT's IOBinding as cuda_io uses it: an unbound output gets a fresh value from each run, as ORT allocates."""
+
+    def __init__(self):
+        self.inputs, self.outputs = {}, {}
+
+    def bind_input(self, name, device, device_id, element_type, shape, ptr):
+        self.inputs[name] = ptr
+
+    def bind_output(self, name, device, device_id):
+        self.outputs[name] = None
+
+    def bind_ortvalue_output(self, name, value):
+        self.outputs[name] = value
+
+    def get_outputs(self):
+        return [value or Value(OUTPUT_SHAPE) for value in self.outputs.values()]
+
+
+class Session:
+    def get_inputs(self):
+        return [Arg(n, "tensor(int64)", ["B", "S"]) for n in NAMES]
+
+    def get_outputs(self):
+        return [Arg(OUTPUT, "tensor(float)", ["B", "S", 768])]
+
+    def io_binding(self):
+        return Binding()
+
+
+def entry(options, key: str):
+    try:
+        return options.get_run_config_entry(key)
+    except Exception:  # noqa: BLE001 - ORT raises for an entry that is not set
+        return None
+
+
+def run(binding, options) -> None:  # the session's guarded run_with_iobinding
+    recording_cupy.LOG.append(("ort run", entry(options, "gpu_graph_id"),
+                               entry(options, "disable_synchronize_execution_providers")))  # fmt: skip
+
+
+def main(kind: str) -> None:
+    ort.OrtValue = Value  # cuda_io's _first_slot makes the slot's outputs with it
+    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    rng = np.random.default_rng(0)
+    on_device = kind == "device"
+    feeds = {n: cupy.ndarray((1, 32), np.int64) if on_device else rng.integers(0, 99, (1, 32)) for n in NAMES}
+    result = {"feeds": {n: a.data.ptr for n, a in feeds.items()} if on_device else {}, "calls": [], "outputs": []}
+
+    def call(caller: str) -> None:
+        with cupy.cuda.Stream(name=caller):
+            outputs = io.run_device(None, feeds) if on_device else io.run_host(None, feeds)
+        result["outputs"].append([o.data.ptr if on_device else o.ctypes.data for o in outputs])
+
+    for caller, on_a_thread in (("caller", False), ("caller", False), ("second caller" if on_device else "caller",
+                                                                       on_device)):  # fmt: skip
+        del recording_cupy.LOG[:]
+        if on_a_thread:
+            thread = threading.Thread(target=call, args=(caller,))
+            thread.start()
+            thread.join()
+        else:
+            call(caller)
+        result["calls"].append({"caller": caller, "log": list(recording_cupy.LOG)})
+    (slot,) = io.slots.values()
+    order = slot.order
+    segments, _ = pack_layout([(n, np.dtype(np.int64), (1, 32)) for n in order])
+    staging = [lane.transfers._staging for lane in (io._lanes.get_nowait() for _ in range(io._lanes.qsize()))]
+    result.update(slot=slot.addresses, bound=slot.binding.inputs, view=slot.views[OUTPUT].data.ptr,
+                  slot_calls=slot.calls, staging=[buffer.address for buffer in staging if buffer.capacity],
+                  block=[slot.addresses[order[0]], segments[order[-1]].offset + segments[order[-1]].nbytes])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
