@@ -47,8 +47,8 @@ def test_an_upload_that_fails_halfway_still_guards_what_its_queued_copies_read(c
         with pytest.raises(RuntimeError, match="a DMA that fails"):
             transfers.upload([pinned, *pageable], [t.data.ptr for t in targets])
         assert done == [targets[0].data.ptr, targets[1].data.ptr]
-        assert not transfers._direct_done.query(), "settle would not wait for the direct DMA the failed call queued"
-        assert not transfers._staging_free.query(), "the next call would write the staging buffer under a DMA"
+        assert not transfers._direct_done.done, "settle would not wait for the direct DMA the failed call queued"
+        assert not transfers._staging_free.done, "the next call would write the staging buffer under a DMA"
     finally:
         flag[0] = 1
         stream.synchronize()
