@@ -1,12 +1,13 @@
 """The child process of tests/native/test_replay_protocol.py: a graph session's CudaSessionIO over stand-ins for
 CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls printed as JSON.
 
-    python tests/replay_protocol_child.py device|host
+    python tests/replay_protocol_child.py device|host|"eager device"|"eager host"
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``);
 later calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's
 owner), the third from another thread (its call runs on the session's worker). ``host``: run with NumPy feeds,
-three calls from this thread. Printed: each call's recorded CUDA calls and ORT runs, the feeds' and the slot's
+three calls from this thread. ``eager ...``: the same without graphs (``eager host``: one NumPy feed and two CuPy
+ones, so that run takes the page-locked path rather than ORT's own run). Printed: each call's recorded CUDA calls and ORT runs, the feeds' and the slot's
 addresses, the slot's binding, the outputs' addresses, the lanes' staging buffers.
 """
 
@@ -101,11 +102,16 @@ def run(binding, options) -> None:  # the session's guarded run_with_iobinding
 
 def main(kind: str) -> None:
     ort.OrtValue = Value  # cuda_io's _first_slot makes the slot's outputs with it
-    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    graphs = not kind.startswith("eager")
+    io = cuda_io.CudaSessionIO(Session(), 0, graphs, run, ort.RunOptions,
+                               ort_stream=cupy.cuda.Stream(name="ort") if graphs else None)  # fmt: skip
     rng = np.random.default_rng(0)
-    on_device = kind == "device"
-    feeds = {n: cupy.ndarray((1, 32), np.int64) if on_device else rng.integers(0, 99, (1, 32)) for n in NAMES}
-    result = {"feeds": {n: a.data.ptr for n, a in feeds.items()} if on_device else {}, "calls": [], "outputs": []}
+    on_device = kind in ("device", "eager device")
+    # "eager host": one NumPy feed beside two CuPy ones, so that run takes the page-locked path, not ORT's own run
+    feeds = {n: cupy.ndarray((1, 32), np.int64) if on_device or (kind == "eager host" and n != NAMES[0])
+             else rng.integers(0, 99, (1, 32)) for n in NAMES}  # fmt: skip
+    result = {"feeds": {n: a.data.ptr for n, a in feeds.items() if isinstance(a, cupy.ndarray)}, "calls": [],
+              "outputs": []}  # fmt: skip
 
     def call(caller: str) -> None:
         with cupy.cuda.Stream(name=caller):
@@ -122,13 +128,15 @@ def main(kind: str) -> None:
         else:
             call(caller)
         result["calls"].append({"caller": caller, "log": list(recording_cupy.LOG)})
-    (slot,) = io.slots.values()
-    order = slot.order
-    segments, _ = pack_layout([(n, np.dtype(np.int64), (1, 32)) for n in order])
     staging = [lane.transfers._staging for lane in (io._lanes.get_nowait() for _ in range(io._lanes.qsize()))]
-    result.update(slot=slot.addresses, bound=slot.binding.inputs, view=slot.views[OUTPUT].data.ptr,
-                  slot_calls=slot.calls, staging=[buffer.address for buffer in staging if buffer.capacity],
-                  block=[slot.addresses[order[0]], segments[order[-1]].offset + segments[order[-1]].nbytes])
+    result["staging"] = [buffer.address for buffer in staging if buffer.capacity]
+    if graphs:
+        (slot,) = io.slots.values()
+        order = slot.order
+        segments, _ = pack_layout([(n, np.dtype(np.int64), (1, 32)) for n in order])
+        result.update(slot=slot.addresses, bound=slot.binding.inputs, view=slot.views[OUTPUT].data.ptr,
+                      slot_calls=slot.calls,
+                      block=[slot.addresses[order[0]], segments[order[-1]].offset + segments[order[-1]].nbytes])
     print(json.dumps(result))
 
 

@@ -1,4 +1,4 @@
-"""The CUDA calls of a graph session's calls, in order, on any machine (native/cuda_io.py rule 7).
+"""The CUDA calls of a GPU session's calls, in order, on any machine (native/cuda_io.py, rule 7 above all).
 
 A child process (tests/replay_protocol_child.py) puts tests/recording_cupy.py in CuPy's place (every CUDA call
 recorded, none run) and a stand-in for ORT's session under a graph session's CudaSessionIO, and calls it three
@@ -8,7 +8,8 @@ on the session's worker); ``run`` with NumPy feeds from one thread. Rule 7's pro
 waits for the caller's (an event) before the feeds are copied into the slot on ORT's stream; ORT's replay is queued
 with ``disable_synchronize_execution_providers``; the output is allocated under the caller's stream and copied on
 ORT's; the caller's stream waits for ORT's (another event); nothing is waited for on the host, except ``run``'s one
-wait for its download. The GPU side of the same promise: tests/native/test_native_session.py,
+wait for its download. Without graphs: the host waits for the caller's stream and the upload's, then ORT's run
+synchronizes its own. The GPU side of the same promise: tests/native/test_native_session.py,
 ``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``.
 """
 
@@ -92,3 +93,39 @@ def test_run_with_numpy_feeds_goes_up_in_one_copy_and_waits_once_for_its_downloa
             ("synchronize", "ort"),  # the call's one wait
         ]
         assert_calls(call["log"], expected, f"call {index + 1}")
+
+
+def test_without_graphs_run_device_waits_for_the_callers_stream_and_returns_orts_outputs():
+    """An eager session (no graphs): ORT runs on a stream of its own, which waits for nobody, so the caller's
+    stream is synchronized first; ORT synchronizes its stream at the end of the run, and its outputs are the
+    call's (no copy)."""
+    got = calls_of("eager device")
+    for index, call in enumerate(got["calls"]):
+        assert_calls(call["log"], [("synchronize", call["caller"]), ("ort run", "-1", None)], f"call {index + 1}")
+    assert got["staging"] == []
+
+
+def test_without_graphs_run_uploads_on_a_lane_and_waits_for_it_before_orts_run():
+    """An eager session's run with a NumPy feed among CuPy ones: the caller's stream is synchronized (its device
+    feeds), the NumPy feed goes up from the lane's staging buffer on the lane's stream, which is synchronized
+    before ORT's run (ORT's stream is its own); the output comes down on the lane's stream, one more wait. The
+    next call on the lane finds the staging buffer free."""
+    got = calls_of("eager host")
+    (staging,) = got["staging"]
+    lanes = set()
+    for index, call in enumerate(got["calls"]):
+        calls = call["log"]
+        lane = calls[1][4]
+        lanes.add(lane)
+        (output,) = got["outputs"][index]
+        expected = [
+            ("synchronize", "caller"),  # the caller's device feeds are written
+            ("copy", ANY, staging, FEED_BYTES, lane),  # the NumPy feed up
+            ("record", calls[2][1], lane),
+            ("synchronize", lane),  # ORT's stream does not wait for the lane's
+            ("ort run", "-1", None),
+            ("copy", output, ANY, OUTPUT_BYTES, lane),  # down into the page-locked block
+            ("synchronize", lane),
+        ]
+        assert_calls(calls, expected, f"call {index + 1}")
+    assert len(lanes) == 1 and lanes.isdisjoint({"caller", "legacy"})  # one lane, a stream of its own
