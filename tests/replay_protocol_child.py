@@ -1,14 +1,14 @@
-"""The child process of tests/native/test_replay_protocol.py: a graph session's CudaSessionIO over stand-ins for
+"""The child process of tests/native/test_replay_protocol.py: a GPU session's CudaSessionIO over stand-ins for
 CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls printed as JSON.
 
     python tests/replay_protocol_child.py device|host|"eager device"|"eager host"
 
-The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``);
-later calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's
-owner), the third from another thread (its call runs on the session's worker). ``host``: run with NumPy feeds,
-three calls from this thread. ``eager ...``: the same without graphs (``eager host``: one NumPy feed and two CuPy
-ones, so that run takes the page-locked path rather than ORT's own run). Printed: each call's recorded CUDA calls and ORT runs, the feeds' and the slot's
-addresses, the slot's binding, the outputs' addresses, the lanes' staging buffers.
+The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
+calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
+the third from another thread (its call runs on the session's worker). ``host``: run with NumPy feeds, three calls
+from this thread. ``eager ...``: the same without graphs (``eager host``: one NumPy feed and two CuPy ones, so that
+run takes the page-locked path rather than ORT's own run). Printed: each call's recorded CUDA calls and ORT runs,
+the feeds' and the slot's addresses, the slot's binding, the outputs' addresses, the lanes' staging buffers.
 """
 
 from __future__ import annotations
