@@ -76,16 +76,19 @@ def test_graphs_per_signature_replay_fresh_values_and_new_shapes_get_their_own()
 
 
 def test_graph_outputs_from_run_device_are_copies_the_next_replay_leaves_alone():
+    """Every output a caller keeps stays its call's: the first (eager) call's is ORT's own, later ones are copies
+    out of the slot, which the next replay writes again. NumPy feeds and CuPy ones (the replay's two paths)."""
     import cupy
 
     model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
-    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
-    first = encoder_feeds(2, 8, hidden=64, seed=1)
-    kept = []
-    for seed in range(4):
-        feeds = encoder_feeds(2, 8, hidden=64, seed=seed + 1)
-        kept.append(session.run_device(None, feeds)[0])
-    assert_close([cupy.asnumpy(kept[0])], stock_cuda(model, first), "float32", "the first call's output, kept")
+    for on_device in (False, True):
+        session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
+        calls = [encoder_feeds(2, 8, hidden=64, seed=seed + 1) for seed in range(4)]
+        kept = [session.run_device(None, {n: cupy.asarray(v) for n, v in feeds.items()} if on_device else feeds)[0]
+                for feeds in calls]  # fmt: skip
+        for index, (feeds, output) in enumerate(zip(calls, kept)):
+            assert_close([cupy.asnumpy(output)], stock_cuda(model, feeds), "float32",
+                         f"call {index + 1}'s output, kept ({'CuPy' if on_device else 'NumPy'} feeds)")  # fmt: skip
 
 
 def test_the_cap_on_graphs_leaves_later_signatures_eager(monkeypatch):
