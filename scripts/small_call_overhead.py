@@ -3,8 +3,9 @@
     PYTHONPATH=<a folder with CuPy> python3 scripts/small_call_overhead.py [--threads 8] [--rounds 5]
 
 CuPy must import (no GPU is needed: this path makes no CUDA call). The shipped BERT-shaped model runs on ORT's
-CPU provider twice: bare (``session.run``) and through ``CudaSessionIO.run_host`` over the same session, with
-mha_ep.InferenceSession's error channel (``_run_binding``) as on the GPU. Printed: good calls per second of each
+CPU provider three ways: bare (``session.run``), through ``CudaSessionIO.run_host`` over the same session with
+mha_ep.InferenceSession's error channel (``_run_binding``) as on the GPU, and through that mha_ep.InferenceSession's
+``run`` over the same CudaSessionIO (the path of the GPU soak's session column, its CUDA calls aside). Printed: good calls per second of each
 under ``--threads`` threads with the soak's mix of bad calls (bench/soak.py), in turns, the median of each
 round's ratio, and one thread's median microseconds a call of each kind. docs/BENCH.md, "Host-side choices", has
 the numbers.
@@ -35,11 +36,12 @@ def main() -> None:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1  # the threads are the callers'
     bare = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    channel = mha_ep.InferenceSession(model)  # only its error channel, as cuda_io gets it on the GPU
+    channel = mha_ep.InferenceSession(model)  # its error channel, as cuda_io gets it on the GPU
     io = CudaSessionIO(bare, 0, False, channel._run_binding, lambda: None)
+    channel._io = io  # channel.run is then mha_ep.InferenceSession.run on the GPU: the soak's session column
     # mha_ep refuses a claimed node's zero-length query, stock runs it (tests/claim/test_bad_input.py): left out
     cases = [c for c in soak.make_cases(model, bare, shapes=8, seed=3, max_sequence=32) if c.kind != "zero_length"]
-    calls = {"bare": bare.run, "cuda_io": io.run_host}
+    calls = {"bare": bare.run, "cuda_io": io.run_host, "session": channel.run}
     rates = {name: [] for name in calls}
     for round_index in range(args.rounds):
         for name, call in calls.items():
@@ -49,8 +51,9 @@ def main() -> None:
                 raise SystemExit(f"{name}: {tally.examples}")
             rates[name].append(tally.good / tally.seconds)
     print({name: [round(r) for r in values] for name, values in rates.items()}, "good calls/s by round")
-    median, rounds = soak.ratio_of_rounds(rates["cuda_io"], rates["bare"])
-    print(f"cuda_io / bare: {median} (rounds {rounds})")
+    for name in ("cuda_io", "session"):
+        median, rounds = soak.ratio_of_rounds(rates[name], rates["bare"])
+        print(f"{name} / bare: {median} (rounds {rounds})")
     print("one thread, median µs a call (500 calls each; bad kinds raise, bare's in ORT's C++ with the GIL released,"
           " cuda_io's from its remembered verdict: cuda_io rule 4):")
     print(f"{'kind':22s}" + "".join(f"{name:>10s}" for name in calls))
