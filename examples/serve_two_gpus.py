@@ -85,8 +85,9 @@ def main() -> int:
                 for i in range(16)]  # fmt: skip
     expected = [stock.run(None, feeds) for feeds in requests]
     pool = GpuPool(model, devices, args.threads)
-    for feeds in requests:  # a first call per shape and GPU, outside the timing (kernels compile)
-        [pool.submit(feeds).result() for _ in devices]
+    for feeds in requests:  # a first call per shape on every GPU, outside the timing (kernels compile)
+        for session in pool.sessions:  # directly: the pool would send each to GPU 0, the least busy when idle
+            session.run(None, feeds)
     pool.served = [0] * len(devices)
     start = time.perf_counter()
     futures = [(i % len(requests), pool.submit(requests[i % len(requests)])) for i in range(args.requests)]
