@@ -8,6 +8,7 @@ test_replay_protocol.py), since modules imported after it keep it. Every call la
   ("synchronize", stream)           Stream.synchronize() or Event.synchronize() (event names start with "event")
   ("copy", dst, src, nbytes, stream) cupy.cuda.runtime.memcpyAsync (the stream found by its pointer)
   ("alloc", stream, shape)          cupy.empty, under the current stream
+  ("download" | "upload", stream, shape)  cupy.asnumpy, cupy.asarray
 Device memory is addresses only (nothing is copied); host memory (pinned buffers and blocks) is real bytes.
 Streams and events are named ("legacy", the names given to Stream, "event1", "event2", ... in order of creation).
 """
@@ -118,6 +119,19 @@ def empty(shape, dtype=np.float32):
     return array
 
 
+def asnumpy(array) -> np.ndarray:
+    """A download (recorded): zeros of the array's shape and dtype (device memory holds no values here)."""
+    LOG.append(("download", get_current_stream().name, list(array.shape)))
+    return np.zeros(array.shape, array.dtype)
+
+
+def asarray(array) -> ndarray:
+    """An upload (recorded) of a host array: a new device array of its shape and dtype."""
+    array = np.asarray(array)
+    LOG.append(("upload", get_current_stream().name, list(array.shape)))
+    return ndarray(array.shape, array.dtype)
+
+
 def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
     LOG.append(("copy", dst, src, nbytes, _streams[stream].name))
 
@@ -171,6 +185,7 @@ def install() -> types.ModuleType:
     runtime = types.ModuleType("cupy.cuda.runtime")
     cupy.cuda, cuda.runtime = cuda, runtime
     cupy.ndarray, cupy.empty, cupy.ascontiguousarray = ndarray, empty, ascontiguousarray
+    cupy.asnumpy, cupy.asarray = asnumpy, asarray
     cuda.Stream, cuda.Event, cuda.Device, cuda.get_current_stream = Stream, Event, Device, get_current_stream
     cuda.PinnedMemoryPool, cuda.alloc_pinned_memory, cuda.alloc = _PinnedMemoryPool, alloc_pinned_memory, alloc
     runtime.memcpyAsync, runtime.memcpyDeviceToDevice = memcpy_async, 3

@@ -1,7 +1,7 @@
 """The child process of tests/native/test_replay_protocol.py: a GPU session's CudaSessionIO over stand-ins for
 CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls printed as JSON.
 
-    python tests/replay_protocol_child.py device|host|"eager device"|"eager host"
+    python tests/replay_protocol_child.py device|host|"eager device"|"eager host"|failures
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
@@ -87,6 +87,15 @@ class Session:
     def io_binding(self):
         return Binding()
 
+    def run(self, output_names, feeds, options):  # ORT's own run: the answer to a call whose IOBinding run failed
+        recording_cupy.LOG.append(("ort own run", entry(options, "gpu_graph_id")))
+        if FAILURES and FAILURES[0] is not None:
+            raise FAILURES.pop(0)
+        return [np.zeros(OUTPUT_SHAPE, np.float32)]
+
+
+FAILURES: list = []  # scripted: what the next runs raise (None: that run succeeds), in order
+
 
 def entry(options, key: str):
     try:
@@ -98,6 +107,10 @@ def entry(options, key: str):
 def run(binding, options) -> None:  # the session's guarded run_with_iobinding
     recording_cupy.LOG.append(("ort run", entry(options, "gpu_graph_id"),
                                entry(options, "disable_synchronize_execution_providers")))  # fmt: skip
+    if FAILURES:
+        failure = FAILURES.pop(0)
+        if failure is not None:
+            raise failure
 
 
 def main(kind: str) -> None:
@@ -140,5 +153,37 @@ def main(kind: str) -> None:
     print(json.dumps(result))
 
 
+def failures() -> None:
+    """A graph session's replays that fail: the first call eager, then a replay whose run a broken capture fails
+    (answered by an eager run through ORT's own run: rule 6), one whose run fails in a node (ORT's own run then
+    raises the type ``run`` gives: ort_checks.execution_error), and a replay that works."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    ort.OrtValue = Value
+    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    feeds = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
+    scripts = [
+        [],
+        [RuntimeError("CUDA failure 900: operation not permitted when stream is capturing")],
+        [RuntimeError("Error in execution: Non-zero status code returned while running Gather node."),
+         InvalidArgument("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : indices element out of data bounds")],
+        [],
+    ]  # fmt: skip
+    calls = []
+    for script in scripts:
+        FAILURES[:] = script
+        del recording_cupy.LOG[:]
+        with cupy.cuda.Stream(name="caller"):
+            try:
+                outputs = io.run_device(None, feeds)
+                outcome = ["answered", [list(o.shape) for o in outputs]]
+            except Exception as error:  # noqa: BLE001 - reported
+                outcome = [type(error).__name__, str(error)]
+        calls.append({"log": list(recording_cupy.LOG), "outcome": outcome, "in_use": io.in_use(),
+                      "capture_retries": io.capture_retries, "scripted_left": len(FAILURES)})  # fmt: skip
+    (slot,) = io.slots.values()
+    print(json.dumps({"calls": calls, "slot_calls": slot.calls}))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    failures() if sys.argv[1] == "failures" else main(sys.argv[1])

@@ -9,7 +9,8 @@ waits for the caller's (an event) before the feeds are copied into the slot on O
 with ``disable_synchronize_execution_providers``; the output is allocated under the caller's stream and copied on
 ORT's; the caller's stream waits for ORT's (another event); nothing is waited for on the host, except ``run``'s one
 wait for its download. Without graphs: the host waits for the caller's stream and the upload's, then ORT's run
-synchronizes its own. The GPU side of the same promise: tests/native/test_native_session.py,
+synchronizes its own. A replay that fails is answered (a broken capture) or raises ORT's type (a node's
+failure), and leaves no lane out. The GPU side of the same promise: tests/native/test_native_session.py,
 ``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``.
 """
 
@@ -129,3 +130,23 @@ def test_without_graphs_run_uploads_on_a_lane_and_waits_for_it_before_orts_run()
         ]
         assert_calls(calls, expected, f"call {index + 1}")
     assert len(lanes) == 1 and lanes.isdisjoint({"caller", "legacy"})  # one lane, a stream of its own
+
+
+def test_a_replay_that_fails_is_answered_or_raises_orts_type_and_the_next_replay_works():
+    """A graph session's replay whose run fails (rule 6, ort_checks.execution_error): a broken capture is answered
+    by an eager run through ORT's own run (counted in capture_retries); a node's failure raises the type ORT's own
+    run gives it; neither leaves a lane out, and the next call replays the slot as before."""
+    got = calls_of("failures")
+    eager, capture, failed, replay = got["calls"]
+    assert all(call["scripted_left"] == 0 for call in got["calls"])  # every scripted failure happened
+    assert [call["in_use"] for call in got["calls"]] == [{"lanes_out": 0}] * 4
+    assert [call["capture_retries"] for call in got["calls"]] == [0, 1, 1, 1]
+    replayed = ["record", "wait", "copy", "copy", "copy", "ort run"]
+    assert [c[0] for c in capture["log"]] == replayed + ["download"] * 3 + ["ort own run", "upload"]
+    assert capture["log"][-2] == ["ort own run", "-1"] and capture["outcome"] == ["answered", [[1, 32, 768]]]
+    assert [c[0] for c in failed["log"]] == replayed + ["download"] * 3 + ["ort own run"]
+    assert failed["outcome"] == ["InvalidArgument",
+                                 "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : indices element out of data bounds"]
+    assert [c[0] for c in replay["log"]] == replayed + ["alloc", "copy", "record", "wait"]
+    assert replay["outcome"] == eager["outcome"] == ["answered", [[1, 32, 768]]]
+    assert got["slot_calls"] == 1  # the replays that failed are not counted as the slot's
