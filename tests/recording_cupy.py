@@ -23,6 +23,7 @@ import types
 import numpy as np
 
 LOG: list = []
+FAIL_COPIES: list = []  # exceptions the next memcpyAsync calls raise, in order (scripted failures)
 _local = threading.local()
 _streams: dict = {}  # pointer -> Stream
 _counts = {"event": 0, "address": 1 << 20}
@@ -133,6 +134,8 @@ def asarray(array) -> ndarray:
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+    if FAIL_COPIES:
+        raise FAIL_COPIES.pop(0)
     LOG.append(("copy", dst, src, nbytes, _streams[stream].name))
 
 

@@ -1,7 +1,7 @@
 """The child process of tests/native/test_replay_protocol.py: a GPU session's CudaSessionIO over stand-ins for
 CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls printed as JSON.
 
-    python tests/replay_protocol_child.py device|host|"eager device"|"eager host"|failures
+    python tests/replay_protocol_child.py device|host|"eager device"|"eager host"|failures|"upload fails"
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
@@ -185,5 +185,24 @@ def failures() -> None:
     print(json.dumps({"calls": calls, "slot_calls": slot.calls}))
 
 
+def upload_fails() -> None:
+    """A graph session's run with NumPy feeds whose upload fails on a replay: the first call eager, the second's
+    copy up refused by CUDA, then a third call."""
+    ort.OrtValue = Value
+    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    feeds = {n: np.random.default_rng(1).integers(0, 99, (1, 32)) for n in NAMES}
+    calls = []
+    for fail in (False, True, False):
+        recording_cupy.FAIL_COPIES[:] = [cupy.cuda.runtime.CUDARuntimeError("cudaErrorInvalidValue")] if fail else []
+        del recording_cupy.LOG[:]
+        try:
+            outputs = io.run_host(None, feeds)
+            outcome = ["answered", [list(o.shape) for o in outputs]]
+        except Exception as error:  # noqa: BLE001 - reported
+            outcome = [type(error).__name__, str(error)]
+        calls.append({"log": list(recording_cupy.LOG), "outcome": outcome, "in_use": io.in_use()})
+    print(json.dumps({"calls": calls}))
+
+
 if __name__ == "__main__":
-    failures() if sys.argv[1] == "failures" else main(sys.argv[1])
+    {"failures": failures, "upload fails": upload_fails}.get(sys.argv[1], lambda: main(sys.argv[1]))()

@@ -1,17 +1,17 @@
 """The CUDA calls of a GPU session's calls, in order, on any machine (native/cuda_io.py, rule 7 above all).
 
 A child process (tests/replay_protocol_child.py) puts tests/recording_cupy.py in CuPy's place (every CUDA call
-recorded, none run) and a stand-in for ORT's session under a graph session's CudaSessionIO, and calls it three
-times with one signature: the first call runs eagerly and makes the signature's slot, the next two replay it.
-``run_device`` is called from the session's first thread and, the third time, from another one (whose call runs
-on the session's worker); ``run`` with NumPy feeds from one thread. Rule 7's promise, call by call: ORT's stream
-waits for the caller's (an event) before the feeds are copied into the slot on ORT's stream; ORT's replay is queued
-with ``disable_synchronize_execution_providers``; the output is allocated under the caller's stream and copied on
-ORT's; the caller's stream waits for ORT's (another event); nothing is waited for on the host, except ``run``'s one
-wait for its download. Without graphs: the host waits for the caller's stream and the upload's, then ORT's run
-synchronizes its own. A replay that fails is answered (a broken capture) or raises ORT's type (a node's
-failure), and leaves no lane out. The GPU side of the same promise: tests/native/test_native_session.py,
-``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``.
+recorded, none run) and a stand-in for ORT's session under a graph session's CudaSessionIO, and calls it three times
+with one signature: the first call runs eagerly and makes the signature's slot, the next two replay it.
+``run_device`` is called from the session's first thread and, the third time, from another one (whose call runs on
+the session's worker); ``run`` with NumPy feeds from one thread. Rule 7's promise, call by call: ORT's stream waits
+for the caller's (an event) before the feeds are copied into the slot on ORT's stream; ORT's replay is queued with
+``disable_synchronize_execution_providers``; the output is allocated under the caller's stream and copied on ORT's;
+the caller's stream waits for ORT's (another event); nothing is waited for on the host, except ``run``'s one wait
+for its download. Without graphs: the host waits for the caller's stream and the upload's, then ORT's run
+synchronizes its own. A replay that fails is answered (a broken capture) or raises ORT's type (a node's failure),
+and leaves no lane out; an upload that fails still guards the staging buffer. The GPU side of the same promise:
+tests/native/test_native_session.py, ``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``.
 """
 
 from __future__ import annotations
@@ -150,3 +150,19 @@ def test_a_replay_that_fails_is_answered_or_raises_orts_type_and_the_next_replay
     assert [c[0] for c in replay["log"]] == replayed + ["alloc", "copy", "record", "wait"]
     assert replay["outcome"] == eager["outcome"] == ["answered", [[1, 32, 768]]]
     assert got["slot_calls"] == 1  # the replays that failed are not counted as the slot's
+
+
+def test_an_upload_that_fails_still_guards_the_staging_buffer_for_the_next_call():
+    """transfer.HostTransfers: a replay's copy up refused by CUDA still records the staging event behind whatever
+    it queued, so the next call waits for it before writing the staging buffer again; the failing call raises the
+    CUDA error, leaves no lane out, and the next call is answered."""
+    first, failed, after = calls_of("upload fails")["calls"]
+    assert [c[0] for c in first["log"]] == ["copy", "record", "ort run", "copy", "synchronize"]
+    staged = first["log"][1][1]
+    assert [tuple(c) for c in failed["log"]] == [("record", staged, "ort")]
+    assert failed["outcome"] == ["CUDARuntimeError", "cudaErrorInvalidValue"]
+    # the buffer is written again only once the failed call's DMAs are done; then the replay as ever
+    assert [c[0] for c in after["log"]] == ["synchronize", "copy", "record", "ort run", "copy", "synchronize"]
+    assert after["log"][0] == ["synchronize", staged] and after["log"][3] == ["ort run", "1", "1"]
+    assert after["outcome"] == first["outcome"] == ["answered", [[1, 32, 768]]]
+    assert [c["in_use"] for c in (first, failed, after)] == [{"lanes_out": 0}] * 3
