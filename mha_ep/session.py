@@ -176,16 +176,31 @@ class InferenceSession:
     def run_with_iobinding(self, iobinding, run_options=None):
         """Like onnxruntime's ``run_with_iobinding``, with this session's backend and error channel. ORT's own call:
         under ``enable_cuda_graph`` one thread at a time, as ORT asks (``run`` and ``run_device`` serialize
-        themselves and use the ``gpu_graph_id`` values 1 to native.cuda_io.MAX_GRAPHS)."""
+        themselves and keep the ``gpu_graph_id`` values 1 to native.cuda_io.MAX_GRAPHS: a RunOptions asking for one
+        of those is refused, taken_graph_id)."""
         options = self._options(run_options)
+        self._refuse_taken_graph_id(run_options, options)
         return self._guarded(lambda: self._session.run_with_iobinding(iobinding, options), options)
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
-        """Like onnxruntime's ``run_with_ort_values``, with this session's backend and error channel."""
+        """Like onnxruntime's ``run_with_ort_values``, with this session's backend and error channel (and
+        ``run_with_iobinding``'s rule on ``gpu_graph_id``)."""
         options = self._options(run_options)
+        self._refuse_taken_graph_id(run_options, options)
         return self._guarded(
             lambda: self._session.run_with_ort_values(output_names, input_dict_ort_values, options), options
         )
+
+    def _refuse_taken_graph_id(self, run_options, options) -> None:
+        """ValueError when the caller's own run asks a graph session for a ``gpu_graph_id`` that ``run`` and
+        ``run_device`` keep (taken_graph_id); nothing is read when the call brought no RunOptions."""
+        if run_options is None or self._io is None or not self._io.graphs:
+            return
+        from mha_ep.native.cuda_io import MAX_GRAPHS
+
+        reason = taken_graph_id(_entry(options, "gpu_graph_id"), MAX_GRAPHS)
+        if reason is not None:
+            raise ValueError(f"mha_ep.InferenceSession: {reason}")
 
     def run_async(self, *args, **kwargs):
         raise MhaEpError(
@@ -291,15 +306,42 @@ def own_run_options(caller=None):
     return own
 
 
+def taken_graph_id(value: Optional[str], kept: int) -> Optional[str]:
+    """Why a caller's own run may not use ``gpu_graph_id`` ``value`` on a graph session whose ``run`` and
+    ``run_device`` keep the ids 1 to ``kept`` for their signatures' graphs (ORT keys its graphs by id and thread, so
+    on the thread that captured one it would replay that graph, over the slot's buffers, not the caller's binding);
+    None for any other id, or none set."""
+    try:
+        graph_id = int(value) if value is not None else None
+    except ValueError:
+        return None  # ORT's own error for a malformed id
+    if graph_id is None or not 1 <= graph_id <= kept:
+        return None
+    return (f"gpu_graph_id={graph_id} is one of the ids 1 to {kept} that this session's run and run_device keep for "
+            f"their own CUDA graphs, and ORT would replay one of those instead of your binding: use an id above "
+            f"{kept}, or -1 for no graph")  # fmt: skip
+
+
+def _entry(options, key: str) -> Optional[str]:
+    """``options``' run config entry ``key``, or None when it is not set."""
+    return _read(options.get_run_config_entry, key)
+
+
+def _read(get, key: str) -> Optional[str]:
+    """``get(key)``, or None where the entry is not set (ORT's ``get`` raises for one that is not, and cannot list
+    them)."""
+    try:
+        return get(key)
+    except Exception:  # noqa: BLE001 - ORT raises for an entry that was not set
+        return None
+
+
 def _copy_entries(get, add, keys) -> None:
-    """``add(key, get(key))`` for each of ``keys`` that is set (ORT's ``get`` raises for one that is not, and
-    cannot list them)."""
+    """``add(key, get(key))`` for each of ``keys`` that is set."""
     for key in keys:
-        try:
-            value = get(key)
-        except Exception:  # noqa: BLE001 - ORT raises for an entry that was not set
-            continue
-        add(key, value)
+        value = _read(get, key)
+        if value is not None:
+            add(key, value)
 
 
 # Session config entries ORT 1.31.1 reads (onnxruntime_session_options_config_keys.h and the CUDA provider's, as

@@ -238,6 +238,31 @@ def test_graph_calls_run_on_the_first_calling_thread_and_others_on_the_worker():
     assert slot.calls == 9  # every call but the signature's first (eager) went through the slot
 
 
+def test_a_callers_own_binding_on_a_graph_session_may_not_take_the_sessions_graph_ids():
+    """The caller's own run_with_iobinding on a graph session: a gpu_graph_id that run and run_device keep (1 to
+    MAX_GRAPHS) is refused before ORT runs, on the thread that captured the session's graphs too; -1 runs it."""
+    import cupy
+
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
+    feeds = encoder_feeds(2, 8, hidden=64, seed=70)
+    for _ in range(3):  # this thread's signature: eager, then ORT's graph 1, captured here
+        session.run_device(None, {n: cupy.asarray(v) for n, v in feeds.items()})
+    device_feeds = {n: cupy.asarray(v) for n, v in feeds.items()}
+    binding = session.io_binding()
+    for name, array in device_feeds.items():
+        binding.bind_input(name, "cuda", 0, array.dtype.type, list(array.shape), array.data.ptr)
+    binding.bind_output("last_hidden_state", "cuda", 0)
+    options = onnxruntime.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", "1")
+    with pytest.raises(ValueError, match="gpu_graph_id=1 is one of the ids 1 to 16"):
+        session.run_with_iobinding(binding, options)
+    options = onnxruntime.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", "-1")
+    session.run_with_iobinding(binding, options)
+    assert_close([binding.copy_outputs_to_cpu()[0]], stock_cuda(model, feeds), "float32", "the caller's own run")
+
+
 def test_a_graph_session_runs_ort_on_a_stream_it_knows():
     """cuda_io rule 7: under ORT's CUDA graphs the session hands ORT a stream of its own (or keeps the caller's
     ``user_compute_stream``) and queues its copies on it; the caller's provider list is left as it was."""

@@ -57,3 +57,15 @@ def test_a_graph_is_keyed_by_every_feeds_name_shape_and_dtype():
     assert key == cuda_io.CudaSessionIO.signature({}, {**a, **b})
     assert key != cuda_io.CudaSessionIO.signature({"x": np.zeros((2, 4), np.float32)}, b)
 
+
+
+def test_a_callers_own_run_may_not_take_a_graph_id_the_session_keeps():
+    """run and run_device keep gpu_graph_id 1 to MAX_GRAPHS for their signatures' graphs; the caller's own
+    run_with_iobinding asking for one of those is refused with the ids it may use (session.taken_graph_id)."""
+    from mha_ep.session import taken_graph_id
+
+    for value in ("1", "16", 5):
+        reason = taken_graph_id(value, 16)
+        assert reason is not None and "use an id above 16, or -1 for no graph" in reason, value
+    for value in (None, "0", "-1", "17", "not a number"):
+        assert taken_graph_id(value, 16) is None, value
