@@ -288,20 +288,14 @@ class CudaSessionIO:
     def _run_device_on_lane(self, signature: tuple, host: dict, device: dict, wanted: List[str],
                             make_options: Optional[Callable], caller) -> list:  # fmt: skip
         """run_device's eager calls, a signature's first calls, and replays with host feeds: on a lane."""
-        import cupy
-
         lane = self._take_lane()
         try:
             caller.synchronize()  # the caller's stream has written its device feeds (ORT's does not wait for it)
-            replay = self.graphs and self.slots.get(signature) is not None
+            slot = self.slots.get(signature) if self.graphs else None
             arrays = self._call(lane, signature, host, device, wanted, make_options)
-            if not replay:  # an eager run's outputs: ORT's own, and ready (ORT synchronized its stream after it)
+            if slot is None:  # an eager run's outputs: ORT's own, and ready (ORT synchronized its stream after it)
                 return arrays
-            self._caller_waits_for(lane.stream, caller)  # the replay (rule 7: queued on ORT's stream, not waited for)
-            with caller:  # copies the caller owns, in its stream's order (CuPy's pool reuses them in that order)
-                arrays = [cupy.array(a, copy=True) for a in arrays]
-            caller.synchronize()  # the slot's buffers are written again by the next call of the signature
-            return arrays
+            return self._copy_out(slot, wanted, caller)  # the replay's (rule 7: queued on ORT's stream, the lane's)
         finally:
             self._give_lane(lane)
 
@@ -590,25 +584,30 @@ class CudaSessionIO:
         caller's (its writes of the feeds), copies the feeds into the slot's buffers, replays, and copies the
         outputs into fresh arrays; the caller's stream waits for those copies. The next replay, on the same
         stream, cannot overwrite the outputs before they are copied."""
+        self._fed.record(caller)
+        self.ort_stream.wait_event(self._fed)
+        self._copy_into(slot, device, self.ort_stream.ptr)
+        self._run_slot(slot, make_options)
+        return self._copy_out(slot, wanted, caller)
+
+    def _copy_out(self, slot: GraphSlot, wanted: List[str], caller) -> list:
+        """Fresh arrays of the replay's ``wanted`` outputs, copied out of the slot on ORT's stream behind the replay
+        (the next replay, on the same stream, cannot overwrite them first); the caller's stream waits for the
+        copies (rule 7)."""
         import cupy
 
+        copy, to_device = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
         ort_stream = self.ort_stream
-        copy = cupy.cuda.runtime.memcpyAsync
-        to_device = cupy.cuda.runtime.memcpyDeviceToDevice
-        stream = ort_stream.ptr
-        self._fed.record(caller)
-        ort_stream.wait_event(self._fed)
-        self._copy_into(slot, device, stream)
-        self._run_slot(slot, make_options)
         outputs = []
         with caller:  # the outputs' memory belongs to the caller's stream (CuPy's pool reuses it in that order)
             for name in wanted:
                 view = slot.views[name]
                 out = cupy.empty(view.shape, view.dtype)
                 if view.nbytes:
-                    copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, stream)
+                    copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, ort_stream.ptr)
                 outputs.append(out)
-        self._caller_waits_for(ort_stream, caller)
+        self._copied.record(ort_stream)  # the caller's stream waits, on the device, for the copies
+        caller.wait_event(self._copied)
         return outputs
 
     @staticmethod
@@ -620,11 +619,6 @@ class CudaSessionIO:
             if array.nbytes:
                 cupy.cuda.runtime.memcpyAsync(slot.addresses[name], array.data.ptr, array.nbytes,
                                               cupy.cuda.runtime.memcpyDeviceToDevice, stream)  # fmt: skip
-
-    def _caller_waits_for(self, ort_stream, caller) -> None:
-        """The caller's stream waits (on the device) for what is queued on ORT's stream so far (rule 7)."""
-        self._copied.record(ort_stream)
-        caller.wait_event(self._copied)
 
     # ------------------------------------------------------------------------------------------ state
     def held_graphs(self) -> int:
