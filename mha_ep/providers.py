@@ -1,6 +1,7 @@
 """ONNX Runtime's execution-provider arguments, read and adjusted: small pure functions over the ``providers`` and
 ``provider_options`` a caller gives ``mha_ep.InferenceSession`` (onnxruntime's two ways of passing options:
-``("Name", {options})`` in ``providers``, or a parallel ``provider_options`` list).
+``("Name", {options})`` in ``providers``, or a parallel ``provider_options`` list); and the one reader of an
+options object's config entry (config_entry).
 
 Every function that adjusts them works on copies: the caller's lists and dictionaries stay as they were (a server
 reuses them for the next session).
@@ -12,6 +13,16 @@ import warnings
 from typing import Optional, Sequence
 
 CUDA_PROVIDER = "CUDAExecutionProvider"
+
+
+def config_entry(get, key: str) -> Optional[str]:
+    """``get(key)`` of an ORT options object (``SessionOptions.get_session_config_entry``,
+    ``RunOptions.get_run_config_entry``), or None where the entry is not set: ORT raises for one that is not, and
+    cannot list them."""
+    try:
+        return get(key)
+    except Exception:  # noqa: BLE001 - ORT raises when the entry does not exist
+        return None
 
 
 def provider_names(providers: Optional[Sequence]) -> list:

@@ -23,8 +23,8 @@ from mha_ep.ops.registration import attach, choose_route
 from mha_ep.model_io import needs_external_data, write_model
 from mha_ep.partition_pass import partition
 from mha_ep.partition_result import PartitionResult
-from mha_ep.providers import (CUDA_PROVIDER, on_one_device, provider_names, wants_cuda_graph, with_session_stream,
-                              without_cuda_graph)  # fmt: skip
+from mha_ep.providers import (CUDA_PROVIDER, config_entry, on_one_device, provider_names, wants_cuda_graph,
+                              with_session_stream, without_cuda_graph)  # fmt: skip
 
 
 class InferenceSession:
@@ -198,7 +198,7 @@ class InferenceSession:
             return
         from mha_ep.native.cuda_io import MAX_GRAPHS
 
-        reason = taken_graph_id(_entry(options, "gpu_graph_id"), MAX_GRAPHS)
+        reason = taken_graph_id(config_entry(options.get_run_config_entry, "gpu_graph_id"), MAX_GRAPHS)
         if reason is not None:
             raise ValueError(f"mha_ep.InferenceSession: {reason}")
 
@@ -322,24 +322,10 @@ def taken_graph_id(value: Optional[str], kept: int) -> Optional[str]:
             f"{kept}, or -1 for no graph")  # fmt: skip
 
 
-def _entry(options, key: str) -> Optional[str]:
-    """``options``' run config entry ``key``, or None when it is not set."""
-    return _read(options.get_run_config_entry, key)
-
-
-def _read(get, key: str) -> Optional[str]:
-    """``get(key)``, or None where the entry is not set (ORT's ``get`` raises for one that is not, and cannot list
-    them)."""
-    try:
-        return get(key)
-    except Exception:  # noqa: BLE001 - ORT raises for an entry that was not set
-        return None
-
-
 def _copy_entries(get, add, keys) -> None:
-    """``add(key, get(key))`` for each of ``keys`` that is set."""
+    """``add(key, get(key))`` for each of ``keys`` that is set (providers.config_entry)."""
     for key in keys:
-        value = _read(get, key)
+        value = config_entry(get, key)
         if value is not None:
             add(key, value)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from mha_ep.native import choices
+from mha_ep.providers import config_entry
 
 CONFIG_EPS = "mha_ep.native_eps"  # session config entry _native.c's RegisterCustomOps reads: "cpu" | "cpu,cuda"
 CONFIG_LOADED = "mha_ep.native"  # set once the library is in a SessionOptions (ORT refuses a second load)
@@ -120,15 +121,9 @@ def register_library(session_options, with_cuda: bool) -> None:
     """Load the native library into ``session_options``: CPU kernels, and CUDA kernels when ``with_cuda``. Once
     per SessionOptions (a second load is refused by ORT; a second call here keeps the first choice)."""
     path = library_path()
-    if _config_entry(session_options, CONFIG_LOADED):
+    if config_entry(session_options.get_session_config_entry, CONFIG_LOADED):
         return
     session_options.add_session_config_entry(CONFIG_EPS, "cpu,cuda" if with_cuda else "cpu")
     session_options.register_custom_ops_library(path)
     session_options.add_session_config_entry(CONFIG_LOADED, "1")
 
-
-def _config_entry(session_options, key: str) -> Optional[str]:
-    try:
-        return session_options.get_session_config_entry(key)
-    except Exception:  # noqa: BLE001 - ORT raises when the entry does not exist
-        return None

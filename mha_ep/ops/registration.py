@@ -14,6 +14,7 @@ from mha_ep.errors import BackendUnavailableError
 from mha_ep.ops import bridge, interrupt
 from mha_ep.ops.backends import resolve_backend
 from mha_ep.ops.context import set_default_backend
+from mha_ep.providers import config_entry
 
 # Session config entry naming the backend attach() was given (the CPU kernels' and the Python op's).
 CONFIG_BACKEND = "mha_ep.backend"
@@ -126,10 +127,7 @@ def ensure_interrupt_handler() -> None:
 
 
 def _config_entry(session_options, key: str) -> Optional[str]:
-    try:
-        return session_options.get_session_config_entry(key)
-    except Exception:  # noqa: BLE001 - ORT raises when the entry does not exist
-        return None
+    return config_entry(session_options.get_session_config_entry, key)
 
 
 __all__ = ["register", "resolve_backend", "ensure_ops_registered", "attach", "route_of", "choose_route",
