@@ -178,29 +178,30 @@ class InferenceSession:
         under ``enable_cuda_graph`` one thread at a time, as ORT asks (``run`` and ``run_device`` serialize
         themselves and keep the ``gpu_graph_id`` values 1 to native.cuda_io.MAX_GRAPHS: a RunOptions asking for one
         of those is refused, taken_graph_id)."""
-        options = self._options(run_options)
-        self._refuse_taken_graph_id(run_options, options)
+        options = self._caller_run_options(run_options)
         return self._guarded(lambda: self._session.run_with_iobinding(iobinding, options), options)
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
         """Like onnxruntime's ``run_with_ort_values``, with this session's backend and error channel (and
         ``run_with_iobinding``'s rule on ``gpu_graph_id``)."""
-        options = self._options(run_options)
-        self._refuse_taken_graph_id(run_options, options)
+        options = self._caller_run_options(run_options)
         return self._guarded(
             lambda: self._session.run_with_ort_values(output_names, input_dict_ort_values, options), options
         )
 
-    def _refuse_taken_graph_id(self, run_options, options) -> None:
-        """ValueError when the caller's own run asks a graph session for a ``gpu_graph_id`` that ``run`` and
-        ``run_device`` keep (taken_graph_id); nothing is read when the call brought no RunOptions."""
-        if run_options is None or self._io is None or not self._io.graphs:
-            return
-        from mha_ep.native.cuda_io import MAX_GRAPHS
+    def _caller_run_options(self, run_options):
+        """The run's own RunOptions for a run the caller makes itself; ValueError when it asks a graph session for a
+        ``gpu_graph_id`` that ``run`` and ``run_device`` keep (taken_graph_id: read off the entries the copy
+        carried, not looked up again)."""
+        carried: dict = {}
+        options = own_run_options(run_options, carried)
+        if "gpu_graph_id" in carried and self._io is not None and self._io.graphs:
+            from mha_ep.native.cuda_io import MAX_GRAPHS
 
-        reason = taken_graph_id(config_entry(options.get_run_config_entry, "gpu_graph_id"), MAX_GRAPHS)
-        if reason is not None:
-            raise ValueError(f"mha_ep.InferenceSession: {reason}")
+            reason = taken_graph_id(carried["gpu_graph_id"], MAX_GRAPHS)
+            if reason is not None:
+                raise ValueError(f"mha_ep.InferenceSession: {reason}")
+        return options
 
     def run_async(self, *args, **kwargs):
         raise MhaEpError(
@@ -286,14 +287,14 @@ RUN_CONFIG_KEYS = (
 RUN_OPTION_FIELDS = ("log_severity_level", "log_verbosity_level", "logid", "only_execute_path_to_fetches", "terminate")
 
 
-def own_run_options(caller=None):
+def own_run_options(caller=None, carried: Optional[dict] = None):
     """A RunOptions for one run, carrying the caller's readable settings.
 
     The error channel sets ``terminate`` on the run's RunOptions (mha_ep/ops/context.py); on a RunOptions the
     caller shares between threads that would cancel the other threads' runs, so every run gets its own. Carried
     over: RUN_OPTION_FIELDS and the RUN_CONFIG_KEYS entries the caller set. Not carried: other config entries and
     active adapters (ORT cannot read them back), and a ``terminate`` the caller sets on its own object once the
-    run has started (it no longer cancels the run).
+    run has started (it no longer cancels the run). ``carried``, when given, receives the config entries copied.
     """
     import onnxruntime as ort
 
@@ -302,7 +303,9 @@ def own_run_options(caller=None):
         return own
     for name in RUN_OPTION_FIELDS:
         setattr(own, name, getattr(caller, name))
-    _copy_entries(caller.get_run_config_entry, own.add_run_config_entry, RUN_CONFIG_KEYS)
+    copied = _copy_entries(caller.get_run_config_entry, own.add_run_config_entry, RUN_CONFIG_KEYS)
+    if carried is not None:
+        carried.update(copied)
     return own
 
 
@@ -322,12 +325,15 @@ def taken_graph_id(value: Optional[str], kept: int) -> Optional[str]:
             f"{kept}, or -1 for no graph")  # fmt: skip
 
 
-def _copy_entries(get, add, keys) -> None:
-    """``add(key, get(key))`` for each of ``keys`` that is set (providers.config_entry)."""
+def _copy_entries(get, add, keys) -> dict:
+    """``add(key, get(key))`` for each of ``keys`` that is set (providers.config_entry); the entries copied."""
+    copied = {}
     for key in keys:
         value = config_entry(get, key)
         if value is not None:
             add(key, value)
+            copied[key] = value
+    return copied
 
 
 # Session config entries ORT 1.31.1 reads (onnxruntime_session_options_config_keys.h and the CUDA provider's, as
