@@ -1,14 +1,15 @@
 """The child process of tests/native/test_replay_protocol.py: a GPU session's CudaSessionIO over stand-ins for
 CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls printed as JSON.
 
-    python tests/replay_protocol_child.py device|host|"eager device"|"eager host"|failures|"upload fails"
+    python tests/replay_protocol_child.py device|"device numpy"|host|"eager device"|"eager host"|failures|"upload fails"
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
 the third from another thread (its call runs on the session's worker). ``host``: run with NumPy feeds, three calls
-from this thread. ``eager ...``: the same without graphs (``eager host``: one NumPy feed and two CuPy ones, so that
-run takes the page-locked path rather than ORT's own run). Printed: each call's recorded CUDA calls and ORT runs,
-the feeds' and the slot's addresses, the slot's binding, the outputs' addresses, the lanes' staging buffers.
+from this thread. ``device numpy``: run_device with NumPy feeds, three calls from this thread. ``eager ...``: the
+same without graphs (``eager host``: one NumPy feed and two CuPy ones, so that run takes the page-locked path rather
+than ORT's own run). Printed: each call's recorded CUDA calls and ORT runs, the feeds' and the slot's addresses, the
+slot's binding, the outputs' addresses, the lanes' staging buffers.
 """
 
 from __future__ import annotations
@@ -126,10 +127,12 @@ def main(kind: str) -> None:
     result = {"feeds": {n: a.data.ptr for n, a in feeds.items() if isinstance(a, cupy.ndarray)}, "calls": [],
               "outputs": []}  # fmt: skip
 
+    device_outputs = on_device or kind == "device numpy"  # run_device, whichever the feeds
+
     def call(caller: str) -> None:
         with cupy.cuda.Stream(name=caller):
-            outputs = io.run_device(None, feeds) if on_device else io.run_host(None, feeds)
-        result["outputs"].append([o.data.ptr if on_device else o.ctypes.data for o in outputs])
+            outputs = io.run_device(None, feeds) if device_outputs else io.run_host(None, feeds)
+        result["outputs"].append([o.data.ptr if device_outputs else o.ctypes.data for o in outputs])
 
     for caller, on_a_thread in (("caller", False), ("caller", False), ("second caller" if on_device else "caller",
                                                                        on_device)):  # fmt: skip

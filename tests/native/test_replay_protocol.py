@@ -166,3 +166,30 @@ def test_an_upload_that_fails_still_guards_the_staging_buffer_for_the_next_call(
     assert after["log"][0] == ["synchronize", staged] and after["log"][3] == ["ort run", "1", "1"]
     assert after["outcome"] == first["outcome"] == ["answered", [[1, 32, 768]]]
     assert [c["in_use"] for c in (first, failed, after)] == [{"lanes_out": 0}] * 3
+
+
+def test_run_device_with_numpy_feeds_copies_a_replays_outputs_out_on_orts_stream_with_no_host_wait_after():
+    """run_device with NumPy feeds on a graph session: the feeds go up on ORT's stream (the staging buffer waited
+    for once it was used), the replay queues behind them, and the outputs are copied out as a device-feed replay's
+    are (cuda_io._copy_out): into arrays of the caller's stream, on ORT's stream, the caller's stream waiting on
+    an event. The only host waits are for the caller's stream and the staging buffer, before the copies."""
+    got = calls_of("device numpy")
+    assert got["slot_calls"] == 2
+    (staging,) = got["staging"]
+    start, nbytes = got["block"]
+    first, *replays = got["calls"]
+    assert [c[0] for c in first["log"]] == ["synchronize", "copy", "record", "ort run"]  # eager: ORT's own outputs
+    for index, call in enumerate(replays, start=1):
+        staged, copied = call["log"][1][1], call["log"][-2][1]
+        expected = [
+            ("synchronize", "caller"),
+            ("synchronize", staged),  # the last call's copy up has read the staging buffer
+            ("copy", start, staging, nbytes, "ort"),
+            ("record", staged, "ort"),
+            ("ort run", "1", "1"),
+            ("alloc", "caller", [1, 32, 768]),
+            ("copy", got["outputs"][index][0], got["view"], OUTPUT_BYTES, "ort"),
+            ("record", copied, "ort"),
+            ("wait", "caller", copied),
+        ]
+        assert_calls(call["log"], expected, f"replay {index}")
