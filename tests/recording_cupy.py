@@ -11,6 +11,12 @@ test_replay_protocol.py), since modules imported after it keep it. Every call la
   ("download" | "upload", stream, shape)  cupy.asnumpy, cupy.asarray
 Device memory is addresses only (nothing is copied); host memory (pinned buffers and blocks) is real bytes.
 Streams and events are named ("legacy", the names given to Stream, "event1", "event2", ... in order of creation).
+
+Devices, as CUDA and CuPy have them: ``Device(i)`` makes device i current on the thread; a stream, an event and
+device memory belong to the device current when they were made (the legacy stream to whichever is current); each
+device has its own current stream (``with stream`` refuses a stream of another device, as CuPy does), and recording
+an event on a stream of another device fails, as ``cudaEventRecord`` does. ``PLACES[i]`` is the set of devices
+``LOG[i]`` touched: the current one, and those of its stream, event and device addresses.
 """
 
 from __future__ import annotations
@@ -19,20 +25,49 @@ import ctypes
 import sys
 import threading
 import types
+from typing import Optional
 
 import numpy as np
 
 LOG: list = []
+PLACES: list = []  # PLACES[i]: the devices LOG[i] touched
 FAIL_COPIES: list = []  # exceptions the next memcpyAsync calls raise, in order (scripted failures)
 _local = threading.local()
 _streams: dict = {}  # pointer -> Stream
 _counts = {"event": 0, "address": 1 << 20}
+_blocks: list = []  # (first address, end, device) of each device allocation
+
+
+def current_device() -> int:
+    devices = getattr(_local, "devices", None)
+    return devices[-1] if devices else 0
 
 
 def _address(nbytes: int) -> int:
     address = _counts["address"]
     _counts["address"] += max(nbytes, 256)
+    _blocks.append((address, address + max(nbytes, 256), current_device()))
     return address
+
+
+def device_of(address: int):
+    """The device whose allocation holds ``address`` (None: host memory, or no allocation of this stand-in's)."""
+    for first, end, device in _blocks:
+        if first <= address < end:
+            return device
+    return None
+
+
+def clear() -> None:
+    """Forget what was recorded (LOG and PLACES)."""
+    del LOG[:], PLACES[:]
+
+
+def log(entry: tuple, *devices) -> None:
+    """Record ``entry``, and the devices it touched: the current one and ``devices`` (None: host, -1: current)."""
+    here = current_device()
+    LOG.append(entry)
+    PLACES.append({here} | {here if d == -1 else d for d in devices if d is not None})
 
 
 class _Pointer:
@@ -57,86 +92,109 @@ class ndarray:
 
 
 class Stream:
-    def __init__(self, non_blocking: bool = False, name: str = "", ptr: int = 0):
+    def __init__(self, non_blocking: bool = False, name: str = "", ptr: int = 0, device_id: Optional[int] = None):
         self.name = name or f"stream{len(_streams)}"
         self.ptr = ptr or 0x1000 + len(_streams)
+        self.device_id = current_device() if device_id is None else device_id  # -1: the legacy stream
         _streams[self.ptr] = self
 
     def __enter__(self):
-        _stack().append(self)
+        device = current_device()
+        if self.device_id not in (-1, device):  # CuPy's check_stream_device_match
+            raise RuntimeError(f"The device that the stream is created on ({self.device_id}) does not match with "
+                               f"the current device ({device})")  # fmt: skip
+        _stack(device).append(self)
         return self
 
     def __exit__(self, *exc_info):
-        _stack().pop()
+        _stack(current_device()).pop()
         return False
 
-    def wait_event(self, event) -> None:
-        LOG.append(("wait", self.name, event.name))
+    def wait_event(self, event) -> None:  # across devices too, as cudaStreamWaitEvent allows
+        log(("wait", self.name, event.name), self.device_id, event.device_id)
 
     def synchronize(self) -> None:
-        LOG.append(("synchronize", self.name))
+        log(("synchronize", self.name), self.device_id)
 
 
-LEGACY = Stream(name="legacy", ptr=0x10)
+LEGACY = Stream(name="legacy", ptr=0x10, device_id=-1)
 
 
-def _stack() -> list:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = [LEGACY]
-    return stack
+def _stack(device: int) -> list:
+    stacks = getattr(_local, "stacks", None)
+    if stacks is None:
+        stacks = _local.stacks = {}
+    return stacks.setdefault(device, [LEGACY])
 
 
 def get_current_stream():
-    return _stack()[-1]
+    """The current device's current stream (CuPy keeps one per device and thread)."""
+    return _stack(current_device())[-1]
 
 
 class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False):
         _counts["event"] += 1
         self.name = f"event{_counts['event']}"
+        self.device_id = current_device()
 
     def record(self, stream=None) -> None:
-        LOG.append(("record", self.name, (stream or get_current_stream()).name))
+        stream = stream or get_current_stream()
+        device = current_device() if stream.device_id == -1 else stream.device_id
+        if device != self.device_id:  # cudaEventRecord: the event and the stream must be of one device
+            raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: invalid resource handle (event {self.name} of "
+                                   f"device {self.device_id} recorded on stream {stream.name} of device {device})")
+        log(("record", self.name, stream.name), self.device_id, stream.device_id)
 
     def synchronize(self) -> None:
-        LOG.append(("synchronize", self.name))
+        log(("synchronize", self.name), self.device_id)
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
 
 
 class Device:
-    def __init__(self, device_id: int = 0):
-        self.id = device_id
+    def __init__(self, device_id: Optional[int] = None):
+        self.id = current_device() if device_id is None else device_id
 
     def __enter__(self):
+        devices = getattr(_local, "devices", None)
+        if devices is None:
+            devices = _local.devices = []
+        devices.append(self.id)
         return self
 
     def __exit__(self, *exc_info):
+        _local.devices.pop()
         return False
 
 
 def empty(shape, dtype=np.float32):
     array = ndarray(shape, dtype)
-    LOG.append(("alloc", get_current_stream().name, array.shape))
+    log(("alloc", get_current_stream().name, array.shape), get_current_stream().device_id)
     return array
 
 
 def asnumpy(array) -> np.ndarray:
     """A download (recorded): zeros of the array's shape and dtype (device memory holds no values here)."""
-    LOG.append(("download", get_current_stream().name, list(array.shape)))
+    log(("download", get_current_stream().name, list(array.shape)), device_of(array.data.ptr))
     return np.zeros(array.shape, array.dtype)
 
 
 def asarray(array) -> ndarray:
     """An upload (recorded) of a host array: a new device array of its shape and dtype."""
     array = np.asarray(array)
-    LOG.append(("upload", get_current_stream().name, list(array.shape)))
-    return ndarray(array.shape, array.dtype)
+    result = ndarray(array.shape, array.dtype)
+    log(("upload", get_current_stream().name, list(array.shape)), device_of(result.data.ptr))
+    return result
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
     if FAIL_COPIES:
         raise FAIL_COPIES.pop(0)
-    LOG.append(("copy", dst, src, nbytes, _streams[stream].name))
+    on = _streams[stream]
+    log(("copy", dst, src, nbytes, on.name), on.device_id, device_of(dst), device_of(src))
 
 
 class _HostMemory(bytearray):
@@ -194,6 +252,6 @@ def install() -> types.ModuleType:
     runtime.memcpyAsync, runtime.memcpyDeviceToDevice = memcpy_async, 3
     runtime.pointerGetAttributes = pointer_attributes
     cuda.UnownedMemory, cuda.MemoryPointer = UnownedMemory, memory_pointer
-    runtime.CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
+    runtime.CUDARuntimeError = CUDARuntimeError
     sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime})
     return cupy

@@ -1,7 +1,8 @@
 """The child process of tests/native/test_replay_protocol.py: a GPU session's CudaSessionIO over stand-ins for
 CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls printed as JSON.
 
-    python tests/replay_protocol_child.py device|"device numpy"|host|"eager device"|"eager host"|failures|"upload fails"
+    python tests/replay_protocol_child.py device|"device numpy"|host|"eager device"|"eager host"|failures|"upload fails"|
+        "two devices"
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
@@ -9,7 +10,8 @@ the third from another thread (its call runs on the session's worker). ``host``:
 from this thread. ``device numpy``: run_device with NumPy feeds, three calls from this thread. ``eager ...``: the
 same without graphs (``eager host``: one NumPy feed and two CuPy ones, so that run takes the page-locked path rather
 than ORT's own run). Printed: each call's recorded CUDA calls and ORT runs, the feeds' and the slot's addresses, the
-slot's binding, the outputs' addresses, the lanes' staging buffers.
+slot's binding, the outputs' addresses, the lanes' staging buffers. ``two devices``: sessions on devices 0 and 1
+(``two_devices``), with each CUDA call's devices.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ class Arg:  # ORT's NodeArg as cuda_io reads it
 
 
 class Value:
-    """An OrtValue on the device, as cuda_io reads it; ``ortvalue_from_shape_and_type`` is ORT's maker."""
+    """An OrtValue on the device, as cuda_io reads it; ``ortvalue_from_shape_and_type`` is ORT's maker. ORT
+    allocates it on its session's device, whichever device is current."""
 
-    def __init__(self, shape):
+    def __init__(self, shape, device_id: int = 0):
         self._shape = list(shape)
-        self._ptr = recording_cupy.alloc(int(np.prod(shape)) * 4).ptr
+        with cupy.cuda.Device(device_id):
+            self._ptr = recording_cupy.alloc(int(np.prod(shape)) * 4).ptr
 
     def data_type(self) -> str:
         return "tensor(float)"
@@ -56,14 +60,15 @@ class Value:
 
     @staticmethod
     def ortvalue_from_shape_and_type(shape, element_type, device, device_id):
-        return Value(shape)
+        return Value(shape, device_id)
 
 
 class Binding:
     """ORT's IOBinding as cuda_io uses it: an unbound output gets a fresh value from each run, as ORT allocates."""
 
-    def __init__(self):
+    def __init__(self, device_id: int = 0):
         self.inputs, self.outputs = {}, {}
+        self.device_id = device_id
 
     def bind_input(self, name, device, device_id, element_type, shape, ptr):
         self.inputs[name] = ptr
@@ -75,10 +80,13 @@ class Binding:
         self.outputs[name] = value
 
     def get_outputs(self):
-        return [value or Value(OUTPUT_SHAPE) for value in self.outputs.values()]
+        return [value or Value(OUTPUT_SHAPE, self.device_id) for value in self.outputs.values()]
 
 
 class Session:
+    def __init__(self, device_id: int = 0):
+        self.device_id = device_id
+
     def get_inputs(self):
         return [Arg(n, "tensor(int64)", ["B", "S"]) for n in NAMES]
 
@@ -86,10 +94,10 @@ class Session:
         return [Arg(OUTPUT, "tensor(float)", ["B", "S", 768])]
 
     def io_binding(self):
-        return Binding()
+        return Binding(self.device_id)
 
     def run(self, output_names, feeds, options):  # ORT's own run: the answer to a call whose IOBinding run failed
-        recording_cupy.LOG.append(("ort own run", entry(options, "gpu_graph_id")))
+        recording_cupy.log(("ort own run", entry(options, "gpu_graph_id")))
         if FAILURES and FAILURES[0] is not None:
             raise FAILURES.pop(0)
         return [np.zeros(OUTPUT_SHAPE, np.float32)]
@@ -106,7 +114,7 @@ def entry(options, key: str):
 
 
 def run(binding, options) -> None:  # the session's guarded run_with_iobinding
-    recording_cupy.LOG.append(("ort run", entry(options, "gpu_graph_id"),
+    recording_cupy.log(("ort run", entry(options, "gpu_graph_id"),
                                entry(options, "disable_synchronize_execution_providers")))  # fmt: skip
     if FAILURES:
         failure = FAILURES.pop(0)
@@ -136,7 +144,7 @@ def main(kind: str) -> None:
 
     for caller, on_a_thread in (("caller", False), ("caller", False), ("second caller" if on_device else "caller",
                                                                        on_device)):  # fmt: skip
-        del recording_cupy.LOG[:]
+        recording_cupy.clear()
         if on_a_thread:
             thread = threading.Thread(target=call, args=(caller,))
             thread.start()
@@ -175,7 +183,7 @@ def failures() -> None:
     calls = []
     for script in scripts:
         FAILURES[:] = script
-        del recording_cupy.LOG[:]
+        recording_cupy.clear()
         with cupy.cuda.Stream(name="caller"):
             try:
                 outputs = io.run_device(None, feeds)
@@ -197,7 +205,7 @@ def upload_fails() -> None:
     calls = []
     for fail in (False, True, False):
         recording_cupy.FAIL_COPIES[:] = [cupy.cuda.runtime.CUDARuntimeError("cudaErrorInvalidValue")] if fail else []
-        del recording_cupy.LOG[:]
+        recording_cupy.clear()
         try:
             outputs = io.run_host(None, feeds)
             outcome = ["answered", [list(o.shape) for o in outputs]]
@@ -207,5 +215,60 @@ def upload_fails() -> None:
     print(json.dumps({"calls": calls}))
 
 
+def two_devices() -> None:
+    """Sessions on devices 0 and 1 side by side, with graphs and without, made while device 0 is current (as a
+    process makes them): each takes run_device calls (CuPy feeds on its device, the caller's stream of that device;
+    with graphs, the third call from another thread) and run calls (NumPy feeds, with device 0 current). Printed:
+    per session, each call's outcome, its CUDA calls and the devices each of them touched."""
+    ort.OrtValue = Value
+    rng = np.random.default_rng(2)
+    sessions = []
+    for graphs in (True, False):
+        for device in (0, 1):
+            ort_stream = None
+            if graphs:
+                with cupy.cuda.Device(device):
+                    ort_stream = cupy.cuda.Stream(name=f"ort{device}")
+            io = cuda_io.CudaSessionIO(Session(device), device, graphs, run, ort.RunOptions, ort_stream=ort_stream)
+            sessions.append((f"{'graphs' if graphs else 'eager'} on {device}", device, graphs, io))
+    report = {}
+    for label, device, graphs, io in sessions:
+        with cupy.cuda.Device(device):
+            caller = cupy.cuda.Stream(name=f"caller{device}")
+            on_device = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
+        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (rule 5 would take all-NumPy)
+        mixed = {n: rng.integers(0, 99, (1, 32)) if n == NAMES[0] else on_device[n] for n in NAMES}
+        host = {n: rng.integers(0, 99, (1, 32)) for n in NAMES} if graphs else mixed
+        calls = []
+
+        def call(kind: str) -> None:
+            recording_cupy.clear()
+            try:
+                if kind == "run_device":
+                    with cupy.cuda.Device(device), caller:
+                        outputs = io.run_device(None, on_device)
+                    outcome = ["answered", [recording_cupy.device_of(o.data.ptr) for o in outputs]]
+                else:
+                    outcome = ["answered", [list(o.shape) for o in io.run_host(None, host)]]
+            except Exception as error:  # noqa: BLE001 - reported
+                outcome = [type(error).__name__, str(error)]
+            calls.append({"kind": kind, "outcome": outcome, "log": list(recording_cupy.LOG),
+                          "places": [sorted(p) for p in recording_cupy.PLACES]})  # fmt: skip
+
+        for index in range(3):
+            if graphs and index == 2:  # another thread: its call runs on the session's worker
+                thread = threading.Thread(target=call, args=("run_device",))
+                thread.start()
+                thread.join()
+            else:
+                call("run_device")
+        for _ in range(3):
+            call("run")
+        report[label] = {"device": device, "calls": calls,
+                         "slot_calls": sum(s.calls for s in io.slots.values() if s is not None)}  # fmt: skip
+    print(json.dumps(report))
+
+
 if __name__ == "__main__":
-    {"failures": failures, "upload fails": upload_fails}.get(sys.argv[1], lambda: main(sys.argv[1]))()
+    modes = {"failures": failures, "upload fails": upload_fails, "two devices": two_devices}
+    modes.get(sys.argv[1], lambda: main(sys.argv[1]))()

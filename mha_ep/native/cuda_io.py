@@ -225,8 +225,11 @@ class CudaSessionIO:
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
         self.ort_stream = ort_stream if graphs else None  # rule 7
-        self._fed = cupy.cuda.Event(block=False, disable_timing=True) if graphs else None  # the caller wrote feeds
-        self._copied = cupy.cuda.Event(block=False, disable_timing=True) if graphs else None  # copies out queued
+        self._fed = self._copied = None
+        if graphs:  # an event is its device's (recording it on another device's stream fails): made under ours
+            with cupy.cuda.Device(device_id):
+                self._fed = cupy.cuda.Event(block=False, disable_timing=True)  # the caller has written the feeds
+                self._copied = cupy.cuda.Event(block=False, disable_timing=True)  # the copies out are queued
 
     # ------------------------------------------------------------------------------------------ calls
     def run_host(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
@@ -468,7 +471,8 @@ class CudaSessionIO:
         values = self._eager_values(lane, host, device, make_options)
         return [ortvalue_array(values[name]) for name in wanted]
 
-    def _eager_values(self, lane: Lane, host: dict, device: dict, make_options: Optional[Callable]) -> Dict[str, object]:
+    def _eager_values(self, lane: Lane, host: dict, device: dict,
+                      make_options: Optional[Callable]) -> Dict[str, object]:  # fmt: skip
         uploaded = lane.transfers.to_device(host) if host else {}
         if host and self.ort_stream is None:  # rule 7: a graph session's ORT runs behind the copies, on their stream
             lane.stream.synchronize()

@@ -193,3 +193,27 @@ def test_run_device_with_numpy_feeds_copies_a_replays_outputs_out_on_orts_stream
             ("wait", "caller", copied),
         ]
         assert_calls(call["log"], expected, f"replay {index}")
+
+
+def test_sessions_on_two_devices_each_touch_only_their_own_device():
+    """Issue 32, item 5, on any machine: sessions on devices 0 and 1, made while device 0 is current, each answer
+    run_device and run (graphs on and off, a call from another thread among them), and every CUDA call a session
+    makes touches its own device only: the current device, the stream, the event, the memory copied and allocated.
+    CUDA refuses an event recorded on another device's stream (the stand-in raises as it does): the graph
+    session's two events were once made on whichever device was current."""
+    got = calls_of("two devices")
+    assert sorted(got) == ["eager on 0", "eager on 1", "graphs on 0", "graphs on 1"]
+    for label, session in got.items():
+        device = session["device"]
+        kinds = [c["kind"] for c in session["calls"]]
+        assert kinds == ["run_device"] * 3 + ["run"] * 3, label
+        for index, call in enumerate(session["calls"]):
+            where = f"{label}, call {index} ({call['kind']})"
+            assert call["outcome"][0] == "answered", f"{where}: {call['outcome']}"
+            if call["kind"] == "run_device":
+                assert call["outcome"][1] == [device], f"{where}: its output lies on device {call['outcome'][1]}"
+            assert call["log"], f"{where}: no CUDA call recorded"
+            strays = [(entry, places) for entry, places in zip(call["log"], call["places"]) if places != [device]]
+            assert not strays, f"{where} touched another device: {strays}"
+        # the graph sessions replayed their slot: two run_device calls and three run calls after the first call
+        assert session["slot_calls"] == (5 if label.startswith("graphs") else 0), label
