@@ -59,18 +59,6 @@ def mover_struct(m: Mover, scale: float, two_byte_present: bool) -> Struct:
     ))  # fmt: skip
 
 
-# layout_movers' source names -> the MhaProblem fields that hold them
-SOURCE_FIELDS = {
-    "query": "query_BSD", "key": "key", "value": "value", "past_key": "past_key_BNPH",
-    "past_value": "past_value_BNPH", "bias_q": "bias_q", "bias_k": "bias_k", "bias_v": "bias_v",
-}  # fmt: skip
-
-
-def problem_sources(problem) -> dict:
-    """layout_movers' source name -> the array of ``problem`` (an MhaProblem) that holds it, or None."""
-    return {name: getattr(problem, field) for name, field in SOURCE_FIELDS.items()}
-
-
 def layout_movers(plan: LaunchPlan, terms: dispatch.ScoreTerms, kv_bnsh: bool, sources: dict, dst: dict,
                   presents: dict, offsets: dict) -> tuple[Mover, Mover, Mover]:  # fmt: skip
     """The Q, K and V movers of a call: ``sources`` name -> address for query, key, value, past_key,
