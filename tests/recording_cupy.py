@@ -32,6 +32,7 @@ import numpy as np
 LOG: list = []
 PLACES: list = []  # PLACES[i]: the devices LOG[i] touched
 FAIL_COPIES: list = []  # exceptions the next memcpyAsync calls raise, in order (scripted failures)
+FAIL_ALLOCS: list = []  # exceptions the next cupy.cuda.alloc calls raise, in order (scripted failures)
 _local = threading.local()
 _streams: dict = {}  # pointer -> Stream
 _counts = {"event": 0, "address": 1 << 20}
@@ -43,7 +44,8 @@ def current_device() -> int:
     return devices[-1] if devices else 0
 
 
-def _address(nbytes: int) -> int:
+def address(nbytes: int) -> int:
+    """A fresh device address of ``nbytes`` on the current device (no CuPy allocation: ORT's own, say)."""
     address = _counts["address"]
     _counts["address"] += max(nbytes, 256)
     _blocks.append((address, address + max(nbytes, 256), current_device()))
@@ -87,7 +89,7 @@ class ndarray:
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self.data = memptr if memptr is not None else _Pointer(_address(self.nbytes))
+        self.data = memptr if memptr is not None else _Pointer(address(self.nbytes))
         self.flags = _Flags()
 
 
@@ -215,7 +217,13 @@ class _PinnedMemoryPool:
 
 
 def alloc(nbytes: int) -> _Pointer:
-    return _Pointer(_address(nbytes))
+    if FAIL_ALLOCS:
+        raise FAIL_ALLOCS.pop(0)
+    return _Pointer(address(nbytes))
+
+
+class OutOfMemoryError(MemoryError):  # CuPy's, a MemoryError
+    pass
 
 
 class UnownedMemory:
@@ -252,6 +260,9 @@ def install() -> types.ModuleType:
     runtime.memcpyAsync, runtime.memcpyDeviceToDevice = memcpy_async, 3
     runtime.pointerGetAttributes = pointer_attributes
     cuda.UnownedMemory, cuda.MemoryPointer = UnownedMemory, memory_pointer
+    cuda.memory = types.ModuleType("cupy.cuda.memory")
+    cuda.memory.OutOfMemoryError = OutOfMemoryError
     runtime.CUDARuntimeError = CUDARuntimeError
-    sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime})
+    sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime,
+                        "cupy.cuda.memory": cuda.memory})  # fmt: skip
     return cupy

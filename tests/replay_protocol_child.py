@@ -1,8 +1,10 @@
 """The child process of tests/native/test_replay_protocol.py: a GPU session's CudaSessionIO over stand-ins for
 CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls printed as JSON.
 
-    python tests/replay_protocol_child.py device|"device numpy"|host|"eager device"|"eager host"|failures|"upload fails"|
-        "two devices"
+    python tests/replay_protocol_child.py MODE
+
+MODE: device, "device numpy", host, "eager device", "eager host", failures, "upload fails", "two devices" or
+"slot allocation".
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
@@ -11,7 +13,8 @@ from this thread. ``device numpy``: run_device with NumPy feeds, three calls fro
 same without graphs (``eager host``: one NumPy feed and two CuPy ones, so that run takes the page-locked path rather
 than ORT's own run). Printed: each call's recorded CUDA calls and ORT runs, the feeds' and the slot's addresses, the
 slot's binding, the outputs' addresses, the lanes' staging buffers. ``two devices``: sessions on devices 0 and 1
-(``two_devices``), with each CUDA call's devices.
+(``two_devices``), with each CUDA call's devices. ``slot allocation``: slots that cannot be allocated
+(``slot_allocation``).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class Value:
     def __init__(self, shape, device_id: int = 0):
         self._shape = list(shape)
         with cupy.cuda.Device(device_id):
-            self._ptr = recording_cupy.alloc(int(np.prod(shape)) * 4).ptr
+            self._ptr = recording_cupy.address(int(np.prod(shape)) * 4)  # ORT's allocator, not CuPy's
 
     def data_type(self) -> str:
         return "tensor(float)"
@@ -60,6 +63,8 @@ class Value:
 
     @staticmethod
     def ortvalue_from_shape_and_type(shape, element_type, device, device_id):
+        if VALUE_FAILURES:
+            raise VALUE_FAILURES.pop(0)
         return Value(shape, device_id)
 
 
@@ -104,6 +109,7 @@ class Session:
 
 
 FAILURES: list = []  # scripted: what the next runs raise (None: that run succeeds), in order
+VALUE_FAILURES: list = []  # scripted: what the next OrtValue allocations raise, in order
 
 
 def entry(options, key: str):
@@ -269,6 +275,48 @@ def two_devices() -> None:
     print(json.dumps(report))
 
 
+def slot_allocation() -> None:
+    """A graph session whose slots cannot always be allocated, run_device with CuPy feeds, one call per line of
+    ``calls``: (sequence length, what the slot's allocation meets). A first call whose slot's device block (CuPy)
+    or output value (ORT) cannot be allocated keeps its eager answer and the signature runs eagerly; a failure
+    that is no allocation's is raised. Then, with MAX_GRAPHS reached and MAX_VERDICTS made 3, eager signatures are
+    forgotten past 3. Printed: each call's outcome, ORT's runs, the slots and the failures counted and logged."""
+    import logging
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("mha_ep").addHandler(handler)
+    ort.OrtValue = Value
+    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    oom = recording_cupy.OutOfMemoryError("out of memory to allocate 768 bytes (allocated so far: 0 bytes)")
+    arena = RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Exception during initialization: "
+                         "BFCArena::AllocateRawInternal Failed to allocate memory for requested buffer of size 98304")
+    lost = RuntimeError("CUDA failure 700: an illegal memory access was encountered")
+    calls = [(32, "block OOM"), (32, None), (16, None), (16, None), (8, "value OOM"), (24, "lost context"),
+             (12, "no slots left"), (11, None), (10, None), (9, None), (7, None)]
+    report = []
+    for index, (sequence, failure) in enumerate(calls):
+        if failure == "no slots left":
+            cuda_io.MAX_GRAPHS, cuda_io.MAX_VERDICTS = io.held_graphs(), 3
+        recording_cupy.FAIL_ALLOCS[:] = [oom] if failure == "block OOM" else []
+        VALUE_FAILURES[:] = [arena] if failure == "value OOM" else [lost] if failure == "lost context" else []
+        feeds = {n: cupy.ndarray((1, sequence), np.int64) for n in NAMES}
+        recording_cupy.clear()
+        with cupy.cuda.Stream(name="caller"):
+            try:
+                outcome = ["answered", [list(o.shape) for o in io.run_device(None, feeds)]]
+            except Exception as error:  # noqa: BLE001 - reported
+                outcome = [type(error).__name__, str(error)]
+        runs = [entry[1] for entry in recording_cupy.LOG if entry[0] == "ort run"]
+        report.append({"sequence": sequence, "failure": failure, "outcome": outcome, "ort runs": runs,
+                       "slots": {str(key[0][1][1]): None if slot is None else slot.graph_id
+                                 for key, slot in io.slots.items()}})  # fmt: skip
+    print(json.dumps({"calls": report, "failures": io.slot_allocation_failures, "held": io.held_graphs(),
+                      "logged": logged}))  # fmt: skip
+
+
 if __name__ == "__main__":
-    modes = {"failures": failures, "upload fails": upload_fails, "two devices": two_devices}
+    modes = {"failures": failures, "upload fails": upload_fails, "two devices": two_devices,
+             "slot allocation": slot_allocation}
     modes.get(sys.argv[1], lambda: main(sys.argv[1]))()

@@ -16,7 +16,8 @@ CUDA op, on ORT's buffers and stream). This module is how its calls move tensors
     buffers and its outputs out of them, on ORT's own stream around its replay with no host wait between (rule
     7); with device feeds (``run_device``) ORT's stream waits for the caller's before the copies in, and the
     caller's for ORT's after the copies out, so the outputs are ready in the caller's stream's order. ORT cannot
-    drop a graph it captured, so at most ``MAX_GRAPHS`` signatures get one; later ones run eagerly.
+    drop a graph it captured, so at most ``MAX_GRAPHS`` signatures get one; later ones run eagerly, as does one
+    whose fixed buffers cannot be allocated (``slot_allocation_failures``; its call keeps the eager answer).
 
 An eager run synchronizes ORT's stream at its end, so its outputs are ready on any stream once
 ``run_with_iobinding`` returns; its inputs are made ready before it (the caller's stream is synchronized first,
@@ -57,6 +58,7 @@ Threads: any number may call at once, as onnxruntime allows.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import queue
 import threading
@@ -68,6 +70,8 @@ import numpy as np
 
 from mha_ep.native.capture_mode import ignore_other_captures
 from mha_ep.native.ort_checks import CheckVerdicts, call_key, dtype_error, execution_error, tensor_type
+
+log = logging.getLogger("mha_ep")
 
 MAX_GRAPHS = 16  # signatures with a captured graph per session (ORT keeps each graph until the session goes)
 COPY_THREADS = 4  # host copies into the staging buffers (transfer.py, staging.stage_uploads), shared by the lanes
@@ -88,6 +92,16 @@ def capture_broke(error: BaseException) -> bool:
     capturing blocking stream", an invalidated capture)."""
     text = str(error)
     return "StreamCapture" in text or "stream is capturing" in text or "capturing blocking stream" in text
+
+
+def allocation_failed(error: BaseException) -> bool:
+    """Whether ``error`` is a failed device allocation: CuPy's OutOfMemoryError (a MemoryError), or ORT's arena or
+    CUDA allocator refusing one ("Failed to allocate memory for requested buffer of size ...", "CUDA failure 2: out
+    of memory")."""
+    if isinstance(error, MemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("Failed to allocate memory" in text or "out of memory" in text)
 
 
 def numpy_dtype(ort_type: str) -> Optional[str]:
@@ -210,6 +224,8 @@ class CudaSessionIO:
         self._lanes: "queue.SimpleQueue[Lane]" = queue.SimpleQueue()  # idle lanes
         self.lanes_made = 0
         self.slots: Dict[tuple, Optional[GraphSlot]] = {}  # signature -> its graph (None: it runs eagerly)
+        self._eager_signatures = 0  # the None entries of ``slots`` (bounded: _run_eagerly)
+        self.slot_allocation_failures = 0  # first calls whose slot's fixed buffers could not be allocated
         self._lanes_lock = threading.Lock()
         self._graph_count = 0
         # rule 3 of the module docstring: a graph session's CUDA work runs one call at a time, on the first calling
@@ -538,26 +554,40 @@ class CudaSessionIO:
 
     # ------------------------------------------------------------------------------------ graph slots
     def _first_slot(self, signature: tuple, host: dict, device: dict, values: Dict[str, object]) -> None:
-        """The signature's slot, shaped as its first (eager) call's feeds and outputs; None past MAX_GRAPHS (the
-        signature then runs eagerly)."""
+        """The signature's slot, shaped as its first (eager) call's feeds and outputs. None (the signature runs
+        eagerly: _run_eagerly) past MAX_GRAPHS, or when its fixed buffers cannot be allocated: the call keeps its
+        eager answer, the first such failure is logged, and ``slot_allocation_failures`` counts them."""
         import cupy
         import onnxruntime as ort
 
         from mha_ep.native.transfer import device_block
 
         if self._graph_count >= MAX_GRAPHS:
-            self.slots[signature] = None
+            self._run_eagerly(signature)
             return
-        self._graph_count += 1  # ids from 1 (0 is ORT's own)
         feeds = {**host, **device}
         order = sorted(feeds)  # the signature's order: a replay's host feeds are staged in it (one DMA when small)
-        with cupy.cuda.Device(self.device_id):
-            inputs = device_block([(name, feeds[name].dtype, feeds[name].shape) for name in order])
-        outputs = {}
-        for name, value in values.items():
-            dtype = np.dtype(numpy_dtype(value.data_type()))
-            outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape()), dtype.type, "cuda",
-                                                                      self.device_id)  # fmt: skip
+        try:
+            with cupy.cuda.Device(self.device_id):
+                inputs = device_block([(name, feeds[name].dtype, feeds[name].shape) for name in order])
+            outputs = {}
+            for name, value in values.items():
+                dtype = np.dtype(numpy_dtype(value.data_type()))
+                outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape()), dtype.type, "cuda",
+                                                                          self.device_id)  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - only a failed allocation is answered here
+            if not allocation_failed(error):
+                raise
+            # the call itself has its answer (ORT's eager run): the signature runs eagerly, and is offered a slot
+            # again once the eager signatures are forgotten (_run_eagerly)
+            self._run_eagerly(signature)
+            if not self.slot_allocation_failures:
+                log.warning("mha_ep: a graph session on CUDA device %d runs call signature %s eagerly: its fixed "
+                            "buffers could not be allocated (%s)", self.device_id, signature,
+                            str(error).splitlines()[0][:300])  # fmt: skip
+            self.slot_allocation_failures += 1
+            return
+        self._graph_count += 1  # ids from 1 (0 is ORT's own)
         binding = self.session.io_binding()
         for name, array in inputs.items():
             binding.bind_input(name, "cuda", self.device_id, array.dtype.type, list(array.shape), array.data.ptr)
@@ -569,6 +599,16 @@ class CudaSessionIO:
         if self.direct is not None:
             slot.direct_run = functools.partial(self.direct[0].run_with_iobinding, binding._iobinding)
         self.slots[signature] = slot
+
+    def _run_eagerly(self, signature: tuple) -> None:
+        """Mark ``signature`` as one that runs eagerly (no slot). At most MAX_VERDICTS such marks are kept: past
+        that they are all forgotten, and each of those signatures' next call is a first call again (eager, then
+        offered a slot: one may be free by then, or the memory for it)."""
+        if self._eager_signatures >= MAX_VERDICTS:
+            self.slots = {key: slot for key, slot in self.slots.items() if slot is not None}
+            self._eager_signatures = 0
+        self.slots[signature] = None
+        self._eager_signatures += 1
 
     def _replay(self, lane: Lane, slot: GraphSlot, host: dict, device: dict, wanted: List[str],
                 make_options: Optional[Callable]) -> list:  # fmt: skip

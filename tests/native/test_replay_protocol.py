@@ -10,8 +10,10 @@ for the caller's (an event) before the feeds are copied into the slot on ORT's s
 the caller's stream waits for ORT's (another event); nothing is waited for on the host, except ``run``'s one wait
 for its download. Without graphs: the host waits for the caller's stream and the upload's, then ORT's run
 synchronizes its own. A replay that fails is answered (a broken capture) or raises ORT's type (a node's failure),
-and leaves no lane out; an upload that fails still guards the staging buffer. The GPU side of the same promise:
-tests/native/test_native_session.py, ``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``.
+and leaves no lane out; an upload that fails still guards the staging buffer. Sessions on two devices touch only
+their own; a slot that cannot be allocated leaves its signature eager, its call answered. The GPU side of the same
+promise: tests/native/test_native_session.py
+(``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``) and tests/native/test_two_gpus.py.
 """
 
 from __future__ import annotations
@@ -217,3 +219,42 @@ def test_sessions_on_two_devices_each_touch_only_their_own_device():
             assert not strays, f"{where} touched another device: {strays}"
         # the graph sessions replayed their slot: two run_device calls and three run calls after the first call
         assert session["slot_calls"] == (5 if label.startswith("graphs") else 0), label
+
+
+def test_a_slot_that_cannot_be_allocated_leaves_its_signature_eager_and_the_call_answered():
+    """A graph session's first call of a signature runs eagerly, then allocates the signature's fixed buffers.
+    When CuPy (the inputs' block) or ORT (an output value) cannot allocate them, the call keeps its eager answer,
+    the signature runs eagerly from then on, no graph id is spent, and the first such failure is logged. Any other
+    failure there is raised. The eager signatures a session remembers are bounded (all forgotten past
+    MAX_VERDICTS, 3 here)."""
+    got = calls_of("slot allocation")
+    calls = {(c["sequence"], c["failure"]): c for c in got["calls"]}
+    answered = [c for c in got["calls"] if c["failure"] != "lost context"]
+    assert all(c["outcome"][0] == "answered" for c in answered), [c["outcome"] for c in answered]
+    assert calls[(32, "block OOM")]["ort runs"] == ["-1"] and calls[(32, "block OOM")]["slots"] == {"32": None}
+    assert calls[(32, None)]["ort runs"] == ["-1"], "a signature whose slot failed runs eagerly"
+    assert calls[(16, None)]["slots"]["16"] == 1, "the next signature gets the first graph id: none was spent"
+    assert [c["ort runs"] for c in got["calls"] if c["sequence"] == 16] == [["-1"], ["1"]]
+    assert calls[(8, "value OOM")]["outcome"][0] == "answered" and calls[(8, "value OOM")]["slots"]["8"] is None
+    lost = calls[(24, "lost context")]
+    assert lost["outcome"] == ["RuntimeError", "CUDA failure 700: an illegal memory access was encountered"]
+    assert "24" not in lost["slots"]
+    assert (got["failures"], got["held"]) == (2, 1)
+    assert len(got["logged"]) == 1 and "could not be allocated (out of memory" in got["logged"][0]
+    # past 3 eager signatures all are forgotten; the slot stays
+    assert [sorted(c["slots"]) for c in got["calls"][-5:]] == [
+        ["12", "16", "32", "8"], ["11", "16"], ["10", "11", "16"], ["10", "11", "16", "9"], ["16", "7"]]
+
+
+def test_a_failed_allocation_is_told_apart_from_other_failures():
+    from mha_ep.native.cuda_io import allocation_failed
+
+    class OutOfMemoryError(MemoryError):  # CuPy's
+        pass
+
+    assert allocation_failed(OutOfMemoryError("out of memory to allocate 768 bytes"))
+    assert allocation_failed(RuntimeError("BFCArena::AllocateRawInternal Failed to allocate memory for requested "
+                                          "buffer of size 98304"))  # fmt: skip
+    assert allocation_failed(RuntimeError("CUDA failure 2: out of memory ; GPU=0 ; expr=cudaMalloc(&p, size);"))
+    assert not allocation_failed(RuntimeError("CUDA failure 700: an illegal memory access was encountered"))
+    assert not allocation_failed(ValueError("out of memory"))  # only a RuntimeError's text is read
