@@ -3,8 +3,8 @@ CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls prin
 
     python tests/replay_protocol_child.py MODE
 
-MODE: device, "device numpy", host, "eager device", "eager host", failures, "upload fails", "two devices" or
-"slot allocation".
+MODE: device, "device numpy", host, "eager device", "eager host", failures, "upload fails", "two devices",
+"slot allocation" or threads.
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
@@ -14,7 +14,7 @@ same without graphs (``eager host``: one NumPy feed and two CuPy ones, so that r
 than ORT's own run). Printed: each call's recorded CUDA calls and ORT runs, the feeds' and the slot's addresses, the
 slot's binding, the outputs' addresses, the lanes' staging buffers. ``two devices``: sessions on devices 0 and 1
 (``two_devices``), with each CUDA call's devices. ``slot allocation``: slots that cannot be allocated
-(``slot_allocation``).
+(``slot_allocation``). ``threads``: 8 threads at once on one graph session (``threads``).
 """
 
 from __future__ import annotations
@@ -316,7 +316,43 @@ def slot_allocation() -> None:
                       "logged": logged}))  # fmt: skip
 
 
+def threads() -> None:
+    """A graph session's run_device from 8 threads at once (20 calls each, one signature, after the first call made
+    the slot), each thread on a caller stream of its own, this one (the session's owner) among them. Printed: the recorded calls, in order, of every thread;
+    each call's outcome; the slot's replays; the lanes out after."""
+    ort.OrtValue = Value
+    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    feeds = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
+    with cupy.cuda.Stream(name="first"):
+        io.run_device(None, feeds)
+    recording_cupy.clear()
+    outcomes: list = []
+    start = threading.Barrier(8)
+    sys.setswitchinterval(1e-6)  # the threads switch as often as Python lets them: calls would interleave unlocked
+
+    def caller(index: int) -> None:
+        with cupy.cuda.Stream(name=f"caller{index}"):
+            start.wait()  # all eight call at once
+            for _ in range(20):
+                try:
+                    outcomes.append(["answered", io.run_device(None, feeds)[0].data.ptr])
+                except Exception as error:  # noqa: BLE001 - reported
+                    outcomes.append([type(error).__name__, str(error)])
+
+    # this thread made the first call, so it owns the session (its calls run here, the others' on the worker):
+    # it is caller 0
+    workers = [threading.Thread(target=caller, args=(i,)) for i in range(1, 8)]
+    for worker in workers:
+        worker.start()
+    caller(0)
+    for worker in workers:
+        worker.join()
+    (slot,) = io.slots.values()
+    print(json.dumps({"log": list(recording_cupy.LOG), "outcomes": outcomes, "slot_calls": slot.calls,
+                      "in_use": io.in_use()}))  # fmt: skip
+
+
 if __name__ == "__main__":
     modes = {"failures": failures, "upload fails": upload_fails, "two devices": two_devices,
-             "slot allocation": slot_allocation}
+             "slot allocation": slot_allocation, "threads": threads}
     modes.get(sys.argv[1], lambda: main(sys.argv[1]))()

@@ -258,3 +258,26 @@ def test_a_failed_allocation_is_told_apart_from_other_failures():
     assert allocation_failed(RuntimeError("CUDA failure 2: out of memory ; GPU=0 ; expr=cudaMalloc(&p, size);"))
     assert not allocation_failed(RuntimeError("CUDA failure 700: an illegal memory access was encountered"))
     assert not allocation_failed(ValueError("out of memory"))  # only a RuntimeError's text is read
+
+
+def test_eight_threads_on_a_graph_session_replay_one_call_at_a_time():
+    """Rule 3: a graph session's CUDA work runs one call at a time, whichever thread calls (the owner runs its own
+    calls, the others' run on the session's worker). 8 threads call run_device at once, switching as often as
+    Python lets them: every call is answered, and each replay's ten CUDA calls lie together in the record, all of
+    one caller's stream, in rule 7's order; no lane is left out."""
+    got = calls_of("threads")
+    assert len(got["outcomes"]) == 160 and all(o[0] == "answered" for o in got["outcomes"]), got["outcomes"][:3]
+    assert got["slot_calls"] == 160 and got["in_use"] == {"lanes_out": 0}
+    log = [tuple(entry) for entry in got["log"]]
+    assert len(log) == 160 * 10
+    callers = []
+    for start in range(0, len(log), 10):
+        replay = log[start:start + 10]
+        caller = replay[0][2]
+        expected = [("record", ANY, caller), ("wait", "ort", ANY), *[("copy", ANY, ANY, FEED_BYTES, "ort")] * 3,
+                    ("ort run", "1", "1"), ("alloc", caller, [1, 32, 768]), ("copy", ANY, ANY, OUTPUT_BYTES, "ort"),
+                    ("record", ANY, "ort"), ("wait", caller, ANY)]  # fmt: skip
+        assert_calls(replay, expected, f"replay {start // 10 + 1}")
+        callers.append(caller)
+    assert sorted(set(callers)) == [f"caller{i}" for i in range(8)]
+    assert all(callers.count(f"caller{i}") == 20 for i in range(8))
