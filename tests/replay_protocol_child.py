@@ -318,8 +318,8 @@ def slot_allocation() -> None:
 
 def threads() -> None:
     """A graph session's run_device from 8 threads at once (20 calls each, one signature, after the first call made
-    the slot), each thread on a caller stream of its own, this one (the session's owner) among them. Printed: the recorded calls, in order, of every thread;
-    each call's outcome; the slot's replays; the lanes out after."""
+    the slot), each thread on a caller stream of its own, this one (the session's owner) among them. Printed: the
+    recorded calls of every thread, in order; each call's outcome; the slot's replays; the lanes out after."""
     ort.OrtValue = Value
     io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
     feeds = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
