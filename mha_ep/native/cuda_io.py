@@ -224,7 +224,6 @@ class CudaSessionIO:
         self._lanes: "queue.SimpleQueue[Lane]" = queue.SimpleQueue()  # idle lanes
         self.lanes_made = 0
         self.slots: Dict[tuple, Optional[GraphSlot]] = {}  # signature -> its graph (None: it runs eagerly)
-        self._eager_signatures = 0  # the None entries of ``slots`` (bounded: _run_eagerly)
         self.slot_allocation_failures = 0  # first calls whose slot's fixed buffers could not be allocated
         self._lanes_lock = threading.Lock()
         self._graph_count = 0
@@ -604,11 +603,9 @@ class CudaSessionIO:
         """Mark ``signature`` as one that runs eagerly (no slot). At most MAX_VERDICTS such marks are kept: past
         that they are all forgotten, and each of those signatures' next call is a first call again (eager, then
         offered a slot: one may be free by then, or the memory for it)."""
-        if self._eager_signatures >= MAX_VERDICTS:
+        if len(self.slots) - self._graph_count >= MAX_VERDICTS:  # the None entries (every slot counted a graph)
             self.slots = {key: slot for key, slot in self.slots.items() if slot is not None}
-            self._eager_signatures = 0
         self.slots[signature] = None
-        self._eager_signatures += 1
 
     def _replay(self, lane: Lane, slot: GraphSlot, host: dict, device: dict, wanted: List[str],
                 make_options: Optional[Callable]) -> list:  # fmt: skip
