@@ -128,11 +128,33 @@ def run(binding, options) -> None:  # the session's guarded run_with_iobinding
             raise failure
 
 
+def io_session(device: int = 0, graphs: bool = True):
+    """A CudaSessionIO over the stand-in ORT session on ``device``, with graphs on ORT's own stream ("ort", or
+    "ort<device>" past device 0) or without; ORT values are the stand-in's (cuda_io's _first_slot makes the slot's
+    outputs with them)."""
+    ort.OrtValue = Value
+    ort_stream = None
+    if graphs:
+        with cupy.cuda.Device(device):
+            ort_stream = cupy.cuda.Stream(name=f"ort{device or ''}")
+    return cuda_io.CudaSessionIO(Session(device), device, graphs, run, ort.RunOptions, ort_stream=ort_stream)
+
+
+def outcome_of(call, describe) -> list:
+    """["answered", describe(what call() returned)], or [the exception's type name, its text]."""
+    try:
+        return ["answered", describe(call())]
+    except Exception as error:  # noqa: BLE001 - reported
+        return [type(error).__name__, str(error)]
+
+
+def shapes(outputs) -> list:
+    return [list(o.shape) for o in outputs]
+
+
 def main(kind: str) -> None:
-    ort.OrtValue = Value  # cuda_io's _first_slot makes the slot's outputs with it
     graphs = not kind.startswith("eager")
-    io = cuda_io.CudaSessionIO(Session(), 0, graphs, run, ort.RunOptions,
-                               ort_stream=cupy.cuda.Stream(name="ort") if graphs else None)  # fmt: skip
+    io = io_session(graphs=graphs)
     rng = np.random.default_rng(0)
     on_device = kind in ("device", "eager device")
     # "eager host": one NumPy feed beside two CuPy ones, so that run takes the page-locked path, not ORT's own run
@@ -176,8 +198,7 @@ def failures() -> None:
     raises the type ``run`` gives: ort_checks.execution_error), and a replay that works."""
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
-    ort.OrtValue = Value
-    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    io = io_session()
     feeds = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
     scripts = [
         [],
@@ -191,11 +212,7 @@ def failures() -> None:
         FAILURES[:] = script
         recording_cupy.clear()
         with cupy.cuda.Stream(name="caller"):
-            try:
-                outputs = io.run_device(None, feeds)
-                outcome = ["answered", [list(o.shape) for o in outputs]]
-            except Exception as error:  # noqa: BLE001 - reported
-                outcome = [type(error).__name__, str(error)]
+            outcome = outcome_of(lambda: io.run_device(None, feeds), shapes)
         calls.append({"log": list(recording_cupy.LOG), "outcome": outcome, "in_use": io.in_use(),
                       "capture_retries": io.capture_retries, "scripted_left": len(FAILURES)})  # fmt: skip
     (slot,) = io.slots.values()
@@ -205,18 +222,13 @@ def failures() -> None:
 def upload_fails() -> None:
     """A graph session's run with NumPy feeds whose upload fails on a replay: the first call eager, the second's
     copy up refused by CUDA, then a third call."""
-    ort.OrtValue = Value
-    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    io = io_session()
     feeds = {n: np.random.default_rng(1).integers(0, 99, (1, 32)) for n in NAMES}
     calls = []
     for fail in (False, True, False):
         recording_cupy.FAIL_COPIES[:] = [cupy.cuda.runtime.CUDARuntimeError("cudaErrorInvalidValue")] if fail else []
         recording_cupy.clear()
-        try:
-            outputs = io.run_host(None, feeds)
-            outcome = ["answered", [list(o.shape) for o in outputs]]
-        except Exception as error:  # noqa: BLE001 - reported
-            outcome = [type(error).__name__, str(error)]
+        outcome = outcome_of(lambda: io.run_host(None, feeds), shapes)
         calls.append({"log": list(recording_cupy.LOG), "outcome": outcome, "in_use": io.in_use()})
     print(json.dumps({"calls": calls}))
 
@@ -226,17 +238,9 @@ def two_devices() -> None:
     process makes them): each takes run_device calls (CuPy feeds on its device, the caller's stream of that device;
     with graphs, the third call from another thread) and run calls (NumPy feeds, with device 0 current). Printed:
     per session, each call's outcome, its CUDA calls and the devices each of them touched."""
-    ort.OrtValue = Value
     rng = np.random.default_rng(2)
-    sessions = []
-    for graphs in (True, False):
-        for device in (0, 1):
-            ort_stream = None
-            if graphs:
-                with cupy.cuda.Device(device):
-                    ort_stream = cupy.cuda.Stream(name=f"ort{device}")
-            io = cuda_io.CudaSessionIO(Session(device), device, graphs, run, ort.RunOptions, ort_stream=ort_stream)
-            sessions.append((f"{'graphs' if graphs else 'eager'} on {device}", device, graphs, io))
+    sessions = [(f"{'graphs' if graphs else 'eager'} on {device}", device, graphs, io_session(device, graphs))
+                for graphs in (True, False) for device in (0, 1)]  # fmt: skip
     report = {}
     for label, device, graphs, io in sessions:
         with cupy.cuda.Device(device):
@@ -249,15 +253,12 @@ def two_devices() -> None:
 
         def call(kind: str) -> None:
             recording_cupy.clear()
-            try:
-                if kind == "run_device":
-                    with cupy.cuda.Device(device), caller:
-                        outputs = io.run_device(None, on_device)
-                    outcome = ["answered", [recording_cupy.device_of(o.data.ptr) for o in outputs]]
-                else:
-                    outcome = ["answered", [list(o.shape) for o in io.run_host(None, host)]]
-            except Exception as error:  # noqa: BLE001 - reported
-                outcome = [type(error).__name__, str(error)]
+            if kind == "run_device":
+                with cupy.cuda.Device(device), caller:
+                    outcome = outcome_of(lambda: io.run_device(None, on_device),
+                                         lambda outputs: [recording_cupy.device_of(o.data.ptr) for o in outputs])
+            else:
+                outcome = outcome_of(lambda: io.run_host(None, host), shapes)
             calls.append({"kind": kind, "outcome": outcome, "log": list(recording_cupy.LOG),
                           "places": [sorted(p) for p in recording_cupy.PLACES]})  # fmt: skip
 
@@ -287,8 +288,7 @@ def slot_allocation() -> None:
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
     logging.getLogger("mha_ep").addHandler(handler)
-    ort.OrtValue = Value
-    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    io = io_session()
     oom = recording_cupy.OutOfMemoryError("out of memory to allocate 768 bytes (allocated so far: 0 bytes)")
     arena = RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Exception during initialization: "
                          "BFCArena::AllocateRawInternal Failed to allocate memory for requested buffer of size 98304")
@@ -304,10 +304,7 @@ def slot_allocation() -> None:
         feeds = {n: cupy.ndarray((1, sequence), np.int64) for n in NAMES}
         recording_cupy.clear()
         with cupy.cuda.Stream(name="caller"):
-            try:
-                outcome = ["answered", [list(o.shape) for o in io.run_device(None, feeds)]]
-            except Exception as error:  # noqa: BLE001 - reported
-                outcome = [type(error).__name__, str(error)]
+            outcome = outcome_of(lambda: io.run_device(None, feeds), shapes)
         runs = [entry[1] for entry in recording_cupy.LOG if entry[0] == "ort run"]
         report.append({"sequence": sequence, "failure": failure, "outcome": outcome, "ort runs": runs,
                        "slots": {str(key[0][1][1]): None if slot is None else slot.graph_id
@@ -320,8 +317,7 @@ def threads() -> None:
     """A graph session's run_device from 8 threads at once (20 calls each, one signature, after the first call made
     the slot), each thread on a caller stream of its own, this one (the session's owner) among them. Printed: the
     recorded calls of every thread, in order; each call's outcome; the slot's replays; the lanes out after."""
-    ort.OrtValue = Value
-    io = cuda_io.CudaSessionIO(Session(), 0, True, run, ort.RunOptions, ort_stream=cupy.cuda.Stream(name="ort"))
+    io = io_session()
     feeds = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
     with cupy.cuda.Stream(name="first"):
         io.run_device(None, feeds)
@@ -334,10 +330,7 @@ def threads() -> None:
         with cupy.cuda.Stream(name=f"caller{index}"):
             start.wait()  # all eight call at once
             for _ in range(20):
-                try:
-                    outcomes.append(["answered", io.run_device(None, feeds)[0].data.ptr])
-                except Exception as error:  # noqa: BLE001 - reported
-                    outcomes.append([type(error).__name__, str(error)])
+                outcomes.append(outcome_of(lambda: io.run_device(None, feeds), lambda out: out[0].data.ptr))
 
     # this thread made the first call, so it owns the session (its calls run here, the others' on the worker):
     # it is caller 0
