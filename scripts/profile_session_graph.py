@@ -11,6 +11,8 @@ Per BERT-base row, calls timed in turns (medians, ms), each ending when its outp
   F  stock's graph fed from NumPy: each feed copied into its bound buffer, the replay, each output copied back
   H  C's run_device alone, in µs: it returns before the GPU has run (rule 7), so this is its host time; H - C' is
      cuda_io's host time around ORT's replay call (issue 32's target: 30 µs), timed with no probe in the call
+  O  H with the caller on ORT's own stream (as a caller that gave its stream as ``user_compute_stream``): the
+     replay records and waits for no event; O - C' as H - C'
 B - A is the native op against stock's attention inside ORT's graph; C / A the whole session call (its copies in
 and out included) against stock's bare replay. A replay is queued, not waited for (cuda_io rule 7), so C' is host
 time only and C - C' holds the wait for the GPU.
@@ -88,7 +90,7 @@ def main() -> None:
     ort.preload_dlls()
     header = ("| row | A stock graph | B native op in ORT graph | C session graph run_device | C' its ORT call "
               "| C / A | E session graph run (NumPy) | E' its ORT call | F stock graph NumPy | E / F "
-              "| H run_device returns µs | H - C' µs |")
+              "| H run_device returns µs | H - C' µs | O on ORT's stream µs | O - C' µs |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     breakdown = []
@@ -145,8 +147,11 @@ def main() -> None:
         tail = sorted(inner[-args.repeats:])
         inside_numpy = tail[len(tail) // 2] * 1e3
         own, ort_call = host_time(lambda: graphed.run_device(None, device_feeds), inner, 4 * args.repeats)
+        with io.ort_stream:
+            own_ort, ort_call_ort = host_time(lambda: graphed.run_device(None, device_feeds), inner, 4 * args.repeats)
         print(f"| BERT-base B={batch} S={sequence} {dtype} | {a:.3f} | {b:.3f} | {c:.3f} | {inside:.3f} | {c / a:.2f} "
-              f"| {e:.3f} | {inside_numpy:.3f} | {f:.3f} | {e / f:.2f} | {own:.1f} | {own - ort_call:.1f} |",
+              f"| {e:.3f} | {inside_numpy:.3f} | {f:.3f} | {e / f:.2f} | {own:.1f} | {own - ort_call:.1f} "
+              f"| {own_ort:.1f} | {own_ort - ort_call_ort:.1f} |",
               flush=True)  # fmt: skip
         for name in ("run_device", "run_host", "_replay_device", "_replay", "_run_slot", "_run"):
             probe(io, name, marks)

@@ -3,18 +3,19 @@ CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls prin
 
     python tests/replay_protocol_child.py MODE
 
-MODE: device, "device numpy", host, "eager device", "eager host", failures, "upload fails", "two devices",
-"slot allocation" or threads.
+MODE: device, "device on ort", "device numpy", host, "eager device", "eager host", failures, "upload fails", "two
+devices", "slot allocation" or threads.
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
-the third from another thread (its call runs on the session's worker). ``host``: run with NumPy feeds, three calls
-from this thread. ``device numpy``: run_device with NumPy feeds, three calls from this thread. ``eager ...``: the
-same without graphs (``eager host``: one NumPy feed and two CuPy ones, so that run takes the page-locked path rather
-than ORT's own run). Printed: each call's recorded CUDA calls and ORT runs, the feeds' and the slot's addresses, the
-slot's binding, the outputs' addresses, the lanes' staging buffers. ``two devices``: sessions on devices 0 and 1
-(``two_devices``), with each CUDA call's devices. ``slot allocation``: slots that cannot be allocated
-(``slot_allocation``). ``threads``: 8 threads at once on one graph session (``threads``).
+the third from another thread (its call runs on the session's worker); ``device on ort``: the same three calls from
+this thread on ORT's own stream. ``host``: run with NumPy feeds, three calls from this thread. ``device numpy``:
+run_device with NumPy feeds, three calls from this thread. ``eager ...``: the same without graphs (``eager host``:
+one NumPy feed and two CuPy ones, so that run takes the page-locked path rather than ORT's own run). Printed: each
+call's recorded CUDA calls and ORT runs, the feeds' and the slot's addresses, the slot's binding, the outputs'
+addresses, the lanes' staging buffers. ``two devices``: sessions on devices 0 and 1 (``two_devices``), with each
+CUDA call's devices. ``slot allocation``: slots that cannot be allocated (``slot_allocation``). ``threads``: 8
+threads at once on one graph session (``threads``).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def main(kind: str) -> None:
     graphs = not kind.startswith("eager")
     io = io_session(graphs=graphs)
     rng = np.random.default_rng(0)
-    on_device = kind in ("device", "eager device")
+    on_device = kind in ("device", "device on ort", "eager device")
     # "eager host": one NumPy feed beside two CuPy ones, so that run takes the page-locked path, not ORT's own run
     feeds = {n: cupy.ndarray((1, 32), np.int64) if on_device or (kind == "eager host" and n != NAMES[0])
              else rng.integers(0, 99, (1, 32)) for n in NAMES}  # fmt: skip
@@ -166,12 +167,14 @@ def main(kind: str) -> None:
     device_outputs = on_device or kind == "device numpy"  # run_device, whichever the feeds
 
     def call(caller: str) -> None:
-        with cupy.cuda.Stream(name=caller):
+        with io.ort_stream if caller == "ort" else cupy.cuda.Stream(name=caller):
             outputs = io.run_device(None, feeds) if device_outputs else io.run_host(None, feeds)
         result["outputs"].append([o.data.ptr if device_outputs else o.ctypes.data for o in outputs])
 
-    for caller, on_a_thread in (("caller", False), ("caller", False), ("second caller" if on_device else "caller",
-                                                                       on_device)):  # fmt: skip
+    callers = [("caller", False), ("caller", False), ("second caller" if on_device else "caller", on_device)]
+    if kind == "device on ort":  # the caller works on ORT's own stream (it gave it as user_compute_stream)
+        callers = [("ort", False)] * 3
+    for caller, on_a_thread in callers:
         recording_cupy.clear()
         if on_a_thread:
             thread = threading.Thread(target=call, args=(caller,))

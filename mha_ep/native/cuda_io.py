@@ -51,7 +51,8 @@ Threads: any number may call at once, as onnxruntime allows.
      ``user_compute_stream``, else one that session.with_session_stream made), and its lanes use that stream too:
      a replay's copies in, ORT's replay and its copies out queue on one stream, with no host wait between them. A
      replay runs with ``disable_synchronize_execution_providers``: ``run`` waits once, for its download, and
-     ``run_device`` not at all (the caller's stream waits, on an event, for the copies out). The order of those
+     ``run_device`` not at all (the caller's stream waits, on an event, for the copies out; a caller on ORT's
+     stream itself, its ``user_compute_stream``, needs no event). The order of those
      calls is held on any machine by tests/native/test_replay_protocol.py.
 """
 
@@ -624,17 +625,20 @@ class CudaSessionIO:
         """A replay with device feeds and device outputs, with no host wait (rule 7): ORT's stream waits for the
         caller's (its writes of the feeds), copies the feeds into the slot's buffers, replays, and copies the
         outputs into fresh arrays; the caller's stream waits for those copies. The next replay, on the same
-        stream, cannot overwrite the outputs before they are copied."""
-        self._fed.record(caller)
-        self.ort_stream.wait_event(self._fed)
-        self._copy_into(slot, device, self.ort_stream.ptr)
+        stream, cannot overwrite the outputs before they are copied. A caller already on ORT's stream (it passed
+        its own as ``user_compute_stream``) needs neither event: one stream orders it all."""
+        ort_stream = self.ort_stream
+        if caller.ptr != ort_stream.ptr:
+            self._fed.record(caller)
+            ort_stream.wait_event(self._fed)
+        self._copy_into(slot, device, ort_stream.ptr)
         self._run_slot(slot, make_options)
         return self._copy_out(slot, wanted, caller)
 
     def _copy_out(self, slot: GraphSlot, wanted: List[str], caller) -> list:
         """Fresh arrays of the replay's ``wanted`` outputs, copied out of the slot on ORT's stream behind the replay
         (the next replay, on the same stream, cannot overwrite them first); the caller's stream waits for the
-        copies (rule 7)."""
+        copies (rule 7), unless it is ORT's stream itself."""
         import cupy
 
         copy, to_device = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
@@ -647,8 +651,9 @@ class CudaSessionIO:
                 if view.nbytes:
                     copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, ort_stream.ptr)
                 outputs.append(out)
-        self._copied.record(ort_stream)  # the caller's stream waits, on the device, for the copies
-        caller.wait_event(self._copied)
+        if caller.ptr != ort_stream.ptr:
+            self._copied.record(ort_stream)  # the caller's stream waits, on the device, for the copies
+            caller.wait_event(self._copied)
         return outputs
 
     @staticmethod

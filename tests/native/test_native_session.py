@@ -288,19 +288,25 @@ def test_a_graph_session_runs_ort_on_a_stream_it_knows():
     assert repr(GRAPHS) == before
 
 
-def test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu():
+@pytest.mark.parametrize("callers_stream", ["its own", "ORT's"])
+def test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu(callers_stream):
     """run_device on a captured signature makes no host wait (cuda_io rule 7): with the caller's stream held by a
     kernel that spins until the host opens a gate, the call still returns; the caller then overwrites the feeds
     on its stream, opens the gate, and reads stock's outputs for the feeds it passed. A call that waited for the
-    GPU would hold the gate shut: the test then opens the gate itself and fails."""
+    GPU would hold the gate shut: the test then opens the gate itself and fails. "ORT's": the caller's stream is
+    the one it gave ORT as ``user_compute_stream`` (a replay then records no event: one stream orders it all)."""
     import threading
 
     import cupy
 
     gate = cupy.RawKernel(r"""extern "C" __global__ void gate(volatile int* flag) { while (*flag == 0) {} }""", "gate")
     model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
-    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
     caller = cupy.cuda.Stream(non_blocking=True)
+    providers = GRAPHS
+    if callers_stream == "ORT's":
+        providers = [(CUDA, {**GRAPHS[0][1], "user_compute_stream": str(caller.ptr)}), "CPUExecutionProvider"]
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=providers)
+    assert (session.cuda_io.ort_stream.ptr == caller.ptr) == (callers_stream == "ORT's")
     flag_memory = cupy.cuda.alloc_pinned_memory(4)
     flag = np.frombuffer(flag_memory, np.int32, 1)
     flag[0] = 0

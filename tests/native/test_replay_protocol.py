@@ -74,6 +74,23 @@ def test_run_device_waits_once_on_its_first_call_and_a_replay_waits_for_nothing_
     assert [c["caller"] for c in got["calls"]] == ["caller", "caller", "second caller"]
 
 
+def test_a_caller_on_orts_own_stream_replays_with_no_event():
+    """A caller whose stream is ORT's (it gave it as ``user_compute_stream``): its writes, the copies in, the replay
+    and the copies out are ordered by that one stream, so a replay records and waits for no event."""
+    got = calls_of("device on ort")
+    assert got["slot_calls"] == 2
+    first, *replays = got["calls"]
+    assert_calls(first["log"], [("synchronize", "ort"), ("ort run", "-1", None)], "the first call")
+    for index, call in enumerate(replays, start=1):
+        expected = [
+            *[("copy", got["slot"][n], got["feeds"][n], FEED_BYTES, "ort") for n in NAMES],
+            ("ort run", "1", "1"),
+            ("alloc", "ort", [1, 32, 768]),
+            ("copy", got["outputs"][index][0], got["view"], OUTPUT_BYTES, "ort"),
+        ]
+        assert_calls(call["log"], expected, f"replay {index}")
+
+
 def test_run_with_numpy_feeds_goes_up_in_one_copy_and_waits_once_for_its_download():
     """``run`` on a graph session: the feeds go up from the lane's staging buffer in one copy on ORT's stream, and
     ORT's run queues behind it with no host wait between (rule 7; its first, eager call too); the output comes down
