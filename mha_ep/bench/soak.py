@@ -16,13 +16,16 @@ once, ``--threads`` threads per GPU); ``vs`` is the pair's good calls per second
 4,469 good/s on the H200 machines of one day), and a round's pair ran minutes apart at most.
 
 The calls: a pool of good feeds (``--shapes`` (batch, sequence) pairs drawn once; expected outputs from stock ORT
-CUDA, one thread) and BAD_KINDS of bad ones made from them (expected: the exception type stock ORT's ``run``
-raises, or its outputs where it runs them). A thread draws a bad call with probability ``--bad`` and a good one
-otherwise. Counted per column: good calls whose outputs are within tolerance of stock's (``good``) or not
-(``wrong``, which includes a good call that raised), bad calls that raised an instance of stock's type
-(``bad_typed``) or not (``mistyped``); throughput is good calls per second of the column's wall time; p50/p99 are
-good calls' latencies. After its last round each mha_ep session must hold no graph slot and no lane, and answer
-one more good call (``clean_after``).
+CUDA, one thread) and BAD_KINDS of bad ones made from them (expected: the exception type stock ORT's ``run`` raises,
+or its outputs where it runs them). A thread draws a bad call with probability ``--bad`` and a good one otherwise.
+Counted per column: good calls whose outputs are within tolerance of stock's (``good``) or not (``wrong``, which
+includes a good call that raised), bad calls that raised an instance of stock's type (``bad_typed``) or not
+(``mistyped``); throughput is good calls per second of the column's wall time; p50/p99 are good calls' latencies,
+and "CPU p50" the median CPU time of the calling thread in a good call (``time.thread_time``: Python and ORT's host
+work on that thread; a column whose latency grows while its CPU time does not is waiting, on the GIL, a lock or the
+GPU, rather than working; ``session_graphs`` runs other threads' calls on its worker, whose CPU is not counted).
+After its last round each mha_ep session must hold no graph slot and no lane, and answer one more good call
+(``clean_after``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Tally:
     bad_typed: int = 0
     mistyped: int = 0
     latencies: List[float] = field(default_factory=list)  # seconds, good calls
+    cpu: List[float] = field(default_factory=list)  # seconds of the calling thread's CPU, good calls
     seconds: float = 0.0
     examples: List[str] = field(default_factory=list)  # the first few wrong or mistyped calls, said
 
@@ -68,6 +72,7 @@ class Tally:
         self.bad_typed += other.bad_typed
         self.mistyped += other.mistyped
         self.latencies += other.latencies
+        self.cpu += other.cpu
         self.examples += other.examples[: max(0, 5 - len(self.examples))]
 
     @property
@@ -75,11 +80,12 @@ class Tally:
         return self.good / self.seconds if self.seconds else 0.0
 
     def row(self) -> dict:
-        lat = sorted(self.latencies)
+        lat, cpu = sorted(self.latencies), sorted(self.cpu)
         return {"good": self.good, "wrong": self.wrong, "bad_typed": self.bad_typed, "mistyped": self.mistyped,
                 "seconds": round(self.seconds, 3), "good_per_s": round(self.good_per_s, 1),
                 "p50_ms": round(1e3 * lat[len(lat) // 2], 3) if lat else None,
                 "p99_ms": round(1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+                "cpu_p50_ms": round(1e3 * cpu[len(cpu) // 2], 3) if cpu else None,
                 "examples": self.examples}  # fmt: skip
 
 
@@ -151,7 +157,7 @@ def make_cases(model, stock, shapes: int, seed: int, batches=(1, 2, 3, 4, 8), ma
 
 def judge(case: Case, call: Callable, tolerance: float, tally: Tally) -> None:
     """One call of ``case`` through ``call(names, feeds)``, counted into ``tally``."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     try:
         got = call(case.names, case.feeds)
     except Exception as error:  # noqa: BLE001 - counted
@@ -164,7 +170,7 @@ def judge(case: Case, call: Callable, tolerance: float, tally: Tally) -> None:
             want = case.expected.__name__ if isinstance(case.expected, type) else "outputs"
             tally.examples.append(f"{case.kind}: raised {type(error).__name__}: {str(error)[:400]} (stock: {want})")
         return
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
     if isinstance(case.expected, type):
         tally.mistyped += 1
         if len(tally.examples) < 5:
@@ -174,6 +180,7 @@ def judge(case: Case, call: Callable, tolerance: float, tally: Tally) -> None:
         if case.kind == "good":
             tally.good += 1
             tally.latencies.append(elapsed)
+            tally.cpu.append(cpu)
         else:
             tally.bad_typed += 1  # a "bad" call stock runs (zero length, NaN): same outputs
         return
@@ -348,7 +355,8 @@ def format_row(r: dict) -> str:
     key = next((k for k in ("vs_plain", "vs_one", "vs_stock") if r.get(k) is not None), None)
     ratio = "" if key is None else f"{r[key]} ({min(r[key + '_rounds'])}-{max(r[key + '_rounds'])})"
     return (f"| {r['column']} | {r['threads']} | {r['good']} | {r['good_per_s']} | {ratio} | {r['wrong']} | "
-            f"{r['bad_typed']} | {r['mistyped']} | {r['p50_ms']} | {r['p99_ms']} | {r.get('clean_after', '')} |")
+            f"{r['bad_typed']} | {r['mistyped']} | {r['p50_ms']} | {r['p99_ms']} | {r.get('cpu_p50_ms')} | "
+            f"{r.get('clean_after', '')} |")
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -391,8 +399,8 @@ def main(argv: Optional[list] = None) -> int:
     write(f"soak: {args.model}, {len(cases)} calls in the pool ({args.shapes} good shapes; bad kinds: {kinds}), "
           f"{args.threads} threads per session, {args.seconds:g} s a column in {args.rounds} turns")
     print("| column | threads | good calls | good/s | vs (rounds) | wrong | bad, stock's type | mistyped | p50 ms "
-          "| p99 ms | after |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| p99 ms | CPU p50 ms | after |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     devices = [int(d) for d in args.devices.split(",") if d.strip()]
     rows = bench_devices(model, args, cases, devices) if len(devices) > 1 else bench_threads(model, args, cases)
     for row in rows:

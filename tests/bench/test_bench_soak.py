@@ -57,6 +57,33 @@ def test_a_wrong_answer_and_a_wrong_exception_type_are_counted(bert):
     assert (tally.wrong, tally.mistyped, tally.good, tally.bad_typed) == (1, 2, 1, 0), tally.examples
 
 
+def test_a_good_calls_cpu_time_tells_a_call_that_works_from_one_that_waits(bert):
+    """The row's ``cpu_p50_ms`` is the calling thread's CPU time in a good call: a call that computes for 20 ms of
+    its thread's CPU shows at least that; one that waits 50 ms (a lock, the GPU) shows a small part of it, whatever
+    the machine's load (a waiting thread is given no CPU time)."""
+    import threading
+    import time
+
+    good = next(c for c in bert[2] if c.kind == "good")
+
+    def works(names, feeds):
+        began = time.thread_time()
+        while time.thread_time() - began < 0.02:
+            pass
+        return good.expected
+
+    def waits(names, feeds):
+        threading.Event().wait(0.05)
+        return good.expected
+
+    busy, idle = soak.Tally(), soak.Tally()
+    soak.judge(good, works, 1e-3, busy)
+    soak.judge(good, waits, 1e-3, idle)
+    assert busy.row()["cpu_p50_ms"] >= 20.0, busy.row()
+    assert idle.row()["cpu_p50_ms"] < idle.row()["p50_ms"] / 2, idle.row()
+    assert len(busy.cpu) == busy.good == 1
+
+
 def test_outputs_close_holds_nan_to_nan_and_shapes_exactly():
     a = np.array([1.0, np.nan], np.float32)
     assert soak.outputs_close([a], [a.copy()], 1e-6)
@@ -71,9 +98,11 @@ def test_a_ratio_is_the_median_of_each_rounds_ratio_and_the_row_shows_their_rang
     assert (median, rounds) == (0.9, [0.9, 1.5, 0.5])  # the round whose peer made no good call is left out
     assert soak.ratio_of_rounds([1.0], [0.0]) == (None, [])
     row = {"column": "session", "threads": 8, "good": 10, "good_per_s": 5.0, "vs_plain": median,
-           "vs_plain_rounds": rounds, "wrong": 0, "bad_typed": 1, "mistyped": 0, "p50_ms": 1.0, "p99_ms": 2.0}
+           "vs_plain_rounds": rounds, "wrong": 0, "bad_typed": 1, "mistyped": 0, "p50_ms": 1.0, "p99_ms": 2.0,
+           "cpu_p50_ms": 0.4}
     assert "| 0.9 (0.5-1.5) |" in soak.format_row(row)
     assert "| 5.0 |  | 0 |" in soak.format_row({**row, "vs_plain": None, "vs_plain_rounds": []})
+    assert "| 1.0 | 2.0 | 0.4 |" in soak.format_row(row)
 
 
 def test_the_columns_asked_for_come_in_their_order_and_a_typo_names_the_known_ones():
