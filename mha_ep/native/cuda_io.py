@@ -52,8 +52,8 @@ Threads: any number may call at once, as onnxruntime allows.
      a replay's copies in, ORT's replay and its copies out queue on one stream, with no host wait between them. A
      replay runs with ``disable_synchronize_execution_providers``: ``run`` waits once, for its download, and
      ``run_device`` not at all (the caller's stream waits, on an event, for the copies out; a caller on ORT's
-     stream itself, its ``user_compute_stream``, needs no event). The order of those
-     calls is held on any machine by tests/native/test_replay_protocol.py.
+     stream itself, its ``user_compute_stream``, needs no event). The order of those calls is held on any machine
+     by tests/native/test_replay_protocol.py.
 """
 
 from __future__ import annotations
