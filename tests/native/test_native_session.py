@@ -304,7 +304,8 @@ def test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu(ca
     caller = cupy.cuda.Stream(non_blocking=True)
     providers = GRAPHS
     if callers_stream == "ORT's":
-        providers = [(CUDA, {**GRAPHS[0][1], "user_compute_stream": str(caller.ptr)}), "CPUExecutionProvider"]
+        given = {"user_compute_stream": str(caller.ptr), "has_user_compute_stream": "1"}
+        providers = [(CUDA, {**GRAPHS[0][1], **given}), "CPUExecutionProvider"]
     session = mha_ep.InferenceSession(model, backend="cuda", providers=providers)
     assert (session.cuda_io.ort_stream.ptr == caller.ptr) == (callers_stream == "ORT's")
     flag_memory = cupy.cuda.alloc_pinned_memory(4)
