@@ -32,7 +32,7 @@ import numpy as np
 LOG: list = []
 PLACES: list = []  # PLACES[i]: the devices LOG[i] touched
 FAIL_COPIES: list = []  # exceptions the next memcpyAsync calls raise, in order (scripted failures)
-FAIL_ALLOCS: list = []  # exceptions the next cupy.cuda.alloc calls raise, in order (scripted failures)
+FAIL_ALLOCS: list = []  # exceptions the next cupy.cuda.alloc or cupy.empty calls raise, in order (scripted)
 _local = threading.local()
 _streams: dict = {}  # pointer -> Stream
 _counts = {"event": 0, "address": 1 << 20}
@@ -173,6 +173,8 @@ class Device:
 
 
 def empty(shape, dtype=np.float32):
+    if FAIL_ALLOCS:  # CuPy's empty allocates from its pool: cupy.cuda.alloc's failures
+        raise FAIL_ALLOCS.pop(0)
     array = ndarray(shape, dtype)
     log(("alloc", get_current_stream().name, array.shape), get_current_stream().device_id)
     return array

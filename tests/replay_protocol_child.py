@@ -4,7 +4,7 @@ CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls prin
     python tests/replay_protocol_child.py MODE
 
 MODE: device, "device on ort", "device numpy", host, "eager device", "eager host", failures, "upload fails", "two
-devices", "slot allocation" or threads.
+devices", "slot allocation", threads or "out of memory".
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
@@ -15,7 +15,8 @@ one NumPy feed and two CuPy ones, so that run takes the page-locked path rather 
 call's recorded CUDA calls and ORT runs, the feeds' and the slot's addresses, the slot's binding, the outputs'
 addresses, the lanes' staging buffers. ``two devices``: sessions on devices 0 and 1 (``two_devices``), with each
 CUDA call's devices. ``slot allocation``: slots that cannot be allocated (``slot_allocation``). ``threads``: 8
-threads at once on one graph session (``threads``).
+threads at once on one graph session (``threads``). ``out of memory``: calls whose own memory does not fit
+(``out_of_memory``).
 """
 
 from __future__ import annotations
@@ -236,6 +237,42 @@ def upload_fails() -> None:
     print(json.dumps({"calls": calls}))
 
 
+def out_of_memory() -> None:
+    """Calls whose own memory does not fit (each allocation refused once, then calls that fit): a graph session's replay
+    whose output array cannot be allocated (CuPy's OutOfMemoryError), an eager session's run whose NumPy feed's
+    device block cannot be (the same), and one whose allocation CUDA refuses (CUDARuntimeError,
+    cudaErrorMemoryAllocation: what CuPy's page-locked pool raises). Printed: each call's outcome, whether its
+    exception is onnxruntime's RuntimeException and a MemoryError, the lanes out after it."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    oom = recording_cupy.OutOfMemoryError("Out of memory allocating 98,304 bytes (allocated so far: 0 bytes).")
+    refused = cupy.cuda.runtime.CUDARuntimeError("cudaErrorMemoryAllocation: out of memory")
+    rng = np.random.default_rng(3)
+    report = []
+    for label, graphs, failure in (("replay", True, oom), ("eager upload", False, oom),
+                                   ("eager, refused by CUDA", False, refused)):  # fmt: skip
+        io = io_session(graphs=graphs)
+        device = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
+        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (rule 5 would take all-NumPy)
+        mixed = {n: rng.integers(0, 99, (1, 32)) if n == NAMES[0] else device[n] for n in NAMES}
+        calls = []
+        for fail in (False, True, False) if graphs else (True, False):
+            recording_cupy.FAIL_ALLOCS[:] = [failure] if fail else []
+            error = None
+            try:
+                with cupy.cuda.Stream(name="caller"):
+                    outputs = io.run_device(None, device) if graphs else io.run_host(None, mixed)
+                outcome = ["answered", shapes(outputs)]
+            except Exception as caught:  # noqa: BLE001 - reported
+                error, outcome = caught, [type(caught).__name__, str(caught)]
+            calls.append({"outcome": outcome, "runtime_exception": isinstance(error, RuntimeException),
+                          "memory_error": isinstance(error, MemoryError), "in_use": io.in_use(),
+                          "cause": type(error.__cause__).__name__ if error is not None else None,
+                          "scripted_left": len(recording_cupy.FAIL_ALLOCS)})  # fmt: skip
+        report.append({"label": label, "calls": calls})
+    print(json.dumps(report))
+
+
 def two_devices() -> None:
     """Sessions on devices 0 and 1 side by side, with graphs and without, made while device 0 is current (as a
     process makes them): each takes run_device calls (CuPy feeds on its device, the caller's stream of that device;
@@ -350,5 +387,5 @@ def threads() -> None:
 
 if __name__ == "__main__":
     modes = {"failures": failures, "upload fails": upload_fails, "two devices": two_devices,
-             "slot allocation": slot_allocation, "threads": threads}
+             "slot allocation": slot_allocation, "threads": threads, "out of memory": out_of_memory}
     modes.get(sys.argv[1], lambda: main(sys.argv[1]))()

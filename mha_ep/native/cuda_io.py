@@ -70,7 +70,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from mha_ep.native.capture_mode import ignore_other_captures
-from mha_ep.native.ort_checks import CheckVerdicts, call_key, dtype_error, execution_error, tensor_type
+from mha_ep.native.ort_checks import CheckVerdicts, call_key, dtype_error, execution_error, out_of_memory, tensor_type
 
 log = logging.getLogger("mha_ep")
 
@@ -80,6 +80,8 @@ MAX_VERDICTS = 4096  # call keys whose check is remembered (all forgotten at onc
 # Host calls whose feeds and outputs together are at most this go through ORT's own run (rule 5 of the module
 # docstring): below it page-locked staging saves less than its Python costs (docs/BENCH.md, "Host-side choices").
 OWN_RUN_MAX_BYTES = 1 << 20
+# what failed to allocate when a call's own memory does not fit (ORT's run had its own: ort_checks.out_of_memory)
+OWN_MEMORY = "the call's feeds or outputs in mha_ep's own device or page-locked memory"
 # ORT's tensor type names -> NumPy dtypes (bfloat16 has none: such sessions keep ORT's own run)
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
@@ -280,6 +282,8 @@ class CudaSessionIO:
                 return self._on_graph_thread(work)
         except RuntimeError as error:
             return self._rerun_or_raise(error, feeds, wanted, make_options)
+        except MemoryError as error:  # CuPy's OutOfMemoryError: the call's own copies did not fit
+            raise out_of_memory(error, OWN_MEMORY) from error
 
     def run_device(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
         """Device (or NumPy) feeds in, CuPy outputs out."""
@@ -303,6 +307,8 @@ class CudaSessionIO:
                 return self._on_graph_thread(work)
         except RuntimeError as error:
             return [cupy.asarray(a) for a in self._rerun_or_raise(error, feeds, wanted, make_options)]
+        except MemoryError as error:
+            raise out_of_memory(error, OWN_MEMORY) from error
 
     def _run_device_on_lane(self, signature: tuple, host: dict, device: dict, wanted: List[str],
                             make_options: Optional[Callable], caller) -> list:  # fmt: skip
@@ -402,10 +408,10 @@ class CudaSessionIO:
 
     def _rerun_or_raise(self, error: RuntimeError, feeds: Mapping, wanted: List[str], make_options) -> list:
         """Raise what ORT's ``run`` raises for this failed call (ort_checks.execution_error: a stock node's
-        failure through IOBinding has lost its type), else ``error`` itself. A run that failed because a CUDA graph
-        capture broke (rule 6: a thread outside mha_ep made an unsafe CUDA call meanwhile, or the capture itself
-        could not allocate) is run once more, eagerly, and its outputs (NumPy) are the call's answer; counted in
-        ``capture_retries``."""
+        failure through IOBinding has lost its type; ort_checks.out_of_memory: an allocation of the call's own
+        failed), else ``error`` itself. A run that failed because a CUDA graph capture broke (rule 6: a thread
+        outside mha_ep made an unsafe CUDA call meanwhile, or the capture itself could not allocate) is run once
+        more, eagerly, and its outputs (NumPy) are the call's answer; counted in ``capture_retries``."""
         import cupy
 
         def rerun():
@@ -424,9 +430,11 @@ class CudaSessionIO:
                 self.capture_retries += 1
             return rerun()
         failure = execution_error(error, rerun)
-        if failure is error:
-            raise error
-        raise failure from error
+        if failure is not error:
+            raise failure from error
+        if allocation_failed(error):  # CUDA's refusal of a page-locked block, say: ORT's type, as run raises
+            raise out_of_memory(error, OWN_MEMORY) from error
+        raise error
 
     # -------------------------------------------------------------------------------------- the lanes
     def _take_lane(self) -> Lane:

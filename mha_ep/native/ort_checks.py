@@ -15,12 +15,14 @@ converts it.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 EXECUTION_ERROR = "Error in execution: "  # how ORT's IOBinding run reports a failed run, the status code dropped
 INVALID_ARGUMENT = "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : "  # how ORT's Python binding prefixes status code 2
+RUNTIME_EXCEPTION = "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : "  # ... and status code 6 (a failed allocation)
 ORT_ELEMENT_NAMES = {"float32": "float", "float64": "double"}  # NumPy names that ORT spells differently
 
 
@@ -34,6 +36,32 @@ def ort_exception(name: str, text: str) -> Exception:
 def invalid_argument(text: str) -> Exception:
     """ORT's InvalidArgument with the binding's prefix, as ``run`` raises it."""
     return ort_exception("InvalidArgument", INVALID_ARGUMENT + text)
+
+
+@functools.lru_cache(maxsize=None)
+def _out_of_memory_class() -> type:
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    name = "OutOfMemory[RuntimeException]"
+    # made at run time, so pickled (a Ray Serve replica's answer) through a function of this module
+    reduce = lambda self: (_out_of_memory_with, self.args)  # noqa: E731
+    return type(name, (RuntimeException, MemoryError), {"__module__": __name__, "__qualname__": name,
+                                                        "__reduce__": reduce})  # fmt: skip
+
+
+def _out_of_memory_with(*args) -> Exception:
+    return _out_of_memory_class()(*args)
+
+
+def out_of_memory(error: BaseException, what: str) -> Exception:
+    """What ``run`` raises where an allocation of mha_ep's own for the call failed (``error``: CuPy's
+    OutOfMemoryError, or a CUDA error of a page-locked allocation; ``what``: the memory, said): stock ORT's run
+    raises its RuntimeException for one of its own ("Failed to allocate memory for requested buffer of size ...").
+    The exception is onnxruntime's RuntimeException and a MemoryError, so ``except RuntimeException`` catches it
+    as it catches ORT's own, and ``except MemoryError`` as before; its text says what could not be allocated and
+    keeps the allocator's own words."""
+    first = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+    return _out_of_memory_class()(f"{RUNTIME_EXCEPTION}mha_ep: Failed to allocate memory for {what}: {first}")
 
 
 def tensor_type(dtype) -> str:

@@ -347,6 +347,34 @@ def test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu(ca
     assert_close([got], stock_cuda(model, feeds), "float32", "the replay's outputs, read in the caller's order")
 
 
+def test_a_replay_whose_outputs_do_not_fit_raises_orts_runtime_exception_and_the_session_goes_on():
+    """A full device: stock ORT's run raises its RuntimeException ("Failed to allocate memory ..."), and so does a
+    replay whose output array cannot be allocated (CuPy's pool held at its size), still a MemoryError; no lane is
+    left out, and once memory is back the next replay gives stock's outputs."""
+    import cupy
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
+    session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
+    feeds = encoder_feeds(2, 8, hidden=64, seed=70)
+    device_feeds = {n: cupy.asarray(v) for n, v in feeds.items()}
+    for _ in range(4):  # eager, then ORT's warm-up and capture
+        session.run_device(None, device_feeds)
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()  # the earlier outputs' blocks: a new output must grow the pool
+    pool.set_limit(size=pool.total_bytes())
+    try:
+        with pytest.raises(RuntimeException) as caught:
+            session.run_device(None, device_feeds)
+    finally:
+        pool.set_limit(size=0)  # no limit
+    assert isinstance(caught.value, MemoryError), type(caught.value).__mro__
+    assert "RUNTIME_EXCEPTION : mha_ep: Failed to allocate memory" in str(caught.value), str(caught.value)
+    assert session.cuda_io.in_use() == {"lanes_out": 0}
+    got = cupy.asnumpy(session.run_device(None, device_feeds)[0])
+    assert_close([got], stock_cuda(model, feeds), "float32", "the replay after")
+
+
 def test_a_call_that_finds_the_lanes_taken_gets_a_lane_of_its_own():
     """No call waits on another call's copies: with the session's only lane out (as with a call in its copies),
     the next call gets a new lane, and both go back to the pool."""

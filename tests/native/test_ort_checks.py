@@ -210,3 +210,21 @@ def test_calls_without_a_key_are_checked_every_time_and_the_memory_is_bounded(se
         feeds = {**good(), "x": np.ones((batch, 4, 2), np.float32)}
         verdicts.wanted(ort_checks.call_key(feeds, None, DeviceArray), feeds, None)
         assert len(verdicts) <= 2
+
+
+def test_a_failed_allocation_of_mha_eps_own_is_orts_runtime_exception_and_a_memory_error():
+    """Stock ORT's run raises RuntimeException ("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : ... Failed to allocate
+    memory for requested buffer ...") where the device is full; cuda_io's own copies raise that type too, still a
+    MemoryError, naming what did not fit and keeping the allocator's words; it survives pickling (a Ray Serve
+    replica's answer crosses processes)."""
+    import pickle
+
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    cupys = MemoryError("Out of memory allocating 98,304 bytes (allocated so far: 1,024 bytes).")
+    error = ort_checks.out_of_memory(cupys, "the outputs")
+    for got in (error, pickle.loads(pickle.dumps(error))):
+        assert isinstance(got, RuntimeException) and isinstance(got, MemoryError), type(got).__mro__
+        assert str(got) == ("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : mha_ep: Failed to allocate memory for the "
+                            "outputs: Out of memory allocating 98,304 bytes (allocated so far: 1,024 bytes).")
+    assert str(ort_checks.out_of_memory(MemoryError(), "x")).endswith("for x: MemoryError")

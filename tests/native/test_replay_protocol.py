@@ -91,6 +91,26 @@ def test_a_caller_on_orts_own_stream_replays_with_no_event():
         assert_calls(call["log"], expected, f"replay {index}")
 
 
+def test_a_call_whose_own_memory_does_not_fit_raises_orts_runtime_exception_and_the_next_call_works():
+    """Stock ORT's run raises its RuntimeException ("Failed to allocate memory ...") where the device is full;
+    mha_ep's own copies (a replay's output array, a NumPy feed's device block, a page-locked block) raise the same
+    type, still a MemoryError, with the allocator's words kept and its error as the cause; no lane is left out,
+    and the next call is answered."""
+    sessions = calls_of("out of memory")
+    for session in sessions:
+        label, calls = session["label"], session["calls"]
+        failed = [call for call in calls if call["outcome"][0] != "answered"]
+        assert len(failed) == 1 and calls[-1]["outcome"][0] == "answered", (label, calls)
+        (call,) = failed
+        kind, text = call["outcome"]
+        assert call["runtime_exception"] and call["memory_error"], (label, call)
+        assert text.startswith("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : mha_ep: Failed to allocate memory"), text
+        assert ("Out of memory allocating 98,304 bytes" in text) == (call["cause"] == "OutOfMemoryError"), text
+        assert call["cause"] in ("OutOfMemoryError", "CUDARuntimeError") and "out of memory" in text.lower(), call
+        assert all(c["in_use"] == {"lanes_out": 0} and c["scripted_left"] == 0 for c in calls), (label, calls)
+    assert [s["label"] for s in sessions] == ["replay", "eager upload", "eager, refused by CUDA"]
+
+
 def test_run_with_numpy_feeds_goes_up_in_one_copy_and_waits_once_for_its_download():
     """``run`` on a graph session: the feeds go up from the lane's staging buffer in one copy on ORT's stream, and
     ORT's run queues behind it with no host wait between (rule 7; its first, eager call too); the output comes down
