@@ -7,6 +7,7 @@ test_replay_protocol.py), since modules imported after it keep it. Every call la
   ("wait", stream, event)           Stream.wait_event(event)
   ("synchronize", stream)           Stream.synchronize() or Event.synchronize() (event names start with "event")
   ("copy", dst, src, nbytes, stream) cupy.cuda.runtime.memcpyAsync (the stream found by its pointer)
+  ("launch copy_segments", [[dst, src, nbytes], ...], stream)  native/segments.py's copy kernel, its table read
   ("alloc", stream, shape)          cupy.empty, under the current stream
   ("download" | "upload", stream, shape)  cupy.asnumpy, cupy.asarray
 Device memory is addresses only (nothing is copied); host memory (pinned buffers and blocks) is real bytes.
@@ -249,6 +250,53 @@ def ascontiguousarray(array):
     return array
 
 
+KERNEL_FAILURES: list = []  # exceptions the next RawModule builds raise, in order (a kernel that cannot be built)
+
+
+class CPointer:  # cupy.cuda.function.CPointer: a kernel parameter's bytes, by address
+    def __init__(self, p: int = 0):
+        self.ptr = p
+
+
+class _CopyKernel:
+    """native/segments.py's copy kernel (a cupy.cuda.Function): a launch is recorded as
+    ("launch copy_segments", [[dst, src, nbytes], ...], stream) read from the table its one parameter points at."""
+
+    def __init__(self, device: int):
+        self.device = device
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None) -> None:
+        from mha_ep.native.segments import LAYOUT
+
+        stream = get_current_stream() if stream is None else stream
+        (pointer,) = args
+        table = np.frombuffer((ctypes.c_char * LAYOUT.itemsize).from_address(pointer.ptr), LAYOUT)[0]
+        count = grid[1]
+        copies = [[int(table["dst"][i]), int(table["src"][i]), int(table["bytes"][i])] for i in range(count)]
+        if stream.device_id != current_device() or self.device != current_device():
+            raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: a launch on stream {stream.name} of device "
+                                   f"{stream.device_id} with the kernel of device {self.device}")  # fmt: skip
+        touched = [device_of(a) for copy in copies for a in copy[:2]]
+        log(("launch copy_segments", copies, stream.name), stream.device_id, *touched)
+
+
+class _RawKernel:
+    @property
+    def kernel(self) -> _CopyKernel:  # CuPy loads the module on the current device
+        return _CopyKernel(current_device())
+
+
+class RawModule:
+    def __init__(self, code: str = "", options=(), name_expressions=()):
+        if KERNEL_FAILURES:
+            raise KERNEL_FAILURES.pop(0)
+        if "copy_segments" not in code:
+            raise ValueError("the stand-in builds only native/segments.py's copy kernel")
+
+    def get_function(self, name: str) -> _RawKernel:
+        return _RawKernel()
+
+
 def install() -> types.ModuleType:
     """Put the stand-in in sys.modules as cupy (and cupy.cuda, cupy.cuda.runtime); returns it."""
     cupy = types.ModuleType("cupy")
@@ -265,6 +313,9 @@ def install() -> types.ModuleType:
     cuda.memory = types.ModuleType("cupy.cuda.memory")
     cuda.memory.OutOfMemoryError = OutOfMemoryError
     runtime.CUDARuntimeError = CUDARuntimeError
+    cupy.RawModule = RawModule
+    cuda.function = types.ModuleType("cupy.cuda.function")
+    cuda.function.CPointer = CPointer
     sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime,
-                        "cupy.cuda.memory": cuda.memory})  # fmt: skip
+                        "cupy.cuda.memory": cuda.memory, "cupy.cuda.function": cuda.function})  # fmt: skip
     return cupy

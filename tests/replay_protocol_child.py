@@ -3,20 +3,21 @@ CuPy (tests/recording_cupy.py) and for ORT's session, its calls' CUDA calls prin
 
     python tests/replay_protocol_child.py MODE
 
-MODE: device, "device on ort", "device numpy", host, "eager device", "eager host", failures, "upload fails", "two
-devices", "slot allocation", threads or "out of memory".
+MODE: device, "device without kernel", "device on ort", "device numpy", host, "eager device", "eager host",
+failures, "upload fails", "two devices", "slot allocation", threads, "out of memory" or segments.
 
 The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
 the third from another thread (its call runs on the session's worker); ``device on ort``: the same three calls from
-this thread on ORT's own stream. ``host``: run with NumPy feeds, three calls from this thread. ``device numpy``:
-run_device with NumPy feeds, three calls from this thread. ``eager ...``: the same without graphs (``eager host``:
-one NumPy feed and two CuPy ones, so that run takes the page-locked path rather than ORT's own run). Printed: each
-call's recorded CUDA calls and ORT runs, the feeds' and the slot's addresses, the slot's binding, the outputs'
-addresses, the lanes' staging buffers. ``two devices``: sessions on devices 0 and 1 (``two_devices``), with each
-CUDA call's devices. ``slot allocation``: slots that cannot be allocated (``slot_allocation``). ``threads``: 8
-threads at once on one graph session (``threads``). ``out of memory``: calls whose own memory does not fit
-(``out_of_memory``).
+this thread on ORT's own stream; ``device without kernel``: ``device`` where the copy kernel cannot be built.
+``host``: run with NumPy feeds, three calls from this thread. ``device numpy``: run_device with NumPy feeds, three
+calls from this thread. ``eager ...``: the same without graphs (``eager host``: one NumPy feed and two CuPy ones, so
+that run takes the page-locked path rather than ORT's own run). Printed: each call's recorded CUDA calls and ORT
+runs, the feeds' and the slot's addresses, the slot's binding, the outputs' addresses, the lanes' staging buffers.
+``two devices``: sessions on devices 0 and 1 (``two_devices``), with each CUDA call's devices. ``slot allocation``:
+slots that cannot be allocated (``slot_allocation``). ``threads``: 8 threads at once on one graph session
+(``threads``). ``out of memory``: calls whose own memory does not fit (``out_of_memory``). ``segments``: native/segments.py's launches of more copies than one launch takes
+(``many_segments``).
 """
 
 from __future__ import annotations
@@ -155,7 +156,16 @@ def shapes(outputs) -> list:
 
 
 def main(kind: str) -> None:
+    import logging
+
     graphs = not kind.startswith("eager")
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("mha_ep").addHandler(handler)
+    if kind == "device without kernel":  # NVRTC missing, say: the copy kernel cannot be built
+        recording_cupy.KERNEL_FAILURES[:] = [RuntimeError("CompileException: nvrtc: libnvrtc.so.12 not found")]
+        kind = "device"
     io = io_session(graphs=graphs)
     rng = np.random.default_rng(0)
     on_device = kind in ("device", "device on ort", "eager device")
@@ -193,6 +203,7 @@ def main(kind: str) -> None:
         result.update(slot=slot.addresses, bound=slot.binding.inputs, view=slot.views[OUTPUT].data.ptr,
                       slot_calls=slot.calls,
                       block=[slot.addresses[order[0]], segments[order[-1]].offset + segments[order[-1]].nbytes])
+    result["logged"] = logged
     print(json.dumps(result))
 
 
@@ -271,6 +282,19 @@ def out_of_memory() -> None:
                           "scripted_left": len(recording_cupy.FAIL_ALLOCS)})  # fmt: skip
         report.append({"label": label, "calls": calls})
     print(json.dumps(report))
+
+
+def many_segments() -> None:
+    """native/segments.py over the stand-in's copy kernel: 20 copies (more than one launch takes), their sources
+    given per call, launched twice. Printed: the recorded launches."""
+    from mha_ep.native import segments
+
+    stream = cupy.cuda.Stream(name="copies")
+    lengths = [16 * (i + 1) for i in range(20)]
+    copies = segments.SegmentCopies(segments.copy_function(0), lengths, destinations=[1000 * i for i in range(20)])
+    for base in (7, 9):
+        copies.launch(stream, sources=[base * 100000 + i for i in range(20)])
+    print(json.dumps({"log": list(recording_cupy.LOG)}))
 
 
 def two_devices() -> None:
@@ -387,5 +411,6 @@ def threads() -> None:
 
 if __name__ == "__main__":
     modes = {"failures": failures, "upload fails": upload_fails, "two devices": two_devices,
-             "slot allocation": slot_allocation, "threads": threads, "out of memory": out_of_memory}
+             "slot allocation": slot_allocation, "threads": threads, "out of memory": out_of_memory,
+             "segments": many_segments}
     modes.get(sys.argv[1], lambda: main(sys.argv[1]))()

@@ -49,7 +49,8 @@ Threads: any number may call at once, as onnxruntime allows.
      (a thread that never called mha_ep made the unsafe call) is answered by an eager run (``capture_retries``).
   7. A graph session's ORT runs on a stream the session knows (``ort_stream``: the caller's
      ``user_compute_stream``, else one that session.with_session_stream made), and its lanes use that stream too:
-     a replay's copies in, ORT's replay and its copies out queue on one stream, with no host wait between them. A
+     a replay's copies in, ORT's replay and its copies out queue on one stream, with no host wait between them
+     (each way one launch of native/segments.py's copy kernel where it builds, else one memcpy per buffer). A
      replay runs with ``disable_synchronize_execution_providers``: ``run`` waits once, for its download, and
      ``run_device`` not at all (the caller's stream waits, on an event, for the copies out; a caller on ORT's
      stream itself, its ``user_compute_stream``, needs no event). The order of those calls is held on any machine
@@ -188,6 +189,9 @@ class GraphSlot:
     addresses: Dict[str, int] = field(default_factory=dict)  # name -> device address of its input buffer
     direct_run: Optional[Callable] = None  # the C session's run_with_iobinding bound to the slot's C binding
     direct: object = None  # _Direct of direct_run with ``options``
+    copies_in: object = None  # segments.SegmentCopies of every feed into ``addresses`` (None: memcpy calls)
+    copied_names: List[str] = field(default_factory=list)  # the feeds copies_in copies (order, bytes > 0)
+    copies_out: Dict[tuple, object] = field(default_factory=dict)  # wanted outputs -> their SegmentCopies out
 
 
 @dataclass
@@ -243,6 +247,7 @@ class CudaSessionIO:
         self._types: Dict[str, int] = {}  # dtype name -> ONNX element type
         self.direct = direct_binding(session, device_id)
         self.ort_stream = ort_stream if graphs else None  # rule 7
+        self._copy_kernel = None  # segments.copy_function on our device, once a slot wants it (False: unavailable)
         self._fed = self._copied = None
         if graphs:  # an event is its device's (recording it on another device's stream fails): made under ours
             with cupy.cuda.Device(device_id):
@@ -604,6 +609,14 @@ class CudaSessionIO:
         slot = GraphSlot(self._graph_count, inputs, outputs, binding, order=order,
                          addresses={name: array.data.ptr for name, array in inputs.items()})  # fmt: skip
         slot.views = {name: ortvalue_array(value) for name, value in outputs.items()}
+        kernel = self._copy_function()
+        if kernel is not None:
+            from mha_ep.native.segments import SegmentCopies
+
+            slot.copied_names = [name for name in order if inputs[name].nbytes]
+            if slot.copied_names:
+                slot.copies_in = SegmentCopies(kernel, [inputs[name].nbytes for name in slot.copied_names],
+                                               destinations=[slot.addresses[name] for name in slot.copied_names])
         if self.direct is not None:
             slot.direct_run = functools.partial(self.direct[0].run_with_iobinding, binding._iobinding)
         self.slots[signature] = slot
@@ -639,7 +652,10 @@ class CudaSessionIO:
         if caller.ptr != ort_stream.ptr:
             self._fed.record(caller)
             ort_stream.wait_event(self._fed)
-        self._copy_into(slot, device, ort_stream.ptr)
+        if slot.copies_in is not None:  # every feed is on the device here: one launch copies them all
+            slot.copies_in.launch(ort_stream, sources=[device[name].data.ptr for name in slot.copied_names])
+        else:
+            self._copy_into(slot, device, ort_stream.ptr)
         self._run_slot(slot, make_options)
         return self._copy_out(slot, wanted, caller)
 
@@ -649,20 +665,54 @@ class CudaSessionIO:
         copies (rule 7), unless it is ORT's stream itself."""
         import cupy
 
-        copy, to_device = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
         ort_stream = self.ort_stream
-        outputs = []
+        views = [slot.views[name] for name in wanted]
         with caller:  # the outputs' memory belongs to the caller's stream (CuPy's pool reuses it in that order)
-            for name in wanted:
-                view = slot.views[name]
-                out = cupy.empty(view.shape, view.dtype)
+            outputs = [cupy.empty(view.shape, view.dtype) for view in views]
+        copies = self._copies_out(slot, wanted, views)
+        if copies is not None:
+            copies.launch(ort_stream, destinations=[out.data.ptr for out in outputs if out.nbytes])
+        else:
+            copy, to_device = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
+            for view, out in zip(views, outputs):
                 if view.nbytes:
                     copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, ort_stream.ptr)
-                outputs.append(out)
         if caller.ptr != ort_stream.ptr:
             self._copied.record(ort_stream)  # the caller's stream waits, on the device, for the copies
             caller.wait_event(self._copied)
         return outputs
+
+    def _copies_out(self, slot: GraphSlot, wanted: List[str], views: list):
+        """The slot's SegmentCopies of the ``wanted`` outputs out of ``views`` (made on its first use; None where the
+        copy kernel is unavailable or nothing is to be copied)."""
+        key = tuple(wanted)
+        copies = slot.copies_out.get(key, False)
+        if copies is False:
+            from mha_ep.native.segments import SegmentCopies
+
+            kernel = self._copy_function()
+            full = [view for view in views if view.nbytes]
+            copies = None if kernel is None or not full else SegmentCopies(
+                kernel, [view.nbytes for view in full], sources=[view.data.ptr for view in full])  # fmt: skip
+            slot.copies_out[key] = copies
+        return copies
+
+    def _copy_function(self):
+        """segments.copy_function on the session's device, or None where it cannot be built (NVRTC missing, say:
+        logged once, and the replays keep one memcpy call per buffer)."""
+        if self._copy_kernel is None:
+            import cupy
+
+            from mha_ep.native.segments import copy_function
+
+            try:
+                with cupy.cuda.Device(self.device_id):
+                    self._copy_kernel = copy_function(self.device_id)
+            except Exception as error:  # noqa: BLE001 - the memcpy calls do the same work
+                log.warning("mha_ep: graph replays on CUDA device %d copy with one memcpy call per buffer: the copy "
+                            "kernel could not be built (%s)", self.device_id, str(error).splitlines()[0][:300])
+                self._copy_kernel = False
+        return self._copy_kernel or None
 
     @staticmethod
     def _copy_into(slot: GraphSlot, device: dict, stream: int) -> None:

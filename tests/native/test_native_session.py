@@ -349,7 +349,7 @@ def test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu(ca
 
 def test_a_replay_whose_outputs_do_not_fit_raises_orts_runtime_exception_and_the_session_goes_on():
     """A full device: stock ORT's run raises its RuntimeException ("Failed to allocate memory ..."), and so does a
-    replay whose output array cannot be allocated (CuPy's pool held at its size), still a MemoryError; no lane is
+    replay whose output array cannot be allocated (CuPy's allocator a pool that may not grow), still a MemoryError; no lane is
     left out, and once memory is back the next replay gives stock's outputs."""
     import cupy
     from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
@@ -360,14 +360,10 @@ def test_a_replay_whose_outputs_do_not_fit_raises_orts_runtime_exception_and_the
     device_feeds = {n: cupy.asarray(v) for n, v in feeds.items()}
     for _ in range(4):  # eager, then ORT's warm-up and capture
         session.run_device(None, device_feeds)
-    pool = cupy.get_default_memory_pool()
-    pool.free_all_blocks()  # the earlier outputs' blocks: a new output must grow the pool
-    pool.set_limit(size=pool.total_bytes())
-    try:
-        with pytest.raises(RuntimeException) as caught:
-            session.run_device(None, device_feeds)
-    finally:
-        pool.set_limit(size=0)  # no limit
+    full = cupy.cuda.MemoryPool()
+    full.set_limit(size=1)  # a pool that may not grow: every allocation from it fails (the replay runs here)
+    with cupy.cuda.using_allocator(full.malloc), pytest.raises(RuntimeException) as caught:
+        session.run_device(None, device_feeds)
     assert isinstance(caught.value, MemoryError), type(caught.value).__mro__
     assert "RUNTIME_EXCEPTION : mha_ep: Failed to allocate memory" in str(caught.value), str(caught.value)
     assert session.cuda_io.in_use() == {"lanes_out": 0}

@@ -47,6 +47,11 @@ def assert_calls(got: list, expected: list, label: str) -> None:
     ), f"{label}:\n  got      {calls}\n  expected {expected}"
 
 
+def feeds_in(got: dict) -> list:
+    """The copy kernel's table for a replay's feeds: each into its slot buffer, in the slot's order (sorted)."""
+    return [[got["slot"][n], got["feeds"][n], FEED_BYTES] for n in sorted(NAMES)]
+
+
 def test_run_device_waits_once_on_its_first_call_and_a_replay_waits_for_nothing_on_the_host():
     got = calls_of("device")
     assert got["slot_calls"] == 2  # the second and third calls replayed the slot's graph
@@ -62,16 +67,37 @@ def test_run_device_waits_once_on_its_first_call_and_a_replay_waits_for_nothing_
         expected = [
             ("record", fed, caller),  # the caller's stream has written the feeds: an event on it
             ("wait", "ort", fed),  # ORT's stream waits for it, on the device
-            *[("copy", got["slot"][n], got["feeds"][n], FEED_BYTES, "ort") for n in NAMES],  # into the slot
+            ("launch copy_segments", feeds_in(got), "ort"),  # every feed into the slot, one launch
             ("ort run", "1", "1"),  # the slot's graph, queued: ORT does not synchronize its stream after it
             ("alloc", caller, [1, 32, 768]),  # the output is the caller's stream's memory (CuPy's pool order)
-            ("copy", got["outputs"][index][0], got["view"], OUTPUT_BYTES, "ort"),  # out of the slot, on ORT's
+            ("launch copy_segments", [[got["outputs"][index][0], got["view"], OUTPUT_BYTES]], "ort"),  # out, on ORT's
             ("record", copied, "ort"),
             ("wait", caller, copied),  # the caller's stream reads the output after the copy, on the device
         ]
         assert_calls(calls, expected, f"replay {index} ({caller})")
         assert fed != copied
     assert [c["caller"] for c in got["calls"]] == ["caller", "caller", "second caller"]
+
+
+def test_where_the_copy_kernel_cannot_be_built_a_replay_copies_with_one_memcpy_a_buffer():
+    """native/segments.py's kernel is compiled on a session's first slot; where NVRTC cannot build it the session
+    says so once, on the mha_ep logger, and its replays make the same copies with one memcpy call per buffer."""
+    got = calls_of("device without kernel")
+    assert got["slot_calls"] == 2
+    assert len(got["logged"]) == 1 and "the copy kernel could not be built (CompileException" in got["logged"][0]
+    for index, call in enumerate(got["calls"][1:], start=1):
+        caller, calls = call["caller"], call["log"]
+        expected = [
+            ("record", calls[0][1], caller),
+            ("wait", "ort", calls[0][1]),
+            *[("copy", got["slot"][n], got["feeds"][n], FEED_BYTES, "ort") for n in NAMES],  # feed order
+            ("ort run", "1", "1"),
+            ("alloc", caller, [1, 32, 768]),
+            ("copy", got["outputs"][index][0], got["view"], OUTPUT_BYTES, "ort"),
+            ("record", calls[-2][1], "ort"),
+            ("wait", caller, calls[-2][1]),
+        ]
+        assert_calls(calls, expected, f"replay {index} ({caller})")
 
 
 def test_a_caller_on_orts_own_stream_replays_with_no_event():
@@ -83,10 +109,10 @@ def test_a_caller_on_orts_own_stream_replays_with_no_event():
     assert_calls(first["log"], [("synchronize", "ort"), ("ort run", "-1", None)], "the first call")
     for index, call in enumerate(replays, start=1):
         expected = [
-            *[("copy", got["slot"][n], got["feeds"][n], FEED_BYTES, "ort") for n in NAMES],
+            ("launch copy_segments", feeds_in(got), "ort"),
             ("ort run", "1", "1"),
             ("alloc", "ort", [1, 32, 768]),
-            ("copy", got["outputs"][index][0], got["view"], OUTPUT_BYTES, "ort"),
+            ("launch copy_segments", [[got["outputs"][index][0], got["view"], OUTPUT_BYTES]], "ort"),
         ]
         assert_calls(call["log"], expected, f"replay {index}")
 
@@ -180,13 +206,13 @@ def test_a_replay_that_fails_is_answered_or_raises_orts_type_and_the_next_replay
     assert all(call["scripted_left"] == 0 for call in got["calls"])  # every scripted failure happened
     assert [call["in_use"] for call in got["calls"]] == [{"lanes_out": 0}] * 4
     assert [call["capture_retries"] for call in got["calls"]] == [0, 1, 1, 1]
-    replayed = ["record", "wait", "copy", "copy", "copy", "ort run"]
+    replayed = ["record", "wait", "launch copy_segments", "ort run"]
     assert [c[0] for c in capture["log"]] == replayed + ["download"] * 3 + ["ort own run", "upload"]
     assert capture["log"][-2] == ["ort own run", "-1"] and capture["outcome"] == ["answered", [[1, 32, 768]]]
     assert [c[0] for c in failed["log"]] == replayed + ["download"] * 3 + ["ort own run"]
     assert failed["outcome"] == ["InvalidArgument",
                                  "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : indices element out of data bounds"]
-    assert [c[0] for c in replay["log"]] == replayed + ["alloc", "copy", "record", "wait"]
+    assert [c[0] for c in replay["log"]] == replayed + ["alloc", "launch copy_segments", "record", "wait"]
     assert replay["outcome"] == eager["outcome"] == ["answered", [[1, 32, 768]]]
     assert got["slot_calls"] == 1  # the replays that failed are not counted as the slot's
 
@@ -227,7 +253,7 @@ def test_run_device_with_numpy_feeds_copies_a_replays_outputs_out_on_orts_stream
             ("record", staged, "ort"),
             ("ort run", "1", "1"),
             ("alloc", "caller", [1, 32, 768]),
-            ("copy", got["outputs"][index][0], got["view"], OUTPUT_BYTES, "ort"),
+            ("launch copy_segments", [[got["outputs"][index][0], got["view"], OUTPUT_BYTES]], "ort"),
             ("record", copied, "ort"),
             ("wait", "caller", copied),
         ]
@@ -300,21 +326,21 @@ def test_a_failed_allocation_is_told_apart_from_other_failures():
 def test_eight_threads_on_a_graph_session_replay_one_call_at_a_time():
     """Rule 3: a graph session's CUDA work runs one call at a time, whichever thread calls (the owner runs its own
     calls, the others' run on the session's worker). 8 threads call run_device at once, switching as often as
-    Python lets them: every call is answered, and each replay's ten CUDA calls lie together in the record, all of
+    Python lets them: every call is answered, and each replay's eight CUDA calls lie together in the record, all of
     one caller's stream, in rule 7's order; no lane is left out."""
     got = calls_of("threads")
     assert len(got["outcomes"]) == 160 and all(o[0] == "answered" for o in got["outcomes"]), got["outcomes"][:3]
     assert got["slot_calls"] == 160 and got["in_use"] == {"lanes_out": 0}
     log = [tuple(entry) for entry in got["log"]]
-    assert len(log) == 160 * 10
+    assert len(log) == 160 * 8
     callers = []
-    for start in range(0, len(log), 10):
-        replay = log[start:start + 10]
+    for start in range(0, len(log), 8):
+        replay = log[start:start + 8]
         caller = replay[0][2]
-        expected = [("record", ANY, caller), ("wait", "ort", ANY), *[("copy", ANY, ANY, FEED_BYTES, "ort")] * 3,
-                    ("ort run", "1", "1"), ("alloc", caller, [1, 32, 768]), ("copy", ANY, ANY, OUTPUT_BYTES, "ort"),
+        expected = [("record", ANY, caller), ("wait", "ort", ANY), ("launch copy_segments", ANY, "ort"),
+                    ("ort run", "1", "1"), ("alloc", caller, [1, 32, 768]), ("launch copy_segments", ANY, "ort"),
                     ("record", ANY, "ort"), ("wait", caller, ANY)]  # fmt: skip
-        assert_calls(replay, expected, f"replay {start // 10 + 1}")
+        assert_calls(replay, expected, f"replay {start // 8 + 1}")
         callers.append(caller)
     assert sorted(set(callers)) == [f"caller{i}" for i in range(8)]
     assert all(callers.count(f"caller{i}") == 20 for i in range(8))
