@@ -37,8 +37,11 @@ def copy_function(device_id: int):
     function = _functions.get(device_id)
     if function is None:
         import cupy
+        from cupy.cuda.function import CPointer
 
         from mha_ep.ops.backends.cuda.kernels import kernel_source
+
+        CPointer(0)  # _Launch's parameter: a CuPy without it fails here, and the session keeps its memcpy calls
 
         with _lock:
             function = _functions.get(device_id)
