@@ -86,7 +86,9 @@ def test_linear_indices_promote_before_every_int_product(required):
     ],
 )
 def test_no_cast_after_an_overflowing_int_expression(forbidden):
-    code = code_only(ALL_SOURCE).replace("(long long)blockIdx.x * blockDim.x + threadIdx.x;", "")
+    code = code_only(ALL_SOURCE)
+    for promoted in ("(long long)", "(unsigned long long)"):  # a 64-bit grid index: promoted before the product
+        code = code.replace(f"{promoted}blockIdx.x * blockDim.x + threadIdx.x;", "")
     assert forbidden not in code, f"kernel source casts after an overflowing int expression: {forbidden}"
 
 
