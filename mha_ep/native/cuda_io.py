@@ -285,10 +285,8 @@ class CudaSessionIO:
                         self._give_lane(lane)
 
                 return self._on_graph_thread(work)
-        except RuntimeError as error:
+        except (RuntimeError, MemoryError) as error:  # MemoryError: CuPy's OutOfMemoryError (_rerun_or_raise)
             return self._rerun_or_raise(error, feeds, wanted, make_options)
-        except MemoryError as error:  # CuPy's OutOfMemoryError: the call's own copies did not fit
-            raise out_of_memory(error, OWN_MEMORY) from error
 
     def run_device(self, output_names, feeds: Mapping, make_options: Optional[Callable] = None) -> list:
         """Device (or NumPy) feeds in, CuPy outputs out."""
@@ -310,10 +308,8 @@ class CudaSessionIO:
                     return self._run_device_on_lane(signature, host, device, wanted, make_options, caller)
 
                 return self._on_graph_thread(work)
-        except RuntimeError as error:
+        except (RuntimeError, MemoryError) as error:
             return [cupy.asarray(a) for a in self._rerun_or_raise(error, feeds, wanted, make_options)]
-        except MemoryError as error:
-            raise out_of_memory(error, OWN_MEMORY) from error
 
     def _run_device_on_lane(self, signature: tuple, host: dict, device: dict, wanted: List[str],
                             make_options: Optional[Callable], caller) -> list:  # fmt: skip
@@ -411,7 +407,7 @@ class CudaSessionIO:
                 host[name] = array
         return host, device
 
-    def _rerun_or_raise(self, error: RuntimeError, feeds: Mapping, wanted: List[str], make_options) -> list:
+    def _rerun_or_raise(self, error: Exception, feeds: Mapping, wanted: List[str], make_options) -> list:
         """Raise what ORT's ``run`` raises for this failed call (ort_checks.execution_error: a stock node's
         failure through IOBinding has lost its type; ort_checks.out_of_memory: an allocation of the call's own
         failed), else ``error`` itself. A run that failed because a CUDA graph capture broke (rule 6: a thread
@@ -437,7 +433,7 @@ class CudaSessionIO:
         failure = execution_error(error, rerun)
         if failure is not error:
             raise failure from error
-        if allocation_failed(error):  # CUDA's refusal of a page-locked block, say: ORT's type, as run raises
+        if allocation_failed(error):  # CuPy's OutOfMemoryError, CUDA's refusal of a page-locked block: ORT's type
             raise out_of_memory(error, OWN_MEMORY) from error
         raise error
 
