@@ -95,17 +95,16 @@ class SegmentCopies:
         destinations = [0] * count if destinations is None else list(destinations)
         sources = [0] * count if sources is None else list(sources)
         self.lengths = list(lengths)
-        parts = [slice(i, i + MAX_SEGMENTS) for i in range(0, count, MAX_SEGMENTS)]
-        self._launches = [_Launch(function, destinations[p], sources[p], self.lengths[p]) for p in parts]
+        self._parts = [slice(i, i + MAX_SEGMENTS) for i in range(0, count, MAX_SEGMENTS)]  # each launch's copies
+        self._launches = [_Launch(function, destinations[p], sources[p], self.lengths[p]) for p in self._parts]
 
     def launch(self, stream, sources: Optional[Sequence[int]] = None,
                destinations: Optional[Sequence[int]] = None) -> None:  # fmt: skip
         """Queue every copy on ``stream`` (a CuPy stream), with this call's ``sources`` or ``destinations`` (in the
         order of ``lengths``) where given."""
-        if len(self._launches) == 1:
+        if len(self._launches) == 1:  # the common case: the call's lists are the launch's as they are
             self._launches[0](stream, sources, destinations)
             return
-        for index, launch in enumerate(self._launches):
-            part = slice(index * MAX_SEGMENTS, (index + 1) * MAX_SEGMENTS)
+        for launch, part in zip(self._launches, self._parts):
             launch(stream, None if sources is None else sources[part],
                    None if destinations is None else destinations[part])  # fmt: skip
