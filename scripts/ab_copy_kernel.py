@@ -1,19 +1,25 @@
-"""A graph replay's copies as one kernel launch each way (native/segments.py) against one memcpy per buffer.
+"""A graph replay's host time by how its copies are made: the native library's one call each way (the default),
+CuPy's launch of the same kernel with its event calls, or one memcpy per buffer.
 
     PYTHONPATH=$PWD:/tmp/ortsite:/tmp/site python3 scripts/ab_copy_kernel.py [--rounds 15] [--calls 40]
 
-Two ``mha_ep.InferenceSession`` of one BERT-base row under ORT's CUDA graph, in one process: one copies a replay's
-feeds in and outputs out with the copy kernel (the default), the other with one ``cudaMemcpyAsync`` per buffer
-(``cuda_io._copy_kernel`` set False, as where NVRTC cannot build the kernel). Each round times ``--calls`` calls of
-``run_device`` on CuPy feeds per session, in turns: the host time until the call returns (rule 7: a replay waits
-for nothing), the caller's stream synchronized after each call, outside the timing. Printed per row: each side's
-median over the rounds, its range, their ratio, and the largest difference between the two sessions' outputs
-(the copies must not change a bit). Needs CuPy, onnxruntime-gpu and a GPU.
+Three ``mha_ep.InferenceSession`` of one BERT-base row under ORT's CUDA graph, in one process:
+  native  the copy kernel and the replay's event pair through ``_native.launch_copies`` (native/segments.py)
+  cupy    the same kernel launched by CuPy, the events recorded and waited for by CuPy (as before launch_copies)
+  memcpy  one ``cudaMemcpyAsync`` per buffer (``cuda_io._copy_kernel`` set False, as where NVRTC cannot build it)
+Each round times ``--calls`` calls of ``run_device`` on CuPy feeds per session, in turns: H, the host time until
+the call returns (rule 7: a replay waits for nothing), and C', the session's ORT call inside it (timed around
+cuda_io's ``_run``: the session's guard and ORT's ``run_with_iobinding`` of the replay), the caller's stream
+synchronized after each call, outside the timing. H - C' is cuda_io's host time around ORT's replay call (issue
+32's target: 30 µs). Printed per row and side: medians over the rounds of each round's median, the range of H, and
+the largest difference from the native session's outputs (the copies must not change a bit). Needs CuPy,
+onnxruntime-gpu and a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -22,20 +28,38 @@ import onnxruntime as ort
 
 import mha_ep
 from mha_ep.models.synthetic import bert_encoder, encoder_feeds
+from mha_ep.native import segments
 
 GRAPH = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"]
 ROWS = ((1, 32, "float32"), (8, 128, "float16"))
+SIDES = ("native", "cupy", "memcpy")
 
 
-def host_times(session, feeds: dict, calls: int) -> float:
-    """Median µs ``run_device`` takes to return, over ``calls`` calls."""
+def timed_ort(io) -> list:
+    """Time ``io``'s ORT calls (its ``_run``) into the returned list, in seconds."""
+    inner, original = [], io._run
+
+    def run(binding, options):
+        start = time.perf_counter()
+        try:
+            return original(binding, options)
+        finally:
+            inner.append(time.perf_counter() - start)
+
+    io._run = run
+    return inner
+
+
+def host_times(session, feeds: dict, calls: int, inner: list) -> tuple:
+    """(median µs ``run_device`` takes to return, median µs of its ORT call), over ``calls`` calls."""
     times = []
+    del inner[:]
     for _ in range(calls):
         start = time.perf_counter()
         session.run_device(None, feeds)
         times.append(time.perf_counter() - start)
         cupy.cuda.get_current_stream().synchronize()
-    return statistics.median(times) * 1e6
+    return statistics.median(times) * 1e6, statistics.median(inner) * 1e6
 
 
 def main() -> None:
@@ -44,29 +68,38 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=40)
     args = parser.parse_args()
     ort.preload_dlls()
-    print("| row | kernel µs (range) | memcpy µs (range) | kernel / memcpy | max abs difference |")
-    print("|---|---|---|---|---|")
+    print("| row | side | H µs (range) | C' µs | H - C' µs | H / native H | max abs difference |")
+    print("|---|---|---|---|---|---|---|")
     for batch, sequence, dtype in ROWS:
         model = bert_encoder(dtype=dtype)
         feeds = {n: cupy.asarray(v) for n, v in encoder_feeds(batch, sequence, dtype=dtype).items()}
-        sessions = {side: mha_ep.InferenceSession(model, backend="cuda", providers=GRAPH)
-                    for side in ("kernel", "memcpy")}  # fmt: skip
+        sessions = {side: mha_ep.InferenceSession(model, backend="cuda", providers=GRAPH) for side in SIDES}
+        with cupy.cuda.Device(0):
+            kernel = segments.copy_function(0)
+        if kernel.native is None:
+            raise SystemExit("ab_copy_kernel: the native library's launch_copies is unavailable here")
+        sessions["cupy"].cuda_io._copy_kernel = dataclasses.replace(kernel, native=None)
         sessions["memcpy"].cuda_io._copy_kernel = False  # as where the kernel cannot be built
-        outputs = {}
+        outputs, inner = {}, {}
         for side, session in sessions.items():
             for _ in range(5):  # the eager first call, ORT's warm-up and capture, then replays
                 outputs[side] = cupy.asnumpy(session.run_device(None, feeds)[0]).astype("float64")
             slots = [slot for slot in session.cuda_io.slots.values() if slot is not None]
-            if not slots or any((slot.copies_in is not None) != (side == "kernel") for slot in slots):
+            natives = {slot.copies_in._launches[0].kernel.native is not None for slot in slots if slot.copies_in}
+            if not slots or natives != ({True} if side == "native" else {False} if side == "cupy" else set()):
                 raise SystemExit(f"ab_copy_kernel: the {side} session's slots do not copy as asked")
-        rounds = {side: [] for side in sessions}
+            inner[side] = timed_ort(session.cuda_io)
+        rounds = {side: [] for side in SIDES}
         for _ in range(args.rounds):
             for side, session in sessions.items():
-                rounds[side].append(host_times(session, feeds, args.calls))
-        kernel, memcpy = (statistics.median(rounds[side]) for side in ("kernel", "memcpy"))
-        print(f"| BERT-base B={batch} S={sequence} {dtype} | {kernel:.1f} ({min(rounds['kernel']):.1f}-"
-              f"{max(rounds['kernel']):.1f}) | {memcpy:.1f} ({min(rounds['memcpy']):.1f}-{max(rounds['memcpy']):.1f}) "
-              f"| {kernel / memcpy:.2f} | {abs(outputs['kernel'] - outputs['memcpy']).max():g} |", flush=True)
+                rounds[side].append(host_times(session, feeds, args.calls, inner[side]))
+        native_h = statistics.median(h for h, _ in rounds["native"])
+        for side in SIDES:
+            hs = [h for h, _ in rounds[side]]
+            h, c = statistics.median(hs), statistics.median(c for _, c in rounds[side])
+            print(f"| BERT-base B={batch} S={sequence} {dtype} | {side} | {h:.1f} ({min(hs):.1f}-{max(hs):.1f}) "
+                  f"| {c:.1f} | {h - c:.1f} | {h / native_h:.2f} "
+                  f"| {abs(outputs[side] - outputs['native']).max():g} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

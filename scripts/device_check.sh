@@ -30,7 +30,7 @@
 #              SOAK_ROUNDS turns, SOAK_COLUMNS e.g. plain,session, MODEL), into $OUT/soak
 #   hostpath   scripts/profile_session_graph.py: cuda_io's host time around ORT's graph replay, in segments
 #   hostcalls  scripts/probe_host_calls.py: the host µs of each CUDA call a replay makes, and of alternatives
-#   copykernel scripts/ab_copy_kernel.py: a replay's copies as one kernel launch each way against one memcpy each
+#   copykernel scripts/ab_copy_kernel.py: a replay's host time, copies by the native call, CuPy's launch or memcpy
 #   twogpu     on two GPUs: tests/native/test_two_gpus.py, examples/serve_two_gpus.py and mha-ep bench soak
 #              --devices 0,1 (MODEL, default BERT-base float16), into $OUT/twogpu
 #   serve      mha-ep bench serve: BERT-base float16 (mha_ep/models/synthetic.py, written to $OUT/bert_base_f16.onnx
@@ -136,7 +136,7 @@ for step in "$@"; do
             --model "${MODEL:-bert_random_mask2d_fp32.onnx}" --out "$OUT/soak" 2>&1 | quiet | tail -12 ;;
     hostpath) timeout 300 python3 scripts/profile_session_graph.py --repeats "${REPEATS:-15}" 2>&1 | quiet | tail -14 ;;
     hostcalls) timeout 120 python3 scripts/probe_host_calls.py 2>&1 | quiet | tail -12 ;;
-    copykernel) timeout 300 python3 scripts/ab_copy_kernel.py 2>&1 | quiet | tail -4 ;;
+    copykernel) timeout 300 python3 scripts/ab_copy_kernel.py 2>&1 | quiet | tail -9 ;;
     twogpu)
       timeout 200 $PYTEST_GPU tests/native/test_two_gpus.py 2>&1 | quiet | tail -5
       timeout 120 python3 examples/serve_two_gpus.py 2>&1 | quiet | tail -3

@@ -8,6 +8,8 @@ test_replay_protocol.py), since modules imported after it keep it. Every call la
   ("synchronize", stream)           Stream.synchronize() or Event.synchronize() (event names start with "event")
   ("copy", dst, src, nbytes, stream) cupy.cuda.runtime.memcpyAsync (the stream found by its pointer)
   ("launch copy_segments", [[dst, src, nbytes], ...], stream)  native/segments.py's copy kernel, its table read
+                                    (CuPy's launch, or the native library's launch_copies: ``launch_copies`` here,
+                                    which records its event calls as above, in its order)
   ("alloc", stream, shape)          cupy.empty, under the current stream
   ("download" | "upload", stream, shape)  cupy.asnumpy, cupy.asarray
 Device memory is addresses only (nothing is copied); host memory (pinned buffers and blocks) is real bytes.
@@ -38,6 +40,8 @@ _local = threading.local()
 _streams: dict = {}  # pointer -> Stream
 _counts = {"event": 0, "address": 1 << 20}
 _blocks: list = []  # (first address, end, device) of each device allocation
+_events: dict = {}  # pointer -> Event
+_kernels: dict = {}  # pointer -> _CopyKernel
 
 
 def current_device() -> int:
@@ -92,6 +96,7 @@ class ndarray:
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         self.data = memptr if memptr is not None else _Pointer(address(self.nbytes))
         self.flags = _Flags()
+        self._c_contiguous = True  # CuPy's readonly attribute behind flags.c_contiguous
 
 
 class Stream:
@@ -140,6 +145,8 @@ class Event:
         _counts["event"] += 1
         self.name = f"event{_counts['event']}"
         self.device_id = current_device()
+        self.ptr = 0x7000 + _counts["event"]
+        _events[self.ptr] = self
 
     def record(self, stream=None) -> None:
         stream = stream or get_current_stream()
@@ -264,6 +271,8 @@ class _CopyKernel:
 
     def __init__(self, device: int):
         self.device = device
+        self.ptr = 0x9000 + len(_kernels)
+        _kernels[self.ptr] = self
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None) -> None:
         from mha_ep.native.segments import LAYOUT
@@ -278,6 +287,29 @@ class _CopyKernel:
                                    f"{stream.device_id} with the kernel of device {self.device}")  # fmt: skip
         touched = [device_of(a) for copy in copies for a in copy[:2]]
         log(("launch copy_segments", copies, stream.name), stream.device_id, *touched)
+
+
+def launch_copies(device, function, stream, grid_x, grid_y, block_x, table, column, addresses, wait_event,
+                  wait_stream, signal_event, signal_stream) -> None:
+    """The native library's ``launch_copies`` (mha_ep/native/_native.c), its CUDA calls recorded as CuPy's would be:
+    on ``device`` (its context made current), ORT's stream waits for ``wait_event`` recorded on ``wait_stream``, the
+    addresses go into the table's column, the kernel is launched, ``signal_stream`` waits for ``signal_event``
+    recorded after it. The handles are the stand-in's pointers (streams, events, kernels)."""
+    from mha_ep.native.segments import LAYOUT, MAX_SEGMENTS
+
+    on = _streams[stream]
+    if not (table <= column < table + LAYOUT.itemsize) or len(addresses) > grid_y or grid_y > MAX_SEGMENTS:
+        raise ValueError(f"launch_copies: table {table}, column {column}, {len(addresses)} addresses, grid_y {grid_y}")
+    values = [a if isinstance(a, int) else a.data.ptr for a in addresses]
+    with Device(device):
+        if wait_event:
+            _events[wait_event].record(_streams[wait_stream])
+            on.wait_event(_events[wait_event])
+        ctypes.memmove(column, (ctypes.c_uint64 * len(values))(*values), 8 * len(values))
+        _kernels[function]((grid_x, grid_y), (block_x,), (CPointer(table),), stream=on)
+        if signal_event:
+            _events[signal_event].record(on)
+            _streams[signal_stream].wait_event(_events[signal_event])
 
 
 class _RawKernel:
@@ -297,8 +329,10 @@ class RawModule:
         return _RawKernel()
 
 
-def install() -> types.ModuleType:
-    """Put the stand-in in sys.modules as cupy (and cupy.cuda, cupy.cuda.runtime); returns it."""
+def install(native_launch: bool = True) -> types.ModuleType:
+    """Put the stand-in in sys.modules as cupy (and cupy.cuda, cupy.cuda.runtime); returns it. ``native_launch``:
+    native/segments.py launches its copy kernel through ``launch_copies`` (the native library's entry point, as
+    where it is built and the driver loads); False: through CuPy's launch and event calls."""
     cupy = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     runtime = types.ModuleType("cupy.cuda.runtime")
@@ -318,4 +352,8 @@ def install() -> types.ModuleType:
     cuda.function.CPointer = CPointer
     sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime,
                         "cupy.cuda.memory": cuda.memory, "cupy.cuda.function": cuda.function})  # fmt: skip
+    if native_launch:  # the copy kernel's launches go through the native library's entry point, as on a GPU
+        from mha_ep.native import segments
+
+        segments.use_native_launch(launch_copies)
     return cupy

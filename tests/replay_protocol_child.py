@@ -10,7 +10,9 @@ The session's first call of a signature runs eagerly and makes the signature's s
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
 the third from another thread (its call runs on the session's worker); ``device on ort``: the same three calls from
 this thread on ORT's own stream; ``device without kernel``: ``device`` where the copy kernel cannot be built.
-``host``: run with NumPy feeds, three calls from this thread. ``device numpy``: run_device with NumPy feeds, three
+``host``: run with NumPy feeds, three calls from this thread. A mode ending in "cupy launch" (``device cupy launch``, ``device on ort cupy launch``,
+``segments cupy launch``) launches the copy kernel through CuPy, where the others go through the native library's
+entry point (recording_cupy.launch_copies). ``device numpy``: run_device with NumPy feeds, three
 calls from this thread. ``eager ...``: the same without graphs (``eager host``: one NumPy feed and two CuPy ones, so
 that run takes the page-locked path rather than ORT's own run). Printed: each call's recorded CUDA calls and ORT
 runs, the feeds' and the slot's addresses, the slot's binding, the outputs' addresses, the lanes' staging buffers.
@@ -28,7 +30,8 @@ import threading
 
 import recording_cupy
 
-cupy = recording_cupy.install()
+# "... cupy launch": native/segments.py launches its kernel through CuPy (the native library's entry point absent)
+cupy = recording_cupy.install(native_launch=not sys.argv[1].endswith("cupy launch"))
 
 import numpy as np  # noqa: E402 - after the stand-in, as every module that imports CuPy must be
 import onnxruntime as ort  # noqa: E402
@@ -166,6 +169,7 @@ def main(kind: str) -> None:
     if kind == "device without kernel":  # NVRTC missing, say: the copy kernel cannot be built
         recording_cupy.KERNEL_FAILURES[:] = [RuntimeError("CompileException: nvrtc: libnvrtc.so.12 not found")]
         kind = "device"
+    kind = kind.removesuffix(" cupy launch")
     io = io_session(graphs=graphs)
     rng = np.random.default_rng(0)
     on_device = kind in ("device", "device on ort", "eager device")
@@ -293,7 +297,7 @@ def many_segments() -> None:
     lengths = [16 * (i + 1) for i in range(20)]
     copies = segments.SegmentCopies(segments.copy_function(0), lengths, destinations=[1000 * i for i in range(20)])
     for base in (7, 9):
-        copies.launch(stream, sources=[base * 100000 + i for i in range(20)])
+        copies.launch(stream, [base * 100000 + i for i in range(20)])
     print(json.dumps({"log": list(recording_cupy.LOG)}))
 
 
@@ -412,5 +416,5 @@ def threads() -> None:
 if __name__ == "__main__":
     modes = {"failures": failures, "upload fails": upload_fails, "two devices": two_devices,
              "slot allocation": slot_allocation, "threads": threads, "out of memory": out_of_memory,
-             "segments": many_segments}
+             "segments": many_segments, "segments cupy launch": many_segments}
     modes.get(sys.argv[1], lambda: main(sys.argv[1]))()

@@ -191,7 +191,7 @@ class GraphSlot:
     direct: object = None  # _Direct of direct_run with ``options``
     copies_in: object = None  # segments.SegmentCopies of every feed into ``addresses`` (None: memcpy calls)
     copied_names: List[str] = field(default_factory=list)  # the feeds copies_in copies (order, bytes > 0)
-    copies_out: Dict[tuple, object] = field(default_factory=dict)  # wanted outputs -> their SegmentCopies out
+    copies_out: Dict[tuple, tuple] = field(default_factory=dict)  # wanted outputs -> _copies_out's answer
 
 
 @dataclass
@@ -393,8 +393,8 @@ class CudaSessionIO:
             for name, value in feeds.items():
                 if type(value) is np.ndarray:
                     host[name] = value if value.flags.c_contiguous else np.ascontiguousarray(value)
-                else:
-                    device[name] = value if value.flags.c_contiguous else cupy.ascontiguousarray(value)
+                else:  # CuPy's own flag (``flags`` makes an object per call)
+                    device[name] = value if value._c_contiguous else cupy.ascontiguousarray(value)
             return host, device
         for name, value in feeds.items():
             if isinstance(value, cupy.ndarray):  # the common device case first: no host checks
@@ -645,12 +645,13 @@ class CudaSessionIO:
         stream, cannot overwrite the outputs before they are copied. A caller already on ORT's stream (it passed
         its own as ``user_compute_stream``) needs neither event: one stream orders it all."""
         ort_stream = self.ort_stream
-        if caller.ptr != ort_stream.ptr:
-            self._fed.record(caller)
-            ort_stream.wait_event(self._fed)
+        wait = (self._fed, caller) if caller.ptr != ort_stream.ptr else None
         if slot.copies_in is not None:  # every feed is on the device here: one launch copies them all
-            slot.copies_in.launch(ort_stream, sources=[device[name].data.ptr for name in slot.copied_names])
+            slot.copies_in.launch(ort_stream, [device[name] for name in slot.copied_names], wait)
         else:
+            if wait is not None:
+                self._fed.record(caller)
+                ort_stream.wait_event(self._fed)
             self._copy_into(slot, device, ort_stream.ptr)
         self._run_slot(slot, make_options)
         return self._copy_out(slot, wanted, caller)
@@ -663,35 +664,43 @@ class CudaSessionIO:
 
         ort_stream = self.ort_stream
         views = [slot.views[name] for name in wanted]
-        with caller:  # the outputs' memory belongs to the caller's stream (CuPy's pool reuses it in that order)
+        # the outputs' memory belongs to the caller's stream (CuPy's pool reuses it in that order): current already
+        # on the caller's own thread, entered on the session's worker
+        if cupy.cuda.get_current_stream().ptr == caller.ptr:
             outputs = [cupy.empty(view.shape, view.dtype) for view in views]
-        copies = self._copies_out(slot, wanted, views)
-        if copies is not None:
-            copies.launch(ort_stream, destinations=[out.data.ptr for out in outputs if out.nbytes])
         else:
-            copy, to_device = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
-            for view, out in zip(views, outputs):
-                if view.nbytes:
-                    copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, ort_stream.ptr)
-        if caller.ptr != ort_stream.ptr:
-            self._copied.record(ort_stream)  # the caller's stream waits, on the device, for the copies
+            with caller:
+                outputs = [cupy.empty(view.shape, view.dtype) for view in views]
+        # the caller's stream waits, on the device, for the copies (unless it is ORT's)
+        signal = (self._copied, caller) if caller.ptr != ort_stream.ptr else None
+        copies, full = self._copies_out(slot, wanted, views)
+        if copies is not None:
+            copies.launch(ort_stream, outputs if full is None else [outputs[i] for i in full], signal=signal)
+            return outputs
+        copy, to_device = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
+        for view, out in zip(views, outputs):
+            if view.nbytes:
+                copy(out.data.ptr, view.data.ptr, view.nbytes, to_device, ort_stream.ptr)
+        if signal is not None:
+            self._copied.record(ort_stream)
             caller.wait_event(self._copied)
         return outputs
 
-    def _copies_out(self, slot: GraphSlot, wanted: List[str], views: list):
-        """The slot's SegmentCopies of the ``wanted`` outputs out of ``views`` (made on its first use; None where the
-        copy kernel is unavailable or nothing is to be copied)."""
+    def _copies_out(self, slot: GraphSlot, wanted: List[str], views: list) -> tuple:
+        """(the slot's SegmentCopies of the ``wanted`` outputs out of ``views``, the indexes of the outputs it copies
+        or None for all): made on its first use; (None, None) where the copy kernel is unavailable or nothing is to
+        be copied."""
         key = tuple(wanted)
-        copies = slot.copies_out.get(key, False)
-        if copies is False:
+        entry = slot.copies_out.get(key)
+        if entry is None:
             from mha_ep.native.segments import SegmentCopies
 
             kernel = self._copy_function()
-            full = [view for view in views if view.nbytes]
+            full = [index for index, view in enumerate(views) if view.nbytes]
             copies = None if kernel is None or not full else SegmentCopies(
-                kernel, [view.nbytes for view in full], sources=[view.data.ptr for view in full])  # fmt: skip
-            slot.copies_out[key] = copies
-        return copies
+                kernel, [views[i].nbytes for i in full], sources=[views[i].data.ptr for i in full])  # fmt: skip
+            entry = slot.copies_out[key] = (copies, None if len(full) == len(views) else full)
+        return entry
 
     def _copy_function(self):
         """segments.copy_function on the session's device, or None where it cannot be built (NVRTC missing, say:

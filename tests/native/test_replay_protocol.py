@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parents[1]
 NAMES = ("input_ids", "token_type_ids", "attention_mask")
 FEED_BYTES = 32 * 8  # a (1, 32) int64 feed
@@ -52,8 +54,11 @@ def feeds_in(got: dict) -> list:
     return [[got["slot"][n], got["feeds"][n], FEED_BYTES] for n in sorted(NAMES)]
 
 
-def test_run_device_waits_once_on_its_first_call_and_a_replay_waits_for_nothing_on_the_host():
-    got = calls_of("device")
+@pytest.mark.parametrize("launch", ["", " cupy launch"], ids=["native launch", "cupy launch"])
+def test_run_device_waits_once_on_its_first_call_and_a_replay_waits_for_nothing_on_the_host(launch):
+    """The same CUDA calls in the same order whether the copy kernel and its events go through the native library's
+    one entry point (launch_copies) or through CuPy's launch and event calls."""
+    got = calls_of("device" + launch)
     assert got["slot_calls"] == 2  # the second and third calls replayed the slot's graph
     assert got["bound"] == got["slot"], "the graph reads the buffers the replays' copies write"
     first, *replays = got["calls"]
@@ -100,10 +105,11 @@ def test_where_the_copy_kernel_cannot_be_built_a_replay_copies_with_one_memcpy_a
         assert_calls(calls, expected, f"replay {index} ({caller})")
 
 
-def test_a_caller_on_orts_own_stream_replays_with_no_event():
+@pytest.mark.parametrize("launch", ["", " cupy launch"], ids=["native launch", "cupy launch"])
+def test_a_caller_on_orts_own_stream_replays_with_no_event(launch):
     """A caller whose stream is ORT's (it gave it as ``user_compute_stream``): its writes, the copies in, the replay
     and the copies out are ordered by that one stream, so a replay records and waits for no event."""
-    got = calls_of("device on ort")
+    got = calls_of("device on ort" + launch)
     assert got["slot_calls"] == 2
     first, *replays = got["calls"]
     assert_calls(first["log"], [("synchronize", "ort"), ("ort run", "-1", None)], "the first call")
