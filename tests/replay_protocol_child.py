@@ -10,16 +10,18 @@ The session's first call of a signature runs eagerly and makes the signature's s
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
 the third from another thread (its call runs on the session's worker); ``device on ort``: the same three calls from
 this thread on ORT's own stream; ``device without kernel``: ``device`` where the copy kernel cannot be built.
-``host``: run with NumPy feeds, three calls from this thread. A mode ending in "cupy launch" (``device cupy launch``, ``device on ort cupy launch``,
-``segments cupy launch``) launches the copy kernel through CuPy, where the others go through the native library's
-entry point (recording_cupy.launch_copies). ``device numpy``: run_device with NumPy feeds, three
+``host``: run with NumPy feeds, three calls from this thread. ``device numpy``: run_device with NumPy feeds, three
 calls from this thread. ``eager ...``: the same without graphs (``eager host``: one NumPy feed and two CuPy ones, so
 that run takes the page-locked path rather than ORT's own run). Printed: each call's recorded CUDA calls and ORT
 runs, the feeds' and the slot's addresses, the slot's binding, the outputs' addresses, the lanes' staging buffers.
 ``two devices``: sessions on devices 0 and 1 (``two_devices``), with each CUDA call's devices. ``slot allocation``:
 slots that cannot be allocated (``slot_allocation``). ``threads``: 8 threads at once on one graph session
-(``threads``). ``out of memory``: calls whose own memory does not fit (``out_of_memory``). ``segments``: native/segments.py's launches of more copies than one launch takes
-(``many_segments``).
+(``threads``). ``out of memory``: calls whose own memory does not fit (``out_of_memory``). ``segments``:
+native/segments.py's launches of more copies than one launch takes (``many_segments``).
+
+The copy kernel and its event pair go through the native library's entry point (recording_cupy.launch_copies); a
+mode ending in "cupy launch" (``device cupy launch``, ``device on ort cupy launch``, ``segments cupy launch``)
+launches them through CuPy instead, as where the library or the driver is absent.
 """
 
 from __future__ import annotations
