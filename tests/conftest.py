@@ -6,12 +6,24 @@
 
 from __future__ import annotations
 
+import signal
 import zlib
 
 import numpy as np
 import pytest
 
 from mha_ep.ops.backends import cuda_unavailable_reason
+
+
+
+def pytest_configure(config) -> None:
+    """A suite started in the background by a shell without job control (``bash .ci/run &``) inherits SIGINT
+    ignored, and so would every child the Ctrl-C tests start: their SIGINTs would be lost (tests/ops/
+    test_interrupts.py, tests/serve/test_serve_cli.py). Take Python's own handler back, as an interactive start has
+    it; the children then start with SIGINT's default."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 # Tolerances against stock ORT CPU, relative to max(1, |expected|).
 PARITY_TOLERANCE = {"float32": 1e-5, "float16": 4e-3}
