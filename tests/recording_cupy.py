@@ -289,7 +289,7 @@ class _CopyKernel:
         log(("launch copy_segments", copies, stream.name), stream.device_id, *touched)
 
 
-def launch_copies(device, function, stream, grid_x, grid_y, block_x, table, column, addresses, wait_event,
+def launch_copies(device, function, grid_x, grid_y, block_x, table, column, stream, addresses, wait_event,
                   wait_stream, signal_event, signal_stream) -> None:
     """The native library's ``launch_copies`` (mha_ep/native/_native.c), its CUDA calls recorded as CuPy's would be:
     on ``device`` (its context made current), ORT's stream waits for ``wait_event`` recorded on ``wait_stream``, the

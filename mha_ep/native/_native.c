@@ -1656,8 +1656,8 @@ static PyObject* copies_failed(const char* what, int device, CUresult result) {
   return NULL;
 }
 
-/* launch_copies(device, function, stream, grid_x, grid_y, block_x, table, column, addresses, wait_event,
- *               wait_stream, signal_event, signal_stream) -> None
+/* launch_copies(device, function, grid_x, grid_y, block_x, table, column, stream, addresses, wait_event,
+ *               wait_stream, signal_event, signal_stream) -> None (what a call changes last: the stream onwards)
  * On ``device`` (its primary context, made current for the call): where ``wait_event`` is not 0, record it on
  * ``wait_stream`` and make ``stream`` wait for it; write the addresses (ints, or CuPy arrays: their .data.ptr) into
  * the table's ``column`` (a host address: its src or dst array), launch ``function`` (the copy kernel, a CUfunction)
@@ -1671,9 +1671,9 @@ static PyObject* py_launch_copies(PyObject* self, PyObject* const* args, Py_ssiz
   }
   uint64_t device, function, stream, grid_x, grid_y, block_x, table, column, wait_event, wait_stream, signal_event,
       signal_stream;
-  if (fast_u64(args, 0, &device) || fast_u64(args, 1, &function) || fast_u64(args, 2, &stream) ||
-      fast_u64(args, 3, &grid_x) || fast_u64(args, 4, &grid_y) || fast_u64(args, 5, &block_x) ||
-      fast_u64(args, 6, &table) || fast_u64(args, 7, &column) || fast_u64(args, 9, &wait_event) ||
+  if (fast_u64(args, 0, &device) || fast_u64(args, 1, &function) || fast_u64(args, 2, &grid_x) ||
+      fast_u64(args, 3, &grid_y) || fast_u64(args, 4, &block_x) || fast_u64(args, 5, &table) ||
+      fast_u64(args, 6, &column) || fast_u64(args, 7, &stream) || fast_u64(args, 9, &wait_event) ||
       fast_u64(args, 10, &wait_stream) || fast_u64(args, 11, &signal_event) || fast_u64(args, 12, &signal_stream)) {
     return NULL;
   }
@@ -1862,7 +1862,7 @@ static PyMethodDef METHODS[] = {
     {"ordinals", py_ordinals, METH_NOARGS, "ordinals() -> dict: the OrtApi ordinals this library calls"},
     {"source_sha256", py_source_sha256, METH_NOARGS, "source_sha256() -> the SHA-256 of the _native.c it was built from"},
     {"launch_copies", (PyCFunction)(void (*)(void))py_launch_copies, METH_FASTCALL,
-     "launch_copies(device, function, stream, grid_x, grid_y, block_x, table, column, addresses, wait_event, "
+     "launch_copies(device, function, grid_x, grid_y, block_x, table, column, stream, addresses, wait_event, "
      "wait_stream, signal_event, signal_stream): a graph replay's copies and events on ORT's stream"},
     {"driver_error", py_driver_error, METH_NOARGS, "driver_error() -> None where the CUDA driver loads, else why not"},
     {NULL, NULL, 0, NULL},

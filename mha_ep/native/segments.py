@@ -20,6 +20,7 @@ is not built, or the driver does not load through it, CuPy launches (``native_la
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -101,6 +102,13 @@ def blocks_for(lengths: Sequence[int]) -> int:
 Events = Optional[Tuple[object, object]]  # (a CuPy event, a CuPy stream), or None
 
 
+class _Nothing:
+    ptr = 0  # launch_copies' "no event" (and its stream, unread)
+
+
+_NO_EVENT = (_Nothing, _Nothing)
+
+
 class _Launch:
     """One launch's table: up to MAX_SEGMENTS copies, one side of them (``side``: "src" or "dst") per call."""
 
@@ -119,16 +127,19 @@ class _Launch:
         self.grid = (blocks_for(lengths), self.count)
         self.args = (CPointer(self.table.ctypes.data),)  # the parameter's bytes: the table (kept alive here)
         table = self.table.ctypes.data
-        # launch_copies' arguments before the stream, and between the stream and the addresses
-        self.native_head = (kernel.device, kernel.function.ptr)
-        self.native_middle = (*self.grid, THREADS, table, table + LAYOUT.fields[side][1])
+        # launch_copies with what no call changes bound: (stream, addresses, wait_event, wait_stream, signal_event,
+        # signal_stream) remain
+        self.native = None if kernel.native is None else functools.partial(
+            kernel.native, kernel.device, kernel.function.ptr, *self.grid, THREADS, table,
+            table + LAYOUT.fields[side][1])  # fmt: skip
 
     def __call__(self, stream, addresses: Sequence, wait: Events, signal: Events) -> None:
-        native = self.kernel.native
-        if native is not None:
-            native(*self.native_head, stream.ptr, *self.native_middle, addresses,
-                   *((wait[0].ptr, wait[1].ptr) if wait is not None else (0, 0)),
-                   *((signal[0].ptr, signal[1].ptr) if signal is not None else (0, 0)))  # fmt: skip
+        if self.native is not None:
+            if wait is None:
+                wait = _NO_EVENT
+            if signal is None:
+                signal = _NO_EVENT
+            self.native(stream.ptr, addresses, wait[0].ptr, wait[1].ptr, signal[0].ptr, signal[1].ptr)
             return
         if wait is not None:
             wait[0].record(wait[1])

@@ -93,15 +93,15 @@ def test_the_native_launch_refuses_what_is_not_a_copy_launch_before_touching_the
     launch = native.library().launch_copies
     table = np.zeros(1, segments.LAYOUT)
     base = table.ctypes.data
-    good = (0, 0x1234, 0, 1, 2, segments.THREADS, base, base + 128)
+    good = (0, 0x1234, 1, 2, segments.THREADS, base, base + 128, 0)
     with pytest.raises(TypeError, match="takes 13 arguments"):
         launch(*good)
     with pytest.raises(ValueError, match="3 addresses for a launch of 2 segments"):
         launch(*good, [1, 2, 3], 0, 0, 0, 0)
     with pytest.raises(ValueError, match="not a copy launch"):
-        launch(0, 0x1234, 0, 1, 2, segments.THREADS, base, base + segments.LAYOUT.itemsize, [1], 0, 0, 0, 0)
+        launch(0, 0x1234, 1, 2, segments.THREADS, base, base + segments.LAYOUT.itemsize, 0, [1], 0, 0, 0, 0)
     with pytest.raises(ValueError, match="not a copy launch"):
-        launch(0, 0x1234, 0, 1, segments.MAX_SEGMENTS + 1, segments.THREADS, base, base, [1], 0, 0, 0, 0)
+        launch(0, 0x1234, 1, segments.MAX_SEGMENTS + 1, segments.THREADS, base, base, 0, [1], 0, 0, 0, 0)
     with pytest.raises(AttributeError, match="data"):
         launch(*good, [1, object()], 0, 0, 0, 0)
     with pytest.raises(OverflowError):
