@@ -240,7 +240,9 @@ class CudaSessionIO:
         self._graph_owner: Optional[int] = None
         self._graph_thread = ThreadPoolExecutor(1, "mha_ep_graphs") if graphs else None
         self.capture_retries = 0  # calls answered by an eager run after a graph capture broke (_rerun_or_raise)
-        self._verdicts: Dict[tuple, tuple] = {}  # call key -> (wanted outputs, signature, ORT's own run takes it)
+        # call key -> [wanted outputs, signature, ORT's own run takes it, the slot its CuPy feeds replay (run_device's
+        # _replay_known) or None]
+        self._verdicts: Dict[tuple, list] = {}
         # call key -> the check's verdict (the wanted outputs, or the refusal a bad call raises again): ORT's checks,
         # before any copy or graph is touched
         self._checks = CheckVerdicts(self.input_args, self.outputs, MAX_VERDICTS)
@@ -294,6 +296,10 @@ class CudaSessionIO:
 
         ignore_other_captures()  # rule 6
         key, known = self._known(feeds, output_names)
+        if known is not None and known[3] is not None:  # a known call that replays its slot with CuPy feeds
+            answer = self._replay_known(known, feeds, make_options)
+            if answer is not None:
+                return answer
         wanted = known[0] if known is not None else self._checks.wanted(key, feeds, output_names)
         try:
             with cupy.cuda.Device(self.device_id):
@@ -304,10 +310,31 @@ class CudaSessionIO:
                 def work():
                     slot = self.slots.get(signature) if self.graphs and not host else None
                     if slot is not None:
+                        if known is not None and slot.copies_in is not None:  # its next calls: _replay_known
+                            known[3] = slot
                         return self._replay_device(slot, device, wanted, make_options, caller)
                     return self._run_device_on_lane(signature, host, device, wanted, make_options, caller)
 
                 return self._on_graph_thread(work)
+        except (RuntimeError, MemoryError) as error:
+            return [cupy.asarray(a) for a in self._rerun_or_raise(error, feeds, wanted, make_options)]
+
+    def _replay_known(self, known: list, feeds: Mapping, make_options: Optional[Callable]) -> Optional[list]:
+        """run_device's replay of a call whose key is known (rule 4) and replays its slot with CuPy feeds: the
+        feeds go to the slot's copy launch as they are, with no split into dicts. None where a feed is not
+        C-contiguous (the key does not say): the general path makes it so."""
+        import cupy
+
+        wanted, slot = known[0], known[3]
+        arrays = [feeds[name] for name in slot.copied_names]
+        for array in arrays:
+            if not array._c_contiguous:
+                return None
+        try:
+            with cupy.cuda.Device(self.device_id):
+                caller = cupy.cuda.get_current_stream()  # the caller's own: the work below may run on another thread
+                return self._on_graph_thread(
+                    functools.partial(self._replay_arrays, slot, arrays, wanted, make_options, caller))
         except (RuntimeError, MemoryError) as error:
             return [cupy.asarray(a) for a in self._rerun_or_raise(error, feeds, wanted, make_options)]
 
@@ -364,7 +391,7 @@ class CudaSessionIO:
         return results
 
     # ------------------------------------------------------------------------------------- the checks
-    def _known(self, feeds: Mapping, output_names) -> Tuple[Optional[tuple], Optional[tuple]]:
+    def _known(self, feeds: Mapping, output_names) -> Tuple[Optional[tuple], Optional[list]]:
         """(the call's key, its remembered verdict or None). The key is None where the call has feeds other than
         NumPy or CuPy arrays (those are checked every call): ort_checks.call_key."""
         key = call_key(feeds, output_names, self._device_array)
@@ -373,12 +400,13 @@ class CudaSessionIO:
     def _remember(self, key: Optional[tuple], wanted: List[str], host: Mapping, device: Mapping,
                   small: bool = False) -> tuple:  # fmt: skip
         """The call's graph signature; the verdict (wanted outputs, signature, whether ORT's own run takes the
-        call) remembered under ``key`` (rules 4 and 5 of the module docstring)."""
+        call, and later the slot run_device's replays take: _replay_known) remembered under ``key`` (rules 4 and 5
+        of the module docstring)."""
         signature = self.signature(host, device)
         if key is not None:
             if len(self._verdicts) >= MAX_VERDICTS:
                 self._verdicts.clear()
-            self._verdicts[key] = (wanted, signature, small)
+            self._verdicts[key] = [wanted, signature, small, None]
         return signature
 
     def _split(self, feeds: Mapping, checked: bool = False) -> tuple:
@@ -644,15 +672,23 @@ class CudaSessionIO:
         outputs into fresh arrays; the caller's stream waits for those copies. The next replay, on the same
         stream, cannot overwrite the outputs before they are copied. A caller already on ORT's stream (it passed
         its own as ``user_compute_stream``) needs neither event: one stream orders it all."""
+        if slot.copies_in is not None:  # every feed is on the device here: one launch copies them all
+            arrays = [device[name] for name in slot.copied_names]
+            return self._replay_arrays(slot, arrays, wanted, make_options, caller)
+        ort_stream = self.ort_stream
+        if caller.ptr != ort_stream.ptr:
+            self._fed.record(caller)
+            ort_stream.wait_event(self._fed)
+        self._copy_into(slot, device, ort_stream.ptr)
+        self._run_slot(slot, make_options)
+        return self._copy_out(slot, wanted, caller)
+
+    def _replay_arrays(self, slot: GraphSlot, arrays: list, wanted: List[str], make_options: Optional[Callable],
+                       caller) -> list:  # fmt: skip
+        """_replay_device with the copy kernel: ``arrays`` are the feeds of ``slot.copied_names``, in that order."""
         ort_stream = self.ort_stream
         wait = (self._fed, caller) if caller.ptr != ort_stream.ptr else None
-        if slot.copies_in is not None:  # every feed is on the device here: one launch copies them all
-            slot.copies_in.launch(ort_stream, [device[name] for name in slot.copied_names], wait)
-        else:
-            if wait is not None:
-                self._fed.record(caller)
-                ort_stream.wait_event(self._fed)
-            self._copy_into(slot, device, ort_stream.ptr)
+        slot.copies_in.launch(ort_stream, arrays, wait)
         self._run_slot(slot, make_options)
         return self._copy_out(slot, wanted, caller)
 
