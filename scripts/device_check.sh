@@ -135,7 +135,7 @@ for step in "$@"; do
             --columns "${SOAK_COLUMNS:-stock,plain,session,session_graphs}" \
             --model "${MODEL:-bert_random_mask2d_fp32.onnx}" --out "$OUT/soak" 2>&1 | quiet | tail -12 ;;
     hostpath) timeout 300 python3 scripts/profile_session_graph.py --repeats "${REPEATS:-15}" 2>&1 | quiet | tail -14 ;;
-    hostcalls) timeout 120 python3 scripts/probe_host_calls.py 2>&1 | quiet | tail -12 ;;
+    hostcalls) timeout 120 python3 scripts/probe_host_calls.py 2>&1 | quiet | tail -14 ;;
     copykernel) timeout 300 python3 scripts/ab_copy_kernel.py 2>&1 | quiet | tail -9 ;;
     twogpu)
       timeout 200 $PYTEST_GPU tests/native/test_two_gpus.py 2>&1 | quiet | tail -5

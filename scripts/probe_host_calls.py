@@ -17,6 +17,9 @@ would replace several of them, so the next change is chosen on numbers:
   current stream      cupy.cuda.get_current_stream()
   c_contiguous        a CuPy array's ``flags.c_contiguous`` (the call's split asks it of every feed)
   ctypes driver call  cuCtxGetCurrent through ctypes: the floor of a batch of calls made in C through ctypes
+  copies, CuPy        native/segments.py's copy kernel over the three feeds with a replay's event pair before and
+                      after it (record + wait each), launched and recorded by CuPy
+  copies, native      the same through the native library's one call (_native.launch_copies)
 
 Each kind: ``--calls`` calls in a row timed as one span and divided by the count (the GPU work they queue is
 tiny; the stream is synchronized after each span, outside it), the kinds in turns, ``--rounds`` rounds; printed:
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import statistics
 import time
 
@@ -93,10 +97,22 @@ def kinds(stream, other) -> dict:
     def contiguous():
         return block.flags.c_contiguous
 
+    from mha_ep.native import segments
+
+    kernel = segments.copy_function(0)
+    if kernel.native is None:
+        raise SystemExit("probe_host_calls: the native library's launch_copies is unavailable here")
+    targets = [block.data.ptr + index * FEED_BYTES for index in range(3)]
+    by_cupy = segments.SegmentCopies(dataclasses.replace(kernel, native=None), [FEED_BYTES] * 3, destinations=targets)
+    by_native = segments.SegmentCopies(kernel, [FEED_BYTES] * 3, destinations=targets)
+    fed, copied = (cupy.cuda.Event(block=False, disable_timing=True) for _ in range(2))
+
     return {"memcpy": memcpy, "3 memcpy": memcpy3, "gather kernel": gather_kernel, "record + wait": record_wait,
             "empty": empty, "with stream": with_stream, "Device(0)": device,
             "current stream": cupy.cuda.get_current_stream, "c_contiguous": contiguous,
-            "ctypes driver call": lambda: driver.cuCtxGetCurrent(ctypes.byref(context))}  # fmt: skip
+            "ctypes driver call": lambda: driver.cuCtxGetCurrent(ctypes.byref(context)),
+            "copies, CuPy": lambda: by_cupy.launch(stream, feeds, (fed, other), (copied, other)),
+            "copies, native": lambda: by_native.launch(stream, feeds, (fed, other), (copied, other))}  # fmt: skip
 
 
 def span(call, calls: int, stream, other) -> float:
