@@ -1693,6 +1693,11 @@ static PyObject* py_launch_copies(PyObject* self, PyObject* const* args, Py_ssiz
                  (unsigned long long)grid_y);
     return NULL;
   }
+  if (column + (uint64_t)count * 8 > table + 3 * 8 * COPY_SEGMENTS) {
+    PyErr_Format(PyExc_ValueError, "launch_copies: %zd addresses from column %llu run past the table's end", count,
+                 (unsigned long long)column);
+    return NULL;
+  }
   uint64_t addresses[COPY_SEGMENTS];
   for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* item = PySequence_GetItem(args[8], i);

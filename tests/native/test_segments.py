@@ -102,6 +102,8 @@ def test_the_native_launch_refuses_what_is_not_a_copy_launch_before_touching_the
         launch(0, 0x1234, 1, 2, segments.THREADS, base, base + segments.LAYOUT.itemsize, 0, [1], 0, 0, 0, 0)
     with pytest.raises(ValueError, match="not a copy launch"):
         launch(0, 0x1234, 1, segments.MAX_SEGMENTS + 1, segments.THREADS, base, base, 0, [1], 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="run past the table's end"):
+        launch(0, 0x1234, 1, 2, segments.THREADS, base, base + segments.LAYOUT.itemsize - 8, 0, [1, 2], 0, 0, 0, 0)
     with pytest.raises(AttributeError, match="data"):
         launch(*good, [1, object()], 0, 0, 0, 0)
     with pytest.raises(OverflowError):
