@@ -1,9 +1,10 @@
 """Several device-to-device copies in one kernel launch: a graph replay's feeds into its slot, its outputs out.
 
 A replay of a graph session (cuda_io rule 7) copies each device feed into the slot's fixed buffer and each output
-out of it. One ``cudaMemcpyAsync`` costs about three times the host time of one kernel launch that copies three
-small buffers (docs/BENCH.md, "hostcalls"), so a slot's copies are made by ``kernels/copy_segments.cu``: its
-``Segments`` table (sources, destinations, lengths) goes by value as the launch's one parameter.
+out of it. A replay copies several buffers each way, and one ``cudaMemcpyAsync`` per buffer costs the host about
+twice what one kernel launch copying three of them does (docs/BENCH.md, "hostcalls"), so a slot's copies are made
+by ``kernels/copy_segments.cu``: its ``Segments`` table (sources, destinations, lengths) goes by value as the
+launch's one parameter.
 
 ``SegmentCopies(kernel, lengths, destinations=... | sources=...)`` is one fixed set of copies (a slot's feeds in, or
 its outputs out): the side given is written once, the other (the caller's feed addresses, or the fresh output

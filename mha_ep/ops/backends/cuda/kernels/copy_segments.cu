@@ -1,6 +1,6 @@
 // Up to MAX_SEGMENTS device-to-device copies in one launch (mha_ep/native/segments.py): a graph replay's device feeds
-// into its slot's fixed buffers, and its outputs out of them (native/cuda_io.py). On the host a launch costs about
-// a third of one cudaMemcpyAsync per buffer (docs/BENCH.md, "hostcalls"), and a replay copies several.
+// into its slot's fixed buffers, and its outputs out of them (native/cuda_io.py). On the host one launch for three
+// buffers costs about half of one cudaMemcpyAsync per buffer (docs/BENCH.md, "hostcalls").
 //
 // The segments come by value, as the kernel's one parameter: the launch copies them, so the host may rewrite its
 // table at once. blockIdx.y picks the segment; blockIdx.x and the threads stride over it in 16-byte words where
