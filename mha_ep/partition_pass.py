@@ -9,20 +9,23 @@ Rules of the pass (the code refers to them by number):
   2. A declined node, and every node that is not MHA, stays byte for byte.
   3. A claimed node becomes ``mha_ep::MultiHeadAttention`` with the same name and attributes (ORT's defaults
      written out, since the bridge requires every declared attribute) and, for float32 nodes, the same tensor
-     names (float16/bfloat16 nodes: rule 5), plus the ``mha_ep_*`` attributes of mha_ep/spec.py.
+     names (float16/bfloat16 nodes: rule 5), plus the ``mha_ep_*`` attributes of mha_ep/spec.py. It has all four
+     outputs, qk (the pre-softmax scores, docs/SEMANTICS.md §3.8) included.
   4. Absent optional inputs are fed from zero-size placeholder initializers; unused outputs get placeholder names.
   5. float16/bfloat16 nodes on the Python-op route (``route="python-op"``, the default): float inputs pass through
      Cast(to=float32) and outputs come back through Cast(to=the node's dtype), exact both ways. One Cast per
      tensor, shared by every claimed node that reads it. On the native route (``route="native"``: mha_ep/native,
      whose kernels take every float type) nodes keep their tensors and their type, and the placeholders of absent
-     float inputs have the node's type.
+     float inputs have the node's type. A requested qk output whose declared type (ORT's QK constraint, independent
+     of T) is not the type the op writes it in gets a Cast to that type.
   6. A model-local function named like the plugin op makes an unregistered load fail with an error that says to
      call mha_ep.register.
   7. Nodes already in the plugin domain are left as they are and reported as claimed: partitioning a partitioned
      model changes nothing. They are checked first (claim/graph_rules.py ``check_plugin_node``): a crafted one could abort the process
      at run time (a string attribute that is not UTF-8 kills the bridge before mha_ep's code runs), so a node
      whose slots or attributes are not what this pass writes raises MhaModelError. A node written before the op
-     had its ten inputs (spec.LEGACY_PLUGIN_INPUTS: eight) gets the two new placeholder slots.
+     had its ten inputs (spec.LEGACY_PLUGIN_INPUTS: eight) gets the two new placeholder slots, and one written before
+     the qk output (spec.LEGACY_PLUGIN_OUTPUTS: three outputs) an unused fourth.
 """
 
 from __future__ import annotations
@@ -47,6 +50,16 @@ log = logging.getLogger("mha_ep")
 MHA_OPSET_MIN_IR = 8  # model-local functions need IR version 8
 
 ONNX_TO_ELEM = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+ELEM = {"float32": onnx.TensorProto.FLOAT, **ONNX_TO_ELEM}
+
+
+def qk_dtype_of(node: onnx.NodeProto, infos: dict):
+    """The declared element type of the node's qk output (rule 5), or None when it has none or it is unknown."""
+    qk = spec.OUT_SLOT["qk"]
+    if len(node.output) <= qk or not node.output[qk]:
+        return None
+    info = infos.get(node.output[qk])
+    return info.dtype if info is not None and info.dtype in ELEM else None
 
 def is_ort_mha(node: onnx.NodeProto) -> bool:
     return node.op_type == spec.OP_TYPE and node.domain == spec.ORT_DOMAIN
@@ -82,8 +95,8 @@ def partition(model, lift_attention: bool = False, route: str = "python-op") -> 
     modified = False
     for index, node in enumerate(graph.node):
         if is_plugin_mha(node):  # Rule 7
-            if len(node.input) == len(spec.LEGACY_PLUGIN_INPUTS):
-                node = work.upgrade(node)
+            if len(node.input) == len(spec.LEGACY_PLUGIN_INPUTS) or len(node.output) == len(spec.LEGACY_PLUGIN_OUTPUTS):
+                node = work.upgrade(node, index)
                 modified = True
             check_plugin_node(node)
             decisions.append(Decision(node_name(node), True))
@@ -97,7 +110,7 @@ def partition(model, lift_attention: bool = False, route: str = "python-op") -> 
         if not decision.claimed:
             new_nodes.append(node)
             continue
-        new_nodes.extend(work.claim(node, index, infos[node.input[0]].dtype))
+        new_nodes.extend(work.claim(node, index, infos[node.input[0]].dtype, qk_dtype_of(node, infos)))
         modified = True
     if modified:
         work.finish(model, new_nodes)
@@ -138,8 +151,9 @@ class PartitionPass:
         self.value_infos: List[onnx.ValueInfoProto] = []
         self.names = NameSet(graph)
 
-    def claim(self, node: onnx.NodeProto, index: int, dtype: str) -> List[onnx.NodeProto]:
-        """Rules 3-5: the plugin node, preceded by its input Casts and followed by its output Casts."""
+    def claim(self, node: onnx.NodeProto, index: int, dtype: str, qk_dtype: str = None) -> List[onnx.NodeProto]:
+        """Rules 3-5: the plugin node, preceded by its input Casts and followed by its output Casts. ``qk_dtype``:
+        the declared element type of a requested qk output (None: the node's dtype)."""
         before: List[onnx.NodeProto] = []
         after: List[onnx.NodeProto] = []
         reduced = dtype in ONNX_TO_ELEM and self.transport
@@ -174,9 +188,11 @@ class PartitionPass:
                 outputs.append(self.names.new(f"{stem}{spec.UNUSED_OUTPUT_SUFFIX}/{name}"))
                 continue
             wanted.append(name)
-            if reduced:
+            # the op writes every output in float_type; the graph wants the node's dtype, or for qk its own QK type
+            target = (qk_dtype or dtype) if name == "qk" else dtype
+            if target != float_type:
                 cast_input = self.names.new(tensor + spec.TRANSPORT_OUT)
-                after.append(helper.make_node("Cast", [cast_input], [tensor], to=ONNX_TO_ELEM[dtype], name=cast_input))
+                after.append(helper.make_node("Cast", [cast_input], [tensor], to=ELEM[target], name=cast_input))
                 tensor = cast_input
             outputs.append(tensor)
         elem = ONNX_TO_ELEM.get(float_type, onnx.TensorProto.FLOAT)
@@ -204,13 +220,18 @@ class PartitionPass:
         )
         return before + [plugin] + after
 
-    def upgrade(self, node: onnx.NodeProto) -> onnx.NodeProto:
-        """Rule 7: a plugin node of eight inputs with the two int32 placeholder slots appended."""
+    def upgrade(self, node: onnx.NodeProto, index: int) -> onnx.NodeProto:
+        """Rule 7: a plugin node of eight inputs gets the two int32 placeholder slots, one of three outputs an
+        unused qk output."""
         upgraded = onnx.NodeProto()
         upgraded.CopyFrom(node)
-        missing = len(spec.PLUGIN_INPUTS) - len(spec.LEGACY_PLUGIN_INPUTS)
-        upgraded.input.extend([spec.ABSENT_INT32] * missing)
-        self.placeholders.add(spec.ABSENT_INT32)
+        if len(upgraded.input) == len(spec.LEGACY_PLUGIN_INPUTS):
+            missing = len(spec.PLUGIN_INPUTS) - len(spec.LEGACY_PLUGIN_INPUTS)
+            upgraded.input.extend([spec.ABSENT_INT32] * missing)
+            self.placeholders.add(spec.ABSENT_INT32)
+        if len(upgraded.output) == len(spec.LEGACY_PLUGIN_OUTPUTS):
+            stem = node_name(node) or f"{spec.OP_TYPE}_{index}"
+            upgraded.output.append(self.names.new(f"{stem}{spec.UNUSED_OUTPUT_SUFFIX}/qk"))
         return upgraded
 
     def finish(self, model: onnx.ModelProto, new_nodes: list) -> None:
@@ -256,7 +277,7 @@ def add_plugin_domain(model: onnx.ModelProto) -> None:
     current = unregistered_function()
     for index, function in enumerate(model.functions):
         if function.domain == spec.PLUGIN_DOMAIN and function.name == spec.OP_TYPE:
-            if list(function.input) != list(current.input):  # written for the eight-input op (rule 7)
+            if list(function.input) != list(current.input) or list(function.output) != list(current.output):  # rule 7
                 model.functions[index].CopyFrom(current)
             break
     else:

@@ -37,9 +37,15 @@ SLOT = {name: i for i, name in enumerate(INPUTS)}
 OUT_SLOT = {name: i for i, name in enumerate(OUTPUTS)}
 
 # Inputs and outputs of the plugin op. The onnxruntime-extensions bridge requires every declared slot, so a
-# claimed node always carries these ten inputs and three outputs (see the placeholder convention below).
+# claimed node always carries these ten inputs and four outputs (see the placeholder convention below).
 PLUGIN_INPUTS = INPUTS
-PLUGIN_OUTPUTS = OUTPUTS[:3]
+PLUGIN_OUTPUTS = OUTPUTS
+# The plugin op's qk output (output 3, (B, N, S, T)) comes in the type the node computes in: float32 on the
+# Python-op route, the node's own type on the native route. ORT's QK type constraint is independent of T, so the
+# partition pass adds a Cast to the declared QK type where the two differ (partition_pass.py, rule 5).
+# mha_ep before the qk output wrote claimed nodes with the first three outputs; the pass gives such a node the
+# fourth, unused (partition_pass.py, rule 7).
+LEGACY_PLUGIN_OUTPUTS = OUTPUTS[:3]
 FLOAT_INPUTS = ("query", "key", "value", "bias", "attention_bias", "past_key", "past_value")
 INT32_INPUTS = ("past_sequence_length", "cache_indirection")  # ORT's type constraint M: int32 only
 # mha_ep before the shared buffer wrote claimed nodes with the first eight inputs only; the partition pass gives

@@ -101,7 +101,8 @@ def rng(request) -> np.random.Generator:
 
 
 def max_rel_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """max |a - e| / max(1, |e|), NaN-aware: NaN in both places counts as equal, NaN in one is infinite error."""
+    """max |a - e| / max(1, |e|), NaN-aware: NaN in both places counts as equal, NaN in one is infinite error;
+    equal infinities are equal."""
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
     if a.shape != e.shape:
@@ -110,7 +111,9 @@ def max_rel_error(actual: np.ndarray, expected: np.ndarray) -> float:
     one_nan = np.isnan(a) ^ np.isnan(e)
     if one_nan.any():
         return float("inf")
-    diff = np.where(both_nan, 0.0, np.abs(a - e) / np.maximum(1.0, np.abs(np.where(both_nan, 0.0, e))))
+    same = both_nan | (a == e)  # equal infinities too (qk holds -inf where mask_filter_value is -inf)
+    with np.errstate(invalid="ignore"):
+        diff = np.where(same, 0.0, np.abs(a - e) / np.maximum(1.0, np.abs(np.where(same, 0.0, e))))
     return float(diff.max()) if diff.size else 0.0
 
 

@@ -107,6 +107,7 @@ class MhaConfig:
     shapes: str = "static"  # "static" | "symbolic" | "unranked"
     max_seq: int = 0  # > 0: a shared buffer of this length (M)
     beams: int = 0  # > 0: cache_indirection with this many beams (W); batch is a multiple of it
+    qk: bool = False  # ask for output 3, the scores before the softmax (B, N, S, T), typed like the node (QK = T)
 
     @property
     def hv(self) -> int:
@@ -134,6 +135,8 @@ class MhaConfig:
             parts.append("causal")
         if self.presents:
             parts.append("presents")
+        if self.qk:
+            parts.append("qk")
         if self.mask_filter_value is not None:
             parts.append(f"mfv={self.mask_filter_value}")
         if self.scale is not None:
@@ -179,6 +182,8 @@ def output_shapes(config: MhaConfig) -> Dict[str, tuple]:
         rows = c.max_seq or c.total_seq
         shapes["present_key"] = (c.batch, c.num_heads, rows, c.head_size)
         shapes["present_value"] = (c.batch, c.num_heads, rows, c.hv)
+    if c.qk:
+        shapes["qk"] = (c.batch, c.num_heads, c.q_seq, c.total_seq)
     return shapes
 
 
@@ -269,7 +274,7 @@ def build_model(config: MhaConfig) -> onnx.ModelProto:
         dtype = {"key_padding_mask": config.mask_dtype, "past_sequence_length": "int32",
                  "cache_indirection": "int32"}.get(slot, config.dtype)  # fmt: skip
         inputs[slot] = (dtype, shape)
-    outputs = ["output"] + (["present_key", "present_value"] if config.presents else [])
+    outputs = ["output"] + (["present_key", "present_value"] if config.presents else []) + (["qk"] if config.qk else [])
     return node_model(
         inputs, outputs, attributes(config), config.shapes, output_shapes(config), float_dtype=config.dtype
     )
@@ -371,7 +376,7 @@ def oracle_float64(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict[s
     from mha_ep.ops.backends.reference import run_reference
     from mha_ep.ops.problem import build_problem
 
-    outputs = (True, config.presents, config.presents, False)
+    outputs = (True, config.presents, config.presents, config.qk)
     arrays = [
         None if a is None else np.asarray(a, np.float32) if a.dtype.kind == "f" else a for a in slot_arrays(feeds)
     ]
@@ -380,6 +385,8 @@ def oracle_float64(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict[s
     out = {"output": result.output_BSDv}
     if config.presents:
         out["present_key"], out["present_value"] = result.present_key_BNTH, result.present_value_BNTHv
+    if config.qk:
+        out["qk"] = result.qk_BNST
     return out
 
 
@@ -393,7 +400,7 @@ def naive_same_dtype(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict
     def rnd(x):
         return round_to(np.asarray(x, np.float32), config.dtype).astype(np.float32)
 
-    outputs = (True, config.presents, config.presents, False)
+    outputs = (True, config.presents, config.presents, config.qk)
     problem = build_problem(attributes(config), slot_arrays(feeds), config.dtype, outputs)
     n = config.num_heads
     query = problem.query_BSD + (0 if problem.bias_q is None else problem.bias_q)
@@ -418,6 +425,8 @@ def naive_same_dtype(config: MhaConfig, feeds: Mapping[str, np.ndarray]) -> Dict
     g = problem.geometry
     out = rnd(np.matmul(probs, v_BNLH).transpose(0, 2, 1, 3).reshape(g.batch, g.q_seq, g.v_hidden))
     result = {"output": out}
+    if config.qk:
+        result["qk"] = scores
     if config.presents and problem.shared is not None:
         result["present_key"] = shared_present(problem, problem.past_key_BNPH, new_k_BNLH, np.float32)
         result["present_value"] = shared_present(problem, problem.past_value_BNPH, new_v_BNLH, np.float32)
@@ -502,8 +511,8 @@ def chain_model(num_heads=2, qk_on_second=False):
         ),
     ]
     outputs = [helper.make_tensor_value_info("o", TP.FLOAT, ["batch", "sequence", hidden])]
-    if qk_on_second:
-        outputs.append(helper.make_tensor_value_info("qk", TP.FLOAT, None))
+    if qk_on_second:  # declared in a shape the node does not write: the node is declined for it
+        outputs.append(helper.make_tensor_value_info("qk", TP.FLOAT, [1, 2, 3]))
     graph = helper.make_graph(
         nodes, "chain",
         [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence"]),

@@ -18,8 +18,8 @@ from onnx import helper
 from mha_ep import spec
 from mha_ep.claim import Decision, decide
 from mha_ep.claim.names import _raw_name, node_name
-from mha_ep.claim.rules import Refusal, attributes_from_mapping
-from mha_ep.claim.tensor_info import TensorInfo
+from mha_ep.claim.rules import Call, Refusal, attributes_from_mapping, total_seq
+from mha_ep.claim.tensor_info import TensorInfo, format_shape
 from mha_ep.errors import MhaModelError
 
 
@@ -119,6 +119,45 @@ def name_refusal(node: onnx.NodeProto) -> Optional[Decision]:
 GRAPH_RULES = (name_refusal, attribute_type_refusal)
 
 
+QK = spec.OUT_SLOT["qk"]
+
+
+def qk_output_refusal(node: onnx.NodeProto, attributes: dict, inputs: list, infos: dict) -> Optional[Decision]:
+    """Rule 7 (claim/rules.py): a requested qk output must be declared as what the op writes, (B, N, S, T) in a
+    float type (ORT's QK constraint), where the graph declares it at all. A disagreeing declaration would make
+    ORT's own type checks or the caller's reading of the output fail later, so the node stays with ORT, and the
+    sentence names the output, what it is declared as and what it would be."""
+    tensor = node.output[QK]
+    declared = infos.get(tensor)
+    if declared is None:
+        return None
+    if declared.dtype is not None and declared.dtype not in spec.FLOAT_DTYPES:
+        return Decision(
+            node_name(node), False,
+            f"mha_ep MultiHeadAttention: output 3 (qk) {tensor!r} is declared {declared.dtype}; ORT's QK type "
+            f"constraint takes float32, float16 or bfloat16 (fix the output's declared type)",
+            "qk",
+        )  # fmt: skip
+    if declared.shape is None:
+        return None
+    call = Call(attributes_from_mapping(attributes), tuple(inputs), (True, False, False, True))
+    expected = (call.dim("query", 0), call.attrs.num_heads, call.dim("query", 1), total_seq(call))
+    if call.rank("query") != 3:
+        expected = (None, call.attrs.num_heads, None, total_seq(call))
+    wrong = len(declared.shape) != 4 or any(
+        want is not None and got is not None and want != got for want, got in zip(expected, declared.shape)
+    )
+    if wrong:
+        return Decision(
+            node_name(node), False,
+            f"mha_ep MultiHeadAttention: output 3 (qk) {tensor!r} is declared with shape "
+            f"{format_shape(declared.shape)}, but the node writes (B, N, S, T) = {format_shape(expected)} "
+            "(fix the output's declared shape, or drop it from the graph's value_info)",
+            "qk",
+        )  # fmt: skip
+    return None
+
+
 def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
     for rule in GRAPH_RULES:
         refusal = rule(node)
@@ -128,6 +167,8 @@ def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
     inputs = [(infos.get(name) or TensorInfo()) if name else None for name in node.input]
     outputs = [bool(name) for name in node.output] + [False] * (len(spec.OUTPUTS) - len(node.output))
     decision = decide(attributes, inputs, outputs, node_name(node))
+    if decision.claimed and outputs[QK]:
+        decision = qk_output_refusal(node, attributes, inputs, infos) or decision
     if decision.claimed and inputs[0].dtype is None:
         # The rules accept an unknown dtype, but the transport (rule 5) must know it.
         return Decision(

@@ -17,7 +17,9 @@ rules it did not have are marked "(ORT)" when they mirror a stock ORT input chec
   Rule  4  key, value, bias, attention_bias, past_key, past_value share the query dtype
   Rule  5  key_padding_mask is int32 or int64
   Rule  6  (ORT) past_sequence_length and cache_indirection are int32
-  Rule  7  (mha_ep) the qk output (output 3) is not requested
+  Rule  7  (ORT) a requested qk output (output 3) is declared with a float element type and, where its dims are
+           known, as (B, N, S, T) (claim/graph_rules.py ``qk_output_refusal``: it reads the graph's declarations,
+           which a Call does not carry; the op always writes qk in that shape)
   Rule  8  query is supplied and rank 3 (no packed QKV)
   Rule  9  key and value are both supplied (no packed QKV / packed KV)
   Rule 10  key and value are rank 3 or 4, (ORT) the same rank
@@ -301,16 +303,6 @@ def rule_decoder_masked_dtypes(call: Call) -> None:
         dtype = call.dtype(name)
         if call.present(name) and dtype is not None and dtype != "int32":
             raise Refusal(f"{name} dtype {dtype} must be int32 (ORT's type constraint M)", name)
-
-
-def rule_no_qk_output(call: Call) -> None:
-    """Rule 7 (mha_ep)."""
-    if len(call.outputs) > 3 and call.outputs[3]:
-        raise Refusal(
-            "output 3 (qk) is requested, and mha_ep does not produce the pre-softmax scores; "
-            "remove the qk output to run this node on the plugin",
-            "qk",
-        )
 
 
 def rule_query_rank(call: Call) -> None:
@@ -633,7 +625,6 @@ RULES: tuple[Callable[[Call], None], ...] = (
     rule_float_dtypes_match,
     rule_mask_dtype,
     rule_decoder_masked_dtypes,
-    rule_no_qk_output,
     rule_query_rank,
     rule_key_and_value_supplied,
     rule_key_value_ranks,

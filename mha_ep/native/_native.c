@@ -322,7 +322,7 @@ static CUdeviceptr g_error_device[MAX_DEVICES];
 /* The encoded plan (mha_ep/native/plan.py encode_plan) is a sequence of little-endian int64 words. */
 #define PLAN_MAGIC 0x5048414d /* "MAHP" */
 #define PLAN_VERSION 2
-#define MAX_OUTPUTS 3
+#define MAX_OUTPUTS 4 /* spec.PLUGIN_OUTPUTS: output, present_key, present_value, qk */
 #define MAX_RANK 8
 #define MAX_ARGUMENT_BYTES 4096
 #define MAX_ARGUMENTS 512

@@ -53,7 +53,8 @@ def from_float32(values: np.ndarray, element_type: int) -> np.ndarray:
         bits = (values.view(np.uint32) >> 16).astype(np.uint16)
         bits[np.isnan(values)] = 0x7FC0  # a NaN whose payload lay in the low half stays NaN
         return bits
-    return values.astype(STORAGE[element_type])
+    with np.errstate(over="ignore"):  # qk's float32-lowest causal fill rounds to -inf in float16, as ORT's does
+        return values.astype(STORAGE[element_type])
 
 
 def compute(config_id: int, node: str, inputs: tuple, token: int):
@@ -82,7 +83,7 @@ def compute(config_id: int, node: str, inputs: tuple, token: int):
         backend = current_backend(context)
         problem = build_problem(config.attributes, arrays, config.dtype, config.outputs)
         result = backend.run(problem, borrow_outputs=True)
-        outputs = (result.output_BSDv, result.present_key_BNTH, result.present_value_BNTHv)
+        outputs = (result.output_BSDv, result.present_key_BNTH, result.present_value_BNTHv, result.qk_BNST)
         from mha_ep.native import _native as native  # the library that called us: loaded and configured
 
         for index, values in enumerate(outputs):
@@ -91,7 +92,7 @@ def compute(config_id: int, node: str, inputs: tuple, token: int):
             if not values.size:
                 continue
             target = host_view(address, values.shape, out_type, writable=True)
-            past = ("past_key", "past_value")[index - 1] if index else None
+            past = {1: "past_key", 2: "past_value"}.get(index)
             if problem.shared is not None and past is not None and address == addresses.get(past):
                 rows = slice(problem.shared.past_seq, problem.geometry.total_seq)  # the past's own buffer
                 target[:, :, rows] = from_float32(values[:, :, rows], out_type)

@@ -23,7 +23,7 @@ EMPTY = np.zeros((0,), np.float32)
 
 
 def execute(arrays: list, attributes: dict) -> tuple:
-    """One call of a claimed node. Returns (output, present_key, present_value) and never raises."""
+    """One call of a claimed node. Returns (output, present_key, present_value, qk) and never raises."""
     node_name = str(attributes.get(spec.ATTR_NODE, ""))
     context = current_context()
     try:
@@ -36,6 +36,7 @@ def execute(arrays: list, attributes: dict) -> tuple:
             result.output_BSDv,
             result.present_key_BNTH if result.present_key_BNTH is not None else EMPTY,
             result.present_value_BNTHv if result.present_value_BNTHv is not None else EMPTY,
+            result.qk_BNST if result.qk_BNST is not None else EMPTY,
         )
     except BaseException as error:  # noqa: BLE001 - nothing may leave a Python op (it aborts the process)
         return fail(node_name, error, arrays, attributes, context)
@@ -44,7 +45,7 @@ def execute(arrays: list, attributes: dict) -> tuple:
 # Failure outputs larger than this are not made: the run is stopped instead (a NaN-poisoned output of a crafted
 # shape could take all of the host's memory).
 POISON_LIMIT_BYTES = 1 << 30
-NO_OUTPUTS = (EMPTY, EMPTY, EMPTY)
+NO_OUTPUTS = (EMPTY,) * len(spec.PLUGIN_OUTPUTS)
 
 
 def fail(node_name, error, arrays, attributes, context) -> tuple:
@@ -96,7 +97,11 @@ def describe(error: BaseException) -> str:
 def poisoned_outputs(attributes, arrays):
     """NaN outputs of the shapes ORT expects, or None when they cannot be made."""
     try:
-        shapes = output_shapes(attributes, arrays)
+        try:
+            want_qk = spec.node_config(tuple(sorted(attributes.items())))[1][spec.OUT_SLOT["qk"]]
+        except Exception:  # noqa: BLE001 - unreadable attributes: no qk shape to poison
+            want_qk = False
+        shapes = output_shapes(attributes, arrays, want_qk)
         total = 0
         for shape in shapes:
             if any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):

@@ -118,6 +118,7 @@ class MhaProblem:
     shared: Optional[SharedBuffer] = None  # a shared past/present buffer (past_sequence_length given with a past)
     past_sequence_length: Optional[np.ndarray] = None  # int32, one element; with ``shared`` only
     cache_indirection_BWM: Optional[np.ndarray] = None  # int32 (B/W, W, M); only where ``shared.beam_path``
+    want_qk: bool = False  # output 3: the scores before softmax (docs/SEMANTICS.md §3.8)
 
 
 @dataclass
@@ -125,6 +126,7 @@ class MhaResult:
     output_BSDv: np.ndarray  # float32 (B, S, Dv)
     present_key_BNTH: Optional[np.ndarray] = None  # float32 (B, N, T, H) when wanted; (B, N, M, H) when shared
     present_value_BNTHv: Optional[np.ndarray] = None  # float32 (B, N, T, Hv) when wanted; (B, N, M, Hv) when shared
+    qk_BNST: Optional[np.ndarray] = None  # float32 (B, N, S, T) when wanted: scale * Q.K^T + attention_bias + mask
 
 
 def problem_signature(problem: MhaProblem) -> tuple:
@@ -140,7 +142,7 @@ def problem_signature(problem: MhaProblem) -> tuple:
         shape(problem.bias_q), shape(problem.bias_k), shape(problem.bias_v),
         None if mask is None else (mask.kind, tuple(mask.data.shape)), shape(problem.attention_bias),
         shape(problem.past_key_BNPH), shape(problem.past_value_BNPH), problem.want_present_key,
-        problem.want_present_value, problem.shared, shape(problem.cache_indirection_BWM),
+        problem.want_present_value, problem.shared, shape(problem.cache_indirection_BWM), problem.want_qk,
     )  # fmt: skip
 
 
@@ -259,6 +261,7 @@ def build_problem(
         shared=shared,
         past_sequence_length=by_name["past_sequence_length"] if shared is not None else None,
         cache_indirection_BWM=indirection,
+        want_qk=len(outputs) > 3 and bool(outputs[3]),
     )
 
 
@@ -308,9 +311,10 @@ def resolve_padding_mask(mask: np.ndarray, geometry: Geometry) -> PaddingMask:
 
 
 def output_shapes(
-    attributes: Mapping[str, object], arrays: Sequence[Optional[np.ndarray]]
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Best-effort shapes of (output, present_key, present_value) for poisoning a failed call; () when unknown."""
+    attributes: Mapping[str, object], arrays: Sequence[Optional[np.ndarray]], want_qk: bool = False
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Best-effort shapes of (output, present_key, present_value, qk) for poisoning a failed call; () when unknown
+    (qk: also when it is not wanted)."""
     try:
         n = int(attributes.get("num_heads", 0))
         query, value = arrays[0], arrays[2]
@@ -320,12 +324,15 @@ def output_shapes(
         elif value is not None and value.ndim == 3:
             dv, length, hv = value.shape[2], value.shape[1], value.shape[2] // max(n, 1)
         else:
-            return (b, s, query.shape[-1]), (), ()
+            return (b, s, query.shape[-1]), (), (), ()
         h = query.shape[2] // max(n, 1)
         past_key = arrays[6] if len(arrays) > 6 else None
         past = past_key.shape[2] if past_key is not None and past_key.ndim == 4 else 0
         if past_key is not None and len(arrays) > 8 and arrays[8] is not None:  # a shared buffer: (B, N, M, H)
-            return (b, s, dv), (b, n, past, h), (b, n, past, hv)
-        return (b, s, dv), (b, n, past + length, h), (b, n, past + length, hv)
+            total = past_length_value(arrays[8])
+            qk = (b, n, s, total + length) if want_qk and total is not None and total >= 0 else ()
+            return (b, s, dv), (b, n, past, h), (b, n, past, hv), qk
+        qk = (b, n, s, past + length) if want_qk else ()
+        return (b, s, dv), (b, n, past + length, h), (b, n, past + length, hv), qk
     except Exception:  # noqa: BLE001 - poisoning must never fail
-        return (), (), ()
+        return (), (), (), ()

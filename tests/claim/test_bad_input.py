@@ -171,9 +171,6 @@ CASES = [
          "§3.10), which mha_ep does not copy; give attention_bias dim 0 = 1", "attention_bias", None,
          outputs=PRESENTS, values={"past_sequence_length": [4], "cache_indirection": np.zeros((B, 1, M))},
          good_values=BEAM_GOOD),
-    case("qk_output", BSNH, {},
-         "output 3 (qk) is requested, and mha_ep does not produce the pre-softmax scores; remove the qk output "
-         "to run this node on the plugin", "qk", None, outputs=("output", "qk"), claim_only=STRUCTURAL),
     case("query_rank", BSNH, {"query": (S, D)},
          f"query must be rank 3 (B, S, hidden); packed-QKV layouts (rank 2) are unsupported; got shape ({S}, {D})",
          "query", "Inputs 0 (query) shall be 3 or 5 dimensions", run_shapes="unranked"),
@@ -549,7 +546,6 @@ def test_every_rule_has_a_case():
                                "must be non-negative", "must not exceed", "exceeds max_sequence_length"),
         "rule_cache_indirection": ("expected to have 3 dimensions", "times dimension 1", "dimension 2 should be same",
                                    "beam path reads a per-row attention_bias"),
-        "rule_no_qk_output": ("output 3 (qk)",),
         "rule_query_rank": ("query must be rank 3",),
         "rule_key_and_value_supplied": ("separate key and value", "value is required"),
         "rule_key_value_ranks": ("or rank 4 (B, N, T, H)", "must both be rank 3"),

@@ -179,7 +179,6 @@ NOT_CLAIMED = {
              outputs=(True, True, True, False)),
         "Input 'cache_indirection' is expected to have 3 dimensions, got 2",
     ),
-    "rule_no_qk_output": (dict(inputs=[Q, K, V], outputs=(True, False, False, True)), "output 3 (qk)"),
     "rule_query_rank": (dict(inputs=[f32(2, 3, 2, 3, 4), K, V]), "query must be rank 3"),
     "rule_key_and_value_supplied": (dict(inputs=[Q]), "separate key and value inputs are required"),
     "rule_key_value_ranks": (dict(inputs=[Q, K, f32(2, 2, 5, 4)]), "key and value must both be rank 3"),

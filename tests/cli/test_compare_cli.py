@@ -62,7 +62,7 @@ def test_cli_partition_writes_the_model_and_prints_the_report(tmp_path):
     done = run_cli("partition", str(source), "-o", str(target))
     assert done.returncode == 0, done.stderr
     assert "2 MultiHeadAttention node(s), 1 claimed, 1 declined" in done.stdout
-    assert "declined  layer1: mha_ep MultiHeadAttention: output 3 (qk)" in done.stdout
+    assert "declined  layer1: mha_ep MultiHeadAttention: output 3 (qk) 'qk' is declared with shape" in done.stdout
     partitioned = onnx.load(target)
     assert [n.domain for n in partitioned.graph.node if n.op_type == "MultiHeadAttention"] == ["mha_ep", "com.microsoft"]
     as_json = json.loads(run_cli("partition", str(source), "--json").stdout)
@@ -196,7 +196,7 @@ def test_compare_counts_equal_infinities_as_equal():
 
 def test_compare_per_node_lists_only_claimed_nodes_when_nodes_are_unnamed():
     """compare matches claimed nodes to outputs by node *name*; with unnamed nodes every name is "", so the
-    output of a node the gate declined (it asks for qk) is reported under "per claimed node" - a stock-vs-stock
+    output of a node the gate declined (its qk output is declared in a shape it does not write) is reported under "per claimed node" - a stock-vs-stock
     comparison presented as plugin coverage. Only the claimed node's output may be listed."""
     nodes = [
         helper.make_node("MultiHeadAttention", ["x", "x", "x"], ["a"], domain="com.microsoft", num_heads=2),
@@ -205,7 +205,7 @@ def test_compare_per_node_lists_only_claimed_nodes_when_nodes_are_unnamed():
     model = model_of(
         nodes,
         [helper.make_tensor_value_info("x", TP.FLOAT, [2, 3, 8])],
-        [helper.make_tensor_value_info("o", TP.FLOAT, None), helper.make_tensor_value_info("qk", TP.FLOAT, None)],
+        [helper.make_tensor_value_info("o", TP.FLOAT, None), helper.make_tensor_value_info("qk", TP.FLOAT, [1, 2, 3])],
     )
     report = mha_ep.compare(model, backend="reference", per_node=True, repeat=1)
     assert (report.partition.claimed, report.partition.declined) == (1, 1)

@@ -138,9 +138,9 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
         "resolve_key_lengths": "const {T}*, int*, int, int",
         "resolve_keep_flags": "const {T}*, unsigned char*, long long",
         "masked_softmax_warp": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
-        "const float*, const float*, float, int, int, int, int, int, int",
+        "const float*, const float*, float, int, int, int, int, int, int, float*",
         "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
-        "const float*, const float*, float, int, int, int, int, int, int, int",
+        "const float*, const float*, float, int, int, int, int, int, int, float*, int",
         "append_kv": "const {T}*, const {T}*, const {T}*, const {T}*, {T}*, {T}*, const int*, int, int, int, int, int, "
         "int, int*, int*, int",
         "shared_buffer_attention": "const {T}*, const {T}*, const {T}*, const {T}*, const {T}*, const {T}*, "

@@ -177,12 +177,12 @@ def test_a_signature_the_rules_refuse_names_the_input_and_its_shape():
 @pytest.mark.parametrize("words, message", [
     ([], "ends early"),
     ([native_plan.PLAN_MAGIC, 99], "not a plan of version"),
-    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 3, 0, 0, 0, 1, 9], "unknown step kind 9"),
-    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 3, 0, 0, 0, 1, 3, 1, 19, 0, 3, 0, 0, 16],
+    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 4, 0, 0, 0, 0, 1, 9], "unknown step kind 9"),
+    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 4, 0, 0, 0, 0, 1, 3, 1, 19, 0, 3, 0, 0, 16],
      "index = 19"),
     ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, -1], "scratch = -1"),
-    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 3, 0, 0, 0, 0, 7], "1 words after the last step"),
-    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 3, 0, 0, 0, 1, 5, 3, 0, 0, -1], "beams = -1"),
+    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 4, 0, 0, 0, 0, 0, 7], "1 words after the last step"),
+    ([native_plan.PLAN_MAGIC, native_plan.PLAN_VERSION, 0, 16, 4, 0, 0, 0, 0, 1, 5, 3, 0, 0, -1], "beams = -1"),
 ])  # fmt: skip
 def test_malformed_plans_are_refused_with_a_reason(words, message):
     import struct

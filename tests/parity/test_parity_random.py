@@ -103,6 +103,7 @@ def configs(draw, dtype: str = "float32"):
         mask_filter_value=draw(st.sampled_from(MASK_FILTER_VALUES)),
         scale=scale_for(head_size, draw(st.sampled_from(SCALE_FACTORS))),
         shapes=draw(st.sampled_from(("static", "symbolic"))),
+        qk=draw(st.booleans()),
     )
 
 
@@ -249,6 +250,12 @@ CORNER_CASES = {
     "BNSH-decode-S1": with_(BASE, q_seq=1, kv_seq=300, kv_layout="BNSH", bias=True, mask="1d"),
     "BNSH-decode-S3-bias": with_(BASE, q_seq=3, kv_seq=200, kv_layout="BNSH", bias=True, mask="2d",
                                  attention_bias="BN"),  # fmt: skip
+    # output 3, qk: the scores before the softmax, with bias, mask, causal fill, a past and -inf filled rows
+    "qk": with_(BASE, qk=True),
+    "qk-bias-2d-attn-bias": with_(BASE, qk=True, bias=True, mask="2d", attention_bias="1N"),
+    "qk-causal-past": with_(BASE, qk=True, q_seq=3, kv_seq=3, has_past=True, past_seq=4, presents=True, causal=True),
+    "qk-fully-padded-inf": with_(BASE, qk=True, mask="3d", fully_padded=True, mask_filter_value=float("-inf")),
+    "qk-BNSH-decode-S1": with_(BASE, qk=True, q_seq=1, kv_seq=300, kv_layout="BNSH", bias=True, mask="1d"),
     # explicit scale, symbolic and unranked shapes
     "scale-0.5": with_(BASE, scale=0.5, mask="1d"),
     "symbolic": with_(BASE, shapes="symbolic", bias=True, mask="3d", attention_bias="1N", causal=True),
@@ -282,6 +289,7 @@ WIDE_BIASED_CASES = {
     "H64-past-S1-causal": with_(WIDE_BIASED, q_seq=1, kv_seq=1, head_size=64, has_past=True, past_seq=200,
                                 presents=True, causal=True, mask="2d"),
     "H64-BNSH-S1-cross": with_(WIDE_BIASED, q_seq=1, kv_seq=1500, head_size=64, kv_layout="BNSH"),
+    "H64-BNSH-S1-cross-qk": with_(WIDE_BIASED, q_seq=1, kv_seq=1500, head_size=64, kv_layout="BNSH", qk=True),
 }  # fmt: skip
 
 

@@ -18,7 +18,8 @@ ELEM = {"float32": TP.FLOAT, "float16": TP.FLOAT16, "bfloat16": TP.BFLOAT16}
 
 
 def two_node_model(dtype="float32", qk_output_on_second=False, mask="1d"):
-    """attn0 (claimable, with bias and a key-length mask) feeding attn1 (declined when it asks for qk)."""
+    """attn0 (claimable, with bias and a key-length mask) feeding attn1, which with ``qk_output_on_second`` asks for
+    a qk output declared (1, 2, 3), not the (B, N, S, T) it writes, and is declined for it."""
     elem = ELEM[dtype]
     mask_input = helper.make_tensor_value_info(
         "lengths", TP.INT32, ["batch"] if mask == "1d" else ["batch", "kv"]
@@ -40,7 +41,7 @@ def two_node_model(dtype="float32", qk_output_on_second=False, mask="1d"):
         "two_node",
         inputs + [mask_input],
         [helper.make_tensor_value_info("y", elem, ["batch", "seq", 8])]
-        + ([helper.make_tensor_value_info("qk", TP.FLOAT, None)] if qk_output_on_second else []),
+        + ([helper.make_tensor_value_info("qk", TP.FLOAT, [1, 2, 3])] if qk_output_on_second else []),
         initializer=[
             onnx.numpy_helper.from_array(np.linspace(-1, 1, 24).astype(np.float32), "bias_f32")
         ],
@@ -76,12 +77,13 @@ def test_declined_node_and_other_nodes_stay_byte_identical():
     model = two_node_model(qk_output_on_second=True)
     result = mha_ep.partition(model)
     assert [d.claimed for d in result.decisions] == [True, False]
-    assert "output 3 (qk)" in result.decisions[1].reason and result.decisions[1].subject == "qk"
+    assert "output 3 (qk) 'qk' is declared with shape (1, 2, 3)" in result.decisions[1].reason
+    assert result.decisions[1].subject == "qk"
     before = {n.name: n.SerializeToString() for n in model.graph.node}
     after = {n.name: n.SerializeToString() for n in result.model.graph.node}
     for name in ("attn1", "relu", "bias_cast"):
         assert after[name] == before[name], name
-    assert "declined  attn1: mha_ep MultiHeadAttention: output 3 (qk)" in result.report()
+    assert "declined  attn1: mha_ep MultiHeadAttention: output 3 (qk) 'qk' is declared" in result.report()
 
 
 def test_partition_does_not_modify_its_input_and_is_idempotent():

@@ -8,6 +8,8 @@
        softmax of the raw scores); causal rows i < S-1 hold FLOAT32_LOWEST at keys j > P + i in the mask (in place
        of the padding value there), which is then added like the rest; the last query row is never causally
        masked, which matters only when L != S.
+    qk (output 3, when asked for) is a copy of the scores at this point: scale * Q·Kᵀ + attention_bias + mask, the
+       masked entries holding their filter values (docs/SEMANTICS.md §3.8).
     5. probs = softmax over T, max-subtracted, in float32.
     6. out = probs·V, written as (B, S, N·Hv).
 A shared buffer (docs/SEMANTICS.md §3.9): the past is rows [0, P) of the (B, N, M, H) past_key / past_value, on the
@@ -98,6 +100,7 @@ def run_reference(problem: MhaProblem, compute_dtype=np.float32) -> MhaResult:
         mask_BST = additive_mask_BST(problem, f32)
         if mask_BST is not None:
             scores_BNST = scores_BNST + mask_BST[:, None]
+    qk_BNST = np.array(scores_BNST, dtype=f32) if problem.want_qk else None  # output 3: before the softmax
     probs_BNST = softmax_lastaxis(scores_BNST.astype(f32, copy=False))
     out_BNSH = np.matmul(probs_BNST, v_BNTH)
     out_BSDv = np.ascontiguousarray(out_BNSH.transpose(0, 2, 1, 3)).reshape(g.batch, g.q_seq, g.v_hidden)
@@ -108,7 +111,7 @@ def run_reference(problem: MhaProblem, compute_dtype=np.float32) -> MhaResult:
         present_k = np.ascontiguousarray(k_BNTH, dtype=f32) if problem.want_present_key else None
         present_v = np.ascontiguousarray(v_BNTH, dtype=f32) if problem.want_present_value else None
     return MhaResult(output_BSDv=out_BSDv.astype(f32, copy=False), present_key_BNTH=present_k,
-                     present_value_BNTHv=present_v)  # fmt: skip
+                     present_value_BNTHv=present_v, qk_BNST=qk_BNST)  # fmt: skip
 
 
 def past_rows(problem: MhaProblem, past_BNPH: np.ndarray) -> np.ndarray:

@@ -400,6 +400,7 @@ class CudaBackend:
             output_BSDv=take("output"),
             present_key_BNTH=take("present_key"),
             present_value_BNTHv=take("present_value"),
+            qk_BNST=take("qk"),
         )
 
     # ----------------------------------------------------------------------------------------- device pipeline

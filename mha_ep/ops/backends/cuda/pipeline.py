@@ -50,6 +50,7 @@ from mha_ep.ops.backends.cuda.kernels import name_expression
 from mha_ep.ops.backends.cuda.movers import Mover, layout_movers, mover_struct
 from mha_ep.ops.backends.cuda.shared_buffer import shared_buffer_steps
 from mha_ep.ops.backends.cuda.steps import Address, Copy, Fill, Launch, Pointer, Step, alignment_of
+from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
 from mha_ep.ops.problem import MhaProblem
 
 log = logging.getLogger("mha_ep")
@@ -127,6 +128,12 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
         raise ValueError(f"DeviceCall.mask_form must be one of {MASK_FORMS}, got {call.mask_form!r}")
     build = _Builder(temporaries, poison)
     if problem.shared is not None:
+        if problem.want_qk:
+            raise MhaInputError(
+                f"{MESSAGE_PREFIX}the qk output with a shared past/present buffer (past_sequence_length given) is not "
+                "computed on the GPU yet: its length P + L is the value of past_sequence_length, which the GPU "
+                "kernels read on the device; run this node on the CPU (route python-op, backend reference) or drop qk"
+            )
         return build.steps + shared_buffer_steps(problem, call, build.take)
     plan = cached_plan(problem.geometry, problem.dtype)
     sources = _prepared_sources(problem, plan, call, build)
@@ -163,6 +170,8 @@ def output_shapes(problem: MhaProblem) -> dict:
         shapes["present_key"] = (g.batch, g.num_heads, rows, g.head_size)
     if problem.want_present_value:
         shapes["present_value"] = (g.batch, g.num_heads, rows, g.v_head_size)
+    if problem.want_qk:
+        shapes["qk"] = (g.batch, g.num_heads, g.q_seq, g.total_seq)
     return shapes
 
 
@@ -384,7 +393,7 @@ def _float32_pipeline(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts,
         return
     log.debug("mha_ep: fused path not used: %s; three-phase path", fused_unsupported)
     build.add(gemm.scores_gemm(plan, problem.scale, ops["q_BNSH"], ops["k_BNTH"], ops["scores_BNST"]))
-    build.add(softmax_launch(problem, plan, sources, ops, offsets))
+    build.add(softmax_launch(problem, plan, sources, ops, offsets, outputs.get("qk")))
     build.add(gemm.context_gemm(plan, ops["probs_BNST"], ops["v_BNTH"], ops["context_BNSH"]))
     i32 = np.int32
     build.add(Launch(name_expression("context_to_BSD", plan.dtype, plan.vec_v), (plan.grids["context_to_BSD"], 1, 1),
@@ -393,9 +402,11 @@ def _float32_pipeline(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts,
                       i32(plan.q_seq), i32(plan.v_head_size))))  # fmt: skip
 
 
-def softmax_launch(problem: MhaProblem, plan: LaunchPlan, sources: dict, ops: dict, offsets: dict) -> Launch:
+def softmax_launch(problem: MhaProblem, plan: LaunchPlan, sources: dict, ops: dict, offsets: dict,
+                   qk: Optional[Address] = None) -> Launch:  # fmt: skip
     """Step 4 of the three phases: masked_softmax_warp (rows of at most 1024 keys: a warp per row, the row in
-    registers) or masked_softmax (a block per row, the row cached in shared memory when it fits)."""
+    registers) or masked_softmax (a block per row, the row cached in shared memory when it fits). ``qk``: a float32
+    (B, N, S, T) buffer that receives the masked scores before the softmax (output 3), or None."""
     bias = problem.attention_bias
     d0, d1 = (1, 1) if bias is None else (bias.shape[0], bias.shape[1])
     mask = problem.padding_mask
@@ -407,7 +418,7 @@ def softmax_launch(problem: MhaProblem, plan: LaunchPlan, sources: dict, ops: di
         Pointer(ops["scores_BNST"]), Pointer(ops["probs_BNST"]), Pointer(sources.get("attention_bias")), i32(d0),
         i32(d1), i32(int(kind)), Pointer(lengths), Pointer(keep), Pointer(offsets.get("key_offset_BNT")),
         Pointer(offsets.get("query_offset_BNS")), np.float32(problem.mask_filter_value), i32(int(problem.causal)),
-        i32(plan.batch), i32(plan.heads), i32(plan.q_seq), i32(plan.total_seq), i32(plan.past_seq),
+        i32(plan.batch), i32(plan.heads), i32(plan.q_seq), i32(plan.total_seq), i32(plan.past_seq), Pointer(qk),
     )  # fmt: skip
     grid, block = (plan.grids["masked_softmax"], 1, 1), (SOFTMAX_THREADS, 1, 1)
     if plan.softmax_cols_per_lane:

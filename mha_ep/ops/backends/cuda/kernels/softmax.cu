@@ -16,6 +16,8 @@
 //                                                         padding value, and is ADDED like step 2: score + bias
 //                                                         still count, e.g. under a bias of -inf; the last row is
 //                                                         never causally masked). Steps 2 and 3 exclude each other.
+//      qk_BNST[row, j] = x                               (when given: output 3, the masked scores before the
+//                                                         softmax, float32; docs/SEMANTICS.md §3.8)
 //   4. p  = exp(x - max) / sum(exp(x - max))              (max-subtracted, float32, accurate expf, two-pass)
 // The padding mask is read in its compact form (no materialised B x S x T mask):
 //   MaskKind (common.cuh): 0 none; 1 key lengths int32 (B,), keep j < len[b]; 2 keep uint8 (B, T); 3 keep uint8 (B, S, T).
@@ -122,7 +124,7 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
                         const int* __restrict__ key_lengths_B, const unsigned char* __restrict__ keep,
                         const float* __restrict__ key_offset_BNT, const float* __restrict__ query_offset_BNS,
                         float mask_filter_value, int causal, int batch, int heads, int q_seq, int total_seq,
-                        int past_seq) {
+                        int past_seq, float* __restrict__ qk_BNST) {
   const MaskArgs m{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value, causal,
                    key_offset_BNT, query_offset_BNS};
   const int lane = threadIdx.x & 31;
@@ -145,7 +147,10 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
 #pragma unroll
     for (int k = 0; k < COLS_PER_LANE; ++k) {
       const int j = lane + 32 * k;
-      if (j < total_seq) x[k] = masked_logit(x[k], m, r, j, q_seq, past_seq);
+      if (j < total_seq) {
+        x[k] = masked_logit(x[k], m, r, j, q_seq, past_seq);
+        if (qk_BNST != nullptr) qk_BNST[row * total_seq + j] = x[k];
+      }
       row_max = fmaxf(row_max, x[k]);
     }
     row_max = warp_max(row_max);
@@ -175,7 +180,7 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
                    const int* __restrict__ key_lengths_B, const unsigned char* __restrict__ keep,
                    const float* __restrict__ key_offset_BNT, const float* __restrict__ query_offset_BNS,
                    float mask_filter_value, int causal, int batch, int heads, int q_seq, int total_seq, int past_seq,
-                   int row_cache) {
+                   float* __restrict__ qk_BNST, int row_cache) {
   extern __shared__ float logits_T[];
   const MaskArgs m{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value, causal,
                    key_offset_BNT, query_offset_BNS};
@@ -190,6 +195,7 @@ __global__ void __launch_bounds__(SOFTMAX_THREADS)
     for (int j = threadIdx.x; j < total_seq; j += SOFTMAX_THREADS) {
       const float x = masked_logit(scores_T[j], m, r, j, q_seq, past_seq);
       if (row_cache) logits_T[j] = x;
+      if (qk_BNST != nullptr) qk_BNST[row * total_seq + j] = x;
       row_max = fmaxf(row_max, x);
     }
     row_max = block_reduce(row_max, MaxOp());
