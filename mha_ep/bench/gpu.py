@@ -89,7 +89,7 @@ def _echo_body(query, key, value, bias, key_padding_mask, attention_bias, past_k
     if out is None:
         out = _echo_outputs[shape] = np.zeros(shape, np.float32)
     empty = np.zeros((0,), np.float32)
-    return out, empty, empty
+    return (out,) + (empty,) * (len(spec.PLUGIN_OUTPUTS) - 1)
 
 
 def echo_session(partitioned, session_options=None):
@@ -109,10 +109,10 @@ def echo_session(partitioned, session_options=None):
             op_type="mha_ep.bench::EchoMha",
             inputs=[PyCustomOpDef.dt_int32 if x == "key_padding_mask" or x in spec.INT32_INPUTS else f32
                     for x in spec.PLUGIN_INPUTS],  # fmt: skip
-            outputs=[f32] * 3,
+            outputs=[f32] * len(spec.PLUGIN_OUTPUTS),
             attrs={a.name: kinds[a.kind] for a in spec.PLUGIN_ATTRIBUTES},
         )(_echo_body)
-        bridge.adopt_op(opdef, lambda error, feed, attributes: (np.zeros((0,), np.float32),) * 3)
+        bridge.adopt_op(opdef, lambda error, feed, attributes: (np.zeros((0,), np.float32),) * len(spec.PLUGIN_OUTPUTS))
         _echo_outputs["registered"] = True
     model = type(partitioned)()
     model.CopyFrom(partitioned)

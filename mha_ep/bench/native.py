@@ -18,6 +18,11 @@ partitioned in the native form with ``mha_ep.register(..., backend="cuda")`` (``
             past that grows by one every step, cross-attention over a 1500-position encoder) in a greedy-style loop:
             the presents come back as OrtValues on the GPU and are bound as the next step's past; ms per token =
             one generation's time / its steps, median over generations timed in turns. Tiny- and small-sized.
+  qk        a Whisper decoder's cross-attention node (query (B, 1, D), BNSH key/value of 1500 frames, b_q only), as
+            ORT's export writes it with --output_cross_qk (output 3, qk, (B, N, 1, 1500)) and without it: stock and
+            native, each with and without qk, eager IOBinding, in µs per call; ``vs`` = native / stock with qk.
+            Tiny, small and large-v3-turbo head counts (6, 12, 20; H = 64), B = 1 and 5 (beams), float16 / float32.
+            FLOP model 4*B*N*T*H; qk's bytes B*N*T*element.
   chain     ``--chain`` MultiHeadAttention nodes in a row (each one's output the next one's query; B=1, S=1, T=16,
             one head of 64) against the same chain of stock nodes and a chain of Adds: host time per claimed node
             beyond a stock one = (native - stock) / nodes.
@@ -406,6 +411,82 @@ def bench_chain(nodes: int, repeats: int) -> dict:
             "native_minus_ort_us_per_node": per_node["native"] - per_node["ort"]}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class CrossQk:
+    """A Whisper decoder's cross-attention node as ORT's export writes it with ``--output_cross_qk``: query (B, 1, D)
+    with its bias [b_q | 0 | 0], key and value (B, N, 1500, H) from the encoder, output 3 qk (B, N, 1, 1500)."""
+
+    name: str
+    batch: int
+    heads: int
+    dtype: str
+    frames: int = 1500
+    head_size: int = 64
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} cross attention + qk, B={self.batch} N={self.heads} T={self.frames} {self.dtype}"
+
+    @property
+    def qk_bytes(self) -> int:
+        return self.batch * self.heads * self.frames * (4 if self.dtype == "float32" else 2)
+
+    def model(self, qk: bool):
+        import onnx
+        from onnx import TensorProto, helper
+
+        elem = TensorProto.FLOAT if self.dtype == "float32" else TensorProto.FLOAT16
+        b, n, t, h = self.batch, self.heads, self.frames, self.head_size
+        node = helper.make_node("MultiHeadAttention", ["q", "k", "v", "bias"], ["out", "", "", "qk"] if qk else ["out"],
+                                name="cross", domain="com.microsoft", num_heads=n)  # fmt: skip
+        bias = np.zeros(3 * n * h, np.float32)
+        bias[: n * h] = np.random.default_rng(1).standard_normal(n * h) * 0.1
+        outputs = [helper.make_tensor_value_info("out", elem, [b, 1, n * h])]
+        if qk:
+            outputs.append(helper.make_tensor_value_info("qk", elem, [b, n, 1, t]))
+        graph = helper.make_graph(
+            [node], "cross_qk",
+            [helper.make_tensor_value_info("q", elem, [b, 1, n * h]), helper.make_tensor_value_info("k", elem, [b, n, t, h]),
+             helper.make_tensor_value_info("v", elem, [b, n, t, h])], outputs,
+            initializer=[onnx.numpy_helper.from_array(bias.astype(np.float32 if self.dtype == "float32" else np.float16), "bias")],
+        )  # fmt: skip
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                                 ir_version=9)  # fmt: skip
+
+    def feeds(self) -> dict:
+        rng = np.random.default_rng(0)
+        dtype = np.float32 if self.dtype == "float32" else np.float16
+        b, n, t, h = self.batch, self.heads, self.frames, self.head_size
+        return {"q": rng.standard_normal((b, 1, n * h)).astype(dtype),
+                "k": rng.standard_normal((b, n, t, h)).astype(dtype),
+                "v": rng.standard_normal((b, n, t, h)).astype(dtype)}  # fmt: skip
+
+
+CROSS_QK = [CrossQk(size, batch, heads, dtype) for size, heads in (("tiny", 6), ("small", 12), ("turbo", 20))
+            for batch in (1, 5) for dtype in ("float16", "float32")]  # fmt: skip
+
+
+def bench_cross_qk(row: CrossQk, repeats: int) -> dict:
+    """Stock's and ours, each with and without qk, in turns: four eager IOBinding calls of one node."""
+    import cupy
+
+    feeds = row.feeds()
+    device = {name: cupy.asarray(value) for name, value in feeds.items()}
+    calls, results = {}, {}
+    for qk in (False, True):
+        stock, native = sessions(row.model(qk))
+        for name, session in (("ort", stock), ("native", native)):
+            results[(name, qk)], values = output_values(session, feeds)
+            calls[f"{name}_{'qk' if qk else 'plain'}"] = bound_call(session, device, values)
+    medians = dict(zip(calls, paired_medians(list(calls.values()), repeats * 20, warmup=10)))
+    us = {name: seconds * 1e6 for name, seconds in medians.items()}
+    errors = [max_rel_error(a, e) for a, e in zip(results[("native", True)], results[("ort", True)])]
+    return {"kind": "qk", "label": row.label, "ort_plain_us": us["ort_plain"], "ort_qk_us": us["ort_qk"],
+            "native_plain_us": us["native_plain"], "native_qk_us": us["native_qk"],
+            "vs_qk": us["native_qk"] / us["ort_qk"], "qk_bytes": row.qk_bytes,
+            "max_rel_error_output_vs_ort_cuda": errors[0], "max_rel_error_qk_vs_ort_cuda": errors[1]}  # fmt: skip
+
+
 def format_row(r: dict) -> str:
     kind = r["kind"]
     if kind == "encoder":
@@ -418,6 +499,10 @@ def format_row(r: dict) -> str:
         return (f"| {r['label']} | total ms, stock vs plain native | {r['ort_native_total_ms']:.1f} "
                 f"| {r['native_total_ms']:.1f} | {r['vs_serving']:.2f} | stock vs session {r['ort_session_total_ms']:.1f} "
                 f"| {r['session_total_ms']:.1f} | {r['session_vs_serving']:.2f} |")  # fmt: skip
+    if kind == "qk":
+        return (f"| {r['label']} | µs: stock {r['ort_plain_us']:.1f} / +qk {r['ort_qk_us']:.1f} | ours "
+                f"{r['native_plain_us']:.1f} / +qk {r['native_qk_us']:.1f} | {r['vs_qk']:.2f} | qk {r['qk_bytes']} B "
+                f"| err out {r['max_rel_error_output_vs_ort_cuda']:.1e}, qk {r['max_rel_error_qk_vs_ort_cuda']:.1e} |")  # fmt: skip
     if kind == "decode":
         return (f"| {r['label']} | ms/token | {r['ort_ms_per_token']:.3f} | {r['native_ms_per_token']:.3f} "
                 f"| {r['vs_decode']:.2f} |")  # fmt: skip
@@ -436,7 +521,7 @@ def plot(results: list, path) -> bool:
         return False
     bars = []
     for r in results:
-        for key in ("vs_iobinding", "vs_graph", "vs_first", "vs_decode", "vs_serving", "session_vs_serving"):
+        for key in ("vs_iobinding", "vs_graph", "vs_first", "vs_decode", "vs_serving", "session_vs_serving", "vs_qk"):
             if key in r:
                 bars.append((f"{r['label']} [{key.replace('vs_', '')}]", r[key]))
     if not bars:
@@ -459,7 +544,7 @@ def main(argv: Optional[list] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--repeats", type=int, default=10, help="rounds timed in turns (median of each)")
     parser.add_argument("--rows", default="encoder,first,serving,decode,chain",
-                        help="comma-separated row kinds: encoder, first, serving, decode, chain")
+                        help="comma-separated row kinds: encoder, first, serving, decode, chain, qk")
     parser.add_argument("--calls", type=int, default=60, help="calls (each a new shape) of the serving row")
     parser.add_argument("--only", default="", help="only rows whose label contains this text")
     parser.add_argument("--fresh", type=int, default=7, help="new shapes per first-call row")
@@ -481,6 +566,8 @@ def main(argv: Optional[list] = None) -> int:
         work += [(f"{row.label} serving", lambda row=row: bench_serving(row, args.calls)) for row in SERVING]
     if "decode" in kinds:
         work += [(row.label, lambda row=row: bench_decoder(row, args.repeats, args.steps)) for row in DECODERS]
+    if "qk" in kinds:
+        work += [(row.label, lambda row=row: bench_cross_qk(row, args.repeats)) for row in CROSS_QK]
     if "chain" in kinds:
         work.append((f"chain of {args.chain} nodes", lambda: bench_chain(args.chain, args.repeats)))
     work = [(label, run) for label, run in work if args.only in label]

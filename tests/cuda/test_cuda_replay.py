@@ -64,8 +64,15 @@ def test_the_key_ignores_contents_and_holds_every_launch_parameter():
     assert key == replay_key(other_contents, entries_of(other_contents))
     for changed in (replace(problem, scale=0.5), replace(problem, mask_filter_value=-1.0),
                     replace(problem, causal=not problem.causal), replace(problem, dtype="bfloat16"),
-                    replace(problem, want_present_key=True)):  # fmt: skip
+                    replace(problem, want_present_key=True), replace(problem, want_qk=True)):  # fmt: skip
         assert replay_key(changed, entries_of(changed)) != key
+    # every flag of the problem is a launch parameter: a new one must reach the key (want_qk once did not)
+    import dataclasses
+
+    for field in dataclasses.fields(problem):
+        if isinstance(getattr(problem, field.name), bool):
+            flipped = replace(problem, **{field.name: not getattr(problem, field.name)})
+            assert replay_key(flipped, entries_of(flipped)) != key, field.name
     wider = make_problem(Case(b=2, s=5, l=8, n=2, h=16, attention_bias=(True, False)), "float16")
     assert replay_key(wider, entries_of(wider)) != key
     assert replay_key(replace(problem, mask_filter_value=float("nan")), entries_of(problem)) is None

@@ -35,7 +35,7 @@ def replay_key(problem, inputs) -> Optional[tuple]:
         return None
     staged = tuple((name, dtype.str, shape) for name, dtype, shape, _ in inputs)
     return (problem.geometry, problem.dtype, floats, problem.causal, problem.kv_layout, staged,
-            problem.want_present_key, problem.want_present_value)  # fmt: skip
+            problem.want_present_key, problem.want_present_value, problem.want_qk)  # fmt: skip
 
 
 class ReplayCache:
