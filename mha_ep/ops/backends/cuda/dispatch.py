@@ -359,8 +359,9 @@ def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
     """None when the fused kernel computes this call exactly as the three-phase path does; else why not.
 
     The rules, in order:
-      0. not a shared past/present buffer (its decode kernel: shared_buffer.py), and no qk output asked for (the
-         scores before the softmax exist only on the three-phase path, whose softmax writes them: softmax.cu);
+      0. not a shared past/present buffer (its decode kernel: shared_buffer.py); a qk output only where the split-key
+         kernels take the call (key_split: they write each score where they compute it; a flash block never holds
+         a row's scores, so any other qk call takes the three phases, whose softmax writes them: softmax.cu);
       1. the dtype has a kernel (float32, float16, bfloat16);
       2. H and Hv are multiples of 8 (16-byte vector loads) and at most the largest head tile (128);
       3. there is work and a key: B, N, S >= 1 and T >= 1 (T = 0 is ORT's all-zero output, left to the
@@ -372,8 +373,9 @@ def fused_unsupported_reason(problem: MhaProblem) -> Optional[str]:
     g = problem.geometry
     if problem.shared is not None:  # 0
         return "a shared past/present buffer runs the decode kernel (shared_buffer.py)"
-    if problem.want_qk:  # 0
-        return "the qk output is asked for: the three-phase path's softmax writes the scores"
+    if problem.want_qk and key_split(problem) is None:  # 0
+        return ("the qk output is asked for and the split-key kernels do not take the call (S > "
+                f"{SPLIT_MAX_ROWS}, or heads over {SPLIT_MAX_DIM}): the three-phase path's softmax writes the scores")
     if problem.dtype not in ELEMENT_TYPES:  # 1
         return f"dtype {problem.dtype!r} has no fused kernel"
     for name, size in (("head_size", g.head_size), ("v_head_size", g.v_head_size)):  # 2

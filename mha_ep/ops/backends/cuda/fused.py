@@ -305,7 +305,7 @@ def fused_step(
 
 
 def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional[Tile] = None,
-                raw_query: bool = False, **operands) -> list:  # fmt: skip
+                raw_query: bool = False, qk: Address = None, **operands) -> list:  # fmt: skip
     """The fused path's launches for ``problem``: fused_step's one kernel, or for a decode step that
     dispatch.key_split cuts (and no ``tile`` named) the split-key pair, split_key_attention then
     combine_key_splits (kernels/split_keys.cu), over two scratch buffers from ``take(name, nbytes)``. The
@@ -313,12 +313,17 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
 
     ``raw_query`` (split-key calls only): q is the float16 / bfloat16 query as the node received it, with a float32
     ``q.bias`` the kernel adds on load and keeps in float32 (ORT's sum), k and v the node's own BNSH key and value
-    (which carry no bias): the native route's cross attention, with no layout mover (pipeline.py)."""
+    (which carry no bias): the native route's cross attention, with no layout mover (pipeline.py).
+
+    ``qk`` (split-key calls only): a float32 (B, N, S, T) buffer the split-key kernel writes the masked scores into
+    (output 3; dispatch.fused_unsupported_reason sends any other qk call to the three phases)."""
     in_bytes = ELEMENT_BYTES[operands["operand_dtype"]]
     split = None if tile is not None else dispatch.key_split(problem, facts.sms, in_bytes)
     if split is None:
         if raw_query:
             raise ValueError("fused attention: raw_query is for calls dispatch.key_split cuts")
+        if qk is not None:
+            raise ValueError("fused attention: the qk output is for calls dispatch.key_split cuts")
         return [fused_step(problem, facts=facts, tile=tile, **operands)]
     q, k, v, out_BSD = operands["q"], operands["k"], operands["v"], operands["out_BSD"]
     attention_bias, mask = operands["attention_bias"], operands["mask"]
@@ -329,7 +334,7 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
                       query_offset, check_bias=not raw_query)  # fmt: skip
     return split_key_steps(problem, split, take,
                            _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD),
-                           operands["operand_dtype"], out_BSD, round_query=not raw_query)  # fmt: skip
+                           operands["operand_dtype"], out_BSD, round_query=not raw_query, qk=qk)  # fmt: skip
 
 
 def split_shared_bytes(problem: MhaProblem, chunk: int, operand_dtype: str) -> int:
@@ -338,9 +343,9 @@ def split_shared_bytes(problem: MhaProblem, chunk: int, operand_dtype: str) -> i
 
 
 def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, arguments: tuple, operand_dtype: str,
-                    out_BSD: Address, round_query: bool = True) -> list:  # fmt: skip
+                    out_BSD: Address, round_query: bool = True, qk: Address = None) -> list:  # fmt: skip
     """The split-key pair of launches (fused_steps) with flash's ``arguments`` (_arguments); ``round_query``
-    False keeps the biased query in float32 (fused_steps' raw_query)."""
+    False keeps the biased query in float32 (fused_steps' raw_query); ``qk`` receives the masked scores."""
     g = problem.geometry
     pairs = g.batch * g.num_heads
     rows = pairs * split.splits * g.q_seq
@@ -352,7 +357,8 @@ def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, argumen
     return [
         Launch(f"split_key_attention<{elem}, {src}>", (pairs, split.splits, 1), (SPLIT_THREADS, 1, 1),
                split_shared_bytes(problem, split.chunk, operand_dtype),
-               arguments + (i32(split.chunk), Pointer(partial_O), Pointer(partial_ML), i32(int(round_query))),
+               arguments + (i32(split.chunk), Pointer(partial_O), Pointer(partial_ML), i32(int(round_query)),
+                            Pointer(qk)),
                fused=True),
         Launch(f"combine_key_splits<{elem}>", (pairs * g.q_seq, 1, 1), (SPLIT_THREADS, 1, 1), 4 * split.splits,
                (Pointer(partial_O), Pointer(partial_ML), i32(split.splits), i32(g.num_heads), i32(g.q_seq),

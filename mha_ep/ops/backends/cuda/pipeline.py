@@ -302,15 +302,17 @@ def _native_in_place(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, 
         bias_q = _widen(problem.dtype, sources["bias_q"], g.num_heads * g.head_size, "bias_q", build)
     count = g.batch * g.q_seq * g.v_hidden
     out_f32 = build.take("output_f32", 4 * count)
+    qk_f32 = _qk_scratch(problem, build)
     build.extend(fused_steps(
         problem,
         q=Operand(sources["query"], "BSNH", plan.q_seq, plan.head_size, bias_q),
         k=Operand(sources["key"], "BNSH", plan.total_seq, plan.head_size),
         v=Operand(sources["value"], "BNSH", plan.total_seq, plan.v_head_size),
         operand_dtype=problem.dtype, attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
-        out_BSD=out_f32, facts=facts, take=build.take, raw_query=True,
+        out_BSD=out_f32, facts=facts, take=build.take, raw_query=True, qk=qk_f32,
     ))  # fmt: skip
     build.add(_narrow(problem.dtype, out_f32, outputs["output"], count))
+    _narrow_qk(problem, qk_f32, outputs, build)
 
 
 def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sources: dict, outputs: dict,
@@ -335,6 +337,7 @@ def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sou
     build.add(mover_launch(plan, "build_dense_BNTH_native", movers, problem.scale))
     count = g.batch * g.q_seq * g.v_hidden
     out_f32 = build.take("output_f32", 4 * count)
+    qk_f32 = _qk_scratch(problem, build)
     build.extend(fused_steps(
         problem,
         q=Operand(q_BNSH, "BNSH", plan.q_seq, plan.head_size),
@@ -342,9 +345,25 @@ def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sou
         v=Operand(v_BNTH, "BNSH", plan.total_seq, plan.v_head_size),
         operand_dtype=problem.dtype, attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
         out_BSD=out_f32, facts=facts, key_offset=offsets.get("key_offset_BNT"),
-        query_offset=offsets.get("query_offset_BNS"), take=build.take,
+        query_offset=offsets.get("query_offset_BNS"), take=build.take, qk=qk_f32,
     ))  # fmt: skip
     build.add(_narrow(problem.dtype, out_f32, outputs["output"], count))
+    _narrow_qk(problem, qk_f32, outputs, build)
+
+
+def _qk_scratch(problem: MhaProblem, build: _Builder) -> Optional[Address]:
+    """A float32 buffer for the split-key kernel's scores when the call wants qk (the native fused path writes
+    its outputs in the node's dtype: _narrow_qk rounds the scores into qk), else None."""
+    if not problem.want_qk:
+        return None
+    g = problem.geometry
+    return build.take("qk_f32", 4 * g.batch * g.num_heads * g.q_seq * g.total_seq)
+
+
+def _narrow_qk(problem: MhaProblem, qk_f32: Optional[Address], outputs: dict, build: _Builder) -> None:
+    if qk_f32 is not None and outputs.get("qk") is not None:
+        g = problem.geometry
+        build.add(_narrow(problem.dtype, qk_f32, outputs["qk"], g.batch * g.num_heads * g.q_seq * g.total_seq))
 
 
 # ------------------------------------------------------------------------------------- 3. float32 pipeline
@@ -358,7 +377,7 @@ def _float32_pipeline(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts,
             k=Operand(sources["key"], problem.kv_layout, plan.kv_seq, plan.head_size, sources.get("bias_k")),
             v=Operand(sources["value"], problem.kv_layout, plan.kv_seq, plan.v_head_size, sources.get("bias_v")),
             operand_dtype="float32", attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
-            out_BSD=outputs["output"], facts=facts, take=build.take,
+            out_BSD=outputs["output"], facts=facts, take=build.take, qk=outputs.get("qk"),
         ))  # fmt: skip
         return
     # 3b: operands. A float32 call's K/V operands are the present outputs themselves; otherwise they are scratch
@@ -388,7 +407,7 @@ def _float32_pipeline(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts,
             v=Operand(ops["v_BNTH"], "BNSH", plan.total_seq, plan.v_head_size),
             operand_dtype=plan.dtype, attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
             out_BSD=outputs["output"], facts=facts, key_offset=offsets.get("key_offset_BNT"),
-            query_offset=offsets.get("query_offset_BNS"), take=build.take,
+            query_offset=offsets.get("query_offset_BNS"), take=build.take, qk=outputs.get("qk"),
         ))  # fmt: skip
         return
     log.debug("mha_ep: fused path not used: %s; three-phase path", fused_unsupported)

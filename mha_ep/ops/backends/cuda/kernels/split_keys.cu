@@ -14,6 +14,8 @@
 // (+mask_filter_value); p = exp(x - m) in float32, P.V with p rounded to ELEM (as the tensor-core kernel rounds its
 // P fragments; no-op in float32), the sum of p unrounded. A row with no finite logit gives 0/0 = NaN, as ORT.
 // Nothing is skipped (no causal-tile vote): every key's p is computed, an exact 0 where flash skips.
+// qk_BNST (when not null): output 3, each masked logit x stored as it is computed, float32 (B, N, S, T)
+// (docs/SEMANTICS.md §3.8): the scores of a decode step's qk cost one store each, no second pass.
 //
 // In a block of SPLIT_THREADS: the kernel is a stream of K and V, so it first asks for the whole chunk of both,
 // K then V, as two cp.async groups into shared memory (the chunk is sized to fit, dispatch.key_split), and
@@ -108,7 +110,8 @@ __device__ __forceinline__ float group_sum(float v, int lanes) {
 // loops would otherwise issue SPLIT_MAX_ROWS rows' multiply-adds).
 template <typename ELEM, typename IN, int ROWS>
 __device__ __forceinline__ void split_key_rows(FLASH_KERNEL_PARAMETERS(IN), int chunk, float* __restrict__ partial_O,
-                                               float2* __restrict__ partial_ML, int round_query) {
+                                               float2* __restrict__ partial_ML, int round_query,
+                                               float* __restrict__ qk_BNST) {
   (void)skip_causal_tiles;
   (void)batch;
   (void)out_BSD;
@@ -231,7 +234,9 @@ __device__ __forceinline__ void split_key_rows(FLASH_KERNEL_PARAMETERS(IN), int 
             if (query_offset_BNS != nullptr && j >= past_seq) x += query_offset_BNS[bh * q_seq + i];
             const RowMask m = row_mask(mp, b, h, i);
             if (m.bias_T != nullptr) x += m.bias_T[j];
-            (x_s + i * chunk)[jj] = masked_logit_per_key(x, mp, m, i, j);
+            const float logit = masked_logit_per_key(x, mp, m, i, j);
+            (x_s + i * chunk)[jj] = logit;
+            if (qk_BNST != nullptr) qk_BNST[(bh * q_seq + i) * total_seq + j] = logit;  // output 3, where computed
           }
         }
       }
@@ -332,11 +337,12 @@ __device__ __forceinline__ void split_key_rows(FLASH_KERNEL_PARAMETERS(IN), int 
 template <typename ELEM, typename IN>
 __global__ void __launch_bounds__(SPLIT_THREADS, SPLIT_BLOCKS_PER_SM)
     split_key_attention(FLASH_KERNEL_PARAMETERS(IN), int chunk, float* __restrict__ partial_O,
-                        float2* __restrict__ partial_ML, int round_query) {
+                        float2* __restrict__ partial_ML, int round_query, float* __restrict__ qk_BNST) {
   if (q_seq == 1) {
-    split_key_rows<ELEM, IN, 1>(FLASH_KERNEL_ARGUMENTS, chunk, partial_O, partial_ML, round_query);
+    split_key_rows<ELEM, IN, 1>(FLASH_KERNEL_ARGUMENTS, chunk, partial_O, partial_ML, round_query, qk_BNST);
   } else {
-    split_key_rows<ELEM, IN, SPLIT_MAX_ROWS>(FLASH_KERNEL_ARGUMENTS, chunk, partial_O, partial_ML, round_query);
+    split_key_rows<ELEM, IN, SPLIT_MAX_ROWS>(FLASH_KERNEL_ARGUMENTS, chunk, partial_O, partial_ML, round_query,
+                                             qk_BNST);
   }
 }
 
