@@ -39,18 +39,19 @@ the decoder and encoder are written, optimized and checked against PyTorch; only
 This script accepts that run only if the log's traceback ends in whisper_jump_times and both files exist.
 
 Versions used (2026-12-06, 2 CPU cores, no GPU): Python 3.11.7, torch 2.13.0+cpu, transformers 4.48.3,
-tokenizers 0.21.4, onnxruntime 1.31.1, onnx 1.23.2, onnx-ir 1.1.0 (imported by the Whisper script), numpy
-2.4.6, ninja 1.13.2 (the jump-times step compiles two torch extensions; without ninja it runs `pip install
-ninja` itself), datasets 3.6.0 with huggingface-hub 0.36.2 (the chained model's parity check imports datasets
-and, if missing, runs `pip install datasets`, which brings huggingface-hub 1.x and breaks transformers 4.48;
-with it installed and HF_DATASETS_OFFLINE=1 the check fails fast on the hub and the script only warns),
-sentencepiece 0.2.3 (only for `--try-t5`). Set up and run:
+tokenizers 0.21.4, onnxruntime 1.31.1, onnx 1.23.2, onnx-ir 1.1.0 (imported by the Whisper script), onnxscript
+0.7.2 (torch's dynamo exporter imports it in the jump-times step; without it that step fails one line earlier,
+same outcome), numpy 2.4.6, ninja 1.13.2 (the jump-times step compiles two torch extensions; without ninja the
+Whisper script runs `pip install ninja` itself), datasets 3.6.0 with huggingface-hub 0.36.2 (the chained model's
+parity check imports datasets and, if it is missing, runs `pip install datasets`, which here brought
+huggingface-hub 2.4.0, which transformers 4.48 rejects; with datasets installed and HF_DATASETS_OFFLINE=1 the
+check fails fast on the hub and the script only warns), sentencepiece 0.2.3 (only for `--try-t5`). Set up, then
+run (about 2.5 minutes on 2 cores; two runs gave byte-identical .onnx files):
 
     python3 -m venv /work/venv-export
     /work/venv-export/bin/pip install torch==2.13.0 transformers==4.48.3 onnxruntime==1.31.1 onnx==1.23.2 \\
-        onnx-ir ninja 'datasets<4' 'huggingface-hub<1.0' sentencepiece
-    /work/venv-export/bin/python scripts/make_ort_exports.py            # about 3 minutes on 2 cores
-    /work/venv-export/bin/python scripts/make_ort_exports.py --try-t5   # also retries the T5 BeamSearch
+        onnx-ir==1.1.0 onnxscript==0.7.2 ninja 'datasets<4' 'huggingface-hub<1.0' sentencepiece
+    /work/venv-export/bin/python scripts/make_ort_exports.py --try-t5   # --try-t5: also retry the T5 BeamSearch
 
 It writes the models and MANIFEST.json into tests/fixtures/ort_exports/, then loads and runs every shipped
 model with stock onnxruntime on the CPU, with the feeds of tests/ort_export_feeds.py (numpy + onnx only).
@@ -359,7 +360,8 @@ def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for pkg in ["torch", "transformers", "tokenizers", "onnxruntime", "onnx", "onnx-ir", "numpy"]:
+    for pkg in ["torch", "transformers", "tokenizers", "onnxruntime", "onnx", "onnx-ir", "onnxscript", "numpy",
+                "ninja", "datasets", "huggingface-hub", "sentencepiece"]:
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
