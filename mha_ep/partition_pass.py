@@ -28,12 +28,13 @@ Rules of the pass (the code refers to them by number):
   8. Subgraphs: every graph attribute of every node (If / Loop / Scan bodies, and the ``encoder``, ``decoder``,
      ``init_decoder`` of com.microsoft's BeamSearch, WhisperBeamSearch, GreedySearch and Sampling; ORT 1.31.1's CPU
      provider runs GreedySearch and BeamSearch with the plugin op inside on both routes, measured in
-     tests/partition/test_subgraphs.py) goes through rules 1-7 after its own graph is rewritten, with its own pass: its own Casts and placeholders, names new to it and to every
-     enclosing scope (placeholders an enclosing scope already defines are renamed: generation ops run their
-     subgraphs apart, so each graph carries its own). Its types are its declarations, its twin in the inferred
-     model where shape inference descended, and the enclosing scopes' (a subgraph may read their names), then
-     type propagation. Decisions come in that order (a graph's own, then its subgraphs'), each with the path of
-     its graph (``BeamSearch_0/decoder``; an unnamed owner is ``<op>_<index>``).
+     tests/partition/test_subgraphs.py) goes through rules 1-7 after its own graph is rewritten, with a pass of
+     its own: its own Casts and placeholders, names new to it and to every enclosing scope (a placeholder name an
+     enclosing scope already defines is renamed: generation ops run their subgraphs apart, so each graph carries
+     its own). Its types are its declarations, its twin in the inferred model where shape inference descended,
+     and the enclosing scopes' (a subgraph may read their names), then type propagation. Decisions come in that
+     order (a graph's own, then its subgraphs'), each with the path of its graph (``BeamSearch_0/decoder``; an
+     unnamed owner is ``<op>_<index>``).
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ def subgraph_twins(graph: Optional[onnx.GraphProto]) -> Dict[Tuple[str, str, int
     twins: Dict[Tuple[str, str, int], onnx.GraphProto] = {}
     for node in graph.node if graph is not None else ():
         for attr in node.attribute:
-            subgraphs = list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else [attr.g] if attr.HasField("g") else []
-            for position, sub in enumerate(subgraphs):
+            many = attr.type == onnx.AttributeProto.GRAPHS
+            for position, sub in enumerate(attr.graphs if many else [attr.g] if attr.HasField("g") else []):
                 twins[(first_output(node), attr.name, position)] = sub
     return twins
 

@@ -133,7 +133,8 @@ def inferred_model(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _merge(declared: TensorInfo, inferred: TensorInfo) -> TensorInfo:
     """Inference's info, with the declared element type or shape where inference has none."""
-    return TensorInfo(inferred.dtype or declared.dtype, inferred.shape if inferred.shape is not None else declared.shape)
+    shape = inferred.shape if inferred.shape is not None else declared.shape
+    return TensorInfo(inferred.dtype or declared.dtype, shape)
 
 
 def graph_infos(graph: onnx.GraphProto, inferred: Optional[onnx.GraphProto] = None, outer=None) -> StaticInfos:

@@ -59,7 +59,9 @@ TYPE_RULES: Mapping[Tuple[str, str], TypeRule] = {
         "Pow", "Gather", "GatherElements", "GatherND", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Transpose",
         "Expand", "Tile", "Pad", "Flatten", "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ScatterND",
     )},
-    **{(ONNX, op): ANY for op in ("Add", "Sub", "Mul", "Div", "Max", "Min", "Sum", "Mean", "Concat", "MatMul", "Gemm", "Range")},
+    **{(ONNX, op): ANY for op in (
+        "Add", "Sub", "Mul", "Div", "Max", "Min", "Sum", "Mean", "Concat", "MatMul", "Gemm", "Range",
+    )},
     **{(ONNX, op): BOOLEAN for op in ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or")},
     **{(ONNX, op): INDICES for op in ("ArgMax", "ArgMin", "NonZero")},
     (ONNX, "Split"): TypeRule(outputs=None),
