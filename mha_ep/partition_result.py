@@ -29,7 +29,8 @@ def how_to_get_mha(lift_requested: bool) -> str:
 
 @dataclass
 class PartitionResult:
-    """What ``partition`` did: the new model, one Decision per MultiHeadAttention node in graph order, and,
+    """What ``partition`` did: the new model, one Decision per MultiHeadAttention node (the main graph's in
+    graph order, then each subgraph's after its graph, its ``path`` saying where), and,
     when ``lift_attention`` was asked for, one LiftDecision per com.microsoft::Attention node."""
 
     model: onnx.ModelProto
@@ -53,7 +54,8 @@ class PartitionResult:
         return [d for d in self.lift_decisions if not d.lifted]
 
     def report(self) -> str:
-        """The decisions as text: one line per MHA node (claimed, or declined with its reason), one per
+        """The decisions as text: one line per MHA node (claimed, or declined with its reason; a subgraph's node
+        named with its graph's path, ``BeamSearch_0/decoder/Attention_3``), one per
         Attention node that was not lifted (with its reason), then notes."""
         lines = [
             f"mha_ep partition: {len(self.decisions)} MultiHeadAttention node(s), {self.claimed} claimed, "
@@ -62,9 +64,9 @@ class PartitionResult:
         if self.lift_requested:
             lines.append(f"  {self.lifted_attention} com.microsoft::Attention node(s) lifted into MultiHeadAttention, "
                          f"{len(self.not_lifted)} not lifted")  # fmt: skip
-        width = max((len(d.node_name or "<unnamed>") + 1 for d in self.decisions), default=0)
+        width = max((len(d.where) + 1 for d in self.decisions), default=0)
         for d in self.decisions:  # reasons start in one column however long the node names are
-            name = d.node_name or "<unnamed>"
+            name = d.where  # a subgraph's node with its graph's path
             lines.append(f"  claimed   {name}" if d.claimed else f"  declined  {(name + ':').ljust(width)} {d.reason}")
         for d in self.not_lifted:
             lines.append(f"  not lifted  {d.node_name}: {d.reason}")

@@ -18,12 +18,21 @@ __all__ = ["Decision", "TensorInfo", "decide"]
 
 @dataclass(frozen=True)
 class Decision:
-    """The gate's verdict on one node: claimed, or declined with a reason and the input it is about."""
+    """The gate's verdict on one node: claimed, or declined with a reason and the input it is about. ``path``:
+    where the node's graph sits, "" for the main graph, else the owning nodes and graph attributes from the main
+    graph down (``BeamSearch_0/decoder``; a node without a name is ``<op>_<index>``)."""
 
     node_name: str
     claimed: bool
     reason: str = ""
     subject: str = ""
+    path: str = ""
+
+    @property
+    def where(self) -> str:
+        """The node's name with its graph's path: ``BeamSearch_0/decoder/Attention_3``."""
+        name = self.node_name or "<unnamed>"
+        return f"{self.path}/{name}" if self.path else name
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -2,6 +2,7 @@
 
     GRAPH_RULES, in order: name_refusal, attribute_type_refusal -> the first Decision refusing the node, or None
     decide_node(node, infos): GRAPH_RULES, then the gate (claim.decide) on the node's static infos
+                              (claim/shapes.py; an unknown query type declined with why_unknown's sentence)
     check_plugin_node(node): a node already in the plugin domain must look like one the pass wrote
                              (MhaModelError otherwise: a crafted one could abort the process at run time)
 
@@ -171,11 +172,13 @@ def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
         decision = qk_output_refusal(node, attributes, inputs, infos) or decision
     if decision.claimed and inputs[0].dtype is None:
         # The rules accept an unknown dtype, but the transport (rule 5) must know it.
+        why = infos.why_unknown(node.input[0]) if hasattr(infos, "why_unknown") else "no declaration gives it"
         return Decision(
             node_name(node),
             False,
-            "mha_ep MultiHeadAttention: the element type of query is unknown after shape inference, so the "
-            "float32 transport cannot be chosen; give the model's inputs typed value_info",
+            f"mha_ep MultiHeadAttention: the element type of query is unknown after shape inference and type "
+            f"propagation ({why}), so the float32 transport cannot be chosen; declare that tensor's type in the "
+            "graph's value_info",
             "query",
         )
     return decision

@@ -1,18 +1,27 @@
-"""Static dtype and shape discovery for the inputs of a model's nodes.
+"""Static dtype and shape discovery for the inputs of a model's nodes, in the main graph and in subgraphs.
 
 ORT's symbolic shape inference first (it knows com.microsoft ops and carries symbolic dims through), ONNX's own
-shape inference when that fails, and the model's recorded value_info when both fail. Unknown dims are ``None``.
+shape inference when that fails, and the model's recorded value_info when both fail. What they leave untyped (after
+a node symbolic inference cannot finish, and inside the graph attributes of com.microsoft's generation ops, where
+neither inference descends) is filled by claim/type_propagation.py from the graph's own declarations and its ops.
+Unknown dims are ``None``.
+
+    infer_static_infos(model)                    the main graph's StaticInfos
+    inferred_model(model)                        the model as shape inference annotated it (the first that works)
+    graph_infos(graph, inferred, outer)          one graph's StaticInfos: its declarations, the inferred twin's,
+                                                 the outer scope's, then type propagation
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict
+from typing import Dict, Optional
 
 import onnx
 from packaging.version import InvalidVersion, Version
 
 from mha_ep.claim.tensor_info import TensorInfo
+from mha_ep.claim.type_propagation import StaticInfos, propagate_types
 from mha_ep.dtypes import dtype_name
 
 log = logging.getLogger("mha_ep")
@@ -29,8 +38,13 @@ def _info_from_type(type_proto: onnx.TypeProto) -> TensorInfo | None:
 
 
 def collect_infos(model: onnx.ModelProto) -> Dict[str, TensorInfo]:
-    """TensorInfo of every named tensor the model records (inputs, outputs, value_info, initializers)."""
-    graph = model.graph
+    """TensorInfo of every named tensor the model's main graph records (inputs, outputs, value_info,
+    initializers, Constant nodes)."""
+    return collect_graph_infos(model.graph)
+
+
+def collect_graph_infos(graph: onnx.GraphProto) -> Dict[str, TensorInfo]:
+    """TensorInfo of every named tensor ``graph`` records (not those of its subgraphs)."""
     infos: Dict[str, TensorInfo] = {}
     for value in list(graph.value_info) + list(graph.input) + list(graph.output):
         info = _info_from_type(value.type)
@@ -104,19 +118,38 @@ def _public_symbolic_shape_inference(model: onnx.ModelProto, inference_class) ->
     return inferred
 
 
-def infer_static_infos(model: onnx.ModelProto) -> Dict[str, TensorInfo]:
-    """Run shape inference (symbolic first) and return what it knows about every tensor."""
-    inferred = None
+def inferred_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model annotated by the first shape inference that works (symbolic, then ONNX's), or the model itself."""
     try:
-        inferred = symbolic_shape_inference(model)
+        return symbolic_shape_inference(model)
     except Exception as error:  # noqa: BLE001 - any failure means: try the next method
         log.debug("mha_ep: symbolic shape inference failed (%s); falling back to ONNX shape inference", error)
-    if inferred is None:
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-        except Exception as error:  # noqa: BLE001
-            log.debug("mha_ep: ONNX shape inference failed (%s); using recorded shapes only", error)
-            inferred = model
-    infos = collect_infos(model)
-    infos.update(collect_infos(inferred))
-    return infos
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception as error:  # noqa: BLE001
+        log.debug("mha_ep: ONNX shape inference failed (%s); using recorded shapes only", error)
+    return model
+
+
+def _merge(declared: TensorInfo, inferred: TensorInfo) -> TensorInfo:
+    """Inference's info, with the declared element type or shape where inference has none."""
+    shape = inferred.shape if inferred.shape is not None else declared.shape
+    return TensorInfo(inferred.dtype or declared.dtype, shape)
+
+
+def graph_infos(graph: onnx.GraphProto, inferred: Optional[onnx.GraphProto] = None, outer=None) -> StaticInfos:
+    """What is known about every tensor ``graph`` reads: the outer scope's infos (a subgraph may read its
+    enclosing graphs' names), the graph's own declarations, shape inference's annotations of its twin in the
+    inferred model (``inferred``; None where inference did not reach), then type propagation."""
+    infos: Dict[str, TensorInfo] = dict(outer or {})
+    infos.update(collect_graph_infos(graph))
+    if inferred is not None:
+        for name, info in collect_graph_infos(inferred).items():
+            infos[name] = _merge(infos[name], info) if name in infos else info
+    return propagate_types(graph, infos, outer)
+
+
+def infer_static_infos(model: onnx.ModelProto) -> StaticInfos:
+    """Run shape inference (symbolic first) and return what it and type propagation know about every tensor of
+    the main graph."""
+    return graph_infos(model.graph, inferred_model(model).graph)

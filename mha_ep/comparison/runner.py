@@ -240,10 +240,11 @@ def compare(
         report.plugin_error = f"the plugin session could not be created where stock ORT's was: {first_line(error)}"
         return report
     report.backend = plugin.backend.name
-    # decisions come one per MHA node in graph order: match them by position, never by (possibly empty) name
+    # the main graph's decisions come one per MHA node in graph order: match them by position, never by (possibly
+    # empty) name; a subgraph's nodes (a path) have no outputs the graph can expose
     mha_nodes = [n for n in original.graph.node if is_ort_mha(n) or is_plugin_mha(n)]
     node_of_output = {}
-    for index, (node, decision) in enumerate(zip(mha_nodes, plugin.decisions)):
+    for index, (node, decision) in enumerate(zip(mha_nodes, [d for d in plugin.decisions if not d.path])):
         if decision.claimed:
             for out in node.output:
                 if out:

@@ -113,7 +113,8 @@ def test_cli_bad_paths_and_feeds_are_one_line_errors(tmp_path):
     assert done.returncode == 2 and "missing ['attention_mask']" in done.stderr, done.stderr
 
 
-def test_partition_notes_mha_nodes_inside_subgraphs():
+def test_partition_claims_mha_nodes_inside_subgraphs(tmp_path):
+    """Once a note ("left to ORT"); now claimed (the pass's rule 8), and the CLI's report names the path."""
     inner = helper.make_graph(
         [helper.make_node("MultiHeadAttention", ["x", "x", "x"], ["y"], domain="com.microsoft", num_heads=2)],
         "then", [], [helper.make_tensor_value_info("y", TP.FLOAT, [1, 3, 8])],
@@ -131,8 +132,12 @@ def test_partition_notes_mha_nodes_inside_subgraphs():
         graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     )
     result = mha_ep.partition(model)
-    assert result.decisions == []
-    assert "1 MultiHeadAttention node(s) inside control-flow subgraphs" in result.report()
+    assert [(d.where, d.claimed) for d in result.decisions] == [("If_0/then_branch/<unnamed>", True)]
+    source = tmp_path / "if.onnx"
+    onnx.save(model, source)
+    done = run_cli("partition", str(source))
+    assert done.returncode == 0 and "claimed   If_0/then_branch/<unnamed>" in done.stdout, done.stdout + done.stderr
+    assert "control-flow" not in done.stdout
 
 
 def test_cli_partition_output_is_written_whole(tmp_path):
