@@ -142,7 +142,7 @@ def test_long_node_names_keep_the_report_aligned():
                               num_heads=2, name="short")  # fmt: skip
     model.graph.node.append(second)
     model.graph.output.append(helper.make_tensor_value_info("o2", TP.FLOAT, None))
-    model.graph.output.append(helper.make_tensor_value_info("qk", TP.FLOAT, None))
+    model.graph.output.append(helper.make_tensor_value_info("qk", TP.FLOAT, [1, 2, 3]))  # not what it writes
     lines = [line for line in mha_ep.partition(model).report().splitlines() if "declined  " in line]
     assert lines and lines[0].index("mha_ep MultiHeadAttention:") > len("  declined  short:  ")
     report = mha_ep.compare(model, backend="reference", per_node=True, repeat=1)

@@ -233,3 +233,33 @@ def test_partition_declines_a_node_without_query_instead_of_crashing():
     model = one_mha(node_inputs=("", "k", "v"))
     (decision,) = mha_ep.partition(model).decisions
     assert not decision.claimed and decision.subject == "query"
+
+
+@pytest.mark.parametrize("declared, words", [
+    (helper.make_tensor_value_info("qk", TP.INT32, None), "output 3 (qk) 'qk' is declared int32; ORT's QK type"),
+    (helper.make_tensor_value_info("qk", TP.FLOAT, [1, 2, 3]),
+     "output 3 (qk) 'qk' is declared with shape (1, 2, 3), but the node writes (B, N, S, T) = (?, 2, ?, ?)"),
+])  # fmt: skip
+def test_a_qk_output_declared_unlike_what_the_node_writes_is_declined_naming_it(declared, words):
+    model = two_node_model(qk_output_on_second=True)
+    for index, output in enumerate(model.graph.output):
+        if output.name == "qk":
+            model.graph.output[index].CopyFrom(declared)
+    decision = mha_ep.partition(model).decisions[1]
+    assert not decision.claimed and words in decision.reason and decision.subject == "qk", decision
+
+
+@pytest.mark.parametrize("qk_type, route, casts", [
+    (TP.FLOAT, "python-op", 0), (TP.FLOAT16, "python-op", 1), (TP.FLOAT, "native", 0), (TP.FLOAT16, "native", 1),
+])  # fmt: skip
+def test_a_qk_output_of_another_type_than_the_op_writes_gets_a_cast(qk_type, route, casts):
+    """ORT's QK type constraint is independent of T: the op writes qk in the type it computes in, and a Cast
+    after it gives the declared type (partition rule 5)."""
+    model = two_node_model(qk_output_on_second=True)
+    for index, output in enumerate(model.graph.output):
+        if output.name == "qk":
+            model.graph.output[index].CopyFrom(helper.make_tensor_value_info("qk", qk_type, None))
+    result = mha_ep.partition(model, route=route)
+    assert result.claimed == 2, result.report()
+    made = [n for n in result.model.graph.node if n.op_type == "Cast" and "qk" in n.output]
+    assert len(made) == casts and all(n.attribute[0].i == qk_type for n in made)
