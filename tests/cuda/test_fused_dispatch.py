@@ -423,3 +423,15 @@ def test_fused_steps_launch_the_split_pair_for_decode_steps_and_flash_otherwise(
         assert combine.grid == (g.batch * g.num_heads * g.q_seq, 1, 1) and combine.args[-1].address == 5 << 20
         rows = g.batch * g.num_heads * split.splits * g.q_seq
         assert taken == {"split_O": 4 * rows * g.v_head_size, "split_ML": 8 * rows}
+
+
+def test_a_float16_call_that_writes_qk_keeps_the_row_constant_bias_term():
+    """Without a past, scale * (q_i + b_q) . b_k is the same for every key of a row and the softmax cancels it, so
+    score_terms leaves it out; qk is the scores before any softmax, so a call that writes qk keeps it (the GPU
+    suite's float16 B1 S1 L1 H1 case, whose single-key softmax hid the missing term from the output, found it)."""
+    from dataclasses import replace
+
+    problem = replace(problem_with(h=8, dtype="float16"), bias_q=np.ones(8, np.float32),
+                      bias_k=np.ones(8, np.float32), bias_v=np.ones(8, np.float32))  # fmt: skip
+    assert not dispatch.score_terms(problem).query_offset
+    assert dispatch.score_terms(replace(problem, want_qk=True)).query_offset

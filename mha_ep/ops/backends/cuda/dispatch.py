@@ -203,7 +203,8 @@ def score_terms(problem: MhaProblem) -> ScoreTerms:
     : the tensor-core product of exact operands (float32 accumulation), a per-key offset and a per-query offset
     of the new keys, both in float32. With P = 0 the last term is the same for every key of a row, which the
     softmax cancels: it is left out (one add per score less), and the key offsets carry 0 * sum(b_k) instead, so
-    that a non-finite b_k still makes the scores NaN as in ORT. The value
+    that a non-finite b_k still makes the scores NaN as in ORT; a call that writes qk keeps it (qk is the scores
+    themselves, before any softmax could cancel the term). The value
     bias stays in the V operand: sum_j p_ij = 1, so its rounding moves an output by one rounding of (v + b_v),
     2^-11 relative in float16. float32 calls add every bias in float32 (nothing is rounded)."""
     if problem.dtype not in LOW_PRECISION_DTYPES:
@@ -213,7 +214,7 @@ def score_terms(problem: MhaProblem) -> ScoreTerms:
         query_bias_in_operand=False,
         key_bias_in_operand=False,
         key_offset=problem.bias_q is not None or (problem.bias_k is not None and not past),
-        query_offset=problem.bias_k is not None and past,
+        query_offset=problem.bias_k is not None and (past or problem.want_qk),
     )
 
 
