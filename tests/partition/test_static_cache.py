@@ -52,11 +52,11 @@ def whisper_prompt(precision: str, batch: int = 2, seed: int = 0, logits: bool =
 
 
 def decode_both(dynamic, static, first, self_kv, others, steps: int, max_length: int, seed: int = 1,
-                static_session_of=None):
+                static_session_of=None, static_feeds=None, p_name=PAST_SEQUENCE_LENGTH):
     """Greedy decoding of ``steps`` tokens with the dynamic decoder (growing pasts) and the static one (pasts
-    (B, N, max_length, H), poisoned beyond the prompt), each from its own tokens, checking at every step that the
-    static presents keep every row but row P. Returns per model the tokens and last-position logits of each step,
-    and the static cache's filled rows next to the dynamic presents."""
+    (B, N, max_length, H), poisoned beyond the prompt; P fed as ``p_name``, with ``static_feeds`` besides), each from
+    its own tokens, checking at every step that the static presents keep every row but row P. Returns per model the
+    tokens and last-position logits of each step, and the static cache's filled rows next to the dynamic presents."""
     rng = np.random.default_rng(seed)
     past_length = next(iter(self_kv.values())).shape[2]
     cache = {}
@@ -72,8 +72,8 @@ def decode_both(dynamic, static, first, self_kv, others, steps: int, max_length:
         position = past_length + step
         out = run(dynamic_session, {"input_ids": tokens["dynamic"][:, None], **grown, **others})
         grown = {name: out[name.replace("past", "present")] for name in grown}
-        feeds = {"input_ids": tokens["static"][:, None], **cache, **others,
-                 PAST_SEQUENCE_LENGTH: np.array([position], np.int32)}  # fmt: skip
+        feeds = {"input_ids": tokens["static"][:, None], **cache, **others, **(static_feeds or {}),
+                 p_name: np.array([position], np.int32)}  # fmt: skip
         out_static = run(static_session, feeds)
         for name in cache:
             present = out_static[name.replace("past", "present")]
@@ -238,7 +238,8 @@ def test_the_input_model_is_left_alone():
     assert decoder.SerializeToString() == before
 
 
-def tiny_decoder(position_nodes, constants: dict, step="seq", extra_nodes=(), extra_outputs=()) -> onnx.ModelProto:
+def tiny_decoder(position_nodes, constants: dict, step="seq", extra_nodes=(), extra_outputs=(),
+                 extra_inputs=()) -> onnx.ModelProto:  # fmt: skip
     """A one-layer decoder (hidden 8, 2 heads of head size 4, vocab 50): embed_tokens[input_ids] plus
     embed_positions[positions], ``positions`` made by ``position_nodes`` from the shapes (``constants``: their
     int64 initializers), causal self-attention over a past, then logits. ``step``: input_ids' length dim."""
@@ -262,7 +263,7 @@ def tiny_decoder(position_nodes, constants: dict, step="seq", extra_nodes=(), ex
     inputs = [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", step])] + [
         helper.make_tensor_value_info(f"past_{kind}_self_0", TP.FLOAT, ["batch", heads, "past", head])
         for kind in ("key", "value")
-    ]
+    ] + list(extra_inputs)
     outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, ["batch", step, vocab]), *extra_outputs] + [
         helper.make_tensor_value_info(f"present_{kind}_self_0", TP.FLOAT, ["batch", heads, "total", head])
         for kind in ("key", "value")
@@ -325,37 +326,164 @@ def test_every_evaluated_op_gives_the_dynamic_logits(batch):
     assert_same_decoding(trace, TOLERANCE["fp32"])
 
 
-def range_decoder(read_past: bool = False) -> onnx.ModelProto:
-    """Positions Range(P, P + seq), seq the symbolic step length of input_ids: a range whose length only the run
-    knows. ``read_past``: a ReduceSum also reads the past."""
+def range_decoder(read_past: bool = False, limit_from=("input_ids", 1), token_types: bool = False) -> onnx.ModelProto:
+    """Positions Range(P, P + n), n = Shape(input)[dim] of ``limit_from``: by default input_ids' symbolic step
+    length ``seq``, the positions as ``torch.onnx.export`` with ``dynamic_axes`` writes them; ("input_ids", 0): the
+    batch, the positions reshaped to (batch, 1); ("prompt", 1): the positions by the step length, and besides them
+    an output ``prompt_positions`` Range(P, P + prompt_len), from an input ``prompt`` (batch, prompt_len): a length
+    that only the run knows. ``read_past``: a ReduceSum also reads the past. ``token_types``: a second input of the
+    step length, ``token_type_ids`` (batch, seq), looked up into an output ``type_rows`` (batch, seq, 3)."""
     make = helper.make_node
+    source, dim = limit_from
+    by_batch = limit_from == ("input_ids", 0)
     nodes = [
         make("Shape", ["past_key_self_0"], ["past_shape"], name="/decoder/Shape"),
         make("Gather", ["past_shape", "two"], ["past_length"], name="/decoder/Gather"),
         make("Shape", ["input_ids"], ["ids_shape"], name="/decoder/Shape_1"),
-        make("Gather", ["ids_shape", "one"], ["step_length"], name="/decoder/Gather_1"),
+        make("Gather", ["ids_shape", "zero" if by_batch else "one"], ["step_length"], name="/decoder/Gather_1"),
         make("Add", ["past_length", "step_length"], ["limit"], name="/decoder/Add"),
-        make("Range", ["past_length", "limit", "one"], ["positions"], name="/decoder/Range"),
+        make("Range", ["past_length", "limit", "one"], ["range" if by_batch else "positions"], name="/decoder/Range"),
+        *([make("Reshape", ["range", "column"], ["positions"], name="/decoder/Reshape")] if by_batch else []),
     ]
-    peek = [make("ReduceSum", ["past_key_self_0"], ["past_sum"], name="/decoder/peek")] if read_past else []
-    return tiny_decoder(nodes, {"two": 2, "one": 1}, extra_nodes=peek,
-                        extra_outputs=[helper.make_tensor_value_info("past_sum", TP.FLOAT, None)] if read_past else [])
+    extra, outputs, inputs = [], [], []
+    if read_past:
+        extra.append(make("ReduceSum", ["past_key_self_0"], ["past_sum"], name="/decoder/peek"))
+        outputs.append(helper.make_tensor_value_info("past_sum", TP.FLOAT, None))
+    if source == "prompt":
+        extra += [
+            make("Shape", ["prompt"], ["prompt_shape"], name="/decoder/prompt_shape"),
+            make("Gather", ["prompt_shape", "one"], ["prompt_len"], name="/decoder/prompt_len"),
+            make("Add", ["past_length", "prompt_len"], ["prompt_limit"], name="/decoder/prompt_limit"),
+            make("Range", ["past_length", "prompt_limit", "one"], ["prompt_positions"], name="/decoder/prompt_range"),
+        ]
+        outputs.append(helper.make_tensor_value_info("prompt_positions", TP.INT64, ["prompt_len"]))
+        inputs.append(helper.make_tensor_value_info("prompt", TP.INT64, ["batch", "prompt_len"]))
+    if token_types:
+        extra.append(make("Gather", ["type_table", "token_type_ids"], ["type_rows"], name="/decoder/token_types"))
+        outputs.append(helper.make_tensor_value_info("type_rows", TP.INT64, ["batch", "seq", 3]))
+        inputs.append(helper.make_tensor_value_info("token_type_ids", TP.INT64, ["batch", "seq"]))
+    constants = {"two": 2, "one": 1, "zero": 0, "column": [-1, 1], "type_table": [[0, 1, 2], [3, 4, 5]]}
+    return tiny_decoder(nodes, constants, extra_nodes=extra,
+                        extra_outputs=outputs, extra_inputs=inputs)  # fmt: skip
 
 
 def test_range_decoder_runs_as_it_is():
-    """The refusal below is about the rewrite, not a broken model: stock ORT runs the dynamic one."""
+    """The refusals below are about the rewrite, not a broken model: stock ORT runs the dynamic one."""
     rng = np.random.default_rng(2)
     feeds = {f"past_{k}_self_0": rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
     feeds["input_ids"] = rng.integers(0, 50, (1, 2)).astype(np.int64)
     assert run(session(range_decoder()), feeds)["present_key_self_0"].shape == (1, 2, 5, 4)
+    assert run(session(range_decoder(limit_from=("input_ids", 0))), feeds)["logits"].shape == (1, 2, 50)
+
+
+def declared(model: onnx.ModelProto) -> dict:
+    """Every graph input's and output's dims: an int, or the symbol's name."""
+    return {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}  # fmt: skip
+
+
+def test_a_symbolic_step_length_is_pinned_to_1_and_decodes_the_same():
+    """input_ids (batch, seq), as torch.onnx.export writes it with dynamic_axes, embedded by a Gather, positions
+    Range(P, P + seq): the rewrite pins seq to 1 in every input that carries it, says so, and decodes the dynamic
+    decoder's tokens."""
+    decoder = range_decoder(token_types=True)
+    result = static_cache(decoder, max_length=12, batch=2)
+    dims = declared(result.model)
+    assert dims["input_ids"] == dims["token_type_ids"] == [2, 1] and dims["logits"] == [2, 1, 50]
+    assert dims["type_rows"] == [2, 1, 3]
+    assert result.pinned == (("input_ids", 1, "seq", 1), ("token_type_ids", 1, "seq", 1)) and result.step_length == 1
+    assert "pinned input_ids dim 1 ('seq') to 1 (--step-length)" in result.report()
+    assert "pinned token_type_ids dim 1 ('seq') to 1 (--step-length)" in result.report()
+    data = result.to_dict()
+    assert data["pinned"][0] == {"input": "input_ids", "dim": 1, "symbol": "seq", "value": 1}
+    assert data["step_length"] == 1 and data["kept_inputs"] == []
+    assert not {"Shape", "Range"} & {n.op_type for n in result.model.graph.node}
+    rng = np.random.default_rng(6)
+    pasts = {f"past_{k}_self_0": rng.standard_normal((2, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
+    types = {"token_type_ids": rng.integers(0, 2, (2, 1)).astype(np.int64)}
+    trace = decode_both(decoder, result.model, rng.integers(0, 50, 2).astype(np.int64), pasts, types, steps=6,
+                        max_length=12)  # fmt: skip
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+
+
+def test_step_length_pins_a_symbolic_step_to_its_value():
+    """--step-length 2: two tokens a step, the same logits and cache rows as the dynamic decoder's."""
+    decoder = range_decoder()
+    result = static_cache(decoder, max_length=12, batch=1, step_length=2)
+    assert declared(result.model)["input_ids"] == [1, 2] and result.pinned == (("input_ids", 1, "seq", 2),)
+    assert "pinned input_ids dim 1 ('seq') to 2 (--step-length)" in result.report()
+    rng = np.random.default_rng(7)
+    grown = {f"past_{k}_self_0": rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
+    cache = {name: np.concatenate([v, 100 * rng.standard_normal((1, 2, 9, 4)).astype(np.float32)], axis=2)
+             for name, v in grown.items()}  # fmt: skip
+    dynamic, static = session(decoder), session(result.model)
+    for position in (3, 5, 7):
+        ids = rng.integers(0, 50, (1, 2)).astype(np.int64)
+        want = run(dynamic, {"input_ids": ids, **grown})
+        got = run(static, {"input_ids": ids, **cache, PAST_SEQUENCE_LENGTH: np.array([position], np.int32)})
+        assert np.abs(got["logits"] - want["logits"]).max() <= TOLERANCE["fp32"], position
+        for name in grown:
+            present = name.replace("past", "present")
+            assert np.abs(got[present][:, :, : position + 2] - want[present]).max() <= TOLERANCE["fp32"]
+            assert np.array_equal(got[present][:, :, position + 2 :], cache[name][:, :, position + 2 :])
+            grown[name], cache[name] = want[present], got[present]
+
+
+def test_a_static_step_length_is_kept_and_checked():
+    decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    result = static_cache(decoder, max_length=16, step_length=1)
+    assert result.step_length == 1 and result.pinned == () and "step length: 1, static in the model" in result.report()
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, step_length=2)
+    assert str(caught.value) == ("the step length is static in the model: input 'input_ids' dim 1 is 1, not "
+                                 "--step-length 2; give --step-length 1 or leave it out")  # fmt: skip
+
+
+@pytest.mark.parametrize("step_length", [0, 17, 1.5])
+def test_refuses_a_step_length_that_does_not_fit_the_buffer(step_length):
+    with pytest.raises(StaticCacheError, match=r"step_length must be a whole number from 1 to max_length 16"):
+        static_cache(range_decoder(), max_length=16, step_length=step_length)
 
 
 def test_refuses_a_range_whose_length_only_the_run_knows():
     with pytest.raises(StaticCacheError) as caught:
-        static_cache(range_decoder(), max_length=16, batch=1)
+        static_cache(range_decoder(limit_from=("prompt", 1)), max_length=16, batch=1)
     message = str(caught.value)
-    assert "node '/decoder/Range' (Range)" in message and "past_sequence_length" in message
-    assert "start 'past_length'" in message and "limit 'limit'" in message and "CUDA graph" in message
+    assert "node '/decoder/prompt_range' (Range)" in message and "past_sequence_length" in message
+    assert "start 'past_length'" in message and "limit 'prompt_limit'" in message and "CUDA graph" in message
+    assert "input 'prompt' dim 1 ('prompt_len') (no flag pins it: declare it static in the model)" in message
+    assert "input_ids" not in message, "input_ids' dims are static here (batch 1, the step length pinned to 1)"
+
+
+def test_a_refusal_for_the_symbolic_batch_names_the_input_and_batch():
+    """Positions Range(P, P + batch): only --batch makes its length known; the rewrite says so, and with it the
+    rewrite goes through."""
+    decoder = range_decoder(limit_from=("input_ids", 0))
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16)
+    message = str(caught.value)
+    assert "node '/decoder/Range' (Range)" in message
+    assert "input 'input_ids' dim 0 ('batch') (pin it with --batch)" in message
+    assert "input 'past_key_self_0' dim 0 ('batch') (pin it with --batch)" in message
+    assert [d.dim_value for d in static_cache(decoder, max_length=16, batch=1).model.graph.input[0].type.tensor_type
+            .shape.dim] == [1, 1]  # fmt: skip
+
+
+def test_a_refusal_for_a_shape_of_the_past_names_the_past_and_batch():
+    """The past's whole shape as an output, the batch symbolic: the Shape node would have to stay, on a past."""
+    shape = helper.make_node("Shape", ["past_key_self_0"], ["past_dims"], name="/decoder/past_dims")
+    decoder = tiny_decoder([helper.make_node("Identity", ["zero"], ["positions"], name="/decoder/positions")],
+                           {"zero": [0]}, step=1, extra_nodes=[shape],
+                           extra_outputs=[helper.make_tensor_value_info("past_dims", TP.INT64, [4])])  # fmt: skip
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16)
+    message = str(caught.value)
+    assert "node '/decoder/past_dims' (Shape)" in message and "max_length, not past_sequence_length" in message
+    assert "input 'past_key_self_0' dim 0 ('batch') (pin it with --batch)" in message
+    result = static_cache(decoder, max_length=16, batch=2)
+    feeds = {f"past_{k}_self_0": np.zeros((2, 2, 16, 4), np.float32) for k in ("key", "value")}
+    feeds.update(input_ids=np.ones((2, 1), np.int64), past_sequence_length=np.array([5], np.int32))
+    assert run(session(result.model), feeds)["past_dims"].tolist() == [2, 2, 5, 4]
 
 
 def test_refuses_a_model_without_self_attention_with_past():
@@ -370,11 +498,28 @@ def test_refuses_a_past_that_another_node_reads():
     assert "node '/decoder/peek' (ReduceSum)" in str(caught.value) and "'past_key_self_0'" in str(caught.value)
 
 
-def test_refuses_a_model_already_in_the_shared_buffer_form():
+def test_a_decoder_in_the_shared_buffer_form_keeps_its_inputs_and_decodes_the_same():
+    """The rewrite of a rewritten decoder: its self nodes read past_sequence_length already, so that input is kept
+    (not added twice) and the pasts are buffers of max_length rows; it decodes the dynamic decoder's tokens."""
+    decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    once = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    twice = static_cache(once.model, max_length=MAX_LENGTH, batch=2)
+    assert [v.name for v in twice.model.graph.input] == [v.name for v in once.model.graph.input]
+    assert declared(twice.model) == declared(once.model)
+    assert twice.kept_inputs == (PAST_SEQUENCE_LENGTH,) and twice.self_layers == once.self_layers
+    assert "input kept: past_sequence_length int32 (1,), the rows filled so far" in twice.report()
+    first, self_kv, cross = whisper_prompt("fp32")
+    assert_same_decoding(decode_both(decoder, twice.model, first, self_kv, cross, 6, MAX_LENGTH), TOLERANCE["fp32"])
+
+
+def test_refuses_a_shared_buffer_of_another_length():
     once = static_cache(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"), max_length=16, batch=1)
     with pytest.raises(StaticCacheError) as caught:
-        static_cache(once.model, max_length=16, batch=1)
-    assert "node 'Attention_0' (MultiHeadAttention)" in str(caught.value) and "inputs 8/9" in str(caught.value)
+        static_cache(once.model, max_length=24, batch=1)
+    assert str(caught.value) == (
+        "input 'past_key_self_0' dim 2 is the static buffer length 16 (its node reads 'past_sequence_length' "
+        "already: the past is the shared buffer), not --max-length 24"
+    )
 
 
 @pytest.mark.parametrize("max_length", [0, -3])
