@@ -597,6 +597,7 @@ class StaticCachePass:
         self.step: Optional[int] = None  # rule 3: the step length, when known
         self.step_symbol: Optional[str] = None  # rule 3: its symbol, when the model had one
         self.pinned: List[Tuple[str, int, str, int]] = []  # rule 3: (input, dim, symbol, value)
+        self.symbol_values: Dict[str, int] = {}  # rule 3: the symbols pinned in the inputs, for the outputs (rule 7)
         self.dims: Dict[str, Tuple[Dim, ...]] = {}  # rule 4's inferred dims, the pasts' length as P_SYMBOL
         self.free: Set[str] = set()  # dim_params that stay symbolic and are not the pasts' length
         self.values: Dict[str, Affine] = {}
@@ -748,7 +749,7 @@ class StaticCachePass:
         dims = _dims_of(value)
         if dtype != onnx.TensorProto.INT32:
             raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has element type "
-                                   f"{helper.tensor_dtype_to_string(dtype)}, not int32")  # fmt: skip
+                                   f"{onnx.TensorProto.DataType.Name(dtype)}, not int32")  # fmt: skip
         if slot == spec.SLOT[PAST_SEQUENCE_LENGTH] and dims not in ((1,), ()):
             raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has dims {dims}, not (1,) or a scalar: "
                                    "it holds one number, P")  # fmt: skip
@@ -803,6 +804,8 @@ class StaticCachePass:
             elif value.name == self.p_input:
                 continue
             elif self.batch is not None and dims and not isinstance(dims[0], int):
+                if dims[0]:
+                    self.symbol_values[dims[0]] = self.batch
                 dims[0] = self.batch
             if value.name in self.pasts:
                 dims[2] = self.max_length if self.buffers_already else P_SYMBOL
@@ -888,8 +891,9 @@ class StaticCachePass:
         """The step length: the dim 1 of the self nodes' queries. A symbol of the inputs is pinned to step_length
         (1 when not given) in every input that carries it; a static one is checked against step_length. Whether
         inputs were pinned."""
-        steps = {(self.dims.get(node.input[0]) or (None, None))[1:2] for node in self.self_nodes}
-        step = next(iter(steps))[0] if len(steps) == 1 and next(iter(steps)) else None
+        steps = [(self.dims.get(node.input[0]) or (None, None))[1] for node in self.self_nodes]
+        known = set(steps) - {None}  # inference may stop short of the later layers
+        step = next(iter(known)) if len(known) == 1 else None
         carriers = [(v.name, i) for v in self.graph.input if v.name not in self.pasts
                     for i, d in enumerate(_dims_of(v) or ()) if isinstance(step, str) and d == step]  # fmt: skip
         if isinstance(step, int):
@@ -904,11 +908,12 @@ class StaticCachePass:
                 queries = ", ".join(f"{node.input[0]!r}" for node in self.self_nodes)
                 raise StaticCacheError(
                     f"--step-length {self.step_length}: the self-attention queries ({queries}) have dim 1 "
-                    f"{sorted(str(s[0]) if s else 'unknown' for s in steps)}, not one symbol of the inputs, so the "
+                    f"{[s if s is not None else 'unknown' for s in steps]}, not one symbol of the inputs, so the "
                     "rewrite cannot tell which input dim to pin: declare input_ids' dim 1 in the model"
                 )
             return False
         self.step, self.step_symbol = self.step_length or 1, step
+        self.symbol_values[step] = self.step
         for name, index in carriers:
             dims = list(_dims_of(self.graph_inputs[name]))
             dims[index] = self.step
@@ -1063,7 +1068,7 @@ class StaticCachePass:
 
     def check_kept_subgraph(self, node: onnx.NodeProto) -> None:
         """Rule 6 for a node with a subgraph (If, Loop, Scan) that stays: it reads nothing that depends on P."""
-        on_p = [name for name in _names_read(self.graph, node) if self.depends_on_p(name)]
+        on_p = [name for name in dict.fromkeys(_names_read(self.graph, node)) if self.depends_on_p(name)]
         if on_p:
             raise StaticCacheError(
                 f"{_where(node)}: it has a subgraph and reads {', '.join(repr(n) for n in on_p)}, which "
@@ -1123,7 +1128,7 @@ class StaticCachePass:
     # Rules 2 and 7
     def declare_outputs(self) -> None:
         """The pasts and presents (B, N, max_length, H); every other output's dims where inference found them
-        static (or a free dim)."""
+        static (or a free dim), and a symbol pinned in the inputs (the batch, the step length) as its value."""
         buffers = {}
         for node in self.self_nodes:
             for past, present in ((node.input[PAST_KEY], node.output[PRESENT_KEY]),
@@ -1132,13 +1137,17 @@ class StaticCachePass:
                 dims[2] = self.max_length
                 buffers[past] = buffers[present] = dims
         for value in list(self.graph.input) + list(self.graph.output):
-            declared = _dims_of(value)
-            found = self.dims.get(value.name)
             if value.name in buffers:
                 _set_dims(value, buffers[value.name])
-            elif value.name in self.graph_outputs and found is not None and len(declared or found) == len(found):
-                keep = declared or [None] * len(found)
-                _set_dims(value, [f if isinstance(f, int) or f in self.free else d for f, d in zip(found, keep)])
+            if value.name in buffers or value.name not in self.graph_outputs:
+                continue
+            dims = list(_dims_of(value) or ())
+            found = self.dims.get(value.name)
+            if found is not None and len(dims or found) == len(found):
+                keep = dims or [None] * len(found)
+                dims = [f if isinstance(f, int) or f in self.free else d for f, d in zip(found, keep)]
+            if dims:
+                _set_dims(value, [self.symbol_values.get(d, d) if isinstance(d, str) else d for d in dims])
 
     # Rule 5
     def drop_unused(self) -> None:

@@ -522,6 +522,224 @@ def test_refuses_a_shared_buffer_of_another_length():
     )
 
 
+def export_decoder(buffers: bool, layers: int = 2, p_name: str = PAST_SEQUENCE_LENGTH, qk: bool = False,
+                   p_type=TP.INT32) -> onnx.ModelProto:  # fmt: skip
+    """A decoder-with-past as ORT's Whisper export writes it (hidden 8, 2 heads of head size 4, vocab 50): input_ids
+    (batch_size, sequence_length) embedded plus positions Range(P, P + sequence_length), then per layer causal
+    self-attention over a past and cross-attention over BNSH (B, N, L_enc, H) key/value inputs, with residuals.
+    ``buffers``: the ``--use_decoder_masked_mha`` form: P comes from the input ``p_name`` (int32 (1,),
+    Squeeze -> Cast), and every MultiHeadAttention node, the cross ones too, reads it and ``cache_indirection``
+    (batch_size, beam_width, max_sequence_length) at inputs 8/9; else P = Shape(past_key_self_0)[2] and no node
+    has inputs 8/9. The weights are the same either way. ``qk``: each cross node's qk output (B, N, S, L_enc) is a
+    graph output ``output_cross_qk_<layer>``."""
+    hidden, heads, head, vocab = 8, 2, 4, 50
+    rng = np.random.default_rng(3)
+    weights = {"embed_tokens": (vocab, hidden), "embed_positions": (64, hidden), "lm_head": (hidden, vocab),
+               **{f"cross_q_{i}": (hidden, hidden) for i in range(layers)}}  # fmt: skip
+    initializers = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+                    for name, shape in weights.items()]  # fmt: skip
+    initializers += [numpy_helper.from_array(np.array(v, np.int64), name) for name, v in (("one", 1), ("two", 2))]
+    make = helper.make_node
+    if buffers:
+        p_nodes = [make("Squeeze", [p_name], ["p_int32"], name="/decoder/Squeeze"),
+                   make("Cast", ["p_int32"], ["p"], name="/decoder/Cast", to=TP.INT64)]  # fmt: skip
+    else:
+        p_nodes = [make("Shape", ["past_key_self_0"], ["past_shape"], name="/decoder/Shape"),
+                   make("Gather", ["past_shape", "two"], ["p"], name="/decoder/Gather")]  # fmt: skip
+    nodes = [
+        make("Gather", ["embed_tokens", "input_ids"], ["tokens"], name="/decoder/embed_tokens"),
+        *p_nodes,
+        make("Shape", ["input_ids"], ["ids_shape"], name="/decoder/Shape_1"),
+        make("Gather", ["ids_shape", "one"], ["step"], name="/decoder/Gather_1"),
+        make("Add", ["p", "step"], ["limit"], name="/decoder/Add"),
+        make("Range", ["p", "limit", "one"], ["positions"], name="/decoder/Range"),
+        make("Gather", ["embed_positions", "positions"], ["position"], name="/decoder/embed_positions"),
+        make("Add", ["tokens", "position"], ["x0"], name="/decoder/add_positions"),
+    ]
+    shared = [p_name, "cache_indirection"] if buffers else []
+    batch, cache, cross = "batch_size", ["batch_size", heads, "past_sequence_length", head], \
+        ["batch_size", heads, "encode_sequence_length", head]
+    inputs = [helper.make_tensor_value_info("input_ids", TP.INT64, [batch, "sequence_length"])]
+    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, [batch, "sequence_length", vocab])]
+    for i in range(layers):
+        nodes += [
+            make("MultiHeadAttention", [f"x{i}", f"x{i}", f"x{i}", "", "", "", f"past_key_self_{i}",
+                                        f"past_value_self_{i}", *shared],
+                 [f"self_{i}", f"present_key_self_{i}", f"present_value_self_{i}"], domain="com.microsoft",
+                 name=f"/decoder/layers.{i}/self_attn", num_heads=heads, unidirectional=1),
+            make("MatMul", [f"self_{i}", f"cross_q_{i}"], [f"cross_query_{i}"], name=f"/decoder/layers.{i}/cross_q"),
+            make("MultiHeadAttention",
+                 [f"cross_query_{i}", f"past_key_cross_{i}", f"past_value_cross_{i}",
+                  *(["", "", "", "", "", *shared] if buffers else [])],
+                 [f"cross_{i}", *(["", "", f"output_cross_qk_{i}"] if qk else [])], domain="com.microsoft",
+                 name=f"/decoder/layers.{i}/cross_attn", num_heads=heads),
+            make("Add", [f"self_{i}", f"cross_{i}"], [f"x{i + 1}"], name=f"/decoder/layers.{i}/residual"),
+        ]  # fmt: skip
+        inputs += [helper.make_tensor_value_info(f"past_{k}_self_{i}", TP.FLOAT, cache) for k in ("key", "value")]
+        inputs += [helper.make_tensor_value_info(f"past_{k}_cross_{i}", TP.FLOAT, cross) for k in ("key", "value")]
+        outputs += [helper.make_tensor_value_info(f"present_{k}_self_{i}", TP.FLOAT,
+                                                  [batch, heads, "total_sequence_length", head])
+                    for k in ("key", "value")]  # fmt: skip
+        if qk:
+            outputs.append(helper.make_tensor_value_info(f"output_cross_qk_{i}", TP.FLOAT,
+                                                         [batch, heads, "sequence_length", "encode_sequence_length"]))
+    nodes.append(make("MatMul", [f"x{layers}", "lm_head"], ["logits"], name="/decoder/lm_head"))
+    if buffers:
+        inputs += [helper.make_tensor_value_info(p_name, p_type, [1]),
+                   helper.make_tensor_value_info("cache_indirection", TP.INT32,
+                                                 [batch, "beam_width", "max_sequence_length"])]  # fmt: skip
+    graph = helper.make_graph(nodes, "export_decoder", inputs, outputs, initializer=initializers)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+def export_prompt(layers: int = 2, batch: int = 2, seed: int = 8):
+    """Random first tokens (batch,), self pasts (batch, 2, PROMPT, 4) and cross K/V (batch, 2, 10, 4) of
+    ``export_decoder``'s inputs."""
+    rng = np.random.default_rng(seed)
+    self_kv = {f"past_{k}_self_{i}": rng.standard_normal((batch, 2, PROMPT, 4)).astype(np.float32)
+               for i in range(layers) for k in ("key", "value")}  # fmt: skip
+    cross = {f"past_{k}_cross_{i}": rng.standard_normal((batch, 2, 10, 4)).astype(np.float32)
+             for i in range(layers) for k in ("key", "value")}  # fmt: skip
+    return rng.integers(0, 50, batch).astype(np.int64), self_kv, cross
+
+
+@pytest.mark.parametrize("batch", [2, None], ids=["batch2", "batch-symbolic"])
+def test_the_decoder_masked_mha_export_keeps_its_inputs_and_decodes_the_same(batch):
+    """ORT's --use_decoder_masked_mha form: every MHA node, cross ones too, reads past_sequence_length and
+    cache_indirection. The rewrite keeps both inputs (adds none), leaves the cross nodes as they are, pins
+    sequence_length, and on stock ORT's CPU decodes the tokens of the same decoder without inputs 8/9 whose cache
+    grows."""
+    decoder = export_decoder(buffers=True)
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=batch)
+    names = [v.name for v in result.model.graph.input]
+    assert names == [v.name for v in decoder.graph.input] and names.count(PAST_SEQUENCE_LENGTH) == 1
+    assert result.kept_inputs == (PAST_SEQUENCE_LENGTH, "cache_indirection") and result.beams == 0
+    assert result.cache_indirection == "cache_indirection" and result.pinned[0][:3] == ("input_ids", 1, "sequence_length")
+    dims = declared(result.model)
+    rows = "batch_size" if batch is None else batch
+    assert dims["past_key_self_1"] == dims["present_value_self_0"] == [rows, 2, MAX_LENGTH, 4]
+    assert dims[PAST_SEQUENCE_LENGTH] == [1] and dims["input_ids"] == [rows, 1]
+    assert dims["cache_indirection"] == ["batch_size", "beam_width", MAX_LENGTH]
+    assert dims["past_key_cross_0"] == [rows, 2, "encode_sequence_length", 4]
+    before = {n.name: list(n.input) for n in decoder.graph.node if "cross_attn" in n.name}
+    assert {n.name: list(n.input) for n in result.model.graph.node if "cross_attn" in n.name} == before
+    report = result.report()
+    assert "input kept: past_sequence_length int32 (1,), the rows filled so far" in report
+    assert "input kept: cache_indirection int32 (batch_size, beam_width, 32), the beam" in report
+    first, self_kv, cross = export_prompt()
+    beam = {"cache_indirection": np.zeros((2, 1, MAX_LENGTH), np.int32)}  # one beam: every row reads its own
+    trace = decode_both(export_decoder(buffers=False), result.model, first, self_kv, cross, 8, MAX_LENGTH,
+                        static_feeds=beam)  # fmt: skip
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+
+
+def test_a_past_sequence_length_under_another_name_is_kept_and_reported():
+    decoder = export_decoder(buffers=True, p_name="past_seq_len")
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=2, beams=1)
+    assert result.past_sequence_length == "past_seq_len" and PAST_SEQUENCE_LENGTH not in declared(result.model)
+    assert declared(result.model)["cache_indirection"] == [2, 1, MAX_LENGTH]
+    assert ("input kept: past_seq_len int32 (1,) (the model's past_sequence_length, under its own name: bind it "
+            "there), the rows filled so far (P)") in result.report()  # fmt: skip
+    assert result.to_dict()["past_sequence_length"] == "past_seq_len"
+    assert all(n.input[8] == "past_seq_len" for n in result.model.graph.node if n.op_type == "MultiHeadAttention")
+    first, self_kv, cross = export_prompt()
+    beam = {"cache_indirection": np.zeros((2, 1, MAX_LENGTH), np.int32)}
+    trace = decode_both(export_decoder(buffers=False), result.model, first, self_kv, cross, 4, MAX_LENGTH,
+                        static_feeds=beam, p_name="past_seq_len")  # fmt: skip
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+
+
+def test_cross_nodes_with_a_qk_output_pass_through_the_rewrite():
+    """Cross nodes that ask for qk (as ORT's export with --output_cross_qk): they are no self nodes, so they stay
+    as they are, their qk outputs keep their names, and stock ORT CPU gives the dynamic decoder's qk."""
+    decoder = export_decoder(buffers=True, qk=True)
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    outputs = [v.name for v in result.model.graph.output]
+    assert outputs == [v.name for v in decoder.graph.output] and "output_cross_qk_1" in outputs
+    assert declared(result.model)["output_cross_qk_0"] == [2, 2, 1, "encode_sequence_length"]
+    cross = [list(n.output) for n in result.model.graph.node if "cross_attn" in n.name]
+    assert cross == [[f"cross_{i}", "", "", f"output_cross_qk_{i}"] for i in range(2)]
+    first, self_kv, cross_kv = export_prompt()
+    cache = {name: np.concatenate([v, np.zeros((2, 2, MAX_LENGTH - PROMPT, 4), np.float32)], axis=2)
+             for name, v in self_kv.items()}  # fmt: skip
+    want = run(session(export_decoder(buffers=False, qk=True)), {"input_ids": first[:, None], **self_kv, **cross_kv})
+    got = run(session(result.model), {"input_ids": first[:, None], **cache, **cross_kv,
+                                       "cache_indirection": np.zeros((2, 1, MAX_LENGTH), np.int32),
+                                       PAST_SEQUENCE_LENGTH: np.array([PROMPT], np.int32)})  # fmt: skip
+    for name in ("output_cross_qk_0", "output_cross_qk_1", "logits"):
+        assert got[name].shape == want[name].shape and np.abs(got[name] - want[name]).max() <= TOLERANCE["fp32"]
+
+
+def test_refuses_self_nodes_in_two_forms():
+    decoder = export_decoder(buffers=True)
+    second = next(n for n in decoder.graph.node if n.name == "/decoder/layers.1/self_attn")
+    del second.input[8:]
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=MAX_LENGTH)
+    assert str(caught.value) == (
+        "node '/decoder/layers.1/self_attn' (MultiHeadAttention): its past_sequence_length is 'absent', but node "
+        "'/decoder/layers.0/self_attn' (MultiHeadAttention) has 'past_sequence_length' there: every self-attention "
+        "node needs the same graph input at input 8, or none"
+    )
+
+
+def test_refuses_a_past_sequence_length_that_is_not_int32():
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(export_decoder(buffers=True, p_type=TP.INT64), max_length=MAX_LENGTH)
+    assert str(caught.value) == ("input 'past_sequence_length' (past_sequence_length of node "
+                                 "'/decoder/layers.0/self_attn' (MultiHeadAttention)) has element type INT64, not "
+                                 "int32")  # fmt: skip
+
+
+def test_refuses_a_cache_indirection_of_other_beams():
+    decoder = export_decoder(buffers=True)
+    decoder.graph.input[-1].type.tensor_type.shape.dim[1].dim_value = 4
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=MAX_LENGTH, batch=10, beams=5)
+    assert "input 'cache_indirection' (cache_indirection of node '/decoder/layers.0/self_attn' (MultiHeadAttention)) "\
+        "has the static beam width 4 (input 'cache_indirection' dim 1), not --beams 5" == str(caught.value)
+
+
+def subgraph_decoder(reads: str) -> onnx.ModelProto:
+    """Positions (1,) made by an If whose branches compute them: ``reads`` "value": both branches read P, the
+    past's length computed outside; "past": both take Shape(past_key_self_0)[2] themselves."""
+    make = helper.make_node
+    out = helper.make_tensor_value_info("branch_positions", TP.INT64, [1])
+    if reads == "past":
+        body = [make("Shape", ["past_key_self_0"], ["inner_shape"], name="inner_shape"),
+                make("Gather", ["inner_shape", "two_1d"], ["branch_positions"], name="inner_gather")]  # fmt: skip
+        outside = []
+    else:
+        body = [make("Identity", ["p_1d"], ["branch_positions"], name="inner_identity")]
+        outside = [make("Shape", ["past_key_self_0"], ["past_shape"], name="/decoder/Shape"),
+                   make("Gather", ["past_shape", "two_1d"], ["p_1d"], name="/decoder/Gather")]  # fmt: skip
+    branches = {branch: helper.make_graph(body, f"{branch}_positions", [], [out]) for branch in ("then", "else")}
+    nodes = [
+        *outside,
+        make("Equal", ["one", "one"], ["truth"], name="/decoder/Equal"),
+        make("If", ["truth"], ["positions"], name="/decoder/If", then_branch=branches["then"],
+             else_branch=branches["else"]),
+    ]  # fmt: skip
+    return tiny_decoder(nodes, {"one": 1, "two_1d": [2]}, step=1)
+
+
+@pytest.mark.parametrize("reads, what", [("value", "'p_1d', which depends on past_sequence_length (p_1d (= [0] + "
+                                                   "P * [1]))"),
+                                         ("past", "'past_key_self_0', a self-attention past")])  # fmt: skip
+def test_refuses_a_subgraph_that_reads_the_past_or_a_value_on_it(reads, what):
+    decoder = subgraph_decoder(reads)
+    rng = np.random.default_rng(9)
+    feeds = {f"past_{k}_self_0": rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
+    assert run(session(decoder), {**feeds, "input_ids": np.ones((1, 1), np.int64)})["logits"].shape == (1, 1, 50)
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    message = str(caught.value)
+    assert message.startswith(f"node '/decoder/If' (If): it has a subgraph and reads {what}"), message
+    assert "the rewrite does not follow subgraphs (If, Loop, Scan)" in message
+    assert "move that computation out of the subgraph" in message
+
+
 @pytest.mark.parametrize("max_length", [0, -3])
 def test_refuses_a_buffer_without_rows(max_length):
     with pytest.raises(StaticCacheError, match="max_length must be a whole number >= 1"):
