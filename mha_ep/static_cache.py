@@ -1109,10 +1109,11 @@ class StaticCachePass:
                 f"shared buffer the past's shape says max_length, not past_sequence_length{self.advice([source])}"
             )
         if self.batch is not None or self.depends_on_p(node.output[0]):
+            given = "" if self.batch is None else f" with --batch {self.batch}"
+            advice = self.advice([source]) or "; make that tensor's dims static"
             raise StaticCacheError(
-                f"{_where(node)}: the shape of its input {source!r} is {self.dims.get(source, 'unknown')}, not static "
-                f"with batch={self.batch}: the Shape node would stay, and ORT's CUDA graph could not capture it"
-                f"{self.advice([source]) or '; make that tensor dims static'}"
+                f"{_where(node)}: the shape of its input {source!r} is {self.dims.get(source, 'unknown')}, not static"
+                f"{given}: the Shape node would stay, and ORT's CUDA graph could not capture it{advice}"
             )
         self.kept_shapes.append(node_name(node))
 

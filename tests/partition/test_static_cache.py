@@ -486,6 +486,70 @@ def test_a_refusal_for_a_shape_of_the_past_names_the_past_and_batch():
     assert run(session(result.model), feeds)["past_dims"].tolist() == [2, 2, 5, 4]
 
 
+def with_input(decoder: onnx.ModelProto, name: str, dims, node=None, output=None) -> onnx.ModelProto:
+    """``decoder`` with an int64 input ``name`` of ``dims``, and a node reading it into an output of its own."""
+    decoder.graph.input.append(helper.make_tensor_value_info(name, TP.INT64, dims))
+    if node is not None:
+        decoder.graph.node.append(node)
+        decoder.graph.output.append(helper.make_tensor_value_info(output, TP.INT64, None))
+    return decoder
+
+
+def test_refuses_an_input_of_the_pasts_length_naming_its_dim():
+    decoder = with_input(range_decoder(), "attention_mask", ["batch", "past"],
+                         helper.make_node("Identity", ["attention_mask"], ["mask_out"], name="mask"), "mask_out")
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    assert str(caught.value) == (
+        "input 'attention_mask' has dims [1, 'past']: its dim 1 ('past') is the pasts' length ['past'], P, so its "
+        "shape would still change every step; no flag pins it (P grows by the step length each step): compute it "
+        "in the model from the pasts or past_sequence_length"
+    )
+
+
+def test_a_host_input_of_a_symbolic_dim_no_flag_pins_is_refused_naming_it():
+    """With --batch, an Expand to Shape(prompt), prompt (batch, prompt_len): its shape is known only at run time."""
+    expand = helper.make_node("Expand", ["one", "prompt_shape"], ["prompt_ones"], name="/decoder/Expand")
+    shape = helper.make_node("Shape", ["prompt"], ["prompt_shape"], name="/decoder/prompt_shape")
+    decoder = with_input(range_decoder(), "prompt", ["batch", "prompt_len"], shape, "prompt_shape")
+    decoder.graph.node.append(expand)
+    decoder.graph.output.append(helper.make_tensor_value_info("prompt_ones", TP.INT64, None))
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    assert str(caught.value) == (
+        "node '/decoder/Expand' (Expand): its shape 'prompt_shape' (= [1, ?]) is not a constant, and ORT's CUDA "
+        "kernel reads it on the host: ORT's CUDA graph could not capture it; symbolic input dims feed it: input "
+        "'prompt' dim 1 ('prompt_len') (no flag pins it: declare it static in the model)"
+    )
+    decoder.graph.node.remove(expand)
+    del decoder.graph.output[-1]
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    assert str(caught.value) == (
+        "node '/decoder/prompt_shape' (Shape): the shape of its input 'prompt' is (1, 'prompt_len'), not static with "
+        "--batch 1: the Shape node would stay, and ORT's CUDA graph could not capture it; symbolic input dims feed "
+        "it: input 'prompt' dim 1 ('prompt_len') (no flag pins it: declare it static in the model)"
+    )
+
+
+@pytest.mark.parametrize("dim, value, expected", [
+    (0, 2, "its past_key 'past_key_self_0' has the static batch 2 (input 'past_key_self_0' dim 0), not --batch 1"),
+    (1, "heads", "its past_key 'past_key_self_0' has dims ('batch', 'heads', 'past', 4), not (B, N, P, H) with static "
+                 "heads N and head size H; the buffer (B, N, max_length, H) needs both: input 'past_key_self_0' dim 1 "
+                 "('heads') is not static, and no flag pins it: declare it static in the model"),
+])  # fmt: skip
+def test_refuses_pasts_dims_naming_the_dim(dim, value, expected):
+    decoder = range_decoder()
+    field = decoder.graph.input[1].type.tensor_type.shape.dim[dim]
+    if isinstance(value, int):
+        field.dim_value = value
+    else:
+        field.dim_param = value
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    assert str(caught.value) == f"node 'self_attn' (MultiHeadAttention): {expected}"
+
+
 def test_refuses_a_model_without_self_attention_with_past():
     with pytest.raises(StaticCacheError) as caught:
         static_cache(mha_ep.shipped_model("whisper_random_decoder_init_fp32.onnx"), max_length=16, batch=1)
