@@ -832,6 +832,20 @@ def test_cli_json_has_the_result_fields(tmp_path):
     assert data["self_layers"][0]["present_value"] == "present_value_self_0" and data["folded"] > 0
 
 
+def test_cli_step_length_pins_the_symbolic_step(tmp_path):
+    source, target = tmp_path / "decoder.onnx", tmp_path / "x.onnx"
+    onnx.save(range_decoder(), source)
+    done = run_cli("static-cache", str(source), "-o", str(target), "--max-length", "16", "--batch", "1",
+                   "--step-length", "3", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["pinned"] == [{"input": "input_ids", "dim": 1, "symbol": "seq", "value": 3}] and data["step_length"] == 3
+    assert declared(onnx.load(target))["input_ids"] == [1, 3]
+    done = run_cli("static-cache", str(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx")), "-o", str(target),
+                   "--max-length", "16", "--step-length", "3")  # fmt: skip
+    assert done.returncode == 2 and "input 'input_ids' dim 1 is 1, not --step-length 3" in done.stderr
+
+
 def test_cli_refusal_is_one_line_with_exit_code_2(tmp_path):
     target = tmp_path / "x.onnx"
     done = run_cli("static-cache", str(mha_ep.shipped_model("whisper_random_decoder_init_fp32.onnx")), "-o",
