@@ -28,7 +28,7 @@ Rules of the pass (the code refers to them by number):
      output or not: ORT ignores inputs 8/9 there, docs/SEMANTICS.md §3.9/§3.10) stay as they are. A model without
      a self node, or max_length < 1, is refused.
   2. The shared buffer: every self node reads P at input 8: the graph input it reads there already, else a graph
-     input ``past_sequence_length`` that MultiHeadAttention nodes read only at input 8, else the new graph input
+     input ``past_sequence_length`` that (cross-attention) MultiHeadAttention nodes read at input 8, else the new input
      ``past_sequence_length`` (int32, (1,)); a kept input keeps its name. Its pasts and presents are declared
      (B, N, max_length, H), B the batch or the pasts' own dim 0. With ``beams`` W, or a cache_indirection the self
      nodes read already, input 9 is ``cache_indirection`` (int32, (B / W, W, max_length)), found or made the same
@@ -692,8 +692,8 @@ class StaticCachePass:
     # Rules 1 and 2
     def find_shared_inputs(self) -> None:
         """The graph inputs of P and cache_indirection: the ones the self nodes read at inputs 8/9 already (the same
-        on every self node, or none on any), else ones of those names that MultiHeadAttention nodes read only
-        there, else new ones (cache_indirection only with beams)."""
+        on every self node, or none on any), else ones of those names that (cross-attention) MultiHeadAttention
+        nodes read there, else new ones (cache_indirection only with beams)."""
         wired = []
         for slot in SHARED_SLOTS:
             names = [_slots(node)[slot] for node in self.self_nodes]
@@ -716,26 +716,23 @@ class StaticCachePass:
 
     def reusable(self, slot: int, name: str) -> str:
         """``name`` for input ``slot`` of the self nodes: a graph input of that name that MultiHeadAttention nodes
-        read only at ``slot`` (cross-attention nodes, which ignore it) is kept, checked; else it must be free."""
-        if name in self.graph_inputs and self.read_only_at(name, slot):
+        read at ``slot`` (cross-attention nodes, which ignore it there) and nowhere else is kept, checked; else the
+        name must be free."""
+        if name in self.graph_inputs and self.read_at(name, slot):
             reader = next(n for n in self.graph.node if name in _names_read(self.graph, n))
             self.check_shared_input(reader, slot, name)
             return name
         if name in self.taken:
             raise StaticCacheError(f"the model already has a tensor named {name!r}, an input the rewrite adds, and it "
-                                   f"is not a graph input that MultiHeadAttention nodes read only at input {slot}; "
+                                   f"is not a graph input that MultiHeadAttention nodes read at input {slot}; "
                                    "rename it first")  # fmt: skip
         return name
 
-    def read_only_at(self, name: str, slot: int) -> bool:
-        """Whether every node that reads ``name`` is a MultiHeadAttention node reading it only at input ``slot``."""
-        for node in self.graph.node:
-            if name not in _names_read(self.graph, node):
-                continue
-            others = [n for i, n in enumerate(node.input) if i != slot]
-            if node.op_type != spec.OP_TYPE or _has_subgraph(node) or name in others:
-                return False
-        return True
+    def read_at(self, name: str, slot: int) -> bool:
+        """Whether MultiHeadAttention nodes read ``name`` at input ``slot``, and at no other input."""
+        mha = [n for n in self.graph.node if n.op_type == spec.OP_TYPE and n.domain == spec.ORT_DOMAIN]
+        at = [[i for i, n in enumerate(node.input) if n == name] for node in mha]
+        return any(slot in found for found in at) and all(set(found) <= {slot} for found in at)
 
     def check_shared_input(self, node: onnx.NodeProto, slot: int, name: str) -> None:
         """Rule 1 for an input 8/9 the model has: a graph input (not an initializer) of int32 and the shape ORT

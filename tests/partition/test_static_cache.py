@@ -679,7 +679,8 @@ def test_the_decoder_masked_mha_export_keeps_its_inputs_and_decodes_the_same(bat
     names = [v.name for v in result.model.graph.input]
     assert names == [v.name for v in decoder.graph.input] and names.count(PAST_SEQUENCE_LENGTH) == 1
     assert result.kept_inputs == (PAST_SEQUENCE_LENGTH, "cache_indirection") and result.beams == 0
-    assert result.cache_indirection == "cache_indirection" and result.pinned[0][:3] == ("input_ids", 1, "sequence_length")
+    assert result.cache_indirection == "cache_indirection"
+    assert result.pinned[0][:3] == ("input_ids", 1, "sequence_length")
     dims = declared(result.model)
     rows = "batch_size" if batch is None else batch
     assert dims["past_key_self_1"] == dims["present_value_self_0"] == [rows, 2, MAX_LENGTH, 4]
@@ -733,6 +734,25 @@ def test_cross_nodes_with_a_qk_output_pass_through_the_rewrite():
                                        PAST_SEQUENCE_LENGTH: np.array([PROMPT], np.int32)})  # fmt: skip
     for name in ("output_cross_qk_0", "output_cross_qk_1", "logits"):
         assert got[name].shape == want[name].shape and np.abs(got[name] - want[name]).max() <= TOLERANCE["fp32"]
+
+
+def test_a_past_sequence_length_only_cross_nodes_read_is_kept_for_the_self_nodes():
+    """Self nodes without inputs 8/9 (growing pasts), cross nodes with them, P computed from past_sequence_length:
+    the rewrite gives the self nodes that same input, not a second one, and decodes the same tokens."""
+    decoder = export_decoder(buffers=True)
+    for node in decoder.graph.node:
+        if node.name.endswith("self_attn"):
+            del node.input[8:]
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    assert [v.name for v in result.model.graph.input] == [v.name for v in decoder.graph.input]
+    assert result.kept_inputs == (PAST_SEQUENCE_LENGTH,) and result.cache_indirection is None
+    self_inputs = [n.input[8:] for n in result.model.graph.node if n.name.endswith("self_attn")]
+    assert self_inputs == [[PAST_SEQUENCE_LENGTH]] * 2
+    first, self_kv, cross = export_prompt()
+    beam = {"cache_indirection": np.zeros((2, 1, MAX_LENGTH), np.int32)}
+    trace = decode_both(export_decoder(buffers=False), result.model, first, self_kv, cross, 4, MAX_LENGTH,
+                        static_feeds=beam)  # fmt: skip
+    assert_same_decoding(trace, TOLERANCE["fp32"])
 
 
 def test_refuses_self_nodes_in_two_forms():
@@ -839,7 +859,8 @@ def test_cli_step_length_pins_the_symbolic_step(tmp_path):
                    "--step-length", "3", "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
-    assert data["pinned"] == [{"input": "input_ids", "dim": 1, "symbol": "seq", "value": 3}] and data["step_length"] == 3
+    assert data["pinned"] == [{"input": "input_ids", "dim": 1, "symbol": "seq", "value": 3}]
+    assert data["step_length"] == 3
     assert declared(onnx.load(target))["input_ids"] == [1, 3]
     done = run_cli("static-cache", str(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx")), "-o", str(target),
                    "--max-length", "16", "--step-length", "3")  # fmt: skip
