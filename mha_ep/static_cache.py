@@ -443,6 +443,19 @@ def _ancestor_inputs(graph: onnx.GraphProto, names: Sequence[str]) -> List[str]:
     return [v.name for v in graph.input if v.name in seen and v.name in inputs]
 
 
+def _the_step(steps: Sequence[Dim]) -> Dim:
+    """The step length from the self queries' dim 1 (None where inference found none): the one value they agree on,
+    else None. Inference may stop short of the later layers (at a node it does not know), so the unknown ones do
+    not count."""
+    known = set(steps) - {None}
+    return next(iter(known)) if len(known) == 1 else None
+
+
+def _carriers(inputs: Sequence[onnx.ValueInfoProto], symbol: str, skip: Set[str]) -> List[Tuple[str, int]]:
+    """Every (input, dim index) whose dim is ``symbol``, the inputs in ``skip`` left out."""
+    return [(v.name, i) for v in inputs if v.name not in skip for i, d in enumerate(_dims_of(v) or ()) if d == symbol]
+
+
 def _flag_for(index: int, symbol: str, step_symbol: Optional[str]) -> Optional[str]:
     """The static-cache flag that pins dim ``index`` of symbol ``symbol`` of an input: --step-length for the step
     length's symbol, --batch for a dim 0; None where no flag does."""
@@ -718,9 +731,9 @@ class StaticCachePass:
         """``name`` for input ``slot`` of the self nodes: a graph input of that name that MultiHeadAttention nodes
         read at ``slot`` (cross-attention nodes, which ignore it there) and nowhere else is kept, checked; else the
         name must be free."""
-        if name in self.graph_inputs and self.read_at(name, slot):
-            reader = next(n for n in self.graph.node if name in _names_read(self.graph, n))
-            self.check_shared_input(reader, slot, name)
+        readers = self.readers_at(name, slot)
+        if name in self.graph_inputs and readers:
+            self.check_shared_input(readers[0], slot, name)
             return name
         if name in self.taken:
             raise StaticCacheError(f"the model already has a tensor named {name!r}, an input the rewrite adds, and it "
@@ -728,11 +741,13 @@ class StaticCachePass:
                                    "rename it first")  # fmt: skip
         return name
 
-    def read_at(self, name: str, slot: int) -> bool:
-        """Whether MultiHeadAttention nodes read ``name`` at input ``slot``, and at no other input."""
+    def readers_at(self, name: str, slot: int) -> List[onnx.NodeProto]:
+        """The MultiHeadAttention nodes that read ``name`` at input ``slot``; none when one reads it elsewhere."""
         mha = [n for n in self.graph.node if n.op_type == spec.OP_TYPE and n.domain == spec.ORT_DOMAIN]
-        at = [[i for i, n in enumerate(node.input) if n == name] for node in mha]
-        return any(slot in found for found in at) and all(set(found) <= {slot} for found in at)
+        at = {id(node): [i for i, n in enumerate(node.input) if n == name] for node in mha}
+        if any(set(found) - {slot} for found in at.values()):
+            return []
+        return [node for node in mha if at[id(node)]]
 
     def check_shared_input(self, node: onnx.NodeProto, slot: int, name: str) -> None:
         """Rule 1 for an input 8/9 the model has: a graph input (not an initializer) of int32 and the shape ORT
@@ -889,10 +904,8 @@ class StaticCachePass:
         (1 when not given) in every input that carries it; a static one is checked against step_length. Whether
         inputs were pinned."""
         steps = [(self.dims.get(node.input[0]) or (None, None))[1] for node in self.self_nodes]
-        known = set(steps) - {None}  # inference may stop short of the later layers
-        step = next(iter(known)) if len(known) == 1 else None
-        carriers = [(v.name, i) for v in self.graph.input if v.name not in self.pasts
-                    for i, d in enumerate(_dims_of(v) or ()) if isinstance(step, str) and d == step]  # fmt: skip
+        step = _the_step(steps)
+        carriers = _carriers(self.graph.input, step, self.pasts) if isinstance(step, str) else []
         if isinstance(step, int):
             self.step = step
             if self.step_length is not None and self.step_length != step:
