@@ -6,7 +6,7 @@
     mha-ep compare MODEL --reference U   ... and stock ORT on MODEL vs on U, the model before fusion
     mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native, generate, soak, serve
                                          (mha-ep bench WHAT --help)
-    mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W]
+    mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W] [--step-length L]
                                          a decoder-with-past rewritten to a static KV cache: one graph of fixed shapes
     mha-ep serve MODEL [--replicas N] [--port P] [--max-batch B]
                                          serve a model over HTTP with Ray Serve (the serve extra), batching callers
@@ -87,7 +87,8 @@ def cmd_partition(args) -> int:
 def cmd_static_cache(args) -> int:
     from mha_ep.static_cache import static_cache
 
-    result = static_cache(args.model, max_length=args.max_length, batch=args.batch, beams=args.beams)
+    result = static_cache(args.model, max_length=args.max_length, batch=args.batch, beams=args.beams,
+                          step_length=args.step_length)
     result.save(args.output)
     data = result.to_dict()
     data["output"] = args.output
@@ -295,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fix every input's batch dim, the rows (default: symbolic; ORT's CUDA graph needs it fixed)")
     p.add_argument("--beams", type=int, default=0, metavar="W",
                    help="add the cache_indirection input (B / W, W, M) of beam search with W beams (default: none)")
+    p.add_argument("--step-length", type=int, metavar="L",
+                   help="the rows a step feeds: pins input_ids' symbolic dim 1, and every input dim of its symbol, to "
+                        "L (default: 1; a static step length must equal L)")  # fmt: skip
     json_option(p)
     p.set_defaults(func=cmd_static_cache)
 

@@ -52,11 +52,11 @@ def whisper_prompt(precision: str, batch: int = 2, seed: int = 0, logits: bool =
 
 
 def decode_both(dynamic, static, first, self_kv, others, steps: int, max_length: int, seed: int = 1,
-                static_session_of=None):
+                static_session_of=None, static_feeds=None, p_name=PAST_SEQUENCE_LENGTH):
     """Greedy decoding of ``steps`` tokens with the dynamic decoder (growing pasts) and the static one (pasts
-    (B, N, max_length, H), poisoned beyond the prompt), each from its own tokens, checking at every step that the
-    static presents keep every row but row P. Returns per model the tokens and last-position logits of each step,
-    and the static cache's filled rows next to the dynamic presents."""
+    (B, N, max_length, H), poisoned beyond the prompt; P fed as ``p_name``, with ``static_feeds`` besides), each from
+    its own tokens, checking at every step that the static presents keep every row but row P. Returns per model the
+    tokens and last-position logits of each step, and the static cache's filled rows next to the dynamic presents."""
     rng = np.random.default_rng(seed)
     past_length = next(iter(self_kv.values())).shape[2]
     cache = {}
@@ -72,8 +72,8 @@ def decode_both(dynamic, static, first, self_kv, others, steps: int, max_length:
         position = past_length + step
         out = run(dynamic_session, {"input_ids": tokens["dynamic"][:, None], **grown, **others})
         grown = {name: out[name.replace("past", "present")] for name in grown}
-        feeds = {"input_ids": tokens["static"][:, None], **cache, **others,
-                 PAST_SEQUENCE_LENGTH: np.array([position], np.int32)}  # fmt: skip
+        feeds = {"input_ids": tokens["static"][:, None], **cache, **others, **(static_feeds or {}),
+                 p_name: np.array([position], np.int32)}  # fmt: skip
         out_static = run(static_session, feeds)
         for name in cache:
             present = out_static[name.replace("past", "present")]
@@ -238,7 +238,8 @@ def test_the_input_model_is_left_alone():
     assert decoder.SerializeToString() == before
 
 
-def tiny_decoder(position_nodes, constants: dict, step="seq", extra_nodes=(), extra_outputs=()) -> onnx.ModelProto:
+def tiny_decoder(position_nodes, constants: dict, step="seq", extra_nodes=(), extra_outputs=(),
+                 extra_inputs=()) -> onnx.ModelProto:  # fmt: skip
     """A one-layer decoder (hidden 8, 2 heads of head size 4, vocab 50): embed_tokens[input_ids] plus
     embed_positions[positions], ``positions`` made by ``position_nodes`` from the shapes (``constants``: their
     int64 initializers), causal self-attention over a past, then logits. ``step``: input_ids' length dim."""
@@ -262,7 +263,7 @@ def tiny_decoder(position_nodes, constants: dict, step="seq", extra_nodes=(), ex
     inputs = [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", step])] + [
         helper.make_tensor_value_info(f"past_{kind}_self_0", TP.FLOAT, ["batch", heads, "past", head])
         for kind in ("key", "value")
-    ]
+    ] + list(extra_inputs)
     outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, ["batch", step, vocab]), *extra_outputs] + [
         helper.make_tensor_value_info(f"present_{kind}_self_0", TP.FLOAT, ["batch", heads, "total", head])
         for kind in ("key", "value")
@@ -325,37 +326,228 @@ def test_every_evaluated_op_gives_the_dynamic_logits(batch):
     assert_same_decoding(trace, TOLERANCE["fp32"])
 
 
-def range_decoder(read_past: bool = False) -> onnx.ModelProto:
-    """Positions Range(P, P + seq), seq the symbolic step length of input_ids: a range whose length only the run
-    knows. ``read_past``: a ReduceSum also reads the past."""
+def range_decoder(read_past: bool = False, limit_from=("input_ids", 1), token_types: bool = False) -> onnx.ModelProto:
+    """Positions Range(P, P + n), n = Shape(input)[dim] of ``limit_from``: by default input_ids' symbolic step
+    length ``seq``, the positions as ``torch.onnx.export`` with ``dynamic_axes`` writes them; ("input_ids", 0): the
+    batch, the positions reshaped to (batch, 1); ("prompt", 1): the positions by the step length, and besides them
+    an output ``prompt_positions`` Range(P, P + prompt_len), from an input ``prompt`` (batch, prompt_len): a length
+    that only the run knows. ``read_past``: a ReduceSum also reads the past. ``token_types``: a second input of the
+    step length, ``token_type_ids`` (batch, seq), looked up into an output ``type_rows`` (batch, seq, 3)."""
     make = helper.make_node
+    source, dim = limit_from
+    by_batch = limit_from == ("input_ids", 0)
     nodes = [
         make("Shape", ["past_key_self_0"], ["past_shape"], name="/decoder/Shape"),
         make("Gather", ["past_shape", "two"], ["past_length"], name="/decoder/Gather"),
         make("Shape", ["input_ids"], ["ids_shape"], name="/decoder/Shape_1"),
-        make("Gather", ["ids_shape", "one"], ["step_length"], name="/decoder/Gather_1"),
+        make("Gather", ["ids_shape", "zero" if by_batch else "one"], ["step_length"], name="/decoder/Gather_1"),
         make("Add", ["past_length", "step_length"], ["limit"], name="/decoder/Add"),
-        make("Range", ["past_length", "limit", "one"], ["positions"], name="/decoder/Range"),
+        make("Range", ["past_length", "limit", "one"], ["range" if by_batch else "positions"], name="/decoder/Range"),
+        *([make("Reshape", ["range", "column"], ["positions"], name="/decoder/Reshape")] if by_batch else []),
     ]
-    peek = [make("ReduceSum", ["past_key_self_0"], ["past_sum"], name="/decoder/peek")] if read_past else []
-    return tiny_decoder(nodes, {"two": 2, "one": 1}, extra_nodes=peek,
-                        extra_outputs=[helper.make_tensor_value_info("past_sum", TP.FLOAT, None)] if read_past else [])
+    extra, outputs, inputs = [], [], []
+    if read_past:
+        extra.append(make("ReduceSum", ["past_key_self_0"], ["past_sum"], name="/decoder/peek"))
+        outputs.append(helper.make_tensor_value_info("past_sum", TP.FLOAT, None))
+    if source == "prompt":
+        extra += [
+            make("Shape", ["prompt"], ["prompt_shape"], name="/decoder/prompt_shape"),
+            make("Gather", ["prompt_shape", "one"], ["prompt_len"], name="/decoder/prompt_len"),
+            make("Add", ["past_length", "prompt_len"], ["prompt_limit"], name="/decoder/prompt_limit"),
+            make("Range", ["past_length", "prompt_limit", "one"], ["prompt_positions"], name="/decoder/prompt_range"),
+        ]
+        outputs.append(helper.make_tensor_value_info("prompt_positions", TP.INT64, ["prompt_len"]))
+        inputs.append(helper.make_tensor_value_info("prompt", TP.INT64, ["batch", "prompt_len"]))
+    if token_types:
+        extra.append(make("Gather", ["type_table", "token_type_ids"], ["type_rows"], name="/decoder/token_types"))
+        outputs.append(helper.make_tensor_value_info("type_rows", TP.INT64, ["batch", "seq", 3]))
+        inputs.append(helper.make_tensor_value_info("token_type_ids", TP.INT64, ["batch", "seq"]))
+    constants = {"two": 2, "one": 1, "zero": 0, "column": [-1, 1], "type_table": [[0, 1, 2], [3, 4, 5]]}
+    return tiny_decoder(nodes, constants, extra_nodes=extra,
+                        extra_outputs=outputs, extra_inputs=inputs)  # fmt: skip
 
 
 def test_range_decoder_runs_as_it_is():
-    """The refusal below is about the rewrite, not a broken model: stock ORT runs the dynamic one."""
+    """The refusals below are about the rewrite, not a broken model: stock ORT runs the dynamic one."""
     rng = np.random.default_rng(2)
     feeds = {f"past_{k}_self_0": rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
     feeds["input_ids"] = rng.integers(0, 50, (1, 2)).astype(np.int64)
     assert run(session(range_decoder()), feeds)["present_key_self_0"].shape == (1, 2, 5, 4)
+    assert run(session(range_decoder(limit_from=("input_ids", 0))), feeds)["logits"].shape == (1, 2, 50)
+
+
+def declared(model: onnx.ModelProto) -> dict:
+    """Every graph input's and output's dims: an int, or the symbol's name."""
+    return {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}  # fmt: skip
+
+
+def test_a_symbolic_step_length_is_pinned_to_1_and_decodes_the_same():
+    """input_ids (batch, seq), as torch.onnx.export writes it with dynamic_axes, embedded by a Gather, positions
+    Range(P, P + seq): the rewrite pins seq to 1 in every input that carries it, says so, and decodes the dynamic
+    decoder's tokens."""
+    decoder = range_decoder(token_types=True)
+    result = static_cache(decoder, max_length=12, batch=2)
+    dims = declared(result.model)
+    assert dims["input_ids"] == dims["token_type_ids"] == [2, 1] and dims["logits"] == [2, 1, 50]
+    assert dims["type_rows"] == [2, 1, 3]
+    assert result.pinned == (("input_ids", 1, "seq", 1), ("token_type_ids", 1, "seq", 1)) and result.step_length == 1
+    assert "pinned input_ids dim 1 ('seq') to 1 (--step-length)" in result.report()
+    assert "pinned token_type_ids dim 1 ('seq') to 1 (--step-length)" in result.report()
+    data = result.to_dict()
+    assert data["pinned"][0] == {"input": "input_ids", "dim": 1, "symbol": "seq", "value": 1}
+    assert data["step_length"] == 1 and data["kept_inputs"] == []
+    assert not {"Shape", "Range"} & {n.op_type for n in result.model.graph.node}
+    rng = np.random.default_rng(6)
+    pasts = {f"past_{k}_self_0": rng.standard_normal((2, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
+    types = {"token_type_ids": rng.integers(0, 2, (2, 1)).astype(np.int64)}
+    trace = decode_both(decoder, result.model, rng.integers(0, 50, 2).astype(np.int64), pasts, types, steps=6,
+                        max_length=12)  # fmt: skip
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+
+
+def test_step_length_pins_a_symbolic_step_to_its_value():
+    """--step-length 2: two tokens a step, the same logits and cache rows as the dynamic decoder's."""
+    decoder = range_decoder()
+    result = static_cache(decoder, max_length=12, batch=1, step_length=2)
+    assert declared(result.model)["input_ids"] == [1, 2] and result.pinned == (("input_ids", 1, "seq", 2),)
+    assert "pinned input_ids dim 1 ('seq') to 2 (--step-length)" in result.report()
+    rng = np.random.default_rng(7)
+    grown = {f"past_{k}_self_0": rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
+    cache = {name: np.concatenate([v, 100 * rng.standard_normal((1, 2, 9, 4)).astype(np.float32)], axis=2)
+             for name, v in grown.items()}  # fmt: skip
+    dynamic, static = session(decoder), session(result.model)
+    for position in (3, 5, 7):
+        ids = rng.integers(0, 50, (1, 2)).astype(np.int64)
+        want = run(dynamic, {"input_ids": ids, **grown})
+        got = run(static, {"input_ids": ids, **cache, PAST_SEQUENCE_LENGTH: np.array([position], np.int32)})
+        assert np.abs(got["logits"] - want["logits"]).max() <= TOLERANCE["fp32"], position
+        for name in grown:
+            present = name.replace("past", "present")
+            assert np.abs(got[present][:, :, : position + 2] - want[present]).max() <= TOLERANCE["fp32"]
+            assert np.array_equal(got[present][:, :, position + 2 :], cache[name][:, :, position + 2 :])
+            grown[name], cache[name] = want[present], got[present]
+
+
+def test_a_static_step_length_is_kept_and_checked():
+    decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    result = static_cache(decoder, max_length=16, step_length=1)
+    assert result.step_length == 1 and result.pinned == () and "step length: 1, static in the model" in result.report()
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, step_length=2)
+    assert str(caught.value) == ("the step length is static in the model: input 'input_ids' dim 1 is 1, not "
+                                 "--step-length 2; give --step-length 1 or leave it out")  # fmt: skip
+
+
+@pytest.mark.parametrize("step_length", [0, 17, 1.5])
+def test_refuses_a_step_length_that_does_not_fit_the_buffer(step_length):
+    with pytest.raises(StaticCacheError, match=r"step_length must be a whole number from 1 to max_length 16"):
+        static_cache(range_decoder(), max_length=16, step_length=step_length)
 
 
 def test_refuses_a_range_whose_length_only_the_run_knows():
     with pytest.raises(StaticCacheError) as caught:
-        static_cache(range_decoder(), max_length=16, batch=1)
+        static_cache(range_decoder(limit_from=("prompt", 1)), max_length=16, batch=1)
     message = str(caught.value)
-    assert "node '/decoder/Range' (Range)" in message and "past_sequence_length" in message
-    assert "start 'past_length'" in message and "limit 'limit'" in message and "CUDA graph" in message
+    assert "node '/decoder/prompt_range' (Range)" in message and "past_sequence_length" in message
+    assert "start 'past_length'" in message and "limit 'prompt_limit'" in message and "CUDA graph" in message
+    assert "input 'prompt' dim 1 ('prompt_len') (no flag pins it: declare it static in the model)" in message
+    assert "input_ids" not in message, "input_ids' dims are static here (batch 1, the step length pinned to 1)"
+
+
+def test_a_refusal_for_the_symbolic_batch_names_the_input_and_batch():
+    """Positions Range(P, P + batch): only --batch makes its length known; the rewrite says so, and with it the
+    rewrite goes through."""
+    decoder = range_decoder(limit_from=("input_ids", 0))
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16)
+    message = str(caught.value)
+    assert "node '/decoder/Range' (Range)" in message
+    assert "input 'input_ids' dim 0 ('batch') (pin it with --batch)" in message
+    assert "input 'past_key_self_0' dim 0 ('batch') (pin it with --batch)" in message
+    assert [d.dim_value for d in static_cache(decoder, max_length=16, batch=1).model.graph.input[0].type.tensor_type
+            .shape.dim] == [1, 1]  # fmt: skip
+
+
+def test_a_refusal_for_a_shape_of_the_past_names_the_past_and_batch():
+    """The past's whole shape as an output, the batch symbolic: the Shape node would have to stay, on a past."""
+    shape = helper.make_node("Shape", ["past_key_self_0"], ["past_dims"], name="/decoder/past_dims")
+    decoder = tiny_decoder([helper.make_node("Identity", ["zero"], ["positions"], name="/decoder/positions")],
+                           {"zero": [0]}, step=1, extra_nodes=[shape],
+                           extra_outputs=[helper.make_tensor_value_info("past_dims", TP.INT64, [4])])  # fmt: skip
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16)
+    message = str(caught.value)
+    assert "node '/decoder/past_dims' (Shape)" in message and "max_length, not past_sequence_length" in message
+    assert "input 'past_key_self_0' dim 0 ('batch') (pin it with --batch)" in message
+    result = static_cache(decoder, max_length=16, batch=2)
+    feeds = {f"past_{k}_self_0": np.zeros((2, 2, 16, 4), np.float32) for k in ("key", "value")}
+    feeds.update(input_ids=np.ones((2, 1), np.int64), past_sequence_length=np.array([5], np.int32))
+    assert run(session(result.model), feeds)["past_dims"].tolist() == [2, 2, 5, 4]
+
+
+def with_input(decoder: onnx.ModelProto, name: str, dims, node=None, output=None) -> onnx.ModelProto:
+    """``decoder`` with an int64 input ``name`` of ``dims``, and a node reading it into an output of its own."""
+    decoder.graph.input.append(helper.make_tensor_value_info(name, TP.INT64, dims))
+    if node is not None:
+        decoder.graph.node.append(node)
+        decoder.graph.output.append(helper.make_tensor_value_info(output, TP.INT64, None))
+    return decoder
+
+
+def test_refuses_an_input_of_the_pasts_length_naming_its_dim():
+    decoder = with_input(range_decoder(), "attention_mask", ["batch", "past"],
+                         helper.make_node("Identity", ["attention_mask"], ["mask_out"], name="mask"), "mask_out")
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    assert str(caught.value) == (
+        "input 'attention_mask' has dims [1, 'past']: its dim 1 ('past') is the pasts' length ['past'], P, so its "
+        "shape would still change every step; no flag pins it (P grows by the step length each step): compute it "
+        "in the model from the pasts or past_sequence_length"
+    )
+
+
+def test_a_host_input_of_a_symbolic_dim_no_flag_pins_is_refused_naming_it():
+    """With --batch, an Expand to Shape(prompt), prompt (batch, prompt_len): its shape is known only at run time."""
+    expand = helper.make_node("Expand", ["one", "prompt_shape"], ["prompt_ones"], name="/decoder/Expand")
+    shape = helper.make_node("Shape", ["prompt"], ["prompt_shape"], name="/decoder/prompt_shape")
+    decoder = with_input(range_decoder(), "prompt", ["batch", "prompt_len"], shape, "prompt_shape")
+    decoder.graph.node.append(expand)
+    decoder.graph.output.append(helper.make_tensor_value_info("prompt_ones", TP.INT64, None))
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    assert str(caught.value) == (
+        "node '/decoder/Expand' (Expand): its shape 'prompt_shape' (= [1, ?]) is not a constant, and ORT's CUDA "
+        "kernel reads it on the host: ORT's CUDA graph could not capture it; symbolic input dims feed it: input "
+        "'prompt' dim 1 ('prompt_len') (no flag pins it: declare it static in the model)"
+    )
+    decoder.graph.node.remove(expand)
+    del decoder.graph.output[-1]
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    assert str(caught.value) == (
+        "node '/decoder/prompt_shape' (Shape): the shape of its input 'prompt' is (1, 'prompt_len'), not static with "
+        "--batch 1: the Shape node would stay, and ORT's CUDA graph could not capture it; symbolic input dims feed "
+        "it: input 'prompt' dim 1 ('prompt_len') (no flag pins it: declare it static in the model)"
+    )
+
+
+@pytest.mark.parametrize("dim, value, expected", [
+    (0, 2, "its past_key 'past_key_self_0' has the static batch 2 (input 'past_key_self_0' dim 0), not --batch 1"),
+    (1, "heads", "its past_key 'past_key_self_0' has dims ('batch', 'heads', 'past', 4), not (B, N, P, H) with static "
+                 "heads N and head size H; the buffer (B, N, max_length, H) needs both: input 'past_key_self_0' dim 1 "
+                 "('heads') is not static, and no flag pins it: declare it static in the model"),
+])  # fmt: skip
+def test_refuses_pasts_dims_naming_the_dim(dim, value, expected):
+    decoder = range_decoder()
+    field = decoder.graph.input[1].type.tensor_type.shape.dim[dim]
+    if isinstance(value, int):
+        field.dim_value = value
+    else:
+        field.dim_param = value
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    assert str(caught.value) == f"node 'self_attn' (MultiHeadAttention): {expected}"
 
 
 def test_refuses_a_model_without_self_attention_with_past():
@@ -370,11 +562,266 @@ def test_refuses_a_past_that_another_node_reads():
     assert "node '/decoder/peek' (ReduceSum)" in str(caught.value) and "'past_key_self_0'" in str(caught.value)
 
 
-def test_refuses_a_model_already_in_the_shared_buffer_form():
+def test_a_decoder_in_the_shared_buffer_form_keeps_its_inputs_and_decodes_the_same():
+    """The rewrite of a rewritten decoder: its self nodes read past_sequence_length already, so that input is kept
+    (not added twice) and the pasts are buffers of max_length rows; it decodes the dynamic decoder's tokens."""
+    decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    once = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    twice = static_cache(once.model, max_length=MAX_LENGTH, batch=2)
+    assert [v.name for v in twice.model.graph.input] == [v.name for v in once.model.graph.input]
+    assert declared(twice.model) == declared(once.model)
+    assert twice.kept_inputs == (PAST_SEQUENCE_LENGTH,) and twice.self_layers == once.self_layers
+    assert "input kept: past_sequence_length int32 (1,), the rows filled so far" in twice.report()
+    first, self_kv, cross = whisper_prompt("fp32")
+    assert_same_decoding(decode_both(decoder, twice.model, first, self_kv, cross, 6, MAX_LENGTH), TOLERANCE["fp32"])
+
+
+def test_refuses_a_shared_buffer_of_another_length():
     once = static_cache(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"), max_length=16, batch=1)
     with pytest.raises(StaticCacheError) as caught:
-        static_cache(once.model, max_length=16, batch=1)
-    assert "node 'Attention_0' (MultiHeadAttention)" in str(caught.value) and "inputs 8/9" in str(caught.value)
+        static_cache(once.model, max_length=24, batch=1)
+    assert str(caught.value) == (
+        "input 'past_key_self_0' dim 2 is the static buffer length 16 (its node reads 'past_sequence_length' "
+        "already: the past is the shared buffer), not --max-length 24"
+    )
+
+
+def export_decoder(buffers: bool, layers: int = 2, p_name: str = PAST_SEQUENCE_LENGTH, qk: bool = False,
+                   p_type=TP.INT32) -> onnx.ModelProto:  # fmt: skip
+    """A decoder-with-past as ORT's Whisper export writes it (hidden 8, 2 heads of head size 4, vocab 50): input_ids
+    (batch_size, sequence_length) embedded plus positions Range(P, P + sequence_length), then per layer causal
+    self-attention over a past and cross-attention over BNSH (B, N, L_enc, H) key/value inputs, with residuals.
+    ``buffers``: the ``--use_decoder_masked_mha`` form: P comes from the input ``p_name`` (int32 (1,),
+    Squeeze -> Cast), and every MultiHeadAttention node, the cross ones too, reads it and ``cache_indirection``
+    (batch_size, beam_width, max_sequence_length) at inputs 8/9; else P = Shape(past_key_self_0)[2] and no node
+    has inputs 8/9. The weights are the same either way. ``qk``: each cross node's qk output (B, N, S, L_enc) is a
+    graph output ``output_cross_qk_<layer>``."""
+    hidden, heads, head, vocab = 8, 2, 4, 50
+    rng = np.random.default_rng(3)
+    weights = {"embed_tokens": (vocab, hidden), "embed_positions": (64, hidden), "lm_head": (hidden, vocab),
+               **{f"cross_q_{i}": (hidden, hidden) for i in range(layers)}}  # fmt: skip
+    initializers = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+                    for name, shape in weights.items()]  # fmt: skip
+    initializers += [numpy_helper.from_array(np.array(v, np.int64), name) for name, v in (("one", 1), ("two", 2))]
+    make = helper.make_node
+    if buffers:
+        p_nodes = [make("Squeeze", [p_name], ["p_int32"], name="/decoder/Squeeze"),
+                   make("Cast", ["p_int32"], ["p"], name="/decoder/Cast", to=TP.INT64)]  # fmt: skip
+    else:
+        p_nodes = [make("Shape", ["past_key_self_0"], ["past_shape"], name="/decoder/Shape"),
+                   make("Gather", ["past_shape", "two"], ["p"], name="/decoder/Gather")]  # fmt: skip
+    nodes = [
+        make("Gather", ["embed_tokens", "input_ids"], ["tokens"], name="/decoder/embed_tokens"),
+        *p_nodes,
+        make("Shape", ["input_ids"], ["ids_shape"], name="/decoder/Shape_1"),
+        make("Gather", ["ids_shape", "one"], ["step"], name="/decoder/Gather_1"),
+        make("Add", ["p", "step"], ["limit"], name="/decoder/Add"),
+        make("Range", ["p", "limit", "one"], ["positions"], name="/decoder/Range"),
+        make("Gather", ["embed_positions", "positions"], ["position"], name="/decoder/embed_positions"),
+        make("Add", ["tokens", "position"], ["x0"], name="/decoder/add_positions"),
+    ]
+    shared = [p_name, "cache_indirection"] if buffers else []
+    batch, cache, cross = "batch_size", ["batch_size", heads, "past_sequence_length", head], \
+        ["batch_size", heads, "encode_sequence_length", head]
+    inputs = [helper.make_tensor_value_info("input_ids", TP.INT64, [batch, "sequence_length"])]
+    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, [batch, "sequence_length", vocab])]
+    for i in range(layers):
+        nodes += [
+            make("MultiHeadAttention", [f"x{i}", f"x{i}", f"x{i}", "", "", "", f"past_key_self_{i}",
+                                        f"past_value_self_{i}", *shared],
+                 [f"self_{i}", f"present_key_self_{i}", f"present_value_self_{i}"], domain="com.microsoft",
+                 name=f"/decoder/layers.{i}/self_attn", num_heads=heads, unidirectional=1),
+            make("MatMul", [f"self_{i}", f"cross_q_{i}"], [f"cross_query_{i}"], name=f"/decoder/layers.{i}/cross_q"),
+            make("MultiHeadAttention",
+                 [f"cross_query_{i}", f"past_key_cross_{i}", f"past_value_cross_{i}",
+                  *(["", "", "", "", "", *shared] if buffers else [])],
+                 [f"cross_{i}", *(["", "", f"output_cross_qk_{i}"] if qk else [])], domain="com.microsoft",
+                 name=f"/decoder/layers.{i}/cross_attn", num_heads=heads),
+            make("Add", [f"self_{i}", f"cross_{i}"], [f"x{i + 1}"], name=f"/decoder/layers.{i}/residual"),
+        ]  # fmt: skip
+        inputs += [helper.make_tensor_value_info(f"past_{k}_self_{i}", TP.FLOAT, cache) for k in ("key", "value")]
+        inputs += [helper.make_tensor_value_info(f"past_{k}_cross_{i}", TP.FLOAT, cross) for k in ("key", "value")]
+        outputs += [helper.make_tensor_value_info(f"present_{k}_self_{i}", TP.FLOAT,
+                                                  [batch, heads, "total_sequence_length", head])
+                    for k in ("key", "value")]  # fmt: skip
+        if qk:
+            outputs.append(helper.make_tensor_value_info(f"output_cross_qk_{i}", TP.FLOAT,
+                                                         [batch, heads, "sequence_length", "encode_sequence_length"]))
+    nodes.append(make("MatMul", [f"x{layers}", "lm_head"], ["logits"], name="/decoder/lm_head"))
+    if buffers:
+        inputs += [helper.make_tensor_value_info(p_name, p_type, [1]),
+                   helper.make_tensor_value_info("cache_indirection", TP.INT32,
+                                                 [batch, "beam_width", "max_sequence_length"])]  # fmt: skip
+    graph = helper.make_graph(nodes, "export_decoder", inputs, outputs, initializer=initializers)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+def export_prompt(layers: int = 2, batch: int = 2, seed: int = 8):
+    """Random first tokens (batch,), self pasts (batch, 2, PROMPT, 4) and cross K/V (batch, 2, 10, 4) of
+    ``export_decoder``'s inputs."""
+    rng = np.random.default_rng(seed)
+    self_kv = {f"past_{k}_self_{i}": rng.standard_normal((batch, 2, PROMPT, 4)).astype(np.float32)
+               for i in range(layers) for k in ("key", "value")}  # fmt: skip
+    cross = {f"past_{k}_cross_{i}": rng.standard_normal((batch, 2, 10, 4)).astype(np.float32)
+             for i in range(layers) for k in ("key", "value")}  # fmt: skip
+    return rng.integers(0, 50, batch).astype(np.int64), self_kv, cross
+
+
+@pytest.mark.parametrize("batch", [2, None], ids=["batch2", "batch-symbolic"])
+def test_the_decoder_masked_mha_export_keeps_its_inputs_and_decodes_the_same(batch):
+    """ORT's --use_decoder_masked_mha form: every MHA node, cross ones too, reads past_sequence_length and
+    cache_indirection. The rewrite keeps both inputs (adds none), leaves the cross nodes as they are, pins
+    sequence_length, and on stock ORT's CPU decodes the tokens of the same decoder without inputs 8/9 whose cache
+    grows."""
+    decoder = export_decoder(buffers=True)
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=batch)
+    names = [v.name for v in result.model.graph.input]
+    assert names == [v.name for v in decoder.graph.input] and names.count(PAST_SEQUENCE_LENGTH) == 1
+    assert result.kept_inputs == (PAST_SEQUENCE_LENGTH, "cache_indirection") and result.beams == 0
+    assert result.cache_indirection == "cache_indirection"
+    assert result.pinned[0][:3] == ("input_ids", 1, "sequence_length")
+    dims = declared(result.model)
+    rows = "batch_size" if batch is None else batch
+    assert dims["past_key_self_1"] == dims["present_value_self_0"] == [rows, 2, MAX_LENGTH, 4]
+    assert dims[PAST_SEQUENCE_LENGTH] == [1] and dims["input_ids"] == [rows, 1]
+    assert dims["cache_indirection"] == ["batch_size", "beam_width", MAX_LENGTH]
+    assert dims["past_key_cross_0"] == [rows, 2, "encode_sequence_length", 4]
+    before = {n.name: list(n.input) for n in decoder.graph.node if "cross_attn" in n.name}
+    assert {n.name: list(n.input) for n in result.model.graph.node if "cross_attn" in n.name} == before
+    report = result.report()
+    assert "input kept: past_sequence_length int32 (1,), the rows filled so far" in report
+    assert "input kept: cache_indirection int32 (batch_size, beam_width, 32), the beam" in report
+    first, self_kv, cross = export_prompt()
+    beam = {"cache_indirection": np.zeros((2, 1, MAX_LENGTH), np.int32)}  # one beam: every row reads its own
+    trace = decode_both(export_decoder(buffers=False), result.model, first, self_kv, cross, 8, MAX_LENGTH,
+                        static_feeds=beam)  # fmt: skip
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+
+
+def test_a_past_sequence_length_under_another_name_is_kept_and_reported():
+    decoder = export_decoder(buffers=True, p_name="past_seq_len")
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=2, beams=1)
+    assert result.past_sequence_length == "past_seq_len" and PAST_SEQUENCE_LENGTH not in declared(result.model)
+    assert declared(result.model)["cache_indirection"] == [2, 1, MAX_LENGTH]
+    assert ("input kept: past_seq_len int32 (1,) (the model's past_sequence_length, under its own name: bind it "
+            "there), the rows filled so far (P)") in result.report()  # fmt: skip
+    assert result.to_dict()["past_sequence_length"] == "past_seq_len"
+    assert all(n.input[8] == "past_seq_len" for n in result.model.graph.node if n.op_type == "MultiHeadAttention")
+    first, self_kv, cross = export_prompt()
+    beam = {"cache_indirection": np.zeros((2, 1, MAX_LENGTH), np.int32)}
+    trace = decode_both(export_decoder(buffers=False), result.model, first, self_kv, cross, 4, MAX_LENGTH,
+                        static_feeds=beam, p_name="past_seq_len")  # fmt: skip
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+
+
+def test_cross_nodes_with_a_qk_output_pass_through_the_rewrite():
+    """Cross nodes that ask for qk (as ORT's export with --output_cross_qk): they are no self nodes, so they stay
+    as they are, their qk outputs keep their names, and stock ORT CPU gives the dynamic decoder's qk."""
+    decoder = export_decoder(buffers=True, qk=True)
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    outputs = [v.name for v in result.model.graph.output]
+    assert outputs == [v.name for v in decoder.graph.output] and "output_cross_qk_1" in outputs
+    assert declared(result.model)["output_cross_qk_0"] == [2, 2, 1, "encode_sequence_length"]
+    cross = [list(n.output) for n in result.model.graph.node if "cross_attn" in n.name]
+    assert cross == [[f"cross_{i}", "", "", f"output_cross_qk_{i}"] for i in range(2)]
+    first, self_kv, cross_kv = export_prompt()
+    cache = {name: np.concatenate([v, np.zeros((2, 2, MAX_LENGTH - PROMPT, 4), np.float32)], axis=2)
+             for name, v in self_kv.items()}  # fmt: skip
+    want = run(session(export_decoder(buffers=False, qk=True)), {"input_ids": first[:, None], **self_kv, **cross_kv})
+    got = run(session(result.model), {"input_ids": first[:, None], **cache, **cross_kv,
+                                       "cache_indirection": np.zeros((2, 1, MAX_LENGTH), np.int32),
+                                       PAST_SEQUENCE_LENGTH: np.array([PROMPT], np.int32)})  # fmt: skip
+    for name in ("output_cross_qk_0", "output_cross_qk_1", "logits"):
+        assert got[name].shape == want[name].shape and np.abs(got[name] - want[name]).max() <= TOLERANCE["fp32"]
+
+
+def test_a_past_sequence_length_only_cross_nodes_read_is_kept_for_the_self_nodes():
+    """Self nodes without inputs 8/9 (growing pasts), cross nodes with them, P computed from past_sequence_length:
+    the rewrite gives the self nodes that same input, not a second one, and decodes the same tokens."""
+    decoder = export_decoder(buffers=True)
+    for node in decoder.graph.node:
+        if node.name.endswith("self_attn"):
+            del node.input[8:]
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    assert [v.name for v in result.model.graph.input] == [v.name for v in decoder.graph.input]
+    assert result.kept_inputs == (PAST_SEQUENCE_LENGTH,) and result.cache_indirection is None
+    self_inputs = [n.input[8:] for n in result.model.graph.node if n.name.endswith("self_attn")]
+    assert self_inputs == [[PAST_SEQUENCE_LENGTH]] * 2
+    first, self_kv, cross = export_prompt()
+    beam = {"cache_indirection": np.zeros((2, 1, MAX_LENGTH), np.int32)}
+    trace = decode_both(export_decoder(buffers=False), result.model, first, self_kv, cross, 4, MAX_LENGTH,
+                        static_feeds=beam)  # fmt: skip
+    assert_same_decoding(trace, TOLERANCE["fp32"])
+
+
+def test_refuses_self_nodes_in_two_forms():
+    decoder = export_decoder(buffers=True)
+    second = next(n for n in decoder.graph.node if n.name == "/decoder/layers.1/self_attn")
+    del second.input[8:]
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=MAX_LENGTH)
+    assert str(caught.value) == (
+        "node '/decoder/layers.1/self_attn' (MultiHeadAttention): its past_sequence_length is 'absent', but node "
+        "'/decoder/layers.0/self_attn' (MultiHeadAttention) has 'past_sequence_length' there: every self-attention "
+        "node needs the same graph input at input 8, or none"
+    )
+
+
+def test_refuses_a_past_sequence_length_that_is_not_int32():
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(export_decoder(buffers=True, p_type=TP.INT64), max_length=MAX_LENGTH)
+    assert str(caught.value) == ("input 'past_sequence_length' (past_sequence_length of node "
+                                 "'/decoder/layers.0/self_attn' (MultiHeadAttention)) has element type INT64, not "
+                                 "int32")  # fmt: skip
+
+
+def test_refuses_a_cache_indirection_of_other_beams():
+    decoder = export_decoder(buffers=True)
+    decoder.graph.input[-1].type.tensor_type.shape.dim[1].dim_value = 4
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=MAX_LENGTH, batch=10, beams=5)
+    assert "input 'cache_indirection' (cache_indirection of node '/decoder/layers.0/self_attn' (MultiHeadAttention)) "\
+        "has the static beam width 4 (input 'cache_indirection' dim 1), not --beams 5" == str(caught.value)
+
+
+def subgraph_decoder(reads: str) -> onnx.ModelProto:
+    """Positions (1,) made by an If whose branches compute them: ``reads`` "value": both branches read P, the
+    past's length computed outside; "past": both take Shape(past_key_self_0)[2] themselves."""
+    make = helper.make_node
+    out = helper.make_tensor_value_info("branch_positions", TP.INT64, [1])
+    if reads == "past":
+        body = [make("Shape", ["past_key_self_0"], ["inner_shape"], name="inner_shape"),
+                make("Gather", ["inner_shape", "two_1d"], ["branch_positions"], name="inner_gather")]  # fmt: skip
+        outside = []
+    else:
+        body = [make("Identity", ["p_1d"], ["branch_positions"], name="inner_identity")]
+        outside = [make("Shape", ["past_key_self_0"], ["past_shape"], name="/decoder/Shape"),
+                   make("Gather", ["past_shape", "two_1d"], ["p_1d"], name="/decoder/Gather")]  # fmt: skip
+    branches = {branch: helper.make_graph(body, f"{branch}_positions", [], [out]) for branch in ("then", "else")}
+    nodes = [
+        *outside,
+        make("Equal", ["one", "one"], ["truth"], name="/decoder/Equal"),
+        make("If", ["truth"], ["positions"], name="/decoder/If", then_branch=branches["then"],
+             else_branch=branches["else"]),
+    ]  # fmt: skip
+    return tiny_decoder(nodes, {"one": 1, "two_1d": [2]}, step=1)
+
+
+@pytest.mark.parametrize("reads, what", [("value", "'p_1d', which depends on past_sequence_length (p_1d (= [0] + "
+                                                   "P * [1]))"),
+                                         ("past", "'past_key_self_0', a self-attention past")])  # fmt: skip
+def test_refuses_a_subgraph_that_reads_the_past_or_a_value_on_it(reads, what):
+    decoder = subgraph_decoder(reads)
+    rng = np.random.default_rng(9)
+    feeds = {f"past_{k}_self_0": rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for k in ("key", "value")}
+    assert run(session(decoder), {**feeds, "input_ids": np.ones((1, 1), np.int64)})["logits"].shape == (1, 1, 50)
+    with pytest.raises(StaticCacheError) as caught:
+        static_cache(decoder, max_length=16, batch=1)
+    message = str(caught.value)
+    assert message.startswith(f"node '/decoder/If' (If): it has a subgraph and reads {what}"), message
+    assert "the rewrite does not follow subgraphs (If, Loop, Scan)" in message
+    assert "move that computation out of the subgraph" in message
 
 
 @pytest.mark.parametrize("max_length", [0, -3])
@@ -403,6 +850,21 @@ def test_cli_json_has_the_result_fields(tmp_path):
     data = json.loads(done.stdout)
     assert data["max_length"] == 16 and data["batch"] is None and data["output"] == str(target)
     assert data["self_layers"][0]["present_value"] == "present_value_self_0" and data["folded"] > 0
+
+
+def test_cli_step_length_pins_the_symbolic_step(tmp_path):
+    source, target = tmp_path / "decoder.onnx", tmp_path / "x.onnx"
+    onnx.save(range_decoder(), source)
+    done = run_cli("static-cache", str(source), "-o", str(target), "--max-length", "16", "--batch", "1",
+                   "--step-length", "3", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["pinned"] == [{"input": "input_ids", "dim": 1, "symbol": "seq", "value": 3}]
+    assert data["step_length"] == 3
+    assert declared(onnx.load(target))["input_ids"] == [1, 3]
+    done = run_cli("static-cache", str(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx")), "-o", str(target),
+                   "--max-length", "16", "--step-length", "3")  # fmt: skip
+    assert done.returncode == 2 and "input 'input_ids' dim 1 is 1, not --step-length 3" in done.stderr
 
 
 def test_cli_refusal_is_one_line_with_exit_code_2(tmp_path):
