@@ -30,6 +30,9 @@ encoder and the cross-attention keys and values, once per utterance; numpy feeds
 for the others) and the total
 for a 30 s utterance: encoder + ``--steps`` tokens.
 
+``--cross-qk on|both``: the decoder's cross-attention nodes also write qk (output_cross_qk_<l>, (B, N, 1, 1500),
+as ORT's Whisper export with --output_cross_qk: word timestamps); every column binds them on the GPU (the static
+loops to fixed buffers), and the row states the bytes a step writes for them (layers x B x N x 1500 elements).
 Rows: random weights at Whisper tiny, base and small size (mha_ep/models/synthetic.py: the decoder-with-past with
 its embedding and logits, vocabulary 51865, cross-attention over 1500 encoder positions; the encoder's layers
 at S=1500 without the convolutional front end), batch 1 and 8; the generation starts from a random 3-position
@@ -74,11 +77,20 @@ class Row:
     size: str
     batch: int
     dtype: str = "float32"
+    cross_qk: bool = False  # the cross-attention nodes also write qk (ORT's --output_cross_qk export)
 
     @property
     def label(self) -> str:
         layers, hidden, heads, _ = SIZES[self.size]
-        return f"Whisper-{self.size}-sized ({layers} x {hidden}, {heads} heads) B={self.batch} {self.dtype}, random weights"
+        qk = ", + cross qk" if self.cross_qk else ""
+        return (f"Whisper-{self.size}-sized ({layers} x {hidden}, {heads} heads) B={self.batch} {self.dtype}{qk}, "
+                "random weights")
+
+    @property
+    def qk_bytes_per_step(self) -> int:
+        """The scores a step writes with cross qk: layers x B x N x 1 x T_enc elements."""
+        layers, _, heads, _ = SIZES[self.size]
+        return layers * self.batch * heads * ENCODER_POSITIONS * (2 if self.dtype == "float16" else 4) if self.cross_qk else 0
 
 
 def sessions_of(model, kind: str):
@@ -216,7 +228,7 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
     from mha_ep.models.synthetic import bert_encoder, decoder_step_feeds, whisper_cross_kv, whisper_decoder_step
 
     layers, hidden, heads, ffn = SIZES[row.size]
-    decoder = whisper_decoder_step(layers, hidden, heads, ffn, row.dtype, vocab=VOCAB)
+    decoder = whisper_decoder_step(layers, hidden, heads, ffn, row.dtype, vocab=VOCAB, cross_qk=row.cross_qk)
     encoder = bert_encoder(layers, hidden, heads, ffn, row.dtype, mask=False)
     cross = whisper_cross_kv(layers, hidden, heads, row.dtype)
     from mha_ep.models.generate import bound_beam
@@ -320,6 +332,7 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
             samples[column].append(seconds)
     result["cache_bytes"] = {"greedy": sum(c.buffer.nbytes for c in greedy_decoder.caches),
                              "beam": sum(c.buffer.nbytes for c in beam_decoder.caches)}  # fmt: skip
+    result["cross_qk"], result["qk_bytes_per_step"] = row.cross_qk, row.qk_bytes_per_step
     return summarise_beams(result, samples, answers)
 
 
@@ -515,6 +528,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes of the random-weight rows")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"),
                         help="element type of the random-weight rows")
+    parser.add_argument("--cross-qk", default="off", choices=("off", "on", "both"),
+                        help="the decoder's cross-attention nodes also write qk, as ORT's --output_cross_qk export "
+                             "does (both: each row without and with it, side by side)")
     parser.add_argument("--models", type=Path, default=None, help="folder with Whisper tiny.en's three models")
     parser.add_argument("--max-tokens", type=int, default=64, help="token cap of the real rows")
     parser.add_argument("--whisper-config", type=Path, default=None,
@@ -526,8 +542,9 @@ def main(argv: Optional[list] = None) -> int:
 
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
-    rows = [Row(size, int(batch), args.dtype) for size in args.sizes.split(",") if size
-            for batch in args.batches.split(",")]  # fmt: skip
+    qk_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.cross_qk]
+    rows = [Row(size, int(batch), args.dtype, qk) for size in args.sizes.split(",") if size
+            for batch in args.batches.split(",") for qk in qk_forms]  # fmt: skip
     unknown = [r.size for r in rows if r.size not in SIZES]
     if unknown:
         parser.error(f"unknown size(s) {unknown}; known: {list(SIZES)}")

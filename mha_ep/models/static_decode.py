@@ -158,6 +158,28 @@ class StaticDecoder:
                                      array.data.ptr)  # fmt: skip
         self.binding.bind_output("logits", "cuda", device_id, self.logits.dtype.type, list(self.logits.shape),
                                  self.logits.data.ptr)  # fmt: skip
+        # every other output (Whisper's output_cross_qk_<i>, for word timestamps): a buffer of its own, written by
+        # every step's replay (read it between steps; a graph keeps the address it was captured with)
+        self.other_outputs = {}
+        kept = {"logits"} | {c.present for c in self.caches}
+        symbols = {}  # a symbolic dim of an input whose shape fixed_shapes gave (the encoder's length) -> its value
+        for name, value in inputs.items():
+            for dim, given in zip(value.shape, (fixed_shapes or {}).get(name, ())):
+                if isinstance(dim, str):
+                    symbols[dim] = int(given)
+        with cupy.cuda.Device(device_id), stream:
+            for name, out in outputs.items():
+                if name in kept:
+                    continue
+                shape = [self.rows if i == 0 else symbols.get(d, d) for i, d in enumerate(out.shape)]
+                if not all(isinstance(d, int) for d in shape):
+                    raise MhaEpError(f"output {name} has shape {out.shape}: a static-cache decoder's outputs are "
+                                     "bound once, so their shapes must be static")  # fmt: skip
+                dtype = {"tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32}.get(
+                    out.type, np.float32)  # fmt: skip
+                array = self.other_outputs[name] = cupy.zeros(shape, dtype)
+                self.binding.bind_output(name, "cuda", device_id, array.dtype.type, list(array.shape),
+                                         array.data.ptr)  # fmt: skip
         self.run_options = ort.RunOptions()
         self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.last_steps = 0  # decoder steps the last greedy_static / beam_static ran (end-of-text seen late)

@@ -104,7 +104,7 @@ def encoder_feeds(batch: int, sequence: int, hidden: int = 768, dtype: str = "fl
 
 
 def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn: int = 1536, dtype: str = "float32",
-                         seed: int = 0, vocab: int = 0) -> onnx.ModelProto:  # fmt: skip
+                         seed: int = 0, vocab: int = 0, cross_qk: bool = False) -> onnx.ModelProto:  # fmt: skip
     """One Whisper-style decoder step with random weights, as ORT's optimizer (``--model_type bart``) leaves one.
 
     Per layer: self-attention MultiHeadAttention over the new token with the past (B, N, P, H) prepended, its
@@ -117,13 +117,16 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
     ``vocab`` > 0 makes it a whole decoder-with-past, as a generation loop runs it: the input is ``input_ids``
     (B, 1) int64, embedded (a (vocab, D) table) plus a learned position (a (MAX_POSITIONS, D) table, indexed by the
     past's length), and the output ``logits`` (B, 1, vocab) after a final LayerNormalization and a (D, vocab)
-    projection, in place of ``last_hidden_state``."""
+    projection, in place of ``last_hidden_state``.
+
+    ``cross_qk`` gives every cross-attention node output 3, the graph output ``output_cross_qk_<l>`` (B, N, 1,
+    T_enc) in the node's type, as ORT's Whisper export does with ``--output_cross_qk`` (word timestamps)."""
     if dtype not in ELEM:
         raise ValueError(f"dtype must be one of {sorted(ELEM)}, got {dtype!r}")
     rng = np.random.default_rng(seed)
     np_dtype = np.dtype(dtype)
     head = hidden // heads
-    initializers, nodes, inputs, outputs = [], [], [], []
+    initializers, nodes, inputs, outputs, qk_outputs = [], [], [], [], []
 
     def weight(name: str, shape, std: float = 0.02, value=None) -> str:
         array = rng.normal(0.0, std, shape) if value is None else np.full(shape, value)
@@ -172,8 +175,11 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
                                       name=p + "cross_matmul_q"))  # fmt: skip
         nodes.append(helper.make_node(
             "MultiHeadAttention", [p + "cross_q", f"cross_key_{layer}", f"cross_value_{layer}"],
-            [p + "cross_context"], domain="com.microsoft", name=p + "cross_attention", num_heads=heads,
+            [p + "cross_context"] + (["", "", f"output_cross_qk_{layer}"] if cross_qk else []),
+            domain="com.microsoft", name=p + "cross_attention", num_heads=heads,
         ))  # fmt: skip
+        if cross_qk:
+            qk_outputs.append(tensor(f"output_cross_qk_{layer}", ["batch", heads, 1, "encoder_sequence"]))
         nodes.append(helper.make_node("MatMul", [p + "cross_context", weight(p + "cross_W_o", (hidden, hidden))],
                                       [p + "cross_proj"], name=p + "cross_matmul_o"))  # fmt: skip
         nodes.append(skip_layer_norm(weight, p, "ln2", p + "cross_proj", p + "x1", "cross_b_o", p + "x2", hidden, 1e-5))
@@ -190,6 +196,7 @@ def whisper_decoder_step(layers: int = 4, hidden: int = 384, heads: int = 6, ffn
         outputs.insert(0, tensor("logits", ["batch", 1, vocab]))
     else:
         outputs.insert(0, tensor("last_hidden_state", ["batch", 1, hidden]))
+    outputs += qk_outputs
     graph = helper.make_graph(nodes, f"whisper_decoder_step_{layers}x{hidden}_{dtype}", inputs, outputs,
                               initializer=initializers)  # fmt: skip
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]

@@ -105,3 +105,44 @@ def test_beam_static_gives_the_host_loop_s_answers(gpu):
         decoder.load_prompt({n: v for n, v in presents.items() if "_self_" in n}, PROMPT)
         got = beam_static(decoder, cupy.asarray(logits), [0] * PROMPT, steps, EOT, check_every=4)
         assert got == expected
+
+
+def test_a_static_decoder_writes_the_cross_qk_of_each_step_into_its_own_buffers(gpu):
+    """ORT's --output_cross_qk form (word timestamps): the static decoder binds every other output, here each
+    cross-attention node's qk (B, N, 1, T_enc), to a buffer of its own that every replayed step writes; after one
+    step it holds stock ORT CPU's qk of that step, and the tokens stay the host loop's."""
+    from mha_ep.models.static_decode import StaticDecoder, cuda_session, greedy_static
+    from mha_ep.models.synthetic import decoder_step_feeds, whisper_decoder_step
+
+    cupy, layers, hidden, heads, frames, vocab = gpu, 2, 64, 2, 40, 100
+    decoder = whisper_decoder_step(layers, hidden, heads, 128, vocab=vocab, cross_qk=True)
+    feeds = decoder_step_feeds(2, PROMPT, layers, hidden, heads, frames, seed=5)
+    cache = {n: v for n, v in feeds.items() if n.startswith("past_")}
+    cross = {n: v for n, v in feeds.items() if n.startswith("cross_")}
+    first = np.array([[7], [42]], np.int64)
+    host = ort.InferenceSession(decoder.SerializeToString(), providers=["CPUExecutionProvider"])
+    steps, ids, expected, qk_after_one = 6, first, [[7], [42]], None
+    for step in range(steps - 1):
+        out = run(host, {"input_ids": ids, **cache, **cross})
+        qk_after_one = qk_after_one or {n: v for n, v in out.items() if n.startswith("output_cross_qk")}
+        cache = {n: out[n.replace("past", "present")] for n in cache}
+        ids = out["logits"][:, -1].argmax(-1)[:, None]
+        for row, token in zip(expected, ids[:, 0]):
+            row.append(int(token))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    static = static_cache(decoder, max_length=MAX_LENGTH, batch=2).model
+    made = StaticDecoder(cuda_session(static, stream), 2, stream=stream,
+                         fixed_shapes={n: v.shape for n, v in cross.items()})  # fmt: skip
+    assert sorted(made.other_outputs) == sorted(qk_after_one)
+    made.set_inputs(cross)
+    prompt_cache = {n.replace("past_", "present_", 1): v for n, v in feeds.items() if n.startswith("past_")}
+    for _ in range(3):  # captured on an early run, replayed after
+        for array in made.other_outputs.values():
+            array.fill(cupy.nan)
+        made.load_prompt(prompt_cache, PROMPT)
+        greedy_static(made, cupy.asarray(first), PROMPT, 2, check_every=1)
+        stream.synchronize()
+        for name, want in qk_after_one.items():
+            np.testing.assert_allclose(cupy.asnumpy(made.other_outputs[name]), want, rtol=1e-4, atol=1e-4)
+        made.load_prompt(prompt_cache, PROMPT)
+        assert greedy_static(made, cupy.asarray(first), PROMPT, steps, check_every=2) == expected
