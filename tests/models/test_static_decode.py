@@ -143,6 +143,8 @@ def test_a_static_decoder_writes_the_cross_qk_of_each_step_into_its_own_buffers(
         greedy_static(made, cupy.asarray(first), PROMPT, 2, check_every=1)
         stream.synchronize()
         for name, want in qk_after_one.items():
-            np.testing.assert_allclose(cupy.asnumpy(made.other_outputs[name]), want, rtol=1e-4, atol=1e-4)
+            # a whole decoder on ORT CUDA against ORT CPU: its float32 MatMuls run on TF32 tensor cores (ORT's
+            # use_tf32 default), 2e-4 apart here; a missing or misplaced qk is off by the scores themselves (0.1-0.3)
+            np.testing.assert_allclose(cupy.asnumpy(made.other_outputs[name]), want, rtol=2e-3, atol=2e-3)
         made.load_prompt(prompt_cache, PROMPT)
         assert greedy_static(made, cupy.asarray(first), PROMPT, steps, check_every=2) == expected
