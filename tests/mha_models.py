@@ -522,3 +522,40 @@ def chain_model(num_heads=2, qk_on_second=False):
     return helper.make_model(
         graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     )
+
+
+# ------------------------------------------------------------------------------------------ packed forms
+def packed_feeds(config: MhaConfig, feeds: dict, form: str) -> dict:
+    """The unpacked ``feeds`` of ``config`` as the packed node takes them: Q, K, V (or K, V) stacked on axis 3."""
+    b, s, l, n, h = config.batch, config.q_seq, config.kv_seq, config.num_heads, config.head_size
+    k = feeds["key"].reshape(b, l, n, h)
+    v = feeds["value"].reshape(b, l, n, h)
+    packed = {name: value for name, value in feeds.items() if name not in ("key", "value")}
+    if form == "qkv":
+        packed["query"] = np.ascontiguousarray(np.stack([feeds["query"].reshape(b, s, n, h), k, v], axis=3))
+    else:
+        packed["key"] = np.ascontiguousarray(np.stack([k, v], axis=3))
+    return packed
+
+
+def packed_model(config: MhaConfig, form: str):
+    """The packed node of ``config`` (config's other inputs, outputs and attributes unchanged)."""
+    b, s, l, n, h = config.batch, config.q_seq, config.kv_seq, config.num_heads, config.head_size
+    model = build_model(config)
+    declared = {i.name: i for i in model.graph.input}
+    inputs = {}
+    for slot in INPUT_SLOTS:
+        if slot not in declared or (slot == "value") or (slot == "key" and form == "qkv"):
+            continue
+        elem = declared[slot].type.tensor_type.elem_type
+        dtype = {1: "float32", 10: "float16", 6: "int32", 7: "int64"}.get(elem, config.dtype)
+        dtype = config.dtype if slot not in ("key_padding_mask",) and config.dtype == "bfloat16" else dtype
+        shape = tuple(d.dim_value for d in declared[slot].type.tensor_type.shape.dim)
+        if slot == "query" and form == "qkv":
+            shape = (b, s, n, 3, h)
+        if slot == "key":
+            shape = (b, l, n, 2, h)
+        inputs[slot] = (dtype, shape)
+    outputs = ["output"] + (["qk"] if config.qk else [])
+    return node_model(inputs, outputs, attributes(config), config.shapes, output_shapes(config),
+                      float_dtype=config.dtype)  # fmt: skip

@@ -20,16 +20,17 @@ rules it did not have are marked "(ORT)" when they mirror a stock ORT input chec
   Rule  7  (ORT) a requested qk output (output 3) is declared with a float element type and, where its dims are
            known, as (B, N, S, T) (claim/graph_rules.py ``qk_output_refusal``: it reads the graph's declarations,
            which a Call does not carry; the op always writes qk in that shape)
-  Rule  8  query is supplied and rank 3 (no packed QKV)
-  Rule  9  key and value are both supplied (no packed QKV / packed KV)
-  Rule 10  key and value are rank 3 or 4, (ORT) the same rank
+  Rule  8  query is supplied, rank 3, or (mha_ep, where stock ORT's CPU refuses it) packed QKV (B, S, N, 3, H)
+  Rule  9  key and value both supplied; none with a packed QKV query; a packed KV key (B, L, N, 2, H) alone
+  Rule 10  key and value are rank 3 or 4, (ORT) the same rank; a packed KV key goes with a rank-3 query
   Rule 11  query hidden divisible by num_heads
   Rule 12  rank-3 key/value hidden divisible by num_heads; rank-4 key/value dim 1 == num_heads
   Rule 13  head sizes: (ORT) rank-3 key hidden == query hidden; rank-4 key/value head == query head;
            past heads == query head; v_head_size != head_size only without past (ORT's past check)
   Rule 14  key and value have the same sequence length
   Rule 15  key, value, past_key, past_value batch == query batch
-  Rule 16  past_key and past_value come together, rank 4, dim 1 == num_heads, same length
+  Rule 16  past_key and past_value come together, rank 4, dim 1 == num_heads, same length; (ORT) a packed
+           call has no past and no present
   Rule 21  the shared buffer (past_key (B, N, M, H) with past_sequence_length, docs/SEMANTICS.md §3.9): (ORT) one
            element, both presents requested, 0 <= P < M and P + L <= M where the value is known (L <= M where
            it is not); (mha_ep) BSNH key and value
@@ -184,7 +185,27 @@ class Call:
 
 
 # ------------------------------------------------------------------------------------ derived geometry (partial)
+def packing(call: Call) -> Optional[str]:
+    """"qkv" for packed QKV (query (B, S, N, 3, H), no key or value), "kv" for packed KV (key (B, L, N, 2, H), no
+    value), None for separate inputs (docs/SEMANTICS.md §2.1)."""
+    if call.rank("query") == 5:
+        return "qkv"
+    if call.rank("key") == 5:
+        return "kv"
+    return None
+
+
+def query_hidden(call: Call) -> Optional[int]:
+    """D: query dim 2, or N * H of a packed QKV query."""
+    if call.rank("query") == 3:
+        return call.dim("query", 2)
+    head = call.dim("query", 4) if call.rank("query") == 5 else None
+    return None if head is None else head * call.attrs.num_heads
+
+
 def head_size(call: Call) -> Optional[int]:
+    if call.rank("query") == 5:
+        return call.dim("query", 4)
     hidden = call.dim("query", 2) if call.rank("query") == 3 else None
     if hidden is None or hidden % call.attrs.num_heads:
         return None
@@ -193,6 +214,11 @@ def head_size(call: Call) -> Optional[int]:
 
 def v_head_size(call: Call) -> Optional[int]:
     n = call.attrs.num_heads
+    form = packing(call)
+    if form == "qkv":
+        return call.dim("query", 4)
+    if form == "kv":
+        return call.dim("key", 4)
     if call.rank("value") == 3:
         hidden = call.dim("value", 2)
         return None if hidden is None or hidden % n else hidden // n
@@ -202,8 +228,10 @@ def v_head_size(call: Call) -> Optional[int]:
 
 
 def kv_seq(call: Call) -> Optional[int]:
+    if packing(call) == "qkv":
+        return call.dim("query", 1)
     rank = call.rank("key")
-    return call.dim("key", 1) if rank == 3 else call.dim("key", 2) if rank == 4 else None
+    return call.dim("key", 1) if rank in (3, 5) else call.dim("key", 2) if rank == 4 else None
 
 
 def shared_buffer(call: Call) -> bool:
@@ -306,40 +334,90 @@ def rule_decoder_masked_dtypes(call: Call) -> None:
 
 
 def rule_query_rank(call: Call) -> None:
-    """Rule 8."""
+    """Rule 8: query is (B, S, hidden), or packed QKV (B, S, N, 3, H) (mha_ep: stock ORT's CPU provider refuses the
+    packed form, its CUDA provider runs it on its fused kernels only; docs/SEMANTICS.md §2.1)."""
     if not call.present("query"):
         raise Refusal("query (input 0) is required", "query")
     rank = call.rank("query")
-    if rank is not None and rank != 3:
+    if rank is not None and rank not in (3, 5):
         raise Refusal(
-            f"query must be rank 3 (B, S, hidden); packed-QKV layouts (rank {rank}) are unsupported; "
-            f"got shape {call.shape_text('query')}",
+            f"Input 'query' is expected to have 3 or 5 dimensions, got {rank}: query must be (B, S, hidden) or packed "
+            f"QKV (B, S, num_heads, 3, head_size); got shape {call.shape_text('query')}",
             "query",
-            ORT_RUNTIME_EXCEPTION if rank == 5 else ORT_INVALID_ARGUMENT,  # stock CPU: "Packed QKV ... not implemented"
         )
+    if rank == 5:
+        heads, three = call.dim("query", 2), call.dim("query", 3)
+        if (heads is not None and heads != call.attrs.num_heads) or (three is not None and three != 3):
+            raise Refusal(
+                f"Expect 'query' shape (batch_size, sequence_length, num_heads, 3, head_size) for packed qkv: got "
+                f"{call.shape_text('query')} with num_heads {call.attrs.num_heads}",
+                "query",
+                ORT_RUNTIME_EXCEPTION,  # stock CPU: "Packed QKV ... not implemented for CPU", for any packed call
+            )
 
 
 def rule_key_and_value_supplied(call: Call) -> None:
-    """Rule 9."""
+    """Rule 9: separate key and value; or neither with a packed QKV query; or a packed KV key (B, L, N, 2, H) alone."""
+    if call.rank("query") == 5:
+        for name in ("key", "value"):
+            if call.present(name):
+                raise Refusal(
+                    f"a packed QKV query {call.shape_text('query')} holds the keys and values: {name} "
+                    f"{call.shape_text(name)} must be absent",
+                    name,
+                    ORT_RUNTIME_EXCEPTION,
+                )
+        return
     if not call.present("key"):
+        if call.rank("query") is None:
+            return  # packed QKV or not: the execute-time check sees the rank
         raise Refusal(
-            "separate key and value inputs are required (packed QKV / query-only layouts are unsupported)", "key"
+            "key is required with a rank-3 query (B, S, hidden); without key and value the query must be packed QKV "
+            f"(B, S, num_heads, 3, head_size), got {call.shape_text('query')}",
+            "key",
         )
+    if call.rank("key") == 5:
+        if call.present("value"):
+            raise Refusal(
+                f"a packed KV key {call.shape_text('key')} holds the values: value {call.shape_text('value')} must "
+                "be absent (Input 'value' shall be absent for packed kv)",
+                "value",
+                ORT_RUNTIME_EXCEPTION,  # stock CPU: "Packed KV not implemented for CPU", for any packed KV call
+            )
+        return
     if not call.present("value"):
-        raise Refusal("value is required when key is present; packed-KV layouts are unsupported", "value")
+        if call.rank("key") is None:
+            return  # packed KV or not: the execute-time check sees the rank
+        raise Refusal(
+            "value is required when key is rank 3 or 4; without value the key must be packed KV (batch_size, "
+            f"kv_sequence_length, num_heads, 2, head_size), got key {call.shape_text('key')}",
+            "value",
+        )
 
 
 def rule_key_value_ranks(call: Call) -> None:
-    """Rule 10."""
+    """Rule 10: key and value rank 3 or 4 alike; a packed KV key (B, L, N, 2, H) with a rank-3 query."""
+    if call.rank("key") == 5:
+        if call.rank("query") not in (None, 3):
+            raise Refusal(f"Expect rank of query be 3 for packed kv, got query {call.shape_text('query')}", "query",
+                          ORT_RUNTIME_EXCEPTION)
+        heads, two = call.dim("key", 2), call.dim("key", 3)
+        if (heads is not None and heads != call.attrs.num_heads) or (two is not None and two != 2):
+            raise Refusal(
+                f"Expect 'key' shape (batch_size, kv_sequence_length, num_heads, 2, head_size) for packed kv: got "
+                f"{call.shape_text('key')} with num_heads {call.attrs.num_heads}",
+                "key",
+                ORT_RUNTIME_EXCEPTION,
+            )
+        return
     for name in ("key", "value"):
         rank = call.rank(name)
         if rank is not None and rank not in (3, 4):
             raise Refusal(
-                f"{name} must be rank 3 (B, T, hidden) or rank 4 (B, N, T, H); rank {rank} is unsupported "
-                f"(shape {call.shape_text(name)})",
+                f"{name} must be rank 3 (B, T, hidden) or rank 4 (B, N, T, H) (a packed KV key (B, L, N, 2, H) comes "
+                f"without value); rank {rank} is not (shape {call.shape_text(name)})",
                 name,
-                ORT_RUNTIME_EXCEPTION if name == "key" and rank == 5 else ORT_INVALID_ARGUMENT,  # "Packed KV not
-            )  # implemented for CPU"
+            )
     k_rank, v_rank = call.rank("key"), call.rank("value")
     if k_rank is not None and v_rank is not None and k_rank != v_rank:
         raise Refusal(
@@ -380,7 +458,16 @@ def rule_head_sizes(call: Call) -> None:
     h = head_size(call)
     if h is None:
         return
-    q_hidden = call.dim("query", 2)
+    q_hidden = query_hidden(call)
+    if call.rank("key") == 5:
+        head = call.dim("key", 4)
+        if head is not None and head != h:
+            raise Refusal(
+                f"packed KV key head_size {head} must equal query head_size {h} (key {call.shape_text('key')}, "
+                f"query {call.shape_text('query')})",
+                "key",
+                ORT_RUNTIME_EXCEPTION,
+            )
     if call.rank("key") == 3:
         k_hidden = call.dim("key", 2)
         if k_hidden is not None and k_hidden != q_hidden:
@@ -438,7 +525,17 @@ def rule_batches(call: Call) -> None:
 
 
 def rule_past(call: Call) -> None:
-    """Rule 16."""
+    """Rule 16; (ORT, its CUDA provider's) a packed call has no past and no present."""
+    form = packing(call)
+    presents = len(call.outputs) > 2 and (call.outputs[1] or call.outputs[2])
+    if form is not None and (call.present("past_key") or call.present("past_value") or presents):
+        subject = "past_key" if call.present("past_key") else "past_value" if call.present("past_value") else "present_key"
+        raise Refusal(
+            f"Inputs 'past_key', 'past_value', 'present_key' and 'present_value' shall be empty for packed "
+            f"{form.upper()} format (a packed call computes one step of attention over its own keys)",
+            subject,
+            ORT_RUNTIME_EXCEPTION,
+        )
     if call.present("past_key") != call.present("past_value"):
         raise Refusal("past_key and past_value must be provided together", "past_value")
     n = call.attrs.num_heads
@@ -516,7 +613,7 @@ def rule_bias(call: Call) -> None:
     rank = call.rank("bias")
     if rank is not None and rank != 1:
         raise Refusal(f"bias must be rank 1, got rank {rank} (shape {call.shape_text('bias')})", "bias")
-    length, q_hidden, hv = call.dim("bias", 0), call.dim("query", 2), v_head_size(call)
+    length, q_hidden, hv = call.dim("bias", 0), query_hidden(call), v_head_size(call)
     if length is None or q_hidden is None or hv is None:
         return
     v_hidden = hv * call.attrs.num_heads

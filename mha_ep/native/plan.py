@@ -187,7 +187,8 @@ def plan_steps(config: KernelConfig, signature: Signature, facts: DeviceFacts, f
             copies.append(Copy(destination, outputs[name], nbytes))
     call = DeviceCall(sources=sources, source_dtype=float_type, outputs=outputs, output_dtype=float_type,
                       mask_form=mask_type or "resolved", attention_bias_dtype=float_type,
-                      error_flag=STICKY if problem.shared is not None else None, error_site=error_site)  # fmt: skip
+                      error_flag=STICKY if problem.shared is not None else None, error_site=error_site,
+                      packed_sources=problem.packing is not None)  # fmt: skip
     steps = attention_steps(problem, facts, call, temporaries, fused_path=fused_path, poison=poison)
     return NativePlan(steps + copies, temporaries.size, shapes, alignment)
 

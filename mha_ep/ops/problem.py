@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from mha_ep import spec
-from mha_ep.claim.rules import Call, Refusal, attributes_from_mapping, beam_path, check, shared_buffer
+from mha_ep.claim.rules import Call, Refusal, attributes_from_mapping, beam_path, check, packing, shared_buffer
 from mha_ep.claim.tensor_info import TensorInfo
 from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
 
@@ -119,6 +119,9 @@ class MhaProblem:
     past_sequence_length: Optional[np.ndarray] = None  # int32, one element; with ``shared`` only
     cache_indirection_BWM: Optional[np.ndarray] = None  # int32 (B/W, W, M); only where ``shared.beam_path``
     want_qk: bool = False  # output 3: the scores before softmax (docs/SEMANTICS.md §3.8)
+    # "qkv": the node's query is packed QKV (B, S, N, 3, H); "kv": its key is packed KV (B, L, N, 2, H); None.
+    # query_BSD / key / value are then the slots as (B, S|L, N*H) arrays (packed_slot)
+    packing: Optional[str] = None
 
 
 @dataclass
@@ -143,6 +146,7 @@ def problem_signature(problem: MhaProblem) -> tuple:
         None if mask is None else (mask.kind, tuple(mask.data.shape)), shape(problem.attention_bias),
         shape(problem.past_key_BNPH), shape(problem.past_value_BNPH), problem.want_present_key,
         problem.want_present_value, problem.shared, shape(problem.cache_indirection_BWM), problem.want_qk,
+        problem.packing,
     )  # fmt: skip
 
 
@@ -212,6 +216,11 @@ def build_problem(
     query, key, value = by_name["query"], by_name["key"], by_name["value"]
     attrs = call.attrs
     n = attrs.num_heads
+    form = packing(call)
+    if form == "qkv":  # (B, S, N, 3, H): Q, K and V are its slots (docs/SEMANTICS.md §2.1)
+        query, key, value = (packed_slot(query, i) for i in range(3))
+    elif form == "kv":  # key (B, L, N, 2, H): K and V are its slots
+        key, value = packed_slot(key, 0), packed_slot(key, 1)
     kv_layout = "BNSH" if key.ndim == 4 else "BSNH"
     b, s, d = query.shape
     h = d // n
@@ -262,7 +271,18 @@ def build_problem(
         past_sequence_length=by_name["past_sequence_length"] if shared is not None else None,
         cache_indirection_BWM=indirection,
         want_qk=len(outputs) > 3 and bool(outputs[3]),
+        packing=form,
     )
+
+
+def packed_slot(packed, index: int):
+    """Slot ``index`` of a packed (B, S, N, P, H) input as a (B, S, N*H) array: a strided view of a NumPy or CuPy
+    array made contiguous (host and bridge routes: the backends take BSNH arrays), or the shape alone for the
+    native planner's shape-only inputs (whose steps read the packed buffer itself: pipeline.py)."""
+    b, s, n, _, h = packed.shape
+    if hasattr(packed, "__getitem__") and hasattr(packed, "reshape"):
+        return packed[:, :, :, index, :].reshape(b, s, n * h)
+    return type(packed)(packed.dtype, (b, s, n * h))
 
 
 def past_length_value(psl) -> Optional[int]:
@@ -317,8 +337,12 @@ def output_shapes(
     (qk: also when it is not wanted)."""
     try:
         n = int(attributes.get("num_heads", 0))
-        query, value = arrays[0], arrays[2]
+        query, key, value = arrays[0], arrays[1], arrays[2]
         b, s = query.shape[0], query.shape[1]
+        packed = query if query.ndim == 5 else key if key is not None and key.ndim == 5 else None
+        if packed is not None:  # packed QKV / KV: Dv = D = N * H, L = the packed input's dim 1
+            d, length = packed.shape[2] * packed.shape[4], packed.shape[1]
+            return (b, s, d), (), (), ((b, n, s, length) if want_qk else ())
         if value is not None and value.ndim == 4:
             dv, length, hv = value.shape[1] * value.shape[3], value.shape[2], value.shape[3]
         elif value is not None and value.ndim == 3:

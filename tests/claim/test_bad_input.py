@@ -90,6 +90,10 @@ def ab_text(shape, t):
     )
 
 
+PACKED_QKV_CPU = "Packed QKV of shape (B, L, N, 3, H) not implemented for CPU"  # stock CPU refuses every packed
+PACKED_KV_CPU = "Packed KV not implemented for CPU"  # call, well-formed or not: mha_ep runs the well-formed ones
+PACKED_RUN = ("stock ORT CPU runs no packed call, so the run test's good call has no oracle here: "
+              "tests/parity/test_parity_packed.py runs the bad packed feeds and the good ones")
 STRUCTURAL = "the defect is the presence or absence of an input, an output or an attribute, visible at claim time"
 DTYPE = "element types are static in ONNX: ORT checks them at load and the gate sees them whatever the shapes"
 HUGE = "a CUDA size limit: no feed of that size can be built, the gate sees the static dims"
@@ -172,30 +176,47 @@ CASES = [
          outputs=PRESENTS, values={"past_sequence_length": [4], "cache_indirection": np.zeros((B, 1, M))},
          good_values=BEAM_GOOD),
     case("query_rank", BSNH, {"query": (S, D)},
-         f"query must be rank 3 (B, S, hidden); packed-QKV layouts (rank 2) are unsupported; got shape ({S}, {D})",
+         f"Input 'query' is expected to have 3 or 5 dimensions, got 2: query must be (B, S, hidden) or packed QKV "
+         f"(B, S, num_heads, 3, head_size); got shape ({S}, {D})",
          "query", "Inputs 0 (query) shall be 3 or 5 dimensions", run_shapes="unranked"),
     case("query_rank_5", BSNH, {"query": (B, S, N, 3, H)},
-         f"query must be rank 3 (B, S, hidden); packed-QKV layouts (rank 5) are unsupported; got shape "
-         f"({B}, {S}, {N}, 3, {H})", "query", "Packed QKV of shape (B, L, N, 3, H) not implemented for CPU",
-         run_shapes="unranked"),
-    case("packed_qkv", {"query": Q}, {"query": (B, S, N, 3, H)},
-         f"query must be rank 3 (B, S, hidden); packed-QKV layouts (rank 5) are unsupported; got shape "
-         f"({B}, {S}, {N}, 3, {H})", "query", "Packed QKV of shape (B, L, N, 3, H) not implemented for CPU",
-         claim_only="a query-only model has no good feed (the plugin needs key and value)"),
+         f"a packed QKV query ({B}, {S}, {N}, 3, {H}) holds the keys and values: key ({B}, {L}, {D}) must be absent",
+         "key", "Packed QKV of shape (B, L, N, 3, H) not implemented for CPU", run_shapes="unranked"),
+    case("packed_qkv_not_three", {"query": Q}, {"query": (B, S, N, 2, H)},
+         f"Expect 'query' shape (batch_size, sequence_length, num_heads, 3, head_size) for packed qkv: got ({B}, {S}, "
+         f"{N}, 2, {H}) with num_heads {N}", "query", PACKED_QKV_CPU,
+         claim_only=PACKED_RUN),
+    case("packed_qkv_heads", {"query": Q}, {"query": (B, S, N + 1, 3, H)},
+         f"Expect 'query' shape (batch_size, sequence_length, num_heads, 3, head_size) for packed qkv: got ({B}, {S}, "
+         f"{N + 1}, 3, {H}) with num_heads {N}", "query", PACKED_QKV_CPU, claim_only=PACKED_RUN),
+    case("packed_qkv_past", {"query": (B, S, N, 3, H), "past_key": PAST, "past_value": PAST}, {},
+         "Inputs 'past_key', 'past_value', 'present_key' and 'present_value' shall be empty for packed QKV format (a "
+         "packed call computes one step of attention over its own keys)", "past_key", PACKED_QKV_CPU,
+         claim_only=STRUCTURAL),
     case("packed_qkv_bs3nh", {"query": Q}, {"query": (B, S, 3 * D)},
-         "separate key and value inputs are required (packed QKV / query-only layouts are unsupported)", "key",
+         "key is required with a rank-3 query (B, S, hidden); without key and value the query must be packed QKV "
+         f"(B, S, num_heads, 3, head_size), got ({B}, {S}, {3 * D})", "key",
          "Packed qkv of 3D BS3NH format is not support by MultiHeadAttention", claim_only=STRUCTURAL),
     case("query_only", {"query": Q}, {},
-         "separate key and value inputs are required (packed QKV / query-only layouts are unsupported)", "key",
+         "key is required with a rank-3 query (B, S, hidden); without key and value the query must be packed QKV "
+         f"(B, S, num_heads, 3, head_size), got ({B}, {S}, {D})", "key",
          "Packed qkv of 3D BS3NH format is not support by MultiHeadAttention", claim_only=STRUCTURAL),
     case("value_without_key", BSNH, {"key": None},
-         "separate key and value inputs are required (packed QKV / query-only layouts are unsupported)", "key",
+         "key is required with a rank-3 query (B, S, hidden); without key and value the query must be packed QKV "
+         f"(B, S, num_heads, 3, head_size), got ({B}, {S}, {D})", "key",
          "Input 'value' shall absent when 'key' is absent", claim_only=STRUCTURAL),
-    case("packed_kv", BSNH, {"key": (B, L, N, 2, H), "value": None},
-         "value is required when key is present; packed-KV layouts are unsupported", "value",
-         "Packed KV not implemented for CPU", claim_only=STRUCTURAL),
+    case("packed_kv_not_two", {"query": Q, "key": (B, L, N, 2, H)}, {"key": (B, L, N, 3, H)},
+         f"Expect 'key' shape (batch_size, kv_sequence_length, num_heads, 2, head_size) for packed kv: got ({B}, {L}, "
+         f"{N}, 3, {H}) with num_heads {N}", "key", PACKED_KV_CPU, claim_only=PACKED_RUN),
+    case("packed_kv_head_size", {"query": Q, "key": (B, L, N, 2, H)}, {"key": (B, L, N, 2, H + 1)},
+         f"packed KV key head_size {H + 1} must equal query head_size {H} (key ({B}, {L}, {N}, 2, {H + 1}), query "
+         f"({B}, {S}, {D}))", "key", PACKED_KV_CPU, claim_only=PACKED_RUN),
+    case("packed_kv_query_rank", {"query": Q, "key": (B, L, N, 2, H)}, {"query": (B, S, N, 3, H)},
+         f"a packed QKV query ({B}, {S}, {N}, 3, {H}) holds the keys and values: key ({B}, {L}, {N}, 2, {H}) must "
+         "be absent", "key", PACKED_QKV_CPU, claim_only=STRUCTURAL),
     case("key_without_value", BSNH, {"value": None},
-         "value is required when key is present; packed-KV layouts are unsupported", "value",
+         "value is required when key is rank 3 or 4; without value the key must be packed KV (batch_size, "
+         f"kv_sequence_length, num_heads, 2, head_size), got key ({B}, {L}, {D})", "value",
          "Expect rank of key be 5 for packed kv", claim_only=STRUCTURAL),
     case("past_key_without_past_value", WITH_PAST, {"past_value": None},
          "past_key and past_value must be provided together", "past_value",
@@ -224,10 +245,11 @@ CASES = [
          claim_only=HUGE),
     # ------------------------------------------------------------------------------------- ranks (rule 10)
     case("key_rank", BSNH, {"key": (B, L, N, 2, H)},
-         f"key must be rank 3 (B, T, hidden) or rank 4 (B, N, T, H); rank 5 is unsupported (shape ({B}, {L}, {N}, "
-         f"2, {H}))", "key", "Packed KV not implemented for CPU", run_shapes="unranked"),
+         f"a packed KV key ({B}, {L}, {N}, 2, {H}) holds the values: value ({B}, {L}, {D}) must be absent (Input "
+         "'value' shall be absent for packed kv)", "value", "Packed KV not implemented for CPU", run_shapes="unranked"),
     case("value_rank", BSNH, {"value": (L, D)},
-         f"value must be rank 3 (B, T, hidden) or rank 4 (B, N, T, H); rank 2 is unsupported (shape ({L}, {D}))",
+         f"value must be rank 3 (B, T, hidden) or rank 4 (B, N, T, H) (a packed KV key (B, L, N, 2, H) comes without "
+         f"value); rank 2 is not (shape ({L}, {D}))",
          "value", "Inputs 2 (value) shall be 3 or 4 dimensions", run_shapes="unranked"),
     case("key_value_rank_mismatch", BSNH, {"value": K4},
          f"key and value must both be rank 3 (B, L, hidden) or both rank 4 (B, N, L, head_size), got key "
@@ -546,15 +568,18 @@ def test_every_rule_has_a_case():
                                "must be non-negative", "must not exceed", "exceeds max_sequence_length"),
         "rule_cache_indirection": ("expected to have 3 dimensions", "times dimension 1", "dimension 2 should be same",
                                    "beam path reads a per-row attention_bias"),
-        "rule_query_rank": ("query must be rank 3",),
-        "rule_key_and_value_supplied": ("separate key and value", "value is required"),
-        "rule_key_value_ranks": ("or rank 4 (B, N, T, H)", "must both be rank 3"),
+        "rule_query_rank": ("expected to have 3 or 5 dimensions", "for packed qkv"),
+        "rule_key_and_value_supplied": ("holds the keys and values", "key is required", "value is required",
+                                        "holds the values"),
+        "rule_key_value_ranks": ("or rank 4 (B, N, T, H)", "must both be rank 3", "for packed kv"),
         "rule_query_hidden_divisible": ("query hidden 7 not divisible",),
         "rule_key_value_heads": ("key hidden 7 not divisible", "rank-4 key dim 1", "rank-4 value dim 1"),
-        "rule_head_sizes": ("must equal query hidden", "must equal query head_size", "v_head_size"),
+        "rule_head_sizes": ("must equal query hidden", "must equal query head_size", "v_head_size",
+                            "packed KV key head_size"),
         "rule_key_value_lengths": ("!= value seq",),
         "rule_batches": ("must equal query batch",),
-        "rule_past": ("provided together", "must be rank 4 (B, N, P, H)", "must equal num_heads", "!= past_value"),
+        "rule_past": ("provided together", "must be rank 4 (B, N, P, H)", "must equal num_heads", "!= past_value",
+                      "shall be empty for packed"),
         "rule_total_length": ("total sequence length",),
         "rule_bias": ("bias must be rank 1", "bias length"),
         "rule_attention_bias": ("attention_bias must be rank 4", "attention_bias shape"),

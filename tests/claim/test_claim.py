@@ -40,21 +40,25 @@ def test_claim_requires_positive_num_heads():
     assert decide({"num_heads": 2}, [U, U, U]).claimed
 
 
-def test_claim_declines_packed_qkv_rank5_query():
+def test_claim_takes_packed_qkv_and_declines_it_beside_a_key():
+    """Packed QKV (B, S, N, 3, H): claimed alone (stock ORT's CPU refuses it, mha_ep computes it), declined with a
+    key or value beside it (the packed query holds them)."""
+    assert gate(shapes((1, 2, 2, 3, 4))).claimed
     d = gate(shapes((1, 2, 2, 3, 4), (1, 2, 8), (1, 2, 8)))
-    assert not d.claimed and "packed-QKV" in d.reason and d.subject == "query"
+    assert not d.claimed and "a packed QKV query (1, 2, 2, 3, 4) holds the keys and values" in d.reason
+    assert d.subject == "key"
 
 
-def test_claim_declines_packed_kv_rank5_key():
-    d = gate([f32(1, 2, 8), f32(1, 2, 2, 2, 4)])  # value absent: the packed-KV signature
-    assert not d.claimed
-    assert "packed-KV" in d.reason, d.reason
-
-
-def test_claim_declines_key_of_unsupported_rank():
+def test_claim_takes_packed_kv_and_declines_it_beside_a_value():
+    assert gate([f32(1, 2, 8), f32(1, 2, 2, 2, 4)]).claimed  # value absent: the packed-KV signature
     d = gate([f32(1, 2, 8), f32(1, 2, 2, 2, 4), f32(1, 2, 8)])
-    assert not d.claimed
-    assert "key must be rank" in d.reason, d.reason
+    assert not d.claimed and "a packed KV key (1, 2, 2, 2, 4) holds the values" in d.reason and d.subject == "value"
+
+
+def test_claim_declines_packed_forms_of_the_wrong_shape():
+    assert "for packed qkv: got (1, 2, 3, 3, 4) with num_heads 2" in gate(shapes((1, 2, 3, 3, 4))).reason
+    assert "for packed kv: got (1, 2, 2, 3, 4) with num_heads 2" in gate([f32(1, 2, 8), f32(1, 2, 2, 3, 4)]).reason
+    assert "packed KV key head_size 5 must equal query head_size 4" in gate([f32(1, 2, 8), f32(1, 2, 2, 2, 5)]).reason
 
 
 @pytest.mark.parametrize(
@@ -129,7 +133,7 @@ def test_claim_rejects_statically_known_zero_and_cuda_i32_geometry():
 
 
 def test_claim_rejects_rank_one_qkv():
-    assert "query must be rank 3" in gate(shapes((8,))).reason
+    assert "Input 'query' is expected to have 3 or 5 dimensions, got 1" in gate(shapes((8,))).reason
     assert "key must be rank 3" in gate(shapes((1, 2, 8), (8,), (1, 2, 8))).reason
 
 
@@ -179,8 +183,8 @@ NOT_CLAIMED = {
              outputs=(True, True, True, False)),
         "Input 'cache_indirection' is expected to have 3 dimensions, got 2",
     ),
-    "rule_query_rank": (dict(inputs=[f32(2, 3, 2, 3, 4), K, V]), "query must be rank 3"),
-    "rule_key_and_value_supplied": (dict(inputs=[Q]), "separate key and value inputs are required"),
+    "rule_query_rank": (dict(inputs=[f32(2, 3, 2, 4), K, V]), "expected to have 3 or 5 dimensions, got 4"),
+    "rule_key_and_value_supplied": (dict(inputs=[Q]), "key is required with a rank-3 query"),
     "rule_key_value_ranks": (dict(inputs=[Q, K, f32(2, 2, 5, 4)]), "key and value must both be rank 3"),
     "rule_query_hidden_divisible": (dict(inputs=[f32(2, 3, 9), K, V]), "query hidden 9 not divisible by num_heads 2"),
     "rule_key_value_heads": (dict(inputs=[Q, f32(2, 3, 5, 4), f32(2, 3, 5, 4)]), "rank-4 key dim 1 (3)"),

@@ -136,6 +136,7 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
         "narrow_output": "const float*, {T}*, long long",
         "widen_to_float": "const {T}*, float*, long long",
         "resolve_key_lengths": "const {T}*, int*, int, int",
+        "unpack_slots": "const {T}*, {T}*, {T}*, {T}*, long long, int, int",
         "resolve_keep_flags": "const {T}*, unsigned char*, long long",
         "masked_softmax_warp": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
         "const float*, const float*, float, int, int, int, int, int, int, float*",

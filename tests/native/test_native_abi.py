@@ -303,3 +303,39 @@ def test_device_reports_read_the_same_from_c_and_python(code):
     from mha_ep.launch import device_error_text
 
     assert library().device_error_text(code, 9, 7, 5, 3) == device_error_text(code, 9, 7, 5, beams=3)
+
+
+@pytest.mark.parametrize("form, dtype", [("qkv", "float16"), ("kv", "bfloat16"), ("qkv", "float32")])
+def test_a_packed_call_s_plan_takes_the_node_s_packed_buffer_apart_first(form, dtype):
+    """Packed QKV / KV on the native route: ORT hands the packed tensor as the node has it; the plan's first launch
+    (unpack_slots) reads it from the node's input buffer into the query / key / value the rest of the steps read,
+    and nothing reads the packed buffer again."""
+    from mha_ep.native import configs
+    from mha_ep.ops.backends.cuda.steps import Pointer
+    from mha_models import packed_model
+    from native_cases import ELEMENT_CODES
+
+    config = MhaConfig(dtype=dtype, batch=2, q_seq=5 if form == "qkv" else 3, kv_seq=5, num_heads=2, head_size=8,
+                       mask="1d")  # fmt: skip
+    part = mha_ep.partition(packed_model(config, form), route="native")
+    node = next(n for n in part.model.graph.node if n.domain == "mha_ep")
+    kernel = configs.config(configs.describe_kernel(
+        {a.name: __import__("onnx").helper.get_attribute_value(a) for a in node.attribute}, "cuda")[0])
+    packed_slot = 0 if form == "qkv" else 1
+    shapes = {"query": (2, config.q_seq, 16), "key": (2, 5, 2, 2, 8), "key_padding_mask": (2,)}
+    if form == "qkv":
+        shapes["query"] = (2, 5, 2, 3, 8)
+    entries = [None if name not in kernel.supplied else
+               (ELEMENT_CODES["int32" if name == "key_padding_mask" else dtype], shapes[name], 16)
+               for name in ("query", "key", "value", "bias", "key_padding_mask", "attention_bias", "past_key",
+                            "past_value", "past_sequence_length", "cache_indirection")]  # fmt: skip
+    plan = native_plan.plan_steps(kernel, native_plan.Signature(tuple(entries)), FACTS[0])
+    first = plan.steps[0]
+    assert first.function.startswith("unpack_slots<"), [getattr(s, "function", s) for s in plan.steps]
+    assert (first.args[0].address.name, first.args[0].address.offset) == (f"in{packed_slot}", 0)
+    targets = [arg.address for arg in first.args[1:4]]
+    assert all(t.name == "scratch" for t in targets[: 3 if form == "qkv" else 2])
+    assert first.args[-2] == (3 if form == "qkv" else 2) and first.args[-1] == 8
+    later = [arg.address for step in plan.steps[1:] for arg in getattr(step, "args", ()) if isinstance(arg, Pointer)]
+    assert f"in{packed_slot}" not in [getattr(address, "name", None) for address in later]
+    assert plan.output_shapes[0] == (2, config.q_seq, 16)

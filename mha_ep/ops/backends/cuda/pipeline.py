@@ -37,7 +37,7 @@ This module must not import CuPy: its decisions are tested on CPU machines, and 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Protocol
 
 import numpy as np
@@ -83,7 +83,10 @@ class DeviceCall:
     output_dtype: "float32" (the bridge's transport outputs) or the node's dtype;
     error_flag, error_site: where a shared buffer's kernels leave their sticky reports (launch.STATUS_WORDS int32
              the host reads without a copy: the native route's Buffer("sticky"), which its library binds while
-             ORT captures a graph, mha_ep/native/plan.py; None: nowhere) and the number the reports carry as site.
+             ORT captures a graph, mha_ep/native/plan.py; None: nowhere) and the number the reports carry as site;
+    packed_sources: the call's packed input (problem.packing) is at sources["query"] (packed QKV) or
+             sources["key"] (packed KV) as the node has it, (B, S|L, N, 3|2, H) (the native route); False: the
+             sources are the unpacked slots (the bridge stages problem.query_BSD / key / value).
     A shared-buffer call's sources also name past_sequence_length (int32, one element) and, on the beam path,
     cache_indirection (int32 (B/W, W, M)).
     """
@@ -96,6 +99,7 @@ class DeviceCall:
     attention_bias_dtype: str = "float32"
     error_flag: Address = None
     error_site: int = 0
+    packed_sources: bool = False
 
 
 @dataclass
@@ -127,6 +131,8 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
     if call.mask_form not in MASK_FORMS:
         raise ValueError(f"DeviceCall.mask_form must be one of {MASK_FORMS}, got {call.mask_form!r}")
     build = _Builder(temporaries, poison)
+    if call.packed_sources and problem.packing is not None:
+        call = replace(call, sources=_unpacked_sources(problem, call, build), packed_sources=False)
     if problem.shared is not None:
         if problem.want_qk:
             raise MhaInputError(
@@ -181,6 +187,26 @@ def source_shapes(problem: MhaProblem) -> dict:
               "bias_k": problem.bias_k, "bias_v": problem.bias_v, "past_key": problem.past_key_BNPH,
               "past_value": problem.past_value_BNPH, "attention_bias": problem.attention_bias}  # fmt: skip
     return {name: tuple(array.shape) for name, array in fields.items() if array is not None}
+
+
+# ------------------------------------------------------------------------------------------ 0. packed inputs
+def _unpacked_sources(problem: MhaProblem, call: DeviceCall, build: _Builder) -> dict:
+    """A packed QKV / KV input's slots apart, in one launch (kernels/layout.cu ``unpack_slots``), into scratch
+    buffers that become the call's query / key / value sources (BSNH, the source dtype)."""
+    g = problem.geometry
+    packed_qkv = problem.packing == "qkv"
+    rows = g.batch * (g.q_seq if packed_qkv else g.kv_seq) * g.num_heads
+    element = ELEMENT_BYTES[call.source_dtype]
+    names = ("query", "key", "value") if packed_qkv else ("key", "value")
+    slots = {name: build.take(f"{name}_unpacked", rows * g.head_size * element) for name in names}
+    source = call.sources["query" if packed_qkv else "key"]
+    targets = [slots.get(name) for name in names] + [None] * (3 - len(names))
+    count = rows * len(names) * g.head_size
+    build.add(Launch(name_expression("unpack_slots", call.source_dtype), _elementwise_grid(count, 1, "unpack_slots"),
+                     (LAUNCH_BLOCK, 1, 1), 0,
+                     (Pointer(source), *(Pointer(t) for t in targets), np.int64(rows), np.int32(len(names)),
+                      np.int32(g.head_size))))  # fmt: skip
+    return {**call.sources, **slots}
 
 
 # ------------------------------------------------------------------------------------------------ 1. prepare

@@ -248,3 +248,22 @@ __global__ void resolve_keep_flags(const M* __restrict__ mask, unsigned char* __
     keep[idx] = mask[idx] > 0 ? 1 : 0;
   }
 }
+
+// A packed input's slots apart: packed QKV (B, S, N, 3, H) or packed KV (B, L, N, 2, H), as ``rows`` (B*S*N) rows
+// of ``slots`` x ``head`` elements, into the slots' own (rows, head) arrays dst0, dst1, dst2 (dst2 unused for KV):
+// the BSNH query / key / value that the rest of the pipeline reads (pipeline.py, step 0: the native route, whose
+// sources are ORT's packed tensor as the node has it). Reads and writes both walk the packed order: coalesced.
+template <typename ELEM>
+__global__ void unpack_slots(const ELEM* __restrict__ packed, ELEM* __restrict__ dst0, ELEM* __restrict__ dst1,
+                             ELEM* __restrict__ dst2, long long rows, int slots, int head) {
+  const long long row_elems = (long long)slots * head;
+  const long long count = rows * row_elems;
+  for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
+    const long long row = idx / row_elems;
+    const int rest = (int)(idx - row * row_elems);
+    const int slot = rest / head;
+    const int h = rest - slot * head;
+    ELEM* dst = slot == 0 ? dst0 : slot == 1 ? dst1 : dst2;
+    dst[row * head + h] = packed[idx];
+  }
+}
