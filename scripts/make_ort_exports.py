@@ -779,7 +779,8 @@ def main() -> int:
             "BART BeamSearch": "convert_generation knows gpt2/t5/mt5 only; ORT's BART script imports a `utils` "
             "package the wheel lacks",
             "T5 encoder/decoder files": "the parts chained into t5_beamsearch.onnx (the encoder holds "
-            "com.microsoft::Attention, no MultiHeadAttention; the decoder's 4 MultiHeadAttention are in the BeamSearch)",
+            "com.microsoft::Attention, no MultiHeadAttention; the decoder's 4 MultiHeadAttention are in the "
+            "BeamSearch)",
             "t5_one_step_command": t5_cli,
         },
         "files": {},

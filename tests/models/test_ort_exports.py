@@ -1,6 +1,7 @@
 """Models as ONNX Runtime's own export scripts write them (tests/fixtures/ort_exports/, made by
-scripts/make_ort_exports.py with ORT 1.31.1's Whisper ``convert_to_onnx`` and T5 ``convert_generation``): every MultiHeadAttention node is
-claimed, on both routes, at any depth, and every output matches stock ORT CPU on the same feeds.
+scripts/make_ort_exports.py with ORT 1.31.1's Whisper ``convert_to_onnx`` and T5 ``convert_generation``): every
+MultiHeadAttention node is claimed, on both routes, at any depth, and every output matches stock ORT CPU on the
+same feeds.
 
 - whisper_qk_decoder.onnx: the decoder-with-past of ``--no_beam_search_op --output_cross_qk`` (word timestamps):
   its cross-attention nodes ask for qk (output 3), which breaks ORT's symbolic shape inference for every node
