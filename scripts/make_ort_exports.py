@@ -1,8 +1,8 @@
 """Make tests/fixtures/ort_exports/: tiny random-weight models written by ONNX Runtime's OWN export scripts.
 
-Every model here comes out of ORT 1.31.1's scripts, run as subprocesses on a tiny random model that this script
-saves with `save_pretrained` (fixed seed); nothing in ORT is patched. What ships (all fp32, weights inside the
-file, no external data):
+Every model here comes out of ORT 1.31.1's scripts (the T5: ORT's own functions, see below), run as subprocesses
+on a tiny random model that this script saves with `save_pretrained` (fixed seed); nothing in ORT is patched.
+What ships (all fp32, weights inside the file, no external data):
 
     whisper_qk_decoder.onnx     Whisper decoder with past, from
                                 `convert_to_onnx --optimize_onnx --no_beam_search_op --output_cross_qk`:
@@ -13,6 +13,11 @@ file, no external data):
     whisper_beamsearch.onnx     the script's default chain: one com.microsoft::WhisperBeamSearch node whose
                                 `decoder` subgraph holds 4 MultiHeadAttention and whose `encoder` subgraph
                                 (encoder + first decoder step) holds 2 MultiHeadAttention + 4 Attention
+    t5_beamsearch.onnx          T5 chained by `convert_generation` (--model_type t5 -p fp32): one
+                                com.microsoft::BeamSearch node whose `decoder` subgraph holds 4 MultiHeadAttention
+                                (2 self-attention with past/present and the relative position bias as
+                                attention_bias, 2 cross-attention with key_padding_mask) and whose `encoder`
+                                subgraph holds 2 com.microsoft::Attention. POST-PROCESSED by this script, see below.
 
 The Whisper: vocabulary 281 (the 256 byte symbols in GPT-2's order, no merges, then <|endoftext|> = 256,
 <|startoftranscript|> = 257, <|en|>, <|translate|>, <|transcribe|>, <|startoflm|>, <|startofprev|>,
@@ -21,16 +26,37 @@ encoder + 2 decoder layers, FFN 128, 80 mel bins, 128 target positions. max_sour
 ORT's Whisper script traces the encoder with 3000 mel frames, and transformers' WhisperEncoder refuses any
 other length than 2 * max_source_positions.
 
+The T5 (t5_beamsearch.onnx): sentencepiece unigram vocabulary of 320 (<pad> = 0 = decoder start, </s> = 1,
+<unk> = 2, the 256 byte pieces <0x00>..<0xFF>, 61 learned pieces), d_model 64, 4 heads of 16, FFN 128 (ReLU),
+2 encoder + 2 decoder layers, 32 position buckets, max distance 128 (T5's defaults: ORT's position-bias fusion
+computes max_distance assuming 32 buckets). How it is made, and why not by the one-line command:
+`python -m onnxruntime.transformers.convert_generation -m t5-tiny-random --model_type t5 -p fp32 ...` exports the
+encoder, optimizes it (ORT's T5 fusions write com.microsoft::RelativePositionBias, no CPU kernel in ORT 1.31.1),
+then opens a CPU session to check it against PyTorch; that session fails, the loop stops, the decoder is never
+exported and no BeamSearch model is written (step 6a still runs it and records the failure in MANIFEST.json).
+scripts/ort_t5_beamsearch.py calls ORT's own functions with the arguments that command passes (T5Helper.
+load_model / export_onnx / optimize_onnx for encoder and decoder, then convert_generation_model with
+--encoder_decoder_init_onnx/--decoder_onnx, the documented two-step form), leaving out only the CPU sessions.
+ORT's output then needs three changes to load and run on stock ORT's CPU provider (make_runnable_on_cpu; the
+comment above replace_relative_position_bias says each in full):
+  1. each com.microsoft::RelativePositionBias (1 in the encoder, 1 in the decoder subgraph) -> 15 standard
+     opset-12 nodes computing the same (1, heads, S, T) tensor from the same bias table (T5's buckets, as ORT's
+     CUDA kernel computes them, precomputed for relative positions -128..128 and clipped);
+  2. each com.microsoft::Attention without a bias (the 2 encoder ones) gets a zero bias: ORT 1.31.1's CPU
+     Attention kernel dereferences the optional bias and segfaults without one;
+  3. the BeamSearch model's ir_version 14 (stamped by onnx 1.23.2's make_model; ORT 1.31.1 loads <= 13) -> 7,
+     that of the chained encoder/decoder, as ORT's Whisper chain does.
+Every other node, every MultiHeadAttention node included, is checked byte-identical to ORT's output. Then ORT's
+own checks run on the post-processed files: T5Helper.verify_onnx (encoder, decoder vs PyTorch: max difference
+~2e-6) and convert_generation.test_t5_model (transformers' generate(num_beams=4) vs the BeamSearch model on two
+sentences: identical tokens).
+
 Not shipped, and why (each step below prints it again):
 - The encoder files that the Whisper script writes with `--no_beam_search_op` (`*_encoder_fp32.onnx`: the
   encoder plus the cross K/V projections) hold 2 com.microsoft::Attention and no MultiHeadAttention; the qk and
   plain runs write byte-identical ones.
-- A `convert_generation` BeamSearch of an encoder-decoder. `convert_generation` knows gpt2, t5 and mt5 only;
-  ORT's BART script (`models/bart/export.py`) imports a `utils` package that the wheel does not ship. For T5, the
-  fp32 path always runs ORT's T5 optimizer, which rewrites the position bias into
-  com.microsoft::RelativePositionBias, an op with no CPU kernel: the script's own check session on the
-  CPU fails ("Could not find an implementation for RelativePositionBias(1)"), it stops after the encoder and
-  no BeamSearch model is written. `--try-t5` runs that attempt again and prints the failure.
+- A BART BeamSearch: `convert_generation` knows gpt2, t5 and mt5 only; ORT's BART script
+  (`models/bart/export.py`) imports a `utils` package that the wheel does not ship.
 
 Known and tolerated: with `--output_cross_qk` the Whisper script also exports a "jump times" model (no
 attention) after the decoder and encoder. It calls `torch.onnx.export` without `dynamo=False`, and torch >= 2.9
@@ -45,13 +71,13 @@ same outcome), numpy 2.4.6, ninja 1.13.2 (the jump-times step compiles two torch
 Whisper script runs `pip install ninja` itself), datasets 3.6.0 with huggingface-hub 0.36.2 (the chained model's
 parity check imports datasets and, if it is missing, runs `pip install datasets`, which here brought
 huggingface-hub 2.4.0, which transformers 4.48 rejects; with datasets installed and HF_DATASETS_OFFLINE=1 the
-check fails fast on the hub and the script only warns), sentencepiece 0.2.3 (only for `--try-t5`). Set up, then
-run (about 2.5 minutes on 2 cores; two runs gave byte-identical .onnx files):
+check fails fast on the hub and the script only warns), sentencepiece 0.2.3 (the T5's tokenizer). Set up, then
+run (about 2 minutes on 2 cores; two runs gave byte-identical .onnx files):
 
     python3 -m venv /work/venv-export
     /work/venv-export/bin/pip install torch==2.13.0 transformers==4.48.3 onnxruntime==1.31.1 onnx==1.23.2 \\
         onnx-ir==1.1.0 onnxscript==0.7.2 ninja 'datasets<4' 'huggingface-hub<1.0' sentencepiece
-    /work/venv-export/bin/python scripts/make_ort_exports.py --try-t5   # --try-t5: also retry the T5 BeamSearch
+    /work/venv-export/bin/python scripts/make_ort_exports.py
 
 It writes the models and MANIFEST.json into tests/fixtures/ort_exports/, then loads and runs every shipped
 model with stock onnxruntime on the CPU, with the feeds of tests/ort_export_feeds.py (numpy + onnx only).
@@ -83,6 +109,7 @@ SEED = 0
 THREADS = "2"
 WHISPER_NAME = "whisper-tiny-random"
 T5_NAME = "t5-tiny-random"
+T5_VOCAB = 320  # sentencepiece target: 3 specials + 256 bytes + the corpus characters + a few pieces
 
 WHISPER_MODULE = "onnxruntime.transformers.models.whisper.convert_to_onnx"
 WHISPER_COMMON = ["--optimize_onnx", "--precision", "fp32"]
@@ -119,6 +146,14 @@ FIXTURES = {
         f"{WHISPER_NAME}_beamsearch.onnx",
         "Whisper chained by the script's default (no --no_beam_search_op): one com.microsoft::WhisperBeamSearch "
         "node, subgraph attributes encoder (encoder + first decoder step) and decoder (decoder with past)",
+    ),
+    "t5_beamsearch.onnx": (
+        "t5",
+        "t5_beamsearch_cpu.onnx",
+        "T5 chained by convert_generation_model (--model_type t5 -p fp32): one com.microsoft::BeamSearch node "
+        "(model_type 1), subgraph attributes encoder (encoder -> cross K/V, 2 com.microsoft::Attention) and decoder "
+        "(decoder with past, 4 MultiHeadAttention: 2 self with past/present + relative position bias, 2 cross with "
+        "key_padding_mask), post-processed to run on the CPU (see post_processing)",
     ),
 }
 
@@ -216,8 +251,10 @@ def make_whisper_folder(folder: Path) -> dict:
     return {"vocab_size": len(tok), "special_token_ids": ids}
 
 
-def make_t5_folder(folder: Path) -> None:
-    """A tiny random T5ForConditionalGeneration with a tiny sentencepiece vocabulary (for --try-t5)."""
+def make_t5_folder(folder: Path) -> dict:
+    """A tiny random T5ForConditionalGeneration with a tiny sentencepiece vocabulary: <pad> = 0, </s> = 1,
+    <unk> = 2, the 256 bytes <0x00>..<0xFF> (byte fallback: it encodes any text) and a few learned pieces; the
+    model's vocabulary is exactly the tokenizer's (ORT's parity test decodes every generated id)."""
     import sentencepiece as spm
     import torch
     from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
@@ -233,8 +270,9 @@ def make_t5_folder(folder: Path) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(text),
         model_prefix=str(folder / "spiece"),
-        vocab_size=96,
+        vocab_size=T5_VOCAB,
         hard_vocab_limit=False,
+        byte_fallback=True,
         model_type="unigram",
         pad_id=0,
         eos_id=1,
@@ -245,17 +283,20 @@ def make_t5_folder(folder: Path) -> None:
         minloglevel=2,
     )
     (folder / "spiece.vocab").unlink()
-    T5Tokenizer(str(folder / "spiece.model"), extra_ids=0, legacy=True).save_pretrained(folder)
+    tok = T5Tokenizer(str(folder / "spiece.model"), extra_ids=0, legacy=True)
+    tok.save_pretrained(folder)
     config = T5Config(
-        vocab_size=80,
+        vocab_size=len(tok),
         d_model=64,
         d_kv=16,
         d_ff=128,
         num_layers=2,
         num_decoder_layers=2,
         num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
+        # T5's defaults: ORT's RelativePositionBias fusion infers max_distance assuming 32 buckets
+        # (onnx_model_t5.py), so any other bucket count gets a wrong max_distance attribute.
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
         dropout_rate=0.0,
         pad_token_id=0,
         eos_token_id=1,
@@ -265,6 +306,241 @@ def make_t5_folder(folder: Path) -> None:
     model = T5ForConditionalGeneration(config).eval()
     randomize_(model, SEED)
     model.save_pretrained(folder, safe_serialization=True)
+    return {"vocab_size": len(tok), "pad_token_id": 0, "eos_token_id": 1, "unk_token_id": 2,
+            "decoder_start_token_id": 0}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Post-processing of ORT's T5 output (ours, not ORT's): com.microsoft::RelativePositionBias -> standard ONNX ops.
+#
+# ORT's T5 optimizer (onnx_model_t5.py, FusionRelativePositionBiasBlock) folds T5's bucketed position bias into one
+# com.microsoft::RelativePositionBias node per stack (encoder: is_bidirectional=1, decoder: 0), and its attention
+# fusion only fires where that node exists, so the node cannot be avoided. ORT 1.31.1 has a CUDA kernel for it and
+# no CPU kernel. Its definition (op schema + contrib_ops/cuda/bert/relative_attn_bias_impl.cu):
+#   inputs  bias_table (num_buckets, num_heads) stored COL-major, i.e. the bytes are the (num_heads, num_buckets)
+#           table row-major (the fusion writes np.transpose(table).tobytes() under dims [num_buckets, num_heads]);
+#           query_length, key_length: int64 lengths (the fusion passes the same tensor twice: S == T)
+#   attrs   max_distance, is_bidirectional
+#   output  (1, num_heads, S, T): out[0, h, i, j] = table_bytes[h * num_buckets + bucket(j - i)], where, with
+#           nb = num_buckets, r = j - i:  bidirectional: nb //= 2, offset = nb if r > 0 else 0, n = |r|;
+#           otherwise offset = 0, n = max(-r, 0); max_exact = nb // 2;
+#           bucket = offset + (n if n < max_exact else
+#                    min(max_exact + int(logf(n / max_exact) / logf(max_distance / max_exact) * (nb - max_exact)),
+#                        nb - 1))                                            (float32 arithmetic, int() truncates)
+# Every n >= max_distance lands in the last bucket, so bucket(r) depends on r only through clip(r, -max_distance,
+# max_distance). We replace each node by: Range(0,S), Range(0,T) -> r = j - i -> Clip to +-max_distance -> Gather
+# from a precomputed int64 table bucket(r) (2*max_distance+1 entries, computed below with the formula above in
+# float32) -> Gather from the bias table reshaped to (num_heads, num_buckets) on axis 1 -> Unsqueeze to (1, H, S, T).
+# The bias table initializer, the node's inputs and its output name stay; no other node changes (checked: every
+# other node, every MultiHeadAttention node included, serializes byte for byte as ORT wrote it).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+# Second post-processing step, same kind: ORT's T5 encoder attention is com.microsoft::Attention with an empty
+# `bias` input (T5 has no projection biases). That input is optional in the schema, but ORT 1.31.1's CPU kernel
+# calls `bias->Shape()` and `bias->Data<T>()` unconditionally (contrib_ops/cpu/bert/attention.cc, Attention<T>::
+# Compute), so the session segfaults on the first run. We give each such node a zero bias initializer of
+# (3 * hidden) floats: the kernel adds the bias to Q, K and V, so zeros compute what the empty input means.
+# The node's other inputs and attributes stay. These are com.microsoft::Attention nodes, not MultiHeadAttention.
+#
+# Third: `convert_generation_model` builds the BeamSearch model with `onnx.helper.make_model`, which stamps the
+# installed onnx's IR version (onnx 1.23.2: 14); ORT 1.31.1 loads IR <= 13 ("Unsupported model IR version: 14").
+# ORT's own Whisper chain (whisper_chain.py) sets the chained model's ir_version to that of its encoder/decoder;
+# we do the same (the T5 encoder/decoder files are IR 7).
+
+
+def add_zero_attention_bias(model: onnx.ModelProto) -> list[dict]:
+    """Give every com.microsoft::Attention without a bias (any depth) a zero bias initializer in its graph."""
+    from onnx import numpy_helper
+
+    done = []
+
+    def walk(g: onnx.GraphProto, scopes: list[onnx.GraphProto], path: str) -> None:
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g, scopes + [g], f"{path}/{n.op_type}:{n.name}.{a.name}")
+            if n.op_type == "Attention" and n.domain == "com.microsoft" and (len(n.input) < 3 or not n.input[2]):
+                w = _graph_initializer(scopes + [g], n.input[1])
+                name = n.name + "_zero_bias"
+                g.initializer.append(numpy_helper.from_array(np.zeros(w.dims[1], dtype=np.float32), name))
+                while len(n.input) < 3:
+                    n.input.append("")
+                n.input[2] = name
+                done.append({"graph": path, "node": n.name, "bias": name, "bias_shape": [int(w.dims[1])]})
+
+    walk(model.graph, [], "main")
+    return done
+
+
+def rpb_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> np.ndarray:
+    """bucket(r) for r = -max_distance .. max_distance, as ORT's RelativePositionBias kernel computes it."""
+    out = []
+    for r in range(-max_distance, max_distance + 1):
+        nb, offset = num_buckets, 0
+        if bidirectional:
+            nb //= 2
+            offset = nb if r > 0 else 0
+            n = abs(r)
+        else:
+            n = max(-r, 0)
+        max_exact = nb // 2
+        if n < max_exact:
+            b = n
+        else:
+            f32 = np.float32
+            ratio = np.log(f32(n) / f32(max_exact)) / np.log(f32(max_distance) / f32(max_exact))
+            b = min(max_exact + int(f32(ratio) * f32(nb - max_exact)), nb - 1)
+        out.append(offset + b)
+    return np.array(out, dtype=np.int64)
+
+
+def _rpb_subgraph(node: onnx.NodeProto, table: onnx.TensorProto) -> tuple[list, list]:
+    """Standard-op nodes (opset 12) + initializers computing `node`'s output exactly."""
+    from onnx import helper, numpy_helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    max_distance = int(attrs["max_distance"])
+    bidirectional = bool(attrs.get("is_bidirectional", 0))
+    num_buckets, num_heads = table.dims
+    p = node.name + "_std/"
+    inits = [
+        numpy_helper.from_array(np.array([], dtype=np.int64), p + "scalar_shape"),
+        numpy_helper.from_array(np.array(0, dtype=np.int64), p + "zero"),
+        numpy_helper.from_array(np.array(1, dtype=np.int64), p + "one"),
+        numpy_helper.from_array(np.array(-max_distance, dtype=np.int64), p + "neg_max_distance"),
+        numpy_helper.from_array(np.array(max_distance, dtype=np.int64), p + "max_distance"),
+        numpy_helper.from_array(rpb_buckets(num_buckets, max_distance, bidirectional), p + "bucket_of_r"),
+        numpy_helper.from_array(np.array([num_heads, num_buckets], dtype=np.int64), p + "table_shape"),
+    ]
+    mk = helper.make_node
+    nodes = [
+        mk("Cast", [node.input[1]], [p + "q_len_any"], name=p + "CastQ", to=onnx.TensorProto.INT64),
+        mk("Reshape", [p + "q_len_any", p + "scalar_shape"], [p + "q_len"], name=p + "ScalarQ"),
+        mk("Cast", [node.input[2]], [p + "k_len_any"], name=p + "CastK", to=onnx.TensorProto.INT64),
+        mk("Reshape", [p + "k_len_any", p + "scalar_shape"], [p + "k_len"], name=p + "ScalarK"),
+        mk("Range", [p + "zero", p + "q_len", p + "one"], [p + "rows"], name=p + "RangeQ"),
+        mk("Range", [p + "zero", p + "k_len", p + "one"], [p + "cols"], name=p + "RangeK"),
+        mk("Unsqueeze", [p + "rows"], [p + "rows_2d"], name=p + "UnsqueezeQ", axes=[1]),
+        mk("Unsqueeze", [p + "cols"], [p + "cols_2d"], name=p + "UnsqueezeK", axes=[0]),
+        mk("Sub", [p + "cols_2d", p + "rows_2d"], [p + "r"], name=p + "SubR"),  # (S, T): key pos - query pos
+        mk("Clip", [p + "r", p + "neg_max_distance", p + "max_distance"], [p + "r_clipped"], name=p + "ClipR"),
+        mk("Add", [p + "r_clipped", p + "max_distance"], [p + "r_index"], name=p + "IndexR"),
+        mk("Gather", [p + "bucket_of_r", p + "r_index"], [p + "bucket"], name=p + "Bucket", axis=0),
+        mk("Reshape", [node.input[0], p + "table_shape"], [p + "table_hb"], name=p + "TableHeadsBuckets"),
+        mk("Gather", [p + "table_hb", p + "bucket"], [p + "bias_hst"], name=p + "Bias", axis=1),  # (H, S, T)
+        mk("Unsqueeze", [p + "bias_hst"], [node.output[0]], name=p + "Unsqueeze1HST", axes=[0]),
+    ]
+    return nodes, inits
+
+
+def _graph_initializer(graphs: list[onnx.GraphProto], name: str) -> onnx.TensorProto:
+    for g in reversed(graphs):  # innermost first: a subgraph's own initializer, else an outer scope's
+        for t in g.initializer:
+            if t.name == name:
+                return t
+    raise KeyError(f"bias table {name} not found")
+
+
+def replace_relative_position_bias(model: onnx.ModelProto) -> list[dict]:
+    """Replace every com.microsoft::RelativePositionBias (any depth) in place; return what was replaced."""
+    done = []
+
+    def walk(g: onnx.GraphProto, scopes: list[onnx.GraphProto], path: str) -> None:
+        new_nodes = []
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g, scopes + [g, a.g], f"{path}/{n.op_type}:{n.name}.{a.name}")
+            if n.op_type == "RelativePositionBias" and n.domain == "com.microsoft":
+                table = _graph_initializer(scopes + [g], n.input[0])
+                nodes, inits = _rpb_subgraph(n, table)
+                new_nodes.extend(nodes)
+                g.initializer.extend(inits)
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+                done.append({"graph": path, "node": n.name, "inputs": list(n.input), "output": n.output[0],
+                             "max_distance": int(attrs["max_distance"]),
+                             "is_bidirectional": int(attrs.get("is_bidirectional", 0)),
+                             "bias_table_dims": list(table.dims), "replaced_by_nodes": len(nodes)})
+            else:
+                new_nodes.append(n)
+        del g.node[:]
+        g.node.extend(new_nodes)
+
+    walk(model.graph, [], "main")
+    return done
+
+
+def nodes_by_graph(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    """The nodes of every graph, keyed by the graph's path (main/Op:name.attr/...)."""
+    out: dict[str, list[onnx.NodeProto]] = {}
+
+    def walk(g: onnx.GraphProto, path: str) -> None:
+        out[path] = list(g.node)
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g, f"{path}/{n.op_type}:{n.name}.{a.name}")
+
+    walk(model.graph, "main")
+    return out
+
+
+def _holds_graph(n: onnx.NodeProto) -> bool:
+    return any(a.type == onnx.AttributeProto.GRAPH for a in n.attribute)
+
+
+def _is_rpb(n: onnx.NodeProto) -> bool:
+    return n.op_type == "RelativePositionBias" and n.domain == "com.microsoft"
+
+
+def check_only_rpb_changed(before: onnx.ModelProto, after: onnx.ModelProto, replaced: list[dict],
+                           biased: list[dict]) -> dict:
+    """Every node of ORT's output but RelativePositionBias is in the result, byte for byte and in the same order,
+    except the bias input of the Attention nodes in `biased` (a node holding graphs is compared by its other
+    fields; its graphs are compared node by node)."""
+    b, a = nodes_by_graph(before), nodes_by_graph(after)
+    assert b.keys() == a.keys(), (sorted(b), sorted(a))
+
+    def key(n: onnx.NodeProto, path: str) -> bytes:
+        if _holds_graph(n):
+            n = onnx.NodeProto(name=n.name, op_type=n.op_type, domain=n.domain, input=n.input, output=n.output,
+                               attribute=[x for x in n.attribute if x.type != onnx.AttributeProto.GRAPH])
+        if any(x["graph"] == path and x["node"] == n.name for x in biased):
+            n = onnx.NodeProto.FromString(n.SerializeToString())
+            assert n.input[2] in ("", n.name + "_zero_bias"), n.input[2]
+            n.input[2] = ""
+        return n.SerializeToString(deterministic=True)
+
+    mha = 0
+    for path in b:
+        ours = tuple(r["node"] + "_std/" for r in replaced if r["graph"] == path)
+        kept = [key(n, path) for n in b[path] if not _is_rpb(n)]
+        rest = [key(n, path) for n in a[path] if not (ours and n.name.startswith(ours))]
+        assert rest == kept, f"{path}: a node other than RelativePositionBias / Attention's bias changed"
+        assert not any(_is_rpb(n) for n in a[path]), f"{path}: RelativePositionBias left"
+        mha_b = [n.SerializeToString(deterministic=True) for n in b[path] if n.op_type == "MultiHeadAttention"]
+        mha_a = [n.SerializeToString(deterministic=True) for n in a[path] if n.op_type == "MultiHeadAttention"]
+        assert mha_a == mha_b, f"{path}: a MultiHeadAttention node changed"
+        mha += len(mha_b)
+    return {"multihead_attention_nodes_byte_identical": mha,
+            "other_nodes_byte_identical": "all but the bias input of the Attention nodes listed"}
+
+
+def make_runnable_on_cpu(src: Path, dst: Path, ir_version: int | None) -> dict:
+    """ORT's output at `src` -> `dst` with the three post-processing steps above; returns what changed."""
+    before = onnx.load(str(src))
+    after = onnx.load(str(src))
+    replaced = replace_relative_position_bias(after)
+    biased = add_zero_attention_bias(after)
+    check = check_only_rpb_changed(before, after, replaced, biased)
+    ir = None
+    if ir_version is not None and after.ir_version != ir_version:
+        ir = {"from": after.ir_version, "to": ir_version}
+        after.ir_version = ir_version
+    onnx.save_model(after, str(dst), save_as_external_data=False)
+    return {"relative_position_bias_replaced": replaced, "attention_zero_bias_added": biased,
+            "ir_version_changed": ir, "check": check}
 
 
 def run_script(cmd: list[str], log: Path, cwd: Path) -> int:
@@ -374,7 +650,7 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="build folder (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the build folder")
     ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--try-t5", action="store_true", help="also retry convert_generation on a tiny T5")
+    ap.add_argument("--try-t5", action="store_true", help="no effect: the T5 BeamSearch is always made now")
     args = ap.parse_args()
 
     import torch
@@ -424,20 +700,64 @@ def main() -> int:
     )
     step(f"    encoder of 'qk' identical to 'plain': {same_enc}; encoders hold no MultiHeadAttention: not shipped")
 
-    t5_note = None
-    if args.try_t5:
-        step(f"[6] tiny random T5 -> {work / T5_NAME}, then convert_generation (expected to fail on the CPU)")
-        make_t5_folder(work / T5_NAME)
-        t5_args = ["-m", T5_NAME, "--model_type", "t5", "--output", "out_t5/t5_beamsearch.onnx",
-                   "--cache_dir", "cache", "-p", "fp32"]
-        rc = run_script([sys.executable, "-m", "onnxruntime.transformers.convert_generation", *t5_args],
-                        work / "log_t5.txt", work)
-        log = (work / "log_t5.txt").read_text()
-        reason = [ln for ln in log.splitlines() if "Could not find an implementation" in ln]
-        t5_note = {"command": display_cmd("onnxruntime.transformers.convert_generation", t5_args), "exit_code": rc,
-                   "beamsearch_written": (work / "out_t5" / "t5_beamsearch.onnx").exists(),
-                   "reason": reason[0].strip() if reason else log[-500:]}
-        step(f"    T5: exit code {rc}, BeamSearch written: {t5_note['beamsearch_written']}; {t5_note['reason']}")
+    step(f"[6] tiny random T5 -> {work / T5_NAME}")
+    t5_info = make_t5_folder(work / T5_NAME)
+    step(f"    vocab {t5_info['vocab_size']}")
+    t5_dir = work / "out_t5"
+    if t5_dir.exists():
+        shutil.rmtree(t5_dir)
+    # 6a: the one-line command, for the record: it fails in ORT's CPU check of the encoder (RelativePositionBias).
+    cli_args = ["-m", T5_NAME, "--model_type", "t5", "--output", "out_t5_cli/t5_beamsearch.onnx",
+                "--cache_dir", "cache", "-p", "fp32"]
+    step("[6a] convert_generation in one step (expected to fail: ORT's CPU check session)")
+    rc = run_script([sys.executable, "-m", "onnxruntime.transformers.convert_generation", *cli_args],
+                    work / "log_t5_cli.txt", work)
+    log = (work / "log_t5_cli.txt").read_text()
+    reason = [ln for ln in log.splitlines() if "Could not find an implementation" in ln]
+    t5_cli = {"command": display_cmd("onnxruntime.transformers.convert_generation", cli_args), "exit_code": rc,
+              "beamsearch_written": (work / "out_t5_cli" / "t5_beamsearch.onnx").exists(),
+              "reason": reason[0].strip() if reason else log[-500:]}
+    step(f"    exit code {rc}, BeamSearch written: {t5_cli['beamsearch_written']}; {t5_cli['reason']}")
+    # 6b: the same steps through ORT's functions, without the CPU check (scripts/ort_t5_beamsearch.py).
+    t5_script = str(ROOT / "scripts" / "ort_t5_beamsearch.py")
+    t5_export = ["export", "--model", T5_NAME, "--cache_dir", "cache", "--output", "out_t5/t5_beamsearch.onnx",
+                 "--out_dir", "out_t5", "--json", "t5_export.json"]
+    step("[6b] ORT's T5 export + optimizer + convert_generation_model, its CPU check sessions skipped")
+    if run_script([sys.executable, t5_script, *t5_export], work / "log_t5_export.txt", work) != 0:
+        print((work / "log_t5_export.txt").read_text()[-3000:])
+        raise SystemExit("ORT T5 export/chain failed")
+    t5_paths = json.loads((work / "t5_export.json").read_text())
+    commands["t5"] = "python scripts/ort_t5_beamsearch.py " + " ".join(t5_export)
+    for f in sorted(t5_dir.glob("*.onnx")):
+        counts = mha_counts(onnx.load(str(f), load_external_data=False).graph)
+        n_mha = counts["main_graph"]["multihead_attention"] + counts["subgraphs_total"]["multihead_attention"]
+        step(f"    wrote {f.name} ({f.stat().st_size} bytes): MultiHeadAttention {n_mha}")
+    # 6c: our post-processing (see the comment above replace_relative_position_bias), on the BeamSearch model and,
+    # for ORT's own PyTorch check, on the encoder and decoder files it chained.
+    step("[6c] post-process: RelativePositionBias -> standard ops, zero bias for Attention, IR version of the parts")
+    part_ir = {onnx.load(str(work / t5_paths[k]), load_external_data=False).ir_version for k in ("encoder", "decoder")}
+    assert len(part_ir) == 1, part_ir
+    t5_post = {}
+    for key_, ir in (("beamsearch", part_ir.pop()), ("encoder", None), ("decoder", None)):
+        src = work / t5_paths[key_]
+        t5_post[key_] = make_runnable_on_cpu(src, src.with_name(src.stem + "_cpu.onnx"), ir)
+        r = t5_post[key_]
+        step(f"    {src.name}: {len(r['relative_position_bias_replaced'])} RelativePositionBias replaced, "
+             f"{len(r['attention_zero_bias_added'])} Attention given a zero bias, IR {r['ir_version_changed']}; "
+             f"{r['check']['multihead_attention_nodes_byte_identical']} MultiHeadAttention byte-identical")
+    # 6d: the checks ORT could not run on the CPU, on the post-processed files.
+    t5_verify = ["verify", "--model", T5_NAME, "--cache_dir", "cache",
+                 "--encoder", "out_t5/" + Path(t5_paths["encoder"]).stem + "_cpu.onnx",
+                 "--decoder", "out_t5/" + Path(t5_paths["decoder"]).stem + "_cpu.onnx",
+                 "--beamsearch", "out_t5/t5_beamsearch_cpu.onnx", "--json", "t5_verify.json"]
+    step("[6d] ORT's own checks on the post-processed files: T5Helper.verify_onnx, convert_generation.test_t5_model")
+    if run_script([sys.executable, t5_script, *t5_verify], work / "log_t5_verify.txt", work) != 0:
+        print((work / "log_t5_verify.txt").read_text()[-3000:])
+        raise SystemExit("ORT T5 checks failed")
+    t5_checks = json.loads((work / "t5_verify.json").read_text())
+    step(f"    {t5_checks}")
+    if not (t5_checks["test_t5_model_parity"] and max(t5_checks["verify_onnx_max_diff"].values()) < 1e-4):
+        raise SystemExit("the post-processed T5 models do not match PyTorch")
 
     step(f"[7] copy fixtures with weights inside the file -> {out}")
     for old in out.glob("*.onnx"):
@@ -456,15 +776,22 @@ def main() -> int:
         },
         "not_shipped": {
             "whisper encoder (--no_beam_search_op)": "holds 2 com.microsoft::Attention, no MultiHeadAttention",
-            "convert_generation BeamSearch (T5/BART)": "convert_generation knows gpt2/t5/mt5 only; ORT's BART "
-            "script imports a `utils` package the wheel lacks; ORT's T5 optimizer (always run for fp32) makes "
-            "com.microsoft::RelativePositionBias, which has no CPU kernel, so the script's CPU check session fails "
-            "and no BeamSearch model is written",
+            "BART BeamSearch": "convert_generation knows gpt2/t5/mt5 only; ORT's BART script imports a `utils` "
+            "package the wheel lacks",
+            "T5 encoder/decoder files": "the parts chained into t5_beamsearch.onnx (the encoder holds "
+            "com.microsoft::Attention, no MultiHeadAttention; the decoder's 4 MultiHeadAttention are in the "
+            "BeamSearch)",
+            "t5_one_step_command": t5_cli,
         },
         "files": {},
     }
-    if t5_note:
-        manifest["not_shipped"]["t5_attempt"] = t5_note
+    manifest["t5_model"] = {
+        "config": {"vocab_size": t5_info["vocab_size"], "d_model": 64, "d_kv": 16, "heads": 4, "d_ff": 128,
+                   "encoder_layers": 2, "decoder_layers": 2, "relative_attention_num_buckets": 32,
+                   "relative_attention_max_distance": 128},
+        "special_token_ids": {k: v for k, v in t5_info.items() if k != "vocab_size"},
+        "tokenizer": "sentencepiece unigram with byte fallback: <pad>, </s>, <unk>, 256 bytes, learned pieces",
+    }
     for name, (run, src_name, what) in FIXTURES.items():
         dst = out / name
         embed_and_save(work / f"out_{run}" / src_name, dst)
@@ -478,6 +805,30 @@ def main() -> int:
             **io_of(model.graph),
             "mha": mha_counts(model.graph),
         }
+        if run == "t5":
+            ort_file = work / "out_t5" / "t5_beamsearch.onnx"
+            manifest["files"][name].update(
+                script_output_file="t5_beamsearch.onnx",
+                script_output_bytes=ort_file.stat().st_size,
+                script_output_sha256=sha256(ort_file),
+                chained_from=[Path(t5_paths["encoder"]).name, Path(t5_paths["decoder"]).name],
+                post_processing={
+                    "why": "stock ORT 1.31.1 cannot run ORT's output on the CPU: com.microsoft::RelativePositionBias "
+                    "has no CPU kernel; the CPU com.microsoft::Attention kernel dereferences its optional bias input "
+                    "(segfault when empty, as ORT's T5 encoder fusion writes it); the chained model carries onnx "
+                    "1.23.2's IR version 14, ORT 1.31.1 loads <= 13. Done by make_runnable_on_cpu in "
+                    "scripts/make_ort_exports.py; every MultiHeadAttention node is byte-identical to ORT's output.",
+                    **t5_post["beamsearch"],
+                },
+                checks_after_post_processing={
+                    **t5_checks,
+                    "how": "ORT's own checks, which its command line could not run on the CPU: "
+                    "T5Helper.verify_onnx (encoder and decoder files, post-processed the same way, vs PyTorch) and "
+                    "convert_generation.test_t5_model (HF generate(num_beams=4, max_length=50) vs this model on "
+                    "ORT's two test sentences, token for token)",
+                    "command": "python scripts/ort_t5_beamsearch.py " + " ".join(t5_verify),
+                },
+            )
         step(f"    {name}: {dst.stat().st_size} bytes")
 
     step("[8] run every fixture on stock onnxruntime, CPUExecutionProvider")
@@ -487,7 +838,7 @@ def main() -> int:
         step(f"    {name}: ok")
         for o in outs:
             print(f"        {o['name']}: {o['dtype']} {o['shape']}" + ("" if o["finite"] else " NOT FINITE"))
-        if name == "whisper_beamsearch.onnx":
+        if name.endswith("beamsearch.onnx"):
             print(f"        sequences[0]: {values[0][0].tolist()}")
         if not all(o["finite"] for o in outs):
             raise SystemExit(f"{name}: outputs not finite")

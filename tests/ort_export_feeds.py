@@ -9,6 +9,9 @@ fills each one with seeded random values of a shape that the model accepts:
 - WhisperBeamSearch / BeamSearch: the search parameters (max_length, min_length, num_beams, ...) as small
   valid scalars in shape [1]; `input_features` of batch 1 with the mel count and frame count that the encoder
   subgraph declares; `input_ids` with token ids below the vocabulary size.
+- BeamSearch of a text encoder-decoder (T5): `input_ids` int32 (1, 8), ids below the vocabulary size (the
+  decoder's `logits` width) other than the node's pad_token_id and eos_token_id (the search reads a pad id in
+  the input as padding).
 
     import onnxruntime as ort
     from ort_export_feeds import feeds_for, FIXTURES
@@ -77,6 +80,13 @@ def _search_node(model: onnx.ModelProto) -> onnx.NodeProto | None:
     return None
 
 
+def _int_attr(node: onnx.NodeProto, name: str) -> int | None:
+    for attr in node.attribute:
+        if attr.name == name and attr.type == onnx.AttributeProto.INT:
+            return attr.i
+    return None
+
+
 def _subgraph(node: onnx.NodeProto, name: str) -> onnx.GraphProto | None:
     for attr in node.attribute:
         if attr.name == name and attr.type == onnx.AttributeProto.GRAPH:
@@ -103,6 +113,7 @@ def feeds_for_model(model: onnx.ModelProto, name: str = "", seed: int | None = N
     dims = dict(DIMS)
     vocab = _vocab_size(graph)
     search = _search_node(model)
+    avoid: set[int] = set()
     if search is not None:
         dims["batch_size"] = dims["batch"] = 1
         decoder = _subgraph(search, "decoder")
@@ -115,6 +126,8 @@ def feeds_for_model(model: onnx.ModelProto, name: str = "", seed: int | None = N
                 dims["sequence_length"] = enc_in[2].dim_value
             else:  # text encoder: [batch, tokens]
                 dims["sequence_length"] = 8
+                avoid = {i for i in (_int_attr(search, "pad_token_id"), _int_attr(search, "eos_token_id"))
+                         if i is not None}
     elif any(i.name == "encoder_hidden_states" for i in graph.input) or not any(
         i.name.startswith("past_key_self") for i in graph.input
     ):
@@ -135,6 +148,9 @@ def feeds_for_model(model: onnx.ModelProto, name: str = "", seed: int | None = N
         if np.issubdtype(dtype, np.integer):
             if "mask" in inp.name:
                 feeds[inp.name] = np.ones(shape, dtype=dtype)
+            elif avoid and inp.name == "input_ids":
+                allowed = np.array([i for i in range(vocab) if i not in avoid])
+                feeds[inp.name] = allowed[rng.integers(0, len(allowed), size=shape)].astype(dtype)
             else:
                 high = vocab if vocab else 2
                 feeds[inp.name] = rng.integers(0, high, size=shape).astype(dtype)

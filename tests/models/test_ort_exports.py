@@ -1,6 +1,7 @@
 """Models as ONNX Runtime's own export scripts write them (tests/fixtures/ort_exports/, made by
-scripts/make_ort_exports.py with ORT 1.31.1's Whisper ``convert_to_onnx``): every MultiHeadAttention node is
-claimed, on both routes, at any depth, and every output matches stock ORT CPU on the same feeds.
+scripts/make_ort_exports.py with ORT 1.31.1's Whisper ``convert_to_onnx`` and T5 ``convert_generation``): every
+MultiHeadAttention node is claimed, on both routes, at any depth, and every output matches stock ORT CPU on the
+same feeds.
 
 - whisper_qk_decoder.onnx: the decoder-with-past of ``--no_beam_search_op --output_cross_qk`` (word timestamps):
   its cross-attention nodes ask for qk (output 3), which breaks ORT's symbolic shape inference for every node
@@ -8,6 +9,10 @@ claimed, on both routes, at any depth, and every output matches stock ORT CPU on
 - whisper_decoder.onnx, whisper_decoder_init.onnx: the same export without qk, and its first decoder step.
 - whisper_beamsearch.onnx: the script's default, one com.microsoft::WhisperBeamSearch node whose graph attributes
   (encoder, decoder) hold every MultiHeadAttention node; the sequences it searches are compared token for token.
+- t5_beamsearch.onnx: ORT's T5 chain (convert_generation_model), one com.microsoft::BeamSearch node (model_type 1)
+  whose decoder subgraph holds the 4 MultiHeadAttention nodes (self with past/present and a relative position
+  bias, cross with key_padding_mask); post-processed by the fixture script so that stock ORT CPU runs it (its
+  RelativePositionBias -> standard ops, a zero bias for the encoder's Attention), MultiHeadAttention untouched.
 """
 
 from __future__ import annotations
