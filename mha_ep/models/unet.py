@@ -54,6 +54,10 @@ What fuses and what does not (torch 2.13.0+cpu, diffusers 0.32.2, onnxruntime 1.
                                                                             dim specialised to 2)
   dynamo=True, static shapes                                                exports; 0 MHA, 0 GroupNorm fused
 
+Other diffusers versions (same torch / ORT): 0.35.2 and 0.36.0 give the same 8 MHA in the same forms with either
+processor (sdpa with the shim on numpy 2.4); 0.42.1 does not import beside huggingface_hub 0.36.2 (it needs
+``huggingface_hub.resolve_revision``; transformers 4.48.3 pins huggingface_hub < 1.0). Only torch 2.13 was tried.
+
 Stock ORT CPU (1.31.1) on these: unet_unpacked.onnx runs (max |ORT - PyTorch| ~1e-6); unet_packed.onnx is
 refused at session creation (``Could not find an implementation for NhwcConv(1) node``); unet_packed_cpuops.onnx
 loads and fails at run (``Packed QKV of shape (B, L, N, 3, H) not implemented for CPU``; with the packed QKV
