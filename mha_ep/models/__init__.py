@@ -9,6 +9,8 @@
   whisper_transcribe.py  greedy decoding with KV cache, stock ORT vs the plugin (DeviceTranscriber: on the GPU)
   generate.py            greedy generation on the GPU: the KV cache on the device, the token chosen there
   minilm_embeddings.py   mean-pooled MiniLM embeddings, stock ORT vs the plugin
+  unet.py                tiny random SD 1.5-style UNet (diffusers), ORT's unet fusion: packed QKV / packed KV
+                         MultiHeadAttention and an unpacked oracle (tests/fixtures/unet/, + MANIFEST.json)
   (the shipped random-weight models, MANIFEST.json and speech wavs are in the top-level models/ folder;
                          mha_ep/shipped.py finds them in a checkout or an installed wheel)
 
