@@ -5,7 +5,7 @@ unknown (``None``): a rule that needs an unknown dim passes, and the same rule r
 concrete shapes, so the gate and the op cannot disagree. Each refusal is a sentence a person can act on and names
 the input it is about (``Refusal.subject``).
 
-The order follows the original CUDA execution provider's ``unsupported_reason`` (reference/multi_head_attention.rs);
+The order follows the original Rust CUDA execution provider's ``unsupported_reason`` (kept outside this repository);
 rules it did not have are marked "(ORT)" when they mirror a stock ORT input check (docs/SEMANTICS.md §2.6) and
 "(mha_ep)" when they are ours.
 

@@ -34,10 +34,6 @@ class TensorInfo:
         return self.shape is not None and all(d is not None for d in self.shape)
 
     @classmethod
-    def of_array(cls, array) -> "TensorInfo":
-        return cls.of_dtype(array.dtype, array.shape)
-
-    @classmethod
     def of_dtype(cls, dtype, shape) -> "TensorInfo":
         """From a NumPy dtype and a shape."""
         name = _DTYPE_NAMES.get(dtype)

@@ -19,7 +19,6 @@ N_FFT = 400
 HOP_LENGTH = 160
 CHUNK_SECONDS = 30
 N_SAMPLES = SAMPLE_RATE * CHUNK_SECONDS  # 480000
-N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000
 
 # The shipped utterances (espeak-ng, voice en-us, 150 wpm, resampled to 16 kHz mono 16-bit with sox).
 DEFAULT_DIR = shipped_folder()  # the shipped wavs sit beside the shipped models (mha_ep/shipped.py)

@@ -170,9 +170,6 @@ def attention_count(model: onnx.ModelProto) -> int:
     return sum(1 for n in model.graph.node if n.op_type == "Attention" and n.domain == ORT_DOMAIN)
 
 
-_ELEM = {v: k for k, v in onnx.TensorProto.DataType.items()}
-
-
 def io_description(values: Sequence[onnx.ValueInfoProto]):
     """[{name, dtype, shape}] with symbolic dims as strings."""
     out = []

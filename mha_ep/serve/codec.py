@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from mha_ep.serve.status import BAD_REQUEST, UNSUPPORTED_MEDIA_TYPE, RequestError, error_body
+from mha_ep.serve.status import UNSUPPORTED_MEDIA_TYPE, RequestError, error_body
 
 JSON, NPZ = "application/json", "application/x-npz"
 NPZ_ALIASES = (NPZ, "application/octet-stream", "application/zip")
@@ -171,6 +171,3 @@ def failure_reply(error: BaseException, status: int) -> Reply:
     """The JSON reply of a failed request (status.error_body)."""
     return Reply(status, json.dumps(error_body(error, status)).encode(), JSON)
 
-
-def bad_request(message: str) -> Reply:
-    return failure_reply(RequestError(message), BAD_REQUEST)

@@ -78,11 +78,26 @@ def test_session_binds_its_own_backend(rng):
 
 
 def test_register_twice_on_the_same_options_loads_the_library_once():
-    options = ort.SessionOptions()
+    """A second register on the same options adds nothing: onnxruntime-extensions' library loaded twice makes ORT
+    refuse the session ("Conflicting" kernels), as the last part shows."""
+    loaded = []
+
+    class Counting(ort.SessionOptions):
+        def register_custom_ops_library(self, path):
+            loaded.append(path)
+            super().register_custom_ops_library(path)
+
+    options = Counting()
     mha_ep.register(options, backend="reference")
     mha_ep.register(options, backend="reference")
+    assert len(loaded) == 1, loaded
     model = mha_ep.partition(tiny_model()).model
     ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    twice = Counting()
+    mha_ep.register(twice, backend="reference")
+    twice.register_custom_ops_library(loaded[0])
+    with pytest.raises(Exception, match="(?i)conflict"):
+        ort.InferenceSession(model.SerializeToString(), twice, providers=["CPUExecutionProvider"])
 
 
 def test_register_turns_intra_op_spinning_off_unless_the_caller_set_it():

@@ -1,7 +1,7 @@
 """Per-call device scratch: one owner that releases every allocation exactly once, on every path.
 
-A port of the original's ``MhaScratch`` (reference/multi_head_attention.rs). The runtime is injected, so the
-ownership rules are tested without a GPU (tests/cuda/test_cuda_scratch.py, with a fault-injecting runtime):
+A port of ``MhaScratch`` from the original Rust CUDA execution provider (kept outside this repository). The
+runtime is injected, so the ownership rules are tested without a GPU (tests/cuda/test_cuda_scratch.py, with a fault-injecting runtime):
 
   1. An allocation is recorded only after it succeeded; a failed allocation records nothing.
   2. ``release`` frees every recorded allocation once, newest first, and forgets it (a second release is a no-op).

@@ -60,15 +60,6 @@ def alignment_of(address: Address) -> int:
     return min(base, offset & -offset) if offset else base
 
 
-def offset_address(address: Address, nbytes: int) -> Address:
-    """``address`` + ``nbytes`` for either form (None stays None)."""
-    if address is None:
-        return None
-    if isinstance(address, Buffer):
-        return address.at(nbytes)
-    return int(address) + int(nbytes)
-
-
 @dataclass(frozen=True)
 class Pointer:
     address: Address
@@ -89,9 +80,6 @@ class TensorMap:
     """A TMA map of ``spec`` (a tma.TileMap whose ``address`` may be a Buffer), encoded when it is launched."""
 
     spec: object
-
-
-Argument = Union[np.number, Pointer, Struct, TensorMap]
 
 
 @dataclass(frozen=True)
