@@ -74,7 +74,7 @@ Outcome = Union[Answer, Failure]
 def embedding_guards(model) -> tuple:
     """(graph input, node name, vocabulary size) of every id input an EmbedLayerNormalization node reads (through
     Cast and Identity). Stock ORT CUDA's kernel reads an id outside its table out of bounds and the process loses
-    its CUDA context (README, "One thing mha_ep does not guard"), so a server on the CUDA provider checks them."""
+    its CUDA context (docs/GPU.md, "One thing mha_ep does not guard"), so a server on the CUDA provider checks them."""
     tables = {init.name: int(init.dims[0]) for init in model.graph.initializer if init.dims}
     origin = {value.name: value.name for value in model.graph.input}
     guards = []
