@@ -197,7 +197,17 @@ class StaticDecoder:
 
     def load_prompt(self, presents: Mapping[str, object], length: int) -> None:
         """Rows [0, length) of every cache from the prompt's presents (name -> CuPy (R, N, length, H), the first
-        decoder step's self-attention outputs); the rest of the cache is zeroed."""
+        decoder step's self-attention outputs); the rest of the cache is zeroed. MhaInputError, before any copy,
+        for a prompt the cache cannot hold or a present missing or of another shape."""
+        check_prompt_length(length, self.max_length)
+        for cache in self.caches:
+            if cache.present not in presents:
+                raise MhaInputError(f"the prompt's presents lack {cache.present!r}; the decoder caches "
+                                    f"{sorted(c.present for c in self.caches)}")  # fmt: skip
+            got, rows = shape_of(presents[cache.present]), tuple(cache.buffer.shape)
+            want = rows[:2] + (length,) + rows[3:]
+            if got != want:
+                raise MhaInputError(f"present {cache.present!r} has shape {got}, expected (R, N, length, H) = {want}")
         import cupy
 
         with cupy.cuda.Device(self.device_id), self.stream:
@@ -219,6 +229,12 @@ class StaticDecoder:
             raise MhaInputError(report)
 
 
+def shape_of(value) -> tuple:
+    """The shape of an ORT value (its ``shape()`` method), a CuPy or a NumPy array, read without a copy."""
+    shape = value.shape
+    return tuple(shape() if callable(shape) else shape)
+
+
 def as_cupy(value):
     """A CuPy view of an ORT value on the device (native.cuda_io), a CuPy array as it is, a NumPy one uploaded."""
     import cupy
@@ -235,11 +251,30 @@ def _read_done(flag, stream) -> bool:
     return bool(int(flag.get()[0]))
 
 
+def check_prompt_length(prompt: int, max_length: int) -> None:
+    """A prompt of ``prompt`` positions must leave the cache of ``max_length`` rows at least one row to decode."""
+    if isinstance(prompt, bool) or not isinstance(prompt, (int, np.integer)) or not 0 <= prompt < max_length:
+        raise MhaInputError(f"a prompt of {prompt!r} positions does not fit the static cache of max_length "
+                            f"{max_length} rows (at least one row must stay for decoding): rewrite the decoder with "
+                            "a larger static-cache --max-length, or shorten the prompt")  # fmt: skip
+
+
+def check_decode_request(decoder, prompt: int, steps: int) -> None:
+    """The checks greedy_static and beam_static make before anything runs (MhaInputError naming the value)."""
+    check_prompt_length(prompt, decoder.max_length)
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise MhaInputError(f"steps must be a whole number >= 1, got {steps!r}")
+
+
 def greedy_static(decoder: StaticDecoder, first_ids, prompt: int, steps: int, bias=None, eot: Optional[int] = None,
                   check_every: int = CHECK_EVERY) -> List[List[int]]:  # fmt: skip
     """Up to ``steps`` greedy tokens per row from the first ones ``first_ids`` ((R, 1) int64 on the GPU, the
     prompt's choice), after a prompt of ``prompt`` positions already in the cache (load_prompt). The same answer
-    as generate.greedy: each row's tokens, the first included, a row stopping before ``eot``."""
+    as generate.greedy: each row's tokens, the first included, a row stopping before ``eot``. MhaInputError before
+    anything runs for a prompt the cache cannot hold, steps < 1, or first ids of another shape than (R, 1)."""
+    check_decode_request(decoder, prompt, steps)
+    if shape_of(first_ids) != (decoder.rows, 1):
+        raise MhaInputError(f"first_ids has shape {shape_of(first_ids)}, expected (rows, 1) = ({decoder.rows}, 1)")
     import cupy
 
     rows, limit = decoder.rows, decoder.max_length
@@ -286,7 +321,15 @@ def beam_static(decoder: StaticDecoder, prompt_logits, prompt_tokens, steps: int
     """Beam search (mha_ep/models/beam.py's rules) for ``steps`` tokens at most, every row's cache holding its
     batch entry's prompt (load_prompt). ``prompt_logits``: (R, V) CuPy, the logits of the prompt's last position;
     ``prompt_tokens``: the prompt's ids (its length P0); ``first_bias`` (default ``bias``): the suppression bias of
-    the first choice. Returns each batch entry's answer (the sampled tokens, end-of-text excluded)."""
+    the first choice. Returns each batch entry's answer (the sampled tokens, end-of-text excluded). MhaInputError
+    before anything runs for a prompt the cache cannot hold, steps < 1, a decoder without beams, or prompt logits
+    of another shape than (R, V)."""
+    check_decode_request(decoder, len(prompt_tokens), steps)
+    if not decoder.beams:
+        raise MhaInputError("beam_static needs a decoder made with beams (static-cache --beams W, StaticDecoder(beams=W))")
+    if len(shape_of(prompt_logits)) != 2 or shape_of(prompt_logits)[0] != decoder.rows:
+        raise MhaInputError(f"prompt_logits has shape {shape_of(prompt_logits)}, expected (rows, vocabulary) with "
+                            f"rows = batch x beams = {decoder.rows}")  # fmt: skip
     import cupy
 
     batch, beams, rows, limit = decoder.batch, decoder.beams, decoder.rows, decoder.max_length
