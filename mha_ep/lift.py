@@ -3,7 +3,8 @@
 ORT's transformers optimizer fuses Whisper's encoder self-attention and the first decoder step's self-attention
 into the packed ``Attention`` op (one ``[hidden, D + D + Dv]`` weight, one packed bias, a combined ``present``
 ``(2, B, N, T, H)``), never into MHA. This pass rewrites each such node into the same computation spelled with MHA,
-so that every attention of those models can be claimed by the plugin:
+so that every attention of those models can be claimed by the plugin, in the main graph and in every subgraph
+(ORT's Whisper chain keeps its encoder's self-attention as Attention inside WhisperBeamSearch's ``encoder`` graph):
 
     input_BSE ──MatMul(W[:, 0:D])──────▶ query_BSD ─┐
     input_BSE ──MatMul(W[:, D:2D])─────▶ key_BSD   ─┼─▶ MultiHeadAttention(bias = the packed bias, unchanged)
@@ -186,9 +187,15 @@ def _check(node, inits, shapes, used) -> _Plan:
     return _Plan(node, num_heads, q_hidden, k_hidden, v_hidden, weights, present_used)
 
 
-def plan_lift(model: onnx.ModelProto) -> List[LiftDecision]:
-    """Decide, without changing anything, which Attention nodes ``lift_attention`` would lift, with reasons."""
-    return [d for d, _ in _decide(model)]
+def plan_lift(model: onnx.ModelProto, path: str = "") -> List[LiftDecision]:
+    """Decide, without changing anything, which Attention nodes ``lift_attention`` would lift, with reasons; a node
+    inside a subgraph is named with its graph's path (``WhisperBeamSearch_0/encoder/Attention_1``)."""
+    found = [LiftDecision(f"{path}{d.node_name}", d.lifted, d.reason) for d, _ in _decide(model)]
+    for index, (owner, attribute, sub) in enumerate(_subgraphs(model.graph)):
+        if _attention_anywhere(sub):
+            where = f"{path}{owner.name or f'{owner.op_type}_{index}'}/{attribute}/"
+            found += plan_lift(_as_model(model, sub), where)
+    return found
 
 
 def _decide(model: onnx.ModelProto):
@@ -300,24 +307,73 @@ def _rewrite(plan: _Plan, model: onnx.ModelProto, taken: set, shapes) -> Tuple[l
     return nodes, inits, infos
 
 
-def lift_attention(model: onnx.ModelProto, in_place: bool = False) -> Tuple[onnx.ModelProto, int]:
-    """Rewrite every liftable ``com.microsoft::Attention`` node into Q/K/V MatMuls + ``MultiHeadAttention``.
+def lift_attention(model: onnx.ModelProto, in_place: bool = False,
+                   outer_names: frozenset = frozenset()) -> Tuple[onnx.ModelProto, int]:  # fmt: skip
+    """Rewrite every liftable ``com.microsoft::Attention`` node into Q/K/V MatMuls + ``MultiHeadAttention``, in the
+    main graph and in every subgraph (If / Loop / Scan bodies, the graphs of BeamSearch and WhisperBeamSearch:
+    ORT's Whisper chain keeps its encoder's self-attention as Attention in one).
 
     Returns ``(new_model, lifted_count)``; the input model is not modified unless ``in_place`` (for a caller that
     owns its copy: deep-copying a real decoder takes a noticeable time, docs/BENCH.md, "Host-side choices"). Nodes
     that fail a rule of the module docstring stay unchanged (see ``plan_lift`` for the reasons). The MHA node keeps
     the Attention node's name and its output name, so downstream nodes and per-node reports are unaffected. Packed
-    weights that are no longer used by any node are dropped.
+    weights that are no longer used by any node are dropped. ``outer_names``: the names of the enclosing scopes
+    (a subgraph's new names must not shadow them).
     """
     decisions = _decide(model)
     plans = {id_: p for id_, (_, p) in enumerate(decisions) if p is not None}
-    if not plans:
+    if not plans and not any(_attention_anywhere(sub) for _, _, sub in _subgraphs(model.graph)):
         return model, 0
     new = model if in_place else copy.deepcopy(model)
+    lifted = _lift_own_nodes(model, new, plans, outer_names) if plans else 0
+    scope = frozenset(outer_names) | _graph_names(new.graph)
+    for _, _, sub in _subgraphs(new.graph):
+        if not _attention_anywhere(sub):
+            continue
+        wrapper = _as_model(new, sub)
+        _, count = lift_attention(wrapper, in_place=True, outer_names=scope)
+        if count:
+            sub.CopyFrom(wrapper.graph)
+            lifted += count
+    if lifted and not any(imp.domain == ORT_DOMAIN for imp in new.opset_import):
+        new.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
+    return new, lifted
+
+
+def _subgraphs(graph: onnx.GraphProto):
+    """(owner node, attribute name, subgraph) for every graph attribute of ``graph``'s own nodes."""
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield node, attr.name, sub
+
+
+def _attention_anywhere(graph: onnx.GraphProto) -> bool:
+    return any(n.op_type == ATTENTION and n.domain == ORT_DOMAIN for n in graph.node) or any(
+        _attention_anywhere(sub) for _, _, sub in _subgraphs(graph)
+    )
+
+
+def _graph_names(graph: onnx.GraphProto) -> frozenset:
+    names = {n.name for n in graph.node} | {t for n in graph.node for t in list(n.input) + list(n.output)}
+    return frozenset(names | {i.name for i in graph.initializer} | {i.name for i in graph.input})
+
+
+def _as_model(model: onnx.ModelProto, graph: onnx.GraphProto) -> onnx.ModelProto:
+    """A subgraph as a model of its own (the enclosing model's opsets and IR version), for the graph-level rules."""
+    wrapper = onnx.ModelProto()
+    wrapper.ir_version = model.ir_version
+    wrapper.opset_import.extend(model.opset_import)
+    wrapper.graph.CopyFrom(graph)
+    return wrapper
+
+
+def _lift_own_nodes(model: onnx.ModelProto, new: onnx.ModelProto, plans: dict, outer_names) -> int:
+    """The lift of ``model``'s own graph (not its subgraphs) into ``new``, its copy (or itself)."""
     g = new.graph
     shapes = _shape_map(model)
     taken = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
-    taken |= {i.name for i in g.initializer} | {i.name for i in g.input}
+    taken |= {i.name for i in g.initializer} | {i.name for i in g.input} | set(outer_names)
     by_name = {p.node.name or p.node.output[0]: p for p in plans.values()}
     new_nodes = []
     lifted = 0
@@ -340,6 +396,4 @@ def lift_attention(model: onnx.ModelProto, in_place: bool = False) -> Tuple[onnx
     if len(keep) != len(g.initializer):
         del g.initializer[:]
         g.initializer.extend(keep)
-    if not any(imp.domain == ORT_DOMAIN for imp in new.opset_import):
-        new.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
-    return new, lifted
+    return lifted

@@ -88,3 +88,39 @@ def test_the_qk_export_asks_for_qk_and_gets_the_scores():
     for scores in session.run(qk_names, feeds_for(path)):
         assert scores.shape[1:] == (4, 1, 1500) and np.isfinite(scores).all()
         assert not np.allclose(scores.sum(axis=-1), 1.0)
+
+
+def attention_nodes(graph: onnx.GraphProto) -> int:
+    """com.microsoft::Attention nodes in ``graph`` and, recursively, its subgraphs."""
+    count = sum(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node)
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                count += attention_nodes(sub)
+    return count
+
+
+LIFTABLE = [name for name in MODELS if attention_nodes(onnx.load(FIXTURES / name).graph)]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("name", LIFTABLE)
+def test_lifted_attention_inside_generation_subgraphs_is_claimed_and_matches(name, route):
+    """--lift-attention reaches into subgraphs: the com.microsoft::Attention nodes ORT's exports keep (Whisper's
+    encoder and first decoder step, T5's encoder, inside the BeamSearch graphs too) become MultiHeadAttention,
+    every node is claimed, and the outputs still match stock ORT CPU's on the original model."""
+    path = FIXTURES / name
+    model = onnx.load(path)
+    before = len(list(mha_nodes(model.graph, spec.ORT_DOMAIN))) + attention_nodes(model.graph)
+    result = mha_ep.partition(model, lift_attention=True, route=route)
+    assert attention_nodes(model.graph) > 0 and attention_nodes(result.model.graph) == 0, result.report()
+    assert result.claimed == before and result.declined == 0, result.report()
+    feeds = feeds_for(path)
+    stock = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in stock.get_outputs()]
+    session = mha_ep.InferenceSession(str(path), backend="reference", route=route, lift_attention=True)
+    for output, got, want in zip(names, session.run(names, feeds), stock.run(names, feeds)):
+        if want.dtype.kind in "iu":
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} {route} {output}")
+        else:
+            assert max_rel_error(got, want) <= TOLERANCE, (name, route, output, max_rel_error(got, want))
