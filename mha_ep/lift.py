@@ -372,8 +372,7 @@ def _lift_own_nodes(model: onnx.ModelProto, new: onnx.ModelProto, plans: dict, o
     """The lift of ``model``'s own graph (not its subgraphs) into ``new``, its copy (or itself)."""
     g = new.graph
     shapes = _shape_map(model)
-    taken = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
-    taken |= {i.name for i in g.initializer} | {i.name for i in g.input} | set(outer_names)
+    taken = set(_graph_names(g)) | set(outer_names)
     by_name = {p.node.name or p.node.output[0]: p for p in plans.values()}
     new_nodes = []
     lifted = 0

@@ -54,6 +54,7 @@ from mha_ep.claim import Decision
 from mha_ep.claim.graph_rules import check_plugin_node, decide_node
 from mha_ep.claim.names import node_name
 from mha_ep.claim.shapes import graph_infos, inferred_model
+from mha_ep.dtypes import elem_type
 from mha_ep.errors import require_onnxruntime
 from mha_ep.model_io import load_model
 from mha_ep.partition_result import PartitionResult
@@ -63,7 +64,6 @@ log = logging.getLogger("mha_ep")
 MHA_OPSET_MIN_IR = 8  # model-local functions need IR version 8
 
 ONNX_TO_ELEM = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
-ELEM = {"float32": onnx.TensorProto.FLOAT, **ONNX_TO_ELEM}
 
 
 def qk_dtype_of(node: onnx.NodeProto, infos: dict):
@@ -72,7 +72,7 @@ def qk_dtype_of(node: onnx.NodeProto, infos: dict):
     if len(node.output) <= qk or not node.output[qk]:
         return None
     info = infos.get(node.output[qk])
-    return info.dtype if info is not None and info.dtype in ELEM else None
+    return info.dtype if info is not None and info.dtype in spec.FLOAT_DTYPES else None
 
 def is_ort_mha(node: onnx.NodeProto) -> bool:
     return node.op_type == spec.OP_TYPE and node.domain == spec.ORT_DOMAIN
@@ -255,7 +255,7 @@ class PartitionPass:
             target = (qk_dtype or dtype) if name == "qk" else dtype
             if target != float_type:
                 cast_input = self.names.new(tensor + spec.TRANSPORT_OUT)
-                after.append(helper.make_node("Cast", [cast_input], [tensor], to=ELEM[target], name=cast_input))
+                after.append(helper.make_node("Cast", [cast_input], [tensor], to=elem_type(target), name=cast_input))
                 tensor = cast_input
             outputs.append(tensor)
         elem = ONNX_TO_ELEM.get(float_type, onnx.TensorProto.FLOAT)
