@@ -4,7 +4,7 @@
     mha-ep partition IN -o OUT           partition a model and print the claim report
     mha-ep compare MODEL [--per-node]    stock ORT vs the plugin on random (or given) feeds, with a verdict
     mha-ep compare MODEL --reference U   ... and stock ORT on MODEL vs on U, the model before fusion
-    mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native, generate, soak, serve
+    mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native, generate, soak, serve, sd
                                          (mha-ep bench WHAT --help)
     mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W] [--step-length L]
                                          a decoder-with-past rewritten to a static KV cache: one graph of fixed shapes
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     json_option(p)
     p.set_defaults(func=cmd_serve)
 
-    sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models | device | native | generate | soak | serve (mha-ep bench WHAT --help)")
+    sub.add_parser("bench", add_help=False, help="benchmarks: hook | anchors | models | device | native | generate | soak | serve | sd (mha-ep bench WHAT --help)")
     return parser
 
 

@@ -195,7 +195,7 @@ TILE_CASES = ("S113_T203_H40_keysBT_bias_BN", "S1023_T1024_H128_causal_past1", "
               "causal_L_ne_S_top_left_last_row_free", "vhead24_ne_head40_bias_11")
 
 
-WGMMA_CASES = [name for name, case in CASES.items() if dispatch.head_dim_tile(case.h, case.hv or case.h) in (64, 128)]
+WGMMA_CASES = [name for name, case in CASES.items() if dispatch.wgmma_head_tile(case.h, case.hv or case.h) is not None]
 
 
 WS_CASES = {  # no padding mask or attention_bias: flash_attention_ws has no code for them

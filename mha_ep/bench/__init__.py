@@ -21,11 +21,15 @@
     mha-ep bench soak      many threads on one session, good and bad calls mixed: stock ORT CUDA, a plain native
                            session and mha_ep.InferenceSession (with and without graphs), wrong answers and
                            exception types counted; --devices 0,1: one session per GPU against one (soak.py)
+    mha-ep bench sd        Stable Diffusion's attention nodes alone (packed QKV self attention, packed KV cross
+                           attention, SD3 / Flux joint attention) at SD 1.5 / SDXL / SD3.5 / Flux shapes, float16 and
+                           bfloat16: ours on the native route against stock ORT CUDA on the packed and the unpacked
+                           node, with TFLOP/s and HBM rate against the device's peaks (sd.py)
     mha-ep bench serve     a model served by Ray Serve (mha_ep.serve, the serve extra) under closed-loop clients
                            on 127.0.0.1, beside the same requests to a session in-process: throughput, p50/p99,
                            batching on and off, replica counts, Serve's overhead per request (serve.py)
 
-Each of those eight takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
+Each of those nine takes ``--json`` (the results as one JSON object on stdout, the table on stderr, as ``--json``
 means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there is one, written into DIR;
 ``anchors`` writes to ./mha_ep_bench unless told otherwise); output.py has the two.
 
@@ -46,7 +50,7 @@ import sys
 
 # WHAT -> the module whose ``main(argv)`` runs it (and parses, and documents, its options)
 BENCHMARKS = {"hook": "hook", "anchors": "gpu", "models": "models", "device": "device", "native": "native",
-              "generate": "generate", "soak": "soak", "serve": "serve"}
+              "generate": "generate", "soak": "soak", "serve": "serve", "sd": "sd"}
 
 
 def main(argv=None) -> int:

@@ -72,8 +72,8 @@ def test_fused_applies_to_supported_calls(dtype, h):
     [
         (dict(h=59, n=1), "head_size 59 is not a multiple of 8"),
         (dict(h=64, hv=20), "v_head_size 20 is not a multiple of 8"),
-        (dict(h=160, n=1), r"head sizes \(H=160, Hv=160\) exceed 128, the largest head tile of the fused kernel"),
-        (dict(h=64, hv=136), r"head sizes \(H=64, Hv=136\) exceed 128, the largest head tile of the fused kernel"),
+        (dict(h=176, n=1), r"head sizes \(H=176, Hv=176\) exceed 160, the largest head tile of the fused kernel"),
+        (dict(h=64, hv=168), r"head sizes \(H=64, Hv=168\) exceed 160, the largest head tile of the fused kernel"),
         (dict(causal=True, mask_filter_value=-np.inf),
          r"causal with mask_filter_value = -inf \(ORT's result depends on the exact causal fill values\)"),
     ],
@@ -121,8 +121,10 @@ def test_head_64_tiles_leave_room_for_three_blocks_per_sm(case, dtype):
         (dict(h=64), "float32", "90", r"operands are float32 \(rounded to float16 on load: the mma kernel's load path\)"),
         (dict(h=64), "float16", "89", r"compute capability 8.9 is not 9.0 \(wgmma is sm_90a code\)"),
         (dict(h=64), "float16", "100", r"compute capability 10.0 is not 9.0 \(wgmma is sm_90a code\)"),
-        (dict(h=32), "float16", "90", r"head tile 32 is not one of \(64, 128\)"),
-        (dict(h=96), "float16", "90", r"head tile 96 is not one of \(64, 128\)"),
+        (dict(h=32), "float16", "90", r"head sizes \(H=32, Hv=32\) are not in 33-128, the heads its tiles \(64, 128\) take"),
+        (dict(h=96), "float16", "90", None),  # zero-padded up to the 128 tile
+        (dict(h=80, dtype="bfloat16"), "bfloat16", "90", None),  # SD 1.5's middle level
+        (dict(h=160), "float16", "90", r"head sizes \(H=160, Hv=160\) are not in 33-128, the heads its tiles \(64, 128\) take"),
     ],
 )
 def test_wgmma_kernel_choice(kwargs, operand_dtype, capability, reason):
@@ -131,8 +133,9 @@ def test_wgmma_kernel_choice(kwargs, operand_dtype, capability, reason):
     assert (got is None) if reason is None else (got is not None and re.fullmatch(reason, got)), got
     tile = dispatch.choose_tile(problem, operand_dtype, capability)
     if reason is None:  # (head tile 128 plain calls take the warp-specialized kernel: test_warp_specialized_choice)
-        assert tile == (dispatch.WsTile() if dispatch.head_dim_tile(problem.geometry.head_size, problem.geometry.v_head_size)
-                        == 128 else dispatch.default_wgmma_tile(problem))  # fmt: skip
+        assert tile == (dispatch.WsTile() if dispatch.wgmma_head_tile(problem.geometry.head_size,
+                                                                      problem.geometry.v_head_size) == 128
+                        else dispatch.default_wgmma_tile(problem))  # fmt: skip
     else:
         assert tile == dispatch.default_tile(problem)
         assert dispatch.ws_unsupported_reason(problem, operand_dtype, capability) == got
@@ -194,7 +197,7 @@ def test_the_warp_specialized_choice_counts_the_devices_sms():
          r"future keys exact"),
         (lambda: make_problem(Case(h=128, attrs={"scale": -0.5}), "float16"),
          r"scale -0.5 is not positive \(the kernel takes max\(scale \* s\) as scale \* max\(s\)\)"),
-        (lambda: problem_with(h=96), r"head tile 96 is not one of \(64, 128\)"),
+        (lambda: problem_with(h=160), r"head sizes \(H=160, Hv=160\) are not in 33-128, the heads its tiles \(64, 128\) take"),
     ],
 )  # fmt: skip
 def test_warp_specialized_reasons(problem_of, reason):
@@ -305,7 +308,7 @@ def test_fp32_pipeline_takes_the_most_blocks_then_two_stages():
     """The (stages, blocks) pairs measured fastest on the H200 at each head tile (fp32_pipeline's docstring)."""
     chosen = {hd: fused.fp32_pipeline(hd) for hd in dispatch.HEAD_DIM_TILES}
     assert chosen == {32: fused.Fp32Pipeline(1, 4), 64: fused.Fp32Pipeline(1, 3), 96: fused.Fp32Pipeline(1, 2),
-                      128: fused.Fp32Pipeline(2, 1)}  # fmt: skip
+                      128: fused.Fp32Pipeline(2, 1), 160: fused.Fp32Pipeline(2, 1)}  # fmt: skip
     for hd, pipeline in chosen.items():  # the blocks the kernel's registers are cut for do fit the shared memory
         shared = fused.fp32_shared_bytes(hd, pipeline.stages)
         assert shared <= fused.SHARED_LIMIT

@@ -14,7 +14,7 @@ from mha_ep.launch import ELEMENT_TYPES
 from mha_ep.ops.backends.cuda import dispatch, fused
 
 from cuda_cases import make_problem
-from fused_cases import CODE, KERNEL_DIR, SOURCE, WGMMA_DEFAULT_CASES, kernel_parameters
+from fused_cases import Case, CODE, KERNEL_DIR, SOURCE, WGMMA_DEFAULT_CASES, kernel_parameters
 from harness import REPO
 
 
@@ -177,6 +177,33 @@ def test_flash_attention_compiles_with_nvcc(tmp_path):
         text=True,
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_head_160_instantiations_compile_without_spills(tmp_path):
+    """Stable Diffusion 1.5's widest head (H 160, dispatch.HEAD_DIM_TILES): the instantiations fused.kernel_name
+    asks for at float16, bfloat16 and float32, with and without a padding mask, for sm_90a: no spilled register."""
+    from mha_ep.ops.backends.cuda.dispatch import MmaTile
+
+    cases = [(make_problem(Case(h=160, mask=mask), dtype), dtype) for dtype in ("float16", "bfloat16", "float32")
+             for mask in (None, "lengths")]  # fmt: skip
+    names = sorted({fused.kernel_name(problem, dtype, None if dtype == "float32" else MmaTile())
+                    for problem, dtype in cases})  # fmt: skip
+    assert all(", 160, " in name for name in names), names
+    lines = ['#include "flash_attention.cu"']
+    for name in names:
+        source_type = name.split("<")[1].split(",")[1].strip()
+        lines.append(f"template __global__ void {name}({kernel_parameters(source_type, name)});")
+    unit = tmp_path / "unit.cu"
+    unit.write_text("\n".join(lines) + "\n")
+    done = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",
+         str(tmp_path / "a.cubin")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    spills = re.findall(r"(\d+) bytes spill stores", done.stderr)
+    assert len(spills) == len(names) and all(int(count) == 0 for count in spills), done.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")

@@ -224,6 +224,28 @@ def test_the_planner_callback_answers_a_failure_and_never_raises():
     assert isinstance(answer, tuple) and answer[0] in (1, 2) and "node 'mha'" in answer[1], answer
 
 
+@pytest.mark.parametrize("kv_layout", ["BSNH", "BNSH"])
+def test_a_float16_call_without_bias_past_or_present_reads_its_inputs_in_place(kv_layout):
+    """An encoder's or a diffusion model's attention on the native route (pipeline.reads_sources_in_place: no
+    projection bias, no past, no present): no layout mover copies Q, K or V; the flash kernel reads the node's
+    buffers through their strides (BSNH query, BSNH or BNSH key / value) and one narrowing writes the output.
+    The same call with a bias keeps the movers."""
+    from mha_ep.ops.backends.cuda.steps import Buffer, Pointer
+
+    config = MhaConfig(**{**PLAN_CASES["f16 wide heads"].__dict__, "kv_layout": kv_layout})
+    plan = native_plan.plan_steps(*signature_of(config), FACTS[0])
+    functions = [getattr(step, "function", type(step).__name__).split("<")[0] for step in plan.steps]
+    assert functions == ["flash_attention_ws", "narrow_output"], functions
+    args = plan.steps[0].args
+    assert [args[i].address for i in (0, 5, 10)] == [Buffer(f"in{i}", 0, 256) for i in range(3)]
+    b, s, n, h = config.batch, config.q_seq, config.num_heads, config.head_size
+    assert [int(x) for x in args[1:4]] == [s * n * h, h, n * h]  # BSNH query
+    kv_strides = [s * n * h, h, n * h] if kv_layout == "BSNH" else [n * s * h, s * h, h]
+    assert [int(x) for x in args[6:9]] == kv_strides and [int(x) for x in args[11:14]] == kv_strides
+    biased = native_plan.plan_steps(*signature_of(MhaConfig(**{**config.__dict__, "bias": True})), FACTS[0])
+    assert biased.steps[0].function.startswith("build_dense_BNTH_native"), biased.steps[0]
+
+
 def test_a_float16_cross_attention_decode_step_reads_its_key_and_value_in_place():
     """A decoder's cross attention on the native route (pipeline.reads_kv_in_place): no layout mover copies the
     BNSH key and value; b_q widened to float32, the split-key pair reading the node's query, key and value
@@ -305,37 +327,81 @@ def test_device_reports_read_the_same_from_c_and_python(code):
     assert library().device_error_text(code, 9, 7, 5, 3) == device_error_text(code, 9, 7, 5, beams=3)
 
 
-@pytest.mark.parametrize("form, dtype", [("qkv", "float16"), ("kv", "bfloat16"), ("qkv", "float32")])
-def test_a_packed_call_s_plan_takes_the_node_s_packed_buffer_apart_first(form, dtype):
-    """Packed QKV / KV on the native route: ORT hands the packed tensor as the node has it; the plan's first launch
-    (unpack_slots) reads it from the node's input buffer into the query / key / value the rest of the steps read,
-    and nothing reads the packed buffer again."""
+def _packed_plan(form: str, dtype: str, head_size: int = 8, bias: bool = False):
+    """The native plan of a packed QKV / KV node (B=2, N=2, a (B,) key-length mask) and its packed input's slot."""
     from mha_ep.native import configs
-    from mha_ep.ops.backends.cuda.steps import Pointer
     from mha_models import packed_model
     from native_cases import ELEMENT_CODES
 
-    config = MhaConfig(dtype=dtype, batch=2, q_seq=5 if form == "qkv" else 3, kv_seq=5, num_heads=2, head_size=8,
-                       mask="1d")  # fmt: skip
+    config = MhaConfig(dtype=dtype, batch=2, q_seq=5 if form == "qkv" else 3, kv_seq=5, num_heads=2,
+                       head_size=head_size, mask="1d", bias=bias)  # fmt: skip
     part = mha_ep.partition(packed_model(config, form), route="native")
     node = next(n for n in part.model.graph.node if n.domain == "mha_ep")
     kernel = configs.config(configs.describe_kernel(
         {a.name: __import__("onnx").helper.get_attribute_value(a) for a in node.attribute}, "cuda")[0])
-    packed_slot = 0 if form == "qkv" else 1
-    shapes = {"query": (2, config.q_seq, 16), "key": (2, 5, 2, 2, 8), "key_padding_mask": (2,)}
+    d = 2 * head_size
+    shapes = {"query": (2, config.q_seq, d), "key": (2, 5, 2, 2, head_size), "key_padding_mask": (2,),
+              "bias": (3 * d,)}  # fmt: skip
     if form == "qkv":
-        shapes["query"] = (2, 5, 2, 3, 8)
+        shapes["query"] = (2, 5, 2, 3, head_size)
     entries = [None if name not in kernel.supplied else
                (ELEMENT_CODES["int32" if name == "key_padding_mask" else dtype], shapes[name], 16)
                for name in ("query", "key", "value", "bias", "key_padding_mask", "attention_bias", "past_key",
                             "past_value", "past_sequence_length", "cache_indirection")]  # fmt: skip
     plan = native_plan.plan_steps(kernel, native_plan.Signature(tuple(entries)), FACTS[0])
-    first = plan.steps[0]
-    assert first.function.startswith("unpack_slots<"), [getattr(s, "function", s) for s in plan.steps]
-    assert (first.args[0].address.name, first.args[0].address.offset) == (f"in{packed_slot}", 0)
-    targets = [arg.address for arg in first.args[1:4]]
-    assert all(t.name == "scratch" for t in targets[: 3 if form == "qkv" else 2])
-    assert first.args[-2] == (3 if form == "qkv" else 2) and first.args[-1] == 8
-    later = [arg.address for step in plan.steps[1:] for arg in getattr(step, "args", ()) if isinstance(arg, Pointer)]
-    assert f"in{packed_slot}" not in [getattr(address, "name", None) for address in later]
+    return config, plan, 0 if form == "qkv" else 1
+
+
+def _reads_of(plan, buffer: str) -> list:
+    """(step function, byte offset) of every pointer and mover field into ``buffer`` among the plan's steps."""
+    from mha_ep.ops.backends.cuda.steps import Buffer, Launch, Pointer, Struct, struct_fields
+
+    found = []
+    for step in plan.steps:
+        if not isinstance(step, Launch):
+            continue
+        for arg in step.args:
+            values = [arg.address] if isinstance(arg, Pointer) else []
+            if isinstance(arg, Struct):
+                values = [v for v, (_, kind) in zip(arg.values, struct_fields(arg.dtype)) if kind == "pointer"]
+            found += [(step.function, v.offset) for v in values if isinstance(v, Buffer) and v.name == buffer]
+    return found
+
+
+@pytest.mark.parametrize("form, dtype", [("qkv", "float16"), ("kv", "bfloat16"), ("qkv", "float32")])
+def test_a_packed_call_s_plan_reads_the_node_s_packed_buffer_in_place(form, dtype):
+    """Packed QKV / KV on the native route: ORT hands the packed tensor as the node has it, and the steps read its
+    slots where they lie (pipeline.source_slots): no copy of the packed buffer, and the fused kernel's Q, K, V
+    are the slots at offsets 0, H, 2H elements with strides over all of a row's slots."""
+    from mha_ep.ops.backends.cuda.steps import Copy
+
+    config, plan, packed_slot = _packed_plan(form, dtype)
+    element = {"float16": 2, "bfloat16": 2, "float32": 4}[dtype]
+    slots = 3 if form == "qkv" else 2
+    reads = _reads_of(plan, f"in{packed_slot}")
+    fused = [step for step in plan.steps if getattr(step, "fused", False)]
+    assert fused, [getattr(s, "function", s) for s in plan.steps]
+    offsets = sorted({offset for function, offset in reads if function == fused[0].function})
+    expected = [i * 8 * element for i in range(slots)] if form == "qkv" else [0, 8 * element]
+    assert offsets == expected, reads
+    # The fused kernel's strides: (stride_b, stride_h, stride_s) = (L*N*slots*H, slots*H, N*slots*H) for the slots.
+    args = fused[0].args
+    k_strides = [int(x) for x in args[6:9]]
+    assert k_strides == [5 * 2 * slots * 8, slots * 8, 2 * slots * 8], args[:12]
+    assert not any(isinstance(step, Copy) for step in plan.steps)
+    assert all(not function.startswith("widen") for function, _ in reads) or dtype == "float32"
     assert plan.output_shapes[0] == (2, config.q_seq, 16)
+
+
+def test_a_packed_call_with_a_bias_moves_its_slots_in_place_with_the_movers():
+    """A projection bias sends a packed call through the layout movers: they read the packed buffer's slots in
+    place (layout.cu cur_slots = the packed input's slots), and nothing else reads it."""
+    from mha_ep.ops.backends.cuda.movers import MOVER_DTYPE
+    from mha_ep.ops.backends.cuda.steps import Struct
+
+    _, plan, packed_slot = _packed_plan("qkv", "float16", bias=True)
+    reads = _reads_of(plan, f"in{packed_slot}")
+    assert {function.split("<")[0] for function, _ in reads} == {"build_dense_BNTH_native"}, reads
+    movers = [arg for step in plan.steps for arg in getattr(step, "args", ()) if isinstance(arg, Struct)
+              and arg.dtype == MOVER_DTYPE]  # fmt: skip
+    assert [int(m.values[MOVER_DTYPE.names.index("cur_slots")]) for m in movers] == [3, 3, 3]

@@ -4,7 +4,8 @@ is stock ORT CPU on the same node with its inputs unpacked (float32, float16), a
 unpacked inputs for bfloat16; the plugin runs the packed node. Every route (``run_backend``), with what stock ORT
 allows beside a packed input and what mha_ep adds: a key padding mask, attention_bias, causal (packed QKV), a bias
 (packed KV: stock ORT refuses one; it applies to the query and to the key and value slots as for separate
-inputs), qk. Odd sizes: S = 1, 5, 77 (Stable Diffusion's text length), head sizes 8, 40 (SD 1.5) and 59."""
+inputs), qk. Odd sizes: S = 1, 5, 77 (Stable Diffusion's text length), head sizes 8, 59 and SD 1.5's 40, 80 and 160
+at lengths the flash kernels take (a partial last tile of queries and keys)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ CASES = {
     "kv-bias": ("kv", with_(BASE, q_seq=3, kv_seq=6, bias=True)),  # mha_ep's: stock ORT refuses a bias here
     "kv-mask-attn-bias-qk": ("kv", with_(BASE, q_seq=2, kv_seq=6, mask="2d", attention_bias="BN", qk=True)),
     "kv-S1-decode": ("kv", with_(BASE, q_seq=1, kv_seq=77, num_heads=4, head_size=16, mask="1d")),
+    # Stable Diffusion 1.5's head sizes on the flash kernels, read in place (no bias: pipeline.reads_sources_in_place)
+    # and through the movers (a bias): H 40 and 80 on the wgmma kernels' 64 / 128 tiles, 160 on flash_attention_mma's.
+    "qkv-H40-S200": ("qkv", with_(BASE, q_seq=200, kv_seq=200, head_size=40)),
+    "qkv-H80-S130-causal": ("qkv", with_(BASE, q_seq=130, kv_seq=130, head_size=80, causal=True)),
+    "qkv-H80-S70-bias-1d": ("qkv", with_(BASE, q_seq=70, kv_seq=70, head_size=80, bias=True, mask="1d")),
+    "qkv-H160-S150": ("qkv", with_(BASE, q_seq=150, kv_seq=150, head_size=160)),
+    "qkv-H160-S66-mask-attn-bias": ("qkv", with_(BASE, q_seq=66, kv_seq=66, head_size=160, mask="2d",
+                                                 attention_bias="BN")),
+    "kv-H80-S129-L77": ("kv", with_(BASE, q_seq=129, kv_seq=77, head_size=80, num_heads=3)),
+    "kv-H160-S3-L77": ("kv", with_(BASE, q_seq=3, kv_seq=77, head_size=160)),
+    "kv-H40-S300-L77-bias": ("kv", with_(BASE, q_seq=300, kv_seq=77, head_size=40, bias=True)),
 }
 
 

@@ -28,12 +28,17 @@ from mha_ep.launch import ELEMENT_TYPES
 from mha_ep.limits import I32_MAX
 from mha_ep.ops.problem import MhaProblem
 
-HEAD_DIM_TILES = (32, 64, 96, 128)  # HEAD_DIM instantiations; max(H, Hv) is zero-padded up to one of these
+# HEAD_DIM instantiations of flash_attention_mma / _fp32; max(H, Hv) is zero-padded up to one of these. 160 is
+# Stable Diffusion 1.5's widest head (N 8 x H 160 at its 256- and 64-token levels).
+HEAD_DIM_TILES = (32, 64, 96, 128, 160)
 HEAD_SIZE_MULTIPLE = 8  # 16-byte vector loads of 8 elements (kernels/flash_common.cuh LOAD_CHUNK)
 SMALLEST_BLOCK_M = 64  # query rows per block of every fused kernel's smallest tile
 HOPPER_CAPABILITY = "90"  # wgmma.mma_async is sm_90a code, which runs on compute capability 9.0 only
 HOPPER_SM_COUNT = 132  # H100 SXM / H200; choose_tile's default, run_fused passes the device's own count
-WGMMA_HEAD_DIMS = (64, 128)  # whole 64-element swizzle atoms
+# The wgmma kernels' HEAD_DIM: whole 64-element swizzle atoms. Their own rounding (wgmma_head_tile): H 65-96 (SD
+# 1.5's 80) is padded to 128 with zeros (TMA's out-of-bounds fill, SwizzledTileCopy's bounds), not sent to mma.
+WGMMA_HEAD_DIMS = (64, 128)
+MMA_ONLY_HEAD_DIM = 32  # heads this small keep flash_attention_mma's 32 tile, not wgmma's 64
 WARPGROUP_THREADS = 128  # kernels/wgmma_common.cuh WARPGROUP_THREADS: four warps issue one wgmma
 WARPGROUP_ROWS = 64  # kernels/wgmma_common.cuh WARPGROUP_ROWS: the M of every wgmma
 WS_BLOCK_M = 128  # query rows of flash_attention_ws's default (two-consumer) tile: WsShape<2>::BLOCK_M
@@ -61,9 +66,25 @@ GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
 
 
 def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
-    """The HEAD_DIM instantiation for these head sizes, or None when none holds them."""
+    """The HEAD_DIM instantiation of flash_attention_mma / _fp32 for these head sizes, or None when none holds them."""
     need = max(head_size, v_head_size)
     return next((tile for tile in HEAD_DIM_TILES if tile >= need), None)
+
+
+def wgmma_head_tile(head_size: int, v_head_size: int) -> Optional[int]:
+    """The HEAD_DIM of flash_attention_wgmma / _ws for these head sizes (WGMMA_HEAD_DIMS), or None: heads of at most
+    MMA_ONLY_HEAD_DIM (whose mma tile is half the padded work) or over the widest tile."""
+    need = max(head_size, v_head_size)
+    if need <= MMA_ONLY_HEAD_DIM:
+        return None
+    return next((tile for tile in WGMMA_HEAD_DIMS if tile >= need), None)
+
+
+def kernel_head_tile(head_size: int, v_head_size: int, tile: object = None) -> Optional[int]:
+    """HEAD_DIM of the kernel ``tile`` names (a WgmmaTile or WsTile: wgmma_head_tile; else head_dim_tile)."""
+    if isinstance(tile, (WgmmaTile, WsTile)):
+        return wgmma_head_tile(head_size, v_head_size)
+    return head_dim_tile(head_size, v_head_size)
 
 
 # ------------------------------------------------------------------------------------------------- the tiles
@@ -135,7 +156,7 @@ Tile = Union[MmaTile, WgmmaTile, WsTile]  # the tile names the tensor-core kerne
 def ws_tile_unsupported_reason(problem: MhaProblem, tile: WsTile) -> Optional[str]:
     """None when flash_attention_ws has an instantiation of ``tile`` for this call's head tile; else why not."""
     g = problem.geometry
-    head_dim = head_dim_tile(g.head_size, g.v_head_size)
+    head_dim = wgmma_head_tile(g.head_size, g.v_head_size)
     if tile.consumers not in (2, 3):
         return f"{tile.consumers} consumer warpgroups: flash_attention_ws has two or three"
     if tile.consumers == 3 and head_dim != 64:
@@ -158,7 +179,7 @@ def default_wgmma_tile(problem: MhaProblem, key_offset: bool = False) -> WgmmaTi
     """Head 64: 64 x 128 with overlap, or 64 x 64 with a mask, attention_bias or key offset; head 128: 128 x 64
     without overlap, two blocks per SM (the fastest of fused_timing's tile columns; BENCH.md)."""
     g = problem.geometry
-    if head_dim_tile(g.head_size, g.v_head_size) == 128:
+    if wgmma_head_tile(g.head_size, g.v_head_size) == 128:
         return WgmmaTile(64, 128, overlap=False)
     return WgmmaTile(128 if mma_features(problem, key_offset) == 0 else 64)
 
@@ -229,9 +250,9 @@ def wgmma_unsupported_reason(problem: MhaProblem, operand_dtype: str, capability
     if capability != HOPPER_CAPABILITY:
         return f"compute capability {capability[:-1]}.{capability[-1:]} is not 9.0 (wgmma is sm_90a code)"
     g = problem.geometry
-    head_dim = head_dim_tile(g.head_size, g.v_head_size)
-    if head_dim not in WGMMA_HEAD_DIMS:
-        return f"head tile {head_dim} is not one of {WGMMA_HEAD_DIMS}"
+    if wgmma_head_tile(g.head_size, g.v_head_size) is None:
+        return (f"head sizes (H={g.head_size}, Hv={g.v_head_size}) are not in {MMA_ONLY_HEAD_DIM + 1}-"
+                f"{WGMMA_HEAD_DIMS[-1]}, the heads its tiles {WGMMA_HEAD_DIMS} take")  # fmt: skip
     return None
 
 
@@ -286,7 +307,7 @@ def prefers_three_consumers(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> 
     """Head tile 64 takes three consumer warpgroups (192-row tiles) when the busiest SM's estimated time, rounds x
     rows x WS3_ROW_COST, is under two consumers' (rounds x 128 rows), on ``sms`` SMs."""
     g = problem.geometry
-    if head_dim_tile(g.head_size, g.v_head_size) != 64:
+    if wgmma_head_tile(g.head_size, g.v_head_size) != 64:
         return False
     three = persistent_rounds(problem, 3 * WARPGROUP_ROWS, sms) * 3 * WARPGROUP_ROWS * WS3_ROW_COST
     return three < persistent_rounds(problem, WS_BLOCK_M, sms) * WS_BLOCK_M
@@ -295,7 +316,7 @@ def prefers_three_consumers(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> 
 def prefers_warp_specialized(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> bool:
     """Head tile 128 always; head 64 from WS_HEAD64_TILES_PER_SM x ``sms`` query tiles on (see there)."""
     g = problem.geometry
-    if head_dim_tile(g.head_size, g.v_head_size) == 128:
+    if wgmma_head_tile(g.head_size, g.v_head_size) == 128:
         return True
     return query_tiles(problem, WS_BLOCK_M) >= WS_HEAD64_TILES_PER_SM * sms
 

@@ -9,7 +9,9 @@ masked softmax -> P.V GEMM) wherever dispatch.py's rules say they compute the sa
 Layout legend (mha_ep/spec.py): B batch, S query length, L new key length, P past length, T = P + L, N heads,
 H head size, Hv value head size, D = N*H. An ``Operand`` is one of Q, K, V as a device address plus its layout:
   "BSNH"  (B, seq, N*dim): the staged query / key / value as the op received them;
-  "BNSH"  (B, N, seq, dim): BNSH key/value, or the dense q_BNSH / k_BNTH / v_BNTH the layout mover builds.
+  "BNSH"  (B, N, seq, dim): BNSH key/value, or the dense q_BNSH / k_BNTH / v_BNTH the layout mover builds;
+  "BSN3H" / "BSN2H"  one slot of a packed QKV (B, S, N, 3, H) / packed KV (B, L, N, 2, H) input, read in place:
+          the address is the slot's first element, rows and heads stride over all 3 (2) slots (PACKED_LAYOUTS).
 Its elements are ``operand_dtype``: float32 (the staged transport arrays; an f16/bf16 call rounds them to its
 dtype on load) or the call's dtype (the layout mover's buffers). A bias (float32, (N*dim,)) is added on load.
 
@@ -31,7 +33,7 @@ import numpy as np
 from mha_ep.launch import ELEMENT_BYTES, ELEMENT_TYPES, MaskKind
 from mha_ep.ops.backends.cuda import dispatch, kernels, tma
 from mha_ep.ops.backends.cuda.dispatch import (
-    Tile, WgmmaTile, WsTile, choose_tile, default_tile, head_dim_tile, mma_features, query_tiles,
+    Tile, WgmmaTile, WsTile, choose_tile, default_tile, head_dim_tile, kernel_head_tile, mma_features, query_tiles,
     wgmma_unsupported_reason, ws_tile_unsupported_reason, ws_unsupported_reason,
 )
 from mha_ep.ops.backends.cuda.steps import Address, Launch, Pointer, TensorMap, alignment_of
@@ -66,6 +68,14 @@ def block_m(problem: MhaProblem, tile: Optional[Tile] = None) -> int:
     return FP32_BLOCK_M if problem.dtype == "float32" else (tile or default_tile(problem)).block_m
 
 # ------------------------------------------------------------------------------------------------ operands
+PACKED_LAYOUTS = {"BSN3H": 3, "BSN2H": 2}  # a packed input's slot layout -> the slots each (b, s, h) row holds
+
+
+def packed_layout(slots: int) -> str:
+    """The Operand layout of one slot of a packed input of ``slots`` slots (3: QKV, 2: KV); 1: plain "BSNH"."""
+    return "BSNH" if slots == 1 else f"BSN{slots}H"
+
+
 @dataclass(frozen=True)
 class Operand:
     """One of Q, K, V on the device: ``address`` of element (0, 0, 0, 0), its layout and its sizes."""
@@ -78,11 +88,14 @@ class Operand:
 
     def strides(self, num_heads: int) -> tuple[int, int, int]:
         """(stride_b, stride_h, stride_s) in elements; the head dimension is contiguous."""
-        if self.layout == "BSNH":
-            return self.seq * num_heads * self.dim, self.dim, num_heads * self.dim
         if self.layout == "BNSH":
             return num_heads * self.seq * self.dim, self.seq * self.dim, self.dim
-        raise ValueError(f"operand layout must be 'BSNH' or 'BNSH', got {self.layout!r}")
+        slots = 1 if self.layout == "BSNH" else PACKED_LAYOUTS.get(self.layout)
+        if slots is None:
+            raise ValueError(f"operand layout must be 'BSNH', 'BNSH' or one of {tuple(PACKED_LAYOUTS)}, got "
+                             f"{self.layout!r}")  # fmt: skip
+        row = num_heads * slots * self.dim  # one (b, s) row of the input: every head's slots
+        return self.seq * row, slots * self.dim, row
 
 
 def ws_tensor_maps(problem: MhaProblem, operand_dtype: str, tile: WsTile, operands: dict) -> list:
@@ -129,10 +142,11 @@ def fp32_pipeline(head_dim: int) -> Fp32Pipeline:
 def shared_bytes(problem: MhaProblem, tile: Optional[Tile] = None) -> int:
     """Dynamic shared memory of the launch (mirrors the kernels' carving of smem_raw)."""
     g = problem.geometry
-    head_dim = head_dim_tile(g.head_size, g.v_head_size)
     if problem.dtype == "float32":
+        head_dim = head_dim_tile(g.head_size, g.v_head_size)
         return fp32_shared_bytes(head_dim, fp32_pipeline(head_dim).stages)
     tile = tile or default_tile(problem)
+    head_dim = kernel_head_tile(g.head_size, g.v_head_size, tile)
     if isinstance(tile, WsTile):  # Q, WS_STAGES x (K, V), the mbarriers; no bias tile (no attention_bias)
         rows = tile.block_m + 2 * WS_STAGES * tile.block_n
         return WGMMA_SMEM_ALIGN + rows * head_dim * ELEMENT_BYTES[problem.dtype] + WS_BARRIER_BYTES
@@ -180,13 +194,14 @@ def kernel_name(problem: MhaProblem, operand_dtype: str, tile: Optional[Tile] = 
     """The NVRTC name expression of the instantiation this call launches (tile None: the mma default tile;
     ``key_offset``: the call passes a per-key offset, FLASH_WITH_KEY_OFFSET)."""
     g = problem.geometry
-    head_dim = head_dim_tile(g.head_size, g.v_head_size)
     elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
     if problem.dtype == "float32":
+        head_dim = head_dim_tile(g.head_size, g.v_head_size)
         pipeline = fp32_pipeline(head_dim)
         return (f"flash_attention_fp32<{elem}, {src}, {head_dim}, {FP32_ROWS}, {FP32_ROW_THREADS}, {pipeline.stages}, "
                 f"{pipeline.blocks}>")  # fmt: skip
     tile = tile or default_tile(problem)
+    head_dim = kernel_head_tile(g.head_size, g.v_head_size, tile)
     if isinstance(tile, WsTile):
         return (f"flash_attention_ws<{elem}, {head_dim}, {tile.block_n}, {tile.consumers}, "
                 f"{str(problem.causal).lower()}>")  # fmt: skip

@@ -43,7 +43,6 @@ KERNELS = {
     "build_dense_BNTH_native": ("layout.cu", (1, 4)),  # VEC (sources in the compute dtype)
     "narrow_output": ("layout.cu", (1, 4)),  # VEC
     "widen_to_float": ("layout.cu", (1, 4)),  # VEC (the native route: a node's float16 / bfloat16 tensors)
-    "unpack_slots": ("layout.cu", (None,)),  # a packed QKV / KV input's slots apart (the native route)
     "resolve_key_lengths": ("layout.cu", (None,)),  # ORT's raw key_padding_mask -> the kernels' form
     "resolve_keep_flags": ("layout.cu", (None,)),
     "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE

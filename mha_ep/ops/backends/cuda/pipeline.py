@@ -44,12 +44,12 @@ import numpy as np
 
 from mha_ep.launch import ELEMENT_BYTES, LAUNCH_BLOCK, SOFTMAX_THREADS, MaskKind
 from mha_ep.ops.backends.cuda import dispatch, gemm
-from mha_ep.ops.backends.cuda.fused import DeviceFacts, Operand, fused_steps
+from mha_ep.ops.backends.cuda.fused import DeviceFacts, Operand, fused_steps, packed_layout
 from mha_ep.ops.backends.cuda.geometry import LaunchPlan, cached_plan, checked_grid
 from mha_ep.ops.backends.cuda.kernels import name_expression
 from mha_ep.ops.backends.cuda.movers import Mover, layout_movers, mover_struct
 from mha_ep.ops.backends.cuda.shared_buffer import shared_buffer_steps
-from mha_ep.ops.backends.cuda.steps import Address, Copy, Fill, Launch, Pointer, Step, alignment_of
+from mha_ep.ops.backends.cuda.steps import Address, Copy, Fill, Launch, Pointer, Step, alignment_of, offset_address
 from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
 from mha_ep.ops.problem import MhaProblem
 
@@ -85,8 +85,9 @@ class DeviceCall:
              the host reads without a copy: the native route's Buffer("sticky"), which its library binds while
              ORT captures a graph, mha_ep/native/plan.py; None: nowhere) and the number the reports carry as site;
     packed_sources: the call's packed input (problem.packing) is at sources["query"] (packed QKV) or
-             sources["key"] (packed KV) as the node has it, (B, S|L, N, 3|2, H) (the native route); False: the
-             sources are the unpacked slots (the bridge stages problem.query_BSD / key / value).
+             sources["key"] (packed KV) as the node has it, (B, S|L, N, 3|2, H) (the native route), and every step
+             reads its slots in place (source_slots); False: the sources are the unpacked slots (the bridge stages
+             problem.query_BSD / key / value).
     A shared-buffer call's sources also name past_sequence_length (int32, one element) and, on the beam path,
     cache_indirection (int32 (B/W, W, M)).
     """
@@ -131,8 +132,9 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
     if call.mask_form not in MASK_FORMS:
         raise ValueError(f"DeviceCall.mask_form must be one of {MASK_FORMS}, got {call.mask_form!r}")
     build = _Builder(temporaries, poison)
-    if call.packed_sources and problem.packing is not None:
-        call = replace(call, sources=_unpacked_sources(problem, call, build), packed_sources=False)
+    slots = source_slots(problem, call)
+    if slots:
+        call = replace(call, sources=_packed_slot_sources(problem, call, build))
     if problem.shared is not None:
         if problem.want_qk:
             raise MhaInputError(
@@ -142,17 +144,17 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
             )
         return build.steps + shared_buffer_steps(problem, call, build.take)
     plan = cached_plan(problem.geometry, problem.dtype)
-    sources = _prepared_sources(problem, plan, call, build)
+    sources = _prepared_sources(problem, plan, call, build, slots)
     fused_unsupported = dispatch.fused_unsupported_reason(problem) if fused_path else "the three-phase path was asked for"
     native = call.source_dtype != "float32"
     if native and call.source_dtype != problem.dtype:
         raise ValueError(f"DeviceCall.source_dtype {call.source_dtype!r} must be 'float32' or the call's dtype "
                          f"{problem.dtype!r}")  # fmt: skip
     if native and fused_unsupported is None and call.output_dtype == problem.dtype:
-        _native_fused(problem, plan, facts, sources, call.outputs, build)
+        _native_fused(problem, plan, facts, sources, call.outputs, build, slots)
         return build.steps
     if native:
-        sources = _widened_sources(problem, plan, sources, build)
+        sources = _widened_sources(problem, plan, sources, build, slots)
     outputs = call.outputs
     narrowed = {}
     if call.output_dtype != "float32":
@@ -161,7 +163,7 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
             if call.outputs.get(name) is not None:
                 outputs[name] = build.take(f"{name}_f32", 4 * int(np.prod(shape)))
                 narrowed[name] = (outputs[name], call.outputs[name], int(np.prod(shape)))
-    _float32_pipeline(problem, plan, facts, sources, outputs, build, fused_unsupported)
+    _float32_pipeline(problem, plan, facts, sources, outputs, build, fused_unsupported, slots)
     for src, dst, count in narrowed.values():
         build.add(_narrow(problem.dtype, src, dst, count))
     return build.steps
@@ -190,23 +192,45 @@ def source_shapes(problem: MhaProblem) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ 0. packed inputs
-def _unpacked_sources(problem: MhaProblem, call: DeviceCall, build: _Builder) -> dict:
-    """A packed QKV / KV input's slots apart, in one launch (kernels/layout.cu ``unpack_slots``), into scratch
-    buffers that become the call's query / key / value sources (BSNH, the source dtype)."""
+PACKED_SLOTS = {"qkv": ("query", "key", "value"), "kv": ("key", "value")}  # problem.packing -> its slots, in order
+
+
+def source_slots(problem: MhaProblem, call: DeviceCall) -> dict:
+    """query / key / value -> the slots of the packed input that source is one of (3: packed QKV, 2: packed KV),
+    for a call whose packed input is read in place (``packed_sources``); empty otherwise. A slot is a strided view
+    of ORT's buffer: fused.PACKED_LAYOUTS operands, movers with ``cur_slots``."""
+    if not call.packed_sources or problem.packing is None:
+        return {}
+    names = PACKED_SLOTS[problem.packing]
+    return {name: len(names) for name in names}
+
+
+def _packed_rows(problem: MhaProblem) -> int:
+    """(b, s, h) rows of the call's packed input: B * (S for packed QKV, L for packed KV) * N."""
     g = problem.geometry
-    packed_qkv = problem.packing == "qkv"
-    rows = g.batch * (g.q_seq if packed_qkv else g.kv_seq) * g.num_heads
+    return g.batch * (g.q_seq if problem.packing == "qkv" else g.kv_seq) * g.num_heads
+
+
+def _slot_sources(problem: MhaProblem, sources: dict, base: Address, element: int) -> dict:
+    """``sources`` with query / key / value the addresses of the packed input's slots 0, 1 (, 2) at ``base``."""
+    slot_bytes = problem.geometry.head_size * element
+    names = PACKED_SLOTS[problem.packing]
+    return {**sources, **{name: offset_address(base, i * slot_bytes) for i, name in enumerate(names)}}
+
+
+def _packed_slot_sources(problem: MhaProblem, call: DeviceCall, build: _Builder) -> dict:
+    """The call's sources with its packed input (sources["query"] for packed QKV, ["key"] for packed KV, as ORT
+    holds it) named by its slots, read in place: no unpacking copy. A packed buffer whose base is not
+    SOURCE_ALIGNMENT-aligned is copied whole first (the slots then are, wherever the kernels need it: H % 8)."""
+    names = PACKED_SLOTS[problem.packing]
+    base = call.sources[names[0]]
     element = ELEMENT_BYTES[call.source_dtype]
-    names = ("query", "key", "value") if packed_qkv else ("key", "value")
-    slots = {name: build.take(f"{name}_unpacked", rows * g.head_size * element) for name in names}
-    source = call.sources["query" if packed_qkv else "key"]
-    targets = [slots.get(name) for name in names] + [None] * (3 - len(names))
-    count = rows * len(names) * g.head_size
-    build.add(Launch(name_expression("unpack_slots", call.source_dtype), _elementwise_grid(count, 1, "unpack_slots"),
-                     (LAUNCH_BLOCK, 1, 1), 0,
-                     (Pointer(source), *(Pointer(t) for t in targets), np.int64(rows), np.int32(len(names)),
-                      np.int32(g.head_size))))  # fmt: skip
-    return {**call.sources, **slots}
+    if alignment_of(base) < SOURCE_ALIGNMENT:
+        nbytes = _packed_rows(problem) * len(names) * problem.geometry.head_size * element
+        aligned = build.take(f"{names[0]}_packed_aligned", nbytes)
+        build.add(Copy(aligned, base, nbytes))
+        base = aligned
+    return _slot_sources(problem, call.sources, base, element)
 
 
 # ------------------------------------------------------------------------------------------------ 1. prepare
@@ -214,7 +238,11 @@ def _elementwise_grid(count: int, vec: int, name: str) -> tuple:
     return (checked_grid(-(-count // vec), name), 1, 1)
 
 
-def _prepared_sources(problem: MhaProblem, plan: LaunchPlan, call: DeviceCall, build: _Builder) -> dict:
+def _prepared_sources(problem: MhaProblem, plan: LaunchPlan, call: DeviceCall, build: _Builder,
+                      slots: dict) -> dict:  # fmt: skip
+    """Step 1 (module docstring). The slots of a packed input (``slots``: source_slots) are not copied: their base
+    is aligned (_packed_slot_sources) and a slot's offset, H elements, is what the kernels' vector loads need
+    wherever they are taken (fused: H % 8; movers' VEC 4: H % 4)."""
     sources = {name: address for name, address in call.sources.items() if address is not None}
     mask = problem.padding_mask
     if mask is not None and call.mask_form != "resolved":
@@ -227,7 +255,7 @@ def _prepared_sources(problem: MhaProblem, plan: LaunchPlan, call: DeviceCall, b
     element = ELEMENT_BYTES[call.source_dtype]
     for name in (*FLOAT_SOURCES, "attention_bias"):
         address = sources.get(name)
-        if address is None or alignment_of(address) >= SOURCE_ALIGNMENT:
+        if address is None or name in slots or alignment_of(address) >= SOURCE_ALIGNMENT:
             continue
         nbytes = int(np.prod(shapes[name])) * (4 if name == "attention_bias" else element)
         aligned = build.take(f"{name}_aligned", nbytes)
@@ -276,13 +304,19 @@ def _narrow(dtype: str, src: Address, dst: Address, count: int) -> Launch:
                   (LAUNCH_BLOCK, 1, 1), 0, (Pointer(src), Pointer(dst), np.int64(count)))  # fmt: skip
 
 
-def _widened_sources(problem: MhaProblem, plan: LaunchPlan, sources: dict, build: _Builder) -> dict:
-    """The float sources in float32 (attention_bias and the mask are already in the kernels' form)."""
+def _widened_sources(problem: MhaProblem, plan: LaunchPlan, sources: dict, build: _Builder,
+                     slots: dict) -> dict:  # fmt: skip
+    """The float sources in float32 (attention_bias and the mask are already in the kernels' form); a packed
+    input (``slots``) widened whole, its slots then in the float32 copy."""
     shapes = source_shapes(problem)
     widened = dict(sources)
     for name in FLOAT_SOURCES:
-        if sources.get(name) is not None:
+        if sources.get(name) is not None and name not in slots:
             widened[name] = _widen(problem.dtype, sources[name], int(np.prod(shapes[name])), name, build)
+    if slots:
+        first = PACKED_SLOTS[problem.packing][0]
+        count = _packed_rows(problem) * len(slots) * problem.geometry.head_size
+        widened = _slot_sources(problem, widened, _widen(problem.dtype, sources[first], count, "packed", build), 4)
     return widened
 
 
@@ -341,11 +375,48 @@ def _native_in_place(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, 
     _narrow_qk(problem, qk_f32, outputs, build)
 
 
+def reads_sources_in_place(problem: MhaProblem) -> bool:
+    """Whether a float16 / bfloat16 call on the native route's fused path skips the layout movers altogether: no
+    projection bias, no past and no present wanted (an encoder's or a diffusion model's attention, a packed
+    input's always: rule 16). The movers would copy each operand unchanged; the fused kernel reads query, key and
+    value where ORT holds them instead, through their strides (source_operands)."""
+    return (problem.bias_q is None and problem.bias_k is None and problem.bias_v is None
+            and problem.past_key_BNPH is None and problem.past_value_BNPH is None
+            and not problem.want_present_key and not problem.want_present_value)  # fmt: skip
+
+
+def source_operands(problem: MhaProblem, plan: LaunchPlan, sources: dict, slots: dict,
+                    with_bias: bool = False) -> dict:  # fmt: skip
+    """q, k, v as the fused kernels' Operands on the call's own sources: a rank-3 source BSNH (or a slot of a
+    packed input: BSN3H / BSN2H), a rank-4 key / value BNSH; ``with_bias``: float32 sources with bias_q/k/v added
+    on load (step 3a)."""
+    bias = sources.get if with_bias else (lambda name: None)
+    kv_layout = problem.kv_layout if problem.kv_layout == "BNSH" else packed_layout(slots.get("key", 1))
+    return {
+        "q": Operand(sources["query"], packed_layout(slots.get("query", 1)), plan.q_seq, plan.head_size,
+                     bias("bias_q")),
+        "k": Operand(sources["key"], kv_layout, plan.kv_seq, plan.head_size, bias("bias_k")),
+        "v": Operand(sources["value"], kv_layout, plan.kv_seq, plan.v_head_size, bias("bias_v")),
+    }  # fmt: skip
+
+
 def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sources: dict, outputs: dict,
-                  build: _Builder) -> None:  # fmt: skip
+                  build: _Builder, slots: dict) -> None:  # fmt: skip
     """The fused path on float16 / bfloat16 tensors as they are (module docstring, step 2)."""
     if reads_kv_in_place(problem, facts):
         _native_in_place(problem, plan, facts, sources, outputs, build)
+        return
+    if reads_sources_in_place(problem):
+        count = problem.geometry.batch * problem.geometry.q_seq * problem.geometry.v_hidden
+        out_f32 = build.take("output_f32", 4 * count)
+        qk_f32 = _qk_scratch(problem, build)
+        build.extend(fused_steps(
+            problem, **source_operands(problem, plan, sources, slots), operand_dtype=problem.dtype,
+            attention_bias=sources.get("attention_bias"), mask=sources.get("mask"), out_BSD=out_f32, facts=facts,
+            take=build.take, qk=qk_f32,
+        ))  # fmt: skip
+        build.add(_narrow(problem.dtype, out_f32, outputs["output"], count))
+        _narrow_qk(problem, qk_f32, outputs, build)
         return
     g = problem.geometry
     terms = dispatch.score_terms(problem)
@@ -358,7 +429,7 @@ def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sou
     movers = layout_movers(
         plan, terms, problem.kv_layout == "BNSH", sources=sources,
         dst={"q_BNSH": q_BNSH, "k_BNTH": k_BNTH, "v_BNTH": v_BNTH},
-        presents={"present_key": present_key if key_apart else None}, offsets=offsets,
+        presents={"present_key": present_key if key_apart else None}, offsets=offsets, slots=slots,
     )  # fmt: skip
     build.add(mover_launch(plan, "build_dense_BNTH_native", movers, problem.scale))
     count = g.batch * g.q_seq * g.v_hidden
@@ -394,15 +465,12 @@ def _narrow_qk(problem: MhaProblem, qk_f32: Optional[Address], outputs: dict, bu
 
 # ------------------------------------------------------------------------------------- 3. float32 pipeline
 def _float32_pipeline(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sources: dict, outputs: dict,
-                      build: _Builder, fused_unsupported: Optional[str]) -> None:  # fmt: skip
+                      build: _Builder, fused_unsupported: Optional[str], slots: dict) -> None:  # fmt: skip
     """Module docstring, step 3 (float32 sources and outputs, values rounded to the compute dtype)."""
     if fused_unsupported is None and dispatch.reads_staged_inputs(problem):  # 3a: bias added on load
         build.extend(fused_steps(
-            problem,
-            q=Operand(sources["query"], "BSNH", plan.q_seq, plan.head_size, sources.get("bias_q")),
-            k=Operand(sources["key"], problem.kv_layout, plan.kv_seq, plan.head_size, sources.get("bias_k")),
-            v=Operand(sources["value"], problem.kv_layout, plan.kv_seq, plan.v_head_size, sources.get("bias_v")),
-            operand_dtype="float32", attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
+            problem, **source_operands(problem, plan, sources, slots, with_bias=True), operand_dtype="float32",
+            attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
             out_BSD=outputs["output"], facts=facts, take=build.take, qk=outputs.get("qk"),
         ))  # fmt: skip
         return
@@ -423,7 +491,7 @@ def _float32_pipeline(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts,
     offsets = offset_buffers(plan, terms, build.take)
     movers = layout_movers(plan, terms, problem.kv_layout == "BNSH", sources=sources,
                            dst={name: ops[name] for name in ("q_BNSH", "k_BNTH", "v_BNTH")}, presents=presents,
-                           offsets=offsets)  # fmt: skip
+                           offsets=offsets, slots=slots)  # fmt: skip
     build.add(mover_launch(plan, "build_dense_BNTH", movers, problem.scale))
     if fused_unsupported is None:  # steps 3-5 in one flash-attention kernel (fused.py)
         build.extend(fused_steps(

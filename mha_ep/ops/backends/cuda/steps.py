@@ -48,6 +48,11 @@ class Buffer(NamedTuple):
 Address = Union[int, Buffer, None]
 
 
+def offset_address(address: Address, nbytes: int) -> Address:
+    """``address`` + ``nbytes`` (an int, or a Buffer's ``at``): a slot of a packed input inside its buffer."""
+    return address.at(nbytes) if isinstance(address, Buffer) else int(address) + int(nbytes)
+
+
 def alignment_of(address: Address) -> int:
     """The largest power of two known to divide ``address`` (capped at BUFFER_ALIGNMENT; None, the null pointer,
     counts as aligned)."""

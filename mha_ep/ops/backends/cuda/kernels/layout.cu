@@ -38,11 +38,13 @@ struct Mover {
   int cur_seq;
   int past_seq;
   int dim;
+  int cur_slots;             // BSNH rows of a packed input: slots a head holds (3 QKV, 2 KV; 1 plain), read in place
 };
 
 // Build a dense (B, N, P+L, H) operand in one pass:
 //   1. rows s < P come from past_BNPH (the KV cache is prepended along the sequence axis);
-//   2. rows s >= P come from the current tensor, read as BSNH (B, L, N, H) or BNSH (B, N, L, H);
+//   2. rows s >= P come from the current tensor, read as BSNH (B, L, N, H) or BNSH (B, N, L, H); a BSNH source
+//      may be one slot of a packed input (B, L, N, cur_slots, H), cur pointing at the slot's first element;
 //   3. the per-(head, dim) bias is added to the current rows only (ORT: never to the past; the host passes
 //      null for BNSH key/value, whose bias ORT ignores);
 //   4. the float sum is rounded once to ELEM and stored; when dst_f32_BNTH is given, the same rounded value is
@@ -104,7 +106,8 @@ __device__ __forceinline__ void build_dense_rows(const Mover<SRC, ELEM>& m, int 
           if (m.cur_is_bnsh) {
             load_as_floats<SRC, VEC>(m.cur + (((long long)b * heads + h) * cur_seq + sc) * dim + d, value);
           } else {
-            load_as_floats<SRC, VEC>(m.cur + (((long long)b * cur_seq + sc) * heads + h) * dim + d, value);
+            load_as_floats<SRC, VEC>(m.cur + (((long long)b * cur_seq + sc) * heads + h) * (m.cur_slots * dim) + d,
+                                     value);
           }
         }
         if (bias_read && (s >= past_seq || m.offset_guard)) {
@@ -246,24 +249,5 @@ template <typename M>
 __global__ void resolve_keep_flags(const M* __restrict__ mask, unsigned char* __restrict__ keep, long long count) {
   for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
     keep[idx] = mask[idx] > 0 ? 1 : 0;
-  }
-}
-
-// A packed input's slots apart: packed QKV (B, S, N, 3, H) or packed KV (B, L, N, 2, H), as ``rows`` (B*S*N) rows
-// of ``slots`` x ``head`` elements, into the slots' own (rows, head) arrays dst0, dst1, dst2 (dst2 unused for KV):
-// the BSNH query / key / value that the rest of the pipeline reads (pipeline.py, step 0: the native route, whose
-// sources are ORT's packed tensor as the node has it). Reads and writes both walk the packed order: coalesced.
-template <typename ELEM>
-__global__ void unpack_slots(const ELEM* __restrict__ packed, ELEM* __restrict__ dst0, ELEM* __restrict__ dst1,
-                             ELEM* __restrict__ dst2, long long rows, int slots, int head) {
-  const long long row_elems = (long long)slots * head;
-  const long long count = rows * row_elems;
-  for (long long idx = grid_first_index(); idx < count; idx += grid_stride()) {
-    const long long row = idx / row_elems;
-    const int rest = (int)(idx - row * row_elems);
-    const int slot = rest / head;
-    const int h = rest - slot * head;
-    ELEM* dst = slot == 0 ? dst0 : slot == 1 ? dst1 : dst2;
-    dst[row * head + h] = packed[idx];
   }
 }
