@@ -282,12 +282,12 @@ CODE = code_only(SOURCE)
 def kernel_parameters(operand_type: str, name: str = "") -> str:
     """The parameter list every fused kernel shares (flash_attention_mma / _fp32 / _wgmma / _ws), for explicit
     instantiations: Q, K, V as (pointer, three strides, bias) in ``operand_type``, then masks, the score offsets,
-    scalars, output; flash_attention_ws (``name``) adds its three TMA tensor maps."""
+    scalars, the two outputs (float32, and the narrow one the tensor-core kernels may write); flash_attention_ws (``name``) adds its three TMA tensor maps."""
     operand = [f"const {operand_type}*", "long long", "long long", "long long", "const float*"]
     rest = ["const float*", "int", "int", "int", "const int*", "const unsigned char*", "const float*", "const float*",
             "float", "int", "int", "float"]  # fmt: skip
     maps = ["const __grid_constant__ TensorMap"] * 3 if name.startswith("flash_attention_ws<") else []
-    return ", ".join(operand * 3 + rest + ["int"] * 7 + ["float*"] + maps)
+    return ", ".join(operand * 3 + rest + ["int"] * 7 + ["float*", "void*"] + maps)
 
 
 WGMMA_DEFAULT_CASES = {  # one call per default tile and feature set the H200 runs

@@ -78,10 +78,10 @@ def test_the_flop_and_byte_models_count_the_naive_attention():
 def test_a_refused_stock_column_says_so_and_peaks_are_fractions():
     result = {"kind": "sd", "label": "x", "ours_us": 50.0, "stock_packed_refused": "packed QKV format is not "
               "implemented for current GPU", "stock_unpacked_us": 60.0, "vs_unpacked": 50 / 60, "tflops": 400.0,
-              "gbps": 1200.0, "max_rel_error_vs_stock_unpacked": 1e-3}  # fmt: skip
+              "gbps": 1200.0, "ours_error": 1e-3, "stock_unpacked_error": 2e-3}  # fmt: skip
     line = sd.format_row(sd.with_peaks(result, "NVIDIA H200"))
     assert "refused: packed QKV format is not implemented" in line and "0.83x" in line
-    assert "(40% / 25% of peak)" in line
+    assert "(40% / 25% of peak)" in line and "| 1.0e-03 / - / 2.0e-03 |" in line
     assert "of_peak_flops" not in sd.with_peaks(result, "some other GPU")
 
 
@@ -93,3 +93,19 @@ def test_bfloat16_feeds_are_rounded_to_nearest_even():
                              np.float32([1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5, 3.0e38])])  # fmt: skip
     expected = values.astype(ml_dtypes.bfloat16).view(np.uint16)
     np.testing.assert_array_equal(sd.bfloat16_bits(values), expected)
+
+
+@pytest.mark.parametrize("form", sd.FORMS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_float64_reference_rows_are_stock_ort_cpu_s_attention(form, dtype):
+    """reference_rows (the bench's oracle) equals stock ORT CPU's float32 MultiHeadAttention on the inputs rounded
+    to the row's dtype, at the rows it picks."""
+    row = sd.SdAttention("test", form, 3, 16, 70, dtype, kv_seq=9 if form == "cross" else None)
+    _, apart = row.feeds(seed=4)
+    picks, expected = sd.reference_rows(row, apart)
+    assert len(picks) == sd.REFERENCE_ROWS and picks[0] == 0 and picks[-1] == row.seq - 1
+    rounded = {name: sd._as_float(sd._rounded_bits(value, dtype), dtype).astype(np.float32)
+               for name, value in apart.items()}  # fmt: skip
+    stock = ort.InferenceSession(_float32(row.model_proto(False)).SerializeToString(),
+                                 providers=["CPUExecutionProvider"]).run(None, rounded)[0]  # fmt: skip
+    np.testing.assert_allclose(expected, stock[:, picks], rtol=1e-5, atol=1e-5)

@@ -228,15 +228,17 @@ def test_the_planner_callback_answers_a_failure_and_never_raises():
 def test_a_float16_call_without_bias_past_or_present_reads_its_inputs_in_place(kv_layout):
     """An encoder's or a diffusion model's attention on the native route (pipeline.reads_sources_in_place: no
     projection bias, no past, no present): no layout mover copies Q, K or V; the flash kernel reads the node's
-    buffers through their strides (BSNH query, BSNH or BNSH key / value) and one narrowing writes the output.
-    The same call with a bias keeps the movers."""
+    buffers through their strides (BSNH query, BSNH or BNSH key / value) and writes the node's float16 output
+    itself (out_narrow: no float32 scratch, no narrowing launch). The same call with a bias keeps the movers."""
     from mha_ep.ops.backends.cuda.steps import Buffer, Pointer
 
     config = MhaConfig(**{**PLAN_CASES["f16 wide heads"].__dict__, "kv_layout": kv_layout})
     plan = native_plan.plan_steps(*signature_of(config), FACTS[0])
     functions = [getattr(step, "function", type(step).__name__).split("<")[0] for step in plan.steps]
-    assert functions == ["flash_attention_ws", "narrow_output"], functions
+    assert functions == ["flash_attention_ws"], functions
     args = plan.steps[0].args
+    pointers = [arg.address for arg in args if isinstance(arg, Pointer)]
+    assert pointers[-2:] == [None, Buffer("out0", 0, 256)], pointers  # out_BSD null, out_narrow_BSD the output
     assert [args[i].address for i in (0, 5, 10)] == [Buffer(f"in{i}", 0, 256) for i in range(3)]
     b, s, n, h = config.batch, config.q_seq, config.num_heads, config.head_size
     assert [int(x) for x in args[1:4]] == [s * n * h, h, n * h]  # BSNH query

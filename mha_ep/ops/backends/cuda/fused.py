@@ -290,6 +290,7 @@ def fused_step(
     tile: Optional[Tile] = None,
     key_offset: Address = None,
     query_offset: Address = None,
+    out_narrow: Address = None,
 ) -> Launch:
     """The fused kernel's launch for ``problem`` (its dispatch rule must have said None), as a steps.Launch.
 
@@ -302,6 +303,8 @@ def fused_step(
     mask: device padding mask of ``problem.padding_mask.kind``: int32 (B,) key lengths, uint8 (B, T) or (B, S, T)
           keep flags; None when the call has none;
     out_BSD: device float32 (B, S, N*Hv), every element written (rounded to the call's dtype first);
+    out_narrow: f16/bf16 tensor-core kernels only: device (B, S, N*Hv) in the call's dtype, written instead of
+          out_BSD (which may then be None): the node's own output, with no narrowing pass after;
     facts: the device's capability and SM count (DeviceFacts.of);
     tile: f16/bf16 only: the kernel and its tile, an MmaTile, WgmmaTile or WsTile (default: choose_tile for this
           device; the timing script and the tests name others; a WgmmaTile must pass wgmma_unsupported_reason,
@@ -313,7 +316,10 @@ def fused_step(
     for operands the kernel cannot take.
     """
     launch = _decided(problem, q, k, v, operand_dtype, attention_bias, mask, facts, tile, key_offset, query_offset)
-    args = _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD)
+    if out_narrow is not None and problem.dtype == "float32":
+        raise ValueError("fused attention: out_narrow is for float16 / bfloat16 calls (flash_attention_fp32 writes "
+                         "float32 only)")  # fmt: skip
+    args = _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD, out_narrow)
     if isinstance(launch.tile, WsTile):
         args += tuple(ws_tensor_maps(problem, operand_dtype, launch.tile, {"q": q, "k": k, "v": v}))
     return Launch(launch.name, (launch.blocks, 1, 1), (launch.threads, 1, 1), launch.shared, args, fused=True)
@@ -340,6 +346,9 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
         if qk is not None:
             raise ValueError("fused attention: the qk output is for calls dispatch.key_split cuts")
         return [fused_step(problem, facts=facts, tile=tile, **operands)]
+    if operands.get("out_narrow") is not None:
+        raise ValueError("fused attention: out_narrow is for one flash kernel (takes_split_keys: False); the "
+                         "split-key pair writes float32 out_BSD")  # fmt: skip
     q, k, v, out_BSD = operands["q"], operands["k"], operands["v"], operands["out_BSD"]
     attention_bias, mask = operands["attention_bias"], operands["mask"]
     key_offset, query_offset = operands.get("key_offset"), operands.get("query_offset")
@@ -350,6 +359,11 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
     return split_key_steps(problem, split, take,
                            _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD),
                            operands["operand_dtype"], out_BSD, round_query=not raw_query, qk=qk)  # fmt: skip
+
+
+def takes_split_keys(problem: MhaProblem, facts: DeviceFacts, operand_dtype: str) -> bool:
+    """Whether fused_steps (no tile named) runs the split-key pair, whose output is float32 only (no out_narrow)."""
+    return dispatch.key_split(problem, facts.sms, ELEMENT_BYTES[operand_dtype]) is not None
 
 
 def split_shared_bytes(problem: MhaProblem, chunk: int, operand_dtype: str) -> int:
@@ -403,8 +417,9 @@ def _decided(problem: MhaProblem, q: Operand, k: Operand, v: Operand, operand_dt
 
 
 def _arguments(launch: "FusedLaunch", q: Operand, k: Operand, v: Operand, attention_bias: Address, mask: Address,
-               key_offset: Address, query_offset: Address, out_BSD: Address) -> tuple:  # fmt: skip
-    """The arguments every fused kernel takes, up to out_BSD (flash_attention.cu, split_keys.cu)."""
+               key_offset: Address, query_offset: Address, out_BSD: Address,
+               out_narrow: Address = None) -> tuple:  # fmt: skip
+    """The arguments every fused kernel takes, up to out_narrow_BSD (flash_common.cuh FLASH_KERNEL_PARAMETERS)."""
     sq, sk, sv = launch.strides
     mask_kind = launch.mask_kind
     return (
@@ -414,7 +429,7 @@ def _arguments(launch: "FusedLaunch", q: Operand, k: Operand, v: Operand, attent
         Pointer(attention_bias), *launch.bias_dims, np.int32(int(mask_kind)),
         Pointer(mask if mask_kind == MaskKind.KEY_LENGTHS else None),
         Pointer(mask if mask_kind in (MaskKind.KEYS_BT, MaskKind.KEYS_BST) else None),
-        Pointer(key_offset), Pointer(query_offset), *launch.scalars, Pointer(out_BSD),
+        Pointer(key_offset), Pointer(query_offset), *launch.scalars, Pointer(out_BSD), Pointer(out_narrow),
     )  # fmt: skip
 
 

@@ -17,10 +17,12 @@ mha_ep/spec.py):
      keep flags: ``> 0``); an attention_bias not in float32 is widened to it; a source the kernels would read with
      vector loads from an address not 16-byte aligned is copied to an aligned buffer;
   2. float16 / bfloat16 sources on the fused path (``native``): build_dense_BNTH_native moves Q, K and V into the
-     kernel's operands in one launch (which for a wanted present *are* the present outputs), the fused kernel
-     writes float32, narrow_output rounds it into the node's output (exact: the values are already rounded); a
-     decoder's cross attention (``reads_kv_in_place``) skips the movers: the split-key kernels read its BNSH key
-     and value and its query as they are;
+     kernel's operands in one launch (which for a wanted present *are* the present outputs), and the flash kernel
+     writes the node's output in its dtype (out_narrow; the split-key pair writes float32 that narrow_output
+     rounds into it, exact: the values are already rounded). Two kinds of call skip the movers: a decoder's cross
+     attention (``reads_kv_in_place``: the split-key kernels read its BNSH key and value and its query as they
+     are), and a call with no projection bias, past or present (``reads_sources_in_place``: an encoder's, a
+     diffusion model's, every packed call's), whose kernel reads query, key and value where ORT holds them;
   3. every other call runs the float32 pipeline, widening its sources to float32 first when they are not:
        a. fused float32 calls without past or presents: one fused kernel on the sources themselves
           (dispatch.reads_staged_inputs);
@@ -43,7 +45,7 @@ from typing import Callable, Optional, Protocol
 import numpy as np
 
 from mha_ep.launch import ELEMENT_BYTES, LAUNCH_BLOCK, SOFTMAX_THREADS, MaskKind
-from mha_ep.ops.backends.cuda import dispatch, gemm
+from mha_ep.ops.backends.cuda import dispatch, fused, gemm
 from mha_ep.ops.backends.cuda.fused import DeviceFacts, Operand, fused_steps, packed_layout
 from mha_ep.ops.backends.cuda.geometry import LaunchPlan, cached_plan, checked_grid
 from mha_ep.ops.backends.cuda.kernels import name_expression
@@ -407,18 +409,9 @@ def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sou
         _native_in_place(problem, plan, facts, sources, outputs, build)
         return
     if reads_sources_in_place(problem):
-        count = problem.geometry.batch * problem.geometry.q_seq * problem.geometry.v_hidden
-        out_f32 = build.take("output_f32", 4 * count)
-        qk_f32 = _qk_scratch(problem, build)
-        build.extend(fused_steps(
-            problem, **source_operands(problem, plan, sources, slots), operand_dtype=problem.dtype,
-            attention_bias=sources.get("attention_bias"), mask=sources.get("mask"), out_BSD=out_f32, facts=facts,
-            take=build.take, qk=qk_f32,
-        ))  # fmt: skip
-        build.add(_narrow(problem.dtype, out_f32, outputs["output"], count))
-        _narrow_qk(problem, qk_f32, outputs, build)
+        _native_attention(problem, facts, outputs, build, **source_operands(problem, plan, sources, slots),
+                          attention_bias=sources.get("attention_bias"), mask=sources.get("mask"))  # fmt: skip
         return
-    g = problem.geometry
     terms = dispatch.score_terms(problem)
     key_apart = problem.bias_k is not None and not terms.key_bias_in_operand  # present holds a bias K leaves out
     present_key, present_value = outputs.get("present_key"), outputs.get("present_value")
@@ -432,18 +425,30 @@ def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sou
         presents={"present_key": present_key if key_apart else None}, offsets=offsets, slots=slots,
     )  # fmt: skip
     build.add(mover_launch(plan, "build_dense_BNTH_native", movers, problem.scale))
-    count = g.batch * g.q_seq * g.v_hidden
-    out_f32 = build.take("output_f32", 4 * count)
-    qk_f32 = _qk_scratch(problem, build)
-    build.extend(fused_steps(
-        problem,
+    _native_attention(
+        problem, facts, outputs, build,
         q=Operand(q_BNSH, "BNSH", plan.q_seq, plan.head_size),
         k=Operand(k_BNTH, "BNSH", plan.total_seq, plan.head_size),
         v=Operand(v_BNTH, "BNSH", plan.total_seq, plan.v_head_size),
-        operand_dtype=problem.dtype, attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
-        out_BSD=out_f32, facts=facts, key_offset=offsets.get("key_offset_BNT"),
-        query_offset=offsets.get("query_offset_BNS"), take=build.take, qk=qk_f32,
-    ))  # fmt: skip
+        attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
+        key_offset=offsets.get("key_offset_BNT"), query_offset=offsets.get("query_offset_BNS"),
+    )  # fmt: skip
+
+
+def _native_attention(problem: MhaProblem, facts: DeviceFacts, outputs: dict, build: _Builder, **operands) -> None:
+    """The fused kernel on float16 / bfloat16 operands into the node's outputs: one flash kernel writes the output
+    in the call's dtype itself (out_narrow); the split-key pair writes float32 that one narrowing rounds into it
+    (and the float32 scores into qk)."""
+    if not fused.takes_split_keys(problem, facts, problem.dtype):
+        build.extend(fused_steps(problem, operand_dtype=problem.dtype, out_BSD=None, out_narrow=outputs["output"],
+                                 facts=facts, take=build.take, **operands))  # fmt: skip
+        return
+    g = problem.geometry
+    count = g.batch * g.q_seq * g.v_hidden
+    out_f32 = build.take("output_f32", 4 * count)
+    qk_f32 = _qk_scratch(problem, build)
+    build.extend(fused_steps(problem, operand_dtype=problem.dtype, out_BSD=out_f32, facts=facts, take=build.take,
+                             qk=qk_f32, **operands))  # fmt: skip
     build.add(_narrow(problem.dtype, out_f32, outputs["output"], count))
     _narrow_qk(problem, qk_f32, outputs, build)
 

@@ -465,8 +465,7 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
       for (int hf = 0; hf < 2; ++hf) {
         const int d = dp * 16 + hf * 8 + tig * 2;
         if (d >= v_head_size) continue;
-        const float2 pair = make_float2(round_to<ELEM>(o_acc[dp][hf][c0] * inv), round_to<ELEM>(o_acc[dp][hf][c0 + 1] * inv));
-        *reinterpret_cast<float2*>(out_BSD + out_row + d) = pair;
+        store_pair<ELEM>(out_BSD, out_narrow_BSD, out_row + d, o_acc[dp][hf][c0] * inv, o_acc[dp][hf][c0 + 1] * inv);
       }
   }
 }

@@ -372,5 +372,5 @@ __global__ void __launch_bounds__(BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS,
   cp_async_wait_all();  // (without OVERLAP) a prefetch of a skipped causal tile may still be in flight
 
   // Step F: out = O / l, rounded to ELEM, stored as float32 BSNH (wgmma_common.cuh store_rows).
-  store_rows<ELEM, ATOMS>(o_acc, row_sum, rows, q_seq, b, h, heads, v_head_size, tig, out_BSD);
+  store_rows<ELEM, ATOMS>(o_acc, row_sum, rows, q_seq, b, h, heads, v_head_size, tig, out_BSD, out_narrow_BSD);
 }

@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
     }
     it += n_tiles;
 
-    store_rows<ELEM, ATOMS>(o_acc, row_sum, rows, q_seq, b, h, heads, v_head_size, tig, out_BSD);
+    store_rows<ELEM, ATOMS>(o_acc, row_sum, rows, q_seq, b, h, heads, v_head_size, tig, out_BSD, out_narrow_BSD);
   }
   if (c == 0) turn_wait(0);  // the last consumer's last pass
 }

@@ -17,7 +17,9 @@ template <typename A> struct same_type<A, A> { static constexpr bool value = tru
 // The parameters every fused kernel starts with (flash_attention_mma, _fp32, _wgmma, _ws, split_key_attention),
 // in the order fused.py passes them (tests/fused_cases.py kernel_parameters spells them for explicit
 // instantiations): Q, K and V as (OPERAND pointer, batch, head and sequence strides in elements, projection bias
-// or null), the mask inputs (MaskParams), the score offsets, the scalars and the float32 BSNH output. What each
+// or null), the mask inputs (MaskParams), the score offsets, the scalars and the BSNH output: float32 at out_BSD,
+// or, where out_narrow_BSD is not null, in ELEM there (the node's own output: no narrowing pass; the tensor-core
+// kernels write it, flash_attention_fp32 and the split-key kernel, whose host passes null, ignore it). What each
 // means: flash_attention.cu's header. FLASH_KERNEL_ARGUMENTS passes them on, in the same order.
 #define FLASH_KERNEL_PARAMETERS(OPERAND)                                                                          \
   const OPERAND* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,                   \
@@ -28,12 +30,27 @@ template <typename A> struct same_type<A, A> { static constexpr bool value = tru
       const int* __restrict__ key_lengths_B, const unsigned char* __restrict__ keep,                             \
       const float* __restrict__ key_offset_BNT, const float* __restrict__ query_offset_BNS,                      \
       float mask_filter_value, int causal, int skip_causal_tiles, float scale, int batch, int heads, int q_seq,  \
-      int total_seq, int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD
+      int total_seq, int past_seq, int head_size, int v_head_size, float* __restrict__ out_BSD,                  \
+      void* __restrict__ out_narrow_BSD
 #define FLASH_KERNEL_ARGUMENTS                                                                                    \
   q, stride_qb, stride_qh, stride_qs, bias_q, k, stride_kb, stride_kh, stride_ks, bias_k, v, stride_vb,           \
       stride_vh, stride_vs, bias_v, attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep,             \
       key_offset_BNT, query_offset_BNS, mask_filter_value, causal, skip_causal_tiles, scale, batch, heads, q_seq, \
-      total_seq, past_seq, head_size, v_head_size, out_BSD
+      total_seq, past_seq, head_size, v_head_size, out_BSD, out_narrow_BSD
+
+// One output pair (d, d + 1) of a row at element ``at``: rounded to ELEM (float16 / bfloat16) and stored in ELEM at
+// out_narrow_BSD when the host gives it (one 4-byte store: d and every row start are even), else as float32 at
+// out_BSD (the rounded value, exactly: what narrow_output would round again without a change).
+template <typename ELEM>
+__device__ __forceinline__ void store_pair(float* __restrict__ out_BSD, void* __restrict__ out_narrow_BSD,
+                                           long long at, float lo, float hi) {
+  if (out_narrow_BSD != nullptr) {
+    __align__(4) ELEM pair[2] = {from_float<ELEM>(lo), from_float<ELEM>(hi)};
+    *reinterpret_cast<unsigned*>(static_cast<ELEM*>(out_narrow_BSD) + at) = *reinterpret_cast<const unsigned*>(pair);
+  } else {
+    *reinterpret_cast<float2*>(out_BSD + at) = make_float2(round_to<ELEM>(lo), round_to<ELEM>(hi));
+  }
+}
 
 // ------------------------------------------------------------------------------------------------ the masks
 // Per-call mask inputs (kernel arguments gathered once).

@@ -175,12 +175,12 @@ __device__ __forceinline__ void rescale_rows(float (&o_acc)[ATOMS][32], const fl
     }
 }
 
-// out = O / l (l summed over the quad), rounded to ELEM, stored as float32 BSNH for this thread's two rows
+// out = O / l (l summed over the quad), rounded to ELEM, stored as BSNH (store_pair: float32, or ELEM) for this thread's two rows
 // (rows past q_seq are not stored). l = 0 (every logit -inf) gives 0/0 = NaN, as ORT's CPU kernel does.
 template <typename ELEM, int ATOMS>
 __device__ __forceinline__ void store_rows(const float (&o_acc)[ATOMS][32], float (&row_sum)[2], const int (&rows)[2],
                                            int q_seq, int b, int h, int heads, int v_head_size, int tig,
-                                           float* __restrict__ out_BSD) {
+                                           float* __restrict__ out_BSD, void* __restrict__ out_narrow_BSD) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
@@ -197,9 +197,8 @@ __device__ __forceinline__ void store_rows(const float (&o_acc)[ATOMS][32], floa
       for (int i = 0; i < 8; ++i) {
         const int d = a * 64 + i * 8 + tig * 2;
         if (d >= v_head_size) continue;
-        const float2 pair = make_float2(round_to<ELEM>(o_acc[a][4 * i + 2 * r] * inv),
-                                        round_to<ELEM>(o_acc[a][4 * i + 2 * r + 1] * inv));
-        *reinterpret_cast<float2*>(out_BSD + out_row + d) = pair;
+        store_pair<ELEM>(out_BSD, out_narrow_BSD, out_row + d, o_acc[a][4 * i + 2 * r] * inv,
+                         o_acc[a][4 * i + 2 * r + 1] * inv);
       }
   }
 }
