@@ -109,8 +109,10 @@ def commands(block: str) -> list:
 
 
 def doc_rows() -> list:
-    """The table of docs/MODELS.md: each row's cells by the header's names."""
-    lines = MODELS_MD.read_text().split("## The table", 1)[1].splitlines()
+    """The table of docs/MODELS.md's section "The table" (up to the next section): each row's cells by the header's
+    names."""
+    section = MODELS_MD.read_text().split("## The table", 1)[1].split("\n## ", 1)[0]
+    lines = section.splitlines()
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines if line.startswith("| ")]
     header, rows = rows[0], rows[1:]
     assert tuple(header) == families.HEADER, header

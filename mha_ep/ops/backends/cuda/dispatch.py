@@ -37,6 +37,7 @@ HOPPER_CAPABILITY = "90"  # wgmma.mma_async is sm_90a code, which runs on comput
 HOPPER_SM_COUNT = 132  # H100 SXM / H200; choose_tile's default, run_fused passes the device's own count
 # The wgmma kernels' HEAD_DIM: whole 64-element swizzle atoms. Their own rounding (wgmma_head_tile): H 65-96 (SD
 # 1.5's 80) is padded to 128 with zeros (TMA's out-of-bounds fill, SwizzledTileCopy's bounds), not sent to mma.
+# Timed against stock only (docs/BENCH.md §10: SD 1.5's H 80 at 0.83-0.97x stock), not against mma's 96 tile.
 WGMMA_HEAD_DIMS = (64, 128)
 MMA_ONLY_HEAD_DIM = 32  # heads this small keep flash_attention_mma's 32 tile, not wgmma's 64
 WARPGROUP_THREADS = 128  # kernels/wgmma_common.cuh WARPGROUP_THREADS: four warps issue one wgmma
