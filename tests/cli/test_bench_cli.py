@@ -155,7 +155,7 @@ def test_every_option_of_every_subcommand_and_benchmark_has_help(monkeypatch):
                     if name != "bench"})  # fmt: skip
     for module in [*BENCHMARKS.values(), "fused_timing", "backend_timing"]:
         parsers[f"mha_ep.bench.{module}"] = bench_parser(monkeypatch, module)
-    assert len(parsers) == 1 + 5 + 8 + 2  # mha-ep; demo, partition, compare, static-cache, serve; the benchmarks
+    assert len(parsers) == 1 + 5 + 9 + 2  # mha-ep; demo, partition, compare, static-cache, serve; the benchmarks
     missing = [f"{name} {action.option_strings or action.dest}" for name, p in parsers.items()
                for action in p._actions if "-h" not in action.option_strings and not action.help]  # fmt: skip
     assert missing == []
