@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mha_ep.models import audio
+from mha_ep.decode import audio
 from mha_ep.models.export import default_out_dir
 from mha_ep.models.whisper_transcribe import (
     Transcriber,

@@ -4,7 +4,7 @@ and check the tokens against stock ONNX Runtime's loops on the CPU.
 The decoder-with-past is rewritten into its static-cache form (``mha-ep static-cache``: a (1, N, 448, H) KV buffer
 bound as both past and present, ``past_sequence_length`` on the device), so each step is one replay of ORT's CUDA
 graph (the claimed attention nodes read the length on the device) plus one kernel that chooses the tokens; the host
-reads the tokens at the end (mha_ep/models/static_decode.py). Beam search keeps the buffer in place and follows
+reads the tokens at the end (mha_ep/decode/static_decode.py). Beam search keeps the buffer in place and follows
 the beams through ``cache_indirection``.
 
 Set-up (a GPU machine): pip install -e '.[gpu,models]' and build the models once:
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from mha_ep.models import audio
+from mha_ep.decode import audio
 from mha_ep.models.export import default_out_dir
 from mha_ep.models.whisper_transcribe import (
     BeamTranscriber,

@@ -7,9 +7,10 @@
     path = mha_ep.shipped_model("bert_random_mask2d_fp32.onnx")   # the shipped models, from anywhere
 
 Where things live (docs/ARCHITECTURE.md has the map): spec.py (the contract), claim/ (the gate and the shared
-rules), partition_pass.py (the pass), model_io.py (model files), ops/ (the Python op, registration, execute-time
-validation, backends: reference = NumPy, cuda = CuPy), native/ (the native custom-op library), comparison/,
-cli.py. Heavy imports (onnxruntime, CuPy) happen on first use.
+rules), graph/ (the partition pass, model files, lift, static cache), engine/ (execute-time validation, backends:
+reference = NumPy, cuda = CuPy), python_op/ (the onnxruntime-extensions op), native/ (the native custom-op
+library), registration.py (the route), gpu_session/ and session.py (mha_ep.InferenceSession), decode/ (GPU decode
+loops), comparison/, cli.py. Heavy imports (onnxruntime, CuPy) happen on first use.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ __all__ = [
 
 from mha_ep.claim import Decision
 from mha_ep.errors import BackendUnavailableError, MhaEpError, MhaInputError, MhaModelError, MhaRunError
-from mha_ep.partition_pass import partition
-from mha_ep.partition_result import PartitionResult
+from mha_ep.graph.partition import partition
+from mha_ep.graph.partition_result import PartitionResult
 from mha_ep.shipped import shipped_model  # noqa: E402
 
 
@@ -47,15 +48,15 @@ def compare(model, *args, **kwargs):
 
 
 def register(session_options, backend: str = "auto", device_id: int = 0, route: str = "auto"):
-    """Register the plugin on an onnxruntime.SessionOptions; see mha_ep.ops.registration.register."""
-    from mha_ep.ops.registration import register as _register
+    """Register the plugin on an onnxruntime.SessionOptions; see mha_ep.registration.register."""
+    from mha_ep.registration import register as _register
 
     return _register(session_options, backend, device_id, route)
 
 
 def route_of(session_options):
     """"native" or "python-op": the route ``mha_ep.register`` put on ``session_options`` (None: none)."""
-    from mha_ep.ops.registration import route_of as _route_of
+    from mha_ep.registration import route_of as _route_of
 
     return _route_of(session_options)
 

@@ -71,7 +71,7 @@ def emit(args, text: str, data: dict) -> None:
 
 
 def cmd_partition(args) -> int:
-    from mha_ep.partition_pass import partition
+    from mha_ep.graph.partition import partition
 
     result = partition(args.model, lift_attention=args.lift_attention, route=args.route)
     if args.output:
@@ -85,7 +85,7 @@ def cmd_partition(args) -> int:
 
 
 def cmd_static_cache(args) -> int:
-    from mha_ep.static_cache import static_cache
+    from mha_ep.graph.static_cache import static_cache
 
     result = static_cache(args.model, max_length=args.max_length, batch=args.batch, beams=args.beams,
                           step_length=args.step_length)
@@ -140,7 +140,7 @@ def cmd_serve(args) -> int:
     import os
 
     from mha_ep.errors import MhaEpError
-    from mha_ep.model_io import load_model
+    from mha_ep.graph.model_io import load_model
     from mha_ep.serve import ServeOptions, cluster
     from mha_ep.serve.batching import plan_batching
 
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Self-attention pasts and presents become one (B, N, M, H) buffer the caller binds "
                                    "to both, a new input past_sequence_length (int32, (1,)) says how many rows are "
                                    "filled, and the shape arithmetic on the past's length becomes constants and "
-                                   "device computations (mha_ep/static_cache.py).")  # fmt: skip
+                                   "device computations (mha_ep/graph/static_cache.py).")  # fmt: skip
     p.add_argument("model", metavar="DECODER", help="the decoder-with-past (as ORT's optimizer leaves Whisper's)")
     p.add_argument("-o", "--output", required=True, help="where to write the rewritten model")
     p.add_argument("--max-length", type=int, required=True, metavar="M",

@@ -12,7 +12,7 @@ import time
 
 from mha_ep.comparison import compare, table
 from mha_ep.models import manifest
-from mha_ep.ops.backends import cuda_unavailable_reason
+from mha_ep.engine.backends import cuda_unavailable_reason
 from mha_ep.progress import bar as progress_bar_over
 from mha_ep.progress import write
 

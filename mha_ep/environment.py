@@ -60,7 +60,7 @@ def cupy_line() -> str:
 
 
 def device_line(device_id: int = 0) -> str:
-    from mha_ep.ops.backends import cuda_unavailable_reason
+    from mha_ep.engine.backends import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason(device_id)
     if reason is not None:
@@ -73,7 +73,7 @@ def device_line(device_id: int = 0) -> str:
 
 
 def auto_backend_line(device_id: int = 0) -> str:
-    from mha_ep.ops.backends import cuda_unavailable_reason
+    from mha_ep.engine.backends import cuda_unavailable_reason
 
     if cuda_unavailable_reason(device_id) is None:
         return f'backend "auto": cuda (CuPy on GPU {device_id})'

@@ -1,6 +1,6 @@
 """Kernel launch constants shared by Python and the CUDA sources (kernels/*.cu, *.cuh).
 
-Each value here has a twin in a kernel file (named beside it); tests/cuda/test_kernel_constants.py parses the sources
+Each value here has a twin in a kernel file (named beside it); tests/engine/cuda/test_kernel_constants.py parses the sources
 and fails when the two disagree. Imports nothing: the claim gate, the dispatch rules and the launch code use it.
 """
 

@@ -17,12 +17,12 @@ from typing import Optional, Sequence
 import onnx
 
 from mha_ep.errors import MESSAGE_PREFIX, MhaEpError, run_error, status_code_of
-from mha_ep.ops.context import run_context
-from mha_ep.ops.backends import resolve_backend
-from mha_ep.ops.registration import attach, choose_route
-from mha_ep.model_io import needs_external_data, write_model
-from mha_ep.partition_pass import partition
-from mha_ep.partition_result import PartitionResult
+from mha_ep.engine.context import run_context
+from mha_ep.engine.backends import resolve_backend
+from mha_ep.registration import attach, choose_route
+from mha_ep.graph.model_io import needs_external_data, write_model
+from mha_ep.graph.partition import partition
+from mha_ep.graph.partition_result import PartitionResult
 from mha_ep.providers import (CUDA_PROVIDER, config_entry, on_one_device, provider_names, wants_cuda_graph,
                               with_session_stream, without_cuda_graph)  # fmt: skip
 
@@ -39,12 +39,12 @@ class InferenceSession:
     com.microsoft::Attention into MultiHeadAttention first), ``route`` ("auto", "native", "python-op":
     registration.choose_route): mha_ep's native library (its CUDA kernels on ORT's buffers and stream) or the
     onnxruntime-extensions Python op. On the CUDA provider with the native route the session moves tensors
-    through native/cuda_io.py: ``run`` with NumPy through page-locked memory, ``run_device`` with CuPy, and ORT's
+    through gpu_session/cuda_io.py: ``run`` with NumPy through page-locked memory, ``run_device`` with CuPy, and ORT's
     ``enable_cuda_graph`` (in the CUDA provider's options) as one graph per call signature; a session ORT refuses
     that graph for runs eagerly and says so (under it, ``run_device`` replays with no host wait: the workload of
     repeated shapes). ``device_mode`` is retired (check_device_mode). ``mode`` ("native" or "python-op") and
     ``mode_reason`` say which runs and why. Other keywords go to onnxruntime. Any number of threads may call
-    ``run``, ``run_device`` and ``run_with_iobinding`` at once (native/cuda_io.py, "Threads").
+    ``run``, ``run_device`` and ``run_with_iobinding`` at once (gpu_session/cuda_io.py, "Threads").
     """
 
     def __init__(
@@ -115,7 +115,7 @@ class InferenceSession:
             self._session._mha_ep_compute_stream = ort_stream
         self.mode_reason = f"{route_reason}{graph_note}"
         if self.route == "native" and self.backend.name == "cuda" and CUDA_PROVIDER in self._session.get_providers():
-            from mha_ep.native.cuda_io import CudaSessionIO, unsupported_tensors
+            from mha_ep.gpu_session.cuda_io import CudaSessionIO, unsupported_tensors
 
             odd = unsupported_tensors(self._session)
             if odd:
@@ -140,7 +140,7 @@ class InferenceSession:
     def run(self, output_names, input_feed, run_options=None):
         """Like onnxruntime's ``run``; raises MhaRunError when a claimed node fails (the session stays usable). On
         the CUDA provider the feeds may also be CuPy arrays or anything with ``__dlpack__``; NumPy feeds go up and
-        the outputs come down through page-locked memory (native/cuda_io.py)."""
+        the outputs come down through page-locked memory (gpu_session/cuda_io.py)."""
         if self._io is not None:
             return self._io_call(self._io.run_host, output_names, input_feed, run_options)
         options = self._options(run_options)
@@ -156,7 +156,7 @@ class InferenceSession:
 
     @property
     def cuda_io(self):
-        """How this session's calls move tensors on the GPU (native/cuda_io.py), or None off the CUDA provider."""
+        """How this session's calls move tensors on the GPU (gpu_session/cuda_io.py), or None off the CUDA provider."""
         return self._io
 
     @staticmethod
@@ -196,7 +196,7 @@ class InferenceSession:
         carried: dict = {}
         options = own_run_options(run_options, carried)
         if "gpu_graph_id" in carried and self._io is not None and self._io.graphs:
-            from mha_ep.native.cuda_io import MAX_GRAPHS
+            from mha_ep.gpu_session.cuda_io import MAX_GRAPHS
 
             reason = taken_graph_id(carried["gpu_graph_id"], MAX_GRAPHS)
             if reason is not None:
@@ -290,7 +290,7 @@ RUN_OPTION_FIELDS = ("log_severity_level", "log_verbosity_level", "logid", "only
 def own_run_options(caller=None, carried: Optional[dict] = None):
     """A RunOptions for one run, carrying the caller's readable settings.
 
-    The error channel sets ``terminate`` on the run's RunOptions (mha_ep/ops/context.py); on a RunOptions the
+    The error channel sets ``terminate`` on the run's RunOptions (mha_ep/engine/context.py); on a RunOptions the
     caller shares between threads that would cancel the other threads' runs, so every run gets its own. Carried
     over: RUN_OPTION_FIELDS and the RUN_CONFIG_KEYS entries the caller set. Not carried: other config entries and
     active adapters (ORT cannot read them back), and a ``terminate`` the caller sets on its own object once the

@@ -4,7 +4,7 @@ CuPy's launch of the same kernel with its event calls, or one memcpy per buffer.
     PYTHONPATH=$PWD:/tmp/ortsite:/tmp/site python3 scripts/ab_copy_kernel.py [--rounds 15] [--calls 40]
 
 Three ``mha_ep.InferenceSession`` of one BERT-base row under ORT's CUDA graph, in one process:
-  native  the copy kernel and the replay's event pair through ``_native.launch_copies`` (native/segments.py)
+  native  the copy kernel and the replay's event pair through ``_native.launch_copies`` (gpu_session/segments.py)
   cupy    the same kernel launched by CuPy, the events recorded and waited for by CuPy (as before launch_copies)
   memcpy  one ``cudaMemcpyAsync`` per buffer (``cuda_io._copy_kernel`` set False, as where NVRTC cannot build it)
 Each round times ``--calls`` calls of ``run_device`` on CuPy feeds per session, in turns: H, the host time until
@@ -28,7 +28,7 @@ import onnxruntime as ort
 
 import mha_ep
 from mha_ep.models.synthetic import bert_encoder, encoder_feeds
-from mha_ep.native import segments
+from mha_ep.gpu_session import segments
 
 GRAPH = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"]
 ROWS = ((1, 32, "float32"), (8, 128, "float16"))

@@ -4,7 +4,7 @@ where two GPU loops may part.
     python scripts/beam_margins.py --size base --batch 1 [--dtype float16] [--json out/gen/bench_generate.json]
 
 Re-runs the row's beam search exactly as mha_ep/bench/generate.py sets it up (the same seeds, the end-of-text id
-suppressed, BEAMS beams, ``--steps`` steps) with stock ORT CPU and mha_ep/models/beam.py, and prints per batch
+suppressed, BEAMS beams, ``--steps`` steps) with stock ORT CPU and mha_ep/decode/beam.py, and prints per batch
 entry the steps whose choice hangs on a small margin: the summed log-probability of the last candidate kept
 minus the first one left out (a margin of 1e-5 is within the float32 rounding two attention kernels differ by).
 With ``--json`` (the run's output), it also says where the row's stock_beam and static_beam answers part from
@@ -24,7 +24,7 @@ def search(size: str, batch: int, steps: int, dtype: str = "float32"):
     import onnxruntime as ort
 
     from mha_ep.bench.generate import BEAMS, ENCODER_POSITIONS, PROMPT, SIZES, VOCAB
-    from mha_ep.models.beam import BeamSearch, best_tokens, log_softmax
+    from mha_ep.decode.beam import BeamSearch, best_tokens, log_softmax
     from mha_ep.models.synthetic import decoder_step_feeds, whisper_decoder_step
 
     layers, hidden, heads, ffn = SIZES[size]

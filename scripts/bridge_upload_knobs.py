@@ -11,8 +11,8 @@ import concurrent.futures
 import mha_ep
 from mha_ep.bench.gpu import anchor_problem, anchor_model, anchor_feeds, echo_session, plugin_like_options
 from mha_ep.bench.timer import paired_medians
-from mha_ep.ops.backends.cuda import staging
-from mha_ep.ops.backends import create_backend
+from mha_ep.engine.cuda import staging
+from mha_ep.engine.backends import create_backend
 K, M = 1 << 10, 1 << 20
 CONFIGS = {"now 4M/4M/8t": (4 * M, 4 * M, 8), "1M/1M/8t": (1 * M, 1 * M, 8), "512K/1M/8t": (512 * K, 1 * M, 8),
            "2M/1M/8t": (2 * M, 1 * M, 8), "1M/1M/12t": (1 * M, 1 * M, 12), "256K/1M/8t": (256 * K, 1 * M, 8)}

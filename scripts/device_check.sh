@@ -31,7 +31,7 @@
 #   hostpath   scripts/profile_session_graph.py: cuda_io's host time around ORT's graph replay, in segments
 #   hostcalls  scripts/probe_host_calls.py: the host µs of each CUDA call a replay makes, and of alternatives
 #   copykernel scripts/ab_copy_kernel.py: a replay's host time, copies by the native call, CuPy's launch or memcpy
-#   twogpu     on two GPUs: tests/native/test_two_gpus.py, examples/serve_two_gpus.py and mha-ep bench soak
+#   twogpu     on two GPUs: tests/gpu_session/test_two_gpus.py, examples/serve_two_gpus.py and mha-ep bench soak
 #              --devices 0,1 (MODEL, default BERT-base float16), into $OUT/twogpu
 #   serve      mha-ep bench serve: BERT-base float16 (mha_ep/models/synthetic.py, written to $OUT/bert_base_f16.onnx
 #              once) served by Ray Serve, one replica per GPU: REPLICAS=1,2 against each other, MAX_BATCH=1,16
@@ -96,11 +96,11 @@ for step in "$@"; do
     gpu-parity) timeout 560 $PYTEST_GPU tests/parity tests/claim 2>&1 | tee "$OUT/gpu-parity.log" | quiet | tail -20 ;;
     gpu-rest) timeout 560 $PYTEST_GPU tests --ignore=tests/parity --ignore=tests/claim 2>&1 | tee "$OUT/gpu-rest.log" \
                 | quiet | tail -20 ;;
-    native) timeout 540 $PYTEST_GPU tests/native tests/ops tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_layout.py \
+    native) timeout 540 $PYTEST_GPU tests/native tests/python_op tests/engine/cuda/test_cuda_backend.py tests/engine/cuda/test_cuda_layout.py \
               tests/parity tests/claim/test_bad_input.py 2>&1 \
               | tee "$OUT/native.log" | quiet | tail -40 ;;
-    static) timeout 540 $PYTEST_GPU tests/native/test_native_cuda.py tests/models/test_static_decode.py \
-              tests/parity/test_parity_shared_buffer.py tests/claim/test_bad_input.py tests/cuda/test_fused_kernels.py \
+    static) timeout 540 $PYTEST_GPU tests/native/test_native_cuda.py tests/decode/test_static_decode.py \
+              tests/parity/test_parity_shared_buffer.py tests/claim/test_bad_input.py tests/engine/cuda/test_fused_kernels.py \
               -k "static or shared or past_sequence or cache_indirection or bad_past or split" 2>&1 \
               | tee "$OUT/static.log" | quiet | tail -40 ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
@@ -138,7 +138,7 @@ for step in "$@"; do
     hostcalls) timeout 120 python3 scripts/probe_host_calls.py 2>&1 | quiet | tail -14 ;;
     copykernel) timeout 300 python3 scripts/ab_copy_kernel.py 2>&1 | quiet | tail -9 ;;
     twogpu)
-      timeout 200 $PYTEST_GPU tests/native/test_two_gpus.py 2>&1 | quiet | tail -5
+      timeout 200 $PYTEST_GPU tests/gpu_session/test_two_gpus.py 2>&1 | quiet | tail -5
       timeout 120 python3 examples/serve_two_gpus.py 2>&1 | quiet | tail -3
       timeout 300 python3 -m mha_ep bench soak --devices 0,1 --seconds "${SOAK_SECONDS:-30}" --threads 4 \
         --model "${MODEL:-bert-base-f16}" --batches 8,16,32 --max-sequence 256 --out "$OUT/twogpu" 2>&1 \

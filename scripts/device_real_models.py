@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import device_models  # noqa: E402
 
-from mha_ep.models import bert, ctranslate2, minilm_embeddings, whisper_transcribe  # noqa: E402
+from mha_ep.models import bert, ctranslate2, minilm_embeddings  # noqa: E402
+from mha_ep.models import whisper_transcribe
 
 
 def main(argv=None) -> int:

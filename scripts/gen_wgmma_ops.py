@@ -1,4 +1,4 @@
-"""Write mha_ep/ops/backends/cuda/kernels/wgmma_ops.cuh: inline-PTX wrappers of the wgmma.mma_async shapes that
+"""Write mha_ep/engine/cuda/kernels/wgmma_ops.cuh: inline-PTX wrappers of the wgmma.mma_async shapes that
 flash_attention_wgmma.cu issues (one accumulator register per operand, so they are generated, not typed).
 
     python3 scripts/gen_wgmma_ops.py           # rewrite the header
@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-HEADER = Path(__file__).resolve().parent.parent / "mha_ep/ops/backends/cuda/kernels/wgmma_ops.cuh"
+HEADER = Path(__file__).resolve().parent.parent / "mha_ep/engine/cuda/kernels/wgmma_ops.cuh"
 TYPES = ("f16", "bf16")
 SS_WIDTHS = (64, 128)
 

@@ -80,7 +80,7 @@ run (about 2 minutes on 2 cores; two runs gave byte-identical .onnx files):
     /work/venv-export/bin/python scripts/make_ort_exports.py
 
 It writes the models and MANIFEST.json into tests/fixtures/ort_exports/, then loads and runs every shipped
-model with stock onnxruntime on the CPU, with the feeds of tests/ort_export_feeds.py (numpy + onnx only).
+model with stock onnxruntime on the CPU, with the feeds of tests/support/ort_export_feeds.py (numpy + onnx only).
 """
 
 from __future__ import annotations
@@ -608,7 +608,7 @@ def embed_and_save(src: Path, dst: Path) -> None:
 
 
 def feeds_for(name: str, model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Valid random feeds (seeded by the fixture's name) for a shipped fixture; see tests/ort_export_feeds.py."""
+    """Valid random feeds (seeded by the fixture's name) for a shipped fixture; see tests/support/ort_export_feeds.py."""
     return ort_export_feeds.feeds_for_model(model, name)
 
 

@@ -17,7 +17,7 @@ would replace several of them, so the next change is chosen on numbers:
   current stream      cupy.cuda.get_current_stream()
   c_contiguous        a CuPy array's ``flags.c_contiguous`` (the call's split asks it of every feed)
   ctypes driver call  cuCtxGetCurrent through ctypes: the floor of a batch of calls made in C through ctypes
-  copies, CuPy        native/segments.py's copy kernel over the three feeds with a replay's event pair before and
+  copies, CuPy        gpu_session/segments.py's copy kernel over the three feeds with a replay's event pair before and
                       after it (record + wait each), launched and recorded by CuPy
   copies, native      the same through the native library's one call (_native.launch_copies)
 
@@ -97,7 +97,7 @@ def kinds(stream, other) -> dict:
     def contiguous():
         return block.flags.c_contiguous
 
-    from mha_ep.native import segments
+    from mha_ep.gpu_session import segments
 
     kernel = segments.copy_function(0)
     if kernel.native is None:

@@ -35,7 +35,7 @@ import mha_ep
 from mha_ep.bench.native import bound_call, fixed_binding, output_values
 from mha_ep.bench.timer import paired_medians
 from mha_ep.models.synthetic import bert_encoder, encoder_feeds
-from mha_ep.native.transfer import HostTransfers
+from mha_ep.gpu_session.transfer import HostTransfers
 
 CUDA = "CUDAExecutionProvider"
 GRAPH = [(CUDA, {"enable_cuda_graph": "1"}), "CPUExecutionProvider"]

@@ -42,8 +42,8 @@ def setup(args):
 
 def make_decoder(model, args, stream, fixed, graph: bool):
     from mha_ep.bench.generate import MAX_LENGTH
-    from mha_ep.models.static_decode import StaticDecoder, cuda_session
-    from mha_ep.static_cache import static_cache
+    from mha_ep.decode.static_decode import StaticDecoder, cuda_session
+    from mha_ep.graph.static_cache import static_cache
 
     rows = args.batch * max(args.beams, 1)
     static = static_cache(model, max_length=MAX_LENGTH, batch=rows, beams=args.beams).model
@@ -58,7 +58,7 @@ def steps(args) -> None:
 
     from mha_ep import native
     from mha_ep.bench.generate import PROMPT
-    from mha_ep.models.static_decode import greedy_static
+    from mha_ep.decode.static_decode import greedy_static
 
     model, _, cache, fixed, stream = setup(args)
     decoder = make_decoder(model, args, stream, fixed, graph=True)
@@ -103,7 +103,7 @@ def kernels(args) -> None:
     import onnxruntime as ort
 
     from mha_ep.bench.generate import PROMPT, PROVIDERS
-    from mha_ep.models.static_decode import GREEDY_THREADS, decode_function
+    from mha_ep.decode.static_decode import GREEDY_THREADS, decode_function
     from profile_native import kernel_table
 
     model, feeds, cache, fixed, stream = setup(args)
@@ -138,7 +138,7 @@ def kernels(args) -> None:
 
     print_table("greedy_step", kernel_table(token_kernel))
     if args.beams:
-        from mha_ep.models.static_decode import beam_static
+        from mha_ep.decode.static_decode import beam_static
 
         decoder = make_decoder(model, args, stream, fixed, graph=True)
         decoder.load_prompt(cache, PROMPT)

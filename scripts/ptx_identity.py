@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from mha_ep.bench.fused_timing import TILES as TIMING_TILES  # noqa: E402
 from mha_ep.launch import ELEMENT_TYPES  # noqa: E402
-from mha_ep.ops.backends.cuda import dispatch, fused, kernels  # noqa: E402
+from mha_ep.engine.cuda import dispatch, fused, kernels  # noqa: E402
 
 HOPPER = dispatch.HOPPER_CAPABILITY
 KERNEL_PATH = kernels.KERNEL_DIR.relative_to(REPO)

@@ -23,7 +23,7 @@ import onnxruntime as ort
 import mha_ep
 from mha_ep import shipped
 from mha_ep.bench import soak
-from mha_ep.native.cuda_io import CudaSessionIO
+from mha_ep.gpu_session.cuda_io import CudaSessionIO
 
 
 def main() -> None:

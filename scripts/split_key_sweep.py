@@ -33,8 +33,8 @@ def time_launch(cupy, launch, repeats: int, batch: int = 20) -> float:
 def main() -> int:
     import cupy
 
-    from mha_ep.ops.backends.cuda import kernels
-    from mha_ep.ops.backends.cuda.kernels import ELEMENT_TYPES
+    from mha_ep.engine.cuda import kernels
+    from mha_ep.engine.cuda.kernels import ELEMENT_TYPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")

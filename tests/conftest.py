@@ -12,13 +12,13 @@ import zlib
 import numpy as np
 import pytest
 
-from mha_ep.ops.backends import cuda_unavailable_reason
+from mha_ep.engine.backends import cuda_unavailable_reason
 
 
 
 def pytest_configure(config) -> None:
     """A suite started in the background by a shell without job control (``bash .ci/run &``) inherits SIGINT
-    ignored, and so would every child the Ctrl-C tests start: their SIGINTs would be lost (tests/ops/
+    ignored, and so would every child the Ctrl-C tests start: their SIGINTs would be lost (tests/python_op/
     test_interrupts.py, tests/serve/test_serve_cli.py). Take Python's own handler back, as an interactive start has
     it; the children then start with SIGINT's default."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

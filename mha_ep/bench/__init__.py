@@ -38,7 +38,7 @@ means everywhere in mha-ep) and ``--out DIR`` (the JSON, and the PNG where there
 
 Shared by all: ``anchors.py`` (the one anchor table, with the reference times it is judged against, and the one
 FLOP model) and ``timer.py`` (the one median timer, on the host and on a CUDA stream). The cuda backend offers one
-hook to time, ``CudaBackend.prepared(problem)`` (a staged call to submit); no module under mha_ep/ops imports
+hook to time, ``CudaBackend.prepared(problem)`` (a staged call to submit); no module under mha_ep/engine imports
 anything from here.
 """
 

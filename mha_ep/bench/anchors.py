@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from mha_ep.ops.problem import MhaProblem, build_problem
+from mha_ep.engine.problem import MhaProblem, build_problem
 
 
 class AnchorRow(NamedTuple):

@@ -29,7 +29,7 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default=None, help="run only the anchors whose label contains this text")
     args = parser.parse_args(argv)
 
-    from mha_ep.ops.backends.cuda import CudaBackend
+    from mha_ep.engine.cuda import CudaBackend
 
     backend = CudaBackend(args.device)
     print(f"device: {backend.device}; dev = kernels+GEMMs (CUDA events), host = backend.run numpy->numpy")

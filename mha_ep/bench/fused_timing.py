@@ -40,7 +40,7 @@ import numpy as np
 
 from mha_ep.bench.anchors import ANCHORS, anchor_problem, flop_count
 from mha_ep.bench.timer import GRAPH_LAUNCHES, backend_seconds, stream_seconds, torch_graph_seconds
-from mha_ep.ops.backends.cuda import dispatch, fused, kernels, runner
+from mha_ep.engine.cuda import dispatch, fused, kernels, runner
 
 TILE_AGREEMENT = 1e-2  # largest |Δ| between a tile's output and the default tile's (fp32 accumulation, P in f16)
 TILES = (dispatch.MmaTile(64, 64), dispatch.MmaTile(128, 64), dispatch.MmaTile(64, 128), dispatch.MmaTile(128, 128),
@@ -113,7 +113,7 @@ def torch_sdpa(torch, anchor: Anchor, extra):
 def source_getter(source: str, shipped):
     """A stand-in for fused.get_fused_kernel that compiles the kernels ``source`` defines (a variant of
     flash_attention.cu, flash_attention_wgmma.cu or flash_attention_ws.cu) and takes the others from ``shipped``."""
-    from mha_ep.ops.backends.cuda.kernels import expand_includes
+    from mha_ep.engine.cuda.kernels import expand_includes
 
     code = expand_includes(source)
     compiled = {}
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
             torch = None
     backend = None
     if not args.no_three_phase:
-        from mha_ep.ops.backends.cuda import CudaBackend
+        from mha_ep.engine.cuda import CudaBackend
 
         backend = CudaBackend(0, fused_path=False)  # the column compares against the three-phase path
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()

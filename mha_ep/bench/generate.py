@@ -6,21 +6,21 @@ each a whole greedy generation, all columns timed in turns (``--repeats`` genera
                    down and up every step, the token is chosen on the host; timed over the first ``NUMPY_STEPS``
                    steps only on the random-weight rows (a small-sized B=8 step moves about 1 GB)
   stock_iobinding  stock ORT CUDA with IOBinding: the cache stays in ORT values on the GPU, the token is chosen on
-                   the GPU, one read of the tokens per step (mha_ep/models/generate.py)
+                   the GPU, one read of the tokens per step (mha_ep/decode/generate.py)
   mhaep_plain      the same loop over a plain ``onnxruntime.InferenceSession`` with ``mha_ep.register`` (the native
                    route: claimed nodes run as mha_ep's CUDA op)
   mhaep_session    ``mha_ep.InferenceSession``'s device loop: the same loop through the session's own
                    ``run_with_iobinding`` (its error channel), the cache in ORT values
   mhaep_run_device ``mha_ep.InferenceSession.run_device``: the cache as CuPy arrays over ORT's buffers
-  static_greedy    the decoder rewritten into its static-cache form (mha_ep/static_cache.py, M = MAX_LENGTH): one
+  static_greedy    the decoder rewritten into its static-cache form (mha_ep/graph/static_cache.py, M = MAX_LENGTH): one
                    ORT CUDA-graph replay and one token-choice kernel a step, queued ahead of the GPU, the host
-                   reading "all done?" every 8 steps and the tokens at the end (mha_ep/models/static_decode.py);
+                   reading "all done?" every 8 steps and the tokens at the end (mha_ep/decode/static_decode.py);
                    its ms per token is the loop's time over the decoder steps it ran (no step is timed alone; on
                    the real rows the loop alone: the encoder and first step are in the encoder column)
 And beam search with BEAMS beams (B batch entries, B x BEAMS decoder rows), each a whole generation timed in turns:
   stock_beam       stock ORT CUDA, IOBinding, the dynamic cache reordered on the GPU by a gather before every step,
                    the log-probabilities and each row's best tokens on the GPU, the choice on the host
-                   (mha_ep/models/generate.py bound_beam), ms per step the median step
+                   (mha_ep/decode/generate.py bound_beam), ms per step the median step
   static_beam      the static-cache decoder with cache_indirection, the beam choice and the cache indirection's
                    reordering on the device (decode.cu beam_rows, beam_select), ms per step the search loop's time
                    over its decoder steps
@@ -209,8 +209,8 @@ def static_loop(transcriber, features) -> tuple:
 def static_decoder(model, batch: int, stream, fixed: dict, beams: int = 0):
     """The static-cache form of ``model`` (a decoder-with-past) in an ORT CUDA-graph session on ``stream``, its
     fixed inputs set to ``fixed`` (NumPy, which also gives their shapes)."""
-    from mha_ep.models.static_decode import StaticDecoder, cuda_session
-    from mha_ep.static_cache import static_cache
+    from mha_ep.decode.static_decode import StaticDecoder, cuda_session
+    from mha_ep.graph.static_cache import static_cache
 
     rows = batch * max(beams, 1)
     static = static_cache(model, max_length=MAX_LENGTH, batch=rows, beams=beams).model
@@ -224,15 +224,15 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
     import cupy
     import onnxruntime as ort
 
-    from mha_ep.models.generate import BoundStepper, DeviceStepper, greedy
+    from mha_ep.decode.generate import BoundStepper, DeviceStepper, greedy
     from mha_ep.models.synthetic import bert_encoder, decoder_step_feeds, whisper_cross_kv, whisper_decoder_step
 
     layers, hidden, heads, ffn = SIZES[row.size]
     decoder = whisper_decoder_step(layers, hidden, heads, ffn, row.dtype, vocab=VOCAB, cross_qk=row.cross_qk)
     encoder = bert_encoder(layers, hidden, heads, ffn, row.dtype, mask=False)
     cross = whisper_cross_kv(layers, hidden, heads, row.dtype)
-    from mha_ep.models.generate import bound_beam
-    from mha_ep.models.static_decode import beam_static, greedy_static
+    from mha_ep.decode.generate import bound_beam
+    from mha_ep.decode.static_decode import beam_static, greedy_static
 
     kinds = {"stock_numpy": "stock", "stock_iobinding": "stock", "mhaep_plain": "plain", "mhaep_session": "session",
              "mhaep_run_device": "session", "static_greedy": "plain"}
@@ -361,7 +361,7 @@ def bench_real(models: Path, repeats: int, max_tokens: int, config_dir: Optional
     CPU's tokens (the loop of mha_ep/models/whisper_transcribe.py) as the reference."""
     import cupy
 
-    from mha_ep.models import audio
+    from mha_ep.decode import audio
     from mha_ep.models.whisper_transcribe import (
         DeviceTranscriber,
         StaticTranscriber,
@@ -436,11 +436,16 @@ def bench_real_beams(result: dict, paths: dict, features: list, suppress, begin,
     the first utterance, every utterance's answer checked."""
     import cupy
 
-    from mha_ep.models.generate import BoundStepper, bound_beam, past_name, suppression_bias
+    from mha_ep.decode.generate import BoundStepper, bound_beam, past_name, suppression_bias
     from mha_ep.models.whisper_transcribe import (
-        EOT, NO_TIMESTAMPS, SOT, BeamTranscriber, StaticTranscriber, stock_session_factory,
+        EOT,
+        NO_TIMESTAMPS,
+        SOT,
+        BeamTranscriber,
+        StaticTranscriber,
+        stock_session_factory,
     )
-    from mha_ep.native.cuda_io import ortvalue_array
+    from mha_ep.gpu_session.cuda_io import ortvalue_array
 
     reference = BeamTranscriber(paths, stock_session_factory, suppress, begin, max_tokens, beams=BEAMS)
     static = StaticTranscriber(paths, suppress, begin, max_tokens, beams=BEAMS)

@@ -98,8 +98,8 @@ def echo_session(partitioned, session_options=None):
     import onnxruntime as ort
     from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
-    from mha_ep.ops import bridge
-    from mha_ep.ops.registration import ensure_ops_registered
+    from mha_ep.python_op import bridge
+    from mha_ep.registration import ensure_ops_registered
 
     ensure_ops_registered()
     if "registered" not in _echo_outputs:
@@ -131,7 +131,7 @@ def plugin_like_options(plugin_session):
     mha_ep.register chose it), for the echo session of the floor."""
     import onnxruntime as ort
 
-    from mha_ep.ops.registration import ORT_SPINNING
+    from mha_ep.registration import ORT_SPINNING
 
     options = ort.SessionOptions()
     options.add_session_config_entry(
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="skip the sequence-length sweep (and its PNG)")
     args = parser.parse_args(argv)
 
-    from mha_ep.ops.backends import create_backend
+    from mha_ep.engine.backends import create_backend
 
     backend = create_backend("cuda", args.device_id)
     bandwidth = pinned_bandwidth()

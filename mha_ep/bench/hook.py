@@ -28,7 +28,7 @@ def _echo_session():
     from onnx import TensorProto, helper
     from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
-    from mha_ep.ops.registration import ensure_ops_registered
+    from mha_ep.registration import ensure_ops_registered
 
     ensure_ops_registered()  # installs the array hook; the bench swaps hooks itself below
 
@@ -55,7 +55,7 @@ def bench_hook(repeat: int) -> dict:
     from onnxruntime_extensions import PyCustomOpDef
     from onnxruntime_extensions import _ocos as stock
 
-    from mha_ep.ops import registration
+    from mha_ep import registration
 
     session = _echo_session()
     rows = []
@@ -81,7 +81,7 @@ def bench_mha_overhead(repeat: int) -> dict:
     from onnx import TensorProto, helper
 
     import mha_ep
-    from mha_ep.ops.problem import build_problem
+    from mha_ep.engine.problem import build_problem
 
     b, s, n, h = 1, 1, 6, 64
     node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain="com.microsoft", num_heads=n)

@@ -368,7 +368,7 @@ def prepare_model(args) -> Path:
         if path.exists():
             print(f"using the model already at {path}", file=sys.stderr)
         else:
-            from mha_ep.model_io import save_model
+            from mha_ep.graph.model_io import save_model
             from mha_ep.models.synthetic import bert_encoder
 
             print(f"writing BERT-base ({args.make_bert_base}) to {path}", file=sys.stderr)
@@ -439,7 +439,7 @@ def run(args, routes: list) -> list:
     """Every row the options ask for, in order: the session's and the engine's (in this process), then for each
     replica count and max batch one deployment and its http and handle rows."""
     import mha_ep
-    from mha_ep.model_io import load_model
+    from mha_ep.graph.model_io import load_model
     from mha_ep.serve import ServeOptions
     from mha_ep.serve.engine import Engine
 

@@ -3,7 +3,7 @@
 Columns (each its own session over the same model, on the CUDA provider, columns timed in turns over ``--rounds``):
   stock            ``onnxruntime.InferenceSession`` of the model (stock ORT CUDA)
   plain            ``onnxruntime.InferenceSession`` of the native form, mha_ep registered (mha_ep.register)
-  session          ``mha_ep.InferenceSession`` (native/cuda_io.py: lanes per thread, no session-wide lock)
+  session          ``mha_ep.InferenceSession`` (gpu_session/cuda_io.py: lanes per thread, no session-wide lock)
   session_graphs   the same with ORT's ``enable_cuda_graph`` (no peer: ORT forbids threads on one session while it
                    uses CUDA graphs, so cuda_io runs one call at a time there, on the first caller's thread or the
                    session's worker)

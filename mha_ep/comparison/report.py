@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from mha_ep.partition_result import PartitionResult
+from mha_ep.graph.partition_result import PartitionResult
 
 
 class Verdict(str, enum.Enum):

@@ -16,8 +16,8 @@ from mha_ep.comparison.report import Comparison, CompareReport
 from mha_ep.dtypes import elem_type
 from mha_ep.errors import BackendUnavailableError
 from mha_ep.feeds import random_feeds
-from mha_ep.model_io import load_model
-from mha_ep.partition_pass import is_ort_mha, is_plugin_mha
+from mha_ep.graph.model_io import load_model
+from mha_ep.graph.partition import is_ort_mha, is_plugin_mha
 from mha_ep.progress import bar as progress_bar_over
 
 
@@ -174,7 +174,7 @@ def compare(
     on ``model``: verdict FUSION CHANGED THE MODEL when they differ. A model that cannot be loaded or that stock
     ORT cannot run gives verdict CANNOT RUN; bad feeds or dims (the caller's mistake) raise ValueError.
     """
-    from mha_ep.partition_pass import partition
+    from mha_ep.graph.partition import partition
     from mha_ep.session import InferenceSession
 
     say = progress or (lambda line: None)
@@ -188,10 +188,10 @@ def compare(
     notes = []
     lifted = 0
     if lift_attention:
-        from mha_ep.lift import lift_attention as lift
+        from mha_ep.graph.lift import lift_attention as lift
 
         original, lifted = lift(original)
-        notes.append(f"{lifted} Attention node(s) lifted into MHA on both sides (the lift is exact; tests/partition/test_lift.py)")
+        notes.append(f"{lifted} Attention node(s) lifted into MHA on both sides (the lift is exact; tests/graph/test_lift.py)")
     say("shape inference and claim decisions ...")
     graph_outputs = [o.name for o in original.graph.output]
     exposed = expose_mha_outputs(original) if per_node else []

@@ -115,7 +115,7 @@ def whisper_input_roles(config) -> dict:
     roles = {
         "input_features": {
             "role": "input_features",
-            "meaning": f"log-mel features (B, {config.num_mel_bins} mel bins, frames), as mha_ep.models.audio "
+            "meaning": f"log-mel features (B, {config.num_mel_bins} mel bins, frames), as mha_ep.decode.audio "
             "computes them (values about -1.5 .. 1.5)",
         },
         "encoder_hidden_states": {"role": "encoder_hidden_states", "meaning": "output of the encoder model"},
@@ -226,7 +226,7 @@ def _write_summary(out: Path, entries: list, name: str) -> Path:
         "format": 1,
         "about": "ONNX models with com.microsoft::MultiHeadAttention built by mha_ep.models.build "
         "(TorchScript export, eager attention, onnxruntime.transformers optimize_model with MHA fusion; "
-        "Attention nodes lifted by mha_ep.lift). Dims given as strings are symbolic; 'dims' suggests values.",
+        "Attention nodes lifted by mha_ep.graph.lift). Dims given as strings are symbolic; 'dims' suggests values.",
         "models": [existing[k] for k in sorted(existing)],
     }
     path.write_text(json.dumps(doc, indent=1) + "\n")

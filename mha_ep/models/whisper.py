@@ -13,7 +13,7 @@ P past decoder tokens, F = 2 * E mel frames, E encoder positions, N heads, H hea
 
 Fusion (docs/FACTS.md §9.3): ``model_type="bart"``, MHA on, ``opt_level=1``. The decoder with past gets 2L MHA; the first
 step L cross-attention MHA and L self-attention ``com.microsoft::Attention``; the encoder L ``Attention``. With
-``lift=True`` (default) the builders run ``mha_ep.lift.lift_attention`` so every attention is MHA.
+``lift=True`` (default) the builders run ``mha_ep.graph.lift.lift_attention`` so every attention is MHA.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Dict
 
 import onnx
 
-from mha_ep.lift import lift_attention
+from mha_ep.graph.lift import lift_attention
 from mha_ep.models import export as ex
 
 PARTS = ("encoder", "decoder_init", "decoder")

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from mha_ep.models import audio
+from mha_ep.decode import audio
 from mha_ep.models import ROUTES
 from mha_ep.models.export import default_out_dir
 
@@ -126,7 +126,7 @@ class Transcriber:
 
 
 class DeviceTranscriber(Transcriber):
-    """``Transcriber``'s greedy decoding with everything on the GPU (mha_ep/models/generate.py): the encoder's
+    """``Transcriber``'s greedy decoding with everything on the GPU (mha_ep/decode/generate.py): the encoder's
     output, the self- and cross-attention caches stay in ORT values on the device and are bound as the next
     step's inputs, the token is chosen on the device, and each step reads back only the chosen tokens. Sessions
     must run on the CUDA provider (stock ORT, a plain session with ``mha_ep.register``, or
@@ -137,7 +137,7 @@ class DeviceTranscriber(Transcriber):
                  suppress_begin: Sequence[int] = (), max_tokens: int = 64, device_id: int = 0,
                  stepper: str = "iobinding"):  # fmt: skip
         super().__init__(paths, session_factory, suppress, suppress_begin, max_tokens)
-        from mha_ep.models.generate import BoundStepper, DeviceStepper, suppression_bias
+        from mha_ep.decode.generate import BoundStepper, DeviceStepper, suppression_bias
 
         if stepper not in ("iobinding", "run_device"):
             raise ValueError(f"stepper must be 'iobinding' or 'run_device', got {stepper!r}")
@@ -160,7 +160,7 @@ class DeviceTranscriber(Transcriber):
         decoder step's wall time."""
         import cupy
 
-        from mha_ep.models.generate import greedy, past_name, pick
+        from mha_ep.decode.generate import greedy, past_name, pick
 
         batch = features_BMF.shape[0]
         with cupy.cuda.Device(self.device_id):
@@ -170,7 +170,7 @@ class DeviceTranscriber(Transcriber):
             init = self.steppers["decoder_init"].run({"input_ids": prompt, "encoder_hidden_states": states})
             logits = init.pop("logits")
             if hasattr(logits, "data_ptr"):
-                from mha_ep.native.cuda_io import ortvalue_array
+                from mha_ep.gpu_session.cuda_io import ortvalue_array
 
                 logits = ortvalue_array(logits)
             cache = {past_name(n): v for n, v in init.items() if n.startswith("present_") and "cross" not in n}
@@ -180,7 +180,7 @@ class DeviceTranscriber(Transcriber):
 
 
 class BeamTranscriber(Transcriber):
-    """Beam search (mha_ep/models/beam.py: OpenAI whisper's rules) over the same three sessions, on the host: every
+    """Beam search (mha_ep/decode/beam.py: OpenAI whisper's rules) over the same three sessions, on the host: every
     beam a row of the decoder's batch, the cache reordered with NumPy after every step. The reference of the GPU
     loops' beam answers (with stock ORT CPU sessions) and the beam yardstick of ``mha-ep bench generate``."""
 
@@ -199,7 +199,7 @@ class BeamTranscriber(Transcriber):
 
     def decode(self, features_BMF: np.ndarray, progress: bool = False) -> List[List[int]]:
         """Each utterance's answer (the prompt and <|endoftext|> excluded)."""
-        from mha_ep.models.beam import BeamSearch, log_softmax
+        from mha_ep.decode.beam import BeamSearch, log_softmax
 
         rows = np.repeat(np.arange(features_BMF.shape[0]), self.beams)
         (states,) = self.sessions["encoder"].run(None, {"input_features": features_BMF.astype(self.float_dtype)})
@@ -228,8 +228,8 @@ class BeamTranscriber(Transcriber):
 
 class StaticTranscriber(Transcriber):
     """The decoding loop with the fewest host steps: the encoder and the first decoder step through IOBinding on
-    the GPU, then the decoder-with-past rewritten into its static-cache form (mha_ep/static_cache.py), one CUDA
-    graph replay and one token-choice kernel a step (mha_ep/models/static_decode.py), greedy or beam search
+    the GPU, then the decoder-with-past rewritten into its static-cache form (mha_ep/graph/static_cache.py), one CUDA
+    graph replay and one token-choice kernel a step (mha_ep/decode/static_decode.py), greedy or beam search
     (``beams``). Sessions: plain ORT CUDA sessions on mha_ep's native route, on one CuPy stream. ``batch``: the
     utterances decoded at once (a static decoder has a fixed batch)."""
 
@@ -238,10 +238,10 @@ class StaticTranscriber(Transcriber):
                  max_length: int = 448):  # fmt: skip
         import cupy
 
-        from mha_ep.models.generate import BoundStepper, suppression_bias
-        from mha_ep.models.static_decode import StaticDecoder, cuda_session
-        from mha_ep.native.cuda_io import ortvalue_array
-        from mha_ep.static_cache import static_cache
+        from mha_ep.decode.generate import BoundStepper, suppression_bias
+        from mha_ep.decode.static_decode import StaticDecoder, cuda_session
+        from mha_ep.gpu_session.cuda_io import ortvalue_array
+        from mha_ep.graph.static_cache import static_cache
 
         self.device_id, self.beams, self.batch = device_id, beams, batch
         self.rows = batch * max(beams, 1)
@@ -264,8 +264,8 @@ class StaticTranscriber(Transcriber):
         ``decoder.last_steps`` then say how long the static loop took and how many decoder steps it ran."""
         import cupy
 
-        from mha_ep.models.generate import past_name, pick
-        from mha_ep.models.static_decode import beam_static, greedy_static
+        from mha_ep.decode.generate import past_name, pick
+        from mha_ep.decode.static_decode import beam_static, greedy_static
 
         if features_BMF.shape[0] != self.batch:
             raise ValueError(f"this transcriber decodes {self.batch} utterance(s) at once, got "

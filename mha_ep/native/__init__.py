@@ -12,7 +12,7 @@ install`` builds it with the C compiler alone). ``register`` loads it into a Ses
     captures it; temporaries from ORT's allocator;
   * CPUExecutionProvider: ORT's host buffers handed to Python without a copy (host.py), where the backend the
     session runs (reference, or the cuda backend through host copies) computes the call.
-Both read a partitioned model in either form (mha_ep/partition_pass.py): the Python op's, where float16 / bfloat16
+Both read a partitioned model in either form (mha_ep/graph/partition.py): the Python op's, where float16 / bfloat16
 nodes talk float32 through Casts, and the native form (``partition(..., route="native")``), where they keep their
 own element type, so that a bfloat16 model runs on the GPU in a plain ORT session.
 
@@ -72,7 +72,7 @@ def library():
             return _state["module"]
         module = _import()
         from mha_ep.native import configs, gpu, host
-        from mha_ep.ops import interrupt
+        from mha_ep.engine import interrupt
 
         module.configure(configs.describe_kernel, gpu.plan_call, host.compute, configs.ATTRIBUTES)
         interrupt.mark_op_code(host.compute)

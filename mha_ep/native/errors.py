@@ -2,7 +2,7 @@
 
 A failure becomes (ORT error code, message): the library turns it into the OrtStatus that ends the run, and ORT's
 own error names the node again ("... running MultiHeadAttention node. Name:'mha' Status Message: <ours>"). Through
-``mha_ep.InferenceSession`` the failure is also recorded on the run's context (mha_ep/ops/context.py), so the
+``mha_ep.InferenceSession`` the failure is also recorded on the run's context (mha_ep/engine/context.py), so the
 session raises MhaRunError with the node and the message, as on the Python-op route.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 
 from mha_ep.errors import MESSAGE_PREFIX, ORT_FAIL, refusal_code
-from mha_ep.ops.context import current_context
-from mha_ep.ops.op import describe
+from mha_ep.engine.context import current_context
+from mha_ep.python_op.op import describe
 
 log = logging.getLogger("mha_ep")
 
@@ -28,7 +28,7 @@ def failure(node: str, error: BaseException) -> tuple:
 
 
 def interrupted(node: str) -> tuple:
-    """A Ctrl-C that reached a call: the run stops (KeyboardInterrupt follows, mha_ep/ops/interrupt.py)."""
+    """A Ctrl-C that reached a call: the run stops (KeyboardInterrupt follows, mha_ep/engine/interrupt.py)."""
     context = current_context()
     if context is not None:
         context.interrupt()

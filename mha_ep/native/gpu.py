@@ -12,14 +12,14 @@ from typing import Optional
 
 from mha_ep.native import configs, errors
 from mha_ep.native.choices import settings
-from mha_ep.ops import interrupt
+from mha_ep.engine import interrupt
 from mha_ep.native.plan import Signature, encode_plan, plan_steps
 
 
 def function_handle(device_id: int, launch) -> int:
     """The CUfunction of ``launch`` on ``device_id`` (the device current): compiled and loaded once per process
     (kernels.py), with its dynamic shared-memory limit raised when the launch needs more than the default."""
-    from mha_ep.ops.backends.cuda import fused, kernels
+    from mha_ep.engine.cuda import fused, kernels
 
     if launch.fused:
         kernel = fused.get_fused_kernel(device_id, launch.function, launch.shared)
@@ -65,7 +65,7 @@ def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tup
     try:
         import cupy
 
-        from mha_ep.ops.backends.cuda.fused import DeviceFacts
+        from mha_ep.engine.cuda.fused import DeviceFacts
 
         fused_path = settings.fused_path and os.environ.get("MHA_EP_THREE_PHASE") != "1"
         config = configs.config(config_id)

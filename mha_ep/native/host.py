@@ -18,9 +18,9 @@ import numpy as np
 
 from mha_ep import spec
 from mha_ep.native import configs, errors
-from mha_ep.ops import interrupt
-from mha_ep.ops.context import current_backend, current_context
-from mha_ep.ops.problem import build_problem
+from mha_ep.engine import interrupt
+from mha_ep.engine.context import current_backend, current_context
+from mha_ep.engine.problem import build_problem
 
 # ONNX element type -> numpy dtype of its storage (bfloat16 as its 16 bits)
 STORAGE = {1: np.float32, 10: np.float16, 16: np.uint16, 6: np.int32, 7: np.int64}

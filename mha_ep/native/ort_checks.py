@@ -1,5 +1,5 @@
 """What ``onnxruntime.InferenceSession.run`` raises for a call that does not fit the model, for the calls mha_ep
-makes through IOBinding (native/cuda_io.py).
+makes through IOBinding (gpu_session/cuda_io.py).
 
 Through IOBinding ORT reports a bad feed as a RuntimeError ("Error in execution: Invalid rank for input ..."), and
 under a replayed CUDA graph it checks nothing. A server written against ``run`` catches ORT's own types

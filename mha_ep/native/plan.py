@@ -5,7 +5,7 @@ config (configs.py), the device, and each supplied input's element type, shape a
   1. ``signature_problem`` builds an MhaProblem over shape-only arrays (zero-stride views: no memory) with the
      op's own rules (problem.build_problem), so a bad input gets the Python op's message, naming the input, its
      shape and what was expected;
-  2. ``plan_steps`` asks the cuda backend's pipeline (ops/backends/cuda/pipeline.py, the one device-side
+  2. ``plan_steps`` asks the cuda backend's pipeline (engine/cuda/pipeline.py, the one device-side
      interface) for the call's steps on *named* buffers: ``in<i>`` (ORT's input slot i), ``out<i>`` (ORT's output
      i), ``scratch`` (one region from ORT's allocator per call, of the size the plan says);
   3. ``encode_plan`` writes the steps as the int64 words the library parses (its ``parse_plan``): kernel handles,
@@ -28,13 +28,13 @@ import numpy as np
 from mha_ep import spec
 from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
 from mha_ep.native.configs import KernelConfig
-from mha_ep.ops.backends.cuda import gemm, tma
-from mha_ep.ops.backends.cuda.fused import DeviceFacts
-from mha_ep.ops.backends.cuda.pipeline import DeviceCall, attention_steps, output_shapes
-from mha_ep.ops.backends.cuda.steps import (
+from mha_ep.engine.cuda import gemm, tma
+from mha_ep.engine.cuda.fused import DeviceFacts
+from mha_ep.engine.cuda.pipeline import DeviceCall, attention_steps, output_shapes
+from mha_ep.engine.cuda.steps import (
     Buffer, CheckStatus, Copy, Fill, Gemm, Launch, Pointer, Struct, TensorMap, struct_fields,
 )
-from mha_ep.ops.problem import Geometry, PaddingMask, build_problem
+from mha_ep.engine.problem import Geometry, PaddingMask, build_problem
 
 # ONNX element types (onnxruntime_c_api.h ONNXTensorElementDataType) the op's inputs may have
 ELEMENT_NAMES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64"}

@@ -106,7 +106,7 @@ class Engine:
 
     def __init__(self, model, backend: str = "auto", providers: Sequence = ("CPUExecutionProvider",),
                  route: str = "auto", device_id: int = 0, sess_options=None):  # fmt: skip
-        from mha_ep.model_io import load_model
+        from mha_ep.graph.model_io import load_model
         from mha_ep.session import InferenceSession
 
         self.model_path = str(model)

@@ -1,5 +1,5 @@
 """The benchmarks' host-side pieces that run anywhere: timing in turns, the floor's echo session, the anchor table;
-and the rule that keeps them out of the library: nothing under mha_ep/ops imports mha_ep.bench or parses a command
+and the rule that keeps them out of the library: nothing under mha_ep/engine, python_op or native imports mha_ep.bench or parses a command
 line."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import mha_ep
 from mha_ep.bench import gpu as bench_gpu
 from mha_ep.bench.anchors import ANCHORS, anchor_problem, flop_count
 from mha_ep.bench.timer import paired_medians
-from mha_ep.ops.registration import ORT_SPINNING
+from mha_ep.registration import ORT_SPINNING
 
 
 def test_paired_medians_times_the_functions_in_turns():
@@ -61,7 +61,7 @@ def test_the_floor_echo_hands_its_output_back_as_an_array_like_the_plugin(monkey
 def counted_flops(problem) -> int:
     """The naive attention's arithmetic, counted: for every (b, n, i, j) a query row attends, H multiply-adds of
     the score and Hv of P.V, two FLOPs each (the pairs a causal row cannot see are not counted)."""
-    from mha_ep.ops.backends.reference import FLOAT32_LOWEST, additive_mask_BST
+    from mha_ep.engine.reference import FLOAT32_LOWEST, additive_mask_BST
 
     g = problem.geometry
     mask_BST = additive_mask_BST(problem)
@@ -88,13 +88,15 @@ def test_the_anchor_table():
     assert sum(row.extra == "causal" for row in ANCHORS) >= 1
 
 
-def test_nothing_under_ops_imports_a_benchmark_or_parses_a_command_line():
+def test_nothing_under_the_engine_or_the_ops_imports_a_benchmark_or_parses_a_command_line():
     from pathlib import Path
 
-    ops = Path(mha_ep.__file__).parent / "ops"
+    package = Path(mha_ep.__file__).parent
+    paths = [path for folder in ("engine", "python_op", "native") for path in (package / folder).rglob("*.py")]
+    assert len(paths) > 20  # the folders are there: the check reads real files
     offenders = [
-        str(path.relative_to(ops))
-        for path in ops.rglob("*.py")
+        str(path.relative_to(package))
+        for path in paths
         if any(word in path.read_text() for word in ("mha_ep.bench", "argparse", "sys.argv", "__main__"))
     ]
     assert offenders == []
@@ -105,7 +107,7 @@ def test_the_dispatch_rules_import_without_cupy():
     import sys
 
     code = ("import sys; sys.modules['cupy'] = None; "  # any import of CuPy now raises ImportError
-            "from mha_ep.ops.backends.cuda import dispatch, fused, geometry, kernels; "
+            "from mha_ep.engine.cuda import dispatch, fused, geometry, kernels; "
             "print(dispatch.choose_tile.__name__)")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "choose_tile", done.stderr

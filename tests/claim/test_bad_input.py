@@ -598,7 +598,7 @@ def test_execute_time_verdicts_are_memoised_per_signature_but_never_the_arrays()
     """build_problem keeps the rules' verdict per (attributes, dtypes and shapes, outputs): a refused signature
     is refused again with the same sentence, and an accepted one resolves each call's own arrays."""
     from mha_ep.errors import MhaInputError
-    from mha_ep.ops.problem import build_problem, validated_call
+    from mha_ep.engine.problem import build_problem, validated_call
 
     rng = np.random.default_rng(5)
     calls = [[rng.standard_normal(shape).astype(np.float32) for shape in (Q, K3, K3)] for _ in range(2)]

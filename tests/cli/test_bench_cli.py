@@ -103,7 +103,7 @@ def test_bench_anchors_json_prints_one_object_and_still_writes_its_folder(monkey
     from types import SimpleNamespace
 
     from mha_ep.bench import gpu
-    from mha_ep.ops import backends
+    from mha_ep.engine import backends
 
     monkeypatch.setattr(backends, "create_backend", lambda name, device_id: SimpleNamespace(device="fake GPU"))
     monkeypatch.setattr(gpu, "pinned_bandwidth", lambda: (1e10, 1e10))

@@ -37,7 +37,7 @@ def test_compare_flags_a_wrong_backend():
         name, device = "off-by-one", "test"
 
         def run(self, problem, borrow_outputs=False):
-            from mha_ep.ops.backends.reference import run_reference
+            from mha_ep.engine.reference import run_reference
 
             result = run_reference(problem)
             result.output_BSDv = result.output_BSDv + 1.0

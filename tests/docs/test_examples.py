@@ -48,7 +48,7 @@ def test_the_two_gpu_example_without_a_gpu_says_what_it_needs():
         import cupy
 
         if cupy.cuda.runtime.getDeviceCount() > 0:
-            pytest.skip("this machine has a GPU: the example serves instead (tests/native/test_two_gpus.py)")
+            pytest.skip("this machine has a GPU: the example serves instead (tests/gpu_session/test_two_gpus.py)")
     except Exception:  # noqa: BLE001 - no CuPy or no driver: the case under test
         pass
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -174,12 +174,12 @@ def test_partition_result_save_writes_a_loadable_model(tmp_path):
 
 def test_partition_and_compare_are_plain_functions_and_their_helpers_have_modules_of_their_own():
     import mha_ep.comparison
-    import mha_ep.model_io
-    import mha_ep.partition_pass
+    import mha_ep.graph.model_io
+    import mha_ep.graph.partition
 
     assert isinstance(mha_ep.partition, types.FunctionType) and isinstance(mha_ep.compare, types.FunctionType)
-    assert mha_ep.partition is mha_ep.partition_pass.partition  # importing the pass's module leaves it alone
-    assert callable(mha_ep.model_io.save_model) and callable(mha_ep.comparison.compare_arrays)
+    assert mha_ep.partition is mha_ep.graph.partition.partition  # importing the pass's module leaves it alone
+    assert callable(mha_ep.graph.model_io.save_model) and callable(mha_ep.comparison.compare_arrays)
     assert mha_ep.partition(one_mha()).claimed == 1
     assert mha_ep.compare(one_mha(), backend="reference", repeat=1).passed
 

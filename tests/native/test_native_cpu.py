@@ -18,7 +18,7 @@ import pytest
 import mha_ep
 from mha_ep import spec
 
-from harness import REPO, TESTS
+from harness import REPO, SUPPORT
 from mha_models import (
     MhaConfig,
     assert_outputs_match,
@@ -143,7 +143,7 @@ def test_the_interpreter_exits_cleanly_with_live_sessions():
     (A daemon thread still inside a run at exit aborts the process with stock ORT alone: not tested.)"""
     script = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(TESTS)!r})
+        sys.path.insert(0, {str(SUPPORT)!r})
         import numpy as np, onnxruntime as ort, mha_ep
         from mha_models import MhaConfig, build_model, random_feeds
         config = MhaConfig(dtype="float16", mask="1d")

@@ -194,7 +194,7 @@ STATIC = MhaConfig(dtype="float16", batch=4, q_seq=1, kv_seq=1, num_heads=6, hea
 
 def static_binding(session, config: MhaConfig, rng):
     """Device buffers (CuPy) for every input and output of ``config``'s node, bound once: the present is the past's
-    own buffer (mha_ep/static_cache.py's binding) and past_sequence_length a device tensor."""
+    own buffer (mha_ep/graph/static_cache.py's binding) and past_sequence_length a device tensor."""
     import cupy
 
     feeds = random_feeds(config, rng)

@@ -26,12 +26,14 @@ LAYERS = (
     ("base", ("mha_ep.spec", "mha_ep.limits", "mha_ep.launch", "mha_ep.dtypes", "mha_ep.errors", "mha_ep.progress",
               "mha_ep.shipped", "mha_ep.providers")),
     ("claim", ("mha_ep.claim",)),
-    ("graph", ("mha_ep.model_io", "mha_ep.lift", "mha_ep.partition_result", "mha_ep.partition_pass",
-               "mha_ep.static_cache")),
-    ("compute", ("mha_ep.ops.problem", "mha_ep.ops.backends")),
-    ("op", ("mha_ep.ops",)),
-    ("routes", ("mha_ep.native", "mha_ep.ops.registration")),
+    ("graph", ("mha_ep.graph",)),
+    ("engine", ("mha_ep.engine",)),
+    ("python_op", ("mha_ep.python_op",)),
+    ("native", ("mha_ep.native",)),
+    ("routes", ("mha_ep.registration",)),
+    ("gpu_session", ("mha_ep.gpu_session",)),
     ("session", ("mha_ep.session",)),
+    ("decode", ("mha_ep.decode",)),
     ("tools", ("mha_ep.comparison", "mha_ep.feeds", "mha_ep.demo", "mha_ep.environment", "mha_ep.models",
                "mha_ep.serve")),
     ("front", ("mha_ep.cli", "mha_ep.bench", "mha_ep.__main__", "mha_ep")),
@@ -110,7 +112,7 @@ class Imports(ast.NodeVisitor):
             source = node.module or ""
         if source.split(".")[0] != "mha_ep":
             return
-        for alias in node.names:  # `from mha_ep.ops import op` imports the module mha_ep.ops.op
+        for alias in node.names:  # `from mha_ep.ops import op` imports the module mha_ep.python_op.op
             candidate = f"{source}.{alias.name}"
             self.add(candidate if is_module(candidate) else source, node)
 
@@ -183,8 +185,8 @@ def test_imports_have_no_circle_at_any_depth():
 
 def test_the_scan_sees_function_level_imports():
     """The checks above rest on the scan: it must find a known lazy import and a known module-level one."""
-    assert "mha_ep.ops.backends.cuda.backend" in LAZY["mha_ep.ops.backends.cuda"]  # CudaBackend, loaded on use
-    assert "mha_ep.ops.backends.cuda.steps" in GRAPH["mha_ep.ops.backends.cuda.runner"]
+    assert "mha_ep.engine.cuda.backend" in LAZY["mha_ep.engine.cuda"]  # CudaBackend, loaded on use
+    assert "mha_ep.engine.cuda.steps" in GRAPH["mha_ep.engine.cuda.runner"]
     assert "mha_ep.native._native" in LAZY["mha_ep.native.host"]  # the C extension, by its source
 
 

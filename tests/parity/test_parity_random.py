@@ -33,7 +33,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import mha_ep
-from mha_ep.ops.problem import build_problem
+from mha_ep.engine.problem import build_problem
 from mha_ep.spec import FLOAT_INPUTS, INPUTS
 
 from conftest import PARITY_TOLERANCE
@@ -324,8 +324,8 @@ def test_float_attributes_reach_the_op_exactly():
     error 4.9e-6), which moves the output by a few 1e-6: half of the 1e-5 float32 budget against stock ORT, which
     is how it showed up (test_mha.py grid config B3 S256 N3 H80 with scale=1/sqrt(80) written out: 1.09e-5).
     Fixed in 1c6ddbf (the floats also travel as float.hex text); this test keeps it fixed."""
-    from mha_ep.ops.backends.reference import run_reference
-    from mha_ep.ops.problem import build_problem
+    from mha_ep.engine.reference import run_reference
+    from mha_ep.engine.problem import build_problem
 
     from mha_models import attributes, slot_arrays
 

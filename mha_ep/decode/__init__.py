@@ -1,0 +1,10 @@
+"""Decode loops on the GPU: generation with the KV cache on the device, and the static-cache loop (one CUDA graph
+a step) over what ``mha-ep static-cache`` writes.
+
+  generate.py            greedy generation: the KV cache on the device, the token chosen there
+  static_decode.py       StaticDecoder: a static-cache decoder bound once, its step replayed; decode.cu its kernels
+  beam.py                beam search's bookkeeping (scores, reordering) shared by the loops
+  audio.py               wav reading and Whisper's log-mel features in NumPy
+Whisper transcription built on these loops (stock ORT against the plugin, real weights) is a tool:
+mha_ep/models/whisper_transcribe.py.
+"""

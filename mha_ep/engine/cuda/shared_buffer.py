@@ -1,0 +1,112 @@
+"""The steps of a shared-buffer call (docs/SEMANTICS.md §3.9-3.10): one decode step over a static KV cache.
+
+    shared_buffer_steps(problem, call, take) -> steps
+
+The past is (B, N, M, H), P = past_sequence_length is read on the device (kernels/shared_buffer.cu), and nothing
+in the steps depends on P: one plan, or one captured CUDA graph, serves every step of a decode loop. In order:
+  1. the call's status words (STATUS_WORDS int32) are zeroed (Fill);
+  2. the past is copied into the present (Copy: a no-op at run time when the present is the past's own buffer,
+     the static decoder's binding, mha_ep/graph/static_cache.py);
+  3. append_kv writes the L new key/value rows at [P, P+L) of the presents;
+  4. shared_buffer_attention computes the output, a block per (b, n, s), over the P + L keys (the past's rows,
+     redirected by cache_indirection on the beam path, and the new rows in float32);
+  5. CheckStatus: after an eager call the native library reads the status words and turns a report into ORT's
+     error (a captured graph skips it; the kernels' sticky reports reach the decode loop: mha_ep/native/gpu.py).
+Every tensor is read in the sources' dtype (float32 on the bridge, the node's own on the native route) and
+written in it; the arithmetic is float32. The mask is read as it comes: the bridge's resolved form (int32 key
+lengths, uint8 keep flags) or ORT's raw int32 / int64 key_padding_mask.
+This module must not import CuPy: the native route plans on CPU machines too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_ep import limits
+from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
+from mha_ep.launch import ELEMENT_BYTES, LAUNCH_BLOCK, SHARED_BUFFER_THREADS, STATUS_WORDS, MaskKind
+from mha_ep.engine.cuda.kernels import name_expression
+from mha_ep.engine.cuda.steps import CheckStatus, Copy, Fill, Launch, Pointer
+from mha_ep.engine.problem import MhaProblem
+
+SHARED_MEMORY_LIMIT = 48 * 1024  # bytes of dynamic shared memory a block may take without opting in
+APPEND_BLOCKS = 1024  # append_kv's grid cap (a grid-stride loop covers the rest)
+MASK_TYPES = {  # (DeviceCall.mask_form, PaddingMask.kind) -> the kernel's mask type (kernels.py KERNELS variants)
+    ("resolved", "key_lengths"): "int",
+    ("resolved", "keys_BT"): "unsigned char",
+    ("resolved", "keys_BST"): "unsigned char",
+    ("int32", "key_lengths"): "int",
+    ("int32", "keys_BT"): "int",
+    ("int32", "keys_BST"): "int",
+    ("int64", "key_lengths"): "long long",
+    ("int64", "keys_BT"): "long long",
+    ("int64", "keys_BST"): "long long",
+}
+
+
+def attention_shared_bytes(problem: MhaProblem) -> int:
+    """shared_buffer_attention's dynamic shared memory: the row of M scores, q (H) and the partial sums
+    (groups x Hv), float32."""
+    g = problem.geometry
+    groups = max(1, SHARED_BUFFER_THREADS // g.v_head_size)
+    return 4 * (problem.shared.max_seq + g.head_size + groups * g.v_head_size)
+
+
+def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
+    """The steps of module docstring for ``problem`` (problem.shared set) on ``call``'s buffers (a
+    pipeline.DeviceCall whose sources include past_sequence_length and, on the beam path, cache_indirection);
+    ``take(name, nbytes)`` hands out scratch. Raises MhaInputError for a buffer the kernel cannot hold."""
+    g, shared = problem.geometry, problem.shared
+    dtype = call.source_dtype
+    if call.output_dtype != dtype or (problem.attention_bias is not None and call.attention_bias_dtype != dtype):
+        raise ValueError(f"a shared-buffer call reads and writes one dtype: sources {dtype}, outputs "
+                         f"{call.output_dtype}, attention_bias {call.attention_bias_dtype}")  # fmt: skip
+    shared_bytes = attention_shared_bytes(problem)
+    if shared_bytes > SHARED_MEMORY_LIMIT:
+        raise MhaInputError(
+            f"{MESSAGE_PREFIX}past_key {tuple(problem.past_key_BNPH.shape)}: a shared buffer of "
+            f"max_sequence_length {shared.max_seq} needs {shared_bytes} bytes of shared memory per block, more than "
+            f"the {SHARED_MEMORY_LIMIT} mha_ep's decode kernel takes (max_sequence_length up to about "
+            f"{(SHARED_MEMORY_LIMIT - 4 * (g.head_size + 2 * SHARED_BUFFER_THREADS)) // 4})"
+        )
+    src, out = call.sources, call.outputs
+    element = ELEMENT_BYTES[dtype]
+    i32, f32 = np.int32, np.float32
+    status = take("status", 4 * STATUS_WORDS)
+    steps: list = [Fill(status, 0, 4 * STATUS_WORDS)]
+    for present, past, width in (("present_key", "past_key", g.head_size), ("present_value", "past_value", g.v_head_size)):
+        steps.append(Copy(out[present], src[past], element * g.batch * g.num_heads * shared.max_seq * width))
+    site = i32(call.error_site)
+    sticky = Pointer(call.error_flag)
+    count = g.batch * g.kv_seq * g.num_heads * (g.head_size + g.v_head_size)
+    blocks = min(-(-count // LAUNCH_BLOCK), APPEND_BLOCKS)
+    steps.append(Launch(name_expression("append_kv", dtype), (blocks, 1, 1), (LAUNCH_BLOCK, 1, 1), 0,
+                        (Pointer(src["key"]), Pointer(src["value"]), Pointer(src.get("bias_k")),
+                         Pointer(src.get("bias_v")), Pointer(out["present_key"]), Pointer(out["present_value"]),
+                         Pointer(src["past_sequence_length"]), i32(g.batch), i32(g.kv_seq), i32(g.num_heads),
+                         i32(g.head_size), i32(g.v_head_size), i32(shared.max_seq), Pointer(status), sticky,
+                         site)))  # fmt: skip
+    mask = problem.padding_mask
+    kind = MaskKind.of(None if mask is None else mask.kind)
+    mask_type = "int" if mask is None else MASK_TYPES[(call.mask_form, mask.kind)]
+    mask_total = 0 if mask is None or mask.kind == "key_lengths" else int(mask.data.shape[-1])
+    bias = problem.attention_bias
+    d0, d1, bias_total = (1, 1, 0) if bias is None else (int(bias.shape[0]), int(bias.shape[1]), int(bias.shape[3]))
+    beams = shared.beams if shared.beam_path else 0
+    try:  # a block per output row, its index the row
+        rows = limits.checked_i32(g.batch * g.num_heads * g.q_seq, "shared_buffer_attention's grid (B * N * S)")
+    except limits.LimitError as error:
+        raise MhaInputError(MESSAGE_PREFIX + error.reason) from None
+    steps.append(Launch(name_expression("shared_buffer_attention", dtype, mask_type),
+                        (rows, 1, 1), (SHARED_BUFFER_THREADS, 1, 1), shared_bytes,
+                        (Pointer(src["query"]), Pointer(src["key"]), Pointer(src["value"]), Pointer(src.get("bias_q")),
+                         Pointer(src.get("bias_k")), Pointer(src.get("bias_v")), Pointer(src["past_key"]),
+                         Pointer(src["past_value"]), Pointer(src["past_sequence_length"]),
+                         Pointer(src.get("cache_indirection") if beams else None), i32(beams),
+                         Pointer(src.get("mask")), i32(int(kind)), i32(mask_total), Pointer(src.get("attention_bias")),
+                         i32(d0), i32(d1), i32(bias_total), Pointer(out["output"]), f32(problem.scale),
+                         f32(problem.mask_filter_value), i32(int(problem.causal)), i32(g.batch), i32(g.q_seq),
+                         i32(g.kv_seq), i32(g.num_heads), i32(g.head_size), i32(g.v_head_size), i32(shared.max_seq),
+                         Pointer(status), sticky, site)))  # fmt: skip
+    steps.append(CheckStatus(status, beams))
+    return steps

@@ -1,0 +1,9 @@
+"""Graph passes: what mha_ep does to an ONNX model before a session runs it (no GPU, no session).
+
+  model_io.py          loading and saving models (external data, ORT's format checks)
+  partition.py         the partition pass: every MultiHeadAttention node through the claim-time gate (mha_ep.claim),
+                       claimed nodes to the plugin domain, declined ones left with their reasons; any subgraph depth
+  partition_result.py  what the pass returns: the new model and one Decision per node, its report
+  lift.py              --lift-attention: ORT's packed Attention op rewritten as MultiHeadAttention so it is claimed
+  static_cache.py      ``mha-ep static-cache``: a decoder rewritten onto a static KV cache (one CUDA graph a step)
+"""
