@@ -67,8 +67,8 @@ ENCODER_ROWS = tuple(EncoderRow(8, s, d) for s in (128, 512) for d in ("float32"
 
 def time_in_turns(calls: Dict[str, Callable[[], None]], repeats: int, slow: tuple = ("python_op",)) -> Dict[str, float]:
     """Median seconds per call of each callable, all timed in turns (timer.paired_medians); the ``slow`` ones
-    (the bridge, whose calls take far longer; docs/BENCH.md, section 3) in at most 5 rounds of their own, right
-    after."""
+    (the bridge, whose calls take far longer; docs/bench/HISTORY.md, section 3) in at most 5 rounds of their own,
+    right after."""
     fast = [name for name in calls if name not in slow]
     medians = dict(zip(fast, paired_medians([calls[name] for name in fast], repeats)))
     rest = [name for name in calls if name in slow]

@@ -34,7 +34,7 @@ Threads: any number may call at once, as onnxruntime allows.
      run one session from several threads at once while it uses CUDA graphs (its documentation says so), and it
      keeps its graphs per thread (the provider's PerThreadContext: each of the two threads warms up and captures
      a signature once, over the slot's same fixed buffers). A hop to the worker costs a thread switch each way
-     (docs/BENCH.md section 8, "a graph session's first caller runs its own calls"; "C - C'" of
+     (docs/bench/HISTORY.md section 8, "a graph session's first caller runs its own calls"; "C - C'" of
      scripts/profile_session_graph.py), which a loop on one thread (a decoder's, a benchmark's) does not pay.
      Without graphs nothing is serialized and every call runs on its own thread.
   4. A call's feeds and outputs are checked against the model once per call key (names, shapes, dtypes, where the
