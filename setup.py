@@ -1,7 +1,7 @@
 """Two additions to pyproject.toml:
-  * the native route's custom-op library, mha_ep/native/_native.c, built with the machine's C compiler and the
-    Python headers alone (no CUDA toolkit, no ORT headers: mha_ep/native/__init__.py), the source's SHA-256 built
-    in (a library built from an older _native.c is refused with how to rebuild it). Without a compiler the
+  * the native route's custom-op library, the C files of mha_ep/native/csrc/, built with the machine's C compiler
+    and the Python headers alone (no CUDA toolkit, no ORT headers: mha_ep/native/__init__.py), the sources' SHA-256
+    built in (a library built from older sources is refused with how to rebuild it). Without a compiler the
     install still succeeds and says why the native route is missing; ``mha-ep --version`` says it too;
   * a wheel carries the top-level ``models/`` folder (the shipped models, MANIFEST.json, speech wavs) as
     ``mha_ep/_shipped_models``, where mha_ep/shipped.py looks first."""
@@ -15,12 +15,24 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 SHIPPED = ("*.onnx", "*.json", "*.wav")
-NATIVE_SOURCE = Path(__file__).resolve().parent / "mha_ep" / "native" / "_native.c"
+NATIVE_SOURCES = Path(__file__).resolve().parent / "mha_ep" / "native" / "csrc"
+
+
+def source_sha256(folder: Path) -> str:
+    """The SHA-256 of the library's sources: of the lines ``<SHA-256 of the file>  <name>`` (as sha256sum prints
+    them) of every .c and .h file in ``folder``, sorted by name. mha_ep/native/__init__.py source_sha256 is the
+    same rule."""
+    files = sorted((path for path in folder.iterdir() if path.suffix in (".c", ".h")), key=lambda path: path.name)
+    listing = "".join(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n" for path in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 NATIVE = Extension(
     "mha_ep.native._native",
-    sources=["mha_ep/native/_native.c"],
-    # the source's hash, which mha_ep/native/__init__.py compares with the _native.c beside the library it loads
-    define_macros=[("MHA_EP_SOURCE_SHA256", '"%s"' % hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest())],
+    sources=sorted(f"mha_ep/native/csrc/{path.name}" for path in NATIVE_SOURCES.glob("*.c")),
+    depends=sorted(f"mha_ep/native/csrc/{path.name}" for path in NATIVE_SOURCES.glob("*.h")),  # an edit rebuilds
+    # the sources' hash, which mha_ep/native/__init__.py compares with the csrc/ beside the library it loads
+    define_macros=[("MHA_EP_SOURCE_SHA256", '"%s"' % source_sha256(NATIVE_SOURCES))],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration", "-fvisibility=hidden"],
     libraries=["dl", "pthread"],
     py_limited_api=True,  # the stable ABI (Py_LIMITED_API in the source): one build for Python 3.10 and newer

@@ -3,8 +3,8 @@
     options = mha_ep.register(onnxruntime.SessionOptions(), backend="cuda")      # route "auto" picks this one
     session = onnxruntime.InferenceSession(partitioned, options, providers=["CUDAExecutionProvider"])
 
-``_native.c`` is one shared object, a Python extension module and an ORT custom-op library at once (``pip
-install`` builds it with the C compiler alone). ``register`` loads it into a SessionOptions
+The C files of ``csrc/`` build one shared object, a Python extension module and an ORT custom-op library at
+once (``pip install`` builds it with the C compiler alone). ``register`` loads it into a SessionOptions
 (``register_custom_ops_library``), which adds the domain ``mha_ep`` with a MultiHeadAttention kernel for
   * CUDAExecutionProvider (when the options ask for it): ORT's device buffers and stream, our kernels launched
     by the CUDA driver from a plan made once per call signature (plan.py, gpu.py) out of the cuda backend's
@@ -31,14 +31,14 @@ from typing import Optional
 from mha_ep.native import choices
 from mha_ep.providers import config_entry
 
-CONFIG_EPS = "mha_ep.native_eps"  # session config entry _native.c's RegisterCustomOps reads: "cpu" | "cpu,cuda"
+CONFIG_EPS = "mha_ep.native_eps"  # session config entry csrc/custom_op.c's RegisterCustomOps reads: "cpu" | "cpu,cuda"
 CONFIG_LOADED = "mha_ep.native"  # set once the library is in a SessionOptions (ORT refuses a second load)
 _lock = threading.Lock()
 _state: dict = {"module": None, "error": None}
 settings = choices.settings  # the planner's process-wide choices (choices.py)
 
 
-SOURCE = Path(__file__).with_name("_native.c")  # the library's source, where the package carries it (a checkout)
+SOURCE = Path(__file__).with_name("csrc")  # the library's sources, where the package carries them (a checkout)
 REBUILD = "pip install -e . (or python setup.py build_ext --inplace) in the checkout"
 
 
@@ -51,18 +51,26 @@ def _import():
     return _native
 
 
+def source_sha256(folder: Path) -> str:
+    """The SHA-256 of the library's sources: of the lines ``<SHA-256 of the file>  <name>`` (as sha256sum prints
+    them) of every .c and .h file in ``folder``, sorted by name. setup.py builds the same into the library."""
+    files = sorted((path for path in folder.iterdir() if path.suffix in (".c", ".h")), key=lambda path: path.name)
+    listing = "".join(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n" for path in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 def stale_reason(module, source: Path) -> Optional[str]:
-    """Why ``module`` (the built library) must be rebuilt before use, or None: it was built from another
-    ``_native.c`` than ``source`` (an edit since ``pip install -e``, which builds it once). Nothing to compare
-    where the source is absent (a wheel)."""
-    if not source.is_file():
+    """Why ``module`` (the built library) must be rebuilt before use, or None: it was built from other sources
+    than the ``csrc/`` folder ``source`` (an edit since ``pip install -e``, which builds it once). Nothing to
+    compare where the sources are absent (a wheel)."""
+    if not source.is_dir():
         return None
     built = module.source_sha256() if hasattr(module, "source_sha256") else ""
-    actual = hashlib.sha256(source.read_bytes()).hexdigest()
+    actual = source_sha256(source)
     if built == actual:
         return None
-    return (f"{Path(module.__file__).name} was built from another _native.c than {source} (built from "
-            f"{built[:12] or 'a source of unknown hash'}, the source is {actual[:12]}): rebuild it with {REBUILD}")
+    return (f"{Path(module.__file__).name} was built from other sources than {source} (built from "
+            f"{built[:12] or 'sources of unknown hash'}, the sources are {actual[:12]}): rebuild it with {REBUILD}")
 
 
 def library():

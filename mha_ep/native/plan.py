@@ -1,7 +1,8 @@
 """The native route's planner: one call signature -> the plan its C library launches on every call of that signature.
 
-A signature is what the library reads of a call before any Python runs (_native.c, ``compute_cuda``): the node's
-config (configs.py), the device, and each supplied input's element type, shape and pointer alignment. From it:
+A signature is what the library reads of a call before any Python runs (csrc/cuda_compute.c, ``compute_cuda``):
+the node's config (configs.py), the device, and each supplied input's element type, shape and pointer alignment.
+From it:
   1. ``signature_problem`` builds an MhaProblem over shape-only arrays (zero-stride views: no memory) with the
      op's own rules (problem.build_problem), so a bad input gets the Python op's message, naming the input, its
      shape and what was expected;
@@ -38,15 +39,15 @@ from mha_ep.engine.problem import Geometry, PaddingMask, build_problem
 
 # ONNX element types (onnxruntime_c_api.h ONNXTensorElementDataType) the op's inputs may have
 ELEMENT_NAMES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64"}
-PLAN_MAGIC = 0x5048414D  # _native.c PLAN_MAGIC
+PLAN_MAGIC = 0x5048414D  # csrc/native.h PLAN_MAGIC
 PLAN_VERSION = 2
 STEP_LAUNCH, STEP_GEMM, STEP_COPY, STEP_FILL, STEP_CHECK_STATUS = 1, 2, 3, 4, 5
-SPACES = {"in": 1, "out": 2, "scratch": 3, "sticky": 4}  # Buffer name prefix -> _native.c SPACE_*
+SPACES = {"in": 1, "out": 2, "scratch": 3, "sticky": 4}  # Buffer name prefix -> csrc/native.h SPACE_*
 STICKY = Buffer("sticky")  # a shared buffer's sticky report words: bound by the library while ORT captures a graph
 OUTPUT_ALIGNMENT = 16  # bytes every output must have for the plan's vector stores (else flags UNALIGNED_OUTPUTS)
 UNALIGNED_OUTPUTS = 1  # signature flag: the outputs are written to scratch first, then copied into ORT's buffers
 SCRATCH_ALIGNMENT = 256
-MAX_ARGUMENT_BYTES = 4096  # _native.c MAX_ARGUMENT_BYTES
+MAX_ARGUMENT_BYTES = 4096  # csrc/native.h MAX_ARGUMENT_BYTES
 NULL_POINTER = bytes(8)
 CUBLAS_COMPUTE_32F_PEDANTIC = 69  # float32 GEMMs through ORT's handle: never TF32, whatever its math mode
 
@@ -281,7 +282,7 @@ def _gemm_words(step: Gemm) -> list:
 
 
 def encode_plan(plan: NativePlan, resolve_function: Callable[[Launch], int]) -> bytes:
-    """The words _native.c parses (module docstring, step 3); ``resolve_function(launch)`` gives the CUfunction
+    """The words csrc/plans.c parses (module docstring, step 3); ``resolve_function(launch)`` gives the CUfunction
     handle of a launch (loaded, with its shared-memory limit raised: gpu.py)."""
     words = [PLAN_MAGIC, PLAN_VERSION, plan.scratch_bytes, plan.output_alignment, len(plan.output_shapes)]
     for shape in plan.output_shapes:

@@ -69,22 +69,29 @@ def test_the_library_compiles_warning_free(tmp_path):
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         pytest.skip("the Python headers are not installed")
+    sources = [str(path) for path in sorted(SOURCE.glob("*.c"))]
     done = subprocess.run(["gcc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{include}",
-                           str(SOURCE), "-o", str(tmp_path / "native.so")], capture_output=True, text=True)  # fmt: skip
+                           *sources, "-o", str(tmp_path / "native.so")], capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
 
 
 def test_a_library_built_from_another_source_is_refused_with_how_to_rebuild(tmp_path, monkeypatch):
-    """setup.py builds the source's SHA-256 into the library; an edit to _native.c since then makes the native
-    route unavailable with the rebuild command, instead of tests and sessions silently running the old binary."""
+    """setup.py builds the sources' SHA-256 into the library; an edit to a file of csrc/ (a .c or a .h) since then
+    makes the native route unavailable with the rebuild command, instead of tests and sessions silently running the
+    old binary."""
     module = library()
-    assert module.source_sha256() == hashlib.sha256(SOURCE.read_bytes()).hexdigest()  # this checkout's build
+    assert module.source_sha256() == native.source_sha256(SOURCE)  # this checkout's build
+    listing = "".join(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n"
+                      for path in sorted([*SOURCE.glob("*.c"), *SOURCE.glob("*.h")], key=lambda path: path.name))
+    assert native.source_sha256(SOURCE) == hashlib.sha256(listing.encode()).hexdigest()  # every .c and .h, by name
     assert native.stale_reason(module, SOURCE) is None
-    edited = tmp_path / "_native.c"
-    edited.write_bytes(SOURCE.read_bytes() + b"\n/* an edit */\n")
+    edited = tmp_path / "csrc"
+    shutil.copytree(SOURCE, edited)
+    header = edited / "native.h"
+    header.write_bytes(header.read_bytes() + b"\n/* an edit */\n")
     reason = native.stale_reason(module, edited)
     assert reason is not None and "rebuild it with pip install -e ." in reason and str(edited) in reason
-    assert native.stale_reason(module, tmp_path / "absent.c") is None  # a wheel carries no source: nothing to compare
+    assert native.stale_reason(module, tmp_path / "absent") is None  # a wheel carries no source: nothing to compare
     monkeypatch.setattr(native, "SOURCE", edited)
     assert "rebuild it with" in native.unavailable_reason()
 

@@ -63,10 +63,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+C_EXTENSIONS = {"mha_ep.native._native": "csrc"}  # setup.py's extension -> its sources' folder beside it
+
+
 def is_module(name: str) -> bool:
-    """A .py file, a package, or a C extension (native/_native: its source counts, built or not)."""
+    """A .py file, a package, or a C extension (native/_native: its sources, native/csrc/, count, built or not)."""
     where = REPO / Path(*name.split("."))
-    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file() or where.with_suffix(".c").is_file()
+    if name in C_EXTENSIONS:
+        return any((where.parent / C_EXTENSIONS[name]).glob("*.c"))
+    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
 
 
 class Imports(ast.NodeVisitor):

@@ -23,7 +23,7 @@ from mha_models import (
     input_shapes,
 )  # fmt: skip
 
-SOURCE = REPO / "mha_ep" / "native" / "_native.c"
+SOURCE = REPO / "mha_ep" / "native" / "csrc"  # the library's C sources
 
 
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]

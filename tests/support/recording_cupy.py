@@ -291,7 +291,7 @@ class _CopyKernel:
 
 def launch_copies(device, function, grid_x, grid_y, block_x, table, column, stream, addresses, wait_event,
                   wait_stream, signal_event, signal_stream) -> None:
-    """The native library's ``launch_copies`` (mha_ep/native/_native.c), its CUDA calls recorded as CuPy's would be:
+    """The native library's ``launch_copies`` (mha_ep/native/csrc/replay.c), its CUDA calls recorded as CuPy's would be:
     on ``device`` (its context made current), ORT's stream waits for ``wait_event`` recorded on ``wait_stream``, the
     addresses go into the table's column, the kernel is launched, ``signal_stream`` waits for ``signal_event``
     recorded after it. The handles are the stand-in's pointers (streams, events, kernels)."""

@@ -69,11 +69,11 @@ def test_the_mask_kind_enum_matches_python():
 
 
 def test_the_device_error_enum_matches_python():
-    """kernels/shared_buffer.cu's reports, launch.DeviceError, and the native library's C copy (_native.c)."""
+    """kernels/shared_buffer.cu's reports, launch.DeviceError, and the native library's C copy (csrc/native.h)."""
     from harness import REPO
 
     assert enums()["DeviceError"] == {("DEVICE_OK" if e.name == "OK" else e.name): e.value for e in launch.DeviceError}
-    native_source = (REPO / "mha_ep" / "native" / "_native.c").read_text()
+    native_source = (REPO / "mha_ep" / "native" / "csrc" / "native.h").read_text()
     for error in launch.DeviceError:
         name = "DEVICE_OK" if error.name == "OK" else error.name
         assert re.search(rf"\b{name} = {error.value}\b", native_source), name
