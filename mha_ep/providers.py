@@ -10,6 +10,7 @@ reuses them for the next session).
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 CUDA_PROVIDER = "CUDAExecutionProvider"
@@ -110,3 +111,41 @@ def without_cuda_graph(providers, provider_options, drop_stream: bool = False) -
         options.pop("user_compute_stream", None)
         options.pop("has_user_compute_stream", None)
     return with_cuda_options(providers, provider_options, options)
+
+
+@dataclass(frozen=True)
+class SessionProviders:
+    """What a session's provider arguments say, read once (``read``): the providers and their options as ORT takes
+    them (copies of the caller's; the CPU provider alone when none were given), the GPU, whether ORT's CUDA
+    provider is among them, and whether its CUDA graph is on. ``with_stream`` and ``eager`` give the adjusted
+    value a session needs; nothing reads the caller's lists again."""
+
+    providers: tuple
+    provider_options: Optional[tuple]
+    device_id: int
+    on_cuda: bool
+    cuda_graph: bool
+
+    @classmethod
+    def read(cls, device_id: Optional[int], providers, provider_options) -> "SessionProviders":
+        """The caller's arguments (onnxruntime's forms), put on one GPU (on_one_device: raises ValueError for two)."""
+        device_id, providers, provider_options = on_one_device(device_id, providers, provider_options)
+        providers = list(providers or ["CPUExecutionProvider"])
+        return cls(tuple(providers), None if provider_options is None else tuple(provider_options), device_id,
+                   CUDA_PROVIDER in provider_names(providers), wants_cuda_graph(providers, provider_options))  # fmt: skip
+
+    def with_stream(self) -> tuple:
+        """(these providers with the CUDA provider's compute stream set, that stream as a CuPy stream, whether it
+        was added): with_session_stream."""
+        providers, provider_options, stream, added = with_session_stream(self.providers, self.provider_options,
+                                                                         self.device_id)  # fmt: skip
+        return self._with(providers, provider_options), stream, added
+
+    def eager(self, drop_stream: bool = False) -> "SessionProviders":
+        """These providers without ORT's CUDA graph (and without the stream with_stream added): without_cuda_graph."""
+        providers, provider_options = without_cuda_graph(self.providers, self.provider_options, drop_stream)
+        return replace(self._with(providers, provider_options), cuda_graph=False)
+
+    def _with(self, providers, provider_options) -> "SessionProviders":
+        return replace(self, providers=tuple(providers),
+                       provider_options=None if provider_options is None else tuple(provider_options))  # fmt: skip

@@ -117,6 +117,27 @@ def attach(session_options, backend, route: str = "auto") -> str:
     return taken
 
 
+def plain_session(model, *, providers, backend: str = "cuda", route: str = "native", session_options=None):
+    """A plain ``onnxruntime.InferenceSession`` running ``model`` (a path or ModelProto) with mha_ep: its
+    MultiHeadAttention nodes partitioned for ``route`` ("native" or "python-op"), the plugin registered on
+    ``session_options`` (default: fresh ones) with ``backend``, on ``providers`` as onnxruntime takes them. The one
+    way mha_ep builds such a session (the static-cache loop's, the benchmarks'); mha_ep.InferenceSession is the
+    other, with its own error channel and device I/O. Raises MhaEpError when the route asked for is not the one
+    registered (the native library missing)."""
+    import onnxruntime as ort
+
+    from mha_ep.errors import MhaEpError
+    from mha_ep.graph.partition import partition
+
+    partitioned = partition(model, route=route).model.SerializeToString()
+    options = register(session_options if session_options is not None else ort.SessionOptions(), backend=backend,
+                       route=route)  # fmt: skip
+    if route_of(options) != route:
+        raise MhaEpError(f"mha_ep.registration.plain_session: route {route!r} was asked for, the options carry "
+                         f"{route_of(options)!r}")  # fmt: skip
+    return ort.InferenceSession(partitioned, options, providers=list(providers))
+
+
 def route_of(session_options) -> Optional[str]:
     """"native" or "python-op": the route mha_ep registered on ``session_options``; None when it registered none."""
     return _config_entry(session_options, CONFIG_ROUTE)

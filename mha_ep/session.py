@@ -23,8 +23,7 @@ from mha_ep.registration import attach, choose_route
 from mha_ep.graph.model_io import needs_external_data, write_model
 from mha_ep.graph.partition import partition
 from mha_ep.graph.partition_result import PartitionResult
-from mha_ep.providers import (CUDA_PROVIDER, config_entry, on_one_device, provider_names, wants_cuda_graph,
-                              with_session_stream, without_cuda_graph)  # fmt: skip
+from mha_ep.providers import CUDA_PROVIDER, SessionProviders, config_entry
 
 
 class InferenceSession:
@@ -71,8 +70,8 @@ class InferenceSession:
             )
         given = path_or_bytes if isinstance(path_or_bytes, PartitionResult) else None
         self.partition: Optional[PartitionResult] = given
-        device_id, providers, provider_options = on_one_device(device_id, providers, provider_options)
-        self.device_id = device_id
+        given_providers = SessionProviders.read(device_id, providers, provider_options)  # the one reading of them
+        device_id = self.device_id = given_providers.device_id
         self._io = None
         self.mode_reason = ""
         self.backend = resolve_backend(backend, device_id)
@@ -85,29 +84,28 @@ class InferenceSession:
         if given is None and (self.partition is None or self.partition.route != self.route):
             form = "native" if self.route == "native" else "python-op"
             self.partition = partition(path_or_bytes, lift_attention=lift_attention, route=form)
-        on_cuda = CUDA_PROVIDER in provider_names(providers)
-        if on_cuda and hasattr(ort, "preload_dlls"):
+        if given_providers.on_cuda and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # ORT silently drops to the CPU when its CUDA libraries do not load
         # The caller's options stay as they were (a server reuses them): the session's settings go on a copy.
         options = copy_session_options(sess_options) if sess_options is not None else ort.SessionOptions()
         # The per-run context reaches the op only on the calling thread: keep ORT's sequential executor.
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         attach(options, self.backend, self.route)
-        providers = list(providers or ["CPUExecutionProvider"])
+        chosen = given_providers
         graph_note = ""
         ort_stream, added = None, False
-        native_cuda = on_cuda and self.route == "native" and self.backend.name == "cuda"
-        if native_cuda and wants_cuda_graph(providers, provider_options):
+        native_cuda = chosen.on_cuda and self.route == "native" and self.backend.name == "cuda"
+        if native_cuda and chosen.cuda_graph:
             # cuda_io rule 7: ORT's graphs run on a stream the session knows, so its copies queue around a replay
-            providers, provider_options, ort_stream, added = with_session_stream(providers, provider_options, device_id)
+            chosen, ort_stream, added = chosen.with_stream()
         try:
-            self._session = _make_session(self.partition.model, options, providers, provider_options, **kwargs)
+            self._session = _make_session(self.partition.model, options, chosen, **kwargs)
         except Exception as error:  # noqa: BLE001 - ORT refuses its CUDA graph when a node runs on the CPU
-            if not wants_cuda_graph(providers, provider_options):
+            if not chosen.cuda_graph:
                 raise
-            providers, provider_options = without_cuda_graph(providers, provider_options, drop_stream=added)
+            chosen = chosen.eager(drop_stream=added)
             ort_stream, added = None, False
-            self._session = _make_session(self.partition.model, options, providers, provider_options, **kwargs)
+            self._session = _make_session(self.partition.model, options, chosen, **kwargs)
             graph_note = f"; ORT refused its CUDA graph ({str(error).splitlines()[0][:200]}), so every call runs eagerly"
         if added:
             # the stream outlives ORT's session: the ORT object holds it, and releases it after its own C session
@@ -122,7 +120,7 @@ class InferenceSession:
                 self.mode_reason += (f"; tensors {odd[:3]} have no CuPy dtype, so run() is ORT's own and "
                                      f"run_device is not offered")  # fmt: skip
             else:
-                graphs = wants_cuda_graph(providers, provider_options)
+                graphs = chosen.cuda_graph
                 self._io = CudaSessionIO(self._session, device_id, graphs, self._run_binding,
                                          lambda: own_run_options(None), ort_stream=ort_stream)  # fmt: skip
                 self.mode_reason += ("; one ORT CUDA session: NumPy feeds and outputs move through page-locked "
@@ -395,11 +393,12 @@ def copy_session_options(options):
     return own
 
 
-def _make_session(model: onnx.ModelProto, options, providers, provider_options=None, **kwargs):
+def _make_session(model: onnx.ModelProto, options, chosen: SessionProviders, **kwargs):
     import onnxruntime as ort
 
-    if provider_options is not None:
-        kwargs["provider_options"] = list(provider_options)
+    providers = chosen.providers
+    if chosen.provider_options is not None:
+        kwargs["provider_options"] = list(chosen.provider_options)
     if not needs_external_data(model):
         return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers), **kwargs)
     with tempfile.TemporaryDirectory(prefix="mha_ep_") as folder:  # over 2 GiB: through a file and its data

@@ -104,9 +104,9 @@ def sessions_of(model, kind: str):
     if kind == "stock":
         session = ort.InferenceSession(data, providers=PROVIDERS)
     elif kind == "plain":
-        options = mha_ep.register(ort.SessionOptions(), backend="cuda", route="native")
-        session = ort.InferenceSession(mha_ep.partition(model, route="native").model.SerializeToString(), options,
-                                       providers=PROVIDERS)  # fmt: skip
+        from mha_ep.registration import plain_session
+
+        session = plain_session(model, providers=PROVIDERS)
     else:
         session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS)
         if session.cuda_io is None:

@@ -121,28 +121,16 @@ DECODERS = tuple(Decoder(name, *size, batch=batch) for batch in (1, 8)
                  for name, size in (("tiny", (4, 384, 6, 1536)), ("small", (12, 768, 12, 3072))))  # fmt: skip
 
 
-def native_options():
-    import onnxruntime as ort
-
-    import mha_ep
-
-    options = mha_ep.register(ort.SessionOptions(), backend="cuda", route="native")
-    if mha_ep.route_of(options) != "native":
-        raise RuntimeError("mha_ep.register did not take the native route")
-    return options
-
-
 def sessions(model, graph: bool = False) -> tuple:
     """(stock session, native session) of ``model`` on the CUDA provider (``graph``: ORT's enable_cuda_graph)."""
     import onnxruntime as ort
 
-    import mha_ep
+    from mha_ep.registration import plain_session
 
     cuda = (CUDA, {"enable_cuda_graph": "1"}) if graph else CUDA
     providers = [cuda, "CPUExecutionProvider"]
     stock = ort.InferenceSession(model.SerializeToString(), providers=providers)
-    partitioned = mha_ep.partition(model, route="native").model.SerializeToString()
-    native = ort.InferenceSession(partitioned, native_options(), providers=providers)
+    native = plain_session(model, providers=providers)
     for session in (stock, native):
         if CUDA not in session.get_providers():
             raise RuntimeError("ORT did not get the CUDA provider (onnxruntime-gpu with its CUDA libraries needed)")

@@ -147,15 +147,16 @@ def _session(model, options=None):
 
 
 def _native_session(model):
-    import onnxruntime as ort
-
     import mha_ep
+    from mha_ep.registration import plain_session
 
     part = mha_ep.partition(model, route="native")
     if part.claimed != len(part.decisions):
-        raise RuntimeError(f"mha_ep declined the node: {part.decisions}")
-    options = mha_ep.register(ort.SessionOptions(), backend="cuda", route="native")
-    return _session(part.model, options)
+        raise RuntimeError(f"mha_ep declined the node: {part.report()}")
+    session = plain_session(model, providers=[CUDA, "CPUExecutionProvider"])
+    if CUDA not in session.get_providers():
+        raise RuntimeError("ORT did not get the CUDA provider (onnxruntime-gpu with its CUDA libraries needed)")
+    return session
 
 
 class BoundRun:

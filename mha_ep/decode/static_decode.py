@@ -23,7 +23,6 @@ checked at each read and raised as MhaInputError.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Mapping, Optional
@@ -34,47 +33,32 @@ from mha_ep.errors import MhaEpError, MhaInputError
 from mha_ep.decode.beam import Finished, answers
 
 KERNEL_FILE = Path(__file__).with_name("decode.cu")
+DECODE_EXPRESSIONS = tuple(f"{kernel}<{element}>" for kernel in ("greedy_step", "beam_rows")
+                           for element in ("float", "__half", "__nv_bfloat16")) + ("beam_select",)  # fmt: skip
 DECODE_THREADS = 256  # decode.cu DECODE_THREADS
 GREEDY_THREADS = 512  # decode.cu GREEDY_THREADS
 MAX_CANDIDATES = 16  # decode.cu MAX_CANDIDATES
 CHECK_EVERY = 8  # steps between two reads of "all rows done"
 ELEMENT = {"tensor(float)": "float", "tensor(float16)": "__half", "tensor(bfloat16)": "__nv_bfloat16"}
-_modules: dict = {}
-_lock = threading.Lock()
 
 
 def decode_function(device_id: int, name: str):
-    """decode.cu's ``name`` (e.g. "greedy_step<float>") compiled for ``device_id`` (that device current), once."""
-    import cupy
+    """decode.cu's ``name`` (e.g. "greedy_step<float>") compiled for ``device_id`` (that device current), once
+    (the engine's kernel cache: kernels.source_function)."""
+    from mha_ep.engine.cuda.kernels import source_function
 
-    key = (device_id, name)
-    with _lock:
-        if key not in _modules:
-            expressions = [f"{kernel}<{element}>" for kernel in ("greedy_step", "beam_rows")
-                           for element in ("float", "__half", "__nv_bfloat16")] + ["beam_select"]  # fmt: skip
-            module = _modules.get((device_id, None))
-            if module is None:
-                module = _modules[(device_id, None)] = cupy.RawModule(code=KERNEL_FILE.read_text(),
-                                                                      name_expressions=expressions)  # fmt: skip
-            _modules[key] = module.get_function(name)
-    return _modules[key]
+    return source_function(device_id, KERNEL_FILE, name, DECODE_EXPRESSIONS)
 
 
 def cuda_session(model, stream, *, device_id: int = 0, graph: bool = True):
     """A plain ORT CUDA session of ``model`` (a path or ModelProto; a static-cache decoder, or the encoder and first
     decoder step beside it) on mha_ep's native route, on CuPy ``stream``, with ORT's CUDA graph unless
     ``graph=False``."""
-    import onnxruntime as ort
+    from mha_ep.registration import plain_session
 
-    from mha_ep.registration import register
-    from mha_ep.graph.partition import partition
-
-    partitioned = partition(model, route="native").model.SerializeToString()
-    options = register(ort.SessionOptions(), backend="cuda", route="native")
     cuda = {"device_id": str(device_id), "enable_cuda_graph": "1" if graph else "0",
             "user_compute_stream": str(stream.ptr), "has_user_compute_stream": "1"}  # fmt: skip
-    return ort.InferenceSession(partitioned, options, providers=[("CUDAExecutionProvider", cuda),
-                                                                 "CPUExecutionProvider"])  # fmt: skip
+    return plain_session(model, providers=[("CUDAExecutionProvider", cuda), "CPUExecutionProvider"])
 
 
 @dataclass

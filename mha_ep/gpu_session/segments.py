@@ -76,21 +76,19 @@ def use_native_launch(launch: Optional[Callable]) -> None:
 
 def copy_function(device_id: int) -> CopyKernel:
     """The copy kernel on ``device_id`` (call with that device current), compiled on the first call of the
-    process."""
+    process (the engine's kernel cache: kernels.source_function)."""
     kernel = _functions.get(device_id)
     if kernel is None:
-        import cupy
         from cupy.cuda.function import CPointer
 
-        from mha_ep.engine.cuda.kernels import kernel_source
+        from mha_ep.engine.cuda.kernels import KERNEL_DIR, source_function
 
         CPointer(0)  # _Launch's parameter: a CuPy without it fails here, and the session keeps its memcpy calls
         launch = native_launch()
         with _lock:
             kernel = _functions.get(device_id)
             if kernel is None:
-                module = cupy.RawModule(code=kernel_source("copy_segments.cu"))
-                function = module.get_function("copy_segments").kernel
+                function = source_function(device_id, KERNEL_DIR / "copy_segments.cu", "copy_segments").kernel
                 kernel = _functions[device_id] = CopyKernel(function, device_id, launch)
     return kernel
 

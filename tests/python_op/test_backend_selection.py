@@ -110,3 +110,22 @@ def test_register_turns_intra_op_spinning_off_unless_the_caller_set_it():
     assert chosen.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     session = mha_ep.InferenceSession(tiny_model(), backend="reference")
     assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+@pytest.mark.parametrize("route", ["python-op", "native"])
+def test_plain_session_is_a_plain_ort_session_running_the_plugin(route, rng):
+    """registration.plain_session, the one builder of plain plugin sessions: the model partitioned for the route,
+    the plugin registered, stock ORT CPU's answer; a route that does not exist is refused by name."""
+    from mha_models import MhaConfig, build_model, random_feeds, stock_outputs
+
+    from mha_ep.registration import plain_session
+
+    config = MhaConfig(bias=True, mask="1d")
+    feeds = random_feeds(config, rng)
+    session = plain_session(build_model(config), providers=["CPUExecutionProvider"], backend="reference",
+                            route=route)  # fmt: skip
+    assert type(session) is ort.InferenceSession
+    expected = stock_outputs(config, feeds)["output"]
+    np.testing.assert_allclose(session.run(["output"], feeds)[0], expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="route must be one of"):
+        plain_session(build_model(config), providers=["CPUExecutionProvider"], backend="reference", route="nowhere")

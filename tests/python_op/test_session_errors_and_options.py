@@ -156,6 +156,27 @@ def test_a_refused_graph_drops_the_stream_the_session_added_and_keeps_the_caller
     assert options[0] == ours
 
 
+def test_a_session_reads_its_providers_once_into_one_value():
+    """SessionProviders.read: the providers as ORT takes them (CPU alone by default), the GPU, whether the CUDA
+    provider and its graph are on, in either of onnxruntime's ways of passing options; ``eager`` drops the graph
+    and leaves the caller's lists as they were."""
+    from mha_ep.providers import SessionProviders
+
+    cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
+    plain = SessionProviders.read(None, None, None)
+    assert (plain.providers, plain.device_id, plain.on_cuda, plain.cuda_graph) == ((cpu,), 0, False, False)
+    theirs = [(cuda, {"enable_cuda_graph": "1"}), cpu]
+    graph = SessionProviders.read(1, theirs, None)
+    assert (graph.device_id, graph.on_cuda, graph.cuda_graph) == (1, True, True)
+    assert graph.providers[0] == (cuda, {"enable_cuda_graph": "1", "device_id": "1"})
+    eager = graph.eager()
+    assert not eager.cuda_graph and eager.providers[0] == (cuda, {"device_id": "1"})
+    assert theirs[0][1] == {"enable_cuda_graph": "1"}  # the caller's dictionary unchanged
+    apart = SessionProviders.read(None, [cuda, cpu], [{"enable_cuda_graph": "true"}, {}])
+    assert apart.cuda_graph and apart.provider_options == ({"enable_cuda_graph": "true"}, {})
+    assert not apart.eager().cuda_graph and apart.eager().provider_options[0] == {}
+
+
 def test_the_retired_device_mode_names_its_replacement_and_the_rest_of_the_keyword_warns():
     """Device-resident mode was retired: asking for it raises MhaEpError naming what replaced it (ORT's CUDA graph
     on the native route), the values that never took it only warn, and anything else is a ValueError."""

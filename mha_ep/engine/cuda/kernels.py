@@ -1,7 +1,10 @@
-"""Kernel sources (kernels/*.cu) compiled lazily through NVRTC: the one compile cache of every kernel.
+"""Kernel sources (kernels/*.cu, and any other .cu file of the package) compiled lazily through NVRTC: the one
+compile cache of every kernel.
 
 ``get_function(device, "kernel<args>")`` is the lookup of every launch, memoised per (device, name expression) for
-the life of the process: a call never compiles twice. The element-wise kernels (KERNELS: layout movers, softmax)
+the life of the process: a call never compiles twice. A .cu file outside KERNELS / INSTANTIATED (the decode loop's
+decode.cu, a graph replay's copy_segments.cu) goes through ``source_function(device, path, name, expressions)``,
+the same memo keyed by the file. The element-wise kernels (KERNELS: layout movers, softmax)
 are built as one ``cupy.RawModule`` per (device, source file) with the name expressions of every dtype and
 variant; each fused attention instantiation (INSTANTIATED) is its own module, built on first use. Local ``#include "..."`` lines are inlined
 here (kernel_source), so the code CuPy hashes for its on-disk cache is the whole source (a header change is never
@@ -145,6 +148,29 @@ def get_function(device_id: int, expression: str) -> cupy.RawKernel:
                 else:
                     function = compile_function(device_id, expression)
                 _functions[key] = function
+    return function
+
+
+def source_function(device_id: int, path: Path, name: str, expressions: Optional[tuple] = None) -> cupy.RawKernel:
+    """``name`` from the .cu file at ``path`` (its local includes, files of KERNEL_DIR, inlined) on ``device_id``,
+    call with that device current. The file is built once per device as one ``cupy.RawModule`` with
+    ``expressions`` (its template instantiations; None: extern "C" kernels, no name expressions) and CuPy's
+    default options; ``name`` is then a dictionary lookup."""
+    key = (device_id, f"{path}:{name}")
+    function = _functions.get(key)
+    if function is None:
+        import cupy
+
+        with _lock:
+            function = _functions.get(key)
+            if function is None:
+                module_key = (device_id, str(path))
+                module = _modules.get(module_key)
+                if module is None:
+                    code = expand_includes(Path(path).read_text(), {Path(path).name})
+                    extra = {} if expressions is None else {"name_expressions": list(expressions)}
+                    module = _modules[module_key] = cupy.RawModule(code=code, **extra)
+                function = _functions[key] = module.get_function(name)
     return function
 
 
