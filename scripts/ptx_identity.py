@@ -3,6 +3,7 @@ Python side compiles, from the working tree's kernels/ and from a git revision's
 
     python3 scripts/ptx_identity.py                 # the working tree against HEAD
     python3 scripts/ptx_identity.py --base main     # ... against another revision
+    python3 scripts/ptx_identity.py --base e3459f5 --base-kernels mha_ep/ops/backends/cuda/kernels   # kernels/ moved
     python3 scripts/ptx_identity.py --list          # the instantiations, one a line
     python3 scripts/ptx_identity.py --files flash_attention_ws.cu   # one source file's units only
     python3 scripts/ptx_identity.py --match "__half, 64, 64"        # the instantiations whose name has this
@@ -99,16 +100,17 @@ def instantiations() -> dict:
 
 
 @contextmanager
-def kernel_dir_of(revision):
-    """kernels.KERNEL_DIR pointed at ``revision``'s kernels/ (None: the working tree's)."""
+def kernel_dir_of(revision, kernel_path: Path = KERNEL_PATH):
+    """kernels.KERNEL_DIR pointed at ``revision``'s kernels/, at ``kernel_path`` in that revision (None: the
+    working tree's)."""
     if revision is None:
         yield
         return
     with tempfile.TemporaryDirectory() as tmp:
-        files = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{revision}:{KERNEL_PATH}"],
+        files = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{revision}:{kernel_path}"],
                                check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
         for name in files:
-            blob = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{KERNEL_PATH}/{name}"],
+            blob = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{kernel_path}/{name}"],
                                   check=True, capture_output=True).stdout  # fmt: skip
             (Path(tmp) / name).write_bytes(blob)
         saved, kernels.KERNEL_DIR = kernels.KERNEL_DIR, Path(tmp)
@@ -168,6 +170,9 @@ def entries(ptx: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD", help="the git revision to compare against (default HEAD)")
+    parser.add_argument("--base-kernels", type=Path, default=KERNEL_PATH,
+                        help=f"where the base revision keeps kernels/ (default {KERNEL_PATH}; before the house moves "
+                             "of 2026-12-06: mha_ep/ops/backends/cuda/kernels)")  # fmt: skip
     parser.add_argument("--arch", default="sm_90", help="architecture of the kernels CuPy compiles (default sm_90)")
     parser.add_argument("--list", action="store_true", help="print the instantiations and stop")
     parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once (default 2)")
@@ -195,7 +200,7 @@ def main(argv=None) -> int:
     version = nvcc_version()
     jobs = []
     for side, revision in (("base", args.base), ("tree", None)):
-        with kernel_dir_of(revision):
+        with kernel_dir_of(revision, args.base_kernels):
             for source, names in plan.items():
                 jobs.append((side, source, unit_text(source, names), nvcc_options(source, args.arch)))
     units = sorted({(text, tuple(options)) for _, _, text, options in jobs})  # an unchanged unit once

@@ -380,7 +380,7 @@ def _reads_of(plan, buffer: str) -> list:
 @pytest.mark.parametrize("form, dtype", [("qkv", "float16"), ("kv", "bfloat16"), ("qkv", "float32")])
 def test_a_packed_call_s_plan_reads_the_node_s_packed_buffer_in_place(form, dtype):
     """Packed QKV / KV on the native route: ORT hands the packed tensor as the node has it, and the steps read its
-    slots where they lie (pipeline.source_slots): no copy of the packed buffer, and the fused kernel's Q, K, V
+    slots where they lie (packed.source_slots): no copy of the packed buffer, and the fused kernel's Q, K, V
     are the slots at offsets 0, H, 2H elements with strides over all of a row's slots."""
     from mha_ep.engine.cuda.steps import Copy
 

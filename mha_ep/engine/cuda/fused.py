@@ -36,6 +36,7 @@ from mha_ep.engine.cuda.dispatch import (
     Tile, WgmmaTile, WsTile, choose_tile, default_tile, head_dim_tile, kernel_head_tile, mma_features, query_tiles,
     wgmma_unsupported_reason, ws_tile_unsupported_reason, ws_unsupported_reason,
 )
+from mha_ep.engine.cuda.split_keys import split_key_steps
 from mha_ep.engine.cuda.steps import Address, Launch, Pointer, TensorMap, alignment_of
 from mha_ep.engine.problem import MhaProblem, problem_signature
 
@@ -56,7 +57,6 @@ SM_SHARED_BYTES = 228 * 1024  # shared memory of one sm_90 SM; each resident blo
 WGMMA_SMEM_ALIGN = 1024  # kernels/flash_attention_wgmma.cu: tiles start 1024-byte aligned (128-byte swizzle)
 WS_STAGES = 2  # kernels/flash_attention_ws.cu WS_STAGES
 WS_BARRIER_BYTES = 8 * (2 + 4 * WS_STAGES)  # q_full, q_empty, full/empty x K/V x stages
-SPLIT_THREADS = dispatch.SPLIT_THREADS  # kernels/split_keys.cu SPLIT_THREADS
 
 
 def blocks_per_sm_by_shared_memory(shared: int) -> int:
@@ -347,7 +347,7 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
             raise ValueError("fused attention: the qk output is for calls dispatch.key_split cuts")
         return [fused_step(problem, facts=facts, tile=tile, **operands)]
     if operands.get("out_narrow") is not None:
-        raise ValueError("fused attention: out_narrow is for one flash kernel (takes_split_keys: False); the "
+        raise ValueError("fused attention: out_narrow is for one flash kernel (split_keys.takes_split_keys: False); the "
                          "split-key pair writes float32 out_BSD")  # fmt: skip
     q, k, v, out_BSD = operands["q"], operands["k"], operands["v"], operands["out_BSD"]
     attention_bias, mask = operands["attention_bias"], operands["mask"]
@@ -359,40 +359,6 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
     return split_key_steps(problem, split, take,
                            _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD),
                            operands["operand_dtype"], out_BSD, round_query=not raw_query, qk=qk)  # fmt: skip
-
-
-def takes_split_keys(problem: MhaProblem, facts: DeviceFacts, operand_dtype: str) -> bool:
-    """Whether fused_steps (no tile named) runs the split-key pair, whose output is float32 only (no out_narrow)."""
-    return dispatch.key_split(problem, facts.sms, ELEMENT_BYTES[operand_dtype]) is not None
-
-
-def split_shared_bytes(problem: MhaProblem, chunk: int, operand_dtype: str) -> int:
-    """split_key_attention's dynamic shared memory (dispatch.split_shared_bytes)."""
-    return dispatch.split_shared_bytes(problem.geometry, chunk, ELEMENT_BYTES[operand_dtype])
-
-
-def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, arguments: tuple, operand_dtype: str,
-                    out_BSD: Address, round_query: bool = True, qk: Address = None) -> list:  # fmt: skip
-    """The split-key pair of launches (fused_steps) with flash's ``arguments`` (_arguments); ``round_query``
-    False keeps the biased query in float32 (fused_steps' raw_query); ``qk`` receives the masked scores."""
-    g = problem.geometry
-    pairs = g.batch * g.num_heads
-    rows = pairs * split.splits * g.q_seq
-    partial_O = take("split_O", 4 * rows * g.v_head_size)
-    partial_ML = take("split_ML", 8 * rows)
-    elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
-    i32 = np.int32
-    log.debug("mha_ep: fused path: split keys, %d x %d blocks of %d keys", pairs, split.splits, split.chunk)
-    return [
-        Launch(f"split_key_attention<{elem}, {src}>", (pairs, split.splits, 1), (SPLIT_THREADS, 1, 1),
-               split_shared_bytes(problem, split.chunk, operand_dtype),
-               arguments + (i32(split.chunk), Pointer(partial_O), Pointer(partial_ML), i32(int(round_query)),
-                            Pointer(qk)),
-               fused=True),
-        Launch(f"combine_key_splits<{elem}>", (pairs * g.q_seq, 1, 1), (SPLIT_THREADS, 1, 1), 4 * split.splits,
-               (Pointer(partial_O), Pointer(partial_ML), i32(split.splits), i32(g.num_heads), i32(g.q_seq),
-                i32(g.v_head_size), Pointer(out_BSD)), fused=True),
-    ]  # fmt: skip
 
 
 def _decided(problem: MhaProblem, q: Operand, k: Operand, v: Operand, operand_dtype: str, attention_bias: Address,

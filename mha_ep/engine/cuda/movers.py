@@ -63,7 +63,7 @@ def mover_struct(m: Mover, scale: float, two_byte_present: bool) -> Struct:
 def layout_movers(plan: LaunchPlan, terms: dispatch.ScoreTerms, kv_bnsh: bool, sources: dict, dst: dict,
                   presents: dict, offsets: dict, slots: Optional[dict] = None) -> tuple[Mover, Mover, Mover]:  # fmt: skip
     """The Q, K and V movers of a call: ``slots`` query / key / value -> the slots of a packed input the source is
-    one of (absent: 1; pipeline.source_slots), ``sources`` name -> address for query, key, value, past_key,
+    one of (absent: 1; packed.source_slots), ``sources`` name -> address for query, key, value, past_key,
     past_value, bias_q, bias_k, bias_v (absent or None: not given); ``dst`` q_BNSH / k_BNTH / v_BNTH operand
     addresses; ``presents`` present_key / present_value written beside the operand (None: none); ``offsets``
     key_offset_BNT / query_offset_BNS buffers, given where ``terms`` wants them. ``terms`` says which projection

@@ -45,13 +45,15 @@ from typing import Callable, Optional, Protocol
 import numpy as np
 
 from mha_ep.launch import ELEMENT_BYTES, LAUNCH_BLOCK, SOFTMAX_THREADS, MaskKind
-from mha_ep.engine.cuda import dispatch, fused, gemm
+from mha_ep.engine.cuda import dispatch, gemm
 from mha_ep.engine.cuda.fused import DeviceFacts, Operand, fused_steps, packed_layout
 from mha_ep.engine.cuda.geometry import LaunchPlan, cached_plan, checked_grid
 from mha_ep.engine.cuda.kernels import name_expression
 from mha_ep.engine.cuda.movers import Mover, layout_movers, mover_struct
+from mha_ep.engine.cuda.packed import PACKED_SLOTS, packed_rows, packed_slot_sources, slot_sources, source_slots
 from mha_ep.engine.cuda.shared_buffer import shared_buffer_steps
-from mha_ep.engine.cuda.steps import Address, Copy, Fill, Launch, Pointer, Step, alignment_of, offset_address
+from mha_ep.engine.cuda.split_keys import takes_split_keys
+from mha_ep.engine.cuda.steps import Address, Copy, Fill, Launch, Pointer, Step, alignment_of
 from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
 from mha_ep.engine.problem import MhaProblem
 
@@ -136,7 +138,8 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
     build = _Builder(temporaries, poison)
     slots = source_slots(problem, call)
     if slots:
-        call = replace(call, sources=_packed_slot_sources(problem, call, build))
+        sources = packed_slot_sources(problem, call.sources, call.source_dtype, build, SOURCE_ALIGNMENT)
+        call = replace(call, sources=sources)
     if problem.shared is not None:
         if problem.want_qk:
             raise MhaInputError(
@@ -193,48 +196,6 @@ def source_shapes(problem: MhaProblem) -> dict:
     return {name: tuple(array.shape) for name, array in fields.items() if array is not None}
 
 
-# ------------------------------------------------------------------------------------------ 0. packed inputs
-PACKED_SLOTS = {"qkv": ("query", "key", "value"), "kv": ("key", "value")}  # problem.packing -> its slots, in order
-
-
-def source_slots(problem: MhaProblem, call: DeviceCall) -> dict:
-    """query / key / value -> the slots of the packed input that source is one of (3: packed QKV, 2: packed KV),
-    for a call whose packed input is read in place (``packed_sources``); empty otherwise. A slot is a strided view
-    of ORT's buffer: fused.PACKED_LAYOUTS operands, movers with ``cur_slots``."""
-    if not call.packed_sources or problem.packing is None:
-        return {}
-    names = PACKED_SLOTS[problem.packing]
-    return {name: len(names) for name in names}
-
-
-def _packed_rows(problem: MhaProblem) -> int:
-    """(b, s, h) rows of the call's packed input: B * (S for packed QKV, L for packed KV) * N."""
-    g = problem.geometry
-    return g.batch * (g.q_seq if problem.packing == "qkv" else g.kv_seq) * g.num_heads
-
-
-def _slot_sources(problem: MhaProblem, sources: dict, base: Address, element: int) -> dict:
-    """``sources`` with query / key / value the addresses of the packed input's slots 0, 1 (, 2) at ``base``."""
-    slot_bytes = problem.geometry.head_size * element
-    names = PACKED_SLOTS[problem.packing]
-    return {**sources, **{name: offset_address(base, i * slot_bytes) for i, name in enumerate(names)}}
-
-
-def _packed_slot_sources(problem: MhaProblem, call: DeviceCall, build: _Builder) -> dict:
-    """The call's sources with its packed input (sources["query"] for packed QKV, ["key"] for packed KV, as ORT
-    holds it) named by its slots, read in place: no unpacking copy. A packed buffer whose base is not
-    SOURCE_ALIGNMENT-aligned is copied whole first (the slots then are, wherever the kernels need it: H % 8)."""
-    names = PACKED_SLOTS[problem.packing]
-    base = call.sources[names[0]]
-    element = ELEMENT_BYTES[call.source_dtype]
-    if alignment_of(base) < SOURCE_ALIGNMENT:
-        nbytes = _packed_rows(problem) * len(names) * problem.geometry.head_size * element
-        aligned = build.take(f"{names[0]}_packed_aligned", nbytes)
-        build.add(Copy(aligned, base, nbytes))
-        base = aligned
-    return _slot_sources(problem, call.sources, base, element)
-
-
 # ------------------------------------------------------------------------------------------------ 1. prepare
 def _elementwise_grid(count: int, vec: int, name: str) -> tuple:
     return (checked_grid(-(-count // vec), name), 1, 1)
@@ -243,7 +204,7 @@ def _elementwise_grid(count: int, vec: int, name: str) -> tuple:
 def _prepared_sources(problem: MhaProblem, plan: LaunchPlan, call: DeviceCall, build: _Builder,
                       slots: dict) -> dict:  # fmt: skip
     """Step 1 (module docstring). The slots of a packed input (``slots``: source_slots) are not copied: their base
-    is aligned (_packed_slot_sources) and a slot's offset, H elements, is what the kernels' vector loads need
+    is aligned (packed.packed_slot_sources) and a slot's offset, H elements, is what the kernels' vector loads need
     wherever they are taken (fused: H % 8; movers' VEC 4: H % 4)."""
     sources = {name: address for name, address in call.sources.items() if address is not None}
     mask = problem.padding_mask
@@ -317,8 +278,8 @@ def _widened_sources(problem: MhaProblem, plan: LaunchPlan, sources: dict, build
             widened[name] = _widen(problem.dtype, sources[name], int(np.prod(shapes[name])), name, build)
     if slots:
         first = PACKED_SLOTS[problem.packing][0]
-        count = _packed_rows(problem) * len(slots) * problem.geometry.head_size
-        widened = _slot_sources(problem, widened, _widen(problem.dtype, sources[first], count, "packed", build), 4)
+        count = packed_rows(problem) * len(slots) * problem.geometry.head_size
+        widened = slot_sources(problem, widened, _widen(problem.dtype, sources[first], count, "packed", build), 4)
     return widened
 
 
@@ -439,7 +400,7 @@ def _native_attention(problem: MhaProblem, facts: DeviceFacts, outputs: dict, bu
     """The fused kernel on float16 / bfloat16 operands into the node's outputs: one flash kernel writes the output
     in the call's dtype itself (out_narrow); the split-key pair writes float32 that one narrowing rounds into it
     (and the float32 scores into qk)."""
-    if not fused.takes_split_keys(problem, facts, problem.dtype):
+    if not takes_split_keys(problem, facts, problem.dtype):
         build.extend(fused_steps(problem, operand_dtype=problem.dtype, out_BSD=None, out_narrow=outputs["output"],
                                  facts=facts, take=build.take, **operands))  # fmt: skip
         return

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mha_ep.launch import ELEMENT_BYTES
-from mha_ep.engine.cuda import dispatch, fused
+from mha_ep.engine.cuda import dispatch, fused, split_keys
 
 import cuda_cases
 from cuda_cases import Case, make_problem
@@ -389,8 +389,8 @@ def test_split_key_shared_memory_fits_the_default_limit_at_the_extremes():
     widest = make_problem(Case(b=1, s=dispatch.SPLIT_MAX_ROWS, l=9000, n=1, h=128), "float32")
     split = dispatch.key_split(widest, 1)
     assert split.chunk == 37 >= dispatch.SPLIT_MIN_CHUNK  # 244 splits of the 37 keys that fit
-    assert fused.split_shared_bytes(widest, split.chunk, "float32") <= fused.DEFAULT_SHARED_LIMIT
-    assert fused.split_shared_bytes(widest, split.chunk + 1, "float32") > dispatch.SPLIT_SHARED_BYTES
+    assert split_keys.split_shared_bytes(widest, split.chunk, "float32") <= fused.DEFAULT_SHARED_LIMIT
+    assert split_keys.split_shared_bytes(widest, split.chunk + 1, "float32") > dispatch.SPLIT_SHARED_BYTES
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -422,7 +422,7 @@ def test_fused_steps_launch_the_split_pair_for_decode_steps_and_flash_otherwise(
         assert attention.grid == (g.batch * g.num_heads, split.splits, 1)
         assert attention.args[: len(fused.fused_step(problem, facts=facts, **operands).args)] == \
             fused.fused_step(problem, facts=facts, **operands).args  # fmt: skip
-        assert attention.shared == fused.split_shared_bytes(problem, split.chunk, dtype)
+        assert attention.shared == split_keys.split_shared_bytes(problem, split.chunk, dtype)
         assert combine.grid == (g.batch * g.num_heads * g.q_seq, 1, 1) and combine.args[-1].address == 5 << 20
         rows = g.batch * g.num_heads * split.splits * g.q_seq
         assert taken == {"split_O": 4 * rows * g.v_head_size, "split_ML": 8 * rows}

@@ -14,7 +14,7 @@ import pytest
 
 from mha_ep import launch, limits
 from mha_ep.engine import problem
-from mha_ep.engine.cuda import dispatch, fused
+from mha_ep.engine.cuda import dispatch, fused, split_keys
 from mha_ep.engine.cuda.kernels import INSTANTIATED, KERNEL_DIR, KERNELS
 
 SOURCES = sorted(KERNEL_DIR.glob("*.cu")) + sorted(KERNEL_DIR.glob("*.cuh"))
@@ -102,7 +102,7 @@ def test_the_feature_bits_match_python():
         ("WS_STAGES", fused.WS_STAGES),
         ("WARPGROUP_THREADS", dispatch.WARPGROUP_THREADS),
         ("WARPGROUP_ROWS", dispatch.WARPGROUP_ROWS),
-        ("SPLIT_THREADS", fused.SPLIT_THREADS),
+        ("SPLIT_THREADS", split_keys.SPLIT_THREADS),
         ("SPLIT_MAX_ROWS", dispatch.SPLIT_MAX_ROWS),
         ("SPLIT_MAX_DIM", dispatch.SPLIT_MAX_DIM),
     ],
