@@ -2,7 +2,8 @@
 
     GRAPH_RULES, in order: name_refusal, attribute_type_refusal -> the first Decision refusing the node, or None
     decide_node(node, infos): GRAPH_RULES, then the gate (claim.decide) on the node's static infos
-                              (claim/shapes.py; an unknown query type declined with why_unknown's sentence)
+                              (claim/shapes.py; an unknown query type declined with why_unknown's sentence),
+                              then qk_output_refusal for a claimed node that asks for qk
     check_plugin_node(node): a node already in the plugin domain must look like one the pass wrote
                              (MhaModelError otherwise: a crafted one could abort the process at run time)
 
@@ -124,10 +125,11 @@ QK = spec.OUT_SLOT["qk"]
 
 
 def qk_output_refusal(node: onnx.NodeProto, attributes: dict, inputs: list, infos: dict) -> Optional[Decision]:
-    """Rule 7 (claim/rules.py): a requested qk output must be declared as what the op writes, (B, N, S, T) in a
-    float type (ORT's QK constraint), where the graph declares it at all. A disagreeing declaration would make
-    ORT's own type checks or the caller's reading of the output fail later, so the node stays with ORT, and the
-    sentence names the output, what it is declared as and what it would be."""
+    """The claim rule that reads the graph (listed last in claim/rules.py's docstring, asked after ``RULES``): a
+    requested qk output must be declared as what the op writes, (B, N, S, T) in a float type (ORT's QK
+    constraint), where the graph declares it at all. A disagreeing declaration would make ORT's own type checks or
+    the caller's reading of the output fail later, so the node stays with ORT, and the sentence names the output,
+    what it is declared as and what it would be."""
     tensor = node.output[QK]
     declared = infos.get(tensor)
     if declared is None:

@@ -7,39 +7,50 @@ the input it is about (``Refusal.subject``).
 
 The order follows the original Rust CUDA execution provider's ``unsupported_reason`` (kept outside this repository);
 rules it did not have are marked "(ORT)" when they mirror a stock ORT input check (docs/SEMANTICS.md §2.6) and
-"(mha_ep)" when they are ours.
+"(mha_ep)" when they are ours. Code, tests and docs name a rule by its function (``rule_past``), never by its
+place in the list.
 
-  Rule  1  attributes: num_heads present and > 0 (and fits a CUDA int); each ORT attribute of its ONNX kind
-           (``attributes_from_mapping``, run before the rest; every later rule is a ``rule_*`` in ``RULES``)
-  Rule  2  every static dim of inputs 0-7 is > 0 and fits a CUDA int; sizes fit bytes and a launch grid
-           (mha_ep: a past of length 0 is allowed)
-  Rule  3  query dtype is float32, float16 or bfloat16
-  Rule  4  key, value, bias, attention_bias, past_key, past_value share the query dtype
-  Rule  5  key_padding_mask is int32 or int64
-  Rule  6  (ORT) past_sequence_length and cache_indirection are int32
-  Rule  7  (ORT) a requested qk output (output 3) is declared with a float element type and, where its dims are
-           known, as (B, N, S, T) (claim/graph_rules.py ``qk_output_refusal``: it reads the graph's declarations,
-           which a Call does not carry; the op always writes qk in that shape)
-  Rule  8  query is supplied, rank 3, or (mha_ep, where stock ORT's CPU refuses it) packed QKV (B, S, N, 3, H)
-  Rule  9  key and value both supplied; none with a packed QKV query; a packed KV key (B, L, N, 2, H) alone
-  Rule 10  key and value are rank 3 or 4, (ORT) the same rank; a packed KV key goes with a rank-3 query
-  Rule 11  query hidden divisible by num_heads
-  Rule 12  rank-3 key/value hidden divisible by num_heads; rank-4 key/value dim 1 == num_heads
-  Rule 13  head sizes: (ORT) rank-3 key hidden == query hidden; rank-4 key/value head == query head;
-           past heads == query head; v_head_size != head_size only without past (ORT's past check)
-  Rule 14  key and value have the same sequence length
-  Rule 15  key, value, past_key, past_value batch == query batch
-  Rule 16  past_key and past_value come together, rank 4, dim 1 == num_heads, same length; (ORT) a packed
-           call has no past and no present
-  Rule 21  the shared buffer (past_key (B, N, M, H) with past_sequence_length, docs/SEMANTICS.md §3.9): (ORT) one
-           element, both presents requested, 0 <= P < M and P + L <= M where the value is known (L <= M where
-           it is not); (mha_ep) BSNH key and value
-  Rule 17  total sequence length P + L fits a CUDA int
-  Rule 18  bias is rank 1 of length 2*D + Dv
-  Rule 19  attention_bias is rank 4, (B|1, N|1, S, T)
-  Rule 20  key_padding_mask is (B,), (3B+2,), (B, T) or (B, S, T)
-  Rule 22  cache_indirection (docs/SEMANTICS.md §3.10): (ORT) rank 3, dim 0 * dim 1 == B, dim 2 == M with a shared
-           buffer; (mha_ep) on the beam path an attention_bias broadcasts over the batch
+  attributes_from_mapping      attributes: num_heads present and > 0 (and fits a CUDA int); each ORT attribute of its
+                               ONNX kind (run before the rest; every later rule is a ``rule_*`` in ``RULES``)
+  rule_slot_counts             no more inputs or outputs than the schema has (stock ORT refuses the node when the
+                               session is made)
+  rule_static_shapes           every static dim of inputs 0-7 is > 0 and fits a CUDA int; sizes fit bytes and a
+                               launch grid (mha_ep: a past of length 0 is allowed)
+  rule_query_dtype             query dtype is float32, float16 or bfloat16
+  rule_float_dtypes_match      key, value, bias, attention_bias, past_key, past_value share the query dtype
+  rule_mask_dtype              key_padding_mask is int32 or int64
+  rule_decoder_masked_dtypes   (ORT) past_sequence_length and cache_indirection are int32
+  rule_query_rank              query is supplied, rank 3, or (mha_ep, where stock ORT's CPU refuses it) packed QKV
+                               (B, S, N, 3, H)
+  rule_key_and_value_supplied  key and value both supplied; none with a packed QKV query; a packed KV key
+                               (B, L, N, 2, H) alone
+  rule_key_value_ranks         key and value are rank 3 or 4, (ORT) the same rank; a packed KV key goes with a
+                               rank-3 query
+  rule_query_hidden_divisible  query hidden divisible by num_heads
+  rule_key_value_heads         rank-3 key/value hidden divisible by num_heads; rank-4 key/value dim 1 == num_heads
+  rule_head_sizes              head sizes: (ORT) rank-3 key hidden == query hidden; rank-4 key/value head == query
+                               head; past heads == query head; v_head_size != head_size only without past (ORT's
+                               past check)
+  rule_key_value_lengths       key and value have the same sequence length
+  rule_batches                 key, value, past_key, past_value batch == query batch
+  rule_past                    past_key and past_value come together, rank 4, dim 1 == num_heads, same length; (ORT)
+                               a packed call has no past and no present
+  rule_shared_buffer           the shared buffer (past_key (B, N, M, H) with past_sequence_length, docs/SEMANTICS.md
+                               §3.9): (ORT) one element, both presents requested, 0 <= P < M and P + L <= M where the
+                               value is known (L <= M where it is not); (mha_ep) BSNH key and value
+  rule_total_length            total sequence length P + L fits a CUDA int
+  rule_bias                    bias is rank 1 of length 2*D + Dv
+  rule_attention_bias          attention_bias is rank 4, (B|1, N|1, S, T)
+  rule_key_padding_mask        key_padding_mask is (B,), (3B+2,), (B, T) or (B, S, T)
+  rule_cache_indirection       cache_indirection (docs/SEMANTICS.md §3.10): (ORT) rank 3, dim 0 * dim 1 == B,
+                               dim 2 == M with a shared buffer; (mha_ep) on the beam path an attention_bias
+                               broadcasts over the batch
+
+One more claim rule reads the graph's declarations, which a Call does not carry, so it lives in
+claim/graph_rules.py, whose ``decide_node`` asks it after the rules above, of a node they claim:
+
+  qk_output_refusal            (ORT) a requested qk output (output 3) is declared with a float element type and,
+                               where its dims are known, as (B, N, S, T) (the op always writes qk in that shape)
 
 With a shared buffer, P is the *value* of past_sequence_length: ``Call.past_length`` carries it where the host
 knows it (execute time on the CPU routes). Where it does not (claim time; the native CUDA route, which reads it on
@@ -95,7 +106,8 @@ class NodeAttributes:
 
 
 def attributes_from_mapping(attrs: Mapping[str, object]) -> NodeAttributes:
-    """Rule 1. Read ORT's attributes (absent ones take ORT's defaults); each must be a number of its kind."""
+    """The first rule, run before ``RULES``: read ORT's attributes (absent ones take ORT's defaults); each must be
+    a number of its kind."""
     known = [a.name for a in spec.ORT_ATTRIBUTES]
     for name in attrs:
         if name not in known:
@@ -280,7 +292,8 @@ def rule_slot_counts(call: Call) -> None:
 
 
 def rule_static_shapes(call: Call) -> None:
-    """Rule 2."""
+    """Every static dim of inputs 0-7 is > 0 (a past may have length 0) and fits a CUDA int; sizes fit bytes and
+    a launch grid."""
     for name in spec.PLUGIN_INPUTS:
         info = call.info(name)
         if info is None or info.shape is None:
@@ -301,14 +314,14 @@ def rule_static_shapes(call: Call) -> None:
 
 
 def rule_query_dtype(call: Call) -> None:
-    """Rule 3."""
+    """query is float32, float16 or bfloat16."""
     dtype = call.dtype("query")
     if dtype is not None and dtype not in spec.FLOAT_DTYPES:
         raise Refusal(f"query dtype {dtype} not supported (expected float32, float16 or bfloat16)", "query")
 
 
 def rule_float_dtypes_match(call: Call) -> None:
-    """Rule 4."""
+    """key, value, bias, attention_bias, past_key and past_value share the query dtype."""
     q_dtype = call.dtype("query")
     if q_dtype is None:
         return
@@ -319,14 +332,14 @@ def rule_float_dtypes_match(call: Call) -> None:
 
 
 def rule_mask_dtype(call: Call) -> None:
-    """Rule 5."""
+    """key_padding_mask is int32 or int64."""
     dtype = call.dtype("key_padding_mask")
     if call.present("key_padding_mask") and dtype is not None and dtype not in spec.MASK_DTYPES:
         raise Refusal(f"key_padding_mask dtype {dtype} must be int32 or int64", "key_padding_mask")
 
 
 def rule_decoder_masked_dtypes(call: Call) -> None:
-    """Rule 6 (ORT's type constraint M)."""
+    """past_sequence_length and cache_indirection are int32 (ORT's type constraint M)."""
     for name in spec.INT32_INPUTS:
         dtype = call.dtype(name)
         if call.present(name) and dtype is not None and dtype != "int32":
@@ -334,7 +347,7 @@ def rule_decoder_masked_dtypes(call: Call) -> None:
 
 
 def rule_query_rank(call: Call) -> None:
-    """Rule 8: query is (B, S, hidden), or packed QKV (B, S, N, 3, H) (mha_ep: stock ORT's CPU provider refuses the
+    """query is (B, S, hidden), or packed QKV (B, S, N, 3, H) (mha_ep: stock ORT's CPU provider refuses the
     packed form, its CUDA provider runs it on its fused kernels only; docs/SEMANTICS.md §2.1)."""
     if not call.present("query"):
         raise Refusal("query (input 0) is required", "query")
@@ -357,7 +370,7 @@ def rule_query_rank(call: Call) -> None:
 
 
 def rule_key_and_value_supplied(call: Call) -> None:
-    """Rule 9: separate key and value; or neither with a packed QKV query; or a packed KV key (B, L, N, 2, H) alone."""
+    """Separate key and value; or neither with a packed QKV query; or a packed KV key (B, L, N, 2, H) alone."""
     if call.rank("query") == 5:
         for name in ("key", "value"):
             if call.present(name):
@@ -396,7 +409,7 @@ def rule_key_and_value_supplied(call: Call) -> None:
 
 
 def rule_key_value_ranks(call: Call) -> None:
-    """Rule 10: key and value rank 3 or 4 alike; a packed KV key (B, L, N, 2, H) with a rank-3 query."""
+    """key and value rank 3 or 4 alike; a packed KV key (B, L, N, 2, H) with a rank-3 query."""
     if call.rank("key") == 5:
         if call.rank("query") not in (None, 3):
             raise Refusal(f"Expect rank of query be 3 for packed kv, got query {call.shape_text('query')}", "query",
@@ -428,7 +441,7 @@ def rule_key_value_ranks(call: Call) -> None:
 
 
 def rule_query_hidden_divisible(call: Call) -> None:
-    """Rule 11."""
+    """A rank-3 query's hidden is divisible by num_heads."""
     hidden = call.dim("query", 2)
     if call.rank("query") == 3 and hidden is not None and hidden % call.attrs.num_heads:
         raise Refusal(f"query hidden {hidden} not divisible by num_heads {call.attrs.num_heads}", "query",
@@ -436,7 +449,7 @@ def rule_query_hidden_divisible(call: Call) -> None:
 
 
 def rule_key_value_heads(call: Call) -> None:
-    """Rule 12."""
+    """A rank-3 key's or value's hidden is divisible by num_heads; a rank-4 one's dim 1 is num_heads."""
     n = call.attrs.num_heads
     for name in ("key", "value"):
         if call.rank(name) == 3:
@@ -454,7 +467,8 @@ def rule_key_value_heads(call: Call) -> None:
 
 
 def rule_head_sizes(call: Call) -> None:
-    """Rule 13."""
+    """A rank-3 key's hidden is the query's; every head size (a packed KV key's, rank-4 key and value, the pasts) is
+    the query's; v_head_size differs from it only without a past (ORT's past check)."""
     h = head_size(call)
     if h is None:
         return
@@ -502,7 +516,7 @@ def rule_head_sizes(call: Call) -> None:
 
 
 def rule_key_value_lengths(call: Call) -> None:
-    """Rule 14."""
+    """key and value have the same sequence length."""
     k_len = kv_seq(call)
     v_rank = call.rank("value")
     v_len = call.dim("value", 1) if v_rank == 3 else call.dim("value", 2) if v_rank == 4 else None
@@ -514,7 +528,7 @@ def rule_key_value_lengths(call: Call) -> None:
 
 
 def rule_batches(call: Call) -> None:
-    """Rule 15."""
+    """key, value, past_key and past_value have the query's batch."""
     q_batch = call.dim("query", 0)
     if q_batch is None:
         return
@@ -525,7 +539,8 @@ def rule_batches(call: Call) -> None:
 
 
 def rule_past(call: Call) -> None:
-    """Rule 16; (ORT, its CUDA provider's) a packed call has no past and no present."""
+    """past_key and past_value come together, rank 4, dim 1 == num_heads, the same length; (ORT, its CUDA
+    provider's) a packed call has no past and no present."""
     form = packing(call)
     presents = len(call.outputs) > 2 and (call.outputs[1] or call.outputs[2])
     if form is not None and (call.present("past_key") or call.present("past_value") or presents):
@@ -552,7 +567,7 @@ def rule_past(call: Call) -> None:
 
 
 def rule_shared_buffer(call: Call) -> None:
-    """Rule 21. ORT's own checks of a shared buffer, in its words; then mha_ep's: BSNH key and value."""
+    """ORT's own checks of a shared buffer, in its words; then mha_ep's: BSNH key and value."""
     if not shared_buffer(call):
         return
     psl = call.info("past_sequence_length")
@@ -600,14 +615,14 @@ def rule_shared_buffer(call: Call) -> None:
 
 
 def rule_total_length(call: Call) -> None:
-    """Rule 17."""
+    """The total sequence length P + L fits a CUDA int."""
     total = total_seq(call)
     if total is not None:
         checked_i32(total, "total sequence length")
 
 
 def rule_bias(call: Call) -> None:
-    """Rule 18."""
+    """bias is rank 1 of length 2*D + Dv."""
     if not call.present("bias"):
         return
     rank = call.rank("bias")
@@ -623,7 +638,7 @@ def rule_bias(call: Call) -> None:
 
 
 def rule_attention_bias(call: Call) -> None:
-    """Rule 19."""
+    """attention_bias is rank 4, (B|1, N|1, S, T)."""
     if not call.present("attention_bias"):
         return
     rank = call.rank("attention_bias")
@@ -652,7 +667,7 @@ def rule_attention_bias(call: Call) -> None:
 
 
 def rule_key_padding_mask(call: Call) -> None:
-    """Rule 20."""
+    """key_padding_mask is (B,), (3B+2,), (B, T) or (B, S, T)."""
     if not call.present("key_padding_mask"):
         return
     rank = call.rank("key_padding_mask")
@@ -684,7 +699,8 @@ def rule_key_padding_mask(call: Call) -> None:
 
 
 def rule_cache_indirection(call: Call) -> None:
-    """Rule 22. ORT's checks of cache_indirection's shape (made whether or not it takes effect), in its words."""
+    """ORT's checks of cache_indirection's shape (made whether or not it takes effect), in its words; then
+    mha_ep's: on the beam path an attention_bias broadcasts over the batch."""
     if not call.present("cache_indirection"):
         return
     rank = call.rank("cache_indirection")

@@ -99,7 +99,7 @@ DTYPE = "element types are static in ONNX: ORT checks them at load and the gate 
 HUGE = "a CUDA size limit: no feed of that size can be built, the gate sees the static dims"
 
 CASES = [
-    # ------------------------------------------------------------------ attributes, dtypes, structure (rules 1-9)
+    # --------------------- attributes, dtypes, structure (attributes_from_mapping to rule_key_and_value_supplied)
     case("num_heads_missing", BSNH, {}, "missing required `num_heads` attribute", "num_heads",
          "Required attribute 'num_heads' is missing", attrs={}, claim_only=STRUCTURAL),
     case("num_heads_not_positive", BSNH, {}, "num_heads must be > 0, got 0", "num_heads",
@@ -121,8 +121,9 @@ CASES = [
          {"key_padding_mask": ("float32", (B, L))},
          "key_padding_mask dtype float32 must be int32 or int64", "key_padding_mask",
          "Type 'tensor(float)' of input parameter (key_padding_mask)", claim_only=DTYPE),
-    # the shared buffer and cache_indirection (rules 6, 21, 22; docs/SEMANTICS.md §3.9-3.10): ORT's own checks, in its
-    # words; the checks of values only a run sees are VALUE_CASES below
+    # the shared buffer and cache_indirection (rule_decoder_masked_dtypes, rule_shared_buffer, rule_cache_indirection;
+    # docs/SEMANTICS.md §3.9-3.10): ORT's own checks, in its words; the checks of values only a run sees are
+    # VALUE_CASES below
     case("past_sequence_length_dtype", SHARED, {"past_sequence_length": ("int64", (1,))},
          "past_sequence_length dtype int64 must be int32 (ORT's type constraint M)", "past_sequence_length",
          "Type 'tensor(int64)' of input parameter (past_sequence_length)", outputs=PRESENTS, claim_only=DTYPE),
@@ -226,7 +227,7 @@ CASES = [
          "past_key and past_value must be provided together", "past_value",
          "Input 'past_key' and 'past_value' shall be both present or both absent", outputs=PRESENTS,
          claim_only=STRUCTURAL),
-    # ------------------------------------------------------------------------------- sizes (rules 2 and 17)
+    # -------------------------------------------------------- sizes (rule_static_shapes, rule_total_length)
     # stock ORT runs empty inputs (an empty key gives zeros); mha_ep declines them (a past of length 0 is fine)
     case("query_zero_length", BSNH, {"query": (B, 0, D)}, "query dim 1 must be > 0, got 0", "query", None),
     case("key_zero_length", BSNH, {"key": (B, 0, D), "value": (B, 0, D)}, "key dim 1 must be > 0, got 0", "key",
@@ -243,7 +244,7 @@ CASES = [
     case("total_length_exceeds_i32", WITH_PAST, {"past_key": (B, N, 2**31 - 1, H), "past_value": (B, N, 2**31 - 1, H)},
          f"total sequence length={2**31 - 1 + L} exceeds CUDA i32 limits", "total", None, outputs=PRESENTS,
          claim_only=HUGE),
-    # ------------------------------------------------------------------------------------- ranks (rule 10)
+    # ------------------------------------------------------------------------ ranks (rule_key_value_ranks)
     case("key_rank", BSNH, {"key": (B, L, N, 2, H)},
          f"a packed KV key ({B}, {L}, {N}, 2, {H}) holds the values: value ({B}, {L}, {D}) must be absent (Input "
          "'value' shall be absent for packed kv)", "value", "Packed KV not implemented for CPU", run_shapes="unranked"),
@@ -255,7 +256,7 @@ CASES = [
          f"key and value must both be rank 3 (B, L, hidden) or both rank 4 (B, N, L, head_size), got key "
          f"({B}, {L}, {D}), value ({B}, {N}, {L}, {H})", "value",
          "Expect rank of key and value be same, and either 3 or 4", run_shapes="unranked"),
-    # ---------------------------------------------------------------------- hidden and heads (rules 11-13)
+    # --------------- hidden and heads (rule_query_hidden_divisible, rule_key_value_heads, rule_head_sizes)
     # ORT never checks divisibility and fails later inside Tensor::Reshape (docs/SEMANTICS.md §2.1)
     case("query_hidden_not_divisible", BSNH, {"query": (B, S, 7), "key": (B, L, 7), "value": (B, L, 7)},
          "query hidden 7 not divisible by num_heads 2", "query", "Tensor size (42) != new size (36)"),

@@ -227,6 +227,21 @@ def test_every_rule_has_a_not_claimed_case():
     assert not missing, f"rules without a *_not_claimed case: {sorted(missing)}"
 
 
+def test_the_rules_docstring_lists_every_rule_by_name_in_order():
+    """claim/rules.py's docstring names each rule by its function, in the order the gate asks them (the order
+    decides which refusal a node gets): attributes_from_mapping, then ``RULES``, then graph_rules'
+    qk_output_refusal. A renamed or reordered rule fails here until the list follows."""
+    import re
+
+    from mha_ep.claim import graph_rules
+
+    listed = re.findall(r"^  (\w+)  ", rules.__doc__, re.MULTILINE)
+    expected = [rules.attributes_from_mapping.__name__, *(rule.__name__ for rule in rules.RULES),
+                graph_rules.qk_output_refusal.__name__]
+    assert listed == expected
+    assert not re.search(r"\bRule\s+\d", rules.__doc__), "a rule is named by its function, not a number"
+
+
 def test_rules_accept_symbolic_dims_and_revalidate_nothing_they_cannot_see():
     symbolic = [f32(None, None, 8), f32(None, None, 8), f32(None, None, 8), f32(24), typed("int32", None, None)]
     assert gate(symbolic).claimed

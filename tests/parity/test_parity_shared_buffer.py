@@ -8,9 +8,9 @@ b*W + cache_indirection[b, w, j]. What the strategies draw: P from 0 (the first 
 spare, S = L from 1 to 4 (a prompt of a few tokens into the cache), beams 1 to 3 (the beam path at S = 1, and
 cache_indirection that ORT ignores at S > 1, at P = 0, or with a (B,) mask), every mask format over T = P + L, with
 "any" values (the beam path keeps every nonzero value, the math path every positive one), attention_bias (dim 0 of
-1 on the beam path: rules.py rule 22), causal, projection biases, float32 and float16 at stock ORT's tolerances,
-bfloat16 against the float64 oracle. The past's rows beyond P + L are random too: a present that does not carry
-them over, or a write past row P + L, shows.
+1 on the beam path: claim/rules.py rule_cache_indirection), causal, projection biases, float32 and float16 at stock
+ORT's tolerances, bfloat16 against the float64 oracle. The past's rows beyond P + L are random too: a present that
+does not carry them over, or a write past row P + L, shows.
 
 ``test_present_bound_to_its_past`` runs the static decoder's binding: one OrtValue as past and present, through
 IOBinding, where only rows [P, P+L) may change.

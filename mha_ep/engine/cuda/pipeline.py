@@ -341,8 +341,8 @@ def _native_in_place(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, 
 def reads_sources_in_place(problem: MhaProblem) -> bool:
     """Whether a float16 / bfloat16 call on the native route's fused path skips the layout movers altogether: no
     projection bias, no past and no present wanted (an encoder's or a diffusion model's attention, a packed
-    input's always: rule 16). The movers would copy each operand unchanged; the fused kernel reads query, key and
-    value where ORT holds them instead, through their strides (source_operands)."""
+    input's always: claim/rules.py rule_past). The movers would copy each operand unchanged; the fused kernel reads
+    query, key and value where ORT holds them instead, through their strides (source_operands)."""
     return (problem.bias_q is None and problem.bias_k is None and problem.bias_v is None
             and problem.past_key_BNPH is None and problem.past_value_BNPH is None
             and not problem.want_present_key and not problem.want_present_value)  # fmt: skip

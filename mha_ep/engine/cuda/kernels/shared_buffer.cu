@@ -76,7 +76,7 @@ __device__ __forceinline__ int checked_past(const int* __restrict__ past_sequenc
     valid = true;
     return past;
   }
-  return min(max(past, 0), max(max_seq - kv_seq, 0));  // the host checked L <= M (claim/rules.py rule 21)
+  return min(max(past, 0), max(max_seq - kv_seq, 0));  // the host checked L <= M (claim/rules.py rule_shared_buffer)
 }
 
 // ------------------------------------------------------------------------------------------------- append_kv
