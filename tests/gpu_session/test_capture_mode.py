@@ -134,6 +134,6 @@ def test_a_relaxed_thread_stays_relaxed():
 ])  # fmt: skip
 def test_a_run_that_a_broken_capture_failed_is_told_apart(text, broke):
     """cuda_io answers such a call by an eager run (rule 6); every other failure keeps ORT's own exception."""
-    from mha_ep.gpu_session.cuda_io import capture_broke
+    from mha_ep.gpu_session.recovery import capture_broke
 
     assert capture_broke(RuntimeError(text)) is broke

@@ -92,9 +92,9 @@ def test_graph_outputs_from_run_device_are_copies_the_next_replay_leaves_alone()
 
 
 def test_the_cap_on_graphs_leaves_later_signatures_eager(monkeypatch):
-    from mha_ep.gpu_session import cuda_io
+    from mha_ep.gpu_session import slots
 
-    monkeypatch.setattr(cuda_io, "MAX_GRAPHS", 1)
+    monkeypatch.setattr(slots, "MAX_GRAPHS", 1)
     model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
     session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
     for sequence in (8, 9, 8, 9, 9):
@@ -208,13 +208,13 @@ def test_graph_calls_run_on_the_first_calling_thread_and_others_on_the_worker():
     session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
     io = session.cuda_io
     ran_on = []
-    original = io._run
+    original = io.ort.run
 
     def recorded(binding, options):
         ran_on.append(threading.get_ident())
         return original(binding, options)
 
-    io._run = recorded
+    io.ort.run = recorded
 
     def calls(tag, count, results):
         for call in range(count):
@@ -383,11 +383,11 @@ def test_a_call_that_finds_the_lanes_taken_gets_a_lane_of_its_own():
     expected = stock_cuda(model, feeds)
     device_feeds = {n: cupy.asarray(v) for n, v in feeds.items()}
     assert_close([cupy.asnumpy(session.run_device(None, device_feeds)[0])], expected, "float32", "first")
-    lane = io._take_lane()
+    lane = io.lanes.take()
     assert io.lanes_made == 1
     assert_close([cupy.asnumpy(session.run_device(None, device_feeds)[0])], expected, "float32", "lane held")
     assert io.lanes_made == 2
-    io._give_lane(lane)
+    io.lanes.give(lane)
     assert io.in_use() == {"lanes_out": 0}
 
 

@@ -316,7 +316,7 @@ def test_a_slot_that_cannot_be_allocated_leaves_its_signature_eager_and_the_call
 
 
 def test_a_failed_allocation_is_told_apart_from_other_failures():
-    from mha_ep.gpu_session.cuda_io import allocation_failed
+    from mha_ep.gpu_session.recovery import allocation_failed
 
     class OutOfMemoryError(MemoryError):  # CuPy's
         pass
