@@ -8,7 +8,7 @@ Three ``mha_ep.InferenceSession`` of one BERT-base row under ORT's CUDA graph, i
   cupy    the same kernel launched by CuPy, the events recorded and waited for by CuPy (as before launch_copies)
   memcpy  one ``cudaMemcpyAsync`` per buffer (``GraphSlots._copy_kernel`` set False, as where NVRTC cannot build it)
 Each round times ``--calls`` calls of ``run_device`` on CuPy feeds per session, in turns: H, the host time until
-the call returns (rule 7: a replay waits for nothing), and C', the session's ORT call inside it (timed around
+the call returns (ONE_STREAM_REPLAY: a replay waits for nothing), and C', the session's ORT call inside it (timed around
 cuda_io's ``ort.run``: the session's guard and ORT's ``run_with_iobinding`` of the replay), the caller's stream
 synchronized after each call, outside the timing. H - C' is cuda_io's host time around ORT's replay call (issue
 32's target: 30 µs). Printed per row and side: medians over the rounds of each round's median, the range of H, and

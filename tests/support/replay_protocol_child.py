@@ -216,7 +216,7 @@ def main(kind: str) -> None:
 
 def failures() -> None:
     """A graph session's replays that fail: the first call eager, then a replay whose run a broken capture fails
-    (answered by an eager run through ORT's own run: rule 6), one whose run fails in a node (ORT's own run then
+    (answered by an eager run through ORT's own run: capture_broke), one whose run fails in a node (ORT's own run then
     raises the type ``run`` gives: ort_checks.execution_error), and a replay that works."""
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
@@ -271,7 +271,8 @@ def out_of_memory() -> None:
                                    ("eager, refused by CUDA", False, refused)):  # fmt: skip
         io = io_session(graphs=graphs)
         device = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
-        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (rule 5 would take all-NumPy)
+        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (OWN_RUN_MAX_BYTES would take
+        # all-NumPy)
         mixed = {n: rng.integers(0, 99, (1, 32)) if n == NAMES[0] else device[n] for n in NAMES}
         calls = []
         for fail in (False, True, False) if graphs else (True, False):
@@ -317,7 +318,8 @@ def two_devices() -> None:
         with cupy.cuda.Device(device):
             caller = cupy.cuda.Stream(name=f"caller{device}")
             on_device = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
-        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (rule 5 would take all-NumPy)
+        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (OWN_RUN_MAX_BYTES would take
+        # all-NumPy)
         mixed = {n: rng.integers(0, 99, (1, 32)) if n == NAMES[0] else on_device[n] for n in NAMES}
         host = {n: rng.integers(0, 99, (1, 32)) for n in NAMES} if graphs else mixed
         calls = []
