@@ -85,7 +85,7 @@ def with_session_stream(providers, provider_options, device_id: int) -> tuple:
     """(providers, provider_options, stream, added): the CUDA provider's compute stream as a CuPy stream. The
     caller's own ``user_compute_stream`` where it gave one (``added`` False); else a new non-blocking stream of the
     session's, added to copies of the options (the caller's lists stay as they were). Only for sessions under
-    ORT's CUDA graphs (cuda_io rule 7): their calls run one at a time anyway, and the copies around a replay then
+    ORT's CUDA graphs (ONE_STREAM_REPLAY, gpu_session/slots.py): their calls run one at a time anyway, and the copies around a replay then
     queue on the replay's own stream."""
     import cupy
 

@@ -96,7 +96,8 @@ class InferenceSession:
         ort_stream, added = None, False
         native_cuda = chosen.on_cuda and self.route == "native" and self.backend.name == "cuda"
         if native_cuda and chosen.cuda_graph:
-            # cuda_io rule 7: ORT's graphs run on a stream the session knows, so its copies queue around a replay
+            # ONE_STREAM_REPLAY (gpu_session/slots.py): ORT's graphs run on a stream the session knows, so its copies
+            # queue around a replay
             chosen, ort_stream, added = chosen.with_stream()
         try:
             self._session = _make_session(self.partition.model, options, chosen, **kwargs)
@@ -163,9 +164,9 @@ class InferenceSession:
         return method(output_names, input_feed, make_options)
 
     def _run_binding(self, binding, options):
-        """cuda_io's run: an IOBinding, or a call standing in for one (cuda_io._Direct), with this session's error
-        channel (a claimed node's failure comes back as MhaRunError with the status code the node gave it; through
-        IOBinding ORT's own exception would only say RuntimeError)."""
+        """cuda_io's run (ort_calls.OrtCalls.run): an IOBinding, or a call standing in for one (ort_calls.DirectRun),
+        with this session's error channel (a claimed node's failure comes back as MhaRunError with the status code
+        the node gave it; through IOBinding ORT's own exception would only say RuntimeError)."""
         call = getattr(binding, "call", None)
         if call is not None:
             return self._guarded(call, options)
@@ -174,8 +175,8 @@ class InferenceSession:
     def run_with_iobinding(self, iobinding, run_options=None):
         """Like onnxruntime's ``run_with_iobinding``, with this session's backend and error channel. ORT's own call:
         under ``enable_cuda_graph`` one thread at a time, as ORT asks (``run`` and ``run_device`` serialize
-        themselves and keep the ``gpu_graph_id`` values 1 to native.cuda_io.MAX_GRAPHS: a RunOptions asking for one
-        of those is refused, taken_graph_id)."""
+        themselves and keep the ``gpu_graph_id`` values 1 to gpu_session/slots.py's MAX_GRAPHS: a RunOptions asking
+        for one of those is refused, taken_graph_id)."""
         options = self._caller_run_options(run_options)
         return self._guarded(lambda: self._session.run_with_iobinding(iobinding, options), options)
 
@@ -194,7 +195,7 @@ class InferenceSession:
         carried: dict = {}
         options = own_run_options(run_options, carried)
         if "gpu_graph_id" in carried and self._io is not None and self._io.graphs:
-            from mha_ep.gpu_session.cuda_io import MAX_GRAPHS
+            from mha_ep.gpu_session.slots import MAX_GRAPHS
 
             reason = taken_graph_id(carried["gpu_graph_id"], MAX_GRAPHS)
             if reason is not None:

@@ -6,10 +6,10 @@ CuPy's launch of the same kernel with its event calls, or one memcpy per buffer.
 Three ``mha_ep.InferenceSession`` of one BERT-base row under ORT's CUDA graph, in one process:
   native  the copy kernel and the replay's event pair through ``_native.launch_copies`` (gpu_session/segments.py)
   cupy    the same kernel launched by CuPy, the events recorded and waited for by CuPy (as before launch_copies)
-  memcpy  one ``cudaMemcpyAsync`` per buffer (``cuda_io._copy_kernel`` set False, as where NVRTC cannot build it)
+  memcpy  one ``cudaMemcpyAsync`` per buffer (``GraphSlots._copy_kernel`` set False, as where NVRTC cannot build it)
 Each round times ``--calls`` calls of ``run_device`` on CuPy feeds per session, in turns: H, the host time until
-the call returns (rule 7: a replay waits for nothing), and C', the session's ORT call inside it (timed around
-cuda_io's ``_run``: the session's guard and ORT's ``run_with_iobinding`` of the replay), the caller's stream
+the call returns (ONE_STREAM_REPLAY: a replay waits for nothing), and C', the session's ORT call inside it (timed around
+cuda_io's ``ort.run``: the session's guard and ORT's ``run_with_iobinding`` of the replay), the caller's stream
 synchronized after each call, outside the timing. H - C' is cuda_io's host time around ORT's replay call (issue
 32's target: 30 µs). Printed per row and side: medians over the rounds of each round's median, the range of H, and
 the largest difference from the native session's outputs (the copies must not change a bit). Needs CuPy,
@@ -36,8 +36,8 @@ SIDES = ("native", "cupy", "memcpy")
 
 
 def timed_ort(io) -> list:
-    """Time ``io``'s ORT calls (its ``_run``) into the returned list, in seconds."""
-    inner, original = [], io._run
+    """Time ``io``'s ORT calls (its ``ort.run``) into the returned list, in seconds."""
+    inner, original = [], io.ort.run
 
     def run(binding, options):
         start = time.perf_counter()
@@ -46,7 +46,7 @@ def timed_ort(io) -> list:
         finally:
             inner.append(time.perf_counter() - start)
 
-    io._run = run
+    io.ort.run = run
     return inner
 
 
@@ -78,8 +78,8 @@ def main() -> None:
             kernel = segments.copy_function(0)
         if kernel.native is None:
             raise SystemExit("ab_copy_kernel: the native library's launch_copies is unavailable here")
-        sessions["cupy"].cuda_io._copy_kernel = dataclasses.replace(kernel, native=None)
-        sessions["memcpy"].cuda_io._copy_kernel = False  # as where the kernel cannot be built
+        sessions["cupy"].cuda_io.graph_slots._copy_kernel = dataclasses.replace(kernel, native=None)
+        sessions["memcpy"].cuda_io.graph_slots._copy_kernel = False  # as where the kernel cannot be built
         outputs, inner = {}, {}
         for side, session in sessions.items():
             for _ in range(5):  # the eager first call, ORT's warm-up and capture, then replays

@@ -2,10 +2,10 @@
 
     PYTHONPATH=$PWD:/tmp/site python3 scripts/probe_host_calls.py [--rounds 9] [--calls 400]
 
-``run_device`` on a replayed signature (cuda_io rule 7) waits for nothing: its host time is Python and CUDA API
-calls. Issue 32 asks for at most 30 µs of it around ORT's replay call; scripts/profile_session_graph.py measures
-the whole (its H - C' column). This times the calls it is made of, one kind at a time, and the alternatives that
-would replace several of them, so the next change is chosen on numbers:
+``run_device`` on a replayed signature (ONE_STREAM_REPLAY, gpu_session/slots.py) waits for nothing: its host time is
+Python and CUDA API calls. Issue 32 asks for at most 30 µs of it around ORT's replay call;
+scripts/profile_session_graph.py measures the whole (its H - C' column). This times the calls it is made of, one kind at
+a time, and the alternatives that would replace several of them, so the next change is chosen on numbers:
 
   memcpy              cupy.cuda.runtime.memcpyAsync of one small feed (256 B), device to device, on a stream
   3 memcpy            three of them (BERT's three feeds: input ids, token types, mask)

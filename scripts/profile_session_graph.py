@@ -9,13 +9,13 @@ Per BERT-base row, calls timed in turns (medians, ms), each ending when its outp
   C' the same session's ORT call alone (the replay inside C, timed around its run_with_iobinding)
   E  the graph session's run on NumPy feeds, NumPy outputs (E' its ORT call)
   F  stock's graph fed from NumPy: each feed copied into its bound buffer, the replay, each output copied back
-  H  C's run_device alone, in µs: it returns before the GPU has run (rule 7), so this is its host time; H - C' is
-     cuda_io's host time around ORT's replay call (issue 32's target: 30 µs), timed with no probe in the call
+  H  C's run_device alone, in µs: it returns before the GPU has run (ONE_STREAM_REPLAY), so this is its host time;
+     H - C' is cuda_io's host time around ORT's replay call (issue 32's target: 30 µs), timed with no probe in the call
   O  H with the caller on ORT's own stream (as a caller that gave its stream as ``user_compute_stream``): the
      replay records and waits for no event; O - C' as H - C'
-B - A is the native op against stock's attention inside ORT's graph; C / A the whole session call (its copies in
-and out included) against stock's bare replay. A replay is queued, not waited for (cuda_io rule 7), so C' is host
-time only and C - C' holds the wait for the GPU.
+B - A is the native op against stock's attention inside ORT's graph; C / A the whole session call (its copies in and out
+included) against stock's bare replay. A replay is queued, not waited for (ONE_STREAM_REPLAY, gpu_session/slots.py), so
+C' is host time only and C - C' holds the wait for the GPU.
 
 A second table splits C and E into segments (medians, µs) between marks set where cuda_io's methods begin (">")
 and end ("<"); "sync" is the caller's wait for the outputs. A segment that holds a host wait on the GPU shows it.
@@ -129,7 +129,7 @@ def main() -> None:
             original(binding, run_options)
             inner.append(time.perf_counter() - start)
 
-        io._run = timed_binding
+        io.ort.run = timed_binding
 
         def session_call():
             graphed.run_device(None, device_feeds)
@@ -153,8 +153,9 @@ def main() -> None:
               f"| {e:.3f} | {inside_numpy:.3f} | {f:.3f} | {e / f:.2f} | {own:.1f} | {own - ort_call:.1f} "
               f"| {own_ort:.1f} | {own_ort - ort_call_ort:.1f} |",
               flush=True)  # fmt: skip
-        for name in ("run_device", "run_host", "_replay_device", "_replay", "_run_slot", "_run"):
-            probe(io, name, marks)
+        for owner, name in ((io, "run_device"), (io, "run_host"), (io.graph_slots, "replay_device"),
+                            (io.graph_slots, "replay"), (io.graph_slots, "run_slot"), (io.ort, "run")):
+            probe(owner, name, marks)
         if not breakdown:  # the class's methods: once
             for name in ("upload", "download"):
                 probe(HostTransfers, name, marks)

@@ -1,4 +1,4 @@
-"""What cuda_io's small-call path (rule 5: ORT's own ``run``) adds to a bare ORT session, on any machine.
+"""What cuda_io's small-call path (OWN_RUN_MAX_BYTES: ORT's own ``run``) adds to a bare ORT session, on any machine.
 
     PYTHONPATH=<a folder with CuPy> python3 scripts/small_call_overhead.py [--threads 8] [--rounds 5]
 
@@ -55,7 +55,7 @@ def main() -> None:
         median, rounds = soak.ratio_of_rounds(rates[name], rates["bare"])
         print(f"{name} / bare: {median} (rounds {rounds})")
     print("one thread, median µs a call (500 calls each; bad kinds raise, bare's in ORT's C++ with the GIL released,"
-          " cuda_io's from its remembered verdict: cuda_io rule 4):")
+          " cuda_io's from its remembered verdict: CallChecks):")
     print(f"{'kind':22s}" + "".join(f"{name:>10s}" for name in calls))
     for kind in ["good", *sorted({c.kind for c in cases} - {"good"})]:
         case = next(c for c in cases if c.kind == kind)

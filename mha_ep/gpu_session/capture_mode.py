@@ -1,20 +1,22 @@
 """A thread's CUDA stream-capture mode: the threads that call a GPU session leave ORT's graph captures alone.
 
-ORT's CUDA provider captures its graphs in ``cudaStreamCaptureModeGlobal``. While such a capture runs on any
-thread, every thread left in the default mode (global too) is prohibited from "potentially unsafe" CUDA calls: an
+ORT's CUDA provider captures its graphs in ``cudaStreamCaptureModeGlobal``. While such a capture runs on any thread,
+every thread left in the default mode (global too) is prohibited from "potentially unsafe" CUDA calls: an
 allocation, a synchronous copy, a synchronize of the legacy stream. The call fails with
 ``cudaErrorStreamCaptureUnsupported`` and the capture is invalidated, so ORT's run fails as well. With
-``enable_cuda_graph`` a session's ORT runs happen on its worker thread (cuda_io rule 3) while its callers check
-their calls and do their own CuPy work around them; under 6 threads of ``run_device`` half of the test runs lost a
-good call that way (tests/gpu_session/test_native_session.py).
+``enable_cuda_graph`` a session's ORT runs happen on its worker thread (GraphThreads, lanes.py) while its callers
+check their calls and do their own CuPy work around them; under 6 threads of ``run_device`` half of the test runs
+lost a good call that way (tests/gpu_session/test_native_session.py).
 
 A thread in ``CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`` ignores other threads' captures (the driver's
-``cuThreadExchangeStreamCaptureMode``, the runtime's ``cudaThreadExchangeStreamCaptureMode``; PyTorch's graphs
-offer the same as ``capture_error_mode="thread_local"``). cuda_io puts every thread that calls one of its sessions,
-and each session's worker thread, in that mode on its first call. Its own captures stay guarded: a thread is still
-prohibited from unsafe calls during a capture it began. What the other threads then do cannot reach the capture:
-ORT captures on a non-blocking stream of its own, which the legacy stream does not synchronize with, and an
-allocation enqueues nothing. Threads that never call mha_ep keep their mode; ORT's own limits hold for them.
+``cuThreadExchangeStreamCaptureMode``, the runtime's ``cudaThreadExchangeStreamCaptureMode``; PyTorch's graphs offer
+the same as ``capture_error_mode="thread_local"``). cuda_io puts every thread that calls one of its sessions, and
+each session's worker thread, in that mode on its first call (``ignore_other_captures``). Its own captures stay
+guarded: a thread is still prohibited from unsafe calls during a capture it began. What the other threads then do
+cannot reach the capture: ORT captures on a non-blocking stream of its own, which the legacy stream does not
+synchronize with, and an allocation enqueues nothing. Threads that never call mha_ep keep their mode; ORT's own
+limits hold for them: a call whose run such a thread's unsafe call still breaks is answered by an eager run
+(capture_broke, recovery.py).
 """
 
 from __future__ import annotations

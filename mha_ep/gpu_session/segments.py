@@ -1,16 +1,16 @@
 """Several device-to-device copies in one kernel launch: a graph replay's feeds into its slot, its outputs out.
 
-A replay of a graph session (cuda_io rule 7) copies each device feed into the slot's fixed buffer and each output
-out of it. A replay copies several buffers each way, and one ``cudaMemcpyAsync`` per buffer costs the host about
-twice what one kernel launch copying three of them does (docs/BENCH.md, "hostcalls"), so a slot's copies are made
-by ``kernels/copy_segments.cu``: its ``Segments`` table (sources, destinations, lengths) goes by value as the
-launch's one parameter.
+A replay of a graph session (ONE_STREAM_REPLAY, slots.py) copies each device feed into the slot's fixed buffer and
+each output out of it. A replay copies several buffers each way, and one ``cudaMemcpyAsync`` per buffer costs the
+host about twice what one kernel launch copying three of them does (docs/BENCH.md, "hostcalls"), so a slot's copies
+are made by ``kernels/copy_segments.cu``: its ``Segments`` table (sources, destinations, lengths) goes by value as
+the launch's one parameter.
 
 ``SegmentCopies(kernel, lengths, destinations=... | sources=...)`` is one fixed set of copies (a slot's feeds in, or
 its outputs out): the side given is written once, the other (the caller's feed addresses, or the fresh output
 arrays) is passed to each ``launch``. The table is rewritten per call and reused at once: a launch copies its
 parameters. A set of more than MAX_SEGMENTS copies launches once per MAX_SEGMENTS. ``copy_function(device)`` is the
-compiled kernel (NVRTC, once per device and process); where it cannot be built, cuda_io keeps its memcpy calls.
+compiled kernel (NVRTC, once per device and process); where it cannot be built, slots.py keeps its memcpy calls.
 
 A launch is one call into the native library (``_native.launch_copies``): with the replay's events around it (ORT's
 stream waits for the caller's before the copies in, the caller's for ORT's after the copies out), the addresses

@@ -152,7 +152,8 @@ def call_key(feeds: Mapping, output_names, device_array: type) -> Optional[tuple
 
 
 class CheckVerdicts:
-    """call_error's verdict per call key, so a repeated call is checked by one dictionary lookup (cuda_io rule 4).
+    """call_error's verdict per call key, so a repeated call is checked by one dictionary lookup (CallChecks in
+    gpu_session/checks.py).
 
     A call key (call_key: the output names, and each feed's name, shape, dtype and kind in feed order) holds
     everything call_error reads, so its verdict is the key's: the outputs a passing call wants, or the

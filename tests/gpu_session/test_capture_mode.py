@@ -133,7 +133,7 @@ def test_a_relaxed_thread_stays_relaxed():
     ("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: attention_mask", False),
 ])  # fmt: skip
 def test_a_run_that_a_broken_capture_failed_is_told_apart(text, broke):
-    """cuda_io answers such a call by an eager run (rule 6); every other failure keeps ORT's own exception."""
-    from mha_ep.gpu_session.cuda_io import capture_broke
+    """cuda_io answers such a call by an eager run (recovery.py); every other failure keeps ORT's own exception."""
+    from mha_ep.gpu_session.recovery import capture_broke
 
     assert capture_broke(RuntimeError(text)) is broke

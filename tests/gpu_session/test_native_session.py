@@ -92,9 +92,9 @@ def test_graph_outputs_from_run_device_are_copies_the_next_replay_leaves_alone()
 
 
 def test_the_cap_on_graphs_leaves_later_signatures_eager(monkeypatch):
-    from mha_ep.gpu_session import cuda_io
+    from mha_ep.gpu_session import slots
 
-    monkeypatch.setattr(cuda_io, "MAX_GRAPHS", 1)
+    monkeypatch.setattr(slots, "MAX_GRAPHS", 1)
     model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
     session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
     for sequence in (8, 9, 8, 9, 9):
@@ -125,8 +125,8 @@ def test_a_decode_loop_gets_page_locked_outputs_and_feeds_them_back():
     session = mha_ep.InferenceSession(model, backend="cuda", providers=PROVIDERS)
     stock = onnxruntime.InferenceSession(model.SerializeToString(), providers=PROVIDERS)
     names = [o.name for o in stock.get_outputs()]
-    # batch 8: the call's feeds and outputs are over OWN_RUN_MAX_BYTES, so they move through page-locked memory
-    # (cuda_io rule 5)
+    # batch 8: the call's feeds and outputs are over OWN_RUN_MAX_BYTES (gpu_session/small_calls.py), so they move
+    # through page-locked memory
     feeds = random_feeds(model, seed=7, dims={"batch": 8, "past_decode_len": 300})
     for step in range(3):
         actual, expected = session.run(None, feeds), stock.run(None, feeds)
@@ -197,9 +197,9 @@ def test_threads_share_one_session_with_bad_calls_among_them(providers):
 
 
 def test_graph_calls_run_on_the_first_calling_thread_and_others_on_the_worker():
-    """cuda_io rule 3: a graph session's first calling thread runs its own calls (no thread switch), any other
-    thread's calls run on the session's worker thread, one call at a time; ORT keeps a graph per thread, so both
-    threads' replays of one signature read the same fixed buffers and give stock's answers."""
+    """GraphThreads (gpu_session/lanes.py): a graph session's first calling thread runs its own calls (no thread
+    switch), any other thread's calls run on the session's worker thread, one call at a time; ORT keeps a graph per
+    thread, so both threads' replays of one signature read the same fixed buffers and give stock's answers."""
     import threading
 
     import cupy
@@ -208,13 +208,13 @@ def test_graph_calls_run_on_the_first_calling_thread_and_others_on_the_worker():
     session = mha_ep.InferenceSession(model, backend="cuda", providers=GRAPHS)
     io = session.cuda_io
     ran_on = []
-    original = io._run
+    original = io.ort.run
 
     def recorded(binding, options):
         ran_on.append(threading.get_ident())
         return original(binding, options)
 
-    io._run = recorded
+    io.ort.run = recorded
 
     def calls(tag, count, results):
         for call in range(count):
@@ -264,8 +264,9 @@ def test_a_callers_own_binding_on_a_graph_session_may_not_take_the_sessions_grap
 
 
 def test_a_graph_session_runs_ort_on_a_stream_it_knows():
-    """cuda_io rule 7: under ORT's CUDA graphs the session hands ORT a stream of its own (or keeps the caller's
-    ``user_compute_stream``) and queues its copies on it; the caller's provider list is left as it was."""
+    """ONE_STREAM_REPLAY (gpu_session/slots.py): under ORT's CUDA graphs the session hands ORT a stream of its own (or
+    keeps the caller's ``user_compute_stream``) and queues its copies on it; the caller's provider list is left as it
+    was."""
     import cupy
 
     model = bert_encoder(layers=1, hidden=64, heads=2, ffn=128)
@@ -290,7 +291,7 @@ def test_a_graph_session_runs_ort_on_a_stream_it_knows():
 
 @pytest.mark.parametrize("callers_stream", ["its own", "ORT's"])
 def test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu(callers_stream):
-    """run_device on a captured signature makes no host wait (cuda_io rule 7): with the caller's stream held by a
+    """run_device on a captured signature makes no host wait (ONE_STREAM_REPLAY): with the caller's stream held by a
     kernel that spins until the host opens a gate, the call still returns; the caller then overwrites the feeds
     on its stream, opens the gate, and reads stock's outputs for the feeds it passed. A call that waited for the
     GPU would hold the gate shut: the test then opens the gate itself and fails. "ORT's": the caller's stream is
@@ -315,7 +316,7 @@ def test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu(ca
     device_feeds, outputs, errors = {}, [], []
     gated, returned = threading.Event(), threading.Event()
 
-    def calls():  # one thread makes every call: ORT keeps its captured graphs per thread (cuda_io rule 3)
+    def calls():  # one thread makes every call: ORT keeps its captured graphs per thread (GraphThreads)
         try:
             with caller:
                 for call in range(4):  # eager, then ORT's warm-up and capture: these may wait
@@ -383,11 +384,11 @@ def test_a_call_that_finds_the_lanes_taken_gets_a_lane_of_its_own():
     expected = stock_cuda(model, feeds)
     device_feeds = {n: cupy.asarray(v) for n, v in feeds.items()}
     assert_close([cupy.asnumpy(session.run_device(None, device_feeds)[0])], expected, "float32", "first")
-    lane = io._take_lane()
+    lane = io.lanes.take()
     assert io.lanes_made == 1
     assert_close([cupy.asnumpy(session.run_device(None, device_feeds)[0])], expected, "float32", "lane held")
     assert io.lanes_made == 2
-    io._give_lane(lane)
+    io.lanes.give(lane)
     assert io.in_use() == {"lanes_out": 0}
 
 

@@ -1,19 +1,20 @@
-"""The CUDA calls of a GPU session's calls, in order, on any machine (gpu_session/cuda_io.py, rule 7 above all).
+"""The CUDA calls of a GPU session's calls, in order, on any machine (gpu_session/cuda_io.py and its parts,
+ONE_STREAM_REPLAY of gpu_session/slots.py above all).
 
-A child process (tests/support/replay_protocol_child.py) puts tests/support/recording_cupy.py in CuPy's place (every CUDA call
-recorded, none run) and a stand-in for ORT's session under a graph session's CudaSessionIO, and calls it three times
-with one signature: the first call runs eagerly and makes the signature's slot, the next two replay it.
-``run_device`` is called from the session's first thread and, the third time, from another one (whose call runs on
-the session's worker); ``run`` with NumPy feeds from one thread. Rule 7's promise, call by call: ORT's stream waits
-for the caller's (an event) before the feeds are copied into the slot on ORT's stream; ORT's replay is queued with
-``disable_synchronize_execution_providers``; the output is allocated under the caller's stream and copied on ORT's;
-the caller's stream waits for ORT's (another event); nothing is waited for on the host, except ``run``'s one wait
-for its download. Without graphs: the host waits for the caller's stream and the upload's, then ORT's run
-synchronizes its own. A replay that fails is answered (a broken capture) or raises ORT's type (a node's failure),
-and leaves no lane out; an upload that fails still guards the staging buffer. Sessions on two devices touch only
-their own; a slot that cannot be allocated leaves its signature eager, its call answered. The GPU side of the same
-promise: tests/gpu_session/test_native_session.py
-(``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``) and tests/gpu_session/test_two_gpus.py.
+A child process (tests/support/replay_protocol_child.py) puts tests/support/recording_cupy.py in CuPy's place (every
+CUDA call recorded, none run) and a stand-in for ORT's session under a graph session's CudaSessionIO, and calls it three
+times with one signature: the first call runs eagerly and makes the signature's slot, the next two replay it.
+``run_device`` is called from the session's first thread and, the third time, from another one (whose call runs on the
+session's worker); ``run`` with NumPy feeds from one thread. ONE_STREAM_REPLAY's promise, call by call: ORT's stream
+waits for the caller's (an event) before the feeds are copied into the slot on ORT's stream; ORT's replay is queued with
+``disable_synchronize_execution_providers``; the output is allocated under the caller's stream and copied on ORT's; the
+caller's stream waits for ORT's (another event); nothing is waited for on the host, except ``run``'s one wait for its
+download. Without graphs: the host waits for the caller's stream and the upload's, then ORT's run synchronizes its own.
+A replay that fails is answered (a broken capture) or raises ORT's type (a node's failure), and leaves no lane out; an
+upload that fails still guards the staging buffer. Sessions on two devices touch only their own; a slot that cannot be
+allocated leaves its signature eager, its call answered. The GPU side of the same promise:
+tests/gpu_session/test_native_session.py (``test_a_replay_queues_behind_the_callers_stream_and_returns_before_the_gpu``)
+and tests/gpu_session/test_two_gpus.py.
 """
 
 from __future__ import annotations
@@ -144,10 +145,10 @@ def test_a_call_whose_own_memory_does_not_fit_raises_orts_runtime_exception_and_
 
 
 def test_run_with_numpy_feeds_goes_up_in_one_copy_and_waits_once_for_its_download():
-    """``run`` on a graph session: the feeds go up from the lane's staging buffer in one copy on ORT's stream, and
-    ORT's run queues behind it with no host wait between (rule 7; its first, eager call too); the output comes down
-    on the same stream, and the host waits once, for that download. The next call finds the staging buffer free
-    (the download's wait covered its copy) and waits for nothing more."""
+    """``run`` on a graph session: the feeds go up from the lane's staging buffer in one copy on ORT's stream, and ORT's
+    run queues behind it with no host wait between (ONE_STREAM_REPLAY; its first, eager call too); the output comes down
+    on the same stream, and the host waits once, for that download. The next call finds the staging buffer free (the
+    download's wait covered its copy) and waits for nothing more."""
     got = calls_of("host")
     assert got["slot_calls"] == 2
     assert got["bound"] == got["slot"]
@@ -204,9 +205,9 @@ def test_without_graphs_run_uploads_on_a_lane_and_waits_for_it_before_orts_run()
 
 
 def test_a_replay_that_fails_is_answered_or_raises_orts_type_and_the_next_replay_works():
-    """A graph session's replay whose run fails (rule 6, ort_checks.execution_error): a broken capture is answered
-    by an eager run through ORT's own run (counted in capture_retries); a node's failure raises the type ORT's own
-    run gives it; neither leaves a lane out, and the next call replays the slot as before."""
+    """A graph session's replay whose run fails (recovery.capture_broke, ort_checks.execution_error): a broken capture
+    is answered by an eager run through ORT's own run (counted in capture_retries); a node's failure raises the type
+    ORT's own run gives it; neither leaves a lane out, and the next call replays the slot as before."""
     got = calls_of("failures")
     eager, capture, failed, replay = got["calls"]
     assert all(call["scripted_left"] == 0 for call in got["calls"])  # every scripted failure happened
@@ -240,10 +241,10 @@ def test_an_upload_that_fails_still_guards_the_staging_buffer_for_the_next_call(
 
 
 def test_run_device_with_numpy_feeds_copies_a_replays_outputs_out_on_orts_stream_with_no_host_wait_after():
-    """run_device with NumPy feeds on a graph session: the feeds go up on ORT's stream (the staging buffer waited
-    for once it was used), the replay queues behind them, and the outputs are copied out as a device-feed replay's
-    are (cuda_io._copy_out): into arrays of the caller's stream, on ORT's stream, the caller's stream waiting on
-    an event. The only host waits are for the caller's stream and the staging buffer, before the copies."""
+    """run_device with NumPy feeds on a graph session: the feeds go up on ORT's stream (the staging buffer waited for
+    once it was used), the replay queues behind them, and the outputs are copied out as a device-feed replay's are
+    (slots.GraphSlots.copy_out): into arrays of the caller's stream, on ORT's stream, the caller's stream waiting on an
+    event. The only host waits are for the caller's stream and the staging buffer, before the copies."""
     got = calls_of("device numpy")
     assert got["slot_calls"] == 2
     (staging,) = got["staging"]
@@ -316,7 +317,7 @@ def test_a_slot_that_cannot_be_allocated_leaves_its_signature_eager_and_the_call
 
 
 def test_a_failed_allocation_is_told_apart_from_other_failures():
-    from mha_ep.gpu_session.cuda_io import allocation_failed
+    from mha_ep.gpu_session.recovery import allocation_failed
 
     class OutOfMemoryError(MemoryError):  # CuPy's
         pass
@@ -330,10 +331,10 @@ def test_a_failed_allocation_is_told_apart_from_other_failures():
 
 
 def test_eight_threads_on_a_graph_session_replay_one_call_at_a_time():
-    """Rule 3: a graph session's CUDA work runs one call at a time, whichever thread calls (the owner runs its own
-    calls, the others' run on the session's worker). 8 threads call run_device at once, switching as often as
-    Python lets them: every call is answered, and each replay's eight CUDA calls lie together in the record, all of
-    one caller's stream, in rule 7's order; no lane is left out."""
+    """GraphThreads: a graph session's CUDA work runs one call at a time, whichever thread calls (the owner runs its own
+    calls, the others' run on the session's worker). 8 threads call run_device at once, switching as often as Python
+    lets them: every call is answered, and each replay's eight CUDA calls lie together in the record, all of one
+    caller's stream, in ONE_STREAM_REPLAY's order; no lane is left out."""
     got = calls_of("threads")
     assert len(got["outcomes"]) == 160 and all(o[0] == "answered" for o in got["outcomes"]), got["outcomes"][:3]
     assert got["slot_calls"] == 160 and got["in_use"] == {"lanes_out": 0}

@@ -1,13 +1,14 @@
 """The GPU session's rules that need no GPU: which CUDA options turn ORT's graph on and how it is taken out when
 ORT refuses it, the call checks, the type table and the signature that keys a graph (mha_ep/session.py,
-mha_ep/gpu_session/cuda_io.py; the GPU side is tests/gpu_session/test_native_session.py)."""
+mha_ep/gpu_session/checks.py and ort_calls.py; the GPU side is tests/gpu_session/test_native_session.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mha_ep.gpu_session import cuda_io
+from mha_ep.gpu_session.checks import CallChecks
+from mha_ep.gpu_session.ort_calls import numpy_dtype, unsupported_tensors
 from mha_ep.providers import cuda_options_of, provider_names, wants_cuda_graph, without_cuda_graph
 
 CUDA = "CUDAExecutionProvider"
@@ -32,8 +33,8 @@ def test_taking_the_graph_out_keeps_every_other_option_and_provider():
 
 
 def test_types_without_a_cupy_dtype_are_named():
-    assert cuda_io.numpy_dtype("tensor(float16)") == "float16" and cuda_io.numpy_dtype("tensor(int64)") == "int64"
-    assert cuda_io.numpy_dtype("tensor(bfloat16)") is None
+    assert numpy_dtype("tensor(float16)") == "float16" and numpy_dtype("tensor(int64)") == "int64"
+    assert numpy_dtype("tensor(bfloat16)") is None
 
     class Arg:
         def __init__(self, name, type_):
@@ -46,16 +47,16 @@ def test_types_without_a_cupy_dtype_are_named():
         def get_outputs(self):
             return [Arg("y", "tensor(bfloat16)")]
 
-    assert cuda_io.unsupported_tensors(Session()) == ["x (tensor(bfloat16))", "y (tensor(bfloat16))"]
+    assert unsupported_tensors(Session()) == ["x (tensor(bfloat16))", "y (tensor(bfloat16))"]
 
 
 def test_a_graph_is_keyed_by_every_feeds_name_shape_and_dtype():
     a = {"x": np.zeros((2, 3), np.float32)}
     b = {"m": np.zeros((2,), np.int32)}
-    key = cuda_io.CudaSessionIO.signature(a, b)
+    key = CallChecks.signature(a, b)
     assert key == (("m", (2,), "int32"), ("x", (2, 3), "float32"))
-    assert key == cuda_io.CudaSessionIO.signature({}, {**a, **b})
-    assert key != cuda_io.CudaSessionIO.signature({"x": np.zeros((2, 4), np.float32)}, b)
+    assert key == CallChecks.signature({}, {**a, **b})
+    assert key != CallChecks.signature({"x": np.zeros((2, 4), np.float32)}, b)
 
 
 

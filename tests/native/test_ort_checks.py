@@ -157,8 +157,8 @@ def outcome(call):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_remembered_verdict_is_what_run_gives_each_time_and_checked_once(session, case, monkeypatch):
-    """CheckVerdicts (cuda_io rule 4): a call key's first call is checked, later ones are answered from the
-    remembered verdict, a refusal raised anew each time with ORT's type and text."""
+    """CheckVerdicts (CallChecks, gpu_session/checks.py): a call key's first call is checked, later ones are answered
+    from the remembered verdict, a refusal raised anew each time with ORT's type and text."""
     make, output_names = CASES[case]
     feeds = make(good())
     outputs = [o.name for o in session.get_outputs()]

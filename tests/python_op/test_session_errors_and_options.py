@@ -140,7 +140,7 @@ def test_device_id_and_the_cuda_providers_device_are_one_gpu():
 
 def test_a_refused_graph_drops_the_stream_the_session_added_and_keeps_the_callers():
     """When ORT refuses its CUDA graph, the session retries without ``enable_cuda_graph`` and without the
-    ``user_compute_stream`` it added for the graph (cuda_io rule 7), but never takes out a stream the caller gave;
+    ``user_compute_stream`` it added for the graph (ONE_STREAM_REPLAY), but never takes out a stream the caller gave;
     on copies, in both of onnxruntime's ways of passing provider options."""
     from mha_ep.providers import without_cuda_graph
 

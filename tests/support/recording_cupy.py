@@ -1,5 +1,5 @@
 """A stand-in for CuPy that records the CUDA calls made through it and runs none: to hold, on any machine, the order
-of calls that gpu_session/cuda_io.py promises around a graph replay (its rule 7).
+of calls that gpu_session/slots.py promises around a graph replay (its ONE_STREAM_REPLAY).
 
 ``install()`` puts it in ``sys.modules`` as ``cupy``; use it in a child process only (tests/native/
 test_replay_protocol.py), since modules imported after it keep it. Every call lands in ``LOG`` as a tuple:

@@ -6,7 +6,7 @@ CuPy (tests/support/recording_cupy.py) and for ORT's session, its calls' CUDA ca
 MODE: device, "device without kernel", "device on ort", "device numpy", host, "eager device", "eager host",
 failures, "upload fails", "two devices", "slot allocation", threads, "out of memory" or segments.
 
-The session's first call of a signature runs eagerly and makes the signature's slot (cuda_io ``_first_slot``); later
+The session's first call of a signature runs eagerly and makes the signature's slot (slots.py, ``first_slot``); later
 calls replay it. ``device``: run_device with CuPy feeds, the first two calls from this thread (the session's owner),
 the third from another thread (its call runs on the session's worker); ``device on ort``: the same three calls from
 this thread on ORT's own stream; ``device without kernel``: ``device`` where the copy kernel cannot be built.
@@ -38,7 +38,7 @@ cupy = recording_cupy.install(native_launch=not sys.argv[1].endswith("cupy launc
 import numpy as np  # noqa: E402 - after the stand-in, as every module that imports CuPy must be
 import onnxruntime as ort  # noqa: E402
 
-from mha_ep.gpu_session import cuda_io  # noqa: E402
+from mha_ep.gpu_session import checks, cuda_io, slots  # noqa: E402
 from mha_ep.engine.cuda.staging import pack_layout  # noqa: E402
 
 NAMES = ("input_ids", "token_type_ids", "attention_mask")
@@ -138,8 +138,8 @@ def run(binding, options) -> None:  # the session's guarded run_with_iobinding
 
 def io_session(device: int = 0, graphs: bool = True):
     """A CudaSessionIO over the stand-in ORT session on ``device``, with graphs on ORT's own stream ("ort", or
-    "ort<device>" past device 0) or without; ORT values are the stand-in's (cuda_io's _first_slot makes the slot's
-    outputs with them)."""
+    "ort<device>" past device 0) or without; ORT values are the stand-in's (slots.GraphSlots.first_slot makes the
+    slot's outputs with them)."""
     ort.OrtValue = Value
     ort_stream = None
     if graphs:
@@ -200,7 +200,8 @@ def main(kind: str) -> None:
         else:
             call(caller)
         result["calls"].append({"caller": caller, "log": list(recording_cupy.LOG)})
-    staging = [lane.transfers._staging for lane in (io._lanes.get_nowait() for _ in range(io._lanes.qsize()))]
+    idle = io.lanes._idle
+    staging = [lane.transfers._staging for lane in (idle.get_nowait() for _ in range(idle.qsize()))]
     result["staging"] = [buffer.address for buffer in staging if buffer.capacity]
     if graphs:
         (slot,) = io.slots.values()
@@ -215,7 +216,7 @@ def main(kind: str) -> None:
 
 def failures() -> None:
     """A graph session's replays that fail: the first call eager, then a replay whose run a broken capture fails
-    (answered by an eager run through ORT's own run: rule 6), one whose run fails in a node (ORT's own run then
+    (answered by an eager run through ORT's own run: capture_broke), one whose run fails in a node (ORT's own run then
     raises the type ``run`` gives: ort_checks.execution_error), and a replay that works."""
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
@@ -270,7 +271,8 @@ def out_of_memory() -> None:
                                    ("eager, refused by CUDA", False, refused)):  # fmt: skip
         io = io_session(graphs=graphs)
         device = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
-        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (rule 5 would take all-NumPy)
+        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (OWN_RUN_MAX_BYTES would take
+        # all-NumPy)
         mixed = {n: rng.integers(0, 99, (1, 32)) if n == NAMES[0] else device[n] for n in NAMES}
         calls = []
         for fail in (False, True, False) if graphs else (True, False):
@@ -316,7 +318,8 @@ def two_devices() -> None:
         with cupy.cuda.Device(device):
             caller = cupy.cuda.Stream(name=f"caller{device}")
             on_device = {n: cupy.ndarray((1, 32), np.int64) for n in NAMES}
-        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (rule 5 would take all-NumPy)
+        # a NumPy feed beside CuPy ones: the page-locked path even without graphs (OWN_RUN_MAX_BYTES would take
+        # all-NumPy)
         mixed = {n: rng.integers(0, 99, (1, 32)) if n == NAMES[0] else on_device[n] for n in NAMES}
         host = {n: rng.integers(0, 99, (1, 32)) for n in NAMES} if graphs else mixed
         calls = []
@@ -368,7 +371,7 @@ def slot_allocation() -> None:
     report = []
     for index, (sequence, failure) in enumerate(calls):
         if failure == "no slots left":
-            cuda_io.MAX_GRAPHS, cuda_io.MAX_VERDICTS = io.held_graphs(), 3
+            slots.MAX_GRAPHS, checks.MAX_VERDICTS = io.held_graphs(), 3
         recording_cupy.FAIL_ALLOCS[:] = [oom] if failure == "block OOM" else []
         VALUE_FAILURES[:] = [arena] if failure == "value OOM" else [lost] if failure == "lost context" else []
         feeds = {n: cupy.ndarray((1, sequence), np.int64) for n in NAMES}

@@ -1,10 +1,11 @@
 /* replay.c: a graph replay's copies, from Python: what serves a graph session's replay around ORT's run, not the
  * op (and driver_error, which says whether they can run).
  *
- * launch_copies (mha_ep/gpu_session/segments.py, cuda_io rule 7): one call queues what a graph session's replay does
- * around ORT's run on ORT's stream, with the driver and no Python in between: ORT's stream waits for the caller's
- * (an event), the copy kernel copies a table's segments, and the caller's stream waits for ORT's (another event).
- * CuPy's launch of the same kernel and its event calls cost several times the driver's own (docs/BENCH.md). */
+ * launch_copies (mha_ep/gpu_session/segments.py; ONE_STREAM_REPLAY in gpu_session/slots.py): one call queues what a
+ * graph session's replay does around ORT's run on ORT's stream, with the driver and no Python in between: ORT's
+ * stream waits for the caller's (an event), the copy kernel copies a table's segments, and the caller's stream waits
+ * for ORT's (another event). CuPy's launch of the same kernel and its event calls cost several times the driver's
+ * own (docs/BENCH.md). */
 #include "native.h"
 
 #define COPY_SEGMENTS 16 /* kernels/copy_segments.cu's MAX_SEGMENTS: one table's copies */

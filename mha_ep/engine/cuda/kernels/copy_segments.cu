@@ -1,5 +1,5 @@
 // Up to MAX_SEGMENTS device-to-device copies in one launch (mha_ep/gpu_session/segments.py): a graph replay's device feeds
-// into its slot's fixed buffers, and its outputs out of them (gpu_session/cuda_io.py). On the host one launch for three
+// into its slot's fixed buffers, and its outputs out of them (gpu_session/slots.py). On the host one launch for three
 // buffers costs about half of one cudaMemcpyAsync per buffer (docs/BENCH.md, "hostcalls").
 //
 // The segments come by value, as the kernel's one parameter: the launch copies them, so the host may rewrite its
