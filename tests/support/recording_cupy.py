@@ -38,6 +38,7 @@ FAIL_COPIES: list = []  # exceptions the next memcpyAsync calls raise, in order 
 FAIL_ALLOCS: list = []  # exceptions the next cupy.cuda.alloc or cupy.empty calls raise, in order (scripted)
 _local = threading.local()
 _streams: dict = {}  # pointer -> Stream
+_streams_lock = threading.RLock()  # the recorder's counters, shared by every thread
 _counts = {"event": 0, "address": 1 << 20}
 _blocks: list = []  # (first address, end, device) of each device allocation
 _events: dict = {}  # pointer -> Event
@@ -51,9 +52,10 @@ def current_device() -> int:
 
 def address(nbytes: int) -> int:
     """A fresh device address of ``nbytes`` on the current device (no CuPy allocation: ORT's own, say)."""
-    address = _counts["address"]
-    _counts["address"] += max(nbytes, 256)
-    _blocks.append((address, address + max(nbytes, 256), current_device()))
+    with _streams_lock:  # calls on several threads at once get distinct addresses
+        address = _counts["address"]
+        _counts["address"] += max(nbytes, 256)
+        _blocks.append((address, address + max(nbytes, 256), current_device()))
     return address
 
 
@@ -101,10 +103,11 @@ class ndarray:
 
 class Stream:
     def __init__(self, non_blocking: bool = False, name: str = "", ptr: int = 0, device_id: Optional[int] = None):
-        self.name = name or f"stream{len(_streams)}"
-        self.ptr = ptr or 0x1000 + len(_streams)
-        self.device_id = current_device() if device_id is None else device_id  # -1: the legacy stream
-        _streams[self.ptr] = self
+        with _streams_lock:  # threads make their streams at once (the "threads" protocol): each its own pointer
+            self.name = name or f"stream{len(_streams)}"
+            self.ptr = ptr or 0x1000 + len(_streams)
+            self.device_id = current_device() if device_id is None else device_id  # -1: the legacy stream
+            _streams[self.ptr] = self
 
     def __enter__(self):
         device = current_device()
@@ -142,11 +145,12 @@ def get_current_stream():
 
 class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False):
-        _counts["event"] += 1
-        self.name = f"event{_counts['event']}"
-        self.device_id = current_device()
-        self.ptr = 0x7000 + _counts["event"]
-        _events[self.ptr] = self
+        with _streams_lock:  # events made on several threads at once: each its own name and pointer
+            _counts["event"] += 1
+            self.name = f"event{_counts['event']}"
+            self.device_id = current_device()
+            self.ptr = 0x7000 + _counts["event"]
+            _events[self.ptr] = self
 
     def record(self, stream=None) -> None:
         stream = stream or get_current_stream()
