@@ -7,4 +7,5 @@
   lift.py              --lift-attention: ORT's packed Attention op rewritten as MultiHeadAttention so it is claimed
   static_cache.py      ``mha-ep static-cache``: a decoder rewritten onto a static KV cache (one CUDA graph a step)
   affine.py            the shape arithmetic on one run-time number P evaluated at build time as const + P * coeff
+  graph_facts.py       what a graph says about its tensors: declared and inferred dims, what a node reads
 """

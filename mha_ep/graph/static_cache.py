@@ -71,9 +71,11 @@ from onnx import helper, numpy_helper
 
 from mha_ep import spec
 from mha_ep.claim.names import node_name
-from mha_ep.claim.shapes import symbolic_shape_inference
 from mha_ep.errors import MhaModelError
 from mha_ep.graph.affine import DEFAULT_DOMAINS, EVALUATORS, INTEGER_TYPES, MAX_ELEMENTS, Affine, bounded, fold
+from mha_ep.graph.graph_facts import (
+    Dim, ancestor_inputs, dims_of, has_subgraph, infer_shapes, inferred_dims, names_read, set_dims,
+)
 from mha_ep.graph.model_io import load_model, save_model
 
 PAST_SEQUENCE_LENGTH = "past_sequence_length"
@@ -108,8 +110,6 @@ HOST_INPUTS: Dict[str, Dict[int, str]] = {
                                               "LogSumExp", "SumSquare")},
 }  # fmt: skip
 
-Dim = Union[int, str, None]
-
 
 class StaticCacheError(MhaModelError):
     """A decoder the static-cache rewrite refuses; the message names the node, what was expected and what to do."""
@@ -119,78 +119,9 @@ def _where(node: onnx.NodeProto) -> str:
     return f"node {node_name(node)!r} ({node.op_type})"
 
 
-def _dims_of(value: onnx.ValueInfoProto) -> Optional[Tuple[Dim, ...]]:
-    """A value's declared dims (int, dim_param text or None); None when its rank is not known."""
-    tensor = value.type.tensor_type
-    if not tensor.HasField("shape"):
-        return None
-    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
-
-
-def _set_dims(value: onnx.ValueInfoProto, dims: Sequence[Dim]) -> None:
-    shape = value.type.tensor_type.shape
-    shape.ClearField("dim")
-    for d in dims:
-        if isinstance(d, int):
-            shape.dim.add().dim_value = d
-        elif d:
-            shape.dim.add().dim_param = d
-        else:
-            shape.dim.add()
-
-
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    """ORT's symbolic shape inference (it knows the com.microsoft ops, so shapes carry through attention to the
-    logits), ONNX's own when that fails."""
-    try:
-        return symbolic_shape_inference(model)
-    except Exception:  # noqa: BLE001 - any failure: the next method
-        return onnx.shape_inference.infer_shapes(model, strict_mode=False)
-
-
-def _inferred_dims(model: onnx.ModelProto) -> Dict[str, Tuple[Dim, ...]]:
-    """Dims of every tensor the inferred ``model`` knows the rank of, initializers included."""
-    graph = model.graph
-    found = {v.name: _dims_of(v) for v in list(graph.input) + list(graph.value_info) + list(graph.output)}
-    found.update({init.name: tuple(int(d) for d in init.dims) for init in graph.initializer})
-    return {name: dims for name, dims in found.items() if dims is not None}
-
-
-def _names_read(graph: onnx.GraphProto, node: onnx.NodeProto) -> List[str]:
-    """The tensors ``node`` reads: its inputs, and the outer-scope names its subgraphs read."""
-    read = [name for name in node.input if name]
-    for attr in node.attribute:
-        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-            inner = {name for n in sub.node for name in n.output} | {v.name for v in sub.input}
-            inner |= {i.name for i in sub.initializer}
-            read += [name for n in sub.node for name in _names_read(sub, n) if name not in inner]
-    return read
-
-
-
 def _slots(node: onnx.NodeProto) -> List[str]:
     """A MultiHeadAttention node's ten input names, "" where absent."""
     return list(node.input) + [""] * (len(spec.INPUTS) - len(node.input))
-
-
-def _has_subgraph(node: onnx.NodeProto) -> bool:
-    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
-
-
-def _ancestor_inputs(graph: onnx.GraphProto, names: Sequence[str]) -> List[str]:
-    """The graph inputs that ``names`` are computed from, through any node (its subgraphs' outer reads included),
-    in the graph's input order."""
-    producers = {out: node for node in graph.node for out in node.output if out}
-    inputs = {v.name for v in graph.input}
-    seen, stack = set(), list(names)
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in producers:
-            stack.extend(_names_read(graph, producers[name]))
-    return [v.name for v in graph.input if v.name in seen and v.name in inputs]
 
 
 def _the_step(steps: Sequence[Dim]) -> Dim:
@@ -203,7 +134,7 @@ def _the_step(steps: Sequence[Dim]) -> Dim:
 
 def _carriers(inputs: Sequence[onnx.ValueInfoProto], symbol: str, skip: Set[str]) -> List[Tuple[str, int]]:
     """Every (input, dim index) whose dim is ``symbol``, the inputs in ``skip`` left out."""
-    return [(v.name, i) for v in inputs if v.name not in skip for i, d in enumerate(_dims_of(v) or ()) if d == symbol]
+    return [(v.name, i) for v in inputs if v.name not in skip for i, d in enumerate(dims_of(v) or ()) if d == symbol]
 
 
 def _flag_for(index: int, symbol: str, step_symbol: Optional[str]) -> Optional[str]:
@@ -256,7 +187,7 @@ class StaticCacheResult:
     def declared(self, name: str) -> str:
         """An input's declared dims as text: ``(1,)``, ``(batch, 5, 448)``."""
         value = next(v for v in self.model.graph.input if v.name == name)
-        dims = [str(d) for d in _dims_of(value) or ()]
+        dims = [str(d) for d in dims_of(value) or ()]
         return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
 
     def input_line(self, name: str, role: str, what: str) -> str:
@@ -437,7 +368,7 @@ class StaticCachePass:
                                    "whose shape would still change every step; drop that output first")  # fmt: skip
         for slot in (PAST_KEY, PAST_VALUE):
             name = slots[slot]
-            dims = _dims_of(self.graph_inputs[name])
+            dims = dims_of(self.graph_inputs[name])
             if dims is None or len(dims) != 4:
                 raise StaticCacheError(f"{_where(node)}: its {spec.INPUTS[slot]} {name!r} has dims {dims}, not "
                                        "(B, N, P, H): declare its rank-4 shape in the model")  # fmt: skip
@@ -508,7 +439,7 @@ class StaticCachePass:
             raise StaticCacheError(f"{_where(node)}: its {role} {name!r} is not a graph input, so the caller cannot "
                                    "bind it at every step")  # fmt: skip
         dtype = value.type.tensor_type.elem_type
-        dims = _dims_of(value)
+        dims = dims_of(value)
         if dtype != onnx.TensorProto.INT32:
             raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has element type "
                                    f"{onnx.TensorProto.DataType.Name(dtype)}, not int32")  # fmt: skip
@@ -527,10 +458,10 @@ class StaticCachePass:
         """Rule 1: the pasts are read only by their node and Shape nodes, the presents by no node, and neither by a
         node with a subgraph."""
         for node in self.graph.node:
-            for name in _names_read(self.graph, node):
+            for name in names_read(self.graph, node):
                 if name not in self.presents and name not in self.pasts:
                     continue
-                if _has_subgraph(node):
+                if has_subgraph(node):
                     raise StaticCacheError(
                         f"{_where(node)}: it has a subgraph and reads {name!r}, a self-attention "
                         f"{'present' if name in self.presents else 'past'} that becomes the (B, N, max_length, H) "
@@ -554,13 +485,13 @@ class StaticCachePass:
     def declare_inputs(self) -> None:
         """The inputs' dims: the batch (rule 3), the pasts' length as P_SYMBOL until rule 7 (rule 4 infers with it),
         or max_length where the pasts are buffers already, and the P and cache_indirection inputs (rule 2)."""
-        lengths = {_dims_of(self.graph_inputs[p])[2] for p in self.pasts} - {None}
+        lengths = {dims_of(self.graph_inputs[p])[2] for p in self.pasts} - {None}
         if self.buffers_already:
             self.check_buffer_lengths()
             if self.ci_input in self.graph_inputs:
-                lengths.add(_dims_of(self.graph_inputs[self.ci_input])[2])
+                lengths.add(dims_of(self.graph_inputs[self.ci_input])[2])
         for value in self.graph.input:
-            dims = list(_dims_of(value) or ())
+            dims = list(dims_of(value) or ())
             if value.name == self.ci_input:
                 dims = self.cache_indirection_dims(dims)
             elif value.name == self.p_input:
@@ -576,12 +507,12 @@ class StaticCachePass:
             else:
                 self.refuse_the_pasts_length(value.name, dims, lengths)
             if dims:
-                _set_dims(value, dims)
+                set_dims(value, dims)
 
     def check_buffer_lengths(self) -> None:
         """Rule 3 for pasts that are buffers already: a static dim 2 is max_length."""
         for name in sorted(self.pasts):
-            rows = _dims_of(self.graph_inputs[name])[2]
+            rows = dims_of(self.graph_inputs[name])[2]
             if isinstance(rows, int) and rows != self.max_length:
                 raise StaticCacheError(
                     f"input {name!r} dim 2 is the static buffer length {rows} (its node reads {self.p_input!r} "
@@ -614,7 +545,7 @@ class StaticCachePass:
         self.dims = self.infer()
         if self.pin_step_length():
             self.dims = self.infer()
-        self.free = {d for v in self.graph.input for d in _dims_of(v) or () if isinstance(d, str)} - {P_SYMBOL}
+        self.free = {d for v in self.graph.input for d in dims_of(v) or () if isinstance(d, str)} - {P_SYMBOL}
         for init in self.graph.initializer:
             if init.name in self.graph_inputs:
                 continue
@@ -623,7 +554,7 @@ class StaticCachePass:
             else:
                 self.constants.add(init.name)
         if self.p_input in self.graph_inputs:  # a kept past_sequence_length input: P itself
-            shape = _dims_of(self.graph_inputs[self.p_input])
+            shape = dims_of(self.graph_inputs[self.p_input])
             self.values[self.p_input] = Affine.of(np.zeros(shape, np.int32), np.ones(shape, np.int64))
         opsets = list(self.model.opset_import)
         for node in self.graph.node:
@@ -640,12 +571,12 @@ class StaticCachePass:
         attention node's inputs 8/9 (P is the buffer's fill there, not a value its outputs are shaped by)."""
         if node.op_type == spec.OP_TYPE and node.domain == spec.ORT_DOMAIN:
             return [name for i, name in enumerate(node.input) if name and i not in SHARED_SLOTS]
-        return _names_read(self.graph, node)
+        return names_read(self.graph, node)
 
     def infer(self) -> Dict[str, Tuple[Dim, ...]]:
         """The dims shape inference finds for every tensor, the pasts' as declared."""
-        dims = _inferred_dims(_infer(self.model_for_inference()))
-        dims.update((past, _dims_of(self.graph_inputs[past])) for past in self.pasts)  # P_SYMBOL, as declared
+        dims = inferred_dims(infer_shapes(self.model_for_inference()))
+        dims.update((past, dims_of(self.graph_inputs[past])) for past in self.pasts)  # P_SYMBOL, as declared
         return dims
 
     # Rule 3
@@ -675,9 +606,9 @@ class StaticCachePass:
         self.step, self.step_symbol = self.step_length or 1, step
         self.symbol_values[step] = self.step
         for name, index in carriers:
-            dims = list(_dims_of(self.graph_inputs[name]))
+            dims = list(dims_of(self.graph_inputs[name]))
             dims[index] = self.step
-            _set_dims(self.graph_inputs[name], dims)
+            set_dims(self.graph_inputs[name], dims)
             self.pinned.append((name, index, step, self.step))
         return True
 
@@ -685,9 +616,9 @@ class StaticCachePass:
         """For a message: the inputs the self queries come from whose dim 1 is ``step`` (input_ids'), else the
         queries themselves."""
         skip = self.pasts | {self.p_input, self.ci_input}
-        found = [name for name in _ancestor_inputs(self.graph, [n.input[0] for n in self.self_nodes])
-                 if name not in skip and len(_dims_of(self.graph_inputs[name]) or ()) >= 2
-                 and _dims_of(self.graph_inputs[name])[1] == step]  # fmt: skip
+        found = [name for name in ancestor_inputs(self.graph, [n.input[0] for n in self.self_nodes])
+                 if name not in skip and len(dims_of(self.graph_inputs[name]) or ()) >= 2
+                 and dims_of(self.graph_inputs[name])[1] == step]  # fmt: skip
         if found:
             return " and ".join(f"input {name!r} dim 1" for name in found)
         return f"the self-attention query {self.self_nodes[0].input[0]!r} dim 1"
@@ -767,7 +698,7 @@ class StaticCachePass:
                 continue
             self.check_kept(node)
             kept.append(node)
-            needed.update(_names_read(self.graph, node))
+            needed.update(names_read(self.graph, node))
         return kept[::-1]
 
     def materialize(self, name: str, value: Affine) -> None:
@@ -804,7 +735,7 @@ class StaticCachePass:
         """Rule 6 for a node that stays."""
         if node.op_type == "Shape" and node.domain in DEFAULT_DOMAINS:
             self.check_kept_shape(node)
-        if _has_subgraph(node):
+        if has_subgraph(node):
             self.check_kept_subgraph(node)
         slots = HOST_INPUTS.get(node.op_type, {}) if node.domain in DEFAULT_DOMAINS else {}
         read = [(role, node.input[slot]) for slot, role in slots.items() if slot < len(node.input) and node.input[slot]]
@@ -828,7 +759,7 @@ class StaticCachePass:
 
     def check_kept_subgraph(self, node: onnx.NodeProto) -> None:
         """Rule 6 for a node with a subgraph (If, Loop, Scan) that stays: it reads nothing that depends on P."""
-        on_p = [name for name in dict.fromkeys(_names_read(self.graph, node)) if self.depends_on_p(name)]
+        on_p = [name for name in dict.fromkeys(names_read(self.graph, node)) if self.depends_on_p(name)]
         if on_p:
             raise StaticCacheError(
                 f"{_where(node)}: it has a subgraph and reads {', '.join(repr(n) for n in on_p)}, which "
@@ -842,8 +773,8 @@ class StaticCachePass:
         """The symbolic dims (input, dim index, symbol) of the graph inputs ``names`` are computed from: the dims
         that stay symbolic, not the pasts' length."""
         found = []
-        for name in _ancestor_inputs(self.graph, names):
-            dims = _dims_of(self.graph_inputs[name]) or ()
+        for name in ancestor_inputs(self.graph, names):
+            dims = dims_of(self.graph_inputs[name]) or ()
             found += [(name, i, d) for i, d in enumerate(dims) if isinstance(d, str) and d != P_SYMBOL]
         return found
 
@@ -894,27 +825,27 @@ class StaticCachePass:
         for node in self.self_nodes:
             for past, present in ((node.input[PAST_KEY], node.output[PRESENT_KEY]),
                                   (node.input[PAST_VALUE], node.output[PRESENT_VALUE])):  # fmt: skip
-                dims = list(_dims_of(self.graph_inputs[past]))
+                dims = list(dims_of(self.graph_inputs[past]))
                 dims[2] = self.max_length
                 buffers[past] = buffers[present] = dims
         for value in list(self.graph.input) + list(self.graph.output):
             if value.name in buffers:
-                _set_dims(value, buffers[value.name])
+                set_dims(value, buffers[value.name])
             if value.name in buffers or value.name not in self.graph_outputs:
                 continue
-            dims = list(_dims_of(value) or ())
+            dims = list(dims_of(value) or ())
             found = self.dims.get(value.name)
             if found is not None and len(dims or found) == len(found):
                 keep = dims or [None] * len(found)
                 dims = [f if isinstance(f, int) or f in self.free else d for f, d in zip(found, keep)]
             if dims:
-                _set_dims(value, [self.symbol_values.get(d, d) if isinstance(d, str) else d for d in dims])
+                set_dims(value, [self.symbol_values.get(d, d) if isinstance(d, str) else d for d in dims])
 
     # Rule 5
     def drop_unused(self) -> None:
         """Initializers nothing reads, and value_info of tensors no node makes any more."""
         graph = self.graph
-        read = {name for node in graph.node for name in _names_read(graph, node)} | set(self.graph_outputs)
+        read = {name for node in graph.node for name in names_read(graph, node)} | set(self.graph_outputs)
         keep = [init for init in graph.initializer if init.name in read or init.name in self.graph_inputs]
         del graph.initializer[:]
         graph.initializer.extend(keep)
@@ -951,9 +882,9 @@ class StaticCachePass:
                 f"{len(self.kept_shapes)} Shape node(s) read the symbolic batch at run time "
                 f"({', '.join(self.kept_shapes)}): ORT's CUDA graph needs batch given"
             )
-        symbolic = [f"{v.name} {list(_dims_of(v) or ['unknown rank'])}"
+        symbolic = [f"{v.name} {list(dims_of(v) or ['unknown rank'])}"
                     for v in list(self.graph.input) + list(self.graph.output)
-                    if any(not isinstance(d, int) for d in _dims_of(v) or [None])]  # fmt: skip
+                    if any(not isinstance(d, int) for d in dims_of(v) or [None])]  # fmt: skip
         if symbolic and self.batch is not None:
             notes.append(f"not fully static: {'; '.join(symbolic)}")
         return notes
