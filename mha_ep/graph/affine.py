@@ -14,8 +14,8 @@ Only ``onnx`` and ``numpy`` are used.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import onnx
@@ -271,3 +271,26 @@ def fold(node: onnx.NodeProto, args: Sequence[Optional[Affine]], opsets) -> Opti
     if not all(is_integer(r.dtype) and r.size <= MAX_ELEMENTS for r in results):
         return None
     return [Affine.of(r) for r in results]
+
+
+@dataclass
+class Evaluated:
+    """What evaluating a graph found, by tensor name: ``values``, the integer tensors known as Affine;
+    ``constants``, the tensors known at build time that are no Affine (float weights, ...); ``tainted``, the tensors
+    computed at run time from a value that depends on P."""
+
+    values: Dict[str, Affine] = field(default_factory=dict)
+    constants: Set[str] = field(default_factory=set)
+    tainted: Set[str] = field(default_factory=set)
+
+    def depends_on_p(self, name: str) -> bool:
+        value = self.values.get(name)
+        return name in self.tainted or (value is not None and value.on_p)
+
+    def is_constant(self, name: str) -> bool:
+        return name in self.constants or (name in self.values and self.values[name].constant)
+
+    def how(self, name: str) -> str:
+        """A value for a message: ``(= const + P * coeff)``, ``?`` where only the run knows it."""
+        value = self.values.get(name)
+        return f"(= {value.describe()})" if value is not None else "(computed at run time)"

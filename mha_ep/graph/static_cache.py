@@ -71,57 +71,16 @@ from onnx import helper, numpy_helper
 
 from mha_ep import spec
 from mha_ep.claim.names import node_name
-from mha_ep.errors import MhaModelError
-from mha_ep.graph.affine import DEFAULT_DOMAINS, EVALUATORS, INTEGER_TYPES, MAX_ELEMENTS, Affine, bounded, fold
-from mha_ep.graph.graph_facts import (
-    Dim, ancestor_inputs, dims_of, has_subgraph, infer_shapes, inferred_dims, names_read, set_dims,
+from mha_ep.graph.affine import (
+    DEFAULT_DOMAINS, EVALUATORS, INTEGER_TYPES, MAX_ELEMENTS, Affine, Evaluated, bounded, fold,
 )
+from mha_ep.graph.graph_facts import Dim, ancestor_inputs, dims_of, infer_shapes, inferred_dims, names_read, set_dims
 from mha_ep.graph.model_io import load_model, save_model
-
-PAST_SEQUENCE_LENGTH = "past_sequence_length"
-CACHE_INDIRECTION = "cache_indirection"
-PAST_KEY, PAST_VALUE = spec.SLOT["past_key"], spec.SLOT["past_value"]
-SHARED_SLOTS = (spec.SLOT[PAST_SEQUENCE_LENGTH], spec.SLOT["cache_indirection"])
-PRESENT_KEY, PRESENT_VALUE, QK = spec.OUT_SLOT["present_key"], spec.OUT_SLOT["present_value"], spec.OUT_SLOT["qk"]
-P_SYMBOL = "mha_ep.graph.static_cache.P"  # the pasts' length dim while shapes are inferred (rule 4)
-
-# Inputs that ORT's CUDA kernels read in CPU memory (``InputMemoryType(OrtMemTypeCPUInput, slot)`` in their
-# registrations): a value computed on the device is copied to the host there, which a CUDA graph cannot capture.
-HOST_INPUTS: Dict[str, Dict[int, str]] = {
-    "Range": {0: "start", 1: "limit", 2: "delta"},
-    "Reshape": {1: "shape"},
-    "Expand": {1: "shape"},
-    "Tile": {1: "repeats"},
-    "Slice": {1: "starts", 2: "ends", 3: "axes", 4: "steps"},
-    "ConstantOfShape": {0: "input"},
-    "Resize": {1: "roi", 2: "scales", 3: "sizes"},
-    "Upsample": {1: "scales"},
-    "TopK": {1: "K"},
-    "Squeeze": {1: "axes"},
-    "Unsqueeze": {1: "axes"},
-    "Split": {1: "split"},
-    "Pad": {1: "pads", 2: "constant_value", 3: "axes"},
-    "OneHot": {1: "depth"},
-    "Trilu": {1: "k"},
-    "CumSum": {1: "axis"},
-    "Clip": {1: "min", 2: "max"},
-    "Dropout": {1: "ratio", 2: "training_mode"},
-    **{f"Reduce{op}": {1: "axes"} for op in ("Sum", "Mean", "Max", "Min", "Prod", "L1", "L2", "LogSum",
-                                              "LogSumExp", "SumSquare")},
-}  # fmt: skip
-
-
-class StaticCacheError(MhaModelError):
-    """A decoder the static-cache rewrite refuses; the message names the node, what was expected and what to do."""
-
-
-def _where(node: onnx.NodeProto) -> str:
-    return f"node {node_name(node)!r} ({node.op_type})"
-
-
-def _slots(node: onnx.NodeProto) -> List[str]:
-    """A MultiHeadAttention node's ten input names, "" where absent."""
-    return list(node.input) + [""] * (len(spec.INPUTS) - len(node.input))
+from mha_ep.graph.static_cache_checks import (
+    CACHE_INDIRECTION, P_SYMBOL, PAST_KEY, PAST_SEQUENCE_LENGTH, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE,
+    SHARED_SLOTS, HostReads, StaticCacheError, check_arguments, check_buffer_lengths, check_readers,
+    check_self_node, check_shared_input, is_self, refuse_the_pasts_length, shared_input_name, slots_of, where,
+)
 
 
 def _the_step(steps: Sequence[Dim]) -> Dim:
@@ -135,25 +94,6 @@ def _the_step(steps: Sequence[Dim]) -> Dim:
 def _carriers(inputs: Sequence[onnx.ValueInfoProto], symbol: str, skip: Set[str]) -> List[Tuple[str, int]]:
     """Every (input, dim index) whose dim is ``symbol``, the inputs in ``skip`` left out."""
     return [(v.name, i) for v in inputs if v.name not in skip for i, d in enumerate(dims_of(v) or ()) if d == symbol]
-
-
-def _flag_for(index: int, symbol: str, step_symbol: Optional[str]) -> Optional[str]:
-    """The static-cache flag that pins dim ``index`` of symbol ``symbol`` of an input: --step-length for the step
-    length's symbol, --batch for a dim 0; None where no flag does."""
-    if symbol == step_symbol:
-        return "--step-length"
-    return "--batch" if index == 0 else None
-
-
-def _pin_advice(sources: Sequence[Tuple[str, int, str]], step_symbol: Optional[str]) -> str:
-    """What to pin, for a refusal: each (input, dim index, symbol) that a refused value comes from, with its flag,
-    or the word that no flag pins it; "" when there is none."""
-    parts = []
-    for name, index, symbol in sources:
-        flag = _flag_for(index, symbol, step_symbol)
-        how = f"pin it with {flag}" if flag else "no flag pins it: declare it static in the model"
-        parts.append(f"input {name!r} dim {index} ({symbol!r}) ({how})")
-    return f"; symbolic input dims feed it: {', '.join(parts)}" if parts else ""
 
 
 @dataclass
@@ -251,17 +191,7 @@ def static_cache(model, max_length: int, batch: Optional[int] = None, beams: int
     beams) fixed in every input's dim 0, or None to keep it symbolic. ``beams`` > 0: a cache_indirection input for
     beam search (rule 2). ``step_length``: the step length L a symbolic one is pinned to (None: 1), or that a static
     one must be (rule 3). Raises StaticCacheError naming the node or input for a model it cannot rewrite."""
-    if not isinstance(max_length, (int, np.integer)) or max_length < 1:  # Rule 1
-        raise StaticCacheError(f"max_length must be a whole number >= 1 (the buffer's rows), got {max_length!r}")
-    if batch is not None and (not isinstance(batch, (int, np.integer)) or batch < 1):
-        raise StaticCacheError(f"batch must be a whole number >= 1 or None (keep it symbolic), got {batch!r}")
-    if not isinstance(beams, (int, np.integer)) or beams < 0 or (beams and batch is not None and batch % beams):
-        raise StaticCacheError(f"beams must be a whole number >= 0 dividing batch {batch} (rows are batch entries x "
-                               f"beams), got {beams!r}")  # fmt: skip
-    if step_length is not None and (not isinstance(step_length, (int, np.integer)) or not 1 <= step_length
-                                    <= max_length):  # fmt: skip
-        raise StaticCacheError(f"step_length must be a whole number from 1 to max_length {max_length} (the rows a "
-                               f"step writes), got {step_length!r}")  # fmt: skip
+    check_arguments(max_length, batch, beams, step_length)  # Rule 1
     return StaticCachePass(load_model(model), int(max_length), None if batch is None else int(batch), int(beams),
                            None if step_length is None else int(step_length)).run()  # fmt: skip
 
@@ -294,9 +224,7 @@ class StaticCachePass:
         self.symbol_values: Dict[str, int] = {}  # rule 3: the symbols pinned in the inputs, for the outputs (rule 7)
         self.dims: Dict[str, Tuple[Dim, ...]] = {}  # rule 4's inferred dims, the pasts' length as P_SYMBOL
         self.free: Set[str] = set()  # dim_params that stay symbolic and are not the pasts' length
-        self.values: Dict[str, Affine] = {}
-        self.constants: Set[str] = set()  # tensors known at build time that are no Affine (float weights, ...)
-        self.tainted: Set[str] = set()  # tensors computed at run time from a value that depends on P
+        self.known = Evaluated()  # rule 4's values, constants and tainted names
         self.new_nodes: List[onnx.NodeProto] = []
         self.new_initializers: List[onnx.TensorProto] = []
         self.p_scalar: Optional[str] = None
@@ -309,12 +237,12 @@ class StaticCachePass:
         """Every rule in order; the rewritten model and what was done."""
         self.find_self_nodes()
         self.find_shared_inputs()
-        self.check_readers()
+        check_readers(self.graph, self.pasts, self.presents)
         self.declare_inputs()
         self.evaluate()
         kept = self.materialize_and_prune()
         for node in kept:
-            if self.is_self(node):
+            if is_self(node, self.presents):
                 self.share_buffer(node)
         del self.graph.node[:]
         self.graph.node.extend(self.new_nodes + kept)
@@ -336,52 +264,20 @@ class StaticCachePass:
         """The MultiHeadAttention nodes with a past, each checked; StaticCacheError when there is none."""
         mha = [n for n in self.graph.node if n.op_type == spec.OP_TYPE and n.domain == spec.ORT_DOMAIN]
         for node in mha:
-            slots = _slots(node)
+            slots = slots_of(node)
             if not (slots[PAST_KEY] or slots[PAST_VALUE]):
                 continue
-            self.check_self_node(node, slots)
+            check_self_node(node, slots, self.graph_inputs, self.graph_outputs, self.batch)
             self.self_nodes.append(node)
             self.pasts.update((slots[PAST_KEY], slots[PAST_VALUE]))
             self.presents.update((node.output[PRESENT_KEY], node.output[PRESENT_VALUE]))
         if not self.self_nodes:
-            found = "; ".join(f"{_where(n)} has no past_key/past_value" for n in mha)
+            found = "; ".join(f"{where(n)} has no past_key/past_value" for n in mha)
             raise StaticCacheError(
                 "no self-attention com.microsoft::MultiHeadAttention node with a past (past_key/past_value graph "
                 f"inputs, present_key/present_value graph outputs): {found or 'the model has no such node at all'}; "
                 "give the decoder-with-past, not the first decoder step or an encoder"
             )
-
-    def check_self_node(self, node: onnx.NodeProto, slots: List[str]) -> None:
-        """Rule 1 for one node with a past: ``slots`` are its ten input names, "" where absent."""
-        outputs = list(node.output) + [""] * (len(spec.OUTPUTS) - len(node.output))
-        form = "; the rewrite takes decoders as ORT's optimizer leaves them (--model_type bart)"
-        for slot in (PAST_KEY, PAST_VALUE):
-            if slots[slot] not in self.graph_inputs:
-                raise StaticCacheError(f"{_where(node)}: its {spec.INPUTS[slot]} {slots[slot]!r} is not a graph "
-                                       f"input, so it cannot become a buffer the caller binds{form}")  # fmt: skip
-        for slot in (PRESENT_KEY, PRESENT_VALUE):
-            if outputs[slot] not in self.graph_outputs:
-                raise StaticCacheError(f"{_where(node)}: its {spec.OUTPUTS[slot]} {outputs[slot]!r} is not a graph "
-                                       f"output; the shared buffer needs both presents as outputs{form}")  # fmt: skip
-        if outputs[QK]:
-            raise StaticCacheError(f"{_where(node)}: it asks for the qk output {outputs[QK]!r}, (B, N, S, P+L), "
-                                   "whose shape would still change every step; drop that output first")  # fmt: skip
-        for slot in (PAST_KEY, PAST_VALUE):
-            name = slots[slot]
-            dims = dims_of(self.graph_inputs[name])
-            if dims is None or len(dims) != 4:
-                raise StaticCacheError(f"{_where(node)}: its {spec.INPUTS[slot]} {name!r} has dims {dims}, not "
-                                       "(B, N, P, H): declare its rank-4 shape in the model")  # fmt: skip
-            loose = [f"dim {i} ({dims[i]!r})" for i in (1, 3) if not (isinstance(dims[i], int) and dims[i] > 0)]
-            if loose:
-                raise StaticCacheError(
-                    f"{_where(node)}: its {spec.INPUTS[slot]} {name!r} has dims {dims}, not (B, N, P, H) with static "
-                    f"heads N and head size H; the buffer (B, N, max_length, H) needs both: input {name!r} "
-                    f"{' and '.join(loose)} is not static, and no flag pins it: declare it static in the model"
-                )
-            if self.batch is not None and isinstance(dims[0], int) and dims[0] != self.batch:
-                raise StaticCacheError(f"{_where(node)}: its {spec.INPUTS[slot]} {name!r} has the static batch "
-                                       f"{dims[0]} (input {name!r} dim 0), not --batch {self.batch}")  # fmt: skip
 
     # Rules 1 and 2
     def find_shared_inputs(self) -> None:
@@ -390,18 +286,10 @@ class StaticCachePass:
         nodes read there, else new ones (cache_indirection only with beams)."""
         wired = []
         for slot in SHARED_SLOTS:
-            names = [_slots(node)[slot] for node in self.self_nodes]
-            odd = next((node for node, name in zip(self.self_nodes, names) if name != names[0]), None)
-            if odd is not None:
-                first = self.self_nodes[0]
-                raise StaticCacheError(
-                    f"{_where(odd)}: its {spec.INPUTS[slot]} is {_slots(odd)[slot] or 'absent'!r}, but "
-                    f"{_where(first)} has {names[0] or 'absent'!r} there: every self-attention node needs the same "
-                    f"graph input at input {slot}, or none"
-                )
-            if names[0]:
-                self.check_shared_input(self.self_nodes[0], slot, names[0])
-            wired.append(names[0])
+            name = shared_input_name(self.self_nodes, slot)
+            if name:
+                check_shared_input(self.self_nodes[0], slot, name, self.graph, self.graph_inputs, self.beams)
+            wired.append(name)
         self.buffers_already = bool(wired[0])
         self.p_input = wired[0] or self.reusable(spec.SLOT[PAST_SEQUENCE_LENGTH], PAST_SEQUENCE_LENGTH)
         if wired[1] or self.beams:
@@ -414,7 +302,7 @@ class StaticCachePass:
         name must be free."""
         readers = self.readers_at(name, slot)
         if name in self.graph_inputs and readers:
-            self.check_shared_input(readers[0], slot, name)
+            check_shared_input(readers[0], slot, name, self.graph, self.graph_inputs, self.beams)
             return name
         if name in self.taken:
             raise StaticCacheError(f"the model already has a tensor named {name!r}, an input the rewrite adds, and it "
@@ -430,64 +318,13 @@ class StaticCachePass:
             return []
         return [node for node in mha if at[id(node)]]
 
-    def check_shared_input(self, node: onnx.NodeProto, slot: int, name: str) -> None:
-        """Rule 1 for an input 8/9 the model has: a graph input (not an initializer) of int32 and the shape ORT
-        takes, past_sequence_length (1,) or scalar, cache_indirection (B / W, W, M) with W = beams when given."""
-        role = spec.INPUTS[slot]
-        value = self.graph_inputs.get(name)
-        if value is None or name in {i.name for i in self.graph.initializer}:
-            raise StaticCacheError(f"{_where(node)}: its {role} {name!r} is not a graph input, so the caller cannot "
-                                   "bind it at every step")  # fmt: skip
-        dtype = value.type.tensor_type.elem_type
-        dims = dims_of(value)
-        if dtype != onnx.TensorProto.INT32:
-            raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has element type "
-                                   f"{onnx.TensorProto.DataType.Name(dtype)}, not int32")  # fmt: skip
-        if slot == spec.SLOT[PAST_SEQUENCE_LENGTH] and dims not in ((1,), ()):
-            raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has dims {dims}, not (1,) or a scalar: "
-                                   "it holds one number, P")  # fmt: skip
-        if slot == spec.SLOT[CACHE_INDIRECTION]:
-            if dims is None or len(dims) != 3:
-                raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has dims {dims}, not (B / W, W, "
-                                       "max_length)")  # fmt: skip
-            if self.beams and isinstance(dims[1], int) and dims[1] != self.beams:
-                raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has the static beam width "
-                                       f"{dims[1]} (input {name!r} dim 1), not --beams {self.beams}")  # fmt: skip
-
-    def check_readers(self) -> None:
-        """Rule 1: the pasts are read only by their node and Shape nodes, the presents by no node, and neither by a
-        node with a subgraph."""
-        for node in self.graph.node:
-            for name in names_read(self.graph, node):
-                if name not in self.presents and name not in self.pasts:
-                    continue
-                if has_subgraph(node):
-                    raise StaticCacheError(
-                        f"{_where(node)}: it has a subgraph and reads {name!r}, a self-attention "
-                        f"{'present' if name in self.presents else 'past'} that becomes the (B, N, max_length, H) "
-                        "buffer; the rewrite does not follow subgraphs (If, Loop, Scan), so it cannot rewrite what "
-                        "the subgraph does with it: move that computation out of the subgraph"
-                    )
-                if name in self.presents:
-                    raise StaticCacheError(f"{_where(node)}: it reads the present {name!r}, which becomes the "
-                                           "(B, N, max_length, H) buffer; no node may read it")  # fmt: skip
-                if node.op_type != "Shape" and not self.is_self(node):
-                    raise StaticCacheError(
-                        f"{_where(node)}: it reads the past {name!r}, whose rows beyond past_sequence_length are "
-                        "not the past once it is the shared buffer; only its attention node and Shape nodes may read it"
-                    )
-
-    def is_self(self, node: onnx.NodeProto) -> bool:
-        outputs = node.output
-        return node.op_type == spec.OP_TYPE and len(outputs) > PRESENT_KEY and outputs[PRESENT_KEY] in self.presents
-
     # Rules 2 and 3
     def declare_inputs(self) -> None:
         """The inputs' dims: the batch (rule 3), the pasts' length as P_SYMBOL until rule 7 (rule 4 infers with it),
         or max_length where the pasts are buffers already, and the P and cache_indirection inputs (rule 2)."""
         lengths = {dims_of(self.graph_inputs[p])[2] for p in self.pasts} - {None}
         if self.buffers_already:
-            self.check_buffer_lengths()
+            check_buffer_lengths(self.pasts, self.graph_inputs, self.p_input, self.max_length)
             if self.ci_input in self.graph_inputs:
                 lengths.add(dims_of(self.graph_inputs[self.ci_input])[2])
         for value in self.graph.input:
@@ -505,29 +342,9 @@ class StaticCachePass:
             elif self.buffers_already:
                 dims = [self.max_length if isinstance(d, str) and d in lengths else d for d in dims]
             else:
-                self.refuse_the_pasts_length(value.name, dims, lengths)
+                refuse_the_pasts_length(value.name, dims, lengths)
             if dims:
                 set_dims(value, dims)
-
-    def check_buffer_lengths(self) -> None:
-        """Rule 3 for pasts that are buffers already: a static dim 2 is max_length."""
-        for name in sorted(self.pasts):
-            rows = dims_of(self.graph_inputs[name])[2]
-            if isinstance(rows, int) and rows != self.max_length:
-                raise StaticCacheError(
-                    f"input {name!r} dim 2 is the static buffer length {rows} (its node reads {self.p_input!r} "
-                    f"already: the past is the shared buffer), not --max-length {self.max_length}"
-                )
-
-    def refuse_the_pasts_length(self, name: str, dims: Sequence[Dim], lengths: Set[Dim]) -> None:
-        """Rule 3: an input other than the pasts that carries their length (P) is refused."""
-        carried = [f"dim {i} ({d!r})" for i, d in enumerate(dims) if isinstance(d, str) and d in lengths]
-        if carried:
-            raise StaticCacheError(
-                f"input {name!r} has dims {list(dims)}: its {' and '.join(carried)} is the pasts' length "
-                f"{sorted(str(d) for d in lengths)}, P, so its shape would still change every step; no flag pins it "
-                "(P grows by the step length each step): compute it in the model from the pasts or past_sequence_length"
-            )
 
     def cache_indirection_dims(self, dims: List[Dim]) -> List[Dim]:
         """Rule 2 for a cache_indirection the model has: (B / W, W, max_length), W the beams or its own dim 1."""
@@ -550,21 +367,21 @@ class StaticCachePass:
             if init.name in self.graph_inputs:
                 continue
             if init.data_type in INTEGER_TYPES and bounded(init.dims):
-                self.values[init.name] = Affine.of(numpy_helper.to_array(init))
+                self.known.values[init.name] = Affine.of(numpy_helper.to_array(init))
             else:
-                self.constants.add(init.name)
+                self.known.constants.add(init.name)
         if self.p_input in self.graph_inputs:  # a kept past_sequence_length input: P itself
             shape = dims_of(self.graph_inputs[self.p_input])
-            self.values[self.p_input] = Affine.of(np.zeros(shape, np.int32), np.ones(shape, np.int64))
+            self.known.values[self.p_input] = Affine.of(np.zeros(shape, np.int32), np.ones(shape, np.int64))
         opsets = list(self.model.opset_import)
         for node in self.graph.node:
             results = self.evaluate_node(node, opsets)
             if results is not None:
-                self.values.update((name, value) for name, value in zip(node.output, results) if name)
+                self.known.values.update((name, value) for name, value in zip(node.output, results) if name)
             elif node.op_type == "Constant":
-                self.constants.update(node.output)
-            elif any(self.depends_on_p(name) for name in self.data_read(node)):
-                self.tainted.update(node.output)
+                self.known.constants.update(node.output)
+            elif any(self.known.depends_on_p(name) for name in self.data_read(node)):
+                self.known.tainted.update(node.output)
 
     def data_read(self, node: onnx.NodeProto) -> List[str]:
         """The tensors whose values ``node``'s outputs depend on: all it reads, but P and cache_indirection at an
@@ -649,7 +466,7 @@ class StaticCachePass:
         if node.op_type == "Shape":
             value = self.shape_value(node)
             return None if value is None else [value]
-        args = [self.values.get(name) if name else None for name in node.input]
+        args = [self.known.values.get(name) if name else None for name in node.input]
         if any(name and value is None for name, value in zip(node.input, args)):
             return None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -657,7 +474,7 @@ class StaticCachePass:
         try:
             value = evaluator(args, attrs) if evaluator is not None else None
         except (IndexError, ValueError) as error:  # numpy's word on indices or shapes that do not fit
-            raise StaticCacheError(f"{_where(node)}: its inputs do not fit it ({error}); check the model with "
+            raise StaticCacheError(f"{where(node)}: its inputs do not fit it ({error}); check the model with "
                                    "onnx.checker and stock ORT first") from None  # fmt: skip
         if value is not None and value.const.size <= MAX_ELEMENTS:
             return [value]
@@ -668,7 +485,7 @@ class StaticCachePass:
         node tainted) when a dim is anything else (an expression in P, or not known at all)."""
         dims = self.dims.get(node.input[0])
         if dims is None or not all(isinstance(d, int) or d == P_SYMBOL or d in self.free for d in dims):
-            self.tainted.update(node.output)
+            self.known.tainted.update(node.output)
             return None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         part = slice(attrs.get("start", 0), attrs.get("end", len(dims)))  # Python's clamping is ONNX's
@@ -678,25 +495,25 @@ class StaticCachePass:
             [isinstance(d, str) and d != P_SYMBOL for d in dims][part],
         )
 
-    def depends_on_p(self, name: str) -> bool:
-        value = self.values.get(name)
-        return name in self.tainted or (value is not None and value.on_p)
-
     # Rules 5 and 6
     def materialize_and_prune(self) -> List[onnx.NodeProto]:
         """Walk the graph backwards from its outputs: a node nothing reads goes; an evaluated node whose values are
         known goes, its values materialized; any other node stays, checked (rule 6). The nodes that stay, in order."""
+        host_reads = HostReads(self.graph, self.graph_inputs, self.known, self.pasts, self.dims, self.batch,
+                               self.step_symbol)  # fmt: skip
         needed = set(self.graph_outputs)
         kept = []
         for node in reversed(self.graph.node):
             wanted = [name for name in node.output if name in needed]
-            values = [self.values.get(name) for name in wanted]
+            values = [self.known.values.get(name) for name in wanted]
             if not wanted or all(v is not None and v.known for v in values):
                 for name, value in zip(wanted, values):
                     self.materialize(name, value)
                 self.removed += 1
                 continue
-            self.check_kept(node)
+            host_reads.check(node)
+            if node.op_type == "Shape" and node.domain in DEFAULT_DOMAINS:  # a Shape node that stays reads the batch
+                self.kept_shapes.append(node_name(node))
             kept.append(node)
             needed.update(names_read(self.graph, node))
         return kept[::-1]
@@ -730,83 +547,6 @@ class StaticCachePass:
                 helper.make_node("Reshape", [wide, scalar], [self.p_scalar], name=self.p_scalar),
             ]
         return self.p_scalar
-
-    def check_kept(self, node: onnx.NodeProto) -> None:
-        """Rule 6 for a node that stays."""
-        if node.op_type == "Shape" and node.domain in DEFAULT_DOMAINS:
-            self.check_kept_shape(node)
-        if has_subgraph(node):
-            self.check_kept_subgraph(node)
-        slots = HOST_INPUTS.get(node.op_type, {}) if node.domain in DEFAULT_DOMAINS else {}
-        read = [(role, node.input[slot]) for slot, role in slots.items() if slot < len(node.input) and node.input[slot]]
-        varying = [(role, name) for role, name in read if not self.is_constant(name)]
-        on_p = [f"{role} {name!r} {self.how(name)}" for role, name in varying if self.depends_on_p(name)]
-        advice = self.advice([name for _, name in varying])
-        if on_p:
-            raise StaticCacheError(
-                f"{_where(node)}: its {' and its '.join(on_p)} {'depends' if len(on_p) == 1 else 'depend'} on "
-                "past_sequence_length in a way the rewrite cannot resolve into constants, and ORT's CUDA kernel "
-                f"reads {'it' if len(on_p) == 1 else 'them'} on the host: ORT's CUDA graph could not capture it. "
-                f"The rewrite evaluates shape arithmetic affine in P through Shape, {', '.join(sorted(EVALUATORS))}, "
-                f"with every other dim static{advice}"
-            )
-        if varying and self.batch is not None:
-            found = " and its ".join(f"{role} {name!r} {self.how(name)}" for role, name in varying)
-            raise StaticCacheError(
-                f"{_where(node)}: its {found} is not a constant, and ORT's CUDA kernel reads it on the host: ORT's "
-                f"CUDA graph could not capture it{advice or '; it is computed from the data at run time'}"
-            )
-
-    def check_kept_subgraph(self, node: onnx.NodeProto) -> None:
-        """Rule 6 for a node with a subgraph (If, Loop, Scan) that stays: it reads nothing that depends on P."""
-        on_p = [name for name in dict.fromkeys(names_read(self.graph, node)) if self.depends_on_p(name)]
-        if on_p:
-            raise StaticCacheError(
-                f"{_where(node)}: it has a subgraph and reads {', '.join(repr(n) for n in on_p)}, which "
-                f"{'depends' if len(on_p) == 1 else 'depend'} on past_sequence_length "
-                f"({'; '.join(f'{n} {self.how(n)}' for n in on_p)}); the rewrite does not follow subgraphs (If, Loop, "
-                "Scan), so what the subgraph computes from it could still read the past's length on the host: move "
-                "that computation out of the subgraph"
-            )
-
-    def sources(self, names: Sequence[str]) -> List[Tuple[str, int, str]]:
-        """The symbolic dims (input, dim index, symbol) of the graph inputs ``names`` are computed from: the dims
-        that stay symbolic, not the pasts' length."""
-        found = []
-        for name in ancestor_inputs(self.graph, names):
-            dims = dims_of(self.graph_inputs[name]) or ()
-            found += [(name, i, d) for i, d in enumerate(dims) if isinstance(d, str) and d != P_SYMBOL]
-        return found
-
-    def advice(self, names: Sequence[str]) -> str:
-        """For a refusal: the symbolic input dims ``names`` come from and the flag that pins each (see
-        ``_pin_advice``)."""
-        return _pin_advice(self.sources(names), self.step_symbol)
-
-    def is_constant(self, name: str) -> bool:
-        return name in self.constants or (name in self.values and self.values[name].constant)
-
-    def how(self, name: str) -> str:
-        """A value for a message: ``(= const + P * coeff)``, ``?`` where only the run knows it."""
-        value = self.values.get(name)
-        return f"(= {value.describe()})" if value is not None else "(computed at run time)"
-
-    def check_kept_shape(self, node: onnx.NodeProto) -> None:
-        """Rule 6 for a Shape node that stays (only with a symbolic batch, and never on a self past)."""
-        source = node.input[0]
-        if source in self.pasts:
-            raise StaticCacheError(
-                f"{_where(node)}: its value is needed at run time (a dim of {source!r} stays symbolic), but in the "
-                f"shared buffer the past's shape says max_length, not past_sequence_length{self.advice([source])}"
-            )
-        if self.batch is not None or self.depends_on_p(node.output[0]):
-            given = "" if self.batch is None else f" with --batch {self.batch}"
-            advice = self.advice([source]) or "; make that tensor's dims static"
-            raise StaticCacheError(
-                f"{_where(node)}: the shape of its input {source!r} is {self.dims.get(source, 'unknown')}, not static"
-                f"{given}: the Shape node would stay, and ORT's CUDA graph could not capture it{advice}"
-            )
-        self.kept_shapes.append(node_name(node))
 
     # Rule 2
     def share_buffer(self, node: onnx.NodeProto) -> None:
