@@ -7,6 +7,7 @@
   lift.py              --lift-attention: ORT's packed Attention op rewritten as MultiHeadAttention so it is claimed
   static_cache.py      ``mha-ep static-cache``: a decoder rewritten onto a static KV cache (one CUDA graph a step)
   static_cache_checks.py  its refusals: what a decoder must be for the rewrite to take it (StaticCacheError)
+  static_cache_result.py  what it returns: the rewritten model and what was pinned, kept and added, its report
   affine.py            the shape arithmetic on one run-time number P evaluated at build time as const + P * coeff
   graph_facts.py       what a graph says about its tensors: declared and inferred dims, what a node reads
 """
