@@ -1,12 +1,12 @@
 """Affine evaluation: the integer shape arithmetic of a graph evaluated at build time as ``const + P * coeff``.
 
-P is one number only the run knows (the static-cache rewrite's past length, mha_ep/graph/static_cache.py). An
-integer tensor whose every element is a constant plus P times a constant (``Affine``) is known at build time up to
-P: a Shape of a tensor whose one dim is P, the Gather, Slice, Concat, Add, Mul, Range, ... that ORT's exporters
-build on it. ``EVALUATORS`` holds one function per op, ``(args, attrs) -> Affine or None``; ``fold`` runs any
-other default-domain node whose inputs are all integer constants through onnx's reference evaluator. An element set
-by a dim that stays symbolic is marked unknown, and a value is ``None`` where the op is not affine in P (P * P) or
-its result would be data rather than shape arithmetic (more than ``MAX_ELEMENTS``).
+P is one number only the run knows (the static-cache rewrite's past length: mha_ep/graph/static_cache.py, rule
+AFFINE_EVALUATION). An integer tensor whose every element is a constant plus P times a constant (``Affine``) is
+known at build time up to P: a Shape of a tensor whose one dim is P, the Gather, Slice, Concat, Add, Mul, Range, ...
+that ORT's exporters build on it. ``EVALUATORS`` holds one function per op, ``(args, attrs) -> Affine or None``;
+``fold`` runs any other default-domain node whose inputs are all integer constants through onnx's reference
+evaluator. An element set by a dim that stays symbolic is marked unknown, and a value is ``None`` where the op is
+not affine in P (P * P) or its result would be data rather than shape arithmetic (more than ``MAX_ELEMENTS``).
 
 Only ``onnx`` and ``numpy`` are used.
 """

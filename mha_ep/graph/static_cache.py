@@ -17,46 +17,47 @@ into constants and device computations from ``past_sequence_length``.
 
 Layout legend: B batch, N heads, H head size, P rows filled before the step, L the step's rows, M max_length.
 
-Rules of the pass (the code refers to them by number):
-  1. Self-attention nodes: every com.microsoft::MultiHeadAttention node with a past. Each one reads past_key and
-     past_value from graph inputs that only it and Shape nodes read (no node with a subgraph: the rewrite does not
-     follow If/Loop/Scan bodies), writes both presents to graph outputs that no node reads, asks for no qk output,
-     and its pasts have static heads N and head size H. Its inputs 8 and 9 are absent on every self node, or each
-     the same graph input on every one: ``past_sequence_length`` int32 (1,) or scalar, ``cache_indirection`` int32
-     of rank 3, as ORT's Whisper export with ``--use_decoder_masked_mha`` wires them; then the pasts are buffers of
-     M rows already. Nodes without a past (cross-attention over BNSH key/value inputs, with inputs 8/9 or a qk
-     output or not: ORT ignores inputs 8/9 there, docs/SEMANTICS.md §3.9/§3.10) stay as they are. A model without
-     a self node, or max_length < 1, is refused.
-  2. The shared buffer: every self node reads P at input 8: the graph input it reads there already, else a graph
-     input ``past_sequence_length`` that (cross-attention) MultiHeadAttention nodes read at input 8, else the new input
-     ``past_sequence_length`` (int32, (1,)); a kept input keeps its name. Its pasts and presents are declared
-     (B, N, max_length, H), B the batch or the pasts' own dim 0. With ``beams`` W, or a cache_indirection the self
-     nodes read already, input 9 is ``cache_indirection`` (int32, (B / W, W, max_length)), found or made the same
-     way: beam search's map of which beam's cache row each row reads (docs/SEMANTICS.md §3.10).
-  3. Other inputs: with ``batch``, a dim 0 that is not static becomes the batch. The step length L is the dim 1
-     the self nodes' queries get (input_ids' dim 1): a symbolic one is pinned to ``step_length`` (1 when not given)
-     in every input that carries its symbol; a static one must equal ``step_length`` when that is given. Nothing
-     else changes (cross-attention K/V stay as the first decoder step computed them). An input that carries the
-     pasts' length dim is refused: its shape would still change every step (when the pasts are buffers already,
-     rule 1, that dim is M, and such an input gets max_length).
-  4. Affine evaluation: with the inputs of rules 2-3 and shape inference (ORT's symbolic one, which knows the
-     com.microsoft ops; ONNX's when it fails), every integer tensor of the shape arithmetic is evaluated at build
-     time as ``const + P * coeff`` (``Affine``). ``Shape`` of a self past is [B, N, 0, H] + P * [0, 0, 1, 0]
-     ([B, N, max_length, H] when the pasts are buffers already), a kept ``past_sequence_length`` input is
-     0 + P * 1, ``Shape`` of any other tensor its static dims; elements set by a dim that stays symbolic (the
-     batch, when it is not given) are marked unknown. The ops are ``EVALUATORS``; any other default-domain node
-     whose inputs are all integer constants is folded by onnx's reference evaluator (both in graph/affine.py).
-  5. Materialization: a constant that a remaining node reads becomes an initializer of its own name; an affine
-     value becomes ``Add(const, Mul(P, coeff))`` in int64 under its own name (P: ``past_sequence_length`` cast to
-     an int64 scalar, once); a value with unknown elements keeps its node. Nodes and initializers that nothing reads
-     any more are removed.
-  6. Host reads: no remaining node reads on the host (``HOST_INPUTS``: the inputs ORT's CUDA kernels take in CPU
-     memory) a value that depends on P, no Shape node reads a self past, and no remaining node with a subgraph
-     (If, Loop, Scan) reads a value that depends on P: the rewrite does not follow a subgraph. With ``batch``
-     given, no Shape node remains and every such input is constant. Each break is a StaticCacheError naming the
-     node, and, where symbolic input dims feed the value, each such input, dim and symbol with the flag that pins
-     it (``--batch``, ``--step-length``) or the word that none does.
-  7. Outputs: the presents as rule 2; every other output gets the dims shape inference found static.
+Rules of the pass, each by its name: a heading here, or the class or method that is the whole rule. The code, the
+tests and the docs cite a rule as ``rule NAME``, never by a number (tests/graph/test_rule_names.py holds them to it):
+  SELF_NODES: every com.microsoft::MultiHeadAttention node with a past is a self-attention node. Each one reads past_key
+    and past_value from graph inputs that only it and Shape nodes read (no node with a subgraph: the rewrite does not
+    follow If/Loop/Scan bodies), writes both presents to graph outputs that no node reads, asks for no qk output, and
+    its pasts have static heads N and head size H. Its inputs 8 and 9 are absent on every self node, or each the same
+    graph input on every one: ``past_sequence_length`` int32 (1,) or scalar, ``cache_indirection`` int32 of rank 3, as
+    ORT's Whisper export with ``--use_decoder_masked_mha`` wires them; then the pasts are buffers of M rows already.
+    Nodes without a past (cross-attention over BNSH key/value inputs, with inputs 8/9 or a qk output or not: ORT ignores
+    inputs 8/9 there, docs/SEMANTICS.md §3.9/§3.10) stay as they are. A model without a self node, or max_length < 1, is
+    refused.
+  SHARED_BUFFER: every self node reads P at input 8: the graph input it reads there already, else a graph input
+    ``past_sequence_length`` that (cross-attention) MultiHeadAttention nodes read at input 8, else the new input
+    ``past_sequence_length`` (int32, (1,)); a kept input keeps its name. Its pasts and presents are declared (B, N,
+    max_length, H), B the batch or the pasts' own dim 0. With ``beams`` W, or a cache_indirection the self nodes read
+    already, input 9 is ``cache_indirection`` (int32, (B / W, W, max_length)), found or made the same way: beam search's
+    map of which beam's cache row each row reads (docs/SEMANTICS.md §3.10).
+  OTHER_INPUTS: with ``batch``, a dim 0 that is not static becomes the batch. The step length L is the dim 1 the self
+    nodes' queries get (input_ids' dim 1): a symbolic one is pinned to ``step_length`` (1 when not given) in every input
+    that carries its symbol; a static one must equal ``step_length`` when that is given. Nothing else changes
+    (cross-attention K/V stay as the first decoder step computed them). An input that carries the pasts' length dim is
+    refused: its shape would still change every step (when the pasts are buffers already, rule SELF_NODES, that dim is
+    M, and such an input gets max_length).
+  AFFINE_EVALUATION: with the inputs of rules SHARED_BUFFER and OTHER_INPUTS and shape inference (ORT's symbolic one,
+    which knows the com.microsoft ops; ONNX's when it fails), every integer tensor of the shape arithmetic is evaluated
+    at build time as ``const + P * coeff`` (``Affine``). ``Shape`` of a self past is [B, N, 0, H] + P * [0, 0, 1, 0]
+    ([B, N, max_length, H] when the pasts are buffers already), a kept ``past_sequence_length`` input is 0 + P * 1,
+    ``Shape`` of any other tensor its static dims; elements set by a dim that stays symbolic (the batch, when it is not
+    given) are marked unknown. The ops are ``EVALUATORS``; any other default-domain node whose inputs are all integer
+    constants is folded by onnx's reference evaluator (both in graph/affine.py).
+  MATERIALIZATION: a constant that a remaining node reads becomes an initializer of its own name; an affine value
+    becomes ``Add(const, Mul(P, coeff))`` in int64 under its own name (P: ``past_sequence_length`` cast to an int64
+    scalar, once); a value with unknown elements keeps its node. Nodes and initializers that nothing reads any more are
+    removed.
+  HostReads: no remaining node reads on the host (``HOST_INPUTS``: the inputs ORT's CUDA kernels take in CPU memory) a
+    value that depends on P, no Shape node reads a self past, and no remaining node with a subgraph (If, Loop, Scan)
+    reads a value that depends on P: the rewrite does not follow a subgraph. With ``batch`` given, no Shape node remains
+    and every such input is constant. Each break is a StaticCacheError naming the node, and, where symbolic input dims
+    feed the value, each such input, dim and symbol with the flag that pins it (``--batch``, ``--step-length``) or the
+    word that none does (graph/static_cache_checks.py).
+  declare_outputs: the presents as rule SHARED_BUFFER; every other output gets the dims shape inference found static.
 """
 
 from __future__ import annotations
@@ -104,9 +105,10 @@ def static_cache(model, max_length: int, batch: Optional[int] = None, beams: int
     module docstring: self pasts and presents (B, N, max_length, H) sharing one buffer, an input
     ``past_sequence_length`` (int32, (1,)), no shape arithmetic on the host. ``batch``: B (rows: batch entries x
     beams) fixed in every input's dim 0, or None to keep it symbolic. ``beams`` > 0: a cache_indirection input for
-    beam search (rule 2). ``step_length``: the step length L a symbolic one is pinned to (None: 1), or that a static
-    one must be (rule 3). Raises StaticCacheError naming the node or input for a model it cannot rewrite."""
-    check_arguments(max_length, batch, beams, step_length)  # Rule 1
+    beam search (rule SHARED_BUFFER). ``step_length``: the step length L a symbolic one is pinned to (None: 1), or
+    that a static one must be (rule OTHER_INPUTS). Raises StaticCacheError naming the node or input for a model it
+    cannot rewrite."""
+    check_arguments(max_length, batch, beams, step_length)  # rule SELF_NODES
     return StaticCachePass(load_model(model), int(max_length), None if batch is None else int(batch), int(beams),
                            None if step_length is None else int(step_length)).run()  # fmt: skip
 
@@ -129,17 +131,17 @@ class StaticCachePass:
         self.self_nodes: List[onnx.NodeProto] = []
         self.pasts: Set[str] = set()
         self.presents: Set[str] = set()
-        self.buffers_already = False  # rule 1: the self nodes read past_sequence_length already; pasts have M rows
-        self.p_input = PAST_SEQUENCE_LENGTH  # rule 2: the graph input P is read from
-        self.ci_input: Optional[str] = None  # rule 2: the graph input cache_indirection is read from, if any
-        self.kept_inputs: List[str] = []  # rule 2: which of the two the model had already
-        self.step: Optional[int] = None  # rule 3: the step length, when known
-        self.step_symbol: Optional[str] = None  # rule 3: its symbol, when the model had one
-        self.pinned: List[Tuple[str, int, str, int]] = []  # rule 3: (input, dim, symbol, value)
-        self.symbol_values: Dict[str, int] = {}  # rule 3: the symbols pinned in the inputs, for the outputs (rule 7)
-        self.dims: Dict[str, Tuple[Dim, ...]] = {}  # rule 4's inferred dims, the pasts' length as P_SYMBOL
+        self.buffers_already = False  # rule SELF_NODES: the self nodes read P already, pasts of M rows
+        self.p_input = PAST_SEQUENCE_LENGTH  # rule SHARED_BUFFER: the graph input P is read from
+        self.ci_input: Optional[str] = None  # rule SHARED_BUFFER: cache_indirection's input, if any
+        self.kept_inputs: List[str] = []  # rule SHARED_BUFFER: which of the two the model had already
+        self.step: Optional[int] = None  # rule OTHER_INPUTS: the step length, when known
+        self.step_symbol: Optional[str] = None  # rule OTHER_INPUTS: its symbol, when the model had one
+        self.pinned: List[Tuple[str, int, str, int]] = []  # rule OTHER_INPUTS: (input, dim, symbol, value)
+        self.symbol_values: Dict[str, int] = {}  # rule OTHER_INPUTS: the symbols pinned, for rule ``declare_outputs``
+        self.dims: Dict[str, Tuple[Dim, ...]] = {}  # rule AFFINE_EVALUATION's inferred dims, the pasts' length P_SYMBOL
         self.free: Set[str] = set()  # dim_params that stay symbolic and are not the pasts' length
-        self.known = Evaluated()  # rule 4's values, constants and tainted names
+        self.known = Evaluated()  # rule AFFINE_EVALUATION's values, constants and tainted names
         self.new_nodes: List[onnx.NodeProto] = []
         self.new_initializers: List[onnx.TensorProto] = []
         self.p_scalar: Optional[str] = None
@@ -174,7 +176,7 @@ class StaticCachePass:
                                  self.beams, self.step, tuple(self.pinned), self.p_input, self.ci_input,
                                  tuple(self.kept_inputs))  # fmt: skip
 
-    # Rule 1
+    # rule SELF_NODES
     def find_self_nodes(self) -> None:
         """The MultiHeadAttention nodes with a past, each checked; StaticCacheError when there is none."""
         mha = [n for n in self.graph.node if n.op_type == spec.OP_TYPE and n.domain == spec.ORT_DOMAIN]
@@ -194,7 +196,7 @@ class StaticCachePass:
                 "give the decoder-with-past, not the first decoder step or an encoder"
             )
 
-    # Rules 1 and 2
+    # rules SELF_NODES and SHARED_BUFFER
     def find_shared_inputs(self) -> None:
         """The graph inputs of P and cache_indirection: the ones the self nodes read at inputs 8/9 already (the same
         on every self node, or none on any), else ones of those names that (cross-attention) MultiHeadAttention
@@ -233,10 +235,11 @@ class StaticCachePass:
             return []
         return [node for node in mha if at[id(node)]]
 
-    # Rules 2 and 3
+    # rules SHARED_BUFFER and OTHER_INPUTS
     def declare_inputs(self) -> None:
-        """The inputs' dims: the batch (rule 3), the pasts' length as P_SYMBOL until rule 7 (rule 4 infers with it),
-        or max_length where the pasts are buffers already, and the P and cache_indirection inputs (rule 2)."""
+        """The inputs' dims: the batch (rule OTHER_INPUTS), the pasts' length as P_SYMBOL until rule
+        ``declare_outputs`` (rule AFFINE_EVALUATION infers with it), or max_length where the pasts are buffers
+        already, and the P and cache_indirection inputs (rule SHARED_BUFFER)."""
         lengths = {dims_of(self.graph_inputs[p])[2] for p in self.pasts} - {None}
         if self.buffers_already:
             check_buffer_lengths(self.pasts, self.graph_inputs, self.p_input, self.max_length)
@@ -262,7 +265,8 @@ class StaticCachePass:
                 set_dims(value, dims)
 
     def cache_indirection_dims(self, dims: List[Dim]) -> List[Dim]:
-        """Rule 2 for a cache_indirection the model has: (B / W, W, max_length), W the beams or its own dim 1."""
+        """Rule SHARED_BUFFER for a cache_indirection the model has: (B / W, W, max_length), W the beams or its own
+        dim 1."""
         beams = self.beams or dims[1]
         entries = self.batch // beams if self.batch is not None and isinstance(beams, int) and beams else dims[0]
         if isinstance(dims[0], int) and isinstance(entries, int) and dims[0] != entries:
@@ -270,10 +274,10 @@ class StaticCachePass:
                                    f"--batch {self.batch} / {beams} beams = {entries}")  # fmt: skip
         return [entries, beams, self.max_length]
 
-    # Rule 4
+    # rule AFFINE_EVALUATION
     def evaluate(self) -> None:
         """Every node in graph order: its values as Affine when it is evaluable, else its outputs tainted when it
-        reads a value that depends on P. The step length is found and pinned first (rule 3)."""
+        reads a value that depends on P. The step length is found and pinned first (rule OTHER_INPUTS)."""
         self.dims = self.infer()
         if self.pin_step_length():
             self.dims = self.infer()
@@ -311,7 +315,7 @@ class StaticCachePass:
         dims.update((past, dims_of(self.graph_inputs[past])) for past in self.pasts)  # P_SYMBOL, as declared
         return dims
 
-    # Rule 3
+    # rule OTHER_INPUTS
     def pin_step_length(self) -> bool:
         """The step length: the dim 1 of the self nodes' queries. A symbol of the inputs is pinned to step_length
         (1 when not given) in every input that carries it; a static one is checked against step_length. Whether
@@ -375,7 +379,7 @@ class StaticCachePass:
         return probe
 
     def evaluate_node(self, node: onnx.NodeProto, opsets) -> Optional[List[Affine]]:
-        """The values of ``node``'s outputs (rule 4), or None when it is not evaluable at build time."""
+        """The values of ``node``'s outputs (rule AFFINE_EVALUATION), or None when it is not evaluable at build time."""
         if node.domain not in DEFAULT_DOMAINS:
             return None
         if node.op_type == "Shape":
@@ -410,10 +414,11 @@ class StaticCachePass:
             [isinstance(d, str) and d != P_SYMBOL for d in dims][part],
         )
 
-    # Rules 5 and 6
+    # rules MATERIALIZATION and ``HostReads``
     def materialize_and_prune(self) -> List[onnx.NodeProto]:
         """Walk the graph backwards from its outputs: a node nothing reads goes; an evaluated node whose values are
-        known goes, its values materialized; any other node stays, checked (rule 6). The nodes that stay, in order."""
+        known goes, its values materialized; any other node stays, checked (rule ``HostReads``). The nodes that
+        stay, in order."""
         host_reads = HostReads(self.graph, self.graph_inputs, self.known, self.pasts, self.dims, self.batch,
                                self.step_symbol)  # fmt: skip
         needed = set(self.graph_outputs)
@@ -434,7 +439,8 @@ class StaticCachePass:
         return kept[::-1]
 
     def materialize(self, name: str, value: Affine) -> None:
-        """Rule 5: a constant as an initializer named ``name``; an affine value as Add(const, Mul(P, coeff))."""
+        """Rule MATERIALIZATION: a constant as an initializer named ``name``; an affine value as
+        Add(const, Mul(P, coeff))."""
         if value.constant:
             self.new_initializers.append(numpy_helper.from_array(value.const, name))
             return
@@ -463,7 +469,7 @@ class StaticCachePass:
             ]
         return self.p_scalar
 
-    # Rule 2
+    # rule SHARED_BUFFER
     def share_buffer(self, node: onnx.NodeProto) -> None:
         """A self node's inputs padded to eight, then input 8 P's input (and input 9 cache_indirection's, if any);
         a node that reads them already keeps them, as they are the same names."""
@@ -472,7 +478,7 @@ class StaticCachePass:
         node.input.extend(inputs + [""] * (SHARED_SLOTS[0] - len(inputs)) + [self.p_input]
                           + ([self.ci_input] if self.ci_input else []))  # fmt: skip
 
-    # Rules 2 and 7
+    # rules SHARED_BUFFER and ``declare_outputs``
     def declare_outputs(self) -> None:
         """The pasts and presents (B, N, max_length, H); every other output's dims where inference found them
         static (or a free dim), and a symbol pinned in the inputs (the batch, the step length) as its value."""
@@ -496,7 +502,7 @@ class StaticCachePass:
             if dims:
                 set_dims(value, [self.symbol_values.get(d, d) if isinstance(d, str) else d for d in dims])
 
-    # Rule 5
+    # rule MATERIALIZATION
     def drop_unused(self) -> None:
         """Initializers nothing reads, and value_info of tensors no node makes any more."""
         graph = self.graph

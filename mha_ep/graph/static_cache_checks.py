@@ -1,8 +1,9 @@
 """The refusals of the static-cache rewrite (mha_ep/graph/static_cache.py): what a decoder-with-past must be for
 the rewrite to take it, each break a StaticCacheError that names the node or input, what was expected and what to
-do. The pass calls them at its rules' steps: the arguments and the self nodes (rule 1), the inputs (rule 3), and,
-on every node that stays once the shape arithmetic is evaluated, the reads on the host (rule 6, ``HostReads``).
-The names and slots the pass works with are here too, so that the checks and the rewrite read the same ones."""
+do. The pass calls them at its rules' steps (static_cache.py names its rules): the arguments and the self nodes
+(rule SELF_NODES), the inputs (rule OTHER_INPUTS), and, on every node that stays once the shape arithmetic is
+evaluated, the reads on the host (rule ``HostReads``). The names and slots the pass works with are here too, so that
+the checks and the rewrite read the same ones."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ CACHE_INDIRECTION = "cache_indirection"
 PAST_KEY, PAST_VALUE = spec.SLOT["past_key"], spec.SLOT["past_value"]
 SHARED_SLOTS = (spec.SLOT[PAST_SEQUENCE_LENGTH], spec.SLOT["cache_indirection"])
 PRESENT_KEY, PRESENT_VALUE, QK = spec.OUT_SLOT["present_key"], spec.OUT_SLOT["present_value"], spec.OUT_SLOT["qk"]
-P_SYMBOL = "mha_ep.graph.static_cache.P"  # the pasts' length dim while shapes are inferred (rule 4)
+P_SYMBOL = "mha_ep.graph.static_cache.P"  # the pasts' length dim while shapes are inferred (rule AFFINE_EVALUATION)
 
 # Inputs that ORT's CUDA kernels read in CPU memory (``InputMemoryType(OrtMemTypeCPUInput, slot)`` in their
 # registrations): a value computed on the device is copied to the host there, which a CUDA graph cannot capture.
@@ -71,7 +72,7 @@ def is_self(node: onnx.NodeProto, presents: Set[str]) -> bool:
 
 
 def check_arguments(max_length, batch, beams, step_length) -> None:
-    """Rule 1 for ``static_cache``'s arguments: max_length >= 1, batch >= 1 or None, beams >= 0 dividing batch,
+    """Rule SELF_NODES for ``static_cache``'s arguments: max_length >= 1, batch >= 1 or None, beams >= 0 dividing batch,
     step_length from 1 to max_length or None."""
     if not isinstance(max_length, (int, np.integer)) or max_length < 1:
         raise StaticCacheError(f"max_length must be a whole number >= 1 (the buffer's rows), got {max_length!r}")
@@ -88,7 +89,7 @@ def check_arguments(max_length, batch, beams, step_length) -> None:
 
 def check_self_node(node: onnx.NodeProto, slots: List[str], graph_inputs: Dict[str, onnx.ValueInfoProto],
                     graph_outputs: Dict[str, onnx.ValueInfoProto], batch: Optional[int]) -> None:  # fmt: skip
-    """Rule 1 for one node with a past: ``slots`` are its ten input names, "" where absent."""
+    """Rule SELF_NODES for one node with a past: ``slots`` are its ten input names, "" where absent."""
     outputs = list(node.output) + [""] * (len(spec.OUTPUTS) - len(node.output))
     form = "; the rewrite takes decoders as ORT's optimizer leaves them (--model_type bart)"
     for slot in (PAST_KEY, PAST_VALUE):
@@ -121,8 +122,8 @@ def check_self_node(node: onnx.NodeProto, slots: List[str], graph_inputs: Dict[s
 
 
 def shared_input_name(self_nodes: List[onnx.NodeProto], slot: int) -> str:
-    """Rule 1: the graph input every self node reads at ``slot`` (8 or 9), "" where none does; refused when they
-    differ."""
+    """Rule SELF_NODES: the graph input every self node reads at ``slot`` (8 or 9), "" where none does; refused
+    when they differ."""
     names = [slots_of(node)[slot] for node in self_nodes]
     odd = next((node for node, name in zip(self_nodes, names) if name != names[0]), None)
     if odd is not None:
@@ -137,7 +138,7 @@ def shared_input_name(self_nodes: List[onnx.NodeProto], slot: int) -> str:
 
 def check_shared_input(node: onnx.NodeProto, slot: int, name: str, graph: onnx.GraphProto,
                        graph_inputs: Dict[str, onnx.ValueInfoProto], beams: int) -> None:  # fmt: skip
-    """Rule 1 for an input 8/9 the model has: a graph input (not an initializer) of int32 and the shape ORT
+    """Rule SELF_NODES for an input 8/9 the model has: a graph input (not an initializer) of int32 and the shape ORT
     takes, past_sequence_length (1,) or scalar, cache_indirection (B / W, W, M) with W = beams when given."""
     role = spec.INPUTS[slot]
     value = graph_inputs.get(name)
@@ -162,7 +163,7 @@ def check_shared_input(node: onnx.NodeProto, slot: int, name: str, graph: onnx.G
 
 
 def check_readers(graph: onnx.GraphProto, pasts: Set[str], presents: Set[str]) -> None:
-    """Rule 1: the pasts are read only by their node and Shape nodes, the presents by no node, and neither by a
+    """Rule SELF_NODES: the pasts are read only by their node and Shape nodes, the presents by no node, and neither by a
     node with a subgraph."""
     for node in graph.node:
         for name in names_read(graph, node):
@@ -187,7 +188,7 @@ def check_readers(graph: onnx.GraphProto, pasts: Set[str], presents: Set[str]) -
 
 def check_buffer_lengths(pasts: Set[str], graph_inputs: Dict[str, onnx.ValueInfoProto], p_input: str,
                          max_length: int) -> None:  # fmt: skip
-    """Rule 3 for pasts that are buffers already: a static dim 2 is max_length."""
+    """Rule OTHER_INPUTS for pasts that are buffers already: a static dim 2 is max_length."""
     for name in sorted(pasts):
         rows = dims_of(graph_inputs[name])[2]
         if isinstance(rows, int) and rows != max_length:
@@ -198,7 +199,7 @@ def check_buffer_lengths(pasts: Set[str], graph_inputs: Dict[str, onnx.ValueInfo
 
 
 def refuse_the_pasts_length(name: str, dims: Sequence[Dim], lengths: Set[Dim]) -> None:
-    """Rule 3: an input other than the pasts that carries their length (P) is refused."""
+    """Rule OTHER_INPUTS: an input other than the pasts that carries their length (P) is refused."""
     carried = [f"dim {i} ({d!r})" for i, d in enumerate(dims) if isinstance(d, str) and d in lengths]
     if carried:
         raise StaticCacheError(
@@ -210,9 +211,9 @@ def refuse_the_pasts_length(name: str, dims: Sequence[Dim], lengths: Set[Dim]) -
 
 @dataclass
 class HostReads:
-    """Rule 6 over the nodes that stay once the shape arithmetic is evaluated (``known``): none reads on the host a
-    value that depends on P, or (with ``batch``) any value that is not constant; no Shape node reads a self past.
-    ``dims``: the inferred dims; ``step_symbol``: the step length's symbol, for the flag a refusal names."""
+    """Rule ``HostReads`` over the nodes that stay once the shape arithmetic is evaluated (``known``): none reads on
+    the host a value that depends on P, or (with ``batch``) any value that is not constant; no Shape node reads a
+    self past. ``dims``: the inferred dims; ``step_symbol``: the step length's symbol, for the flag a refusal names."""
 
     graph: onnx.GraphProto
     graph_inputs: Dict[str, onnx.ValueInfoProto]
@@ -223,7 +224,7 @@ class HostReads:
     step_symbol: Optional[str]
 
     def check(self, node: onnx.NodeProto) -> None:
-        """Rule 6 for a node that stays."""
+        """Rule ``HostReads`` for a node that stays."""
         if node.op_type == "Shape" and node.domain in DEFAULT_DOMAINS:
             self.check_shape(node)
         if has_subgraph(node):
@@ -249,7 +250,7 @@ class HostReads:
             )
 
     def check_shape(self, node: onnx.NodeProto) -> None:
-        """Rule 6 for a Shape node that stays (only with a symbolic batch, and never on a self past)."""
+        """Rule ``HostReads`` for a Shape node that stays (only with a symbolic batch, and never on a self past)."""
         source = node.input[0]
         if source in self.pasts:
             raise StaticCacheError(
@@ -265,7 +266,8 @@ class HostReads:
             )
 
     def check_subgraph(self, node: onnx.NodeProto) -> None:
-        """Rule 6 for a node with a subgraph (If, Loop, Scan) that stays: it reads nothing that depends on P."""
+        """Rule ``HostReads`` for a node with a subgraph (If, Loop, Scan) that stays: it reads nothing that depends
+        on P."""
         on_p = [name for name in dict.fromkeys(names_read(self.graph, node)) if self.known.depends_on_p(name)]
         if on_p:
             raise StaticCacheError(

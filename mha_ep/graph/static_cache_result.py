@@ -20,7 +20,8 @@ class StaticCacheResult:
     (past_key, past_value, present_key, present_value per node, graph order), the buffer's max_length and batch
     (None: the batch dim stays symbolic), how many nodes were folded or removed, and notes; the step length (None:
     not known), the input dims pinned to it (input, dim index, symbol, value), the names of the P and
-    cache_indirection inputs (None: none), and which of the two the model had already (rules 1-3)."""
+    cache_indirection inputs (None: none), and which of the two the model had already (rules SELF_NODES,
+    SHARED_BUFFER and OTHER_INPUTS)."""
 
     model: onnx.ModelProto
     self_layers: Tuple[Tuple[str, str, str, str], ...]
