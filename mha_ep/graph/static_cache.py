@@ -139,7 +139,7 @@ class StaticCachePass:
         self.step_symbol: Optional[str] = None  # rule OTHER_INPUTS: its symbol, when the model had one
         self.pinned: List[Tuple[str, int, str, int]] = []  # rule OTHER_INPUTS: (input, dim, symbol, value)
         self.symbol_values: Dict[str, int] = {}  # rule OTHER_INPUTS: the symbols pinned, for rule ``declare_outputs``
-        self.dims: Dict[str, Tuple[Dim, ...]] = {}  # rule AFFINE_EVALUATION's inferred dims, the pasts' length P_SYMBOL
+        self.dims: Dict[str, Tuple[Dim, ...]] = {}  # rule AFFINE_EVALUATION's inferred dims, P as P_SYMBOL
         self.free: Set[str] = set()  # dim_params that stay symbolic and are not the pasts' length
         self.known = Evaluated()  # rule AFFINE_EVALUATION's values, constants and tainted names
         self.new_nodes: List[onnx.NodeProto] = []
