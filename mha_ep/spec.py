@@ -42,14 +42,14 @@ PLUGIN_INPUTS = INPUTS
 PLUGIN_OUTPUTS = OUTPUTS
 # The plugin op's qk output (output 3, (B, N, S, T)) comes in the type the node computes in: float32 on the
 # Python-op route, the node's own type on the native route. ORT's QK type constraint is independent of T, so the
-# partition pass adds a Cast to the declared QK type where the two differ (graph/partition.py, rule 5).
+# partition pass adds a Cast to the declared QK type where the two differ (graph/partition.py, rule TRANSPORT).
 # mha_ep before the qk output wrote claimed nodes with the first three outputs; the pass gives such a node the
-# fourth, unused (graph/partition.py, rule 7).
+# fourth, unused (graph/partition.py, rule ALREADY_CLAIMED).
 LEGACY_PLUGIN_OUTPUTS = OUTPUTS[:3]
 FLOAT_INPUTS = ("query", "key", "value", "bias", "attention_bias", "past_key", "past_value")
 INT32_INPUTS = ("past_sequence_length", "cache_indirection")  # ORT's type constraint M: int32 only
 # mha_ep before the shared buffer wrote claimed nodes with the first eight inputs only; the partition pass gives
-# such a node the two new placeholder slots (graph/partition.py, rule 7).
+# such a node the two new placeholder slots (graph/partition.py, rule ALREADY_CLAIMED).
 LEGACY_PLUGIN_INPUTS = INPUTS[:8]
 
 

@@ -21,18 +21,20 @@ Q, K and V exactly as Attention does, and then runs the same scaled-dot-product 
 ``num_heads``, ``scale``, ``mask_filter_value`` and ``unidirectional`` attributes. Attention's ``present`` holds K
 and V after the bias add, as MHA's ``present_key``/``present_value`` do.
 
-Rules (a node is lifted only when every rule passes; otherwise it stays byte for byte and the reason is recorded):
-  Rule 1  attributes: no ``do_rotary``, no ``past_present_share_buffer``; ``num_heads`` > 0
-  Rule 2  ``weights`` is an initializer (sliced at build time; one that is also a graph input is read at run time)
-          or its hidden sizes are known statically
-  Rule 3  ``qkv_hidden_sizes``, when given, has q == k (MHA needs key hidden == query hidden), all divisible by
-          num_heads, and v == q when ``present`` is used (the combined present stacks K and V)
-  Rule 4  no ``past`` input (Attention's combined past, with its causal offset, is not lifted: the Whisper graphs
-          that need lifting have none) and no ``past_sequence_length`` input
-  Rule 5  ``mask_index``, when given, has one of the forms MHA's ``key_padding_mask`` reads the same way:
-          (B, T) raw, (B, S, T) raw, or (B,) key lengths (told from the (2B,) end/start form by matching the query
-          batch dim statically). The (2B,) and the Megatron (B, 1, M, M) forms are declined.
-  Rule 6  ``attention_bias`` passes through unchanged (same slot meaning and shape in both ops)
+Rules, each by its name (a node is lifted only when every rule passes; otherwise it stays byte for byte and the
+reason is recorded). The code, the tests and the docs cite a rule as ``rule NAME``, never by a number
+(tests/graph/test_rule_names.py holds them to it):
+  PLAIN_ATTRIBUTES: no ``do_rotary``, no ``past_present_share_buffer``; ``num_heads`` > 0
+  STATIC_WEIGHTS: ``weights`` is an initializer (sliced at build time; one that is also a graph input is read at run
+    time) or its hidden sizes are known statically
+  QKV_SIZES: ``qkv_hidden_sizes``, when given, has q == k (MHA needs key hidden == query hidden), all divisible by
+    num_heads, and v == q when ``present`` is used (the combined present stacks K and V)
+  NO_PAST: no ``past`` input (Attention's combined past, with its causal offset, is not lifted: the Whisper graphs that
+    need lifting have none) and no ``past_sequence_length`` input
+  MASK_INDEX_FORMS: ``mask_index``, when given, has one of the forms MHA's ``key_padding_mask`` reads the same way:
+    (B, T) raw, (B, S, T) raw, or (B,) key lengths (told from the (2B,) end/start form by matching the query batch dim
+    statically). The (2B,) and the Megatron (B, 1, M, M) forms are declined.
+  BIAS_UNCHANGED: ``attention_bias`` passes through unchanged (same slot meaning and shape in both ops)
 
 Only ``onnx`` and ``numpy`` are used.
 """
@@ -117,7 +119,7 @@ def _elem_type(model: onnx.ModelProto, name: str) -> Optional[int]:
 
 
 class _Plan:
-    """The checked facts about one liftable node (rules 1-6 passed)."""
+    """The checked facts about one liftable node (every rule passed)."""
 
     def __init__(self, node, num_heads, q_hidden, k_hidden, v_hidden, weights, present_used):
         self.node = node
@@ -129,7 +131,7 @@ class _Plan:
 
 def _check(node, inits, shapes, used) -> _Plan:
     attrs = _attrs(node)
-    # Rule 1
+    # rule PLAIN_ATTRIBUTES
     if int(attrs.get("do_rotary", 0)) != 0:
         raise _Decline("do_rotary=1: MultiHeadAttention has no rotary embedding")
     if int(attrs.get("past_present_share_buffer", 0)) != 0:
@@ -137,19 +139,19 @@ def _check(node, inits, shapes, used) -> _Plan:
     num_heads = int(attrs.get("num_heads", 0))
     if num_heads <= 0:
         raise _Decline(f"num_heads={num_heads} must be > 0")
-    # Rule 4
+    # rule NO_PAST
     if _input(node, A_PAST):
         raise _Decline(f"input 'past' ({_input(node, A_PAST)}) is given: Attention's combined past is not lifted")
     if _input(node, A_PAST_SEQ_LEN):
         raise _Decline("input 'past_sequence_length' is given: a buffer-sharing form, not lifted")
-    # Rule 2
+    # rule STATIC_WEIGHTS
     w_name = _input(node, A_WEIGHTS)
     weights = numpy_helper.to_array(inits[w_name]) if w_name in inits else None
     w_shape = weights.shape if weights is not None else shapes.get(w_name)
     if w_shape is None or len(w_shape) != 2 or not all(isinstance(d, int) and d > 0 for d in w_shape):
         raise _Decline(f"weights '{w_name}' shape {w_shape} is not a static 2D shape")
     total = int(w_shape[1])
-    # Rule 3
+    # rule QKV_SIZES
     sizes = attrs.get("qkv_hidden_sizes")
     if sizes:
         if len(sizes) != 3:
@@ -169,7 +171,7 @@ def _check(node, inits, shapes, used) -> _Plan:
     present_used = bool(present) and present in used
     if present_used and v_hidden != q_hidden:
         raise _Decline("present is used and value hidden != query hidden: the combined present cannot stack them")
-    # Rule 5
+    # rule MASK_INDEX_FORMS
     mask = _input(node, A_MASK)
     if mask:
         m_shape = shapes.get(mask)

@@ -2,42 +2,42 @@
 
     result = partition(model, lift_attention=False, route="python-op")   # mha_ep.partition: this function
 
-Rules of the pass (the code refers to them by number):
-  1. Every ``com.microsoft::MultiHeadAttention`` node, in the main graph and at any depth of subgraphs (rule 8),
-     gets one Decision from the claim gate (claim/graph_rules.py ``decide_node``: the graph rules, then
-     claim/rules.py), made on the static dtypes and shapes that shape inference finds, completed by type
-     propagation where it stops (claim/shapes.py ``graph_infos``, claim/type_propagation.py).
-  2. A declined node, and every node that is not MHA, stays byte for byte.
-  3. A claimed node becomes ``mha_ep::MultiHeadAttention`` with the same name and attributes (ORT's defaults
-     written out, since the bridge requires every declared attribute) and, for float32 nodes, the same tensor
-     names (float16/bfloat16 nodes: rule 5), plus the ``mha_ep_*`` attributes of mha_ep/spec.py. It has all four
-     outputs, qk (the pre-softmax scores, docs/SEMANTICS.md §3.8) included.
-  4. Absent optional inputs are fed from zero-size placeholder initializers of the node's own graph; unused outputs
-     get placeholder names.
-  5. float16/bfloat16 nodes on the Python-op route (``route="python-op"``, the default): float inputs pass through
-     Cast(to=float32) and outputs come back through Cast(to=the node's dtype), exact both ways. One Cast per
-     tensor, shared by every claimed node that reads it. On the native route (``route="native"``: mha_ep/native,
-     whose kernels take every float type) nodes keep their tensors and their type, and the placeholders of absent
-     float inputs have the node's type. A requested qk output whose declared type (ORT's QK constraint, independent
-     of T) is not the type the op writes it in gets a Cast to that type.
-  6. A model-local function named like the plugin op makes an unregistered load fail with an error that says to
-     call mha_ep.register. It and the opset imports are the model's: written once, whatever the nodes' depth.
-  7. Nodes already in the plugin domain are left as they are and reported as claimed: partitioning a partitioned
-     model changes nothing. They are checked first (claim/graph_rules.py ``check_plugin_node``): a crafted one could abort the process
-     at run time (a string attribute that is not UTF-8 kills the bridge before mha_ep's code runs), so a node
-     whose slots or attributes are not what this pass writes raises MhaModelError. A node written before the op
-     had its ten inputs (spec.LEGACY_PLUGIN_INPUTS: eight) gets the two new placeholder slots, and one written before
-     the qk output (spec.LEGACY_PLUGIN_OUTPUTS: three outputs) an unused fourth.
-  8. Subgraphs: every graph attribute of every node (If / Loop / Scan bodies, and the ``encoder``, ``decoder``,
-     ``init_decoder`` of com.microsoft's BeamSearch, WhisperBeamSearch, GreedySearch and Sampling; ORT 1.31.1's CPU
-     provider runs GreedySearch and BeamSearch with the plugin op inside on both routes, measured in
-     tests/graph/test_subgraphs.py) goes through rules 1-7 after its own graph is rewritten, with a pass of
-     its own: its own Casts and placeholders, names new to it and to every enclosing scope (a placeholder name an
-     enclosing scope already defines is renamed: generation ops run their subgraphs apart, so each graph carries
-     its own). Its types are its declarations, its twin in the inferred model where shape inference descended,
-     and the enclosing scopes' (a subgraph may read their names), then type propagation. Decisions come in that
-     order (a graph's own, then its subgraphs'), each with the path of its graph (``BeamSearch_0/decoder``; an
-     unnamed owner is ``<op>_<index>``).
+Rules of the pass, each by its name: a heading here, or the function that is the whole rule. The code, the tests
+and the docs cite a rule as ``rule NAME``, never by a number (tests/graph/test_rule_names.py holds them to it):
+  ONE_DECISION: every ``com.microsoft::MultiHeadAttention`` node, in the main graph and at any depth of subgraphs (rule
+    SUBGRAPHS), gets one Decision from the claim gate (claim/graph_rules.py ``decide_node``: the graph rules, then
+    claim/rules.py), made on the static dtypes and shapes that shape inference finds, completed by type propagation
+    where it stops (claim/shapes.py ``graph_infos``, claim/type_propagation.py).
+  UNTOUCHED: a declined node, and every node that is not MHA, stays byte for byte.
+  PLUGIN_NODE: a claimed node becomes ``mha_ep::MultiHeadAttention`` with the same name and attributes (ORT's defaults
+    written out, since the bridge requires every declared attribute) and, for float32 nodes, the same tensor names
+    (float16/bfloat16 nodes: rule TRANSPORT), plus the ``mha_ep_*`` attributes of mha_ep/spec.py. It has all four
+    outputs, qk (the pre-softmax scores, docs/SEMANTICS.md §3.8) included.
+  PLACEHOLDERS: absent optional inputs are fed from zero-size placeholder initializers of the node's own graph; unused
+    outputs get placeholder names.
+  TRANSPORT: float16/bfloat16 nodes on the Python-op route (``route="python-op"``, the default): float inputs pass
+    through Cast(to=float32) and outputs come back through Cast(to=the node's dtype), exact both ways. One Cast per
+    tensor, shared by every claimed node that reads it. On the native route (``route="native"``: mha_ep/native, whose
+    kernels take every float type) nodes keep their tensors and their type, and the placeholders of absent float inputs
+    have the node's type. A requested qk output whose declared type (ORT's QK constraint, independent of T) is not the
+    type the op writes it in gets a Cast to that type.
+  add_plugin_domain: a model-local function named like the plugin op makes an unregistered load fail with an error that
+    says to call mha_ep.register. It and the opset imports are the model's: written once, whatever the nodes' depth.
+  ALREADY_CLAIMED: nodes already in the plugin domain are left as they are and reported as claimed: partitioning a
+    partitioned model changes nothing. They are checked first (claim/graph_rules.py ``check_plugin_node``): a crafted
+    one could abort the process at run time (a string attribute that is not UTF-8 kills the bridge before mha_ep's code
+    runs), so a node whose slots or attributes are not what this pass writes raises MhaModelError. A node written before
+    the op had its ten inputs (spec.LEGACY_PLUGIN_INPUTS: eight) gets the two new placeholder slots, and one written
+    before the qk output (spec.LEGACY_PLUGIN_OUTPUTS: three outputs) an unused fourth.
+  SUBGRAPHS: every graph attribute of every node (If / Loop / Scan bodies, and the ``encoder``, ``decoder``,
+    ``init_decoder`` of com.microsoft's BeamSearch, WhisperBeamSearch, GreedySearch and Sampling; ORT 1.31.1's CPU
+    provider runs GreedySearch and BeamSearch with the plugin op inside on both routes, measured in
+    tests/graph/test_subgraphs.py) goes through the other rules after its own graph is rewritten, with a pass of its
+    own: its own Casts and placeholders, names new to it and to every enclosing scope (a placeholder name an enclosing
+    scope already defines is renamed: generation ops run their subgraphs apart, so each graph carries its own). Its
+    types are its declarations, its twin in the inferred model where shape inference descended, and the enclosing
+    scopes' (a subgraph may read their names), then type propagation. Decisions come in that order (a graph's own, then
+    its subgraphs'), each with the path of its graph (``BeamSearch_0/decoder``; an unnamed owner is ``<op>_<index>``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ ONNX_TO_ELEM = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProt
 
 
 def qk_dtype_of(node: onnx.NodeProto, infos: dict):
-    """The declared element type of the node's qk output (rule 5), or None when it has none or it is unknown."""
+    """The declared element type of the node's qk output (rule TRANSPORT), or None when it has none or it is
+    unknown."""
     qk = spec.OUT_SLOT["qk"]
     if len(node.output) <= qk or not node.output[qk]:
         return None
@@ -85,7 +86,7 @@ ROUTES = ("python-op", "native")
 
 def partition(model, lift_attention: bool = False, route: str = "python-op") -> PartitionResult:
     """Partition ``model`` (an onnx.ModelProto or a path); the input model is not modified. ``route``: the form
-    of the claimed nodes (Rule 5): "python-op" runs on both routes; "native" only where mha_ep.register took the
+    of the claimed nodes (rule TRANSPORT): "python-op" runs on both routes; "native" only where mha_ep.register took the
     native route, without the float32 Casts of float16 / bfloat16 nodes."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
@@ -103,7 +104,7 @@ def partition(model, lift_attention: bool = False, route: str = "python-op") -> 
     inferred = inferred_model(model)
     decisions, modified = partition_graph(model.graph, inferred.graph, route)
     if modified:
-        add_plugin_domain(model)  # Rule 6, once per model whatever the depth of the claimed nodes
+        add_plugin_domain(model)  # once per model, whatever the depth of the claimed nodes
     graph = model.graph
     if any(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node):
         count = sum(n.op_type == "Attention" and n.domain == spec.ORT_DOMAIN for n in graph.node)
@@ -119,10 +120,11 @@ def partition_graph(
     graph: onnx.GraphProto, inferred: Optional[onnx.GraphProto], route: str, outer=None, outer_names=frozenset(),
     path: str = "",
 ) -> Tuple[List[Decision], bool]:
-    """Rules 1-5 and 7 over ``graph``'s own nodes, then rule 8 over its subgraphs; ``graph`` is rewritten in place.
-    ``inferred``: its twin in the shape-inferred model (None where inference did not descend); ``outer`` and
-    ``outer_names``: the enclosing scopes' infos and names; ``path``: where ``graph`` sits, for the report.
-    Returns the decisions and whether anything changed."""
+    """The rules over ``graph``'s own nodes (all but rule ``add_plugin_domain``, the model's, which ``partition``
+    applies), then rule SUBGRAPHS over its subgraphs; ``graph`` is rewritten in place. ``inferred``: its twin in the
+    shape-inferred model (None where inference did not descend); ``outer`` and ``outer_names``: the enclosing scopes'
+    infos and names; ``path``: where ``graph`` sits, for the report. Returns the decisions and whether anything
+    changed."""
     infos = graph_infos(graph, inferred, outer)
     decisions: List[Decision] = []
     new_nodes: List[onnx.NodeProto] = []
@@ -132,7 +134,7 @@ def partition_graph(
     for index, node in enumerate(graph.node):
         if has_subgraph(node):
             owners.append(node_name(node) or f"{node.op_type}_{index}")
-        if is_plugin_mha(node):  # Rule 7
+        if is_plugin_mha(node):  # rule ALREADY_CLAIMED
             if len(node.input) == len(spec.LEGACY_PLUGIN_INPUTS) or len(node.output) == len(spec.LEGACY_PLUGIN_OUTPUTS):
                 node = work.upgrade(node, index)
                 modified = True
@@ -140,10 +142,10 @@ def partition_graph(
             decisions.append(Decision(node_name(node), True, path=path))
             new_nodes.append(node)
             continue
-        if not is_ort_mha(node):  # Rule 2
+        if not is_ort_mha(node):  # rule UNTOUCHED
             new_nodes.append(node)
             continue
-        decision = replace(decide_node(node, infos), path=path)  # Rule 1
+        decision = replace(decide_node(node, infos), path=path)  # rule ONE_DECISION
         decisions.append(decision)
         if not decision.claimed:
             new_nodes.append(node)
@@ -152,10 +154,10 @@ def partition_graph(
         modified = True
     if modified:
         work.finish(graph, new_nodes)
-    # Rule 8: each subgraph after its graph is final, so it sees every name this scope now uses
+    # rule SUBGRAPHS: each subgraph after its graph is final, so it sees every name this scope now uses
     visible = set(outer_names) | set(graph_names(graph, nested=False))
     twins = subgraph_twins(inferred)
-    for owner, node in zip(owners, [n for n in graph.node if has_subgraph(n)]):  # rule 2 kept them, in order
+    for owner, node in zip(owners, [n for n in graph.node if has_subgraph(n)]):  # rule UNTOUCHED kept them, in order
         for attr in node.attribute:
             many = attr.type == onnx.AttributeProto.GRAPHS
             for position, sub in enumerate(attr.graphs if many else [attr.g] if attr.HasField("g") else []):
@@ -203,20 +205,22 @@ def graph_names(graph: onnx.GraphProto, nested: bool = True):
 
 
 class PartitionPass:
-    """One run of rules 3-6 over a graph: the state its claimed nodes share, kept on the instance (the float32
-    Casts made so far, the placeholders used, the outputs' value infos, the names taken)."""
+    """One run of rules PLUGIN_NODE, PLACEHOLDERS and TRANSPORT over a graph, and of rule ALREADY_CLAIMED's upgrade:
+    the state its claimed nodes share, kept on the instance (the float32 Casts made so far, the placeholders used, the
+    outputs' value infos, the names taken)."""
 
     def __init__(self, graph: onnx.GraphProto, route: str, outer_names=frozenset()):
-        self.transport = route == "python-op"  # rule 5's float32 Casts
+        self.transport = route == "python-op"  # rule TRANSPORT's float32 Casts
         self.casts: dict = {}  # tensor -> the output of its Cast to float32, shared by every node that reads it
-        self.placeholders: set = set()  # rule 4's initializers used
+        self.placeholders: set = set()  # rule PLACEHOLDERS' initializers used
         self.value_infos: List[onnx.ValueInfoProto] = []
         self.outer_names = outer_names  # the enclosing scopes' names (a subgraph's pass): never defined again here
         self.names = NameSet(graph, outer_names)
 
     def claim(self, node: onnx.NodeProto, index: int, dtype: str, qk_dtype: str = None) -> List[onnx.NodeProto]:
-        """Rules 3-5: the plugin node, preceded by its input Casts and followed by its output Casts. ``qk_dtype``:
-        the declared element type of a requested qk output (None: the node's dtype)."""
+        """Rules PLUGIN_NODE, PLACEHOLDERS and TRANSPORT: the plugin node, preceded by its input Casts and followed
+        by its output Casts. ``qk_dtype``: the declared element type of a requested qk output (None: the node's
+        dtype)."""
         before: List[onnx.NodeProto] = []
         after: List[onnx.NodeProto] = []
         reduced = dtype in ONNX_TO_ELEM and self.transport
@@ -259,7 +263,7 @@ class PartitionPass:
                 tensor = cast_input
             outputs.append(tensor)
         elem = ONNX_TO_ELEM.get(float_type, onnx.TensorProto.FLOAT)
-        for tensor in outputs:  # typed, so that ORT's checks of an unregistered load reach Rule 6's message
+        for tensor in outputs:  # typed: ORT's checks of an unregistered load reach rule ``add_plugin_domain``'s message
             self.value_infos.append(helper.make_tensor_value_info(tensor, elem, None))
         plugin = onnx.NodeProto()
         plugin.CopyFrom(node)  # the name as its bytes, even when they are not UTF-8 (reading node.name would raise)
@@ -284,8 +288,8 @@ class PartitionPass:
         return before + [plugin] + after
 
     def upgrade(self, node: onnx.NodeProto, index: int) -> onnx.NodeProto:
-        """Rule 7: a plugin node of eight inputs gets the two int32 placeholder slots, one of three outputs an
-        unused qk output."""
+        """Rule ALREADY_CLAIMED: a plugin node of eight inputs gets the two int32 placeholder slots, one of three
+        outputs an unused qk output."""
         upgraded = onnx.NodeProto()
         upgraded.CopyFrom(node)
         if len(upgraded.input) == len(spec.LEGACY_PLUGIN_INPUTS):
@@ -298,8 +302,9 @@ class PartitionPass:
         return upgraded
 
     def finish(self, graph: onnx.GraphProto, new_nodes: list) -> None:
-        """The graph's new node list, its own placeholders (rule 4; renamed where an enclosing scope has the name,
-        rule 8) and the typed outputs. The plugin domain (rule 6) is the model's: ``add_plugin_domain``."""
+        """The graph's new node list, its own placeholders (rule PLACEHOLDERS; renamed where an enclosing scope has
+        the name, rule SUBGRAPHS) and the typed outputs. The plugin domain is the model's: rule
+        ``add_plugin_domain``."""
         rename = {name: self.names.new(name) for name in sorted(self.placeholders) if name in self.outer_names}
         for node in new_nodes:
             for slot, tensor in enumerate(node.input):
@@ -334,7 +339,8 @@ class NameSet:
         return name
 
 def add_plugin_domain(model: onnx.ModelProto) -> None:
-    """The plugin and fallback-function opset imports, and Rule 6's model-local function."""
+    """Rule ``add_plugin_domain``: the plugin and fallback-function opset imports, and the model-local function that
+    makes an unregistered load fail with an error that says to call mha_ep.register."""
     domains = {o.domain for o in model.opset_import}
     for domain in (spec.PLUGIN_DOMAIN, spec.UNREGISTERED_DOMAIN):
         if domain not in domains:
@@ -342,7 +348,8 @@ def add_plugin_domain(model: onnx.ModelProto) -> None:
     current = unregistered_function()
     for index, function in enumerate(model.functions):
         if function.domain == spec.PLUGIN_DOMAIN and function.name == spec.OP_TYPE:
-            if list(function.input) != list(current.input) or list(function.output) != list(current.output):  # rule 7
+            # rule ALREADY_CLAIMED: the function of a model partitioned before the op's current slots is replaced
+            if list(function.input) != list(current.input) or list(function.output) != list(current.output):
                 model.functions[index].CopyFrom(current)
             break
     else:

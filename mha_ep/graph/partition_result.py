@@ -39,7 +39,7 @@ class PartitionResult:
     notes: List[str] = field(default_factory=list)
     lift_requested: bool = False
     lift_decisions: list = field(default_factory=list)  # mha_ep.graph.lift.LiftDecision, graph order
-    route: str = "python-op"  # the form of the claimed nodes (the pass's Rule 5)
+    route: str = "python-op"  # the form of the claimed nodes (the pass's rule TRANSPORT)
 
     @property
     def claimed(self) -> int:

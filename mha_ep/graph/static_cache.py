@@ -17,54 +17,52 @@ into constants and device computations from ``past_sequence_length``.
 
 Layout legend: B batch, N heads, H head size, P rows filled before the step, L the step's rows, M max_length.
 
-Rules of the pass (the code refers to them by number):
-  1. Self-attention nodes: every com.microsoft::MultiHeadAttention node with a past. Each one reads past_key and
-     past_value from graph inputs that only it and Shape nodes read (no node with a subgraph: the rewrite does not
-     follow If/Loop/Scan bodies), writes both presents to graph outputs that no node reads, asks for no qk output,
-     and its pasts have static heads N and head size H. Its inputs 8 and 9 are absent on every self node, or each
-     the same graph input on every one: ``past_sequence_length`` int32 (1,) or scalar, ``cache_indirection`` int32
-     of rank 3, as ORT's Whisper export with ``--use_decoder_masked_mha`` wires them; then the pasts are buffers of
-     M rows already. Nodes without a past (cross-attention over BNSH key/value inputs, with inputs 8/9 or a qk
-     output or not: ORT ignores inputs 8/9 there, docs/SEMANTICS.md §3.9/§3.10) stay as they are. A model without
-     a self node, or max_length < 1, is refused.
-  2. The shared buffer: every self node reads P at input 8: the graph input it reads there already, else a graph
-     input ``past_sequence_length`` that (cross-attention) MultiHeadAttention nodes read at input 8, else the new input
-     ``past_sequence_length`` (int32, (1,)); a kept input keeps its name. Its pasts and presents are declared
-     (B, N, max_length, H), B the batch or the pasts' own dim 0. With ``beams`` W, or a cache_indirection the self
-     nodes read already, input 9 is ``cache_indirection`` (int32, (B / W, W, max_length)), found or made the same
-     way: beam search's map of which beam's cache row each row reads (docs/SEMANTICS.md §3.10).
-  3. Other inputs: with ``batch``, a dim 0 that is not static becomes the batch. The step length L is the dim 1
-     the self nodes' queries get (input_ids' dim 1): a symbolic one is pinned to ``step_length`` (1 when not given)
-     in every input that carries its symbol; a static one must equal ``step_length`` when that is given. Nothing
-     else changes (cross-attention K/V stay as the first decoder step computed them). An input that carries the
-     pasts' length dim is refused: its shape would still change every step (when the pasts are buffers already,
-     rule 1, that dim is M, and such an input gets max_length).
-  4. Affine evaluation: with the inputs of rules 2-3 and shape inference (ORT's symbolic one, which knows the
-     com.microsoft ops; ONNX's when it fails), every integer tensor of the shape arithmetic is evaluated at build
-     time as ``const + P * coeff`` (``Affine``). ``Shape`` of a self past is [B, N, 0, H] + P * [0, 0, 1, 0]
-     ([B, N, max_length, H] when the pasts are buffers already), a kept ``past_sequence_length`` input is
-     0 + P * 1, ``Shape`` of any other tensor its static dims; elements set by a dim that stays symbolic (the
-     batch, when it is not given) are marked unknown. The ops are ``EVALUATORS``; any other default-domain node
-     whose inputs are all integer constants is folded by onnx's reference evaluator.
-  5. Materialization: a constant that a remaining node reads becomes an initializer of its own name; an affine
-     value becomes ``Add(const, Mul(P, coeff))`` in int64 under its own name (P: ``past_sequence_length`` cast to
-     an int64 scalar, once); a value with unknown elements keeps its node. Nodes and initializers that nothing reads
-     any more are removed.
-  6. Host reads: no remaining node reads on the host (``HOST_INPUTS``: the inputs ORT's CUDA kernels take in CPU
-     memory) a value that depends on P, no Shape node reads a self past, and no remaining node with a subgraph
-     (If, Loop, Scan) reads a value that depends on P: the rewrite does not follow a subgraph. With ``batch``
-     given, no Shape node remains and every such input is constant. Each break is a StaticCacheError naming the
-     node, and, where symbolic input dims feed the value, each such input, dim and symbol with the flag that pins
-     it (``--batch``, ``--step-length``) or the word that none does.
-  7. Outputs: the presents as rule 2; every other output gets the dims shape inference found static.
+Rules of the pass, each by its name: a heading here, or the class or method that is the whole rule. The code, the
+tests and the docs cite a rule as ``rule NAME``, never by a number (tests/graph/test_rule_names.py holds them to it):
+  SELF_NODES: every com.microsoft::MultiHeadAttention node with a past is a self-attention node. Each one reads past_key
+    and past_value from graph inputs that only it and Shape nodes read (no node with a subgraph: the rewrite does not
+    follow If/Loop/Scan bodies), writes both presents to graph outputs that no node reads, asks for no qk output, and
+    its pasts have static heads N and head size H. Its inputs 8 and 9 are absent on every self node, or each the same
+    graph input on every one: ``past_sequence_length`` int32 (1,) or scalar, ``cache_indirection`` int32 of rank 3, as
+    ORT's Whisper export with ``--use_decoder_masked_mha`` wires them; then the pasts are buffers of M rows already.
+    Nodes without a past (cross-attention over BNSH key/value inputs, with inputs 8/9 or a qk output or not: ORT ignores
+    inputs 8/9 there, docs/SEMANTICS.md §3.9/§3.10) stay as they are. A model without a self node, or max_length < 1, is
+    refused.
+  SHARED_BUFFER: every self node reads P at input 8: the graph input it reads there already, else a graph input
+    ``past_sequence_length`` that (cross-attention) MultiHeadAttention nodes read at input 8, else the new input
+    ``past_sequence_length`` (int32, (1,)); a kept input keeps its name. Its pasts and presents are declared (B, N,
+    max_length, H), B the batch or the pasts' own dim 0. With ``beams`` W, or a cache_indirection the self nodes read
+    already, input 9 is ``cache_indirection`` (int32, (B / W, W, max_length)), found or made the same way: beam search's
+    map of which beam's cache row each row reads (docs/SEMANTICS.md §3.10).
+  OTHER_INPUTS: with ``batch``, a dim 0 that is not static becomes the batch. The step length L is the dim 1 the self
+    nodes' queries get (input_ids' dim 1): a symbolic one is pinned to ``step_length`` (1 when not given) in every input
+    that carries its symbol; a static one must equal ``step_length`` when that is given. Nothing else changes
+    (cross-attention K/V stay as the first decoder step computed them). An input that carries the pasts' length dim is
+    refused: its shape would still change every step (when the pasts are buffers already, rule SELF_NODES, that dim is
+    M, and such an input gets max_length).
+  AFFINE_EVALUATION: with the inputs of rules SHARED_BUFFER and OTHER_INPUTS and shape inference (ORT's symbolic one,
+    which knows the com.microsoft ops; ONNX's when it fails), every integer tensor of the shape arithmetic is evaluated
+    at build time as ``const + P * coeff`` (``Affine``). ``Shape`` of a self past is [B, N, 0, H] + P * [0, 0, 1, 0]
+    ([B, N, max_length, H] when the pasts are buffers already), a kept ``past_sequence_length`` input is 0 + P * 1,
+    ``Shape`` of any other tensor its static dims; elements set by a dim that stays symbolic (the batch, when it is not
+    given) are marked unknown. The ops are ``EVALUATORS``; any other default-domain node whose inputs are all integer
+    constants is folded by onnx's reference evaluator (both in graph/affine.py).
+  MATERIALIZATION: a constant that a remaining node reads becomes an initializer of its own name; an affine value
+    becomes ``Add(const, Mul(P, coeff))`` in int64 under its own name (P: ``past_sequence_length`` cast to an int64
+    scalar, once); a value with unknown elements keeps its node. Nodes and initializers that nothing reads any more are
+    removed.
+  HostReads: no remaining node reads on the host (``HOST_INPUTS``: the inputs ORT's CUDA kernels take in CPU memory) a
+    value that depends on P, no Shape node reads a self past, and no remaining node with a subgraph (If, Loop, Scan)
+    reads a value that depends on P: the rewrite does not follow a subgraph. With ``batch`` given, no Shape node remains
+    and every such input is constant. Each break is a StaticCacheError naming the node, and, where symbolic input dims
+    feed the value, each such input, dim and symbol with the flag that pins it (``--batch``, ``--step-length``) or the
+    word that none does (graph/static_cache_checks.py).
+  declare_outputs: the presents as rule SHARED_BUFFER; every other output gets the dims shape inference found static.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import onnx
@@ -72,375 +70,20 @@ from onnx import helper, numpy_helper
 
 from mha_ep import spec
 from mha_ep.claim.names import node_name
-from mha_ep.claim.shapes import symbolic_shape_inference
-from mha_ep.errors import MhaModelError
-from mha_ep.graph.model_io import load_model, save_model
-
-PAST_SEQUENCE_LENGTH = "past_sequence_length"
-CACHE_INDIRECTION = "cache_indirection"
-PAST_KEY, PAST_VALUE = spec.SLOT["past_key"], spec.SLOT["past_value"]
-SHARED_SLOTS = (spec.SLOT[PAST_SEQUENCE_LENGTH], spec.SLOT["cache_indirection"])
-PRESENT_KEY, PRESENT_VALUE, QK = spec.OUT_SLOT["present_key"], spec.OUT_SLOT["present_value"], spec.OUT_SLOT["qk"]
-P_SYMBOL = "mha_ep.graph.static_cache.P"  # the pasts' length dim while shapes are inferred (rule 4)
-MAX_ELEMENTS = 1 << 16  # shape arithmetic is small; a larger integer tensor is data and stays a node
-DEFAULT_DOMAINS = ("", "ai.onnx")
-INTEGER_TYPES = {onnx.TensorProto.BOOL, onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
-                 onnx.TensorProto.INT64, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32,
-                 onnx.TensorProto.UINT64}  # fmt: skip
-
-# Inputs that ORT's CUDA kernels read in CPU memory (``InputMemoryType(OrtMemTypeCPUInput, slot)`` in their
-# registrations): a value computed on the device is copied to the host there, which a CUDA graph cannot capture.
-HOST_INPUTS: Dict[str, Dict[int, str]] = {
-    "Range": {0: "start", 1: "limit", 2: "delta"},
-    "Reshape": {1: "shape"},
-    "Expand": {1: "shape"},
-    "Tile": {1: "repeats"},
-    "Slice": {1: "starts", 2: "ends", 3: "axes", 4: "steps"},
-    "ConstantOfShape": {0: "input"},
-    "Resize": {1: "roi", 2: "scales", 3: "sizes"},
-    "Upsample": {1: "scales"},
-    "TopK": {1: "K"},
-    "Squeeze": {1: "axes"},
-    "Unsqueeze": {1: "axes"},
-    "Split": {1: "split"},
-    "Pad": {1: "pads", 2: "constant_value", 3: "axes"},
-    "OneHot": {1: "depth"},
-    "Trilu": {1: "k"},
-    "CumSum": {1: "axis"},
-    "Clip": {1: "min", 2: "max"},
-    "Dropout": {1: "ratio", 2: "training_mode"},
-    **{f"Reduce{op}": {1: "axes"} for op in ("Sum", "Mean", "Max", "Min", "Prod", "L1", "L2", "LogSum",
-                                              "LogSumExp", "SumSquare")},
-}  # fmt: skip
-
-Dim = Union[int, str, None]
-
-
-class StaticCacheError(MhaModelError):
-    """A decoder the static-cache rewrite refuses; the message names the node, what was expected and what to do."""
-
-
-def _where(node: onnx.NodeProto) -> str:
-    return f"node {node_name(node)!r} ({node.op_type})"
-
-
-def _is_integer(dtype: np.dtype) -> bool:
-    return np.issubdtype(dtype, np.integer) or dtype == np.bool_
-
-
-@dataclass(frozen=True)
-class Affine:
-    """An integer tensor known at build time as ``const + P * coeff`` (rule 4). The three arrays have the tensor's
-    shape: ``const`` in its dtype, ``coeff`` int64, ``unknown`` bool: the elements set only at run time, by a dim
-    that stays symbolic. An element depends on P exactly where its ``coeff`` is not 0."""
-
-    const: np.ndarray
-    coeff: np.ndarray
-    unknown: np.ndarray
-
-    @classmethod
-    def of(cls, const, coeff=None, unknown=None) -> "Affine":
-        """``const`` (any shape) with a zero ``coeff`` and nothing unknown unless given (both of const's shape)."""
-        const = np.asarray(const)
-        return cls(
-            const,
-            np.zeros(const.shape, np.int64) if coeff is None else np.asarray(coeff, np.int64),
-            np.zeros(const.shape, bool) if unknown is None else np.asarray(unknown, bool),
-        )
-
-    @property
-    def known(self) -> bool:
-        return not self.unknown.any()
-
-    @property
-    def on_p(self) -> bool:
-        return bool(self.coeff.any())
-
-    @property
-    def constant(self) -> bool:
-        return self.known and not self.on_p
-
-    def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "Affine":
-        """The same element movement (gather, slice, reshape, ...) applied to all three arrays."""
-        return Affine.of(fn(self.const), fn(self.coeff), fn(self.unknown))
-
-    def describe(self) -> str:
-        """``const + P * coeff`` as text, the elements only the run knows as ``?`` in ``const``."""
-        const = np.where(self.unknown, "?", self.const.astype(str))
-        text = np.array2string(const, separator=", ").replace("'", "")
-        return f"{text} + P * {np.array2string(self.coeff, separator=', ')}" if self.on_p else text
-
-
-def _join(fn: Callable[[List[np.ndarray]], np.ndarray], values: Sequence[Affine]) -> Affine:
-    """``fn`` applied to the const, coeff and unknown arrays of several values (Concat)."""
-    return Affine.of(fn([v.const for v in values]), fn([v.coeff for v in values]), fn([v.unknown for v in values]))
-
-
-def _ints(value: Optional[Affine]) -> Optional[np.ndarray]:
-    """The int64 numbers of a constant value; None for an absent or non-constant one."""
-    return value.const.astype(np.int64) if value is not None and value.constant else None
-
-
-def _given(args: Sequence[Optional[Affine]], slot: int) -> Optional[Affine]:
-    return args[slot] if len(args) > slot else None
-
-
-def _bounded(shape) -> bool:
-    return int(np.prod(shape, dtype=np.int64)) <= MAX_ELEMENTS
-
-
-# Rule 4: one function per op, ``(args, attrs) -> Affine or None``; ``args`` holds an Affine per input (None for an
-# absent optional one), None means "not evaluable at build time" and leaves the node to run.
-def _eval_constant(args, attrs) -> Optional[Affine]:
-    if "value" in attrs:
-        value = numpy_helper.to_array(attrs["value"])
-    elif "value_int" in attrs or "value_ints" in attrs:
-        value = np.array(attrs.get("value_int", attrs.get("value_ints")), np.int64)
-    else:
-        return None
-    return Affine.of(value) if _is_integer(value.dtype) else None
-
-
-def _eval_gather(args, attrs) -> Optional[Affine]:
-    indices = _ints(args[1])
-    if indices is None:
-        return None
-    return args[0].map(lambda a: np.take(a, indices, axis=attrs.get("axis", 0)))
-
-
-def _eval_slice(args, attrs) -> Optional[Affine]:
-    if len(args) > 1:  # opset >= 10: inputs
-        if any(a is not None and not a.constant for a in args[1:]):
-            return None
-        starts, ends = _ints(args[1]), _ints(args[2])
-        axes = _ints(_given(args, 3))
-        steps = _ints(_given(args, 4))
-    else:
-        starts, ends, axes, steps = attrs["starts"], attrs["ends"], attrs.get("axes"), None
-    axes = range(len(starts)) if axes is None else axes
-    steps = [1] * len(starts) if steps is None else steps
-    index = [slice(None)] * args[0].const.ndim
-    for start, end, axis, step in zip(starts, ends, axes, steps):
-        index[int(axis)] = slice(int(start), int(end), int(step))  # Python's clamping is ONNX's
-    return args[0].map(lambda a: a[tuple(index)])
-
-
-def _axes_of(args, attrs) -> Tuple[bool, Optional[Tuple[int, ...]]]:
-    """(evaluable, axes) of Squeeze/Unsqueeze: input 1 (opset >= 13) or the attribute; None: not given."""
-    if _given(args, 1) is not None:
-        axes = _ints(args[1])
-        return axes is not None, None if axes is None else tuple(int(a) for a in axes)
-    return True, tuple(attrs["axes"]) if "axes" in attrs else None
-
-
-def _eval_squeeze(args, attrs) -> Optional[Affine]:
-    evaluable, axes = _axes_of(args, attrs)
-    return args[0].map(lambda a: np.squeeze(a, axis=axes)) if evaluable else None
-
-
-def _eval_unsqueeze(args, attrs) -> Optional[Affine]:
-    evaluable, axes = _axes_of(args, attrs)
-    return args[0].map(lambda a: np.expand_dims(a, axes)) if evaluable and axes is not None else None
-
-
-def _eval_concat(args, attrs) -> Optional[Affine]:
-    return _join(lambda arrays: np.concatenate(arrays, axis=attrs["axis"]), args)
-
-
-def _eval_reshape(args, attrs) -> Optional[Affine]:
-    shape = _ints(args[1])
-    if shape is None:
-        return None
-    source = args[0].const.shape
-    target = [source[i] if d == 0 and not attrs.get("allowzero", 0) else int(d) for i, d in enumerate(shape)]
-    return args[0].map(lambda a: a.reshape(target))
-
-
-def _eval_cast(args, attrs) -> Optional[Affine]:
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(attrs["to"]))
-    value = args[0]
-    if not _is_integer(dtype) or (value.on_p and dtype not in (np.int32, np.int64)):
-        return None
-    return Affine.of(value.const.astype(dtype), value.coeff, value.unknown)
-
-
-def _eval_add(args, attrs) -> Optional[Affine]:
-    a, b = args
-    return Affine.of(a.const + b.const, a.coeff + b.coeff, a.unknown | b.unknown)
-
-
-def _eval_sub(args, attrs) -> Optional[Affine]:
-    a, b = args
-    return Affine.of(a.const - b.const, a.coeff - b.coeff, a.unknown | b.unknown)
-
-
-def _eval_mul(args, attrs) -> Optional[Affine]:
-    a, b = args
-    if not (a.constant or b.constant):  # P * P, or P * a dim known only at run time, is not affine
-        return None
-    return Affine.of(a.const * b.const, a.coeff * b.const + b.coeff * a.const, a.unknown | b.unknown)
-
-
-def _eval_range(args, attrs) -> Optional[Affine]:
-    start, limit, delta = args
-    if not (start.known and limit.known and delta.constant) or start.coeff.item() != limit.coeff.item():
-        return None
-    step = delta.const.item()
-    if step == 0:
-        return None
-    count = max(math.ceil((limit.const.item() - start.const.item()) / step), 0)
-    if count > MAX_ELEMENTS:
-        return None
-    values = (start.const + np.arange(count) * step).astype(start.const.dtype)
-    return Affine.of(values, np.full(count, start.coeff.item()))
-
-
-def _eval_tile(args, attrs) -> Optional[Affine]:
-    repeats = _ints(args[1])
-    if repeats is None or not _bounded(np.multiply(args[0].const.shape, repeats)):
-        return None
-    return args[0].map(lambda a: np.tile(a, repeats))
-
-
-def _eval_expand(args, attrs) -> Optional[Affine]:
-    shape = _ints(args[1])
-    if shape is None:
-        return None
-    target = np.broadcast_shapes(args[0].const.shape, tuple(int(d) for d in shape))
-    return args[0].map(lambda a: np.broadcast_to(a, target).copy()) if _bounded(target) else None
-
-
-def _eval_identity(args, attrs) -> Optional[Affine]:
-    return args[0]
-
-
-def _eval_constant_of_shape(args, attrs) -> Optional[Affine]:
-    shape = _ints(args[0])
-    if shape is None or not _bounded(shape):
-        return None
-    value = numpy_helper.to_array(attrs["value"]) if "value" in attrs else np.zeros(1, np.float32)
-    return Affine.of(np.full(tuple(int(d) for d in shape), value.reshape(-1)[0], value.dtype))
-
-
-EVALUATORS: Dict[str, Callable[[list, dict], Optional[Affine]]] = {
-    "Constant": _eval_constant,
-    "Gather": _eval_gather,
-    "Slice": _eval_slice,
-    "Squeeze": _eval_squeeze,
-    "Unsqueeze": _eval_unsqueeze,
-    "Concat": _eval_concat,
-    "Reshape": _eval_reshape,
-    "Cast": _eval_cast,
-    "Add": _eval_add,
-    "Sub": _eval_sub,
-    "Mul": _eval_mul,
-    "Range": _eval_range,
-    "Tile": _eval_tile,
-    "Expand": _eval_expand,
-    "Identity": _eval_identity,
-    "ConstantOfShape": _eval_constant_of_shape,
-}
-
-
-def fold(node: onnx.NodeProto, args: Sequence[Optional[Affine]], opsets) -> Optional[List[Affine]]:
-    """Rule 4's fallback: a default-domain node whose inputs are all integer constants, run by onnx's reference
-    evaluator; None when it is not such a node, fails there, or makes anything but small integer tensors."""
-    present = [(name, a) for name, a in zip(node.input, args) if name]
-    control_flow = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-    if node.domain not in DEFAULT_DOMAINS or not present or any(a.type in control_flow for a in node.attribute):
-        return None
-    if not all(a.constant and _is_integer(a.const.dtype) for _, a in present):
-        return None
-    from onnx.reference import ReferenceEvaluator
-
-    inputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.const.dtype), a.const.shape)
-              for name, a in present]  # fmt: skip
-    outputs = [helper.make_value_info(name, onnx.TypeProto()) for name in node.output if name]
-    graph = helper.make_graph([node], "fold", inputs, outputs)
-    try:
-        results = ReferenceEvaluator(helper.make_model(graph, opset_imports=opsets)).run(
-            None, {name: a.const for name, a in present}
-        )
-    except Exception:  # noqa: BLE001 - a node the reference evaluator cannot run stays a node
-        return None
-    results = [np.asarray(r) for r in results]
-    if not all(_is_integer(r.dtype) and r.size <= MAX_ELEMENTS for r in results):
-        return None
-    return [Affine.of(r) for r in results]
-
-
-def _dims_of(value: onnx.ValueInfoProto) -> Optional[Tuple[Dim, ...]]:
-    """A value's declared dims (int, dim_param text or None); None when its rank is not known."""
-    tensor = value.type.tensor_type
-    if not tensor.HasField("shape"):
-        return None
-    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
-
-
-def _set_dims(value: onnx.ValueInfoProto, dims: Sequence[Dim]) -> None:
-    shape = value.type.tensor_type.shape
-    shape.ClearField("dim")
-    for d in dims:
-        if isinstance(d, int):
-            shape.dim.add().dim_value = d
-        elif d:
-            shape.dim.add().dim_param = d
-        else:
-            shape.dim.add()
-
-
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    """ORT's symbolic shape inference (it knows the com.microsoft ops, so shapes carry through attention to the
-    logits), ONNX's own when that fails."""
-    try:
-        return symbolic_shape_inference(model)
-    except Exception:  # noqa: BLE001 - any failure: the next method
-        return onnx.shape_inference.infer_shapes(model, strict_mode=False)
-
-
-def _inferred_dims(model: onnx.ModelProto) -> Dict[str, Tuple[Dim, ...]]:
-    """Dims of every tensor the inferred ``model`` knows the rank of, initializers included."""
-    graph = model.graph
-    found = {v.name: _dims_of(v) for v in list(graph.input) + list(graph.value_info) + list(graph.output)}
-    found.update({init.name: tuple(int(d) for d in init.dims) for init in graph.initializer})
-    return {name: dims for name, dims in found.items() if dims is not None}
-
-
-def _names_read(graph: onnx.GraphProto, node: onnx.NodeProto) -> List[str]:
-    """The tensors ``node`` reads: its inputs, and the outer-scope names its subgraphs read."""
-    read = [name for name in node.input if name]
-    for attr in node.attribute:
-        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-            inner = {name for n in sub.node for name in n.output} | {v.name for v in sub.input}
-            inner |= {i.name for i in sub.initializer}
-            read += [name for n in sub.node for name in _names_read(sub, n) if name not in inner]
-    return read
-
-
-
-def _slots(node: onnx.NodeProto) -> List[str]:
-    """A MultiHeadAttention node's ten input names, "" where absent."""
-    return list(node.input) + [""] * (len(spec.INPUTS) - len(node.input))
-
-
-def _has_subgraph(node: onnx.NodeProto) -> bool:
-    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
-
-
-def _ancestor_inputs(graph: onnx.GraphProto, names: Sequence[str]) -> List[str]:
-    """The graph inputs that ``names`` are computed from, through any node (its subgraphs' outer reads included),
-    in the graph's input order."""
-    producers = {out: node for node in graph.node for out in node.output if out}
-    inputs = {v.name for v in graph.input}
-    seen, stack = set(), list(names)
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in producers:
-            stack.extend(_names_read(graph, producers[name]))
-    return [v.name for v in graph.input if v.name in seen and v.name in inputs]
+from mha_ep.graph.affine import (
+    DEFAULT_DOMAINS, EVALUATORS, INTEGER_TYPES, MAX_ELEMENTS, Affine, Evaluated, bounded, fold,
+)
+from mha_ep.graph.graph_facts import Dim, ancestor_inputs, dims_of, infer_shapes, inferred_dims, names_read, set_dims
+from mha_ep.graph.model_io import load_model
+from mha_ep.graph.static_cache_checks import (
+    CACHE_INDIRECTION, P_SYMBOL, PAST_KEY, PAST_SEQUENCE_LENGTH, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE,
+    SHARED_SLOTS, HostReads, StaticCacheError, check_arguments, check_buffer_lengths, check_readers,
+    check_self_node, check_shared_input, is_self, refuse_the_pasts_length, shared_input_name, slots_of, where,
+)
+from mha_ep.graph.static_cache_result import StaticCacheResult
+
+# The public names: the pass, what it returns and raises, and the names of the inputs it adds.
+__all__ = ["static_cache", "StaticCacheResult", "StaticCacheError", "PAST_SEQUENCE_LENGTH", "CACHE_INDIRECTION"]
 
 
 def _the_step(steps: Sequence[Dim]) -> Dim:
@@ -453,113 +96,7 @@ def _the_step(steps: Sequence[Dim]) -> Dim:
 
 def _carriers(inputs: Sequence[onnx.ValueInfoProto], symbol: str, skip: Set[str]) -> List[Tuple[str, int]]:
     """Every (input, dim index) whose dim is ``symbol``, the inputs in ``skip`` left out."""
-    return [(v.name, i) for v in inputs if v.name not in skip for i, d in enumerate(_dims_of(v) or ()) if d == symbol]
-
-
-def _flag_for(index: int, symbol: str, step_symbol: Optional[str]) -> Optional[str]:
-    """The static-cache flag that pins dim ``index`` of symbol ``symbol`` of an input: --step-length for the step
-    length's symbol, --batch for a dim 0; None where no flag does."""
-    if symbol == step_symbol:
-        return "--step-length"
-    return "--batch" if index == 0 else None
-
-
-def _pin_advice(sources: Sequence[Tuple[str, int, str]], step_symbol: Optional[str]) -> str:
-    """What to pin, for a refusal: each (input, dim index, symbol) that a refused value comes from, with its flag,
-    or the word that no flag pins it; "" when there is none."""
-    parts = []
-    for name, index, symbol in sources:
-        flag = _flag_for(index, symbol, step_symbol)
-        how = f"pin it with {flag}" if flag else "no flag pins it: declare it static in the model"
-        parts.append(f"input {name!r} dim {index} ({symbol!r}) ({how})")
-    return f"; symbolic input dims feed it: {', '.join(parts)}" if parts else ""
-
-
-@dataclass
-class StaticCacheResult:
-    """What ``static_cache`` did: the rewritten model, the self-attention layers that got the shared buffer
-    (past_key, past_value, present_key, present_value per node, graph order), the buffer's max_length and batch
-    (None: the batch dim stays symbolic), how many nodes were folded or removed, and notes; the step length (None:
-    not known), the input dims pinned to it (input, dim index, symbol, value), the names of the P and
-    cache_indirection inputs (None: none), and which of the two the model had already (rules 1-3)."""
-
-    model: onnx.ModelProto
-    self_layers: Tuple[Tuple[str, str, str, str], ...]
-    max_length: int
-    batch: Optional[int]
-    folded: int
-    notes: List[str] = field(default_factory=list)
-    beams: int = 0
-    step_length: Optional[int] = None
-    pinned: Tuple[Tuple[str, int, str, int], ...] = ()
-    past_sequence_length: str = PAST_SEQUENCE_LENGTH
-    cache_indirection: Optional[str] = None
-    kept_inputs: Tuple[str, ...] = ()
-
-    @property
-    def unchanged_inputs(self) -> List[str]:
-        """The graph inputs other than the self pasts, P and cache_indirection (cross K/V, input_ids, ...)."""
-        pasts = {name for layer in self.self_layers for name in layer[:2]}
-        pasts |= {self.past_sequence_length, self.cache_indirection}
-        return [v.name for v in self.model.graph.input if v.name not in pasts]
-
-    def declared(self, name: str) -> str:
-        """An input's declared dims as text: ``(1,)``, ``(batch, 5, 448)``."""
-        value = next(v for v in self.model.graph.input if v.name == name)
-        dims = [str(d) for d in _dims_of(value) or ()]
-        return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
-
-    def input_line(self, name: str, role: str, what: str) -> str:
-        """The report's line on the P or cache_indirection input: new, or kept (under its own name)."""
-        if name not in self.kept_inputs:
-            return f"  new input: {name} int32 {self.declared(name)}, {what}"
-        named = "" if name == role else f" (the model's {role}, under its own name: bind it there)"
-        return f"  input kept: {name} int32 {self.declared(name)}{named}, {what}"
-
-    def report(self) -> str:
-        """A short summary: the shared buffer, the P (and cache_indirection) input, the pinned dims, the folded
-        shape nodes, the inputs left as they are."""
-        batch = "batch" if self.batch is None else str(self.batch)
-        lines = [
-            f"mha_ep static-cache: {len(self.self_layers)} self-attention MultiHeadAttention node(s) share their "
-            f"past and present in one ({batch}, N, {self.max_length}, H) buffer",
-            self.input_line(self.past_sequence_length, PAST_SEQUENCE_LENGTH,
-                            "the rows filled so far (P); a step writes only the rows [P, P + step)"),
-            *([self.input_line(self.cache_indirection, CACHE_INDIRECTION,
-                               "the beam each row's cache row is read from (beam search)")]
-              if self.cache_indirection else []),
-            *(f"  pinned {name} dim {index} ({symbol!r}) to {value} (--step-length)"
-              for name, index, symbol, value in self.pinned),
-            *([f"  step length: {self.step_length}, static in the model"]
-              if self.step_length is not None and not self.pinned else []),
-            f"  shape arithmetic: {self.folded} node(s) folded into constants or device computations from "
-            f"{self.past_sequence_length}",
-            f"  inputs as they were: {', '.join(self.unchanged_inputs) or 'none'}",
-        ]  # fmt: skip
-        lines.extend(f"  note: {n}" for n in self.notes)
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        """The result's fields as JSON-ready data (the model left out)."""
-        return {
-            "self_layers": [dict(zip(("past_key", "past_value", "present_key", "present_value"), layer))
-                            for layer in self.self_layers],
-            "max_length": self.max_length,
-            "batch": self.batch,
-            "beams": self.beams,
-            "step_length": self.step_length,
-            "pinned": [dict(zip(("input", "dim", "symbol", "value"), pin)) for pin in self.pinned],
-            "past_sequence_length": self.past_sequence_length,
-            "cache_indirection": self.cache_indirection,
-            "kept_inputs": list(self.kept_inputs),
-            "folded": self.folded,
-            "unchanged_inputs": self.unchanged_inputs,
-            "notes": self.notes,
-        }  # fmt: skip
-
-    def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write the rewritten model to ``path``, whole or not at all (see ``save_model``)."""
-        save_model(self.model, path)
+    return [(v.name, i) for v in inputs if v.name not in skip for i, d in enumerate(dims_of(v) or ()) if d == symbol]
 
 
 def static_cache(model, max_length: int, batch: Optional[int] = None, beams: int = 0,
@@ -568,19 +105,10 @@ def static_cache(model, max_length: int, batch: Optional[int] = None, beams: int
     module docstring: self pasts and presents (B, N, max_length, H) sharing one buffer, an input
     ``past_sequence_length`` (int32, (1,)), no shape arithmetic on the host. ``batch``: B (rows: batch entries x
     beams) fixed in every input's dim 0, or None to keep it symbolic. ``beams`` > 0: a cache_indirection input for
-    beam search (rule 2). ``step_length``: the step length L a symbolic one is pinned to (None: 1), or that a static
-    one must be (rule 3). Raises StaticCacheError naming the node or input for a model it cannot rewrite."""
-    if not isinstance(max_length, (int, np.integer)) or max_length < 1:  # Rule 1
-        raise StaticCacheError(f"max_length must be a whole number >= 1 (the buffer's rows), got {max_length!r}")
-    if batch is not None and (not isinstance(batch, (int, np.integer)) or batch < 1):
-        raise StaticCacheError(f"batch must be a whole number >= 1 or None (keep it symbolic), got {batch!r}")
-    if not isinstance(beams, (int, np.integer)) or beams < 0 or (beams and batch is not None and batch % beams):
-        raise StaticCacheError(f"beams must be a whole number >= 0 dividing batch {batch} (rows are batch entries x "
-                               f"beams), got {beams!r}")  # fmt: skip
-    if step_length is not None and (not isinstance(step_length, (int, np.integer)) or not 1 <= step_length
-                                    <= max_length):  # fmt: skip
-        raise StaticCacheError(f"step_length must be a whole number from 1 to max_length {max_length} (the rows a "
-                               f"step writes), got {step_length!r}")  # fmt: skip
+    beam search (rule SHARED_BUFFER). ``step_length``: the step length L a symbolic one is pinned to (None: 1), or
+    that a static one must be (rule OTHER_INPUTS). Raises StaticCacheError naming the node or input for a model it
+    cannot rewrite."""
+    check_arguments(max_length, batch, beams, step_length)  # rule SELF_NODES
     return StaticCachePass(load_model(model), int(max_length), None if batch is None else int(batch), int(beams),
                            None if step_length is None else int(step_length)).run()  # fmt: skip
 
@@ -603,19 +131,17 @@ class StaticCachePass:
         self.self_nodes: List[onnx.NodeProto] = []
         self.pasts: Set[str] = set()
         self.presents: Set[str] = set()
-        self.buffers_already = False  # rule 1: the self nodes read past_sequence_length already; pasts have M rows
-        self.p_input = PAST_SEQUENCE_LENGTH  # rule 2: the graph input P is read from
-        self.ci_input: Optional[str] = None  # rule 2: the graph input cache_indirection is read from, if any
-        self.kept_inputs: List[str] = []  # rule 2: which of the two the model had already
-        self.step: Optional[int] = None  # rule 3: the step length, when known
-        self.step_symbol: Optional[str] = None  # rule 3: its symbol, when the model had one
-        self.pinned: List[Tuple[str, int, str, int]] = []  # rule 3: (input, dim, symbol, value)
-        self.symbol_values: Dict[str, int] = {}  # rule 3: the symbols pinned in the inputs, for the outputs (rule 7)
-        self.dims: Dict[str, Tuple[Dim, ...]] = {}  # rule 4's inferred dims, the pasts' length as P_SYMBOL
+        self.buffers_already = False  # rule SELF_NODES: the self nodes read P already, pasts of M rows
+        self.p_input = PAST_SEQUENCE_LENGTH  # rule SHARED_BUFFER: the graph input P is read from
+        self.ci_input: Optional[str] = None  # rule SHARED_BUFFER: cache_indirection's input, if any
+        self.kept_inputs: List[str] = []  # rule SHARED_BUFFER: which of the two the model had already
+        self.step: Optional[int] = None  # rule OTHER_INPUTS: the step length, when known
+        self.step_symbol: Optional[str] = None  # rule OTHER_INPUTS: its symbol, when the model had one
+        self.pinned: List[Tuple[str, int, str, int]] = []  # rule OTHER_INPUTS: (input, dim, symbol, value)
+        self.symbol_values: Dict[str, int] = {}  # rule OTHER_INPUTS: the symbols pinned, for rule ``declare_outputs``
+        self.dims: Dict[str, Tuple[Dim, ...]] = {}  # rule AFFINE_EVALUATION's inferred dims, P as P_SYMBOL
         self.free: Set[str] = set()  # dim_params that stay symbolic and are not the pasts' length
-        self.values: Dict[str, Affine] = {}
-        self.constants: Set[str] = set()  # tensors known at build time that are no Affine (float weights, ...)
-        self.tainted: Set[str] = set()  # tensors computed at run time from a value that depends on P
+        self.known = Evaluated()  # rule AFFINE_EVALUATION's values, constants and tainted names
         self.new_nodes: List[onnx.NodeProto] = []
         self.new_initializers: List[onnx.TensorProto] = []
         self.p_scalar: Optional[str] = None
@@ -628,12 +154,12 @@ class StaticCachePass:
         """Every rule in order; the rewritten model and what was done."""
         self.find_self_nodes()
         self.find_shared_inputs()
-        self.check_readers()
+        check_readers(self.graph, self.pasts, self.presents)
         self.declare_inputs()
         self.evaluate()
         kept = self.materialize_and_prune()
         for node in kept:
-            if self.is_self(node):
+            if is_self(node, self.presents):
                 self.share_buffer(node)
         del self.graph.node[:]
         self.graph.node.extend(self.new_nodes + kept)
@@ -650,77 +176,37 @@ class StaticCachePass:
                                  self.beams, self.step, tuple(self.pinned), self.p_input, self.ci_input,
                                  tuple(self.kept_inputs))  # fmt: skip
 
-    # Rule 1
+    # rule SELF_NODES
     def find_self_nodes(self) -> None:
         """The MultiHeadAttention nodes with a past, each checked; StaticCacheError when there is none."""
         mha = [n for n in self.graph.node if n.op_type == spec.OP_TYPE and n.domain == spec.ORT_DOMAIN]
         for node in mha:
-            slots = _slots(node)
+            slots = slots_of(node)
             if not (slots[PAST_KEY] or slots[PAST_VALUE]):
                 continue
-            self.check_self_node(node, slots)
+            check_self_node(node, slots, self.graph_inputs, self.graph_outputs, self.batch)
             self.self_nodes.append(node)
             self.pasts.update((slots[PAST_KEY], slots[PAST_VALUE]))
             self.presents.update((node.output[PRESENT_KEY], node.output[PRESENT_VALUE]))
         if not self.self_nodes:
-            found = "; ".join(f"{_where(n)} has no past_key/past_value" for n in mha)
+            found = "; ".join(f"{where(n)} has no past_key/past_value" for n in mha)
             raise StaticCacheError(
                 "no self-attention com.microsoft::MultiHeadAttention node with a past (past_key/past_value graph "
                 f"inputs, present_key/present_value graph outputs): {found or 'the model has no such node at all'}; "
                 "give the decoder-with-past, not the first decoder step or an encoder"
             )
 
-    def check_self_node(self, node: onnx.NodeProto, slots: List[str]) -> None:
-        """Rule 1 for one node with a past: ``slots`` are its ten input names, "" where absent."""
-        outputs = list(node.output) + [""] * (len(spec.OUTPUTS) - len(node.output))
-        form = "; the rewrite takes decoders as ORT's optimizer leaves them (--model_type bart)"
-        for slot in (PAST_KEY, PAST_VALUE):
-            if slots[slot] not in self.graph_inputs:
-                raise StaticCacheError(f"{_where(node)}: its {spec.INPUTS[slot]} {slots[slot]!r} is not a graph "
-                                       f"input, so it cannot become a buffer the caller binds{form}")  # fmt: skip
-        for slot in (PRESENT_KEY, PRESENT_VALUE):
-            if outputs[slot] not in self.graph_outputs:
-                raise StaticCacheError(f"{_where(node)}: its {spec.OUTPUTS[slot]} {outputs[slot]!r} is not a graph "
-                                       f"output; the shared buffer needs both presents as outputs{form}")  # fmt: skip
-        if outputs[QK]:
-            raise StaticCacheError(f"{_where(node)}: it asks for the qk output {outputs[QK]!r}, (B, N, S, P+L), "
-                                   "whose shape would still change every step; drop that output first")  # fmt: skip
-        for slot in (PAST_KEY, PAST_VALUE):
-            name = slots[slot]
-            dims = _dims_of(self.graph_inputs[name])
-            if dims is None or len(dims) != 4:
-                raise StaticCacheError(f"{_where(node)}: its {spec.INPUTS[slot]} {name!r} has dims {dims}, not "
-                                       "(B, N, P, H): declare its rank-4 shape in the model")  # fmt: skip
-            loose = [f"dim {i} ({dims[i]!r})" for i in (1, 3) if not (isinstance(dims[i], int) and dims[i] > 0)]
-            if loose:
-                raise StaticCacheError(
-                    f"{_where(node)}: its {spec.INPUTS[slot]} {name!r} has dims {dims}, not (B, N, P, H) with static "
-                    f"heads N and head size H; the buffer (B, N, max_length, H) needs both: input {name!r} "
-                    f"{' and '.join(loose)} is not static, and no flag pins it: declare it static in the model"
-                )
-            if self.batch is not None and isinstance(dims[0], int) and dims[0] != self.batch:
-                raise StaticCacheError(f"{_where(node)}: its {spec.INPUTS[slot]} {name!r} has the static batch "
-                                       f"{dims[0]} (input {name!r} dim 0), not --batch {self.batch}")  # fmt: skip
-
-    # Rules 1 and 2
+    # rules SELF_NODES and SHARED_BUFFER
     def find_shared_inputs(self) -> None:
         """The graph inputs of P and cache_indirection: the ones the self nodes read at inputs 8/9 already (the same
         on every self node, or none on any), else ones of those names that (cross-attention) MultiHeadAttention
         nodes read there, else new ones (cache_indirection only with beams)."""
         wired = []
         for slot in SHARED_SLOTS:
-            names = [_slots(node)[slot] for node in self.self_nodes]
-            odd = next((node for node, name in zip(self.self_nodes, names) if name != names[0]), None)
-            if odd is not None:
-                first = self.self_nodes[0]
-                raise StaticCacheError(
-                    f"{_where(odd)}: its {spec.INPUTS[slot]} is {_slots(odd)[slot] or 'absent'!r}, but "
-                    f"{_where(first)} has {names[0] or 'absent'!r} there: every self-attention node needs the same "
-                    f"graph input at input {slot}, or none"
-                )
-            if names[0]:
-                self.check_shared_input(self.self_nodes[0], slot, names[0])
-            wired.append(names[0])
+            name = shared_input_name(self.self_nodes, slot)
+            if name:
+                check_shared_input(self.self_nodes[0], slot, name, self.graph, self.graph_inputs, self.beams)
+            wired.append(name)
         self.buffers_already = bool(wired[0])
         self.p_input = wired[0] or self.reusable(spec.SLOT[PAST_SEQUENCE_LENGTH], PAST_SEQUENCE_LENGTH)
         if wired[1] or self.beams:
@@ -733,7 +219,7 @@ class StaticCachePass:
         name must be free."""
         readers = self.readers_at(name, slot)
         if name in self.graph_inputs and readers:
-            self.check_shared_input(readers[0], slot, name)
+            check_shared_input(readers[0], slot, name, self.graph, self.graph_inputs, self.beams)
             return name
         if name in self.taken:
             raise StaticCacheError(f"the model already has a tensor named {name!r}, an input the rewrite adds, and it "
@@ -749,68 +235,18 @@ class StaticCachePass:
             return []
         return [node for node in mha if at[id(node)]]
 
-    def check_shared_input(self, node: onnx.NodeProto, slot: int, name: str) -> None:
-        """Rule 1 for an input 8/9 the model has: a graph input (not an initializer) of int32 and the shape ORT
-        takes, past_sequence_length (1,) or scalar, cache_indirection (B / W, W, M) with W = beams when given."""
-        role = spec.INPUTS[slot]
-        value = self.graph_inputs.get(name)
-        if value is None or name in {i.name for i in self.graph.initializer}:
-            raise StaticCacheError(f"{_where(node)}: its {role} {name!r} is not a graph input, so the caller cannot "
-                                   "bind it at every step")  # fmt: skip
-        dtype = value.type.tensor_type.elem_type
-        dims = _dims_of(value)
-        if dtype != onnx.TensorProto.INT32:
-            raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has element type "
-                                   f"{onnx.TensorProto.DataType.Name(dtype)}, not int32")  # fmt: skip
-        if slot == spec.SLOT[PAST_SEQUENCE_LENGTH] and dims not in ((1,), ()):
-            raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has dims {dims}, not (1,) or a scalar: "
-                                   "it holds one number, P")  # fmt: skip
-        if slot == spec.SLOT[CACHE_INDIRECTION]:
-            if dims is None or len(dims) != 3:
-                raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has dims {dims}, not (B / W, W, "
-                                       "max_length)")  # fmt: skip
-            if self.beams and isinstance(dims[1], int) and dims[1] != self.beams:
-                raise StaticCacheError(f"input {name!r} ({role} of {_where(node)}) has the static beam width "
-                                       f"{dims[1]} (input {name!r} dim 1), not --beams {self.beams}")  # fmt: skip
-
-    def check_readers(self) -> None:
-        """Rule 1: the pasts are read only by their node and Shape nodes, the presents by no node, and neither by a
-        node with a subgraph."""
-        for node in self.graph.node:
-            for name in _names_read(self.graph, node):
-                if name not in self.presents and name not in self.pasts:
-                    continue
-                if _has_subgraph(node):
-                    raise StaticCacheError(
-                        f"{_where(node)}: it has a subgraph and reads {name!r}, a self-attention "
-                        f"{'present' if name in self.presents else 'past'} that becomes the (B, N, max_length, H) "
-                        "buffer; the rewrite does not follow subgraphs (If, Loop, Scan), so it cannot rewrite what "
-                        "the subgraph does with it: move that computation out of the subgraph"
-                    )
-                if name in self.presents:
-                    raise StaticCacheError(f"{_where(node)}: it reads the present {name!r}, which becomes the "
-                                           "(B, N, max_length, H) buffer; no node may read it")  # fmt: skip
-                if node.op_type != "Shape" and not self.is_self(node):
-                    raise StaticCacheError(
-                        f"{_where(node)}: it reads the past {name!r}, whose rows beyond past_sequence_length are "
-                        "not the past once it is the shared buffer; only its attention node and Shape nodes may read it"
-                    )
-
-    def is_self(self, node: onnx.NodeProto) -> bool:
-        outputs = node.output
-        return node.op_type == spec.OP_TYPE and len(outputs) > PRESENT_KEY and outputs[PRESENT_KEY] in self.presents
-
-    # Rules 2 and 3
+    # rules SHARED_BUFFER and OTHER_INPUTS
     def declare_inputs(self) -> None:
-        """The inputs' dims: the batch (rule 3), the pasts' length as P_SYMBOL until rule 7 (rule 4 infers with it),
-        or max_length where the pasts are buffers already, and the P and cache_indirection inputs (rule 2)."""
-        lengths = {_dims_of(self.graph_inputs[p])[2] for p in self.pasts} - {None}
+        """The inputs' dims: the batch (rule OTHER_INPUTS), the pasts' length as P_SYMBOL until rule
+        ``declare_outputs`` (rule AFFINE_EVALUATION infers with it), or max_length where the pasts are buffers
+        already, and the P and cache_indirection inputs (rule SHARED_BUFFER)."""
+        lengths = {dims_of(self.graph_inputs[p])[2] for p in self.pasts} - {None}
         if self.buffers_already:
-            self.check_buffer_lengths()
+            check_buffer_lengths(self.pasts, self.graph_inputs, self.p_input, self.max_length)
             if self.ci_input in self.graph_inputs:
-                lengths.add(_dims_of(self.graph_inputs[self.ci_input])[2])
+                lengths.add(dims_of(self.graph_inputs[self.ci_input])[2])
         for value in self.graph.input:
-            dims = list(_dims_of(value) or ())
+            dims = list(dims_of(value) or ())
             if value.name == self.ci_input:
                 dims = self.cache_indirection_dims(dims)
             elif value.name == self.p_input:
@@ -824,32 +260,13 @@ class StaticCachePass:
             elif self.buffers_already:
                 dims = [self.max_length if isinstance(d, str) and d in lengths else d for d in dims]
             else:
-                self.refuse_the_pasts_length(value.name, dims, lengths)
+                refuse_the_pasts_length(value.name, dims, lengths)
             if dims:
-                _set_dims(value, dims)
-
-    def check_buffer_lengths(self) -> None:
-        """Rule 3 for pasts that are buffers already: a static dim 2 is max_length."""
-        for name in sorted(self.pasts):
-            rows = _dims_of(self.graph_inputs[name])[2]
-            if isinstance(rows, int) and rows != self.max_length:
-                raise StaticCacheError(
-                    f"input {name!r} dim 2 is the static buffer length {rows} (its node reads {self.p_input!r} "
-                    f"already: the past is the shared buffer), not --max-length {self.max_length}"
-                )
-
-    def refuse_the_pasts_length(self, name: str, dims: Sequence[Dim], lengths: Set[Dim]) -> None:
-        """Rule 3: an input other than the pasts that carries their length (P) is refused."""
-        carried = [f"dim {i} ({d!r})" for i, d in enumerate(dims) if isinstance(d, str) and d in lengths]
-        if carried:
-            raise StaticCacheError(
-                f"input {name!r} has dims {list(dims)}: its {' and '.join(carried)} is the pasts' length "
-                f"{sorted(str(d) for d in lengths)}, P, so its shape would still change every step; no flag pins it "
-                "(P grows by the step length each step): compute it in the model from the pasts or past_sequence_length"
-            )
+                set_dims(value, dims)
 
     def cache_indirection_dims(self, dims: List[Dim]) -> List[Dim]:
-        """Rule 2 for a cache_indirection the model has: (B / W, W, max_length), W the beams or its own dim 1."""
+        """Rule SHARED_BUFFER for a cache_indirection the model has: (B / W, W, max_length), W the beams or its own
+        dim 1."""
         beams = self.beams or dims[1]
         entries = self.batch // beams if self.batch is not None and isinstance(beams, int) and beams else dims[0]
         if isinstance(dims[0], int) and isinstance(entries, int) and dims[0] != entries:
@@ -857,48 +274,48 @@ class StaticCachePass:
                                    f"--batch {self.batch} / {beams} beams = {entries}")  # fmt: skip
         return [entries, beams, self.max_length]
 
-    # Rule 4
+    # rule AFFINE_EVALUATION
     def evaluate(self) -> None:
         """Every node in graph order: its values as Affine when it is evaluable, else its outputs tainted when it
-        reads a value that depends on P. The step length is found and pinned first (rule 3)."""
+        reads a value that depends on P. The step length is found and pinned first (rule OTHER_INPUTS)."""
         self.dims = self.infer()
         if self.pin_step_length():
             self.dims = self.infer()
-        self.free = {d for v in self.graph.input for d in _dims_of(v) or () if isinstance(d, str)} - {P_SYMBOL}
+        self.free = {d for v in self.graph.input for d in dims_of(v) or () if isinstance(d, str)} - {P_SYMBOL}
         for init in self.graph.initializer:
             if init.name in self.graph_inputs:
                 continue
-            if init.data_type in INTEGER_TYPES and _bounded(init.dims):
-                self.values[init.name] = Affine.of(numpy_helper.to_array(init))
+            if init.data_type in INTEGER_TYPES and bounded(init.dims):
+                self.known.values[init.name] = Affine.of(numpy_helper.to_array(init))
             else:
-                self.constants.add(init.name)
+                self.known.constants.add(init.name)
         if self.p_input in self.graph_inputs:  # a kept past_sequence_length input: P itself
-            shape = _dims_of(self.graph_inputs[self.p_input])
-            self.values[self.p_input] = Affine.of(np.zeros(shape, np.int32), np.ones(shape, np.int64))
+            shape = dims_of(self.graph_inputs[self.p_input])
+            self.known.values[self.p_input] = Affine.of(np.zeros(shape, np.int32), np.ones(shape, np.int64))
         opsets = list(self.model.opset_import)
         for node in self.graph.node:
             results = self.evaluate_node(node, opsets)
             if results is not None:
-                self.values.update((name, value) for name, value in zip(node.output, results) if name)
+                self.known.values.update((name, value) for name, value in zip(node.output, results) if name)
             elif node.op_type == "Constant":
-                self.constants.update(node.output)
-            elif any(self.depends_on_p(name) for name in self.data_read(node)):
-                self.tainted.update(node.output)
+                self.known.constants.update(node.output)
+            elif any(self.known.depends_on_p(name) for name in self.data_read(node)):
+                self.known.tainted.update(node.output)
 
     def data_read(self, node: onnx.NodeProto) -> List[str]:
         """The tensors whose values ``node``'s outputs depend on: all it reads, but P and cache_indirection at an
         attention node's inputs 8/9 (P is the buffer's fill there, not a value its outputs are shaped by)."""
         if node.op_type == spec.OP_TYPE and node.domain == spec.ORT_DOMAIN:
             return [name for i, name in enumerate(node.input) if name and i not in SHARED_SLOTS]
-        return _names_read(self.graph, node)
+        return names_read(self.graph, node)
 
     def infer(self) -> Dict[str, Tuple[Dim, ...]]:
         """The dims shape inference finds for every tensor, the pasts' as declared."""
-        dims = _inferred_dims(_infer(self.model_for_inference()))
-        dims.update((past, _dims_of(self.graph_inputs[past])) for past in self.pasts)  # P_SYMBOL, as declared
+        dims = inferred_dims(infer_shapes(self.model_for_inference()))
+        dims.update((past, dims_of(self.graph_inputs[past])) for past in self.pasts)  # P_SYMBOL, as declared
         return dims
 
-    # Rule 3
+    # rule OTHER_INPUTS
     def pin_step_length(self) -> bool:
         """The step length: the dim 1 of the self nodes' queries. A symbol of the inputs is pinned to step_length
         (1 when not given) in every input that carries it; a static one is checked against step_length. Whether
@@ -925,9 +342,9 @@ class StaticCachePass:
         self.step, self.step_symbol = self.step_length or 1, step
         self.symbol_values[step] = self.step
         for name, index in carriers:
-            dims = list(_dims_of(self.graph_inputs[name]))
+            dims = list(dims_of(self.graph_inputs[name]))
             dims[index] = self.step
-            _set_dims(self.graph_inputs[name], dims)
+            set_dims(self.graph_inputs[name], dims)
             self.pinned.append((name, index, step, self.step))
         return True
 
@@ -935,9 +352,9 @@ class StaticCachePass:
         """For a message: the inputs the self queries come from whose dim 1 is ``step`` (input_ids'), else the
         queries themselves."""
         skip = self.pasts | {self.p_input, self.ci_input}
-        found = [name for name in _ancestor_inputs(self.graph, [n.input[0] for n in self.self_nodes])
-                 if name not in skip and len(_dims_of(self.graph_inputs[name]) or ()) >= 2
-                 and _dims_of(self.graph_inputs[name])[1] == step]  # fmt: skip
+        found = [name for name in ancestor_inputs(self.graph, [n.input[0] for n in self.self_nodes])
+                 if name not in skip and len(dims_of(self.graph_inputs[name]) or ()) >= 2
+                 and dims_of(self.graph_inputs[name])[1] == step]  # fmt: skip
         if found:
             return " and ".join(f"input {name!r} dim 1" for name in found)
         return f"the self-attention query {self.self_nodes[0].input[0]!r} dim 1"
@@ -949,7 +366,7 @@ class StaticCachePass:
         graph = self.graph
         light, inputs = [], list(graph.input)
         for init in graph.initializer:
-            if init.data_type in INTEGER_TYPES or _bounded(init.dims):
+            if init.data_type in INTEGER_TYPES or bounded(init.dims):
                 light.append(init)
             elif init.name not in self.graph_inputs:
                 inputs.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
@@ -962,13 +379,13 @@ class StaticCachePass:
         return probe
 
     def evaluate_node(self, node: onnx.NodeProto, opsets) -> Optional[List[Affine]]:
-        """The values of ``node``'s outputs (rule 4), or None when it is not evaluable at build time."""
+        """The values of ``node``'s outputs (rule AFFINE_EVALUATION), or None when it is not evaluable at build time."""
         if node.domain not in DEFAULT_DOMAINS:
             return None
         if node.op_type == "Shape":
             value = self.shape_value(node)
             return None if value is None else [value]
-        args = [self.values.get(name) if name else None for name in node.input]
+        args = [self.known.values.get(name) if name else None for name in node.input]
         if any(name and value is None for name, value in zip(node.input, args)):
             return None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -976,7 +393,7 @@ class StaticCachePass:
         try:
             value = evaluator(args, attrs) if evaluator is not None else None
         except (IndexError, ValueError) as error:  # numpy's word on indices or shapes that do not fit
-            raise StaticCacheError(f"{_where(node)}: its inputs do not fit it ({error}); check the model with "
+            raise StaticCacheError(f"{where(node)}: its inputs do not fit it ({error}); check the model with "
                                    "onnx.checker and stock ORT first") from None  # fmt: skip
         if value is not None and value.const.size <= MAX_ELEMENTS:
             return [value]
@@ -987,7 +404,7 @@ class StaticCachePass:
         node tainted) when a dim is anything else (an expression in P, or not known at all)."""
         dims = self.dims.get(node.input[0])
         if dims is None or not all(isinstance(d, int) or d == P_SYMBOL or d in self.free for d in dims):
-            self.tainted.update(node.output)
+            self.known.tainted.update(node.output)
             return None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         part = slice(attrs.get("start", 0), attrs.get("end", len(dims)))  # Python's clamping is ONNX's
@@ -997,31 +414,33 @@ class StaticCachePass:
             [isinstance(d, str) and d != P_SYMBOL for d in dims][part],
         )
 
-    def depends_on_p(self, name: str) -> bool:
-        value = self.values.get(name)
-        return name in self.tainted or (value is not None and value.on_p)
-
-    # Rules 5 and 6
+    # rules MATERIALIZATION and ``HostReads``
     def materialize_and_prune(self) -> List[onnx.NodeProto]:
         """Walk the graph backwards from its outputs: a node nothing reads goes; an evaluated node whose values are
-        known goes, its values materialized; any other node stays, checked (rule 6). The nodes that stay, in order."""
+        known goes, its values materialized; any other node stays, checked (rule ``HostReads``). The nodes that
+        stay, in order."""
+        host_reads = HostReads(self.graph, self.graph_inputs, self.known, self.pasts, self.dims, self.batch,
+                               self.step_symbol)  # fmt: skip
         needed = set(self.graph_outputs)
         kept = []
         for node in reversed(self.graph.node):
             wanted = [name for name in node.output if name in needed]
-            values = [self.values.get(name) for name in wanted]
+            values = [self.known.values.get(name) for name in wanted]
             if not wanted or all(v is not None and v.known for v in values):
                 for name, value in zip(wanted, values):
                     self.materialize(name, value)
                 self.removed += 1
                 continue
-            self.check_kept(node)
+            host_reads.check(node)
+            if node.op_type == "Shape" and node.domain in DEFAULT_DOMAINS:  # a Shape node that stays reads the batch
+                self.kept_shapes.append(node_name(node))
             kept.append(node)
-            needed.update(_names_read(self.graph, node))
+            needed.update(names_read(self.graph, node))
         return kept[::-1]
 
     def materialize(self, name: str, value: Affine) -> None:
-        """Rule 5: a constant as an initializer named ``name``; an affine value as Add(const, Mul(P, coeff))."""
+        """Rule MATERIALIZATION: a constant as an initializer named ``name``; an affine value as
+        Add(const, Mul(P, coeff))."""
         if value.constant:
             self.new_initializers.append(numpy_helper.from_array(value.const, name))
             return
@@ -1050,84 +469,7 @@ class StaticCachePass:
             ]
         return self.p_scalar
 
-    def check_kept(self, node: onnx.NodeProto) -> None:
-        """Rule 6 for a node that stays."""
-        if node.op_type == "Shape" and node.domain in DEFAULT_DOMAINS:
-            self.check_kept_shape(node)
-        if _has_subgraph(node):
-            self.check_kept_subgraph(node)
-        slots = HOST_INPUTS.get(node.op_type, {}) if node.domain in DEFAULT_DOMAINS else {}
-        read = [(role, node.input[slot]) for slot, role in slots.items() if slot < len(node.input) and node.input[slot]]
-        varying = [(role, name) for role, name in read if not self.is_constant(name)]
-        on_p = [f"{role} {name!r} {self.how(name)}" for role, name in varying if self.depends_on_p(name)]
-        advice = self.advice([name for _, name in varying])
-        if on_p:
-            raise StaticCacheError(
-                f"{_where(node)}: its {' and its '.join(on_p)} {'depends' if len(on_p) == 1 else 'depend'} on "
-                "past_sequence_length in a way the rewrite cannot resolve into constants, and ORT's CUDA kernel "
-                f"reads {'it' if len(on_p) == 1 else 'them'} on the host: ORT's CUDA graph could not capture it. "
-                f"The rewrite evaluates shape arithmetic affine in P through Shape, {', '.join(sorted(EVALUATORS))}, "
-                f"with every other dim static{advice}"
-            )
-        if varying and self.batch is not None:
-            found = " and its ".join(f"{role} {name!r} {self.how(name)}" for role, name in varying)
-            raise StaticCacheError(
-                f"{_where(node)}: its {found} is not a constant, and ORT's CUDA kernel reads it on the host: ORT's "
-                f"CUDA graph could not capture it{advice or '; it is computed from the data at run time'}"
-            )
-
-    def check_kept_subgraph(self, node: onnx.NodeProto) -> None:
-        """Rule 6 for a node with a subgraph (If, Loop, Scan) that stays: it reads nothing that depends on P."""
-        on_p = [name for name in dict.fromkeys(_names_read(self.graph, node)) if self.depends_on_p(name)]
-        if on_p:
-            raise StaticCacheError(
-                f"{_where(node)}: it has a subgraph and reads {', '.join(repr(n) for n in on_p)}, which "
-                f"{'depends' if len(on_p) == 1 else 'depend'} on past_sequence_length "
-                f"({'; '.join(f'{n} {self.how(n)}' for n in on_p)}); the rewrite does not follow subgraphs (If, Loop, "
-                "Scan), so what the subgraph computes from it could still read the past's length on the host: move "
-                "that computation out of the subgraph"
-            )
-
-    def sources(self, names: Sequence[str]) -> List[Tuple[str, int, str]]:
-        """The symbolic dims (input, dim index, symbol) of the graph inputs ``names`` are computed from: the dims
-        that stay symbolic, not the pasts' length."""
-        found = []
-        for name in _ancestor_inputs(self.graph, names):
-            dims = _dims_of(self.graph_inputs[name]) or ()
-            found += [(name, i, d) for i, d in enumerate(dims) if isinstance(d, str) and d != P_SYMBOL]
-        return found
-
-    def advice(self, names: Sequence[str]) -> str:
-        """For a refusal: the symbolic input dims ``names`` come from and the flag that pins each (see
-        ``_pin_advice``)."""
-        return _pin_advice(self.sources(names), self.step_symbol)
-
-    def is_constant(self, name: str) -> bool:
-        return name in self.constants or (name in self.values and self.values[name].constant)
-
-    def how(self, name: str) -> str:
-        """A value for a message: ``(= const + P * coeff)``, ``?`` where only the run knows it."""
-        value = self.values.get(name)
-        return f"(= {value.describe()})" if value is not None else "(computed at run time)"
-
-    def check_kept_shape(self, node: onnx.NodeProto) -> None:
-        """Rule 6 for a Shape node that stays (only with a symbolic batch, and never on a self past)."""
-        source = node.input[0]
-        if source in self.pasts:
-            raise StaticCacheError(
-                f"{_where(node)}: its value is needed at run time (a dim of {source!r} stays symbolic), but in the "
-                f"shared buffer the past's shape says max_length, not past_sequence_length{self.advice([source])}"
-            )
-        if self.batch is not None or self.depends_on_p(node.output[0]):
-            given = "" if self.batch is None else f" with --batch {self.batch}"
-            advice = self.advice([source]) or "; make that tensor's dims static"
-            raise StaticCacheError(
-                f"{_where(node)}: the shape of its input {source!r} is {self.dims.get(source, 'unknown')}, not static"
-                f"{given}: the Shape node would stay, and ORT's CUDA graph could not capture it{advice}"
-            )
-        self.kept_shapes.append(node_name(node))
-
-    # Rule 2
+    # rule SHARED_BUFFER
     def share_buffer(self, node: onnx.NodeProto) -> None:
         """A self node's inputs padded to eight, then input 8 P's input (and input 9 cache_indirection's, if any);
         a node that reads them already keeps them, as they are the same names."""
@@ -1136,7 +478,7 @@ class StaticCachePass:
         node.input.extend(inputs + [""] * (SHARED_SLOTS[0] - len(inputs)) + [self.p_input]
                           + ([self.ci_input] if self.ci_input else []))  # fmt: skip
 
-    # Rules 2 and 7
+    # rules SHARED_BUFFER and ``declare_outputs``
     def declare_outputs(self) -> None:
         """The pasts and presents (B, N, max_length, H); every other output's dims where inference found them
         static (or a free dim), and a symbol pinned in the inputs (the batch, the step length) as its value."""
@@ -1144,27 +486,27 @@ class StaticCachePass:
         for node in self.self_nodes:
             for past, present in ((node.input[PAST_KEY], node.output[PRESENT_KEY]),
                                   (node.input[PAST_VALUE], node.output[PRESENT_VALUE])):  # fmt: skip
-                dims = list(_dims_of(self.graph_inputs[past]))
+                dims = list(dims_of(self.graph_inputs[past]))
                 dims[2] = self.max_length
                 buffers[past] = buffers[present] = dims
         for value in list(self.graph.input) + list(self.graph.output):
             if value.name in buffers:
-                _set_dims(value, buffers[value.name])
+                set_dims(value, buffers[value.name])
             if value.name in buffers or value.name not in self.graph_outputs:
                 continue
-            dims = list(_dims_of(value) or ())
+            dims = list(dims_of(value) or ())
             found = self.dims.get(value.name)
             if found is not None and len(dims or found) == len(found):
                 keep = dims or [None] * len(found)
                 dims = [f if isinstance(f, int) or f in self.free else d for f, d in zip(found, keep)]
             if dims:
-                _set_dims(value, [self.symbol_values.get(d, d) if isinstance(d, str) else d for d in dims])
+                set_dims(value, [self.symbol_values.get(d, d) if isinstance(d, str) else d for d in dims])
 
-    # Rule 5
+    # rule MATERIALIZATION
     def drop_unused(self) -> None:
         """Initializers nothing reads, and value_info of tensors no node makes any more."""
         graph = self.graph
-        read = {name for node in graph.node for name in _names_read(graph, node)} | set(self.graph_outputs)
+        read = {name for node in graph.node for name in names_read(graph, node)} | set(self.graph_outputs)
         keep = [init for init in graph.initializer if init.name in read or init.name in self.graph_inputs]
         del graph.initializer[:]
         graph.initializer.extend(keep)
@@ -1201,9 +543,9 @@ class StaticCachePass:
                 f"{len(self.kept_shapes)} Shape node(s) read the symbolic batch at run time "
                 f"({', '.join(self.kept_shapes)}): ORT's CUDA graph needs batch given"
             )
-        symbolic = [f"{v.name} {list(_dims_of(v) or ['unknown rank'])}"
+        symbolic = [f"{v.name} {list(dims_of(v) or ['unknown rank'])}"
                     for v in list(self.graph.input) + list(self.graph.output)
-                    if any(not isinstance(d, int) for d in _dims_of(v) or [None])]  # fmt: skip
+                    if any(not isinstance(d, int) for d in dims_of(v) or [None])]  # fmt: skip
         if symbolic and self.batch is not None:
             notes.append(f"not fully static: {'; '.join(symbolic)}")
         return notes

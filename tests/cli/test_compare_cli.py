@@ -114,7 +114,7 @@ def test_cli_bad_paths_and_feeds_are_one_line_errors(tmp_path):
 
 
 def test_partition_claims_mha_nodes_inside_subgraphs(tmp_path):
-    """Once a note ("left to ORT"); now claimed (the pass's rule 8), and the CLI's report names the path."""
+    """Once a note ("left to ORT"); now claimed (the pass's rule SUBGRAPHS), and the CLI's report names the path."""
     inner = helper.make_graph(
         [helper.make_node("MultiHeadAttention", ["x", "x", "x"], ["y"], domain="com.microsoft", num_heads=2)],
         "then", [], [helper.make_tensor_value_info("y", TP.FLOAT, [1, 3, 8])],

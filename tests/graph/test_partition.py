@@ -136,9 +136,9 @@ def test_registered_plain_session_runs_the_partitioned_model(rng):
 
 @pytest.mark.parametrize("route", ["python-op", "native"])
 def test_a_model_partitioned_for_the_eight_input_op_is_brought_up_to_date(route, rng):
-    """Rule 7: a claimed node written before the op took past_sequence_length and cache_indirection (eight
-    inputs, and a fallback function of eight) gets the two placeholder slots and the new function when the model
-    is partitioned again, and then runs."""
+    """Partition rule ALREADY_CLAIMED: a claimed node written before the op took past_sequence_length and
+    cache_indirection (eight inputs, and a fallback function of eight) gets the two placeholder slots and the new
+    function when the model is partitioned again, and then runs."""
     model = two_node_model()
     result = mha_ep.partition(model, route=route)
     old = result.model
@@ -254,7 +254,7 @@ def test_a_qk_output_declared_unlike_what_the_node_writes_is_declined_naming_it(
 ])  # fmt: skip
 def test_a_qk_output_of_another_type_than_the_op_writes_gets_a_cast(qk_type, route, casts):
     """ORT's QK type constraint is independent of T: the op writes qk in the type it computes in, and a Cast
-    after it gives the declared type (partition rule 5)."""
+    after it gives the declared type (partition rule TRANSPORT)."""
     model = two_node_model(qk_output_on_second=True)
     for index, output in enumerate(model.graph.output):
         if output.name == "qk":

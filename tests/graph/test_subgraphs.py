@@ -1,4 +1,4 @@
-"""MultiHeadAttention nodes inside subgraphs (the pass's rule 8): If / Loop bodies and the decoder of
+"""MultiHeadAttention nodes inside subgraphs (the pass's rule SUBGRAPHS): If / Loop bodies and the decoder of
 com.microsoft's GreedySearch and BeamSearch, claimed, reported with their graph's path, and run by ORT as the
 original model ran, on both CPU routes.
 

@@ -1,0 +1,102 @@
+"""What the static-cache rewrite returns (mha_ep/graph/static_cache.py): the rewritten model and what was done to
+it, as a report, as JSON-ready data, and saved."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple, Union
+
+import onnx
+
+from mha_ep.graph.graph_facts import dims_of
+from mha_ep.graph.model_io import save_model
+from mha_ep.graph.static_cache_checks import CACHE_INDIRECTION, PAST_SEQUENCE_LENGTH
+
+
+@dataclass
+class StaticCacheResult:
+    """What ``static_cache`` did: the rewritten model, the self-attention layers that got the shared buffer
+    (past_key, past_value, present_key, present_value per node, graph order), the buffer's max_length and batch
+    (None: the batch dim stays symbolic), how many nodes were folded or removed, and notes; the step length (None:
+    not known), the input dims pinned to it (input, dim index, symbol, value), the names of the P and
+    cache_indirection inputs (None: none), and which of the two the model had already (rules SELF_NODES,
+    SHARED_BUFFER and OTHER_INPUTS)."""
+
+    model: onnx.ModelProto
+    self_layers: Tuple[Tuple[str, str, str, str], ...]
+    max_length: int
+    batch: Optional[int]
+    folded: int
+    notes: List[str] = field(default_factory=list)
+    beams: int = 0
+    step_length: Optional[int] = None
+    pinned: Tuple[Tuple[str, int, str, int], ...] = ()
+    past_sequence_length: str = PAST_SEQUENCE_LENGTH
+    cache_indirection: Optional[str] = None
+    kept_inputs: Tuple[str, ...] = ()
+
+    @property
+    def unchanged_inputs(self) -> List[str]:
+        """The graph inputs other than the self pasts, P and cache_indirection (cross K/V, input_ids, ...)."""
+        pasts = {name for layer in self.self_layers for name in layer[:2]}
+        pasts |= {self.past_sequence_length, self.cache_indirection}
+        return [v.name for v in self.model.graph.input if v.name not in pasts]
+
+    def declared(self, name: str) -> str:
+        """An input's declared dims as text: ``(1,)``, ``(batch, 5, 448)``."""
+        value = next(v for v in self.model.graph.input if v.name == name)
+        dims = [str(d) for d in dims_of(value) or ()]
+        return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+
+    def input_line(self, name: str, role: str, what: str) -> str:
+        """The report's line on the P or cache_indirection input: new, or kept (under its own name)."""
+        if name not in self.kept_inputs:
+            return f"  new input: {name} int32 {self.declared(name)}, {what}"
+        named = "" if name == role else f" (the model's {role}, under its own name: bind it there)"
+        return f"  input kept: {name} int32 {self.declared(name)}{named}, {what}"
+
+    def report(self) -> str:
+        """A short summary: the shared buffer, the P (and cache_indirection) input, the pinned dims, the folded
+        shape nodes, the inputs left as they are."""
+        batch = "batch" if self.batch is None else str(self.batch)
+        lines = [
+            f"mha_ep static-cache: {len(self.self_layers)} self-attention MultiHeadAttention node(s) share their "
+            f"past and present in one ({batch}, N, {self.max_length}, H) buffer",
+            self.input_line(self.past_sequence_length, PAST_SEQUENCE_LENGTH,
+                            "the rows filled so far (P); a step writes only the rows [P, P + step)"),
+            *([self.input_line(self.cache_indirection, CACHE_INDIRECTION,
+                               "the beam each row's cache row is read from (beam search)")]
+              if self.cache_indirection else []),
+            *(f"  pinned {name} dim {index} ({symbol!r}) to {value} (--step-length)"
+              for name, index, symbol, value in self.pinned),
+            *([f"  step length: {self.step_length}, static in the model"]
+              if self.step_length is not None and not self.pinned else []),
+            f"  shape arithmetic: {self.folded} node(s) folded into constants or device computations from "
+            f"{self.past_sequence_length}",
+            f"  inputs as they were: {', '.join(self.unchanged_inputs) or 'none'}",
+        ]  # fmt: skip
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """The result's fields as JSON-ready data (the model left out)."""
+        return {
+            "self_layers": [dict(zip(("past_key", "past_value", "present_key", "present_value"), layer))
+                            for layer in self.self_layers],
+            "max_length": self.max_length,
+            "batch": self.batch,
+            "beams": self.beams,
+            "step_length": self.step_length,
+            "pinned": [dict(zip(("input", "dim", "symbol", "value"), pin)) for pin in self.pinned],
+            "past_sequence_length": self.past_sequence_length,
+            "cache_indirection": self.cache_indirection,
+            "kept_inputs": list(self.kept_inputs),
+            "folded": self.folded,
+            "unchanged_inputs": self.unchanged_inputs,
+            "notes": self.notes,
+        }  # fmt: skip
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the rewritten model to ``path``, whole or not at all (see ``save_model``)."""
+        save_model(self.model, path)
