@@ -28,7 +28,8 @@ from mha_ep.errors import MhaModelError
 PLUGIN_ATTRIBUTE_TYPE = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT, "string": onnx.AttributeProto.STRING}
 
 def check_plugin_node(node: onnx.NodeProto) -> None:
-    """Rule 7: a node already in the plugin domain must look like one this pass wrote; MhaModelError if not."""
+    """The partition pass's rule ALREADY_CLAIMED: a node already in the plugin domain must look like one the pass
+    wrote; MhaModelError if not."""
     name = node_name(node)
 
     def refuse(what: str):
@@ -173,7 +174,7 @@ def decide_node(node: onnx.NodeProto, infos: dict) -> Decision:
     if decision.claimed and outputs[QK]:
         decision = qk_output_refusal(node, attributes, inputs, infos) or decision
     if decision.claimed and inputs[0].dtype is None:
-        # The rules accept an unknown dtype, but the transport (rule 5) must know it.
+        # The rules accept an unknown dtype, but the transport (the partition pass's rule TRANSPORT) must know it.
         why = infos.why_unknown(node.input[0]) if hasattr(infos, "why_unknown") else "no declaration gives it"
         return Decision(
             node_name(node),
