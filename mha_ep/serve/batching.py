@@ -2,26 +2,28 @@
 with its reason), each request's fit (its rows and length, or why it runs alone), the runs a queue of requests
 makes, and the feeds and answers of one shared run. NumPy and onnx only: no Ray, no onnxruntime.
 
-The plan's rules, in order; the first that fails decides, and its sentence is the plan's reason:
-  1. Batching. Every graph input and every output has the same symbolic dim first (the model's batch dim, B).
-     Otherwise every request runs alone.
-  2. Padding (requests of different lengths in one run). A graph input of shape (B, S), S symbolic, reaches the
-     key_padding_mask of every MultiHeadAttention node, through Cast and Identity or as EmbedLayerNormalization's
-     mask_index: the key-padding mask, and S is the sequence dim.
-  3. Every input and output that carries S carries it once, at axis 1: padding and cutting back work on one axis.
-  4. Every node acts on each position by itself (PER_POSITION_OPS; MatMul by a weight; Gather from a table;
-     LayerNormalization over the last axis), or is a MultiHeadAttention node that reads the mask and no
-     attention_bias, past or cache.
+The plan's rules, in order, each named by the function that is the whole rule (cited as ``rule NAME``); the first
+that fails decides, and its sentence is the plan's reason:
+  batch_dim_of (batching): every graph input and every output has the same symbolic dim first (the model's batch
+    dim, B). Otherwise every request runs alone.
+  key_padding_mask (padding: requests of different lengths in one run): a graph input of shape (B, S), S symbolic,
+    reaches the key_padding_mask of every MultiHeadAttention node, through Cast and Identity or as
+    EmbedLayerNormalization's mask_index: the key-padding mask, and S is the sequence dim.
+  sequence_axis_problem: every input and output that carries S carries it once, at axis 1: padding and cutting back
+    work on one axis.
+  node_problem: every node acts on each position by itself (PER_POSITION_OPS; MatMul by a weight; Gather from a
+    table; LayerNormalization over the last axis), or is a MultiHeadAttention node that reads the mask and no
+    attention_bias, past or cache.
   Without padding, requests share a run only when every dim but the batch's is equal.
 
 A padded run (assemble) pads each request's inputs along S with zeros: the mask's 0 marks a padded key, and ids
 or values of 0 are valid inputs whose positions are cut off the answer (split). Why an answer is unchanged: a
 padded key's score gets mask_filter_value added, as the request's own padded keys do, so its softmax weight
 underflows to 0 in float32; padded query positions are computed and cut off; every other node works per position
-(rule 4). What padding can move is rounding: the softmax's sums and the attention GEMMs group their terms by the
-padded length, so the last bits of an answer can differ from the request's own run (tests/serve holds batched
-answers to a tight tolerance for this reason, and unbatched ones to bit equality). A request with a mask row that
-keeps no key is never padded: ORT's softmax then runs over every key's raw score, padded keys included.
+(rule ``node_problem``). What padding can move is rounding: the softmax's sums and the attention GEMMs group their
+terms by the padded length, so the last bits of an answer can differ from the request's own run (tests/serve holds
+batched answers to a tight tolerance for this reason, and unbatched ones to bit equality). A request with a mask row
+that keeps no key is never padded: ORT's softmax then runs over every key's raw score, padded keys included.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ def mask_sources(graph, mask: str) -> set:
 
 
 def key_padding_mask(graph, shapes: Mapping, batch_dim: str, feeds: Sequence[str]) -> tuple:
-    """(mask input, sequence dim, "") for rule 2, else (None, None, why not)."""
+    """Rule ``key_padding_mask``: (mask input, sequence dim, "") when it holds, else (None, None, why not)."""
     attention = [node for node in graph.node if node.op_type == OP_TYPE]
     if not attention:
         return None, None, "the model has no MultiHeadAttention node"
@@ -157,7 +159,8 @@ def key_padding_mask(graph, shapes: Mapping, batch_dim: str, feeds: Sequence[str
 
 
 def sequence_axis_problem(shapes: Mapping, sequence: str) -> str:
-    """Rule 3: "" when every tensor carrying ``sequence`` carries it once at axis 1, else the first that does not."""
+    """Rule ``sequence_axis_problem``: "" when every tensor carrying ``sequence`` carries it once at axis 1, else
+    the first that does not."""
     for name, shape in shapes.items():
         if shape and sequence in shape and (shape.count(sequence) > 1 or shape.index(sequence) != 1):
             return f"{name!r} of shape {shape} does not carry {sequence!r} once at axis 1"
@@ -165,8 +168,8 @@ def sequence_axis_problem(shapes: Mapping, sequence: str) -> str:
 
 
 def node_problem(graph, weights: set, mask: set) -> str:
-    """Rule 4: "" when every node works per position (or is attention reading the mask), else the first that
-    does not, named."""
+    """Rule ``node_problem``: "" when every node works per position (or is attention reading the mask), else the
+    first that does not, named."""
     for node in graph.node:
         reason = position_mixing(node, weights, mask)
         if reason:

@@ -226,7 +226,8 @@ class CudaBackend:
         self._lock = threading.Lock()  # the pinned buffers and the stream serve one call at a time
         self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="mha_ep_copy")
         self.replays = ReplayCache(release_replay_entry) if replay and not poison_device_buffers else None
-        self._replay_eligible: dict = {}  # replay key -> whether rules 2 allow it (bounded: REPLAY_VERDICTS)
+        # replay key -> whether replay.py's rule SMALL_FUSED_CALLS allows it (bounded: REPLAY_VERDICTS)
+        self._replay_eligible: dict = {}
 
     # ------------------------------------------------------------------------------------------------- the call
     def run(self, problem: MhaProblem, borrow_outputs: bool = False) -> MhaResult:
@@ -311,8 +312,8 @@ class CudaBackend:
 
     # ------------------------------------------------------------------------------------------ replayed calls
     def _replay_key(self, problem: MhaProblem, plan: Optional[LaunchPlan]):
-        """replay.py's key when the call may be replayed (rules 2 and 4), else None; the rules' verdict is
-        remembered per key."""
+        """replay.py's key when the call may be replayed (its rules SMALL_FUSED_CALLS and ``replay_key``), else
+        None; the rules' verdict is remembered per key."""
         if self.replays is None or not self.fused_path or plan is None:  # no plan: a shared buffer (never replayed)
             return None
         inputs = input_entries(problem)

@@ -6,13 +6,15 @@ kernel launch each, plus allocating and freeing its buffers: more than the kerne
 device buffers and replays a captured graph instead: one launch, no allocation. Per call the host then only packs
 the inputs into the pinned buffer, uploads them, launches the graph, downloads the outputs and synchronizes.
 
-The rules (pure, tested without a GPU):
-  1. a shape is captured on its second sighting: a shape seen once (a decode step whose key length grows every
-     step) never pays for a capture or holds memory;
-  2. only fused-path calls whose device buffers total at most REPLAY_MAX_BYTES are replayed (the three-phase path
-     calls cuBLAS, which CuPy refuses to capture; for large calls the launches are a negligible part);
-  3. at most REPLAY_ENTRIES shapes hold buffers; the least recently used one is released first;
-  4. the key holds everything the captured launches depend on besides array contents (``replay_key``).
+The rules (pure, tested without a GPU), each by its name: an UPPER_CASE heading, or the function or method that
+is the whole rule; they are cited as ``rule NAME``:
+  should_capture: a shape is captured on its second sighting: a shape seen once (a decode step whose key length
+    grows every step) never pays for a capture or holds memory;
+  SMALL_FUSED_CALLS: only fused-path calls whose device buffers total at most REPLAY_MAX_BYTES are replayed (the
+    three-phase path calls cuBLAS, which CuPy refuses to capture; for large calls the launches are a negligible
+    part); the cuda backend's ``_replay_key`` applies it;
+  LRU_ENTRIES: at most REPLAY_ENTRIES shapes hold buffers; the least recently used one is released first;
+  replay_key: the key holds everything the captured launches depend on besides array contents.
 
 This module must not import CuPy.
 """
@@ -62,7 +64,8 @@ class ReplayCache:
         return entry
 
     def should_capture(self, key: Hashable) -> bool:
-        """Rule 1: True on the second sighting of ``key`` (not after a failed capture); records the first."""
+        """Rule ``should_capture``: True on the second sighting of ``key`` (not after a failed capture); records
+        the first."""
         if key in self._refused:
             return False
         if key in self._seen:
@@ -74,7 +77,7 @@ class ReplayCache:
         return False
 
     def add(self, key: Hashable, entry: Any) -> None:
-        """Rule 3: keep ``entry``; release the least recently used ones beyond the limit."""
+        """Rule LRU_ENTRIES: keep ``entry``; release the least recently used ones beyond the limit."""
         self._entries[key] = entry
         self.captured += 1
         while len(self._entries) > self._limit:

@@ -1,13 +1,17 @@
 """Per-call device scratch: one owner that releases every allocation exactly once, on every path.
 
 A port of ``MhaScratch`` from the original Rust CUDA execution provider (kept outside this repository). The
-runtime is injected, so the ownership rules are tested without a GPU (tests/engine/cuda/test_cuda_scratch.py, with a fault-injecting runtime):
+runtime is injected, so the ownership rules are tested without a GPU (tests/engine/cuda/test_cuda_scratch.py, with a
+fault-injecting runtime). Each rule by its name, an UPPER_CASE heading or the method that is the whole rule, cited as
+``rule NAME``:
 
-  1. An allocation is recorded only after it succeeded; a failed allocation records nothing.
-  2. ``release`` frees every recorded allocation once, newest first, and forgets it (a second release is a no-op).
-  3. Once anything was submitted to the stream that may still read or write an allocation (``mark_stream_use``),
-     ``release`` synchronizes the stream before the first free, also when it runs because of an exception.
-  4. ``finish_stream_use`` is the success path's synchronize; its failure propagates, and release still frees.
+  allocate: an allocation is recorded only after it succeeded; a failed allocation records nothing.
+  FREE_ONCE: ``release`` frees every recorded allocation once, newest first, and forgets it (a second release is a
+    no-op).
+  SYNC_BEFORE_FREE: once anything was submitted to the stream that may still read or write an allocation
+    (``mark_stream_use``), ``release`` synchronizes the stream before the first free, also when it runs because of
+    an exception.
+  finish_stream_use: the success path's synchronize; its failure propagates, and release still frees.
 Use it as a context manager: ``with MhaScratch(runtime) as scratch: ...``; ``__exit__`` is ``release``.
 
 This module must not import CuPy.
@@ -41,7 +45,7 @@ class MhaScratch:
         self._stream_may_use_allocations = False
 
     def allocate(self, nbytes: int) -> int:
-        """Allocate ``nbytes`` (at least 1) and return the device address (rule 1)."""
+        """Allocate ``nbytes`` (at least 1) and return the device address (rule ``allocate``)."""
         allocation = self.runtime.allocate(max(int(nbytes), 1))
         self._allocations.append(allocation)
         return self.runtime.address(allocation)
@@ -56,7 +60,7 @@ class MhaScratch:
         self._stream_may_use_allocations = True
 
     def finish_stream_use(self) -> None:
-        """Wait for the stream (rule 4); nothing is pending afterwards."""
+        """Rule ``finish_stream_use``: wait for the stream; nothing is pending afterwards."""
         if self._stream_may_use_allocations:
             self.runtime.synchronize()
             self._stream_may_use_allocations = False
@@ -66,7 +70,8 @@ class MhaScratch:
         return len(self._allocations)
 
     def release(self) -> None:
-        """Rules 2 and 3. Never raises from a free; the first error of a synchronize is re-raised after the frees."""
+        """Rules FREE_ONCE and SYNC_BEFORE_FREE. Never raises from a free; the first error of a synchronize is
+        re-raised after the frees."""
         error = None
         if self._stream_may_use_allocations:
             self._stream_may_use_allocations = False
