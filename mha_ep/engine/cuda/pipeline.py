@@ -318,24 +318,18 @@ def reads_kv_in_place(problem: MhaProblem, facts: DeviceFacts) -> bool:
 
 def _native_in_place(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sources: dict, outputs: dict,
                      build: _Builder) -> None:  # fmt: skip
-    """reads_kv_in_place's launches: b_q widened to float32, the split-key pair on the sources, the output narrowed."""
+    """reads_kv_in_place's launches: b_q widened to float32, the split-key pair on the sources (_native_attention)."""
     g = problem.geometry
     bias_q = None
     if problem.bias_q is not None:
         bias_q = _widen(problem.dtype, sources["bias_q"], g.num_heads * g.head_size, "bias_q", build)
-    count = g.batch * g.q_seq * g.v_hidden
-    out_f32 = build.take("output_f32", 4 * count)
-    qk_f32 = _qk_scratch(problem, build)
-    build.extend(fused_steps(
-        problem,
+    _native_attention(
+        problem, facts, outputs, build,
         q=Operand(sources["query"], "BSNH", plan.q_seq, plan.head_size, bias_q),
         k=Operand(sources["key"], "BNSH", plan.total_seq, plan.head_size),
         v=Operand(sources["value"], "BNSH", plan.total_seq, plan.v_head_size),
-        operand_dtype=problem.dtype, attention_bias=sources.get("attention_bias"), mask=sources.get("mask"),
-        out_BSD=out_f32, facts=facts, take=build.take, raw_query=True, qk=qk_f32,
-    ))  # fmt: skip
-    build.add(_narrow(problem.dtype, out_f32, outputs["output"], count))
-    _narrow_qk(problem, qk_f32, outputs, build)
+        attention_bias=sources.get("attention_bias"), mask=sources.get("mask"), raw_query=True,
+    )  # fmt: skip
 
 
 def reads_sources_in_place(problem: MhaProblem) -> bool:
