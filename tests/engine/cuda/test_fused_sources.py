@@ -119,6 +119,26 @@ def test_kernel_sources_inline_every_local_header():
         assert text.count("__device__ __forceinline__ T from_float(float x);") == 1
 
 
+def ptxas_report(tmp_path, lines: list) -> subprocess.CompletedProcess:
+    """``lines`` as one translation unit compiled for sm_90a with ptxas's per-kernel report (-Xptxas -v, on
+    stderr); asserts that it compiled."""
+    unit = tmp_path / "unit.cu"
+    unit.write_text("\n".join(lines) + "\n")
+    done = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",
+         str(tmp_path / "a.cubin")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def assert_no_spills(report: str, kernels: int) -> None:
+    """ptxas's report names ``kernels`` kernels, none of which spills a register."""
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert len(spills) == kernels and all(int(count) == 0 for count in spills), report
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_split_key_and_decode_loop_kernels_compile_without_spills(tmp_path):
     """Every instantiation of split_keys.cu (fused.fused_steps) and of the decode loop's decode.cu
@@ -131,18 +151,10 @@ def test_split_key_and_decode_loop_kernels_compile_without_spills(tmp_path):
     names += [f"{k}<{e}>" for k in ("greedy_step", "beam_rows") for e in elements] + ["beam_select"]
     lines = ['#include "split_keys.cu"', f'#include "{KERNEL_FILE}"', "void* instances[] = {"]
     lines += [f"  (void*){name}," for name in names] + ["};"]
-    unit = tmp_path / "unit.cu"
-    unit.write_text("\n".join(lines) + "\n")
-    done = subprocess.run(
-        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",
-         str(tmp_path / "a.cubin")],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done = ptxas_report(tmp_path, lines)
     compiled = re.findall(r"Compiling entry function '(\w+)'", done.stderr)
     assert len(compiled) == len(names), compiled
-    spills = re.findall(r"(\d+) bytes spill stores", done.stderr)
-    assert len(spills) == len(names) and all(int(count) == 0 for count in spills), done.stderr
+    assert_no_spills(done.stderr, len(names))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -194,16 +206,7 @@ def test_head_160_instantiations_compile_without_spills(tmp_path):
     for name in names:
         source_type = name.split("<")[1].split(",")[1].strip()
         lines.append(f"template __global__ void {name}({kernel_parameters(source_type, name)});")
-    unit = tmp_path / "unit.cu"
-    unit.write_text("\n".join(lines) + "\n")
-    done = subprocess.run(
-        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",
-         str(tmp_path / "a.cubin")],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    spills = re.findall(r"(\d+) bytes spill stores", done.stderr)
-    assert len(spills) == len(names) and all(int(count) == 0 for count in spills), done.stderr
+    assert_no_spills(ptxas_report(tmp_path, lines).stderr, len(names))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
