@@ -23,6 +23,8 @@ __all__ = [
     "register",
     "route_of",
     "InferenceSession",
+    "StaticDecoder",
+    "generate_static",
     "compare",
     "shipped_model",
     "Decision",
@@ -66,4 +68,12 @@ def __getattr__(name):
         from mha_ep.session import InferenceSession
 
         return InferenceSession
+    if name == "StaticDecoder":  # decode/static_decode.py: a static-cache decoder bound once, replayed a step
+        from mha_ep.decode.static_decode import StaticDecoder
+
+        return StaticDecoder
+    if name == "generate_static":  # decode/static_generate.py: the greedy / beam loop over any static-cache decoder
+        from mha_ep.decode.static_generate import generate_static
+
+        return generate_static
     raise AttributeError(f"module 'mha_ep' has no attribute {name!r}")

@@ -104,7 +104,7 @@ def kernels(args) -> None:
 
     from mha_ep.bench.generate import PROMPT, PROVIDERS
     from mha_ep.decode.static_decode import GREEDY_THREADS, decode_function
-    from profile_native import kernel_table
+    from mha_ep.bench.cupti import kernel_table
 
     model, feeds, cache, fixed, stream = setup(args)
     for graph in (True, False):
@@ -124,7 +124,7 @@ def kernels(args) -> None:
         tokens = cupy.full((rows, decoder.max_length), -1, cupy.int64)
         done_all = cupy.zeros((1,), cupy.int32)
         arrived = cupy.zeros((1,), cupy.uint32)
-        greedy = decode_function(0, f"greedy_step<{decoder.logits_element}>")
+        greedy = decode_function(0, f"greedy_step<{decoder.logits_element}, {decoder.id_type}>")
 
     def token_kernel():
         with stream:

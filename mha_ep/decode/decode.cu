@@ -2,11 +2,13 @@
 // (mha_ep/decode/static_decode.py). A block per row reads the row's logits (loads batched LOADS_IN_FLIGHT deep:
 // a row of 51,865 logits is a latency-bound walk otherwise); the host never waits for a token.
 //
-//   greedy_step<T>: block r: token = argmax_v(logits[r, v] + bias[v]) (ties: the lowest id, as argmax); a row that
+// ID: the decoder's token input's element type (long long, or int for ORT's Whisper export's int32 input_ids).
+//
+//   greedy_step<T, ID>: block r: token = argmax_v(logits[r, v] + bias[v]) (ties: the lowest id, as argmax); a row that
 //                   has said end-of-text keeps saying it. ids[r] := token, tokens[r, P+1] := token. The last
 //                   block to finish (an atomic count of arrivals, reset by it) sets past_sequence_length := P + 1
 //                   and done_all := every row has said end-of-text.
-//   beam_rows<T> then beam_select: beam search as OpenAI's whisper decodes (BeamSearchDecoder, patience 1), over
+//   beam_rows<T> then beam_select<ID>: beam search as OpenAI's whisper decodes (BeamSearchDecoder, patience 1), over
 //                   R = B*W rows:
 //       1. beam_rows, block r: log-probabilities lp = x - max - log(sum exp(x - max)) of x = logits + bias, and the
 //          W + 1 best tokens (ties: the lowest id), into candidate_lp / candidate_token (R, W + 1);
@@ -104,9 +106,9 @@ __device__ __forceinline__ void for_each_logit(const T* __restrict__ logits, con
 }
 
 // ------------------------------------------------------------------------------------------------ greedy
-template <typename T>
+template <typename T, typename ID>
 __global__ void __launch_bounds__(GREEDY_THREADS) greedy_step(
-    const T* __restrict__ logits, const float* __restrict__ bias, int rows, int vocab, long long* ids,
+    const T* __restrict__ logits, const float* __restrict__ bias, int rows, int vocab, ID* ids,
     int* past_sequence_length, unsigned char* done, long long* tokens, int max_seq, int eot, int* done_all,
     unsigned* arrived) {
   const int r = blockIdx.x;
@@ -122,7 +124,7 @@ __global__ void __launch_bounds__(GREEDY_THREADS) greedy_step(
   block_best<GREEDY_THREADS>(best, best_id);
   if (threadIdx.x == 0) {
     const long long token = done[r] ? eot : best_id;
-    ids[r] = token;
+    ids[r] = (ID)token;
     if (past + 1 < max_seq) tokens[(long long)r * max_seq + past + 1] = token;
     done[r] = done[r] || token == eot;
     __threadfence();  // this row's writes are visible before its arrival is
@@ -212,9 +214,10 @@ __global__ void __launch_bounds__(DECODE_THREADS) beam_rows(
   }
 }
 
+template <typename ID>
 __global__ void __launch_bounds__(DECODE_THREADS) beam_select(
     const float* __restrict__ candidate_lp, const int* __restrict__ candidate_token, int batch, int beams,
-    long long* ids, int* past_sequence_length, float* sum_logprob, long long* tokens, long long* tokens_scratch,
+    ID* ids, int* past_sequence_length, float* sum_logprob, long long* tokens, long long* tokens_scratch,
     int* cache_indirection, int* indirection_scratch, float* finished_score, int* finished_length,
     long long* finished_tokens, int* finished_count, int prompt, int max_seq, int eot, int* done_all) {
   extern __shared__ float chosen[];  // per row: its source row, its token, its score
@@ -287,7 +290,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) beam_select(
   }
   __syncthreads();
   if (threadIdx.x < rows) {
-    ids[threadIdx.x] = new_token[threadIdx.x];
+    ids[threadIdx.x] = (ID)new_token[threadIdx.x];
     sum_logprob[threadIdx.x] = new_score[threadIdx.x];
   }
   if (threadIdx.x == 0) {

@@ -33,8 +33,11 @@ from mha_ep.errors import MhaEpError, MhaInputError
 from mha_ep.decode.beam import Finished, answers
 
 KERNEL_FILE = Path(__file__).with_name("decode.cu")
-DECODE_EXPRESSIONS = tuple(f"{kernel}<{element}>" for kernel in ("greedy_step", "beam_rows")
-                           for element in ("float", "__half", "__nv_bfloat16")) + ("beam_select",)  # fmt: skip
+ID_TYPES = {np.dtype(np.int64): "long long", np.dtype(np.int32): "int"}  # the token input's type -> decode.cu's ID
+DECODE_EXPRESSIONS = (tuple(f"greedy_step<{element}, {ids}>" for element in ("float", "__half", "__nv_bfloat16")
+                            for ids in ID_TYPES.values())
+                      + tuple(f"beam_rows<{element}>" for element in ("float", "__half", "__nv_bfloat16"))
+                      + tuple(f"beam_select<{ids}>" for ids in ID_TYPES.values()))  # fmt: skip
 DECODE_THREADS = 256  # decode.cu DECODE_THREADS
 GREEDY_THREADS = 512  # decode.cu GREEDY_THREADS
 MAX_CANDIDATES = 16  # decode.cu MAX_CANDIDATES
@@ -43,7 +46,7 @@ ELEMENT = {"tensor(float)": "float", "tensor(float16)": "__half", "tensor(bfloat
 
 
 def decode_function(device_id: int, name: str):
-    """decode.cu's ``name`` (e.g. "greedy_step<float>") compiled for ``device_id`` (that device current), once
+    """decode.cu's ``name`` (e.g. "greedy_step<float, long long>") compiled for ``device_id`` (that device current), once
     (the engine's kernel cache: kernels.source_function)."""
     from mha_ep.engine.cuda.kernels import source_function
 
@@ -68,54 +71,138 @@ class SelfCache:
     buffer: object  # CuPy (R, N, M, H)
 
 
+NUMPY_TYPES = {"tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+               "tensor(float)": np.float32, "tensor(bool)": np.bool_, "tensor(uint8)": np.uint8}  # fmt: skip
+ID_NAMES = ("input_ids", "decoder_input_ids")  # the token input, when the caller names none (else: the one int input)
+
+
+def numpy_type(ort_type: str, name: str):
+    """The NumPy element type of input or output ``name``'s ORT type string; MhaEpError for one CuPy cannot hold
+    (bfloat16: a bfloat16 decoder is not one this loop binds)."""
+    if ort_type not in NUMPY_TYPES:
+        raise MhaEpError(f"{name} is {ort_type}: the static loop binds buffers of {sorted(NUMPY_TYPES)} only")
+    return NUMPY_TYPES[ort_type]
+
+
+@dataclass(frozen=True)
+class DecoderNames:
+    """Which of a static-cache decoder's inputs and outputs are what: the (past, present) cache pairs, the P and
+    cache_indirection inputs, the token input and the logits output. ``pairs_from``: where the pairs came from
+    (the rewrite's metadata, graph/static_cache_result.METADATA_KEY, or the present_X / past_X naming)."""
+
+    pairs: tuple
+    past_sequence_length: str
+    cache_indirection: Optional[str]
+    ids: str
+    logits: str
+    pairs_from: str
+
+
+def decoder_names(inputs: Mapping[str, object], outputs: Mapping[str, object], metadata: Mapping[str, str],
+                  ids: Optional[str] = None, logits: Optional[str] = None) -> DecoderNames:  # fmt: skip
+    """The names of a static-cache decoder's parts (DecoderNames) from its inputs and outputs (name -> ORT NodeArg)
+    and its metadata; ``ids`` / ``logits`` name the token input and logits output where the defaults (ID_NAMES or
+    the one integer input besides P and cache_indirection; "logits") do not fit. MhaEpError naming what is missing."""
+    from mha_ep.graph.static_cache_result import read_binding_facts
+
+    facts = read_binding_facts(metadata)
+    if facts is not None:
+        pairs = tuple((layer[past], layer[present]) for layer in facts["self_layers"]
+                      for past, present in (("past_key", "present_key"), ("past_value", "present_value")))  # fmt: skip
+        p_name, ci_name, source = facts["past_sequence_length"], facts["cache_indirection"], "metadata"
+    else:
+        pairs = tuple((name.replace("present_", "past_", 1), name) for name in outputs
+                      if name.startswith("present_") and name.replace("present_", "past_", 1) in inputs)  # fmt: skip
+        p_name, source = "past_sequence_length", "present_X / past_X names"
+        ci_name = "cache_indirection" if "cache_indirection" in inputs else None
+    if not pairs:
+        raise MhaEpError("the decoder has no present output whose past is an input (no mha_ep static-cache metadata, "
+                         "no present_X / past_X pair): nothing to cache. Rewrite it with mha-ep static-cache")  # fmt: skip
+    for past, present in pairs:
+        if past not in inputs or present not in outputs:
+            raise MhaEpError(f"the decoder's metadata pairs past {past!r} with present {present!r}, but the model "
+                             "lacks one of them: was it edited after mha-ep static-cache?")  # fmt: skip
+    if p_name not in inputs:
+        raise MhaEpError(f"the decoder has no input {p_name!r}: is it a static-cache decoder (mha-ep static-cache)?")
+    own = {p_name, ci_name} | {past for past, _ in pairs}
+    if ids is None:
+        named = [n for n in ID_NAMES if n in inputs]
+        integer = [n for n, v in inputs.items() if n not in own and v.type in ("tensor(int64)", "tensor(int32)")]
+        found = named or integer
+        if len(found) != 1:
+            raise MhaEpError(f"which input takes the tokens? None is named {' or '.join(ID_NAMES)}, and the integer "
+                             f"inputs are {integer}: name it (ids=...)")  # fmt: skip
+        ids = found[0]
+    if ids not in inputs:
+        raise MhaEpError(f"the decoder has no input {ids!r} (ids=); its inputs: {sorted(inputs)}")
+    if inputs[ids].type not in ("tensor(int64)", "tensor(int32)"):
+        raise MhaEpError(f"input {ids!r} is {inputs[ids].type}: the token input must be int64 or int32")
+    logits = logits or "logits"
+    if logits not in outputs:
+        raise MhaEpError(f"the decoder has no output {logits!r} (logits=); its outputs: {sorted(outputs)}")
+    return DecoderNames(pairs, p_name, ci_name, ids, logits, source)
+
+
 class StaticDecoder:
     """A static-cache decoder session with every input and output bound once to buffers of its own (module
     docstring). ``batch`` entries of ``beams`` rows each (``beams`` > 0: the decoder takes cache_indirection,
     static_cache(..., beams=W)); the decoder's other inputs (``fixed``) have static shapes but their rows, or
-    shapes given in ``fixed_shapes`` (name -> shape, e.g. an encoder length the model leaves symbolic)."""
+    shapes given in ``fixed_shapes`` (name -> shape, e.g. an encoder length the model leaves symbolic). Any decoder
+    ``mha-ep static-cache`` wrote: its caches, P and cache_indirection inputs come from the rewrite's metadata;
+    ``ids`` / ``logits`` name the token input and the logits output where they are not input_ids / logits.
+
+    Its buffers are bound once (decode/binding.py's CapturedBinding): after the first step, binding another buffer
+    raises CapturedBindingError, and the loops check before they start that ``fixed``, ``caches``, ``ids`` ... are
+    still the bound arrays. New values go into the buffers (``set_inputs``, ``load_prompt``)."""
 
     def __init__(self, session, batch: int, *, stream, device_id: int = 0, beams: int = 0,
-                 fixed_shapes: Optional[Mapping[str, tuple]] = None):  # fmt: skip
+                 fixed_shapes: Optional[Mapping[str, tuple]] = None, ids: Optional[str] = None,
+                 logits: Optional[str] = None):  # fmt: skip
         import cupy
         import onnxruntime as ort
 
+        from mha_ep.decode.binding import CapturedBinding
+
+        check_rows(batch, beams)
         self.session, self.stream, self.device_id = session, stream, device_id
         self.batch, self.beams = batch, beams
         self.rows = batch * max(beams, 1)
         inputs = {i.name: i for i in session.get_inputs()}
         outputs = {o.name: o for o in session.get_outputs()}
-        for needed in ("input_ids", "past_sequence_length") + (("cache_indirection",) if beams else ()):
-            if needed not in inputs:
-                raise MhaEpError(f"the decoder has no input {needed!r}: is it a static-cache decoder "
-                                 f"(mha-ep static-cache{' --beams' if needed == 'cache_indirection' else ''})?")  # fmt: skip
-        if "logits" not in outputs:
-            raise MhaEpError("the decoder has no output 'logits'")
+        self.names = names = decoder_names(inputs, outputs, session.get_modelmeta().custom_metadata_map, ids, logits)
+        if beams and names.cache_indirection is None:
+            raise MhaEpError("the decoder has no cache_indirection input: beams need a decoder rewritten with beams "
+                             "(mha-ep static-cache --beams W)")  # fmt: skip
         self.caches: List[SelfCache] = []
         with cupy.cuda.Device(device_id), stream:
-            for name, out in outputs.items():
-                past = name.replace("present_", "past_", 1)
-                if not name.startswith("present_") or past not in inputs:
-                    continue
-                shape = [self.rows if i == 0 else d for i, d in enumerate(inputs[past].shape)]
+            for past, present in names.pairs:
+                declared = inputs[past].shape
+                if isinstance(declared[0], int) and declared[0] != self.rows:
+                    raise MhaInputError(f"input {past} holds {declared[0]} rows (shape {declared}), but batch x beams "
+                                        f"= {batch} x {max(beams, 1)} = {self.rows}: make the decoder with "
+                                        f"mha-ep static-cache --batch {self.rows}, or pass batch="
+                                        f"{declared[0] // max(beams, 1)}")  # fmt: skip
+                shape = [self.rows if i == 0 else d for i, d in enumerate(declared)]
                 if not all(isinstance(d, int) for d in shape):
-                    raise MhaEpError(f"input {past} has shape {inputs[past].shape}: a static-cache decoder's cache "
+                    raise MhaEpError(f"input {past} has shape {declared}: a static-cache decoder's cache "
                                      f"has static heads, max_length and head size")  # fmt: skip
-                dtype = np.float16 if "float16" in inputs[past].type else np.float32
-                self.caches.append(SelfCache(past, name, cupy.zeros(shape, dtype)))
-            if not self.caches:
-                raise MhaEpError("the decoder has no present_X output whose past_X is an input: nothing to cache")
+                self.caches.append(SelfCache(past, present, cupy.zeros(shape, numpy_type(inputs[past].type, past))))
             self.max_length = int(self.caches[0].buffer.shape[2])
-            self.ids = cupy.zeros((self.rows, 1), cupy.int64)
+            self.ids = cupy.zeros((self.rows, 1), numpy_type(inputs[names.ids].type, names.ids))
+            self.id_type = ID_TYPES[self.ids.dtype]  # decode.cu's ID
             self.past_sequence_length = cupy.zeros((1,), cupy.int32)
             self.cache_indirection = cupy.zeros((batch, beams, self.max_length), cupy.int32) if beams else None
-            vocab = outputs["logits"].shape[-1]
+            vocab = outputs[names.logits].shape[-1]
             if not isinstance(vocab, int):
-                raise MhaEpError(f"output logits has shape {outputs['logits'].shape}: the vocabulary must be static")
-            self.logits_element = ELEMENT[outputs["logits"].type]
-            dtype = {"float": np.float32, "__half": np.float16}.get(self.logits_element, np.float32)
-            self.logits = cupy.zeros((self.rows, 1, vocab), dtype)
+                raise MhaEpError(f"output {names.logits} has shape {outputs[names.logits].shape}: the vocabulary "
+                                 "must be static")  # fmt: skip
+            if outputs[names.logits].type not in ELEMENT:
+                raise MhaEpError(f"output {names.logits} is {outputs[names.logits].type}: logits must be float, "
+                                 "float16 or bfloat16")  # fmt: skip
+            self.logits_element = ELEMENT[outputs[names.logits].type]
+            self.logits = cupy.zeros((self.rows, 1, vocab), numpy_type(outputs[names.logits].type, names.logits))
             self.fixed = {}
-            own = {"input_ids", "past_sequence_length", "cache_indirection"} | {c.past for c in self.caches}
+            own = {names.ids, names.past_sequence_length, names.cache_indirection} | {c.past for c in self.caches}
             for name, value in inputs.items():
                 if name in own:
                     continue
@@ -124,28 +211,15 @@ class StaticDecoder:
                 if not all(isinstance(d, int) for d in shape):
                     raise MhaEpError(f"input {name} has shape {value.shape}: give its shape in fixed_shapes (a "
                                      f"static-cache decoder's buffers are made once)")  # fmt: skip
-                dtype = {"tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32}.get(
-                    value.type, np.float32)  # fmt: skip
-                self.fixed[name] = cupy.zeros(shape, dtype)
+                self.fixed[name] = cupy.zeros(shape, numpy_type(value.type, name))
         stream.synchronize()  # the buffers are zeroed before ORT's first run reads them
-        self.binding = session.io_binding()
-        bound = {"input_ids": self.ids, "past_sequence_length": self.past_sequence_length, **self.fixed}
-        if beams:
-            bound["cache_indirection"] = self.cache_indirection
-        for cache in self.caches:
-            bound[cache.past] = cache.buffer
-        for name, array in bound.items():
-            self.binding.bind_input(name, "cuda", device_id, array.dtype.type, list(array.shape), array.data.ptr)
-        for cache in self.caches:
-            array = cache.buffer
-            self.binding.bind_output(cache.present, "cuda", device_id, array.dtype.type, list(array.shape),
-                                     array.data.ptr)  # fmt: skip
-        self.binding.bind_output("logits", "cuda", device_id, self.logits.dtype.type, list(self.logits.shape),
-                                 self.logits.data.ptr)  # fmt: skip
+        self.binding = CapturedBinding(session, device_id)
+        for name, array in self.bound_inputs().items():
+            self.binding.bind_input(name, array)
         # every other output (Whisper's output_cross_qk_<i>, for word timestamps): a buffer of its own, written by
         # every step's replay (read it between steps; a graph keeps the address it was captured with)
         self.other_outputs = {}
-        kept = {"logits"} | {c.present for c in self.caches}
+        kept = {names.logits} | {c.present for c in self.caches}
         symbols = {}  # a symbolic dim of an input whose shape fixed_shapes gave (the encoder's length) -> its value
         for name, value in inputs.items():
             for dim, given in zip(value.shape, (fixed_shapes or {}).get(name, ())):
@@ -159,14 +233,46 @@ class StaticDecoder:
                 if not all(isinstance(d, int) for d in shape):
                     raise MhaEpError(f"output {name} has shape {out.shape}: a static-cache decoder's outputs are "
                                      "bound once, so their shapes must be static")  # fmt: skip
-                dtype = {"tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32}.get(
-                    out.type, np.float32)  # fmt: skip
-                array = self.other_outputs[name] = cupy.zeros(shape, dtype)
-                self.binding.bind_output(name, "cuda", device_id, array.dtype.type, list(array.shape),
-                                         array.data.ptr)  # fmt: skip
+                self.other_outputs[name] = cupy.zeros(shape, numpy_type(out.type, name))
+        for name, array in self.bound_outputs().items():
+            self.binding.bind_output(name, array)
         self.run_options = ort.RunOptions()
         self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.last_steps = 0  # decoder steps the last greedy_static / beam_static ran (end-of-text seen late)
+
+    @classmethod
+    def from_model(cls, model, batch: int, *, beams: int = 0, stream=None, device_id: int = 0,
+                   fixed_shapes: Optional[Mapping[str, tuple]] = None, ids: Optional[str] = None,
+                   logits: Optional[str] = None) -> "StaticDecoder":  # fmt: skip
+        """A StaticDecoder over ``model`` (a path or ModelProto that mha-ep static-cache wrote) in its own plain ORT
+        CUDA-graph session (cuda_session) on ``stream`` (default: a new non-blocking CuPy stream)."""
+        import cupy
+
+        check_rows(batch, beams)
+        with cupy.cuda.Device(device_id):
+            stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+        session = cuda_session(model, stream, device_id=device_id)
+        return cls(session, batch, stream=stream, device_id=device_id, beams=beams, fixed_shapes=fixed_shapes,
+                   ids=ids, logits=logits)  # fmt: skip
+
+    def bound_inputs(self) -> dict:
+        """Input name -> the buffer bound to it (the arrays this decoder holds now)."""
+        bound = {self.names.ids: self.ids, self.names.past_sequence_length: self.past_sequence_length, **self.fixed}
+        if self.beams:
+            bound[self.names.cache_indirection] = self.cache_indirection
+        bound.update({cache.past: cache.buffer for cache in self.caches})
+        return bound
+
+    def bound_outputs(self) -> dict:
+        """Output name -> the buffer bound to it."""
+        return {**{cache.present: cache.buffer for cache in self.caches}, self.names.logits: self.logits,
+                **self.other_outputs}  # fmt: skip
+
+    def verify_buffers(self) -> None:
+        """CapturedBindingError when an array this decoder holds (``fixed[name]``, a cache, ``ids``, ...) is no
+        longer the buffer bound under its name, e.g. replaced by a new array instead of copied into: ORT's graph
+        would replay over the old one."""
+        self.binding.verify(self.bound_inputs(), self.bound_outputs())
 
     def set_inputs(self, values: Mapping[str, object]) -> None:
         """Copy ``values`` (name -> CuPy or NumPy array, or an ORT value on the device) into the decoder's fixed
@@ -201,7 +307,7 @@ class StaticDecoder:
 
     def step(self) -> None:
         """One decoder step: a replay of its graph on the stream (queued; the host does not wait)."""
-        self.session.run_with_iobinding(self.binding, self.run_options)
+        self.binding.run(self.run_options)
 
     def check(self) -> None:
         """Raise MhaInputError for a device report of a bad length or beam index since the last check (the
@@ -235,6 +341,16 @@ def _read_done(flag, stream) -> bool:
     return bool(int(flag.get()[0]))
 
 
+def check_rows(batch: int, beams: int) -> None:
+    """A decoder's batch entries and beams: whole numbers, batch >= 1, beams 0 (greedy) or 2..MAX_CANDIDATES - 1."""
+    for name, value, low in (("batch", batch, 1), ("beams", beams, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise MhaInputError(f"{name} must be a whole number >= {low}, got {value!r}")
+    if beams >= MAX_CANDIDATES:
+        raise MhaInputError(f"beam search takes at most {MAX_CANDIDATES - 1} beams (decode.cu MAX_CANDIDATES), got "
+                            f"{beams}")  # fmt: skip
+
+
 def check_prompt_length(prompt: int, max_length: int) -> None:
     """A prompt of ``prompt`` positions must leave the cache of ``max_length`` rows at least one row to decode."""
     if isinstance(prompt, bool) or not isinstance(prompt, (int, np.integer)) or not 0 <= prompt < max_length:
@@ -259,6 +375,7 @@ def greedy_static(decoder: StaticDecoder, first_ids, prompt: int, steps: int, bi
     check_decode_request(decoder, prompt, steps)
     if shape_of(first_ids) != (decoder.rows, 1):
         raise MhaInputError(f"first_ids has shape {shape_of(first_ids)}, expected (rows, 1) = ({decoder.rows}, 1)")
+    decoder.verify_buffers()
     import cupy
 
     rows, limit = decoder.rows, decoder.max_length
@@ -271,7 +388,7 @@ def greedy_static(decoder: StaticDecoder, first_ids, prompt: int, steps: int, bi
         arrived = cupy.zeros((1,), cupy.uint32)  # greedy_step's count of finished rows (its last block resets it)
         decoder.ids[...] = first_ids
         decoder.past_sequence_length[...] = prompt
-        kernel = decode_function(decoder.device_id, f"greedy_step<{decoder.logits_element}>")
+        kernel = decode_function(decoder.device_id, f"greedy_step<{decoder.logits_element}, {decoder.id_type}>")
         bias_ptr = 0 if bias is None else bias.data.ptr
         decoder.last_steps = 0
         for step in range(1, steps):
@@ -314,14 +431,13 @@ def beam_static(decoder: StaticDecoder, prompt_logits, prompt_tokens, steps: int
     if len(shape_of(prompt_logits)) != 2 or shape_of(prompt_logits)[0] != decoder.rows:
         raise MhaInputError(f"prompt_logits has shape {shape_of(prompt_logits)}, expected (rows, vocabulary) with "
                             f"rows = batch x beams = {decoder.rows}")  # fmt: skip
+    decoder.verify_buffers()
     import cupy
 
     batch, beams, rows, limit = decoder.batch, decoder.beams, decoder.rows, decoder.max_length
     prompt = len(prompt_tokens)
     steps = min(steps, limit - prompt)
     k = beams + 1
-    if k > MAX_CANDIDATES:
-        raise MhaEpError(f"beam search takes at most {MAX_CANDIDATES - 1} beams, got {beams}")
     with cupy.cuda.Device(decoder.device_id), decoder.stream:
         tokens = cupy.full((rows, limit), -1, cupy.int64)
         tokens[:, :prompt] = cupy.asarray(np.asarray(prompt_tokens, np.int64))[None]
@@ -338,7 +454,7 @@ def beam_static(decoder: StaticDecoder, prompt_logits, prompt_tokens, steps: int
         decoder.logits[:, 0] = prompt_logits
         decoder.past_sequence_length[...] = prompt - 1
         row_kernel = decode_function(decoder.device_id, f"beam_rows<{decoder.logits_element}>")
-        select_kernel = decode_function(decoder.device_id, "beam_select")
+        select_kernel = decode_function(decoder.device_id, f"beam_select<{decoder.id_type}>")
         candidate_lp = cupy.empty((rows, k), cupy.float32)
         candidate_token = cupy.empty((rows, k), cupy.int32)
         shared = 16 * rows  # beam_select's chosen rows: source and score (4 bytes each), token (8)

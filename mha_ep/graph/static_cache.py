@@ -172,9 +172,11 @@ class StaticCachePass:
                                                                   [entries, self.beams, self.max_length]))  # fmt: skip
         self.declare_outputs()
         self.drop_unused()
-        return StaticCacheResult(self.model, self.layers(), self.max_length, self.batch, self.removed, self.notes(),
-                                 self.beams, self.step, tuple(self.pinned), self.p_input, self.ci_input,
-                                 tuple(self.kept_inputs))  # fmt: skip
+        result = StaticCacheResult(self.model, self.layers(), self.max_length, self.batch, self.removed,
+                                   self.notes(), self.beams, self.step, tuple(self.pinned), self.p_input,
+                                   self.ci_input, tuple(self.kept_inputs))  # fmt: skip
+        result.stamp()
+        return result
 
     # rule SELF_NODES
     def find_self_nodes(self) -> None:

@@ -3,6 +3,7 @@ it, as a report, as JSON-ready data, and saved."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
@@ -12,6 +13,18 @@ import onnx
 from mha_ep.graph.graph_facts import dims_of
 from mha_ep.graph.model_io import save_model
 from mha_ep.graph.static_cache_checks import CACHE_INDIRECTION, PAST_SEQUENCE_LENGTH
+
+# The model metadata key under which the rewrite records which graph input is the past of which output, and the
+# names of the P and cache_indirection inputs (JSON, StaticCacheResult.binding_facts): a loop over any static-cache
+# decoder (mha_ep/decode/static_decode.py) reads its buffers from it, whatever the model names them.
+METADATA_KEY = "mha_ep.static_cache"
+
+
+def read_binding_facts(metadata: dict) -> Optional[dict]:
+    """The binding facts a static-cache rewrite stamped into a model's metadata (name -> value, as ORT's
+    ``session.get_modelmeta().custom_metadata_map`` or a ModelProto's metadata_props give it); None without them."""
+    text = metadata.get(METADATA_KEY)
+    return None if text is None else json.loads(text)
 
 
 @dataclass
@@ -96,6 +109,21 @@ class StaticCacheResult:
             "unchanged_inputs": self.unchanged_inputs,
             "notes": self.notes,
         }  # fmt: skip
+
+    def binding_facts(self) -> dict:
+        """What a loop over the rewritten decoder needs to bind it: the (past_key, past_value, present_key,
+        present_value) names per layer, max_length, batch, beams and the P and cache_indirection inputs."""
+        facts = self.to_dict()
+        return {key: facts[key] for key in ("self_layers", "max_length", "batch", "beams", "past_sequence_length",
+                                            "cache_indirection")}  # fmt: skip
+
+    def stamp(self) -> None:
+        """Record ``binding_facts`` in the model's metadata under METADATA_KEY (replacing an earlier stamp)."""
+        kept = [p for p in self.model.metadata_props if p.key != METADATA_KEY]
+        del self.model.metadata_props[:]
+        self.model.metadata_props.extend(kept)
+        entry = self.model.metadata_props.add()
+        entry.key, entry.value = METADATA_KEY, json.dumps(self.binding_facts(), sort_keys=True)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the rewritten model to ``path``, whole or not at all (see ``save_model``)."""

@@ -143,12 +143,12 @@ def assert_no_spills(report: str, kernels: int) -> None:
 def test_split_key_and_decode_loop_kernels_compile_without_spills(tmp_path):
     """Every instantiation of split_keys.cu (fused.fused_steps) and of the decode loop's decode.cu
     (static_decode.py) that Python launches, for sm_90a: no error, no register spill."""
-    from mha_ep.decode.static_decode import KERNEL_FILE
+    from mha_ep.decode.static_decode import DECODE_EXPRESSIONS, KERNEL_FILE
 
     elements = ("float", "__half", "__nv_bfloat16")
     names = [f"split_key_attention<{e}, {s}>" for e in elements for s in sorted({"float", e})]
     names += [f"combine_key_splits<{e}>" for e in elements]
-    names += [f"{k}<{e}>" for k in ("greedy_step", "beam_rows") for e in elements] + ["beam_select"]
+    names += list(DECODE_EXPRESSIONS)
     lines = ['#include "split_keys.cu"', f'#include "{KERNEL_FILE}"', "void* instances[] = {"]
     lines += [f"  (void*){name}," for name in names] + ["};"]
     done = ptxas_report(tmp_path, lines)
