@@ -18,9 +18,9 @@ import io
 import pstats
 import sys
 import time
-from collections import defaultdict
 
 from mha_ep.bench import native as bench
+from mha_ep.bench.cupti import kernel_table
 
 
 def pick(text: str, rows) -> bench.Encoder:
@@ -28,26 +28,6 @@ def pick(text: str, rows) -> bench.Encoder:
         if text in row.label:
             return row
     raise SystemExit(f"no row's label contains {text!r}: {[r.label for r in rows]}")
-
-
-def kernel_table(run, repeats: int = 5) -> dict:
-    """name -> (launches per run, GPU µs per run) of every kernel of ``run()``."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        run()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            run()
-        torch.cuda.synchronize()
-    table = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type.name == "CUDA" or getattr(event, "is_cuda", False):
-            entry = table[event.name[:90]]
-            entry[0] += 1
-            entry[1] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-    return {name: (count / repeats, micros / repeats) for name, (count, micros) in table.items()}
 
 
 def kernels(text: str) -> None:

@@ -35,17 +35,27 @@ as ORT's Whisper export with --output_cross_qk: word timestamps); every column b
 loops to fixed buffers), and the row states the bytes a step writes for them (layers x B x N x 1500 elements).
 Rows: random weights at Whisper tiny, base and small size (mha_ep/models/synthetic.py: the decoder-with-past with
 its embedding and logits, vocabulary 51865, cross-attention over 1500 encoder positions; the encoder's layers
-at S=1500 without the convolutional front end), batch 1 and 8; the generation starts from a random 3-position
+at S=1500 without the convolutional front end), and at the sizes people deploy, large-v3-turbo (4 decoder layers)
+and large-v3 (32), d_model 1280, 20 heads, vocabulary 51866, their encoders cut to 2 layers (a decode step reads
+only the encoder's 1500 output frames; the row says so), batch 1 and 8; the generation starts from a random 3-position
 prompt cache and runs ``--steps`` tokens (random weights never say end-of-text). With ``--models DIR`` holding
 Whisper tiny.en (``python -m mha_ep.models.build whisper --which tiny-en``), real rows: the three shipped
 utterances, stopping at end-of-text, with stock ORT CPU's tokens as a further reference.
-FLOP model: none (a decode step is latency-bound: host time and small launches, not arithmetic).
+``--columns`` keeps some greedy columns (stock_iobinding always; the deployed sizes want
+stock_iobinding,mhaep_plain,static_greedy: stock_numpy would move gigabytes of cache a step).
+Where a step's GPU time goes (``--profile``, needs torch for CUPTI): one replayed static step and one stock ORT CUDA
+dynamic step (IOBinding) at P = PROMPT + steps / 2 (a generation's mean position), every kernel's GPU µs summed by
+kind (``kernel_kind``: attention, GEMM, layout moves, the rest), and the step's floor: the bytes it must read
+(``step_bytes``: the weights, less the embedding tables' unread rows, the cross-attention keys and values and the
+P cached rows) over the device's HBM rate (bench/device.py DEVICE_PEAKS), with each step's ratio to it.
+FLOP model: none (a decode step is memory- and latency-bound: its floor is bytes over HBM rate, above).
 ``--json`` / ``--out DIR`` (bench_generate.json, bench_generate.png) as the other benchmarks.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -69,7 +79,11 @@ VOCAB = 51865
 ENCODER_POSITIONS = 1500
 PROMPT = 3
 NUMPY_STEPS = 16
-SIZES = {"tiny": (4, 384, 6, 1536), "base": (6, 512, 8, 2048), "small": (12, 768, 12, 3072)}
+SIZES = {"tiny": (4, 384, 6, 1536), "base": (6, 512, 8, 2048), "small": (12, 768, 12, 3072),
+         "turbo": (4, 1280, 20, 5120), "large-v3": (32, 1280, 20, 5120)}  # decoder layers, d_model, heads, ffn
+VOCABS = {"turbo": 51866, "large-v3": 51866}  # else VOCAB
+ENCODER_LAYERS = {"turbo": 2, "large-v3": 2}  # the deployed sizes' encoders, cut (else: the decoder's layers)
+NAMES = {"turbo": "large-v3-turbo", "large-v3": "large-v3"}
 
 
 @dataclass(frozen=True)
@@ -80,11 +94,20 @@ class Row:
     cross_qk: bool = False  # the cross-attention nodes also write qk (ORT's --output_cross_qk export)
 
     @property
+    def vocab(self) -> int:
+        return VOCABS.get(self.size, VOCAB)
+
+    @property
+    def encoder_layers(self) -> int:
+        return ENCODER_LAYERS.get(self.size, SIZES[self.size][0])
+
+    @property
     def label(self) -> str:
         layers, hidden, heads, _ = SIZES[self.size]
         qk = ", + cross qk" if self.cross_qk else ""
-        return (f"Whisper-{self.size}-sized ({layers} x {hidden}, {heads} heads) B={self.batch} {self.dtype}{qk}, "
-                "random weights")
+        cut = f", encoder cut to {self.encoder_layers} layers" if self.size in ENCODER_LAYERS else ""
+        return (f"Whisper-{NAMES.get(self.size, self.size)}-sized ({layers} x {hidden}, {heads} heads) B={self.batch} "
+                f"{self.dtype}{qk}, random weights{cut}")
 
     @property
     def qk_bytes_per_step(self) -> int:
@@ -158,10 +181,11 @@ def agreement(tokens: List[List[int]], reference: List[List[int]]) -> float:
 
 def summarise(label: str, samples: Dict[str, list], tokens: Dict[str, list], encoder_ms: Dict[str, float],
               steps: int) -> dict:  # fmt: skip
-    """One row's numbers: per column ms/token, whole-generation ms/token, agreement, encoder, 30 s total."""
-    result = {"label": label, "steps": steps}
+    """One row's numbers: per column ms/token, whole-generation ms/token, agreement, encoder, 30 s total (the
+    columns measured: those ``samples`` has)."""
+    result = {"label": label, "steps": steps, "columns": [c for c in COLUMNS if c in samples]}
     reference = tokens["stock_iobinding"]
-    for column in COLUMNS:
+    for column in result["columns"]:
         per_token = statistics.median(statistics.median(s) for s in samples[column]) * 1e3
         result[f"{column}_ms_per_token"] = per_token
         prefix = [want[: len(got)] for got, want in zip(tokens[column], reference)]
@@ -169,7 +193,9 @@ def summarise(label: str, samples: Dict[str, list], tokens: Dict[str, list], enc
         result[f"{column}_encoder_ms"] = encoder_ms[column]
         result[f"{column}_total_30s_ms"] = encoder_ms[column] + steps * per_token
     for column in ("mhaep_plain", "mhaep_session", "mhaep_run_device", "static_greedy"):
-        result[f"{column}_vs_iobinding"] = result[f"{column}_ms_per_token"] / result["stock_iobinding_ms_per_token"]
+        if column in samples:
+            result[f"{column}_vs_iobinding"] = (result[f"{column}_ms_per_token"]
+                                                / result["stock_iobinding_ms_per_token"])  # fmt: skip
     return result
 
 
@@ -220,7 +246,111 @@ def static_decoder(model, batch: int, stream, fixed: dict, beams: int = 0):
     return decoder
 
 
-def bench_random(row: Row, repeats: int, steps: int) -> dict:
+def device_name(device_id: int = 0) -> str:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceProperties(device_id)["name"].decode()
+    except Exception:  # noqa: BLE001 - no CuPy or no GPU: the title says so
+        return "GPU"
+
+
+def step_bytes(model, rows: int, past: int, encoder_positions: int, element_bytes: int) -> dict:
+    """The bytes a decode step must read (its floor over HBM's rate): every initializer of ``model`` once, except
+    a table read through a Gather (the token and position embeddings: one row a decoder row), the cross-attention
+    keys and values (2 per layer, rows x T x D) and the P cached rows of the self-attention keys and values."""
+    from onnx import numpy_helper
+
+    gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
+    weights = tables = 0
+    for tensor in model.graph.initializer:
+        array = numpy_helper.to_array(tensor)
+        if tensor.name in gathered and array.ndim == 2:
+            tables += rows * array.shape[1] * array.itemsize
+        else:
+            weights += array.nbytes
+    layers = sum(1 for v in model.graph.input if v.name.startswith("past_key_self_"))
+    hidden = next(numpy_helper.to_array(t).shape[1] for t in model.graph.initializer if t.name == "embed_tokens")
+    cross = layers * 2 * rows * encoder_positions * hidden * element_bytes
+    cache = layers * 2 * rows * past * hidden * element_bytes
+    return {"weights": weights + tables, "cross_kv": cross, "self_cache": cache, "total": weights + tables + cross + cache}
+
+
+def hbm_rate(name: str) -> Optional[float]:
+    """The device's HBM bytes per second (bench/sd.py DEVICE_PEAKS, the datasheets), None when not listed."""
+    from mha_ep.bench.sd import DEVICE_PEAKS
+
+    return next((hbm for key, (hbm, _) in DEVICE_PEAKS.items() if key in name), None)
+
+
+def profile_steps(decoder, static_decoder, past: int, layers: int, hidden: int, heads: int,
+                  dtype: str, stock_session) -> dict:  # fmt: skip
+    """Where one step's GPU time goes (module docstring, ``--profile``): ``static_decoder`` replayed at P = ``past``
+    and stock's dynamic step (``stock_session``, IOBinding, past ``past`` rows) of ``decoder``, by kernel kind, with
+    the step's floor. {"error": ...} without torch."""
+    import cupy
+    import onnxruntime as ort
+
+    from mha_ep.bench.cupti import by_kind, kernel_table, top
+    from mha_ep.models.synthetic import decoder_step_feeds
+
+    if importlib.util.find_spec("torch") is None:  # CUPTI through torch.profiler
+        return {"error": "no CUPTI profile: torch is not installed"}
+    rows = static_decoder.rows
+
+    def ours():
+        with static_decoder.stream:
+            static_decoder.past_sequence_length.fill(past)
+        static_decoder.step()
+        static_decoder.stream.synchronize()
+
+    feeds = decoder_step_feeds(rows, past, layers, hidden, heads, ENCODER_POSITIONS, dtype, seed=6)
+    feeds.pop("hidden_states")
+    feeds["input_ids"] = np.ones((rows, 1), np.int64)
+    binding = stock_session.io_binding()
+    values = {n: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in feeds.items()}
+    for name, value in values.items():
+        binding.bind_ortvalue_input(name, value)
+    for output in stock_session.get_outputs():
+        binding.bind_output(output.name, "cuda", 0)
+
+    def stock():
+        stock_session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+
+    tables = {"static": kernel_table(ours), "stock": kernel_table(stock)}
+    cupy.cuda.runtime.deviceSynchronize()
+    floor = step_bytes(decoder, rows, past, ENCODER_POSITIONS, np.dtype(dtype).itemsize)
+    rate = hbm_rate(device_name())
+    result = {"past": past, "step_bytes": floor, "hbm_rate": rate}
+    for side, table in tables.items():
+        split = by_kind(table)
+        if rate:
+            split["floor_ratio"] = split["total"] / (floor["total"] / rate * 1e6)
+        result[side] = {**split, "top": top(table)}
+    result["static_vs_stock_gpu"] = result["static"]["total"] / result["stock"]["total"]
+    return result
+
+
+def profile_cells(r: dict) -> str:
+    """The table's profile cells: GPU µs a step (attention / GEMM / layout / other), ours then stock's, the ratio,
+    and ours over the HBM floor; nothing when the row has no profile."""
+    profile = r.get("profile")
+    if not profile:
+        return ""
+    if "error" in profile:
+        return f" {profile['error'][:60]} |"
+
+    def split(side: dict) -> str:
+        return (f"{side['total']:.0f} ({side['attention']:.0f}/{side['gemm']:.0f}/{side['layout']:.0f}/"
+                f"{side['other']:.0f})")  # fmt: skip
+
+    floor = profile["static"].get("floor_ratio")
+    return (f" {split(profile['static'])} | {split(profile['stock'])} | {profile['static_vs_stock_gpu']:.2f} "
+            f"| {'-' if floor is None else f'{floor:.1f}x'} |")  # fmt: skip
+
+
+def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: bool = False) -> dict:
     import cupy
     import onnxruntime as ort
 
@@ -228,21 +358,24 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
     from mha_ep.models.synthetic import bert_encoder, decoder_step_feeds, whisper_cross_kv, whisper_decoder_step
 
     layers, hidden, heads, ffn = SIZES[row.size]
-    decoder = whisper_decoder_step(layers, hidden, heads, ffn, row.dtype, vocab=VOCAB, cross_qk=row.cross_qk)
-    encoder = bert_encoder(layers, hidden, heads, ffn, row.dtype, mask=False)
+    vocab = row.vocab
+    decoder = whisper_decoder_step(layers, hidden, heads, ffn, row.dtype, vocab=vocab, cross_qk=row.cross_qk)
+    encoder = bert_encoder(row.encoder_layers, hidden, heads, ffn, row.dtype, mask=False)
     cross = whisper_cross_kv(layers, hidden, heads, row.dtype)
     from mha_ep.decode.generate import bound_beam
     from mha_ep.decode.static_decode import beam_static, greedy_static
 
     kinds = {"stock_numpy": "stock", "stock_iobinding": "stock", "mhaep_plain": "plain", "mhaep_session": "session",
              "mhaep_run_device": "session", "static_greedy": "plain"}
-    made = {kind: [sessions_of(m, kind) for m in (decoder, encoder, cross)] for kind in set(kinds.values())}
+    columns = [c for c in COLUMNS if c in columns]
+    made = {kind: [sessions_of(m, kind) for m in (decoder, encoder, cross)]
+            for kind in {kinds[c] for c in columns} | {"stock"}}  # fmt: skip
     rng = np.random.default_rng(3)
     feeds = decoder_step_feeds(row.batch, PROMPT, layers, hidden, heads, ENCODER_POSITIONS, row.dtype, seed=4)
     feeds.pop("hidden_states")
     host_cache = {n: v for n, v in feeds.items() if n.startswith("past_")}
     host_fixed = {n: v for n, v in feeds.items() if n.startswith("cross_")}
-    first = rng.integers(0, VOCAB, size=(row.batch, 1)).astype(np.int64)
+    first = rng.integers(0, vocab, size=(row.batch, 1)).astype(np.int64)
     states = rng.standard_normal((row.batch, ENCODER_POSITIONS, hidden)).astype(row.dtype)
 
     def device_values(arrays: dict) -> dict:
@@ -298,16 +431,19 @@ def bench_random(row: Row, repeats: int, steps: int) -> dict:
         return lambda: crs_step.run({"encoder_hidden_states": enc_step.run({"hidden_states": device_states})
                                      ["last_hidden_state"]})  # fmt: skip
 
-    result = measure(row.label, {c: generation(c) for c in COLUMNS}, {c: encoder_call(c) for c in COLUMNS},
+    result = measure(row.label, {c: generation(c) for c in columns}, {c: encoder_call(c) for c in columns},
                      repeats, steps)  # fmt: skip
+    if profile:
+        result["profile"] = profile_steps(decoder, greedy_decoder, PROMPT + steps // 2, layers, hidden,
+                                          heads, row.dtype, made["stock"][0])  # fmt: skip
     # beam search: B entries x BEAMS rows, the prompt cache and first logits of each entry repeated per beam, the
     # end-of-text id suppressed (random weights would end at random), so that every search runs ``steps`` steps
     rows = np.repeat(np.arange(row.batch), BEAMS)
     beam_cache = {n: v[rows] for n, v in host_cache.items()}
     beam_fixed = {n: v[rows] for n, v in host_fixed.items()}
-    first_logits = cupy.asarray(rng.standard_normal((row.batch, VOCAB)).astype(np.float32)[rows])
-    eot = VOCAB - 1
-    bias = cupy.zeros((VOCAB,), cupy.float32)
+    first_logits = cupy.asarray(rng.standard_normal((row.batch, vocab)).astype(np.float32)[rows])
+    eot = vocab - 1
+    bias = cupy.zeros((vocab,), cupy.float32)
     bias[eot] = -cupy.inf
     beam_decoder = static_decoder(decoder, row.batch, stream, beam_fixed, beams=BEAMS)
     stock_stepper = BoundStepper(made["stock"][0])
@@ -351,8 +487,9 @@ def measure(label: str, generations: Dict[str, Callable], encoders: Dict[str, Ca
             got, seconds = run()
             tokens[column] = got
             samples[column].append(seconds)
-    medians = paired_medians([encoders[c] for c in COLUMNS], repeats, warmup=2)
-    encoder_ms = {c: s * 1e3 for c, s in zip(COLUMNS, medians)}
+    columns = list(generations)
+    medians = paired_medians([encoders[c] for c in columns], repeats, warmup=2)
+    encoder_ms = {c: s * 1e3 for c, s in zip(columns, medians)}
     return summarise(label, samples, tokens, encoder_ms, steps)
 
 
@@ -489,15 +626,21 @@ def bench_real_beams(result: dict, paths: dict, features: list, suppress, begin,
 
 
 def format_row(r: dict) -> str:
-    cells = [f"{r[f'{c}_ms_per_token']:.3f}" for c in COLUMNS]
-    agreement_cells = "/".join(f"{r[f'{c}_agreement']:.2f}" for c in COLUMNS if c != "stock_iobinding")
-    encoder = "/".join(f"{r[f'{c}_encoder_ms']:.2f}" for c in COLUMNS)
-    total = "/".join(f"{r[f'{c}_total_30s_ms']:.0f}" for c in COLUMNS)
+    columns = r.get("columns", COLUMNS)
+
+    def number(key: str, digits: int) -> str:
+        return f"{r[key]:.{digits}f}" if key in r else "-"
+
+    cells = [number(f"{c}_ms_per_token", 3) for c in COLUMNS]
+    agreement_cells = "/".join(number(f"{c}_agreement", 2) for c in COLUMNS if c != "stock_iobinding")
+    encoder = "/".join(number(f"{c}_encoder_ms", 2) for c in columns)
+    total = "/".join(number(f"{c}_total_30s_ms", 0) for c in columns)
     beams = "/".join(f"{r[f'{c}_ms_per_step']:.3f}" for c in BEAM_COLUMNS)
-    return (f"| {r['label']} | " + " | ".join(cells) + f" | {r['mhaep_plain_vs_iobinding']:.2f} "
-            f"| {r['mhaep_session_vs_iobinding']:.2f} | {r['mhaep_run_device_vs_iobinding']:.2f} "
-            f"| {r['static_greedy_vs_iobinding']:.2f} | {beams} | {r['static_beam_vs_stock_beam']:.2f} "
-            f"| {r['static_beam_agreement']:.2f} | {agreement_cells} | {encoder} | {total} |")  # fmt: skip
+    ratios = " | ".join(number(f"{c}_vs_iobinding", 2) for c in ("mhaep_plain", "mhaep_session", "mhaep_run_device",
+                                                                  "static_greedy"))  # fmt: skip
+    return (f"| {r['label']} | " + " | ".join(cells) + f" | {ratios} | {beams} "
+            f"| {r['static_beam_vs_stock_beam']:.2f} | {r['static_beam_agreement']:.2f} | {agreement_cells} "
+            f"| {encoder} | {total} |" + profile_cells(r))  # fmt: skip
 
 
 def plot(results: list, path: Path) -> bool:
@@ -511,13 +654,13 @@ def plot(results: list, path: Path) -> bool:
     figure, axes = plt.subplots(figsize=(11, 1.0 + 0.6 * len(results)))
     height = 0.8 / len(COLUMNS)
     for index, column in enumerate(COLUMNS):
-        axes.barh([i + index * height for i in range(len(results))], [r[f"{column}_ms_per_token"] for r in results],
-                  height, label=column)  # fmt: skip
+        axes.barh([i + index * height for i in range(len(results))],
+                  [r.get(f"{column}_ms_per_token", 0.0) for r in results], height, label=column)  # fmt: skip
     axes.set_yticks([i + 0.4 - height / 2 for i in range(len(results))], [r["label"] for r in results], fontsize=7)
     axes.invert_yaxis()
     axes.set_xlabel("ms per token (median step, median of generations timed in turns); lower is better")
     axes.legend(fontsize=7)
-    axes.set_title("Greedy Whisper generation on the H200: stock ORT CUDA vs mha_ep")
+    axes.set_title(f"Greedy Whisper generation on the {device_name()}: stock ORT CUDA vs mha_ep")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -536,6 +679,12 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--cross-qk", default="off", choices=("off", "on", "both"),
                         help="the decoder's cross-attention nodes also write qk, as ORT's --output_cross_qk export "
                              "does (both: each row without and with it, side by side)")
+    parser.add_argument("--columns", default=",".join(COLUMNS),
+                        help="comma-separated greedy columns of the random-weight rows (stock_iobinding always); "
+                             "the deployed sizes: stock_iobinding,mhaep_plain,static_greedy")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step of ours and of stock's (CUPTI through torch): GPU us by kind and "
+                             "against the HBM floor")
     parser.add_argument("--models", type=Path, default=None, help="folder with Whisper tiny.en's three models")
     parser.add_argument("--max-tokens", type=int, default=64, help="token cap of the real rows")
     parser.add_argument("--whisper-config", type=Path, default=None,
@@ -553,15 +702,23 @@ def main(argv: Optional[list] = None) -> int:
     unknown = [r.size for r in rows if r.size not in SIZES]
     if unknown:
         parser.error(f"unknown size(s) {unknown}; known: {list(SIZES)}")
-    work = [(row.label, lambda row=row: bench_random(row, args.repeats, args.steps)) for row in rows]
+    if args.dtype == "float32" and "large-v3" in {r.size for r in rows}:
+        parser.error("large-v3 in float32 is over protobuf's 2 GB limit for one model: use --dtype float16")
+    columns = [c for c in args.columns.split(",") if c]
+    if set(columns) - set(COLUMNS):
+        parser.error(f"unknown column(s) {sorted(set(columns) - set(COLUMNS))}; known: {list(COLUMNS)}")
+    columns = sorted(set(columns) | {"stock_iobinding"}, key=COLUMNS.index)
+    work = [(row.label, lambda row=row: bench_random(row, args.repeats, args.steps, columns, args.profile))
+            for row in rows]  # fmt: skip
     if args.models is not None:
         work.append(("Whisper tiny.en (real weights)", lambda: bench_real(args.models, args.repeats, args.max_tokens,
                                                                              args.whisper_config)))
     write("| row | " + " | ".join(f"{c} ms/token" for c in COLUMNS) + " | plain/iobinding | session/iobinding "
           "| run_device/iobinding | static_greedy/iobinding | beam ms/step (stock/static) | static_beam/stock_beam "
           "| beam agreement | agreement with stock_iobinding (numpy/plain/session/run_device/static) | encoder ms "
-          "| 30 s total ms |")  # fmt: skip
-    write("|---|" + "---|" * (len(COLUMNS) + 10))
+          "| 30 s total ms |" + (" static step GPU us (attention/GEMM/layout/other) | stock step GPU us | "
+                                  "static/stock GPU | static / HBM floor |" if args.profile else ""))  # fmt: skip
+    write("|---|" + "---|" * (len(COLUMNS) + 10 + (4 if args.profile else 0)))
     results = []
     with bar(len(work), "bench generate", wanted(as_json=args.json), unit="row") as progress:
         for label, run in work:

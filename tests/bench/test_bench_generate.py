@@ -131,3 +131,61 @@ def test_the_options_have_help(capsys):
         assert option in text
     with pytest.raises(SystemExit):
         generate.main(["--sizes", "huge"])
+
+
+def test_a_step_must_read_every_weight_once_one_embedding_row_a_row_the_cross_cache_and_the_filled_rows():
+    from onnx import numpy_helper
+
+    model = whisper_decoder_step(LAYERS, HIDDEN, HEADS, 128, vocab=VOCAB)
+    arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    tables = arrays.pop("embed_tokens").nbytes + arrays.pop("embed_positions").nbytes
+    got = generate.step_bytes(model, rows=3, past=10, encoder_positions=12, element_bytes=4)
+    assert got["weights"] == sum(a.nbytes for a in arrays.values()) + 2 * 3 * HIDDEN * 4 < tables + got["weights"]
+    assert got["cross_kv"] == LAYERS * 2 * 3 * 12 * HIDDEN * 4 and got["self_cache"] == LAYERS * 2 * 3 * 10 * HIDDEN * 4
+    assert got["total"] == got["weights"] + got["cross_kv"] + got["self_cache"]
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("void split_key_attention<__half, __half>(float const*", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("void onnxruntime::contrib::cuda::masked_multihead_attention_kernel<", "attention"),
+    ("nvjet_hsh_64x8_64x16_4x1_v_bz_splitK_TNT", "gemm"),
+    ("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize64x64x64", "gemm"),
+    ("void onnxruntime::contrib::cuda::AddBiasTransposeQKV<__half>", "layout"),
+    ("void onnxruntime::contrib::cuda::ConcatTensorToTensor<float>", "layout"),
+    ("void onnxruntime::contrib::cuda::SkipLayerNormKernelSmall<__half, float", "other"),
+])  # fmt: skip
+def test_a_kernel_s_kind_is_read_from_its_name(name, kind):
+    from mha_ep.bench.cupti import by_kind, kernel_kind
+
+    assert kernel_kind(name) == kind
+    split = by_kind({name: (2.0, 5.0), "elementwise_kernel": (1.0, 1.5)})
+    assert split[kind] == (6.5 if kind == "other" else 5.0) and split["other"] >= 1.5 and split["total"] == 6.5 and split["launches"] == 3.0
+
+
+def test_the_deployed_sizes_say_their_encoder_is_cut_and_a_row_prints_the_columns_it_measured():
+    row = generate.Row("turbo", 8, "float16")
+    assert row.vocab == 51866 and row.encoder_layers == 2
+    assert row.label.startswith("Whisper-large-v3-turbo-sized (4 x 1280, 20 heads) B=8 float16")
+    assert row.label.endswith("encoder cut to 2 layers")
+    kept = ("stock_iobinding", "mhaep_plain", "static_greedy")
+    samples = {c: [[0.001]] for c in kept}
+    result = generate.summarise("row", samples, {c: [[1, 2]] for c in kept}, {c: 1.0 for c in kept}, steps=2)
+    result = generate.summarise_beams(result, {"stock_beam": [[0.002]], "static_beam": [[0.001]]},
+                                      {"stock_beam": [[1]], "static_beam": [[1]]})  # fmt: skip
+    result["profile"] = {"static": {"total": 500.0, "attention": 100.0, "gemm": 300.0, "layout": 20.0, "other": 80.0,
+                                    "floor_ratio": 2.5},
+                         "stock": {"total": 600.0, "attention": 150.0, "gemm": 300.0, "layout": 50.0, "other": 100.0},
+                         "static_vs_stock_gpu": 500 / 600}  # fmt: skip
+    cells = [cell.strip() for cell in generate.format_row(result).strip("|").split("|")]
+    assert cells[1:7] == ["-", "1.000", "1.000", "-", "-", "1.000"]
+    assert cells[-4:] == ["500 (100/300/20/80)", "600 (150/300/50/100)", "0.83", "2.5x"]
+
+
+def test_the_options_refuse_large_v3_in_float32_and_unknown_columns(capsys):
+    with pytest.raises(SystemExit):
+        generate.main(["--sizes", "large-v3", "--dtype", "float32"])
+    assert "over protobuf's 2 GB limit" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.main(["--columns", "stock_iobinding,fastest"])
+    assert "unknown column(s) ['fastest']" in capsys.readouterr().err
