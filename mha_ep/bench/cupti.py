@@ -12,9 +12,9 @@ from typing import Callable, Dict, Tuple
 KINDS = (
     ("attention", ("attention", "split_key", "combine_key", "flash", "fmha", "sdpa", "mha", "softmax",
                    "decodermasked", "masked_multihead", "cudnn")),
-    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "ampere_", "sm90_", "sm80_", "matmul")),
+    ("gemm", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "cublas", "ampere_", "sm90_", "sm80_", "matmul")),
     ("layout", ("transpose", "concat", "layout", "mover", "addbias", "copy_segments", "slot", "narrow", "widen",
-                "present", "gather_kv", "reorder")),
+                "present", "gather_kv", "reorder", "append_kv")),
 )  # fmt: skip
 
 

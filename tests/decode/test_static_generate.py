@@ -118,8 +118,9 @@ def test_generate_static_gives_the_host_loop_s_greedy_tokens(gpu, form):
                                      suppress_first=FIRST)  # fmt: skip
         assert got == expected, attempt
         for cache in decoder.caches:  # the prompt's keys and values, as the host loop's dynamic cache holds them
+            # (ORT CUDA's float32 GEMMs run in TF32: 7e-4 apart on the H100)
             np.testing.assert_allclose(cupy.asnumpy(cache.buffer[:, :, :PROMPT]), prompt_cache[cache.past],
-                                       rtol=1e-4, atol=1e-5, err_msg=cache.past)  # fmt: skip
+                                       rtol=2e-3, atol=2e-3, err_msg=cache.past)  # fmt: skip
 
 
 def test_generate_static_gives_the_host_beam_search_s_answers(gpu):
