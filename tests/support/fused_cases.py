@@ -16,7 +16,7 @@ from mha_ep.engine.reference import run_reference
 from mha_ep.engine.problem import FLOAT32_LOWEST, MhaProblem, build_problem
 
 import cuda_cases
-from cuda_cases import Case, dense_operands, naive_low_precision, to_device
+from cuda_cases import Case, dense_operands, from_device, naive_low_precision, to_device
 
 KERNEL_DIR = Path(fused.__file__).parent / "kernels"
 
@@ -46,9 +46,11 @@ def make_problem(case: Case, dtype: str) -> MhaProblem:
 
 
 # ------------------------------------------------------------------------------------------------ GPU harness
-def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: bool = False) -> np.ndarray:
+def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: bool = False,
+                     narrow: bool = False) -> np.ndarray:  # fmt: skip
     """Output (B, S, Dv) float32 of the fused kernel on device copies of ``problem`` in operand ``form``
-    (``split``: fused_steps' split-key pair, its scratch poisoned, instead of the flash kernel)."""
+    (``split``: fused_steps' split-key launches, their scratch poisoned, instead of the flash kernel; ``narrow``:
+    float16 / bfloat16 calls write the output in the call's dtype, out_narrow, read back as float32)."""
     g = problem.geometry
     keep = []  # device arrays stay alive until the kernel is done
 
@@ -105,9 +107,13 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: boo
         keep.append(mask_device)
         mask = mask_device.data.ptr
     out = cupy.full((g.batch, g.q_seq, g.v_hidden), np.nan, dtype=cupy.float32)  # poison
+    if narrow:
+        assert problem.dtype != "float32", "out_narrow is for float16 / bfloat16 calls"
+        out = cupy.full((g.batch, g.q_seq, g.v_hidden), 0xFFFF, dtype=cupy.uint16)  # NaN in float16 and bfloat16
+        offset_args["out_narrow"] = out.data.ptr
     stream = cupy.cuda.Stream(non_blocking=True)
     operands = dict(q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=dev(problem.attention_bias),
-                    mask=mask, out_BSD=out.data.ptr, **offset_args)  # fmt: skip
+                    mask=mask, out_BSD=None if narrow else out.data.ptr, **offset_args)  # fmt: skip
     if split:
         from mha_ep.engine.cuda.runner import run_steps
 
@@ -124,7 +130,9 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: boo
     else:
         runner.run_fused(0, problem, stream=stream, tile=tile, **operands)
     stream.synchronize()
-    return cupy.asnumpy(out)
+    if narrow and problem.dtype == "float16":
+        return cupy.asnumpy(out).view(np.float16).astype(np.float32)
+    return from_device(cupy, out)  # (uint16: bfloat16 bits)
 
 
 def host_score_offsets(problem: MhaProblem, q_BNSH: np.ndarray, k_BNTH: np.ndarray) -> dict:

@@ -303,8 +303,9 @@ def fused_step(
     mask: device padding mask of ``problem.padding_mask.kind``: int32 (B,) key lengths, uint8 (B, T) or (B, S, T)
           keep flags; None when the call has none;
     out_BSD: device float32 (B, S, N*Hv), every element written (rounded to the call's dtype first);
-    out_narrow: f16/bf16 tensor-core kernels only: device (B, S, N*Hv) in the call's dtype, written instead of
-          out_BSD (which may then be None): the node's own output, with no narrowing pass after;
+    out_narrow: f16/bf16 calls only (the tensor-core kernels, and fused_steps' split-key pair): device
+          (B, S, N*Hv) in the call's dtype, written instead of out_BSD (which may then be None): the node's own
+          output, with no narrowing pass after;
     facts: the device's capability and SM count (DeviceFacts.of);
     tile: f16/bf16 only: the kernel and its tile, an MmaTile, WgmmaTile or WsTile (default: choose_tile for this
           device; the timing script and the tests name others; a WgmmaTile must pass wgmma_unsupported_reason,
@@ -346,9 +347,10 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
         if qk is not None:
             raise ValueError("fused attention: the qk output is for calls dispatch.key_split cuts")
         return [fused_step(problem, facts=facts, tile=tile, **operands)]
-    if operands.get("out_narrow") is not None:
-        raise ValueError("fused attention: out_narrow is for one flash kernel (split_keys.takes_split_keys: False); the "
-                         "split-key pair writes float32 out_BSD")  # fmt: skip
+    out_narrow = operands.get("out_narrow")
+    if out_narrow is not None and problem.dtype == "float32":
+        raise ValueError("fused attention: out_narrow is for float16 / bfloat16 calls (a float32 call's split-key "
+                         "pair writes float32 out_BSD)")  # fmt: skip
     q, k, v, out_BSD = operands["q"], operands["k"], operands["v"], operands["out_BSD"]
     attention_bias, mask = operands["attention_bias"], operands["mask"]
     key_offset, query_offset = operands.get("key_offset"), operands.get("query_offset")
@@ -356,9 +358,9 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
         raise ValueError("fused attention: a raw query's call has no key / value bias and no score offsets")
     launch = _decided(problem, q, k, v, operands["operand_dtype"], attention_bias, mask, facts, None, key_offset,
                       query_offset, check_bias=not raw_query)  # fmt: skip
-    return split_key_steps(problem, split, take,
-                           _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD),
-                           operands["operand_dtype"], out_BSD, round_query=not raw_query, qk=qk)  # fmt: skip
+    arguments = _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD, out_narrow)
+    return split_key_steps(problem, split, take, arguments, operands["operand_dtype"], out_BSD,
+                           round_query=not raw_query, qk=qk, out_narrow=out_narrow)  # fmt: skip
 
 
 def _decided(problem: MhaProblem, q: Operand, k: Operand, v: Operand, operand_dtype: str, attention_bias: Address,

@@ -1,6 +1,7 @@
 """A decode step's attention (S <= dispatch.SPLIT_MAX_ROWS query rows) as the split-key pair of launches
 (kernels/split_keys.cu): ``split_key_attention`` cuts a row's keys across blocks (dispatch.key_split), each block
-writes its partial output and (max, sum), and ``combine_key_splits`` merges them into the float32 output.
+writes its partial output and (max, sum), and ``combine_key_splits`` merges them into the output: the node's own
+float16 / bfloat16 tensor when the call passes ``out_narrow`` (no narrowing launch after), else float32.
 fused.fused_steps chooses this pair and passes the flash kernels' arguments (fused._arguments); this module holds
 the launches. CuPy is not imported here.
 """
@@ -25,7 +26,7 @@ SPLIT_THREADS = dispatch.SPLIT_THREADS  # kernels/split_keys.cu SPLIT_THREADS
 
 
 def takes_split_keys(problem: MhaProblem, facts: "DeviceFacts", operand_dtype: str) -> bool:
-    """Whether fused_steps (no tile named) runs the split-key pair, whose output is float32 only (no out_narrow)."""
+    """Whether fused_steps (no tile named) runs the split-key pair rather than one flash kernel."""
     return dispatch.key_split(problem, facts.sms, ELEMENT_BYTES[operand_dtype]) is not None
 
 
@@ -35,9 +36,12 @@ def split_shared_bytes(problem: MhaProblem, chunk: int, operand_dtype: str) -> i
 
 
 def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, arguments: tuple, operand_dtype: str,
-                    out_BSD: Address, round_query: bool = True, qk: Address = None) -> list:  # fmt: skip
+                    out_BSD: Address, round_query: bool = True, qk: Address = None,
+                    out_narrow: Address = None) -> list:  # fmt: skip
     """The split-key pair of launches (fused_steps) with flash's ``arguments`` (_arguments); ``round_query``
-    False keeps the biased query in float32 (fused_steps' raw_query); ``qk`` receives the masked scores."""
+    False keeps the biased query in float32 (fused_steps' raw_query); ``qk`` receives the masked scores;
+    ``out_narrow`` (float16 / bfloat16 calls): the output in the call's dtype, written by combine_key_splits in
+    place of the float32 ``out_BSD`` (which may then be None)."""
     g = problem.geometry
     pairs = g.batch * g.num_heads
     rows = pairs * split.splits * g.q_seq
@@ -54,5 +58,5 @@ def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, argumen
                fused=True),
         Launch(f"combine_key_splits<{elem}>", (pairs * g.q_seq, 1, 1), (SPLIT_THREADS, 1, 1), 4 * split.splits,
                (Pointer(partial_O), Pointer(partial_ML), i32(split.splits), i32(g.num_heads), i32(g.q_seq),
-                i32(g.v_head_size), Pointer(out_BSD)), fused=True),
+                i32(g.v_head_size), Pointer(out_BSD), Pointer(out_narrow)), fused=True),
     ]  # fmt: skip

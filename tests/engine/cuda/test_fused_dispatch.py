@@ -12,6 +12,7 @@ import pytest
 
 from mha_ep.launch import ELEMENT_BYTES
 from mha_ep.engine.cuda import dispatch, fused, split_keys
+from mha_ep.engine.cuda.steps import Pointer
 
 import cuda_cases
 from cuda_cases import Case, make_problem
@@ -423,9 +424,18 @@ def test_fused_steps_launch_the_split_pair_for_decode_steps_and_flash_otherwise(
         assert attention.args[: len(fused.fused_step(problem, facts=facts, **operands).args)] == \
             fused.fused_step(problem, facts=facts, **operands).args  # fmt: skip
         assert attention.shared == split_keys.split_shared_bytes(problem, split.chunk, dtype)
-        assert combine.grid == (g.batch * g.num_heads * g.q_seq, 1, 1) and combine.args[-1].address == 5 << 20
+        assert combine.grid == (g.batch * g.num_heads * g.q_seq, 1, 1)
+        assert combine.args[-2:] == (Pointer(5 << 20), Pointer(None))  # float32 out_BSD, no out_narrow
         rows = g.batch * g.num_heads * split.splits * g.q_seq
         assert taken == {"split_O": 4 * rows * g.v_head_size, "split_ML": 8 * rows}
+        if dtype != "float32":  # the node's own output instead: combine_key_splits stores the call's dtype there
+            narrow = fused.fused_steps(problem, take=take, facts=facts, **{**operands, "out_BSD": None},
+                                       out_narrow=6 << 20)  # fmt: skip
+            assert narrow[1].args[-2:] == (Pointer(None), Pointer(6 << 20))
+            assert narrow[0].args[:-7] == attention.args[:-7]  # the same attention launch up to its outputs
+        else:
+            with pytest.raises(ValueError, match="out_narrow is for float16 / bfloat16 calls"):
+                fused.fused_steps(problem, take=take, facts=facts, **operands, out_narrow=6 << 20)
 
 
 def test_a_float16_call_that_writes_qk_keeps_the_row_constant_bias_term():

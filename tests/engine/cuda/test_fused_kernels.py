@@ -67,6 +67,21 @@ def test_split_key_kernels_match_reference(cupy_module, case_name, dtype, form):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["dense", "raw"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case_name", list(SPLIT_CASES))
+def test_split_key_kernels_write_the_calls_dtype_exactly(cupy_module, case_name, dtype, form):
+    """out_narrow (the native route's float16 / bfloat16 nodes): the split-key launches store the call's dtype
+    themselves, the very values their float32 output holds (rounded to the dtype already), NaN rows included."""
+    case = SPLIT_CASES[case_name]
+    if form == "raw" and (case.layout != "BNSH" or case.p is not None):
+        pytest.skip("the raw form is a BNSH call without a past")
+    problem = make_problem(case, dtype)
+    wide = run_fused_on_gpu(cupy_module, problem, form, split=True)
+    np.testing.assert_array_equal(run_fused_on_gpu(cupy_module, problem, form, split=True, narrow=True), wide)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", [(128, 64), (64, 128), (128, 128)], ids=lambda t: dispatch.MmaTile(*t).label)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case_name", TILE_CASES)

@@ -7,12 +7,15 @@
 //                                   every query row of (b, h), and writes the chunk's unnormalised output O_c, its
 //                                   max m_c and its sum l_c (partial_O, partial_ML);
 //   combine_key_splits<ELEM>        grid B*N*S: m = max m_c, l = sum l_c exp(m_c - m),
-//                                   out = (sum O_c exp(m_c - m)) / l, rounded to ELEM, as float32 BSNH.
-// The arguments up to out_BSD are flash_attention_*'s (fused.py fused_step), with the same meaning, semantics and
-// strides (flash_attention.cu's header, steps 1-5): q, k, v rounded to ELEM after the projection bias, x = fma(q.k,
-// scale, key_offset[j]) (+ query_offset[i] for j >= P), + attention_bias, causal (+FLOAT32_LOWEST) or padding
-// (+mask_filter_value); p = exp(x - m) in float32, P.V with p rounded to ELEM (as the tensor-core kernel rounds its
-// P fragments; no-op in float32), the sum of p unrounded. A row with no finite logit gives 0/0 = NaN, as ORT.
+//                                   out = (sum O_c exp(m_c - m)) / l, rounded to ELEM, stored BSNH in ELEM at
+//                                   out_narrow_BSD when the host gives it (the node's own float16 / bfloat16
+//                                   output: no narrowing launch after), else as float32 at out_BSD.
+// The arguments up to out_narrow_BSD are flash_attention_*'s (fused.py fused_step), with the same meaning,
+// semantics and strides (flash_attention.cu's header, steps 1-5): q, k, v rounded to ELEM after the projection
+// bias, x = fma(q.k, scale, key_offset[j]) (+ query_offset[i] for j >= P), + attention_bias, causal
+// (+FLOAT32_LOWEST) or padding (+mask_filter_value); p = exp(x - m) in float32, P.V with p rounded to ELEM (as the
+// tensor-core kernel rounds its P fragments; no-op in float32), the sum of p unrounded. A row with no finite logit
+// gives 0/0 = NaN, as ORT.
 // Nothing is skipped (no causal-tile vote): every key's p is computed, an exact 0 where flash skips.
 // qk_BNST (when not null): output 3, each masked logit x stored as it is computed, float32 (B, N, S, T)
 // (docs/SEMANTICS.md §3.8): the scores of a decode step's qk cost one store each, no second pass.
@@ -114,7 +117,8 @@ __device__ __forceinline__ void split_key_rows(FLASH_KERNEL_PARAMETERS(IN), int 
                                                float* __restrict__ qk_BNST) {
   (void)skip_causal_tiles;
   (void)batch;
-  (void)out_BSD;
+  (void)out_BSD;  // the output is combine_key_splits' to write
+  (void)out_narrow_BSD;
   extern __shared__ __align__(16) float smem[];
   float* q_s = smem;                        // q_seq x head_size
   float* x_s = q_s + q_seq * head_size;     // q_seq x chunk: the logits, then p
@@ -346,11 +350,14 @@ __global__ void __launch_bounds__(SPLIT_THREADS, SPLIT_BLOCKS_PER_SM)
   }
 }
 
-// One (b, h, i) row: the splits' partial outputs weighed by exp(m_c - m) and divided by the weighed sum.
+// One (b, h, i) row: the splits' partial outputs weighed by exp(m_c - m) and divided by the weighed sum, stored
+// in ELEM at out_narrow_BSD when it is given (as flash_common.cuh's store_pair does for the flash kernels), else
+// rounded to ELEM as float32 at out_BSD.
 template <typename ELEM>
 __global__ void __launch_bounds__(SPLIT_THREADS)
     combine_key_splits(const float* __restrict__ partial_O, const float2* __restrict__ partial_ML, int splits,
-                       int heads, int q_seq, int v_head_size, float* __restrict__ out_BSD) {
+                       int heads, int q_seq, int v_head_size, float* __restrict__ out_BSD,
+                       void* __restrict__ out_narrow_BSD) {
   extern __shared__ float weight[];  // splits
   __shared__ float total;
   const long long bh = blockIdx.x / q_seq;
@@ -375,6 +382,10 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
   for (int d = threadIdx.x; d < v_head_size; d += SPLIT_THREADS) {
     float o = 0.0f;
     for (int c = 0; c < splits; ++c) o = fmaf(partial_O[((bh * splits + c) * q_seq + i) * v_head_size + d], weight[c], o);
-    out_BSD[out_row + d] = round_to<ELEM>(o * inv);
+    if (out_narrow_BSD != nullptr) {
+      static_cast<ELEM*>(out_narrow_BSD)[out_row + d] = from_float<ELEM>(o * inv);
+    } else {
+      out_BSD[out_row + d] = round_to<ELEM>(o * inv);
+    }
   }
 }
