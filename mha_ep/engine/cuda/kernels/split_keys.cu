@@ -109,6 +109,264 @@ __device__ __forceinline__ float group_sum(float v, int lanes) {
   return v;
 }
 
+// ---------------------------------------------------------------------------------------- the steps of a block
+// Step 1: the query rows of (b, h), + b_q, into q_s as floats, rounded to ELEM (round_query 0: kept in float32, as
+// ORT's float32 math of a float16 graph sums q + b_q: the native route's call whose raw float16 query the kernel
+// reads, fused_steps).
+template <typename ELEM, typename IN>
+__device__ __forceinline__ void split_query_rows(float* __restrict__ q_s, const IN* __restrict__ q_rows,
+                                                 long long stride_qs, const float* __restrict__ bias_q, int h,
+                                                 int q_seq, int head_size, int round_query) {
+  for (int idx = threadIdx.x; idx < q_seq * head_size; idx += SPLIT_THREADS) {
+    const int i = idx / head_size;
+    const int d = idx - i * head_size;
+    float x = to_float<IN>(q_rows[(long long)i * stride_qs + d]);
+    if (bias_q != nullptr) x += bias_q[(long long)h * head_size + d];
+    q_s[idx] = round_query ? round_to<ELEM>(x) : x;
+  }
+}
+
+// What steps 2-4 read beside the K rows: the query rows in shared memory, the bias and offsets, the masks.
+struct SplitScores {
+  const float* q_s;
+  const float* bias_k;            // (N * H) float32 or null
+  const float* offset_T;          // key_offset_BNT's row of (b, h) or null
+  const float* query_offset_BNS;  // or null
+  float* qk_BNST;                 // output 3 or null
+  MaskParams mp;
+  float scale;
+  long long bh;
+  int b, h, head_size;
+};
+
+// Steps 2-4 for `rows` K rows in shared memory (row r at k_tile + r * head_size: key key0 + r): each query row's
+// logit of key key0 + r into x_s at column x0 + r (rows x_stride apart), and into qk_BNST when it is asked for.
+// Lane `sub` of group `g` holds elements [sub*VEC, sub*VEC + VEC) of the query rows and of key rows
+// base + u*groups + g, u < U.
+template <typename ELEM, typename IN, int ROWS>
+__device__ __forceinline__ void split_logits(const SplitScores& sc, const IN* k_tile, int rows, int key0, int x0,
+                                             float* x_s, int x_stride, int warp, int lane) {
+  constexpr int VEC = SplitLoad<IN>::N;
+  constexpr int U = SPLIT_LOADS_IN_FLIGHT;
+  const int head_size = sc.head_size;
+  const int q_seq = sc.mp.q_seq;
+  // K rows are rounded to ELEM after their bias; without one an ELEM row is left as it is
+  const bool round_k = !same_type<ELEM, IN>::value || sc.bias_k != nullptr;
+  const int lanes = split_lanes<IN>(head_size);
+  const int groups = 32 / lanes;
+  const int sub = lane & (lanes - 1);
+  const int g = lane / lanes;
+  const int d0 = sub * VEC;
+  const bool reads = d0 < head_size;
+  float q_r[ROWS][VEC];
+  float bk[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    bk[e] = (reads && sc.bias_k != nullptr) ? sc.bias_k[(long long)sc.h * head_size + d0 + e] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) q_r[i][e] = (reads && i < q_seq) ? (sc.q_s + i * head_size)[d0 + e] : 0.0f;
+  }
+  for (int base = warp * groups * U; base < rows; base += SPLIT_WARPS * groups * U) {
+    float kd[U][VEC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int r = min(base + u * groups + g, rows - 1);
+      if (reads) {
+        SplitLoad<IN>::load((k_tile + r * head_size) + d0, kd[u]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) kd[u][e] = 0.0f;
+      }
+    }
+    float acc[U][ROWS];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) acc[u][i] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float kr = round_k ? round_to<ELEM>(kd[u][e] + bk[e]) : kd[u][e];
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+          if (i < q_seq) acc[u][i] = fmaf(q_r[i][e], kr, acc[u][i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        if (i < q_seq) acc[u][i] = group_sum(acc[u][i], lanes);  // q_seq and lanes are uniform
+      }
+    }
+    if (sub == 0) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int r = base + u * groups + g;
+        if (r >= rows) break;
+        const int j = key0 + r;
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+          if (i >= q_seq) break;
+          float x = fmaf(acc[u][i], sc.scale, sc.offset_T != nullptr ? sc.offset_T[j] : 0.0f);  // = dot * scale
+          if (sc.query_offset_BNS != nullptr && j >= sc.mp.past_seq) x += sc.query_offset_BNS[sc.bh * q_seq + i];
+          const RowMask m = row_mask(sc.mp, sc.b, sc.h, i);
+          if (m.bias_T != nullptr) x += m.bias_T[j];
+          const float logit = masked_logit_per_key(x, sc.mp, m, i, j);
+          (x_s + i * x_stride)[x0 + r] = logit;
+          if (sc.qk_BNST != nullptr) sc.qk_BNST[(sc.bh * q_seq + i) * sc.mp.total_seq + j] = logit;  // output 3
+        }
+      }
+    }
+  }
+}
+
+// Step 5a over the first `count` logits of each query row in x_s (rows x_stride apart): the max, p = exp(x - max)
+// in place (max_used 0 for a row with no finite logit: p = 0, never NaN), the sum; row i's (max, sum) to ml[i].
+// A warp per row.
+__device__ __forceinline__ void split_softmax(float* __restrict__ x_s, int x_stride, int count, int q_seq,
+                                              float2* __restrict__ ml, int warp, int lane) {
+  for (int i = warp; i < q_seq; i += SPLIT_WARPS) {
+    float* x_row = x_s + i * x_stride;
+    float m = NEG_INFINITY;
+    for (int jj = lane; jj < count; jj += 32) m = fmaxf(m, x_row[jj]);
+    m = warp_max(m);
+    const float max_used = (m == NEG_INFINITY) ? 0.0f : m;
+    float l = 0.0f;
+    for (int jj = lane; jj < count; jj += 32) {
+      const float p = exp2f((x_row[jj] - max_used) * LOG2E);
+      x_row[jj] = p;
+      l += p;
+    }
+    l = warp_sum(l);
+    if (lane == 0) ml[i] = make_float2(m, l);
+  }
+}
+
+// Step 5b for `rows` V rows in shared memory (row r at v_tile + r * v_head_size), each weighed by the p at column
+// x0 + r of x_s (rows x_stride apart) rounded to ELEM: o += p_ir v_r, in this thread's registers (lane groups over
+// keys as in split_logits, lanes over d; split_store_share sums them).
+template <typename ELEM, typename IN, int ROWS>
+__device__ __forceinline__ void split_values(const IN* v_tile, int rows, int x0, const float* x_s, int x_stride,
+                                             const float* __restrict__ bias_v, int h, int v_head_size, int q_seq,
+                                             int warp, int lane, float (&o)[ROWS][SplitLoad<IN>::N]) {
+  constexpr int VEC = SplitLoad<IN>::N;
+  constexpr int U = SPLIT_LOADS_IN_FLIGHT;
+  // V rows are rounded to ELEM after their bias; without one an ELEM row is left as it is
+  const bool round_v = !same_type<ELEM, IN>::value || bias_v != nullptr;
+  const int lanes = split_lanes<IN>(v_head_size);
+  const int groups = 32 / lanes;
+  const int sub = lane & (lanes - 1);
+  const int g = lane / lanes;
+  const int d0 = sub * VEC;
+  const bool reads = d0 < v_head_size;
+  float bv[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) bv[e] = (reads && bias_v != nullptr) ? bias_v[(long long)h * v_head_size + d0 + e] : 0.0f;
+  for (int base = warp * groups * U; base < rows; base += SPLIT_WARPS * groups * U) {
+    float vd[U][VEC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int r = min(base + u * groups + g, rows - 1);
+      if (reads) {
+        SplitLoad<IN>::load((v_tile + r * v_head_size) + d0, vd[u]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) vd[u][e] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int r = base + u * groups + g;
+      if (r < rows) {
+        float p[ROWS];
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) p[i] = (i < q_seq) ? round_to<ELEM>((x_s + i * x_stride)[x0 + r]) : 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float vr = round_v ? round_to<ELEM>(vd[u][e] + bv[e]) : vd[u][e];
+#pragma unroll
+          for (int i = 0; i < ROWS; ++i) o[i][e] = fmaf(p[i], vr, o[i][e]);
+        }
+      }
+    }
+  }
+}
+
+// This thread's o summed over the lane groups (lanes with the same sub), then group 0 writes this warp's share
+// into o_s (SPLIT_WARPS x q_seq x v_head_size).
+template <typename IN, int ROWS>
+__device__ __forceinline__ void split_store_share(float (&o)[ROWS][SplitLoad<IN>::N], float* __restrict__ o_s,
+                                                  int v_head_size, int q_seq, int warp, int lane) {
+  constexpr int VEC = SplitLoad<IN>::N;
+  const int lanes = split_lanes<IN>(v_head_size);
+  const int sub = lane & (lanes - 1);
+  const int g = lane / lanes;
+  const int d0 = sub * VEC;
+  const bool reads = d0 < v_head_size;
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    if (i >= q_seq) break;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      float x = o[i][e];
+      for (int offset = lanes; offset < 32; offset <<= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+      o[i][e] = x;
+    }
+    if (g == 0 && reads) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) (o_s + (warp * q_seq + i) * v_head_size)[d0 + e] = o[i][e];
+    }
+  }
+}
+
+// The block's O over its keys, the warps' shares in o_s summed, into out (q_seq x v_head_size floats).
+__device__ __forceinline__ void split_block_output(const float* __restrict__ o_s, float* __restrict__ out, int q_seq,
+                                                   int v_head_size) {
+  for (int idx = threadIdx.x; idx < q_seq * v_head_size; idx += SPLIT_THREADS) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < SPLIT_WARPS; ++w) sum += (o_s + w * q_seq * v_head_size)[idx];
+    out[idx] = sum;
+  }
+}
+
+// One (b, h, i) row of the output at out_row: the splits' partial outputs weighed by exp(m_c - m) and divided by
+// the weighed sum, stored in ELEM at out_narrow_BSD when it is given (as flash_common.cuh's store_pair does for the
+// flash kernels), else rounded to ELEM as float32 at out_BSD. `weight` (splits floats) and `total` are shared memory
+// of the block, whose threads all call it.
+template <typename ELEM>
+__device__ __forceinline__ void combine_row(const float* __restrict__ partial_O, const float2* __restrict__ partial_ML,
+                                            int splits, int q_seq, int v_head_size, long long bh, int i,
+                                            long long out_row, float* __restrict__ weight, float& total,
+                                            float* __restrict__ out_BSD, void* __restrict__ out_narrow_BSD) {
+  float m = NEG_INFINITY;
+  for (int c = 0; c < splits; ++c) m = fmaxf(m, partial_ML[(bh * splits + c) * q_seq + i].x);
+  const float max_used = (m == NEG_INFINITY) ? 0.0f : m;
+  for (int c = threadIdx.x; c < splits; c += SPLIT_THREADS) {
+    weight[c] = exp2f((partial_ML[(bh * splits + c) * q_seq + i].x - max_used) * LOG2E);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float l = 0.0f;
+    for (int c = 0; c < splits; ++c) {
+      l += partial_ML[(bh * splits + c) * q_seq + i].y * weight[c];
+    }
+    total = l;
+  }
+  __syncthreads();
+  const float inv = 1.0f / total;  // l = 0 (every logit -inf): 0/0 = NaN, as ORT
+  for (int d = threadIdx.x; d < v_head_size; d += SPLIT_THREADS) {
+    float o = 0.0f;
+    for (int c = 0; c < splits; ++c) {
+      o = fmaf(partial_O[((bh * splits + c) * q_seq + i) * v_head_size + d], weight[c], o);
+    }
+    if (out_narrow_BSD != nullptr) {
+      static_cast<ELEM*>(out_narrow_BSD)[out_row + d] = from_float<ELEM>(o * inv);
+    } else {
+      out_BSD[out_row + d] = round_to<ELEM>(o * inv);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------- the kernels
 // The kernel's body for at most ROWS query rows (the register arrays' size; 1 for a decode step's S = 1, whose
 // loops would otherwise issue SPLIT_MAX_ROWS rows' multiply-adds).
 template <typename ELEM, typename IN, int ROWS>
@@ -128,10 +386,6 @@ __device__ __forceinline__ void split_key_rows(FLASH_KERNEL_PARAMETERS(IN), int 
   IN* k_s = reinterpret_cast<IN*>(smem + ((q_seq * (head_size + chunk + SPLIT_WARPS * v_head_size) + 3) & ~3));
   IN* v_s = k_s + chunk * head_size;
   constexpr int VEC = SplitLoad<IN>::N;     // elements of a 16-byte load
-  constexpr int U = SPLIT_LOADS_IN_FLIGHT;
-  // K and V rows are rounded to ELEM after their bias; without one an ELEM row is left as it is
-  const bool round_k = !same_type<ELEM, IN>::value || bias_k != nullptr;
-  const bool round_v = !same_type<ELEM, IN>::value || bias_v != nullptr;
 
   const long long bh = blockIdx.x;
   const int b = (int)blockIdx.x / heads;  // B*N fits an int (dispatch.key_split): no 64-bit division
@@ -162,180 +416,31 @@ __device__ __forceinline__ void split_key_rows(FLASH_KERNEL_PARAMETERS(IN), int 
     cp_async_commit();
   }
 
-  // Step 1: the query rows, + b_q, rounded to ELEM (round_query 0: kept in float32, as ORT's float32 math of a
-  // float16 graph sums q + b_q: the native route's call whose raw float16 query the kernel reads, fused_steps).
-  const IN* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh;
-  for (int idx = threadIdx.x; idx < q_seq * head_size; idx += SPLIT_THREADS) {
-    const int i = idx / head_size;
-    const int d = idx - i * head_size;
-    float x = to_float<IN>(q_rows[(long long)i * stride_qs + d]);
-    if (bias_q != nullptr) x += bias_q[(long long)h * head_size + d];
-    q_s[idx] = round_query ? round_to<ELEM>(x) : x;
-  }
+  split_query_rows<ELEM, IN>(q_s, q + (long long)b * stride_qb + (long long)h * stride_qh, stride_qs, bias_q, h,
+                             q_seq, head_size, round_query);  // step 1
   cp_async_wait_all_but_newest();  // this thread's K pieces; the barrier makes them everyone's
   __syncthreads();
 
-  // Steps 2-4: the logits of the chunk's keys. Lane `sub` of group `g` holds elements [sub*VEC, sub*VEC + VEC) of
-  // the query rows and of key rows base + u*groups + g, u < U.
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
                       causal, q_seq, total_seq, past_seq};
-  {
-    const int lanes = split_lanes<IN>(head_size);
-    const int groups = 32 / lanes;
-    const int sub = lane & (lanes - 1);
-    const int g = lane / lanes;
-    const int d0 = sub * VEC;
-    const bool reads = d0 < head_size;
-    float q_r[ROWS][VEC];
-    float bk[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      bk[e] = (reads && bias_k != nullptr) ? bias_k[(long long)h * head_size + d0 + e] : 0.0f;
-#pragma unroll
-      for (int i = 0; i < ROWS; ++i) q_r[i][e] = (reads && i < q_seq) ? (q_s + i * head_size)[d0 + e] : 0.0f;
-    }
-    const float* offset_T = key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq;
-    for (int base = warp * groups * U; base < count; base += SPLIT_WARPS * groups * U) {
-      float kd[U][VEC];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int jj = min(base + u * groups + g, count - 1);
-        if (reads) {
-          SplitLoad<IN>::load((k_s + jj * head_size) + d0, kd[u]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) kd[u][e] = 0.0f;
-        }
-      }
-      float acc[U][ROWS];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-#pragma unroll
-        for (int i = 0; i < ROWS; ++i) acc[u][i] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const float kr = round_k ? round_to<ELEM>(kd[u][e] + bk[e]) : kd[u][e];
-#pragma unroll
-          for (int i = 0; i < ROWS; ++i) {
-            if (i < q_seq) acc[u][i] = fmaf(q_r[i][e], kr, acc[u][i]);
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < ROWS; ++i) {
-          if (i < q_seq) acc[u][i] = group_sum(acc[u][i], lanes);  // q_seq and lanes are uniform
-        }
-      }
-      if (sub == 0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int jj = base + u * groups + g;
-          if (jj >= count) break;
-          const int j = n0 + jj;
-#pragma unroll
-          for (int i = 0; i < ROWS; ++i) {
-            if (i >= q_seq) break;
-            float x = fmaf(acc[u][i], scale, offset_T != nullptr ? offset_T[j] : 0.0f);  // = dot * scale
-            if (query_offset_BNS != nullptr && j >= past_seq) x += query_offset_BNS[bh * q_seq + i];
-            const RowMask m = row_mask(mp, b, h, i);
-            if (m.bias_T != nullptr) x += m.bias_T[j];
-            const float logit = masked_logit_per_key(x, mp, m, i, j);
-            (x_s + i * chunk)[jj] = logit;
-            if (qk_BNST != nullptr) qk_BNST[(bh * q_seq + i) * total_seq + j] = logit;  // output 3, where computed
-          }
-        }
-      }
-    }
-  }
+  const SplitScores sc{q_s, bias_k, key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq,
+                       query_offset_BNS, qk_BNST, mp, scale, bh, b, h, head_size};
+  split_logits<ELEM, IN, ROWS>(sc, k_s, count, n0, 0, x_s, chunk, warp, lane);  // steps 2-4
   __syncthreads();
 
-  // Step 5a: the chunk's max, p = exp(x - max) (max_used 0 for a row with no finite logit: p = 0, never NaN), sum.
-  float2* ml = partial_ML + (bh * gridDim.y + split) * q_seq;
-  for (int i = warp; i < q_seq; i += SPLIT_WARPS) {
-    float* x_row = x_s + i * chunk;
-    float m = NEG_INFINITY;
-    for (int jj = lane; jj < count; jj += 32) m = fmaxf(m, x_row[jj]);
-    m = warp_max(m);
-    const float max_used = (m == NEG_INFINITY) ? 0.0f : m;
-    float l = 0.0f;
-    for (int jj = lane; jj < count; jj += 32) {
-      const float p = exp2f((x_row[jj] - max_used) * LOG2E);
-      x_row[jj] = p;
-      l += p;
-    }
-    l = warp_sum(l);
-    if (lane == 0) ml[i] = make_float2(m, l);
-  }
+  split_softmax(x_s, chunk, count, q_seq, partial_ML + (bh * gridDim.y + split) * q_seq, warp, lane);  // step 5a
   cp_async_wait_all();  // this thread's V pieces
   __syncthreads();
 
-  // Step 5b: O_c = sum_j p_ij v_j: lane groups over keys (as in steps 2-4), lanes over d.
-  {
-    const int lanes = split_lanes<IN>(v_head_size);
-    const int groups = 32 / lanes;
-    const int sub = lane & (lanes - 1);
-    const int g = lane / lanes;
-    const int d0 = sub * VEC;
-    const bool reads = d0 < v_head_size;
-    float bv[VEC];
+  float o[ROWS][VEC];  // step 5b: O_c = sum_j p_ij v_j
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) bv[e] = (reads && bias_v != nullptr) ? bias_v[(long long)h * v_head_size + d0 + e] : 0.0f;
-    float o[ROWS][VEC];
+  for (int i = 0; i < ROWS; ++i)
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i)
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) o[i][e] = 0.0f;
-    for (int base = warp * groups * U; base < count; base += SPLIT_WARPS * groups * U) {
-      float vd[U][VEC];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int jj = min(base + u * groups + g, count - 1);
-        if (reads) {
-          SplitLoad<IN>::load((v_s + jj * v_head_size) + d0, vd[u]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) vd[u][e] = 0.0f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int jj = base + u * groups + g;
-        if (jj < count) {
-          float p[ROWS];
-#pragma unroll
-          for (int i = 0; i < ROWS; ++i) p[i] = (i < q_seq) ? round_to<ELEM>((x_s + i * chunk)[jj]) : 0.0f;
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            const float vr = round_v ? round_to<ELEM>(vd[u][e] + bv[e]) : vd[u][e];
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i) o[i][e] = fmaf(p[i], vr, o[i][e]);
-          }
-        }
-      }
-    }
-    // The groups' sums (lanes with the same sub), then group 0 writes this warp's share.
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-      if (i >= q_seq) break;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        float x = o[i][e];
-        for (int offset = lanes; offset < 32; offset <<= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-        o[i][e] = x;
-      }
-      if (g == 0 && reads) {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) (o_s + (warp * q_seq + i) * v_head_size)[d0 + e] = o[i][e];
-      }
-    }
-  }
+    for (int e = 0; e < VEC; ++e) o[i][e] = 0.0f;
+  split_values<ELEM, IN, ROWS>(v_s, count, 0, x_s, chunk, bias_v, h, v_head_size, q_seq, warp, lane, o);
+  split_store_share<IN, ROWS>(o, o_s, v_head_size, q_seq, warp, lane);
   __syncthreads();
-  float* out = partial_O + (bh * gridDim.y + split) * q_seq * v_head_size;
-  for (int idx = threadIdx.x; idx < q_seq * v_head_size; idx += SPLIT_THREADS) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < SPLIT_WARPS; ++w) sum += (o_s + w * q_seq * v_head_size)[idx];
-    out[idx] = sum;
-  }
+  split_block_output(o_s, partial_O + (bh * gridDim.y + split) * q_seq * v_head_size, q_seq, v_head_size);
 }
 
 template <typename ELEM, typename IN>
@@ -350,9 +455,7 @@ __global__ void __launch_bounds__(SPLIT_THREADS, SPLIT_BLOCKS_PER_SM)
   }
 }
 
-// One (b, h, i) row: the splits' partial outputs weighed by exp(m_c - m) and divided by the weighed sum, stored
-// in ELEM at out_narrow_BSD when it is given (as flash_common.cuh's store_pair does for the flash kernels), else
-// rounded to ELEM as float32 at out_BSD.
+// One (b, h, i) row (combine_row).
 template <typename ELEM>
 __global__ void __launch_bounds__(SPLIT_THREADS)
     combine_key_splits(const float* __restrict__ partial_O, const float2* __restrict__ partial_ML, int splits,
@@ -364,28 +467,7 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
   const int i = (int)(blockIdx.x % q_seq);
   const int b = (int)(bh / heads);
   const int h = (int)(bh % heads);
-  float m = NEG_INFINITY;
-  for (int c = 0; c < splits; ++c) m = fmaxf(m, partial_ML[(bh * splits + c) * q_seq + i].x);
-  const float max_used = (m == NEG_INFINITY) ? 0.0f : m;
-  for (int c = threadIdx.x; c < splits; c += SPLIT_THREADS) {
-    weight[c] = exp2f((partial_ML[(bh * splits + c) * q_seq + i].x - max_used) * LOG2E);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float l = 0.0f;
-    for (int c = 0; c < splits; ++c) l += partial_ML[(bh * splits + c) * q_seq + i].y * weight[c];
-    total = l;
-  }
-  __syncthreads();
-  const float inv = 1.0f / total;  // l = 0 (every logit -inf): 0/0 = NaN, as ORT
   const long long out_row = (((long long)b * q_seq + i) * heads + h) * v_head_size;
-  for (int d = threadIdx.x; d < v_head_size; d += SPLIT_THREADS) {
-    float o = 0.0f;
-    for (int c = 0; c < splits; ++c) o = fmaf(partial_O[((bh * splits + c) * q_seq + i) * v_head_size + d], weight[c], o);
-    if (out_narrow_BSD != nullptr) {
-      static_cast<ELEM*>(out_narrow_BSD)[out_row + d] = from_float<ELEM>(o * inv);
-    } else {
-      out_BSD[out_row + d] = round_to<ELEM>(o * inv);
-    }
-  }
+  combine_row<ELEM>(partial_O, partial_ML, splits, q_seq, v_head_size, bh, i, out_row, weight, total, out_BSD,
+                           out_narrow_BSD);
 }
