@@ -2,10 +2,15 @@
 // (flash-decoding). The flash kernels (flash_attention.cu) give a block 64 query rows of one (b, h) and walk every
 // key in it: at S = 1 that is B*N blocks, each a long serial walk with 63 of its 64 rows idle (Whisper tiny's cross
 // attention, B = 1, T = 1500: 6 blocks, many times as long as the keys and values take to read; docs/BENCH.md,
-// "Kernel notes"). Here:
-//   split_key_attention<ELEM, IN>   grid (B*N, splits): block (bh, c) takes keys [c*chunk, min((c+1)*chunk, T)) for
-//                                   every query row of (b, h), and writes the chunk's unnormalised output O_c, its
-//                                   max m_c and its sum l_c (partial_O, partial_ML);
+// "Kernel notes"). Here, in one launch (split_keys.py "stream", the default):
+//   split_key_stream<ELEM, IN>      grid (B*N, splits): block (bh, c) takes keys [c*span, min((c+1)*span, T)) for
+//                                   every query row of (b, h), writes the span's unnormalised output O_c, its max
+//                                   m_c and its sum l_c (partial_O, partial_ML), and counts its arrival
+//                                   (arrivals[bh], zeroed by the host before the launch); the last block of (b, h)
+//                                   to arrive combines the splits as combine_key_splits does (combine_row).
+// or in two (split_keys.py "pair", the earlier kernels, kept for A/B timing):
+//   split_key_attention<ELEM, IN>   grid (B*N, splits): block (bh, c) takes keys [c*chunk, min((c+1)*chunk, T)) and
+//                                   writes O_c, m_c and l_c;
 //   combine_key_splits<ELEM>        grid B*N*S: m = max m_c, l = sum l_c exp(m_c - m),
 //                                   out = (sum O_c exp(m_c - m)) / l, rounded to ELEM, stored BSNH in ELEM at
 //                                   out_narrow_BSD when the host gives it (the node's own float16 / bfloat16
@@ -13,25 +18,29 @@
 // The arguments up to out_narrow_BSD are flash_attention_*'s (fused.py fused_step), with the same meaning,
 // semantics and strides (flash_attention.cu's header, steps 1-5): q, k, v rounded to ELEM after the projection
 // bias, x = fma(q.k, scale, key_offset[j]) (+ query_offset[i] for j >= P), + attention_bias, causal
-// (+FLOAT32_LOWEST) or padding (+mask_filter_value); p = exp(x - m) in float32, P.V with p rounded to ELEM (as the
-// tensor-core kernel rounds its P fragments; no-op in float32), the sum of p unrounded. A row with no finite logit
-// gives 0/0 = NaN, as ORT.
+// (+FLOAT32_LOWEST) or padding (+mask_filter_value); p = exp(x - m_c) in float32 with m_c the max over the block's
+// keys, P.V with p rounded to ELEM (as the tensor-core kernel rounds its P fragments; no-op in float32), the sum of
+// p unrounded. A row with no finite logit gives 0/0 = NaN, as ORT.
 // Nothing is skipped (no causal-tile vote): every key's p is computed, an exact 0 where flash skips.
 // qk_BNST (when not null): output 3, each masked logit x stored as it is computed, float32 (B, N, S, T)
 // (docs/SEMANTICS.md §3.8): the scores of a decode step's qk cost one store each, no second pass.
 //
-// In a block of SPLIT_THREADS: the kernel is a stream of K and V, so it first asks for the whole chunk of both,
-// K then V, as two cp.async groups into shared memory (the chunk is sized to fit, dispatch.key_split), and
-// computes while V is still arriving: a warp that loaded a few rows and waited for them before the next kept the
-// read at a fraction of HBM's rate (docs/BENCH.md section 6). The query rows (floats, ELEM-rounded unless
+// In a block of SPLIT_THREADS: the kernel is a stream of K and V. A split_key_attention block asks for its whole
+// chunk of both, K then V, as two cp.async groups into shared memory (the chunk is sized to fit,
+// dispatch.key_split), and computes while V is still arriving: a warp that loaded a few rows and waited for them
+// before the next kept the read at a fraction of HBM's rate (docs/BENCH.md section 6). But then a block computes
+// with nothing in flight, and at Whisper's shapes the grid runs in two rounds of load-then-compute. A
+// split_key_stream block walks a longer span through STREAM_STAGES tiles of shared memory, each a tile of K or of
+// V rows (its K tiles, then its V tiles): it computes tile t while tiles t+1 .. t+STREAM_STAGES-1 load, so one
+// round of blocks (dispatch.key_stream) keeps HBM busy to the end. The query rows (floats, ELEM-rounded unless
 // round_query is 0) sit in shared memory and, each lane's slice of them, in registers. A key row is read from
 // shared memory by a group of lanes, 16 bytes a lane (split_lanes: 8 lanes for a float16 head of 64, 16 for a
-// float32 one), the group's dot products summed by shuffles; a warp per row takes the chunk's max, exponentials
+// float32 one), the group's dot products summed by shuffles; a warp per row takes the block's max, exponentials
 // and sum; P.V again by lane groups over keys, summed across groups by shuffles and across warps in shared
 // memory.
 //
 // Index rule as in layout.cu: promote the first factor of every product, `(long long)b * stride_b`; shared-memory
-// rows (under 48 KiB) are formed in int as row pointers, `(x_s + i * chunk)[jj]`.
+// rows (under 64 KiB) are formed in int as row pointers, `(x_s + i * chunk)[jj]`.
 #include "common.cuh"
 #include "flash_common.cuh"
 
@@ -328,26 +337,38 @@ __device__ __forceinline__ void split_block_output(const float* __restrict__ o_s
   }
 }
 
+// A partial written by another block of this launch (COHERENT: split_key_stream's last block reads them through
+// L2, never a line this SM's L1 may hold from before) or by an earlier launch (combine_key_splits).
+template <bool COHERENT, typename T> __device__ __forceinline__ T load_partial(const T* __restrict__ p) {
+  if constexpr (COHERENT) {
+    return __ldcg(p);
+  } else {
+    return *p;
+  }
+}
+
 // One (b, h, i) row of the output at out_row: the splits' partial outputs weighed by exp(m_c - m) and divided by
 // the weighed sum, stored in ELEM at out_narrow_BSD when it is given (as flash_common.cuh's store_pair does for the
 // flash kernels), else rounded to ELEM as float32 at out_BSD. `weight` (splits floats) and `total` are shared memory
 // of the block, whose threads all call it.
-template <typename ELEM>
+template <typename ELEM, bool COHERENT>
 __device__ __forceinline__ void combine_row(const float* __restrict__ partial_O, const float2* __restrict__ partial_ML,
                                             int splits, int q_seq, int v_head_size, long long bh, int i,
                                             long long out_row, float* __restrict__ weight, float& total,
                                             float* __restrict__ out_BSD, void* __restrict__ out_narrow_BSD) {
+  const float2* ml_row = partial_ML + bh * splits * q_seq + i;  // split c's (m_c, l_c): ml_row + c * q_seq
+  const float* o_row = partial_O + (bh * splits * q_seq + i) * v_head_size;  // its O_c: + c * q_seq * v_head_size
   float m = NEG_INFINITY;
-  for (int c = 0; c < splits; ++c) m = fmaxf(m, partial_ML[(bh * splits + c) * q_seq + i].x);
+  for (int c = 0; c < splits; ++c) m = fmaxf(m, load_partial<COHERENT>(ml_row + c * q_seq).x);
   const float max_used = (m == NEG_INFINITY) ? 0.0f : m;
   for (int c = threadIdx.x; c < splits; c += SPLIT_THREADS) {
-    weight[c] = exp2f((partial_ML[(bh * splits + c) * q_seq + i].x - max_used) * LOG2E);
+    weight[c] = exp2f((load_partial<COHERENT>(ml_row + c * q_seq).x - max_used) * LOG2E);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     float l = 0.0f;
     for (int c = 0; c < splits; ++c) {
-      l += partial_ML[(bh * splits + c) * q_seq + i].y * weight[c];
+      l += load_partial<COHERENT>(ml_row + c * q_seq).y * weight[c];
     }
     total = l;
   }
@@ -356,7 +377,7 @@ __device__ __forceinline__ void combine_row(const float* __restrict__ partial_O,
   for (int d = threadIdx.x; d < v_head_size; d += SPLIT_THREADS) {
     float o = 0.0f;
     for (int c = 0; c < splits; ++c) {
-      o = fmaf(partial_O[((bh * splits + c) * q_seq + i) * v_head_size + d], weight[c], o);
+      o = fmaf(load_partial<COHERENT>(o_row + (long long)c * q_seq * v_head_size + d), weight[c], o);
     }
     if (out_narrow_BSD != nullptr) {
       static_cast<ELEM*>(out_narrow_BSD)[out_row + d] = from_float<ELEM>(o * inv);
@@ -366,7 +387,7 @@ __device__ __forceinline__ void combine_row(const float* __restrict__ partial_O,
   }
 }
 
-// ------------------------------------------------------------------------------------------- the kernels
+// ---------------------------------------------------------------------------------- the split-key pair (A/B)
 // The kernel's body for at most ROWS query rows (the register arrays' size; 1 for a decode step's S = 1, whose
 // loops would otherwise issue SPLIT_MAX_ROWS rows' multiply-adds).
 template <typename ELEM, typename IN, int ROWS>
@@ -468,6 +489,147 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
   const int b = (int)(bh / heads);
   const int h = (int)(bh % heads);
   const long long out_row = (((long long)b * q_seq + i) * heads + h) * v_head_size;
-  combine_row<ELEM>(partial_O, partial_ML, splits, q_seq, v_head_size, bh, i, out_row, weight, total, out_BSD,
-                           out_narrow_BSD);
+  combine_row<ELEM, false>(partial_O, partial_ML, splits, q_seq, v_head_size, bh, i, out_row, weight, total,
+                           out_BSD, out_narrow_BSD);
+}
+
+// ------------------------------------------------------------------------------------ split_key_stream (one launch)
+#ifndef STREAM_STAGES
+#define STREAM_STAGES 4  // dispatch.py STREAM_STAGES: a block's K / V tiles in shared memory, in flight or in use
+#endif
+#ifndef STREAM_BLOCKS_PER_SM
+#define STREAM_BLOCKS_PER_SM 4  // dispatch.py STREAM_BLOCKS_PER_SM: the grid's aim, and the registers' bound
+#endif
+static_assert(STREAM_STAGES >= 2, "a stream block loads one tile while it computes another");
+
+// The kernel's body for at most ROWS query rows (as split_key_rows).
+template <typename ELEM, typename IN, int ROWS>
+__device__ __forceinline__ void split_key_stream_rows(FLASH_KERNEL_PARAMETERS(IN), int span, int tile,
+                                                      float* __restrict__ partial_O, float2* __restrict__ partial_ML,
+                                                      unsigned* __restrict__ arrivals, int round_query,
+                                                      float* __restrict__ qk_BNST) {
+  (void)skip_causal_tiles;
+  (void)batch;
+  // All of it dynamic (the host's size is the whole block's: dispatch.stream_shared_bytes).
+  extern __shared__ __align__(16) float smem[];
+  const int splits = gridDim.y;
+  float* q_s = smem;                                         // q_seq x head_size
+  float* x_s = q_s + q_seq * head_size;                      // q_seq x span: the logits, then p
+  float* o_s = x_s + q_seq * span;                           // SPLIT_WARPS x q_seq x v_head_size
+  float* weight = o_s + SPLIT_WARPS * q_seq * v_head_size;   // splits: combine_row's
+  float& total = weight[splits];                             // combine_row's
+  int& last = *reinterpret_cast<int*>(weight + splits + 1);  // this block is the last of its (b, h) to finish
+  // STREAM_STAGES tiles of `tile` rows of row_size IN elements, each a tile of K or V rows (16-byte aligned: the
+  // floats above rounded up to a multiple of 4)
+  const int row_size = max(head_size, v_head_size);
+  IN* ring = reinterpret_cast<IN*>(
+      smem + ((q_seq * (head_size + span + SPLIT_WARPS * v_head_size) + splits + 2 + 3) & ~3));
+  constexpr int VEC = SplitLoad<IN>::N;  // elements of a 16-byte load
+
+  const long long bh = blockIdx.x;
+  const int b = (int)blockIdx.x / heads;  // B*N fits an int (dispatch.key_split): no 64-bit division
+  const int h = (int)blockIdx.x - b * heads;
+  const int split = blockIdx.y;
+  const int n0 = split * span;
+  const int count = min(span, total_seq - n0);  // >= 1: the host makes ceil(T / span) splits
+  const int tiles = (count + tile - 1) / tile;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const IN* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
+  const IN* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
+
+  // Unit u < tiles is the span's K rows [u * tile, u * tile + tile), unit tiles + t its V rows of tile t: one
+  // cp.async group into stage u % STREAM_STAGES. Past the last unit the group is empty, so that the groups still
+  // in flight after unit u's are always the STREAM_STAGES - 2 newest (arrive).
+  auto issue = [&](int unit) {
+    if (unit < 2 * tiles) {
+      const bool value = unit >= tiles;
+      const int r0 = (value ? unit - tiles : unit) * tile;
+      const int rows = min(tile, count - r0);
+      const int size = value ? v_head_size : head_size;
+      const long long stride = value ? stride_vs : stride_ks;
+      const IN* src = (value ? v_rows : k_rows) + (long long)(n0 + r0) * stride;
+      IN* dst = ring + (unit % STREAM_STAGES) * tile * row_size;
+      const int pieces = size / VEC;  // 16-byte pieces of a row
+      for (int idx = threadIdx.x; idx < rows * pieces; idx += SPLIT_THREADS) {
+        const int r = idx / pieces;
+        const int c = idx - r * pieces;
+        cp_async_16((dst + r * size) + c * VEC, src + (long long)r * stride + c * VEC, true);
+      }
+    }
+    cp_async_commit();
+  };
+  // Unit `unit` in shared memory for every thread (this thread's pieces, then the barrier), and the stage that unit
+  // - 1 used, which every warp is done with once past the barrier, refilled with unit + STREAM_STAGES - 1.
+  auto arrive = [&](int unit) -> const IN* {
+    cp_async_wait_pending<STREAM_STAGES - 2>();
+    __syncthreads();
+    issue(unit + STREAM_STAGES - 1);
+    return ring + (unit % STREAM_STAGES) * tile * row_size;
+  };
+
+  for (int unit = 0; unit < STREAM_STAGES - 1; ++unit) issue(unit);  // the first tiles in flight before anything
+  split_query_rows<ELEM, IN>(q_s, q + (long long)b * stride_qb + (long long)h * stride_qh, stride_qs, bias_q, h,
+                             q_seq, head_size, round_query);  // step 1 (arrive's barrier makes it everyone's)
+  const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
+                      causal, q_seq, total_seq, past_seq};
+  const SplitScores sc{q_s, bias_k, key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq,
+                       query_offset_BNS, qk_BNST, mp, scale, bh, b, h, head_size};
+  for (int t = 0; t < tiles; ++t) {  // steps 2-4, a K tile at a time
+    const IN* k_tile = arrive(t);
+    split_logits<ELEM, IN, ROWS>(sc, k_tile, min(tile, count - t * tile), n0 + t * tile, t * tile, x_s, span, warp,
+                                 lane);  // fmt: skip
+  }
+  __syncthreads();  // every logit of the span written
+
+  float2* ml = partial_ML + (bh * splits + split) * q_seq;
+  split_softmax(x_s, span, count, q_seq, ml, warp, lane);  // step 5a, while the first V tiles arrive
+  float o[ROWS][VEC];  // step 5b: O_c = sum_j p_ij v_j, a V tile at a time (arrive's barrier orders the p first)
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) o[i][e] = 0.0f;
+  for (int t = 0; t < tiles; ++t) {
+    const IN* v_tile = arrive(tiles + t);
+    split_values<ELEM, IN, ROWS>(v_tile, min(tile, count - t * tile), t * tile, x_s, span, bias_v, h, v_head_size,
+                                 q_seq, warp, lane, o);  // fmt: skip
+  }
+  split_store_share<IN, ROWS>(o, o_s, v_head_size, q_seq, warp, lane);
+  __syncthreads();
+  split_block_output(o_s, partial_O + (bh * splits + split) * q_seq * v_head_size, q_seq, v_head_size);
+
+  // The last block of (b, h) to finish combines the splits. Each thread's partial stores are made visible to the
+  // device before its block's arrival is counted (the fence, then the barrier, then one atomic per block); the
+  // last arriver fences again before it reads the others' partials, through L2 (combine_row's COHERENT loads).
+  // The counters are zero at the launch: the host zeroes them in the same stream right before it (a Fill step,
+  // split_keys.py: a call's scratch is not kept from one call to the next, nor shared by concurrent streams).
+  // One split (the grid's y is 1) needs no counter: the block is its pair's last.
+  __threadfence();
+  __syncthreads();
+  if (splits > 1) {
+    if (threadIdx.x == 0) last = atomicAdd(arrivals + bh, 1u) == (unsigned)(splits - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+  }
+  for (int i = 0; i < q_seq; ++i) {
+    const long long out_row = (((long long)b * q_seq + i) * heads + h) * v_head_size;
+    combine_row<ELEM, true>(partial_O, partial_ML, splits, q_seq, v_head_size, bh, i, out_row, weight, total, out_BSD,
+                            out_narrow_BSD);
+    __syncthreads();  // weight and total are the next row's
+  }
+}
+
+template <typename ELEM, typename IN>
+__global__ void __launch_bounds__(SPLIT_THREADS, STREAM_BLOCKS_PER_SM)
+    split_key_stream(FLASH_KERNEL_PARAMETERS(IN), int span, int tile, float* __restrict__ partial_O,
+                     float2* __restrict__ partial_ML, unsigned* __restrict__ arrivals, int round_query,
+                     float* __restrict__ qk_BNST) {
+  if (q_seq == 1) {
+    split_key_stream_rows<ELEM, IN, 1>(FLASH_KERNEL_ARGUMENTS, span, tile, partial_O, partial_ML, arrivals,
+                                       round_query, qk_BNST);
+  } else {
+    split_key_stream_rows<ELEM, IN, SPLIT_MAX_ROWS>(FLASH_KERNEL_ARGUMENTS, span, tile, partial_O, partial_ML,
+                                                    arrivals, round_query, qk_BNST);
+  }
 }
