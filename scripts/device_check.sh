@@ -13,6 +13,9 @@
 #   native     the native route's GPU tests, the Python-op and parity suites' GPU cases, the cuda backend's tests
 #   static     the static KV cache's GPU tests: shared-buffer parity on every GPU route, the static binding under
 #              ORT's CUDA graph, device reports, the static greedy and beam loops, the split-key decode kernels
+#   splitkey   the split-key decode kernels: their GPU tests (split_key_stream and the earlier pair, kernel level,
+#              the native route's decode and cross-attention calls against stock ORT, under ORT's CUDA graph, the
+#              static decode loops), then scripts/split_key_sweep.py's old-vs-new table, log in $OUT/splitkey.log
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
 #   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
@@ -103,6 +106,10 @@ for step in "$@"; do
               tests/parity/test_parity_shared_buffer.py tests/claim/test_bad_input.py tests/engine/cuda/test_fused_kernels.py \
               -k "static or shared or past_sequence or cache_indirection or bad_past or split" 2>&1 \
               | tee "$OUT/static.log" | quiet | tail -40 ;;
+    splitkey) { timeout 420 $PYTEST_GPU tests/engine/cuda/test_fused_kernels.py tests/native/test_native_cuda.py \
+                  tests/parity/test_parity_random.py tests/decode/test_static_decode.py \
+                  -k "split or decode or cross or graph or static" 2>&1 | quiet | tail -30
+                timeout 170 python3 scripts/split_key_sweep.py 2>&1; } | tee "$OUT/splitkey.log" ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;

@@ -20,7 +20,7 @@ nvcc's version, so a unit that did not change is compiled once (the whole set ta
 The instantiations: for every dtype, operand dtype, head tile, feature set (padding mask, attention_bias, key
 offset) and causal flag, the names fused.kernel_name gives for the tiles dispatch.py may choose (the mma default,
 the wgmma default and the warp-specialized tiles where their rules accept the call), the fused_timing tiles of a
-plain call, and the split-key pair of every dtype.
+plain call, and the split-key kernels of every dtype.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def fused_names() -> set:
 
 def split_key_names() -> set:
     elements = [ELEMENT_TYPES[d] for d in ("float32", "float16", "bfloat16")]
-    names = {f"split_key_attention<{e}, {s}>" for e in elements for s in {"float", e}}
+    names = {f"{kernel}<{e}, {s}>" for kernel in ("split_key_attention", "split_key_stream") for e in elements
+             for s in {"float", e}}  # fmt: skip
     return names | {f"combine_key_splits<{e}>" for e in elements}
 
 
@@ -121,9 +122,11 @@ def kernel_dir_of(revision, kernel_path: Path = KERNEL_PATH):
 
 
 def unit_text(source: str, names: list) -> str:
-    """kernel_source(source) and a reference to each instantiation."""
-    refs = "".join(f"  (void*){name},\n" for name in names)
-    return kernels.kernel_source(source) + "\nvoid* mha_ep_instances[] = {\n" + refs + "};\n"
+    """kernel_source(source) and a reference to each instantiation of a kernel it defines (a base revision from
+    before a kernel was added has none of its entries: they show as differing)."""
+    text = kernels.kernel_source(source)
+    refs = "".join(f"  (void*){name},\n" for name in names if f"{name.split('<', 1)[0]}(" in text)
+    return text + "\nvoid* mha_ep_instances[] = {\n" + refs + "};\n"
 
 
 def nvcc_options(source: str, arch: str) -> list:

@@ -101,12 +101,22 @@ def test_the_python_op_form_and_the_three_phase_path_run_on_the_cuda_kernels(cud
         assert_outputs_match(run_named(session, feeds), want, tolerance("float16"), f"fused={fused}")
 
 
+GRAPH_CASES = {
+    "f16 S64": MhaConfig(dtype="float16", batch=2, q_seq=64, kv_seq=64, num_heads=4, head_size=64, bias=True,
+                         mask="1d"),
+    # a decoder's cross attention (pipeline.reads_kv_in_place): the arrival counters' Fill and split_key_stream,
+    # whose last blocks combine, captured and replayed
+    "f16 cross decode": MhaConfig(dtype="float16", batch=2, q_seq=1, kv_seq=1500, num_heads=6, head_size=64,
+                                  kv_layout="BNSH", bias=True, mask="1d"),
+}  # fmt: skip
+
+
 @pytest.mark.gpu
-def test_ort_s_cuda_graph_captures_claimed_nodes_and_replays_bit_identical_with_fresh_inputs(cuda_native, rng):
+@pytest.mark.parametrize("name", sorted(GRAPH_CASES))
+def test_ort_s_cuda_graph_captures_claimed_nodes_and_replays_bit_identical_with_fresh_inputs(name, cuda_native, rng):
     import cupy
 
-    config = MhaConfig(dtype="float16", batch=2, q_seq=64, kv_seq=64, num_heads=4, head_size=64, bias=True,
-                       mask="1d")  # fmt: skip
+    config = GRAPH_CASES[name]
     model = build_model(config)
     eager = native_session(model, backend="cuda", providers=CUDA)
     graphed = native_session(model, backend="cuda", providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),

@@ -12,11 +12,12 @@ from pathlib import Path
 import numpy as np
 
 from mha_ep.engine.cuda import dispatch, fused, runner
+from mha_ep.engine.cuda.split_keys import SPLIT_KERNELS
 from mha_ep.engine.reference import run_reference
 from mha_ep.engine.problem import FLOAT32_LOWEST, MhaProblem, build_problem
 
 import cuda_cases
-from cuda_cases import Case, dense_operands, naive_low_precision, to_device
+from cuda_cases import Case, dense_operands, from_device, naive_low_precision, to_device
 
 KERNEL_DIR = Path(fused.__file__).parent / "kernels"
 
@@ -46,9 +47,12 @@ def make_problem(case: Case, dtype: str) -> MhaProblem:
 
 
 # ------------------------------------------------------------------------------------------------ GPU harness
-def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: bool = False) -> np.ndarray:
+def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split=False,
+                     narrow: bool = False) -> np.ndarray:  # fmt: skip
     """Output (B, S, Dv) float32 of the fused kernel on device copies of ``problem`` in operand ``form``
-    (``split``: fused_steps' split-key pair, its scratch poisoned, instead of the flash kernel)."""
+    (``split``: fused_steps' split-key launches, their scratch poisoned, instead of the flash kernel: True for the
+    default kernel, or its name, "stream" or "pair"; ``narrow``: float16 / bfloat16 calls write the output in the
+    call's dtype, out_narrow, read back as float32)."""
     g = problem.geometry
     keep = []  # device arrays stay alive until the kernel is done
 
@@ -105,9 +109,13 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: boo
         keep.append(mask_device)
         mask = mask_device.data.ptr
     out = cupy.full((g.batch, g.q_seq, g.v_hidden), np.nan, dtype=cupy.float32)  # poison
+    if narrow:
+        assert problem.dtype != "float32", "out_narrow is for float16 / bfloat16 calls"
+        out = cupy.full((g.batch, g.q_seq, g.v_hidden), 0xFFFF, dtype=cupy.uint16)  # NaN in float16 and bfloat16
+        offset_args["out_narrow"] = out.data.ptr
     stream = cupy.cuda.Stream(non_blocking=True)
     operands = dict(q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=dev(problem.attention_bias),
-                    mask=mask, out_BSD=out.data.ptr, **offset_args)  # fmt: skip
+                    mask=mask, out_BSD=None if narrow else out.data.ptr, **offset_args)  # fmt: skip
     if split:
         from mha_ep.engine.cuda.runner import run_steps
 
@@ -116,15 +124,25 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split: boo
             keep.append(scratch)
             return scratch.data.ptr
 
+        kernel = SPLIT_KERNELS[0] if split is True else split
         steps = fused.fused_steps(problem, take=take, facts=fused.DeviceFacts.of(0), raw_query=form == "raw",
-                                  **operands)  # fmt: skip
-        assert [step.function.split("<")[0] for step in steps] == ["split_key_attention", "combine_key_splits"]
+                                  split_kernel=kernel, **operands)  # fmt: skip
+        functions = [getattr(step, "function", type(step).__name__).split("<")[0] for step in steps]
+        assert functions in SPLIT_STEPS[kernel], functions
         cupy.cuda.runtime.deviceSynchronize()  # the poison is written before the stream reads it
         run_steps(0, steps, stream)
     else:
         runner.run_fused(0, problem, stream=stream, tile=tile, **operands)
     stream.synchronize()
-    return cupy.asnumpy(out)
+    if narrow and problem.dtype == "float16":
+        return cupy.asnumpy(out).view(np.float16).astype(np.float32)
+    return from_device(cupy, out)  # (uint16: bfloat16 bits)
+
+
+SPLIT_STEPS = {  # the steps of each split kernel: the stream's Fill zeroes its arrival counters (none: one split)
+    "stream": (["Fill", "split_key_stream"], ["split_key_stream"]),
+    "pair": (["split_key_attention", "combine_key_splits"],),
+}
 
 
 def host_score_offsets(problem: MhaProblem, q_BNSH: np.ndarray, k_BNTH: np.ndarray) -> dict:
@@ -232,6 +250,14 @@ SPLIT_CASES = {
     "S1_T700_BNSH_bias_q_lengths": Case(b=2, s=1, l=700, n=3, h=64, layout="BNSH", mask="lengths", bias_scale=1.0,
                                         attrs={"scale": 0.3}),  # fmt: skip
     "S2_T300_H40_BNSH_bias_BN": Case(b=2, s=2, l=300, n=2, h=40, layout="BNSH", attention_bias=(True, True)),
+    # split_key_stream blocks that walk many tiles (dispatch.key_stream on a 132-SM GPU): 280 pairs, one split of
+    # 1500 keys each (24 tiles of K, then of V, through 4 stages, no arrival counter); 80 pairs, 6 splits of 500
+    # (float16: 16 tiles of 32 keys of a head of 128), 3 query rows, (B, T) keep flags and a (B, N) bias; heads of
+    # 40 and 24 (tiles of the wider)
+    "S1_T1500_H64_one_split_many_tiles": Case(b=4, s=1, l=1500, n=70, h=64, layout="BNSH", bias=False),
+    "S3_T3000_H128_keysBT_bias_BN_tiles": Case(b=2, s=3, l=3000, n=40, h=128, mask="BT",
+                                               attention_bias=(True, True)),  # fmt: skip
+    "S2_T2000_H40_hv24_keysBST_tiles": Case(b=2, s=2, l=2000, n=40, h=40, hv=24, mask="BST"),
 }
 
 

@@ -11,8 +11,11 @@ ones also when causal; ``ws_unsupported_reason``) take ``flash_attention_ws`` in
 two or three ping-ponging consumers, persistent): three consumers for head tile 64 where their 192-row tiles pay
 (``prefers_three_consumers``), two for head tile 128, or head tile 64 with enough query tiles to fill the GPU
 (``prefers_warp_specialized``). Every kernel is templated on the head tile HEAD_DIM, the smallest of
-HEAD_DIM_TILES that holds max(H, Hv). A decode step (S <= SPLIT_MAX_ROWS) takes none of them: ``key_split`` cuts
-its keys across blocks for ``split_key_attention`` and ``combine_key_splits`` (kernels/split_keys.cu).
+HEAD_DIM_TILES that holds max(H, Hv). A decode step (S <= SPLIT_MAX_ROWS) takes none of them: its keys are cut
+across blocks (kernels/split_keys.cu), by ``key_stream`` for ``split_key_stream`` (one launch; its blocks stream
+their keys through shared memory, and each (b, h)'s last one combines), or by ``key_split`` for the earlier pair
+``split_key_attention`` then ``combine_key_splits`` (kept for A/B timing: split_keys.chosen_split_kernel).
+``key_split`` is None for exactly the calls neither takes.
 
 The measurements behind each default are in docs/BENCH.md ("Dispatch defaults"); the code keeps the reasons.
 This module imports no CuPy (tests/engine/cuda/test_cuda_scratch.py checks it); fused.py launches what it chooses.
@@ -64,6 +67,10 @@ SPLIT_THREADS = 128  # kernels/split_keys.cu SPLIT_THREADS
 SPLIT_WARPS = SPLIT_THREADS // 32
 SPLIT_SHARED_BYTES = 48 * 1024  # a split-key block's shared memory, at most: its chunk's K and V rows and logits
 GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y
+STREAM_BLOCKS_PER_SM = 4  # kernels/split_keys.cu STREAM_BLOCKS_PER_SM: split_key_stream blocks aimed for, per SM
+STREAM_STAGES = 4  # kernels/split_keys.cu STREAM_STAGES: a block's tiles of K or V rows in flight or in use
+STREAM_STAGE_BYTES = 8 * 1024  # one stage: a tile of K or V rows (64 keys of a float16 head of 64)
+STREAM_MAX_LOGITS = 4096  # floats of logits a split_key_stream block holds (its span x S, in shared memory)
 
 
 def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
@@ -345,6 +352,53 @@ class KeySplit:
 
     splits: int
     chunk: int
+
+
+@dataclass(frozen=True)
+class KeyStream:
+    """How split_key_stream (kernels/split_keys.cu) cuts the T keys: ``splits`` blocks per (b, h), each of at most
+    ``span`` keys (the last one may hold fewer; none is empty), which a block walks ``tile`` keys at a time through
+    ``stages`` tiles of shared memory (STREAM_STAGES, or fewer where a span has fewer tiles of K and V)."""
+
+    splits: int
+    span: int
+    tile: int
+    stages: int
+
+
+def stream_shared_bytes(geometry, cut: KeyStream, in_bytes: int) -> int:
+    """split_key_stream's dynamic shared memory (all of its shared memory): the query rows, the span's logits, each
+    warp's P.V, the combine's weights, total and verdict in float32 (rounded up to 16 bytes), then the stages of
+    ``tile`` K or V rows of ``in_bytes`` elements, max(H, Hv) a row."""
+    floats = geometry.q_seq * (geometry.head_size + cut.span + SPLIT_WARPS * geometry.v_head_size) + cut.splits + 2
+    row = max(geometry.head_size, geometry.v_head_size) * in_bytes
+    return 4 * (-(-floats // 4) * 4) + cut.stages * cut.tile * row
+
+
+def key_stream(problem: MhaProblem, sms: int = HOPPER_SM_COUNT, in_bytes: int = 4, *,
+               blocks_per_sm: int = STREAM_BLOCKS_PER_SM, stages: int = STREAM_STAGES,
+               stage_bytes: int = STREAM_STAGE_BYTES) -> Optional[KeyStream]:  # fmt: skip
+    """split_key_stream's cut of a call ``key_split`` takes (None for the others). The pair's blocks load their
+    whole chunk, then compute, in two rounds of blocks at Whisper's shapes (docs/BENCH.md section 6); a stream
+    block loads tile t + stages - 1 while it computes tile t, so the GPU needs only one round of longer blocks to
+    keep HBM busy: about ``blocks_per_sm`` x ``sms`` blocks in all (no block waits for a second round, and a
+    pair's last block combines while other pairs still stream), each span of at least SPLIT_MIN_CHUNK keys and at
+    most STREAM_MAX_LOGITS / S (its logits stay in shared memory). A tile is ``stage_bytes`` of K or V rows of
+    ``in_bytes`` elements (the sweep, scripts/split_key_sweep.py, names other blocks_per_sm, stages and
+    stage_bytes, with the kernel's defines to match)."""
+    if key_split(problem, sms, in_bytes) is None:
+        return None
+    g = problem.geometry
+    pairs = g.batch * g.num_heads
+    longest = max(SPLIT_MIN_CHUNK, STREAM_MAX_LOGITS // g.q_seq)
+    wanted = max(1, blocks_per_sm * sms // pairs)
+    splits = max(-(-g.total_seq // longest), min(wanted, -(-g.total_seq // SPLIT_MIN_CHUNK)))
+    span = -(-g.total_seq // splits)
+    splits = -(-g.total_seq // span)  # no empty split
+    if splits > GRID_Y_MAX:
+        return None
+    tile = max(1, min(span, stage_bytes // (max(g.head_size, g.v_head_size) * in_bytes)))
+    return KeyStream(splits, span, tile, min(stages, 2 * -(-span // tile)))
 
 
 def split_shared_bytes(geometry, chunk: int, in_bytes: int) -> int:

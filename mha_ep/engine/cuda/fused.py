@@ -3,7 +3,7 @@ masked softmax -> P.V GEMM) wherever dispatch.py's rules say they compute the sa
 
     step = fused_step(problem, q=..., k=..., v=..., operand_dtype=..., attention_bias=..., mask=...,
                       out_BSD=..., facts=DeviceFacts.of(device_id), key_offset=..., query_offset=...)
-    steps = fused_steps(problem, take=take, ...)   # the same, or for a decode step the split-key pair
+    steps = fused_steps(problem, take=take, ...)   # the same, or for a decode step the split-key launches
     runner.run_fused(device_id, problem, stream=..., q=..., ...)   # the same, launched now (runner.py)
 
 Layout legend (mha_ep/spec.py): B batch, S query length, L new key length, P past length, T = P + L, N heads,
@@ -36,7 +36,7 @@ from mha_ep.engine.cuda.dispatch import (
     Tile, WgmmaTile, WsTile, choose_tile, default_tile, head_dim_tile, kernel_head_tile, mma_features, query_tiles,
     wgmma_unsupported_reason, ws_tile_unsupported_reason, ws_unsupported_reason,
 )
-from mha_ep.engine.cuda.split_keys import split_key_steps
+from mha_ep.engine.cuda.split_keys import SPLIT_KERNELS, chosen_split_kernel, split_key_steps, split_stream_steps
 from mha_ep.engine.cuda.steps import Address, Launch, Pointer, TensorMap, alignment_of
 from mha_ep.engine.problem import MhaProblem, problem_signature
 
@@ -303,8 +303,9 @@ def fused_step(
     mask: device padding mask of ``problem.padding_mask.kind``: int32 (B,) key lengths, uint8 (B, T) or (B, S, T)
           keep flags; None when the call has none;
     out_BSD: device float32 (B, S, N*Hv), every element written (rounded to the call's dtype first);
-    out_narrow: f16/bf16 tensor-core kernels only: device (B, S, N*Hv) in the call's dtype, written instead of
-          out_BSD (which may then be None): the node's own output, with no narrowing pass after;
+    out_narrow: f16/bf16 calls only (the tensor-core kernels, and fused_steps' split-key kernels): device
+          (B, S, N*Hv) in the call's dtype, written instead of out_BSD (which may then be None): the node's own
+          output, with no narrowing pass after;
     facts: the device's capability and SM count (DeviceFacts.of);
     tile: f16/bf16 only: the kernel and its tile, an MmaTile, WgmmaTile or WsTile (default: choose_tile for this
           device; the timing script and the tests name others; a WgmmaTile must pass wgmma_unsupported_reason,
@@ -326,11 +327,14 @@ def fused_step(
 
 
 def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional[Tile] = None,
-                raw_query: bool = False, qk: Address = None, **operands) -> list:  # fmt: skip
+                raw_query: bool = False, qk: Address = None, split_kernel: Optional[str] = None,
+                **operands) -> list:  # fmt: skip
     """The fused path's launches for ``problem``: fused_step's one kernel, or for a decode step that
-    dispatch.key_split cuts (and no ``tile`` named) the split-key pair, split_key_attention then
-    combine_key_splits (kernels/split_keys.cu), over two scratch buffers from ``take(name, nbytes)``. The
-    arguments are fused_step's, with its checks.
+    dispatch.key_split cuts (and no ``tile`` named) the split-key kernels (kernels/split_keys.cu), over scratch
+    buffers from ``take(name, nbytes)``: ``split_kernel`` "stream", split_key_stream after a Fill of its arrival
+    counters (split_keys.split_stream_steps), or "pair", split_key_attention then combine_key_splits
+    (split_keys.split_key_steps); None: split_keys.chosen_split_kernel(). The arguments are fused_step's, with its
+    checks.
 
     ``raw_query`` (split-key calls only): q is the float16 / bfloat16 query as the node received it, with a float32
     ``q.bias`` the kernel adds on load and keeps in float32 (ORT's sum), k and v the node's own BNSH key and value
@@ -346,9 +350,10 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
         if qk is not None:
             raise ValueError("fused attention: the qk output is for calls dispatch.key_split cuts")
         return [fused_step(problem, facts=facts, tile=tile, **operands)]
-    if operands.get("out_narrow") is not None:
-        raise ValueError("fused attention: out_narrow is for one flash kernel (split_keys.takes_split_keys: False); the "
-                         "split-key pair writes float32 out_BSD")  # fmt: skip
+    out_narrow = operands.get("out_narrow")
+    if out_narrow is not None and problem.dtype == "float32":
+        raise ValueError("fused attention: out_narrow is for float16 / bfloat16 calls (a float32 call's split-key "
+                         "kernels write float32 out_BSD)")  # fmt: skip
     q, k, v, out_BSD = operands["q"], operands["k"], operands["v"], operands["out_BSD"]
     attention_bias, mask = operands["attention_bias"], operands["mask"]
     key_offset, query_offset = operands.get("key_offset"), operands.get("query_offset")
@@ -356,9 +361,16 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
         raise ValueError("fused attention: a raw query's call has no key / value bias and no score offsets")
     launch = _decided(problem, q, k, v, operands["operand_dtype"], attention_bias, mask, facts, None, key_offset,
                       query_offset, check_bias=not raw_query)  # fmt: skip
-    return split_key_steps(problem, split, take,
-                           _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD),
-                           operands["operand_dtype"], out_BSD, round_query=not raw_query, qk=qk)  # fmt: skip
+    arguments = _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD, out_narrow)
+    kernel = split_kernel or chosen_split_kernel()
+    if kernel not in SPLIT_KERNELS:
+        raise ValueError(f"fused attention: split_kernel {kernel!r} is not one of {SPLIT_KERNELS}")
+    cut = dispatch.key_stream(problem, facts.sms, in_bytes) if kernel == "stream" else None
+    if cut is not None:  # (key_stream takes every call key_split does)
+        return split_stream_steps(problem, cut, take, arguments, operands["operand_dtype"], round_query=not raw_query,
+                                  qk=qk)  # fmt: skip
+    return split_key_steps(problem, split, take, arguments, operands["operand_dtype"], out_BSD,
+                           round_query=not raw_query, qk=qk, out_narrow=out_narrow)  # fmt: skip
 
 
 def _decided(problem: MhaProblem, q: Operand, k: Operand, v: Operand, operand_dtype: str, attention_bias: Address,

@@ -62,7 +62,8 @@ INSTANTIATED = {
     "flash_attention_mma": ("flash_attention.cu", None),
     "flash_attention_wgmma": ("flash_attention_wgmma.cu", HOPPER_ARCH),
     "flash_attention_ws": ("flash_attention_ws.cu", HOPPER_ARCH),
-    "split_key_attention": ("split_keys.cu", None),  # a decode step's keys across blocks (dispatch.key_split)
+    "split_key_stream": ("split_keys.cu", None),  # a decode step's keys across blocks (dispatch.key_stream)
+    "split_key_attention": ("split_keys.cu", None),  # ... the earlier pair (dispatch.key_split), for A/B timing
     "combine_key_splits": ("split_keys.cu", None),
 }
 COMPILE_OPTIONS = ()  # accurate expf: no fast-math

@@ -17,9 +17,9 @@ mha_ep/spec.py):
      keep flags: ``> 0``); an attention_bias not in float32 is widened to it; a source the kernels would read with
      vector loads from an address not 16-byte aligned is copied to an aligned buffer;
   2. float16 / bfloat16 sources on the fused path (``native``): build_dense_BNTH_native moves Q, K and V into the
-     kernel's operands in one launch (which for a wanted present *are* the present outputs), and the flash kernel
-     writes the node's output in its dtype (out_narrow; the split-key pair writes float32 that narrow_output
-     rounds into it, exact: the values are already rounded). Two kinds of call skip the movers: a decoder's cross
+     kernel's operands in one launch (which for a wanted present *are* the present outputs), and the fused
+     kernel (a flash kernel, or the split-key kernels' combine) writes the node's output in its dtype (out_narrow:
+     no float32 scratch, no narrowing launch). Two kinds of call skip the movers: a decoder's cross
      attention (``reads_kv_in_place``: the split-key kernels read its BNSH key and value and its query as they
      are), and a call with no projection bias, past or present (``reads_sources_in_place``: an encoder's, a
      diffusion model's, every packed call's), whose kernel reads query, key and value where ORT holds them;
@@ -31,8 +31,8 @@ mha_ep/spec.py):
           dispatch.fused_unsupported_reason says why not, the three phases: cuBLAS scores, masked softmax, cuBLAS
           P.V and context_to_BSD;
      and outputs wanted in the node's dtype are narrowed from float32 buffers.
-"The fused kernel" is fused.fused_steps': one flash kernel, or for a decode step (S <= 4) the split-key pair,
-whose blocks share a row's keys (dispatch.key_split, kernels/split_keys.cu).
+"The fused kernel" is fused.fused_steps': one flash kernel, or for a decode step (S <= 4) the split-key kernels,
+whose blocks share a row's keys (dispatch.key_stream, kernels/split_keys.cu).
 This module must not import CuPy: its decisions are tested on CPU machines, and the native route plans on them.
 """
 
@@ -318,7 +318,8 @@ def reads_kv_in_place(problem: MhaProblem, facts: DeviceFacts) -> bool:
 
 def _native_in_place(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sources: dict, outputs: dict,
                      build: _Builder) -> None:  # fmt: skip
-    """reads_kv_in_place's launches: b_q widened to float32, the split-key pair on the sources (_native_attention)."""
+    """reads_kv_in_place's launches: b_q widened to float32, the split-key kernels on the sources
+    (_native_attention)."""
     g = problem.geometry
     bias_q = None
     if problem.bias_q is not None:
@@ -391,20 +392,13 @@ def _native_fused(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sou
 
 
 def _native_attention(problem: MhaProblem, facts: DeviceFacts, outputs: dict, build: _Builder, **operands) -> None:
-    """The fused kernel on float16 / bfloat16 operands into the node's outputs: one flash kernel writes the output
-    in the call's dtype itself (out_narrow); the split-key pair writes float32 that one narrowing rounds into it
-    (and the float32 scores into qk)."""
-    if not takes_split_keys(problem, facts, problem.dtype):
-        build.extend(fused_steps(problem, operand_dtype=problem.dtype, out_BSD=None, out_narrow=outputs["output"],
-                                 facts=facts, take=build.take, **operands))  # fmt: skip
-        return
-    g = problem.geometry
-    count = g.batch * g.q_seq * g.v_hidden
-    out_f32 = build.take("output_f32", 4 * count)
-    qk_f32 = _qk_scratch(problem, build)
-    build.extend(fused_steps(problem, operand_dtype=problem.dtype, out_BSD=out_f32, facts=facts, take=build.take,
-                             qk=qk_f32, **operands))  # fmt: skip
-    build.add(_narrow(problem.dtype, out_f32, outputs["output"], count))
+    """The fused kernel on float16 / bfloat16 operands into the node's outputs: one flash kernel, or the split-key
+    kernels' combine, writes the output in the call's dtype itself (out_narrow: no float32 scratch, no narrowing
+    launch); a split-key call that wants qk writes its scores in float32, which one narrowing rounds into qk (only
+    split-key calls write qk: dispatch.fused_unsupported_reason)."""
+    qk_f32 = _qk_scratch(problem, build) if takes_split_keys(problem, facts, problem.dtype) else None
+    build.extend(fused_steps(problem, operand_dtype=problem.dtype, out_BSD=None, out_narrow=outputs["output"],
+                             facts=facts, take=build.take, qk=qk_f32, **operands))  # fmt: skip
     _narrow_qk(problem, qk_f32, outputs, build)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from mha_ep.launch import ELEMENT_BYTES
 from mha_ep.engine.cuda import dispatch, fused, split_keys
+from mha_ep.engine.cuda.steps import Pointer
 
 import cuda_cases
 from cuda_cases import Case, make_problem
@@ -393,10 +394,133 @@ def test_split_key_shared_memory_fits_the_default_limit_at_the_extremes():
     assert split_keys.split_shared_bytes(widest, split.chunk + 1, "float32") > dispatch.SPLIT_SHARED_BYTES
 
 
+@pytest.mark.parametrize(
+    "pairs, cut",
+    [  # Whisper's cross attention, float16, S = 1, T = 1500, H = 64 on 132 SMs: 528 blocks aimed for, one round
+        (20, dispatch.KeyStream(26, 58, 58, 2)),  # large-v3-turbo, B = 1: one tile of K and one of V a block
+        (96, dispatch.KeyStream(5, 300, 64, 4)),  # small, B = 8: 5 tiles of K, then 5 of V, through 4 stages
+        (100, dispatch.KeyStream(5, 300, 64, 4)),  # 5 beams
+        (160, dispatch.KeyStream(3, 500, 64, 4)),  # B = 8, 20 heads
+        (480, dispatch.KeyStream(1, 1500, 64, 4)),  # 5 beams x B = 8, 12 heads: one block a pair, no combine wait
+        (6, dispatch.KeyStream(47, 32, 32, 2)),  # tiny, B = 1: SPLIT_MIN_CHUNK keys a block
+        (600, dispatch.KeyStream(1, 1500, 64, 4)),  # more pairs than blocks aimed for: still one split
+    ],
+)
+def test_key_stream_fills_one_round_of_blocks_at_whispers_shapes(pairs, cut):
+    problem = make_problem(Case(b=pairs // 2, s=1, l=1500, n=2, h=64, layout="BNSH", bias=False), "float16")
+    got = dispatch.key_stream(problem, 132, 2)
+    assert got == cut
+    assert (got.splits - 1) * got.span < 1500 <= got.splits * got.span  # every key in one span, none empty
+    assert pairs * got.splits <= dispatch.STREAM_BLOCKS_PER_SM * 132 or got.splits == 1
+    assert dispatch.stream_shared_bytes(problem.geometry, got, 2) <= fused.DEFAULT_SHARED_LIMIT
+
+
+def test_key_stream_takes_exactly_the_calls_key_split_takes_and_holds_a_spans_logits():
+    """The two kernels are one dispatch decision (key_split None: the flash kernels); a stream block's span is at
+    most STREAM_MAX_LOGITS / S keys, and its shared memory is what the kernel carves."""
+    for case, sms, in_bytes in [(Case(b=1, s=5, l=1500, n=6, h=64), 132, 2), (Case(b=1, s=1, l=9, n=1, h=136), 132, 2),
+                                (Case(b=1, s=4, l=9000, n=1, h=128), 1, 4), (Case(b=2, s=1, l=5, n=2, h=64), 132, 4),
+                                (Case(b=528, s=4, l=4000, n=1, h=8, bias=False), 132, 2),
+                                (Case(b=2, s=3, l=300, n=2, h=40, hv=24), 8, 2)]:  # fmt: skip
+        problem = make_problem(case, "float32")
+        g = problem.geometry
+        cut = dispatch.key_stream(problem, sms, in_bytes)
+        assert (cut is None) == (dispatch.key_split(problem, sms, in_bytes) is None), case
+        if cut is None:
+            continue
+        assert cut.span * g.q_seq <= max(dispatch.STREAM_MAX_LOGITS, dispatch.SPLIT_MIN_CHUNK * g.q_seq)
+        assert (cut.splits - 1) * cut.span < g.total_seq <= cut.splits * cut.span
+        assert 1 <= cut.tile <= cut.span and 1 <= cut.stages <= dispatch.STREAM_STAGES
+        assert cut.stages == min(dispatch.STREAM_STAGES, 2 * -(-cut.span // cut.tile))  # the stages a block uses
+    widest = make_problem(Case(b=1, s=dispatch.SPLIT_MAX_ROWS, l=9000, n=1, h=128), "float32")
+    cut = dispatch.key_stream(widest, 1, 4)
+    assert cut == dispatch.KeyStream(9, 1000, 16, 4)
+    floats = 4 * (128 + 1000 + dispatch.SPLIT_WARPS * 128) + 9 + 2  # q, logits, P.V shares, weights, total, verdict
+    assert split_keys.stream_shared_bytes(widest, cut, "float32") == 4 * (floats + 1) + 4 * 16 * 128 * 4
+    assert split_keys.stream_shared_bytes(widest, cut, "float32") <= fused.SHARED_LIMIT
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_steps_stream_a_decode_steps_keys_in_one_launch(dtype):
+    """S <= SPLIT_MAX_ROWS, the default split kernel: a Fill zeroing the pairs' arrival counters, then one
+    split_key_stream over (pairs, splits) blocks with the flash arguments passed on (its last blocks write the
+    output: out_BSD, or out_narrow for float16 / bfloat16), three scratch buffers (partial outputs, max and sum,
+    the counters). One split: no counters, no Fill."""
+    facts = fused.DeviceFacts("90", 132)
+    taken = {}
+
+    def take(name, nbytes):
+        taken[name] = nbytes
+        return 4096 * (len(taken) + 100)
+
+    problem = make_problem(Case(b=2, s=1, l=300, n=3, h=64, hv=32, mask="lengths"), dtype)
+    g = problem.geometry
+    pairs = g.batch * g.num_heads
+    operands = dict(
+        q=fused.Operand(1 << 20, "BNSH", g.q_seq, 64), k=fused.Operand(2 << 20, "BNSH", g.total_seq, 64),
+        v=fused.Operand(3 << 20, "BNSH", g.total_seq, 32), operand_dtype=dtype, attention_bias=None,
+        mask=4 << 20, out_BSD=5 << 20,
+    )  # fmt: skip
+    fill, attention = fused.fused_steps(problem, take=take, facts=facts, **operands)
+    cut = dispatch.key_stream(problem, facts.sms, ELEMENT_BYTES[dtype])
+    assert cut.splits > 1 and attention.function.startswith("split_key_stream<")
+    assert attention.grid == (pairs, cut.splits, 1) and attention.block == (split_keys.SPLIT_THREADS, 1, 1)
+    flash_args = fused.fused_step(problem, facts=facts, **operands).args
+    assert attention.args[: len(flash_args)] == flash_args  # out_BSD, no out_narrow
+    assert attention.shared == split_keys.stream_shared_bytes(problem, cut, dtype)
+    rows = pairs * cut.splits * g.q_seq
+    assert taken == {"split_O": 4 * rows * g.v_head_size, "split_ML": 8 * rows, "split_arrivals": 4 * pairs}
+    counters = 4096 * (3 + 100)
+    assert (fill.dst, fill.byte, fill.nbytes) == (counters, 0, 4 * pairs)
+    assert attention.args[len(flash_args):] == (np.int32(cut.span), np.int32(cut.tile), Pointer(4096 * 101),
+                                                Pointer(4096 * 102), Pointer(counters), np.int32(1), Pointer(None))
+    if dtype != "float32":  # the node's own output instead: the last blocks store the call's dtype there
+        (_, narrow) = fused.fused_steps(problem, take=take, facts=facts, **{**operands, "out_BSD": None},
+                                        out_narrow=6 << 20)  # fmt: skip
+        assert narrow.args[len(flash_args) - 2: len(flash_args)] == (Pointer(None), Pointer(6 << 20))
+    else:
+        with pytest.raises(ValueError, match="out_narrow is for float16 / bfloat16 calls"):
+            fused.fused_steps(problem, take=take, facts=facts, **operands, out_narrow=6 << 20)
+    many = make_problem(Case(b=40, s=1, l=300, n=15, h=64, mask="lengths"), dtype)  # 600 pairs: one split each
+    taken.clear()
+    steps = fused.fused_steps(many, take=take, facts=facts, **{**operands, "k": fused.Operand(2 << 20, "BNSH", 300, 64),
+                                                              "v": fused.Operand(3 << 20, "BNSH", 300, 64)})  # fmt: skip
+    assert [step.function.split("<")[0] for step in steps] == ["split_key_stream"]
+    assert steps[0].grid == (600, 1, 1) and steps[0].args[-3] == Pointer(None) and "split_arrivals" not in taken
+
+
+def test_the_split_kernel_is_chosen_by_argument_or_environment(monkeypatch):
+    """fused_steps' split_kernel, else MHA_EP_SPLIT_KERNEL ("pair": the earlier two launches, for A/B timing of a
+    whole model), else "stream"; anything else is refused."""
+    facts = fused.DeviceFacts("90", 132)
+    problem = make_problem(Case(b=2, s=1, l=300, n=3, h=64), "float16")
+    g = problem.geometry
+    operands = dict(q=fused.Operand(1 << 20, "BNSH", 1, 64), k=fused.Operand(2 << 20, "BNSH", g.total_seq, 64),
+                    v=fused.Operand(3 << 20, "BNSH", g.total_seq, 64), operand_dtype="float16", attention_bias=None,
+                    mask=None, out_BSD=None, out_narrow=5 << 20)  # fmt: skip
+
+    def kernels(**chosen):
+        steps = fused.fused_steps(problem, take=lambda name, nbytes: 1 << 24, facts=facts, **chosen, **operands)
+        return [getattr(step, "function", type(step).__name__).split("<")[0] for step in steps]
+
+    monkeypatch.delenv(split_keys.SPLIT_KERNEL_ENV, raising=False)
+    assert kernels() == ["Fill", "split_key_stream"]
+    assert kernels(split_kernel="pair") == ["split_key_attention", "combine_key_splits"]
+    monkeypatch.setenv(split_keys.SPLIT_KERNEL_ENV, "pair")
+    assert kernels() == ["split_key_attention", "combine_key_splits"]
+    assert kernels(split_kernel="stream") == ["Fill", "split_key_stream"]
+    monkeypatch.setenv(split_keys.SPLIT_KERNEL_ENV, "both")
+    with pytest.raises(ValueError, match="MHA_EP_SPLIT_KERNEL='both'"):
+        kernels()
+    with pytest.raises(ValueError, match="split_kernel 'fast' is not one of"):
+        kernels(split_kernel="fast")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_steps_launch_the_split_pair_for_decode_steps_and_flash_otherwise(dtype):
-    """S <= SPLIT_MAX_ROWS: split_key_attention over (pairs, splits) blocks then combine_key_splits, the flash
-    arguments passed on, two scratch buffers (partial outputs, max and sum); S = 5: one flash launch."""
+    """split_kernel "pair", S <= SPLIT_MAX_ROWS: split_key_attention over (pairs, splits) blocks then
+    combine_key_splits, the flash arguments passed on, two scratch buffers (partial outputs, max and sum); S = 5:
+    one flash launch."""
     facts = fused.DeviceFacts("90", 132)
     taken = {}
 
@@ -412,7 +536,7 @@ def test_fused_steps_launch_the_split_pair_for_decode_steps_and_flash_otherwise(
             v=fused.Operand(3 << 20, "BNSH", g.total_seq, 32), operand_dtype=dtype, attention_bias=None,
             mask=4 << 20, out_BSD=5 << 20,
         )  # fmt: skip
-        steps = fused.fused_steps(problem, take=take, facts=facts, **operands)
+        steps = fused.fused_steps(problem, take=take, facts=facts, split_kernel="pair", **operands)
         if expected is None:
             assert len(steps) == 1 and steps[0].function.startswith("flash_attention_")
             continue
@@ -423,9 +547,19 @@ def test_fused_steps_launch_the_split_pair_for_decode_steps_and_flash_otherwise(
         assert attention.args[: len(fused.fused_step(problem, facts=facts, **operands).args)] == \
             fused.fused_step(problem, facts=facts, **operands).args  # fmt: skip
         assert attention.shared == split_keys.split_shared_bytes(problem, split.chunk, dtype)
-        assert combine.grid == (g.batch * g.num_heads * g.q_seq, 1, 1) and combine.args[-1].address == 5 << 20
+        assert combine.grid == (g.batch * g.num_heads * g.q_seq, 1, 1)
+        assert combine.args[-2:] == (Pointer(5 << 20), Pointer(None))  # float32 out_BSD, no out_narrow
         rows = g.batch * g.num_heads * split.splits * g.q_seq
         assert taken == {"split_O": 4 * rows * g.v_head_size, "split_ML": 8 * rows}
+        if dtype != "float32":  # the node's own output instead: combine_key_splits stores the call's dtype there
+            narrow = fused.fused_steps(problem, take=take, facts=facts, split_kernel="pair",
+                                       **{**operands, "out_BSD": None}, out_narrow=6 << 20)  # fmt: skip
+            assert narrow[1].args[-2:] == (Pointer(None), Pointer(6 << 20))
+            assert narrow[0].args[:-7] == attention.args[:-7]  # the same attention launch up to its outputs
+        else:
+            with pytest.raises(ValueError, match="out_narrow is for float16 / bfloat16 calls"):
+                fused.fused_steps(problem, take=take, facts=facts, split_kernel="pair", **operands,
+                                  out_narrow=6 << 20)  # fmt: skip
 
 
 def test_a_float16_call_that_writes_qk_keeps_the_row_constant_bias_term():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mha_ep.engine.cuda import dispatch, fused, runner
+from mha_ep.engine.cuda.split_keys import SPLIT_KERNELS
 from mha_ep.engine.reference import run_reference, to_BNSH
 from mha_ep.engine.problem import FLOAT32_LOWEST
 
@@ -47,13 +48,15 @@ def test_fused_matches_reference(cupy_module, case_name, dtype, form):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", SPLIT_KERNELS)
 @pytest.mark.parametrize("form", FORMS + ("offsets", "raw"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case_name", list(SPLIT_CASES))
-def test_split_key_kernels_match_reference(cupy_module, case_name, dtype, form):
-    """A decode step's keys split across blocks (dispatch.key_split) compute the flash kernels' function: every
-    operand form (``raw``: the native route's cross attention, pipeline.reads_kv_in_place), mask, bias and dtype,
-    scratch and output poisoned."""
+def test_split_key_kernels_match_reference(cupy_module, case_name, dtype, form, kernel):
+    """A decode step's keys split across blocks (dispatch.key_stream / key_split) compute the flash kernels'
+    function: both split kernels, every operand form (``raw``: the native route's cross attention,
+    pipeline.reads_kv_in_place), mask, bias and dtype, scratch and output poisoned (the stream's arrival counters
+    too, before their Fill)."""
     case = SPLIT_CASES[case_name]
     if form == "staged" and case.p is not None:
         pytest.skip("a past is read from the dense (layout mover's) K/V cache only")
@@ -63,7 +66,25 @@ def test_split_key_kernels_match_reference(cupy_module, case_name, dtype, form):
         pytest.skip("the raw form is a float16 / bfloat16 BNSH call without a past")
     problem = make_problem(case, dtype)
     assert dispatch.fused_unsupported_reason(problem) is None and dispatch.key_split(problem) is not None
-    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, form, split=True))
+    assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, form, split=kernel))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", SPLIT_KERNELS)
+@pytest.mark.parametrize("form", ["dense", "raw"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case_name", list(SPLIT_CASES))
+def test_split_key_kernels_write_the_calls_dtype_exactly(cupy_module, case_name, dtype, form, kernel):
+    """out_narrow (the native route's float16 / bfloat16 nodes): the split-key launches store the call's dtype
+    themselves, the very values their float32 output holds (rounded to the dtype already), NaN rows included; the
+    stream's combine, whichever block of a pair arrives last, sums the splits in one order: the same bits twice."""
+    case = SPLIT_CASES[case_name]
+    if form == "raw" and (case.layout != "BNSH" or case.p is not None):
+        pytest.skip("the raw form is a BNSH call without a past")
+    problem = make_problem(case, dtype)
+    wide = run_fused_on_gpu(cupy_module, problem, form, split=kernel)
+    np.testing.assert_array_equal(run_fused_on_gpu(cupy_module, problem, form, split=kernel, narrow=True), wide)
+    np.testing.assert_array_equal(run_fused_on_gpu(cupy_module, problem, form, split=kernel), wide)
 
 
 @pytest.mark.gpu

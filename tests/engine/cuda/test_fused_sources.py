@@ -91,12 +91,15 @@ def test_the_fused_kernels_share_one_parameter_list_and_one_copy_of_the_tile_ste
     move changed no PTX)."""
     assert SOURCE.count("long long stride_qb") == 1, "one parameter list: FLASH_KERNEL_PARAMETERS"
     kernels = {"flash_attention_mma": "IN", "flash_attention_fp32": "IN", "flash_attention_wgmma": "ELEM",
-               "flash_attention_ws": "ELEM", "split_key_attention": "IN"}  # fmt: skip
+               "flash_attention_ws": "ELEM", "split_key_attention": "IN", "split_key_stream": "IN"}  # fmt: skip
     for kernel, operand in kernels.items():
         assert f"{kernel}(FLASH_KERNEL_PARAMETERS({operand})" in SOURCE, kernel
     steps = ("__syncthreads_and(row_max[0] > CAUSAL_SKIP_MAX_FLOOR", "tm.padding == TILE_PAD_ALL",
              "tile_max[r] = padded_logit(", "part_max[0][i % 4] = fmaxf(",
-             "p[kt][3] = zero ? 0u : Ops<ELEM, BLOCK_N>::pack(")  # fmt: skip
+             "p[kt][3] = zero ? 0u : Ops<ELEM, BLOCK_N>::pack(",
+             # split_keys.cu: both split kernels' steps (split_key_attention's and split_key_stream's blocks)
+             "const float logit = masked_logit_per_key(x, sc.mp, m, i, j);", "const float p = exp2f((x_row[jj]",
+             "o[i][e] = fmaf(p[i], vr, o[i][e]);", "static_cast<ELEM*>(out_narrow_BSD)[out_row + d] =")  # fmt: skip
     for step in steps:
         assert SOURCE.count(step) == 1, step
 
@@ -119,13 +122,13 @@ def test_kernel_sources_inline_every_local_header():
         assert text.count("__device__ __forceinline__ T from_float(float x);") == 1
 
 
-def ptxas_report(tmp_path, lines: list) -> subprocess.CompletedProcess:
-    """``lines`` as one translation unit compiled for sm_90a with ptxas's per-kernel report (-Xptxas -v, on
+def ptxas_report(tmp_path, lines: list, arch: str = "sm_90a") -> subprocess.CompletedProcess:
+    """``lines`` as one translation unit compiled for ``arch`` with ptxas's per-kernel report (-Xptxas -v, on
     stderr); asserts that it compiled."""
     unit = tmp_path / "unit.cu"
     unit.write_text("\n".join(lines) + "\n")
     done = subprocess.run(
-        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",
+        ["nvcc", "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", f"-I{KERNEL_DIR}", str(unit), "-o",
          str(tmp_path / "a.cubin")],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -140,18 +143,20 @@ def assert_no_spills(report: str, kernels: int) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_split_key_and_decode_loop_kernels_compile_without_spills(tmp_path):
-    """Every instantiation of split_keys.cu (fused.fused_steps) and of the decode loop's decode.cu
-    (static_decode.py) that Python launches, for sm_90a: no error, no register spill."""
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])  # the H100 / H200, and the oldest GPU the kernels take
+def test_split_key_and_decode_loop_kernels_compile_without_spills(tmp_path, arch):
+    """Every instantiation of split_keys.cu (fused.fused_steps: both split kernels) and of the decode loop's
+    decode.cu (static_decode.py) that Python launches, for sm_90a and sm_80: no error, no register spill."""
     from mha_ep.decode.static_decode import DECODE_EXPRESSIONS, KERNEL_FILE
 
     elements = ("float", "__half", "__nv_bfloat16")
-    names = [f"split_key_attention<{e}, {s}>" for e in elements for s in sorted({"float", e})]
+    names = [f"{kernel}<{e}, {s}>" for kernel in ("split_key_stream", "split_key_attention") for e in elements
+             for s in sorted({"float", e})]  # fmt: skip
     names += [f"combine_key_splits<{e}>" for e in elements]
     names += list(DECODE_EXPRESSIONS)
     lines = ['#include "split_keys.cu"', f'#include "{KERNEL_FILE}"', "void* instances[] = {"]
     lines += [f"  (void*){name}," for name in names] + ["};"]
-    done = ptxas_report(tmp_path, lines)
+    done = ptxas_report(tmp_path, lines, arch)
     compiled = re.findall(r"Compiling entry function '(\w+)'", done.stderr)
     assert len(compiled) == len(names), compiled
     assert_no_spills(done.stderr, len(names))

@@ -105,6 +105,8 @@ def test_the_feature_bits_match_python():
         ("SPLIT_THREADS", split_keys.SPLIT_THREADS),
         ("SPLIT_MAX_ROWS", dispatch.SPLIT_MAX_ROWS),
         ("SPLIT_MAX_DIM", dispatch.SPLIT_MAX_DIM),
+        ("STREAM_STAGES", dispatch.STREAM_STAGES),
+        ("STREAM_BLOCKS_PER_SM", dispatch.STREAM_BLOCKS_PER_SM),
     ],
 )
 def test_integer_defines_match_python(define, python):

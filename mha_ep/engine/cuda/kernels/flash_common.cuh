@@ -190,6 +190,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 // Wait until at most the newest committed group is still in flight.
 __device__ __forceinline__ void cp_async_wait_all_but_newest() { asm volatile("cp.async.wait_group 1;\n" ::); }
+// Wait until at most the N newest committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait_pending() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 // LOAD_CHUNK elements of `src` (+ bias), rounded to ELEM, into registers (zeros when !valid).
 template <typename ELEM, typename IN>
