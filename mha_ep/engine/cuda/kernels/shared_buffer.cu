@@ -31,6 +31,7 @@
 #include "common.cuh"
 
 #define SHARED_BUFFER_THREADS 128
+#define KEYS_IN_FLIGHT 4  // past rows a warp (scores) or a thread (P.V) reads before it uses the first
 #define STATUS_WORDS 8
 #define INT_MAX_VALUE 2147483647
 
@@ -201,42 +202,61 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
     return batch_row0 + min(max(index, 0), beams - 1);
   };
 
-  // 2-3. scores: a warp per key, lanes across the head
-  for (int j = warp; j < total; j += warps) {
+  // 2-3. scores: a warp per key, lanes across the head; a warp reads KEYS_IN_FLIGHT past rows before it sums any
+  // (a decode step's row is a few dozen keys: one row at a time left the block waiting on one load after another,
+  // docs/BENCH.md section 6)
+  auto score_of = [&](int j, float dot) {
+    float x = scale * dot;
+    if (attention_bias != nullptr && j < bias_total) {
+      const long long plane = (long long)(bias_d0 == 1 ? 0 : b) * bias_d1 + (bias_d1 == 1 ? 0 : n);
+      x += to_float<T>(attention_bias[(plane * q_seq + s) * bias_total + j]);
+    }
+    bool keep = true;
+    if (mask_kind == MASK_KEY_LENGTHS) {
+      keep = j < key_length;
+    } else if ((mask_kind == MASK_KEYS_BT || mask_kind == MASK_KEYS_BST) && j < mask_total) {
+      const long long at = mask_kind == MASK_KEYS_BT ? (long long)b * mask_total + j
+                                                     : ((long long)b * q_seq + s) * mask_total + j;
+      keep = beam ? mask[at] != (M)0 : mask[at] > (M)0;
+    }
+    if (causal && s < q_seq - 1 && j > past + s) {
+      x += FLOAT32_LOWEST;
+    } else if (!keep) {
+      x += mask_filter_value;
+    }
+    return x;
+  };
+  for (int j0 = warp * KEYS_IN_FLIGHT; j0 < past; j0 += warps * KEYS_IN_FLIGHT) {
+    const T* k_rows[KEYS_IN_FLIGHT];
+#pragma unroll
+    for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
+      const int j = min(j0 + u, past - 1);  // a row past the end reads the last one again, its score unused
+      k_rows[u] = past_key + (((long long)past_row(j) * heads + n) * max_seq + j) * head_size;
+    }
+    float dots[KEYS_IN_FLIGHT] = {};
+    for (int h = lane; h < head_size; h += 32) {
+      float k[KEYS_IN_FLIGHT];
+#pragma unroll
+      for (int u = 0; u < KEYS_IN_FLIGHT; ++u) k[u] = to_float<T>(k_rows[u][h]);
+#pragma unroll
+      for (int u = 0; u < KEYS_IN_FLIGHT; ++u) dots[u] += q_H[h] * k[u];
+    }
+#pragma unroll
+    for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
+      const float dot = warp_sum(dots[u]);
+      if (lane == 0 && j0 + u < past) scores_T[j0 + u] = score_of(j0 + u, dot);
+    }
+  }
+  for (int j = past + warp; j < total; j += warps) {  // the step's own L rows, from key + b_k in float32
     float dot = 0.f;
-    if (j < past) {
-      const T* k_row = past_key + (((long long)past_row(j) * heads + n) * max_seq + j) * head_size;
-      for (int h = lane; h < head_size; h += 32) dot += q_H[h] * to_float<T>(k_row[h]);
-    } else {
-      const T* k_row = key_BLD + ((long long)b * kv_seq + (j - past)) * hidden + (long long)n * head_size;
-      for (int h = lane; h < head_size; h += 32) {
-        float k = to_float<T>(k_row[h]);
-        if (bias_k != nullptr) k += to_float<T>(bias_k[(long long)n * head_size + h]);
-        dot += q_H[h] * k;
-      }
+    const T* k_row = key_BLD + ((long long)b * kv_seq + (j - past)) * hidden + (long long)n * head_size;
+    for (int h = lane; h < head_size; h += 32) {
+      float k = to_float<T>(k_row[h]);
+      if (bias_k != nullptr) k += to_float<T>(bias_k[(long long)n * head_size + h]);
+      dot += q_H[h] * k;
     }
     dot = warp_sum(dot);
-    if (lane == 0) {
-      float x = scale * dot;
-      if (attention_bias != nullptr && j < bias_total) {
-        const long long plane = (long long)(bias_d0 == 1 ? 0 : b) * bias_d1 + (bias_d1 == 1 ? 0 : n);
-        x += to_float<T>(attention_bias[(plane * q_seq + s) * bias_total + j]);
-      }
-      bool keep = true;
-      if (mask_kind == MASK_KEY_LENGTHS) {
-        keep = j < key_length;
-      } else if ((mask_kind == MASK_KEYS_BT || mask_kind == MASK_KEYS_BST) && j < mask_total) {
-        const long long at = mask_kind == MASK_KEYS_BT ? (long long)b * mask_total + j
-                                                       : ((long long)b * q_seq + s) * mask_total + j;
-        keep = beam ? mask[at] != (M)0 : mask[at] > (M)0;
-      }
-      if (causal && s < q_seq - 1 && j > past + s) {
-        x += FLOAT32_LOWEST;
-      } else if (!keep) {
-        x += mask_filter_value;
-      }
-      scores_T[j] = x;
-    }
+    if (lane == 0) scores_T[j] = score_of(j, dot);
   }
   __syncthreads();
 
@@ -263,7 +283,22 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
     const bool active = h < v_head_size && (groups == 1 || group < groups);
     float acc = 0.f;
     if (active) {
-      for (int j = groups > 1 ? group : 0; j < total; j += groups) {
+      const int first = groups > 1 ? group : 0;
+      int j = first;
+      // the past rows KEYS_IN_FLIGHT at a time: every load issued before the first multiply-add
+      for (; j + (KEYS_IN_FLIGHT - 1) * groups < past; j += KEYS_IN_FLIGHT * groups) {
+        float v[KEYS_IN_FLIGHT];
+        float p[KEYS_IN_FLIGHT];
+#pragma unroll
+        for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
+          const int jj = j + u * groups;  // < M: an int
+          v[u] = to_float<T>(past_value[(((long long)past_row(jj) * heads + n) * max_seq + jj) * v_head_size + h]);
+          p[u] = scores_T[jj];
+        }
+#pragma unroll
+        for (int u = 0; u < KEYS_IN_FLIGHT; ++u) acc += p[u] * v[u];
+      }
+      for (; j < total; j += groups) {
         float v;
         if (j < past) {
           v = to_float<T>(past_value[(((long long)past_row(j) * heads + n) * max_seq + j) * v_head_size + h]);
