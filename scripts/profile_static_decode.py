@@ -102,7 +102,7 @@ def kernels(args) -> None:
     import cupy
     import onnxruntime as ort
 
-    from mha_ep.bench.generate import PROMPT, PROVIDERS
+    from mha_ep.bench.generate import PROMPT, PROVIDERS, bound_step
     from mha_ep.decode.static_decode import GREEDY_THREADS, decode_function
     from mha_ep.bench.cupti import kernel_table
 
@@ -150,19 +150,7 @@ def kernels(args) -> None:
                         lambda: (beam_static(decoder, prompt_logits, [1] * PROMPT, args.steps, eot=-5),
                                  stream.synchronize()), repeats=1).items()})  # fmt: skip
     stock = ort.InferenceSession(model.SerializeToString(), providers=PROVIDERS)
-    binding = stock.io_binding()
-    ids = np.ones((rows, 1), np.int64)
-    values = {"input_ids": ort.OrtValue.ortvalue_from_numpy(ids, "cuda", 0)}
-    values.update({n: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in feeds.items()})
-    for name, value in values.items():
-        binding.bind_ortvalue_input(name, value)
-    for output in stock.get_outputs():
-        binding.bind_output(output.name, "cuda", 0)
-
-    def stock_step():
-        stock.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-
+    stock_step = bound_step(stock, {"input_ids": np.ones((rows, 1), np.int64), **feeds})
     print_table(f"stock ORT CUDA, dynamic cache at P={PROMPT}", kernel_table(stock_step))
 
 

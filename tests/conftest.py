@@ -81,6 +81,21 @@ def run_backend(request) -> str:
 
 
 @pytest.fixture(scope="module")
+def native_cupy():
+    """CuPy, where the native route's CUDA kernels can run (onnxruntime-gpu's libraries preloaded), or a clean skip
+    naming what is missing (the static decode loops' GPU tests)."""
+    reason = native_cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the native route's CUDA kernels cannot run here: {reason}")
+    import onnxruntime as ort
+
+    ort.preload_dlls()
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture(scope="module")
 def cupy_module():
     """CuPy with a usable GPU, or a clean skip (the GPU tests of the cuda backend and the fused kernel)."""
     cupy = pytest.importorskip("cupy")

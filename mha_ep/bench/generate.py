@@ -283,13 +283,32 @@ def hbm_rate(name: str) -> Optional[float]:
     return next((hbm for key, (hbm, _) in DEVICE_PEAKS.items() if key in name), None)
 
 
+def bound_step(session, feeds: dict) -> Callable[[], None]:
+    """One eager run of ``session`` over ``feeds`` (NumPy) copied once to the GPU, its outputs bound there and
+    waited for: stock ORT's dynamic decode step as a profile times it."""
+    import onnxruntime as ort
+
+    binding = session.io_binding()
+    values = {n: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in feeds.items()}
+    for name, value in values.items():
+        binding.bind_ortvalue_input(name, value)
+    for output in session.get_outputs():
+        binding.bind_output(output.name, "cuda", 0)
+
+    def step():
+        session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+
+    step.values = values  # the device copies live as long as the step
+    return step
+
+
 def profile_steps(decoder, static_decoder, past: int, layers: int, hidden: int, heads: int,
                   dtype: str, stock_session) -> dict:  # fmt: skip
     """Where one step's GPU time goes (module docstring, ``--profile``): ``static_decoder`` replayed at P = ``past``
     and stock's dynamic step (``stock_session``, IOBinding, past ``past`` rows) of ``decoder``, by kernel kind, with
     the step's floor. {"error": ...} without torch."""
     import cupy
-    import onnxruntime as ort
 
     from mha_ep.bench.cupti import by_kind, kernel_table, top
     from mha_ep.models.synthetic import decoder_step_feeds
@@ -307,18 +326,7 @@ def profile_steps(decoder, static_decoder, past: int, layers: int, hidden: int, 
     feeds = decoder_step_feeds(rows, past, layers, hidden, heads, ENCODER_POSITIONS, dtype, seed=6)
     feeds.pop("hidden_states")
     feeds["input_ids"] = np.ones((rows, 1), np.int64)
-    binding = stock_session.io_binding()
-    values = {n: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in feeds.items()}
-    for name, value in values.items():
-        binding.bind_ortvalue_input(name, value)
-    for output in stock_session.get_outputs():
-        binding.bind_output(output.name, "cuda", 0)
-
-    def stock():
-        stock_session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-
-    tables = {"static": kernel_table(ours), "stock": kernel_table(stock)}
+    tables = {"static": kernel_table(ours), "stock": kernel_table(bound_step(stock_session, feeds))}
     cupy.cuda.runtime.deviceSynchronize()
     floor = step_bytes(decoder, rows, past, ENCODER_POSITIONS, np.dtype(dtype).itemsize)
     rate = hbm_rate(device_name())

@@ -364,6 +364,11 @@ def check_decode_request(decoder, prompt: int, steps: int) -> None:
     check_prompt_length(prompt, decoder.max_length)
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise MhaInputError(f"steps must be a whole number >= 1, got {steps!r}")
+    if steps > decoder.max_length - prompt:  # the tokens at positions [prompt, prompt + steps) need cache rows
+        raise MhaInputError(f"{steps} steps after a prompt of {prompt} positions need {prompt + steps} cache rows; the "
+                            f"decoder's buffers hold max_length {decoder.max_length}: ask for at most "
+                            f"{decoder.max_length - prompt} steps, or rewrite the decoder with a larger static-cache "
+                            "--max-length")  # fmt: skip
 
 
 def greedy_static(decoder: StaticDecoder, first_ids, prompt: int, steps: int, bias=None, eot: Optional[int] = None,
@@ -379,7 +384,6 @@ def greedy_static(decoder: StaticDecoder, first_ids, prompt: int, steps: int, bi
     import cupy
 
     rows, limit = decoder.rows, decoder.max_length
-    steps = min(steps, limit - prompt)
     with cupy.cuda.Device(decoder.device_id), decoder.stream:
         tokens = cupy.full((rows, limit), -1, cupy.int64)
         tokens[:, prompt] = first_ids[:, 0]
@@ -436,7 +440,6 @@ def beam_static(decoder: StaticDecoder, prompt_logits, prompt_tokens, steps: int
 
     batch, beams, rows, limit = decoder.batch, decoder.beams, decoder.rows, decoder.max_length
     prompt = len(prompt_tokens)
-    steps = min(steps, limit - prompt)
     k = beams + 1
     with cupy.cuda.Device(decoder.device_id), decoder.stream:
         tokens = cupy.full((rows, limit), -1, cupy.int64)

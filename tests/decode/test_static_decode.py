@@ -13,21 +13,8 @@ import mha_ep
 from mha_ep.decode.beam import BeamSearch, log_softmax
 from mha_ep.graph.static_cache import static_cache
 
-from conftest import native_cuda_unavailable_reason
-
 PROMPT, MAX_LENGTH, EOT = 3, 64, 2
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    reason = native_cuda_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"the native route's CUDA kernels cannot run here: {reason}")
-    ort.preload_dlls()
-    import cupy
-
-    return cupy
 
 
 def run(session, feeds: dict) -> dict:
@@ -60,10 +47,10 @@ def host_decoder():
                                 providers=["CPUExecutionProvider"])  # fmt: skip
 
 
-def test_greedy_static_gives_the_host_loop_s_tokens(gpu):
+def test_greedy_static_gives_the_host_loop_s_tokens(native_cupy):
     from mha_ep.decode.static_decode import greedy_static
 
-    cupy, steps = gpu, 20
+    cupy, steps = native_cupy, 20
     logits, presents = prompt(2)
     first = logits.argmax(-1)
     cache = {n.replace("present", "past"): v for n, v in presents.items() if "_self_" in n}
@@ -83,10 +70,10 @@ def test_greedy_static_gives_the_host_loop_s_tokens(gpu):
         assert got == expected
 
 
-def test_beam_static_gives_the_host_loop_s_answers(gpu):
+def test_beam_static_gives_the_host_loop_s_answers(native_cupy):
     from mha_ep.decode.static_decode import beam_static
 
-    cupy, beams, entries, steps = gpu, 5, 2, 16
+    cupy, beams, entries, steps = native_cupy, 5, 2, 16
     logits, presents = prompt(entries, beams)
     cache = {n.replace("present", "past"): v for n, v in presents.items() if "_self_" in n}
     cross = {n.replace("present", "past"): v for n, v in presents.items() if "cross" in n}
@@ -107,14 +94,14 @@ def test_beam_static_gives_the_host_loop_s_answers(gpu):
         assert got == expected
 
 
-def test_a_static_decoder_writes_the_cross_qk_of_each_step_into_its_own_buffers(gpu):
+def test_a_static_decoder_writes_the_cross_qk_of_each_step_into_its_own_buffers(native_cupy):
     """ORT's --output_cross_qk form (word timestamps): the static decoder binds every other output, here each
     cross-attention node's qk (B, N, 1, T_enc), to a buffer of its own that every replayed step writes; after one
     step it holds stock ORT CPU's qk of that step, and the tokens stay the host loop's."""
     from mha_ep.decode.static_decode import StaticDecoder, cuda_session, greedy_static
     from mha_ep.models.synthetic import decoder_step_feeds, whisper_decoder_step
 
-    cupy, layers, hidden, heads, frames, vocab = gpu, 2, 64, 2, 40, 100
+    cupy, layers, hidden, heads, frames, vocab = native_cupy, 2, 64, 2, 40, 100
     decoder = whisper_decoder_step(layers, hidden, heads, 128, vocab=vocab, cross_qk=True)
     feeds = decoder_step_feeds(2, PROMPT, layers, hidden, heads, frames, seed=5)
     cache = {n: v for n, v in feeds.items() if n.startswith("past_")}

@@ -27,6 +27,8 @@ def decoder(beams: int = 0):
     (-1, 4, "a prompt of -1 positions"),
     (3, 0, "steps must be a whole number >= 1, got 0"),
     (3, 2.5, "steps must be a whole number >= 1, got 2.5"),
+    (3, MAX_LENGTH - 2, f"{MAX_LENGTH - 2} steps after a prompt of 3 positions need {MAX_LENGTH + 1} cache rows; the "
+                        f"decoder's buffers hold max_length {MAX_LENGTH}: ask for at most {MAX_LENGTH - 3} steps"),
 ])  # fmt: skip
 def test_greedy_refuses_a_request_the_cache_cannot_serve(prompt, steps, words):
     with pytest.raises(MhaInputError) as caught:

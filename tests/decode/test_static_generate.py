@@ -15,23 +15,10 @@ import mha_ep
 from mha_ep.decode.beam import BeamSearch, log_softmax
 from mha_ep.graph.static_cache import static_cache
 
-from conftest import native_cuda_unavailable_reason
-
 MAX_LENGTH, EOT, PROMPT = 64, 2, 3
 SUPPRESS = (5, 9, 13)  # never chosen; FIRST ids also not as the first new token
 FIRST = (17, 21)
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    reason = native_cuda_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"the native route's CUDA kernels cannot run here: {reason}")
-    ort.preload_dlls()
-    import cupy
-
-    return cupy
 
 
 def dynamic_decoder(ids_int32: bool = False, renamed: bool = False) -> onnx.ModelProto:
@@ -102,8 +89,8 @@ def host_greedy(model, prompt: np.ndarray, cross: dict, steps: int) -> tuple:
 
 
 @pytest.mark.parametrize("form", ["int64 ids", "int32 ids (ORT's Whisper export)", "caches named as optimum names them"])
-def test_generate_static_gives_the_host_loop_s_greedy_tokens(gpu, form):
-    cupy, steps = gpu, 20
+def test_generate_static_gives_the_host_loop_s_greedy_tokens(native_cupy, form):
+    cupy, steps = native_cupy, 20
     model = dynamic_decoder(ids_int32="int32" in form, renamed="optimum" in form)
     prompt = np.random.default_rng(7).integers(3, 1000, (2, PROMPT))
     cross = cross_inputs(2)
@@ -123,7 +110,7 @@ def test_generate_static_gives_the_host_loop_s_greedy_tokens(gpu, form):
                                        rtol=2e-3, atol=2e-3, err_msg=cache.past)  # fmt: skip
 
 
-def test_generate_static_gives_the_host_beam_search_s_answers(gpu):
+def test_generate_static_gives_the_host_beam_search_s_answers(native_cupy):
     """5 beams over 2 entries: the prompt and the inputs a row per entry, repeated for its beams by the loop."""
     beams, entries, steps = 5, 2, 12
     model = dynamic_decoder()
@@ -154,13 +141,13 @@ def test_generate_static_gives_the_host_beam_search_s_answers(gpu):
         assert got == search.result(), attempt
 
 
-def test_a_buffer_swapped_after_capture_is_refused_and_the_decoder_still_answers(gpu):
+def test_a_buffer_swapped_after_capture_is_refused_and_the_decoder_still_answers(native_cupy):
     """The failure the guard exists for: new buffers bound after ORT captured the graph would be ignored by every
     replay (stale memory, wrong tokens, no error). Both ways of swapping are refused, naming the input; copying
     into the bound buffers keeps working."""
     from mha_ep.decode.binding import CapturedBindingError
 
-    cupy, steps = gpu, 8
+    cupy, steps = native_cupy, 8
     model = dynamic_decoder()
     prompt = np.random.default_rng(9).integers(3, 1000, (2, PROMPT))
     cross = cross_inputs(2)
