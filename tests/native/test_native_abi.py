@@ -301,7 +301,8 @@ def test_a_float16_cross_attention_decode_step_reads_its_key_and_value_in_place(
 # ------------------------------------------------------------------------------------------- shared buffers
 def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_present():
     """A static cache's step (engine/cuda/shared_buffer.py): status zeroed, the past copied into the present
-    (a no-op at run time when they are one buffer), append_kv, the attention, the status check; every launch
+    (a no-op at run time when they are one buffer), the attention (which also writes the new rows into the
+    presents), the status check; every launch
     argument is a shape, an attribute or a named buffer (P is read on the device); ORT's outputs are written in
     place at any alignment."""
     from mha_ep.engine.cuda.steps import Buffer, CheckStatus, Fill, Pointer
@@ -310,23 +311,24 @@ def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_pres
     kernel, signature = signature_of(config)
     plan = native_plan.plan_steps(kernel, signature, FACTS[0], error_site=3)
     kinds = [type(step).__name__ for step in plan.steps]
-    assert kinds == ["Fill", "Copy", "Copy", "Launch", "Launch", "CheckStatus"], kinds
-    fill, copy_key, copy_value, append, attention, check = plan.steps
+    assert kinds == ["Fill", "Copy", "Copy", "Launch", "CheckStatus"], kinds
+    fill, copy_key, copy_value, attention, check = plan.steps
     assert isinstance(fill, Fill) and fill.byte == 0 and fill.dst == check.status
     assert (copy_key.dst, copy_key.src) == (Buffer("out1"), Buffer("in6", 0, 256))
     assert (copy_value.dst, copy_value.src) == (Buffer("out2"), Buffer("in7", 0, 256))
     assert copy_key.nbytes == 2 * config.batch * config.num_heads * config.max_seq * config.head_size
-    assert append.function == "append_kv<__half>" and attention.function == "shared_buffer_attention<__half, long long>"
+    assert attention.function == "shared_buffer_attention<__half, long long>"
     assert attention.grid == (config.batch * config.num_heads * config.q_seq, 1, 1)
     pointers = [arg.address for arg in attention.args if isinstance(arg, Pointer)]
     assert Buffer("in8", 0, 256) in pointers and Buffer("in9", 0, 256) in pointers
+    assert Buffer("out1") in pointers and Buffer("out2") in pointers  # the new rows go into the presents
     assert native_plan.STICKY in pointers and np.int32(3) == attention.args[-1]  # the sticky words, the site
     assert isinstance(check, CheckStatus) and check.beams == config.beams
     assert plan.output_alignment == 2 and plan.output_shapes[1] == (4, 2, 8, 8)
     unaligned = native_plan.plan_steps(kernel, signature, FACTS[0], native_plan.UNALIGNED_OUTPUTS)
     assert [type(s) for s in unaligned.steps] == [type(s) for s in plan.steps]  # still ORT's own buffers
     summary = library().check_plan(native_plan.encode_plan(plan, lambda launch: 1))
-    assert [s["kind"] for s in summary["steps"]] == ["fill", "copy", "copy", "launch", "launch", "check_status"]
+    assert [s["kind"] for s in summary["steps"]] == ["fill", "copy", "copy", "launch", "check_status"]
     assert summary["output_alignment"] == 2
 
 

@@ -50,7 +50,6 @@ KERNELS = {
     "resolve_keep_flags": ("layout.cu", (None,)),
     "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE
     "masked_softmax": ("softmax.cu", (None,)),
-    "append_kv": ("shared_buffer.cu", (None,)),  # a shared past/present buffer: the new rows at [P, P+L)
     "shared_buffer_attention": ("shared_buffer.cu", ("int", "long long", "unsigned char")),  # the mask's type
 }
 MASK_TYPES = {"int32": "int", "int64": "long long"}  # key_padding_mask element types -> their CUDA types

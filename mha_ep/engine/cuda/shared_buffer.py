@@ -7,9 +7,9 @@ in the steps depends on P: one plan, or one captured CUDA graph, serves every st
   1. the call's status words (STATUS_WORDS int32) are zeroed (Fill);
   2. the past is copied into the present (Copy: a no-op at run time when the present is the past's own buffer,
      the static decoder's binding, mha_ep/graph/static_cache.py);
-  3. append_kv writes the L new key/value rows at [P, P+L) of the presents;
-  4. shared_buffer_attention computes the output, a block per (b, n, s), over the P + L keys (the past's rows,
-     redirected by cache_indirection on the beam path, and the new rows in float32);
+  3. shared_buffer_attention writes the L new key/value rows at [P, P+L) of the presents and computes the
+     output, a block per (b, n, s), over the P + L keys (the past's rows, redirected by cache_indirection on the
+     beam path, staged a tile at a time into shared memory; the new rows in float32);
   5. CheckStatus: after an eager call the native library reads the status words and turns a report into ORT's
      error (a captured graph skips it; the kernels' sticky reports reach the decode loop: mha_ep/native/gpu.py).
 Every tensor is read in the sources' dtype (float32 on the bridge, the node's own on the native route) and
@@ -24,13 +24,14 @@ import numpy as np
 
 from mha_ep import limits
 from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
-from mha_ep.launch import ELEMENT_BYTES, LAUNCH_BLOCK, SHARED_BUFFER_THREADS, STATUS_WORDS, MaskKind
+from mha_ep.launch import ELEMENT_BYTES, SHARED_BUFFER_THREADS, STATUS_WORDS, MaskKind
 from mha_ep.engine.cuda.kernels import name_expression
 from mha_ep.engine.cuda.steps import CheckStatus, Copy, Fill, Launch, Pointer
 from mha_ep.engine.problem import MhaProblem
 
 SHARED_MEMORY_LIMIT = 48 * 1024  # bytes of dynamic shared memory a block may take without opting in
-APPEND_BLOCKS = 1024  # append_kv's grid cap (a grid-stride loop covers the rest)
+STAGE_LOADS = 4  # kernels/shared_buffer.cu STAGE_LOADS: 16-byte loads of K and of V a thread issues at once
+TILE_BYTES = SHARED_BUFFER_THREADS * STAGE_LOADS * 16  # a tile of past rows the block loads in one round
 MASK_TYPES = {  # (DeviceCall.mask_form, PaddingMask.kind) -> the kernel's mask type (kernels.py KERNELS variants)
     ("resolved", "key_lengths"): "int",
     ("resolved", "keys_BT"): "unsigned char",
@@ -44,12 +45,35 @@ MASK_TYPES = {  # (DeviceCall.mask_form, PaddingMask.kind) -> the kernel's mask 
 }
 
 
-def attention_shared_bytes(problem: MhaProblem) -> int:
-    """shared_buffer_attention's dynamic shared memory: the row of M scores, q (H) and the partial sums
-    (groups x Hv), float32."""
+def _round16(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
+
+
+def shared_layout(problem: MhaProblem, element: int) -> tuple[int, int]:
+    """shared_buffer_attention's (tile_keys, dynamic shared bytes) for ``element``-byte sources: a tile of
+    ``tile_keys`` past key rows and one of value rows (T, each rounded up to 16 bytes; a tile of at most
+    TILE_BYTES, fewer rows where the scores would not fit beside it, never more than M), then in float32 the row
+    of M scores, q (H) and the partial sums (groups x Hv). The kernel reads the layout from the same numbers."""
     g = problem.geometry
     groups = max(1, SHARED_BUFFER_THREADS // g.v_head_size)
-    return 4 * (problem.shared.max_seq + g.head_size + groups * g.v_head_size)
+    floats = 4 * (problem.shared.max_seq + g.head_size + groups * g.v_head_size)
+    row = element * max(g.head_size, g.v_head_size)
+    tile_keys = max(1, min(TILE_BYTES // row, problem.shared.max_seq))
+
+    def total(keys: int) -> int:
+        return _round16(keys * g.head_size * element) + _round16(keys * g.v_head_size * element) + floats
+
+    while tile_keys > 1 and total(tile_keys) > SHARED_MEMORY_LIMIT:
+        tile_keys //= 2
+    return tile_keys, total(tile_keys)
+
+
+def longest_shared_buffer(problem: MhaProblem, element: int) -> int:
+    """The longest max_sequence_length shared_layout fits into SHARED_MEMORY_LIMIT (a one-row tile)."""
+    g = problem.geometry
+    groups = max(1, SHARED_BUFFER_THREADS // g.v_head_size)
+    fixed = _round16(g.head_size * element) + _round16(g.v_head_size * element) + 4 * (g.head_size + groups * g.v_head_size)
+    return (SHARED_MEMORY_LIMIT - fixed) // 4
 
 
 def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
@@ -61,16 +85,16 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
     if call.output_dtype != dtype or (problem.attention_bias is not None and call.attention_bias_dtype != dtype):
         raise ValueError(f"a shared-buffer call reads and writes one dtype: sources {dtype}, outputs "
                          f"{call.output_dtype}, attention_bias {call.attention_bias_dtype}")  # fmt: skip
-    shared_bytes = attention_shared_bytes(problem)
+    element = ELEMENT_BYTES[dtype]
+    tile_keys, shared_bytes = shared_layout(problem, element)
     if shared_bytes > SHARED_MEMORY_LIMIT:
         raise MhaInputError(
             f"{MESSAGE_PREFIX}past_key {tuple(problem.past_key_BNPH.shape)}: a shared buffer of "
             f"max_sequence_length {shared.max_seq} needs {shared_bytes} bytes of shared memory per block, more than "
-            f"the {SHARED_MEMORY_LIMIT} mha_ep's decode kernel takes (max_sequence_length up to about "
-            f"{(SHARED_MEMORY_LIMIT - 4 * (g.head_size + 2 * SHARED_BUFFER_THREADS)) // 4})"
+            f"the {SHARED_MEMORY_LIMIT} mha_ep's decode kernel takes (max_sequence_length up to "
+            f"{longest_shared_buffer(problem, element)} at this head size and element type)"
         )
     src, out = call.sources, call.outputs
-    element = ELEMENT_BYTES[dtype]
     i32, f32 = np.int32, np.float32
     status = take("status", 4 * STATUS_WORDS)
     steps: list = [Fill(status, 0, 4 * STATUS_WORDS)]
@@ -78,14 +102,6 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
         steps.append(Copy(out[present], src[past], element * g.batch * g.num_heads * shared.max_seq * width))
     site = i32(call.error_site)
     sticky = Pointer(call.error_flag)
-    count = g.batch * g.kv_seq * g.num_heads * (g.head_size + g.v_head_size)
-    blocks = min(-(-count // LAUNCH_BLOCK), APPEND_BLOCKS)
-    steps.append(Launch(name_expression("append_kv", dtype), (blocks, 1, 1), (LAUNCH_BLOCK, 1, 1), 0,
-                        (Pointer(src["key"]), Pointer(src["value"]), Pointer(src.get("bias_k")),
-                         Pointer(src.get("bias_v")), Pointer(out["present_key"]), Pointer(out["present_value"]),
-                         Pointer(src["past_sequence_length"]), i32(g.batch), i32(g.kv_seq), i32(g.num_heads),
-                         i32(g.head_size), i32(g.v_head_size), i32(shared.max_seq), Pointer(status), sticky,
-                         site)))  # fmt: skip
     mask = problem.padding_mask
     kind = MaskKind.of(None if mask is None else mask.kind)
     mask_type = "int" if mask is None else MASK_TYPES[(call.mask_form, mask.kind)]
@@ -104,9 +120,10 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
                          Pointer(src["past_value"]), Pointer(src["past_sequence_length"]),
                          Pointer(src.get("cache_indirection") if beams else None), i32(beams),
                          Pointer(src.get("mask")), i32(int(kind)), i32(mask_total), Pointer(src.get("attention_bias")),
-                         i32(d0), i32(d1), i32(bias_total), Pointer(out["output"]), f32(problem.scale),
+                         i32(d0), i32(d1), i32(bias_total), Pointer(out["output"]), Pointer(out["present_key"]),
+                         Pointer(out["present_value"]), f32(problem.scale),
                          f32(problem.mask_filter_value), i32(int(problem.causal)), i32(g.batch), i32(g.q_seq),
                          i32(g.kv_seq), i32(g.num_heads), i32(g.head_size), i32(g.v_head_size), i32(shared.max_seq),
-                         Pointer(status), sticky, site)))  # fmt: skip
+                         i32(tile_keys), Pointer(status), sticky, site)))  # fmt: skip
     steps.append(CheckStatus(status, beams))
     return steps

@@ -141,11 +141,9 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
         "const float*, const float*, float, int, int, int, int, int, int, float*",
         "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
         "const float*, const float*, float, int, int, int, int, int, int, float*, int",
-        "append_kv": "const {T}*, const {T}*, const {T}*, const {T}*, {T}*, {T}*, const int*, int, int, int, int, int, "
-        "int, int*, int*, int",
         "shared_buffer_attention": "const {T}*, const {T}*, const {T}*, const {T}*, const {T}*, const {T}*, "
         "const {T}*, const {T}*, const int*, const int*, int, const {M}*, int, int, const {T}*, int, int, int, {T}*, "
-        "float, float, int, int, int, int, int, int, int, int, int*, int*, int",
+        "{T}*, {T}*, float, float, int, int, int, int, int, int, int, int, int, int*, int*, int",
     }
     variants = {name: variants for name, (_, variants) in KERNELS.items()}
     assert set(signatures) == set(variants), "a kernel of kernels.KERNELS without a signature here"

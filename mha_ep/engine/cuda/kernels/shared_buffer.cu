@@ -1,16 +1,17 @@
 // Shared past/present buffer attention (docs/SEMANTICS.md §3.9-3.10): the decode step of a static KV cache.
 //
-// The past is (B, N, M, H) with its first P rows filled, P the value of past_sequence_length, which these kernels
-// read from device memory. No launch parameter depends on P: grid, block, shared memory and arguments are fixed
+// The past is (B, N, M, H) with its first P rows filled, P the value of past_sequence_length, which the kernel
+// reads from device memory. No launch parameter depends on P: grid, block, shared memory and arguments are fixed
 // by the shapes, so one captured CUDA graph serves every step of a decode loop.
-//   append_kv<T>:                  rows [P, P+L) of present_key / present_value := key + b_k, value + b_v (BSNH ->
-//                                  BNSH, rounded to T once). Rows outside [P, P+L) are not touched: when the present
-//                                  is the past's own buffer nothing else is written; otherwise the step before it
-//                                  copied the past into the present. A bad P writes nothing.
-//   shared_buffer_attention<T, M>: one block per output row (b, n, s), attention over the T = P + L keys:
-//                                  rows j < P from the past (on the beam path from row b/W*W + ci[b, j]), rows
-//                                  j >= P from key / value + bias in float32 (exact: what ORT's CPU kernel
-//                                  attends to before it rounds the present), then, in float32 and in ORT's order,
+//   shared_buffer_attention<T, M>: one block per output row (b, n, s).
+//     0. It writes the new rows l = s, s+S, ... of (b, n) at [P, P+L) of present_key / present_value: key + b_k,
+//        value + b_v (BSNH -> BNSH, rounded to T once). Rows outside [P, P+L) are not touched: when the present is
+//        the past's own buffer nothing else is written; otherwise the step before it copied the past into the
+//        present. A bad P writes nothing. (This was a kernel of its own, append_kv: a launch a layer a step.)
+//     Then attention over the T = P + L keys: rows j < P from the past (on the beam path from row b/W*W + ci[b, j]),
+//     staged a tile of TILE_BYTES at a time into shared memory in one round of loads; rows j >= P from key / value
+//     + bias in float32 (exact: what ORT's CPU kernel attends to before it rounds the present); then, in float32
+//     and in ORT's order,
 //       1. x = scale * q.k                      (q = query + b_q, float32)
 //       2. x += attention_bias[b|0, n|0, s, j]
 //       3. x += mask: FLOAT32_LOWEST where causal, s < S-1, j > P+s; else mask_filter_value where key j is
@@ -31,7 +32,8 @@
 #include "common.cuh"
 
 #define SHARED_BUFFER_THREADS 128
-#define KEYS_IN_FLIGHT 4  // past rows a warp (scores) or a thread (P.V) reads before it uses the first
+#define KEYS_IN_FLIGHT 4  // tile rows a warp sums at once (scores)
+#define STAGE_LOADS 4     // 16-byte loads of each of K and V a thread issues before it stores any (TILE_BYTES)
 #define STATUS_WORDS 8
 #define INT_MAX_VALUE 2147483647
 
@@ -80,34 +82,6 @@ __device__ __forceinline__ int checked_past(const int* __restrict__ past_sequenc
   return min(max(past, 0), max(max_seq - kv_seq, 0));  // the host checked L <= M (claim/rules.py rule_shared_buffer)
 }
 
-// ------------------------------------------------------------------------------------------------- append_kv
-template <typename T>
-__global__ void append_kv(const T* __restrict__ key_BLD, const T* __restrict__ value_BLDv,
-                          const T* __restrict__ bias_k, const T* __restrict__ bias_v, T* __restrict__ present_key,
-                          T* __restrict__ present_value, const int* __restrict__ past_sequence_length, int batch,
-                          int kv_seq, int heads, int head_size, int v_head_size, int max_seq, int* status,
-                          int* sticky, int site) {
-  bool valid;
-  const int past = checked_past(past_sequence_length, kv_seq, max_seq, status, sticky, site,
-                                blockIdx.x == 0 && threadIdx.x == 0, valid);
-  if (!valid) return;  // a bad P writes no row of the cache
-  const long long key_count = (long long)batch * kv_seq * heads * head_size;
-  const long long value_count = (long long)batch * kv_seq * heads * v_head_size;
-  for (long long idx = grid_first_index(); idx < key_count + value_count; idx += grid_stride()) {
-    const bool is_key = idx < key_count;
-    const long long e = is_key ? idx : idx - key_count;
-    const int width = is_key ? head_size : v_head_size;
-    int h, n, l, b;
-    unravel4(e, false, width, heads, kv_seq, h, n, l, b);
-    const T* source = is_key ? key_BLD : value_BLDv;
-    const T* bias = is_key ? bias_k : bias_v;
-    float x = to_float<T>(source[e]);  // BSNH: e = ((b * L + l) * N + n) * width + h
-    if (bias != nullptr) x += to_float<T>(bias[(long long)n * width + h]);
-    T* present = is_key ? present_key : present_value;
-    present[(((long long)b * heads + n) * max_seq + past + l) * width + h] = from_float<T>(x);
-  }
-}
-
 // ------------------------------------------------------------------------------------ shared_buffer_attention
 template <typename OP>
 __device__ float row_reduce(float value, OP op, float* warp_values) {
@@ -127,12 +101,49 @@ struct RowSum {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };
 
-// Where row j of the keys and values of output row (b, n) lies: the past's row of batch row `source_b`, or the
-// new row j - P of the call's key / value.
-struct KeyRow {
-  bool is_new;
-  long long offset;  // element offset of the row in past (B, N, M, H) or in key (B, L, N*H)
-};
+// A past row's pieces, P = uint4 (16 bytes, when a row and the buffers are 16-byte aligned) or T: piece c of
+// tile row j is piece c of row c0 + j of (batch row `source`, head n) of the past (B, N, M, width).
+template <typename P, typename T>
+__device__ __forceinline__ P past_piece(const T* __restrict__ past, int source, int n, int heads, int max_seq,
+                                        int position, int width, int c) {
+  const long long row = ((long long)source * heads + n) * max_seq + position;
+  return reinterpret_cast<const P*>(past + row * width)[c];
+}
+
+// Stage rows [c0, c0 + count) of the past keys of output row (b, n), and of its past values when tile_v is set,
+// into the tiles (count x width each, in T, row-major). Every thread issues STAGE_LOADS loads of each before it
+// stores any: a tile of TILE_BYTES arrives in one memory latency (a decode step reads a few dozen rows; loading
+// them one after another left the block waiting on each, docs/BENCH.md section 11).
+template <typename P, typename T, typename ROW>
+__device__ __forceinline__ void stage_tiles(T* __restrict__ tile_k, const T* __restrict__ past_k, int width_k,
+                                            T* __restrict__ tile_v, const T* __restrict__ past_v, int width_v,
+                                            int c0, int count, int n, int heads, int max_seq, ROW past_row) {
+  constexpr int PER = sizeof(P) / sizeof(T);
+  const int pieces_k = width_k / PER, pieces_v = tile_v != nullptr ? width_v / PER : 0;
+  const int total_k = count * pieces_k, total_v = count * pieces_v;
+  const int total = max(total_k, total_v);
+  for (int i0 = threadIdx.x; i0 < total; i0 += STAGE_LOADS * blockDim.x) {
+    P k[STAGE_LOADS], v[STAGE_LOADS];
+#pragma unroll
+    for (int u = 0; u < STAGE_LOADS; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < total_k) {
+        const int j = i / pieces_k;
+        k[u] = past_piece<P>(past_k, past_row(c0 + j), n, heads, max_seq, c0 + j, width_k, i - j * pieces_k);
+      }
+      if (i < total_v) {
+        const int j = i / pieces_v;
+        v[u] = past_piece<P>(past_v, past_row(c0 + j), n, heads, max_seq, c0 + j, width_v, i - j * pieces_v);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < STAGE_LOADS; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < total_k) reinterpret_cast<P*>(tile_k)[i] = k[u];
+      if (i < total_v) reinterpret_cast<P*>(tile_v)[i] = v[u];
+    }
+  }
+}
 
 template <typename T, typename M>
 __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention(
@@ -141,12 +152,19 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
     const T* __restrict__ past_key, const T* __restrict__ past_value, const int* __restrict__ past_sequence_length,
     const int* __restrict__ cache_indirection, int beams, const M* __restrict__ mask, int mask_kind, int mask_total,
     const T* __restrict__ attention_bias, int bias_d0, int bias_d1, int bias_total, T* __restrict__ output_BSDv,
-    float scale, float mask_filter_value, int causal, int batch, int q_seq, int kv_seq, int heads, int head_size,
-    int v_head_size, int max_seq, int* status, int* sticky, int site) {
-  extern __shared__ float shared[];
-  float* scores_T = shared;                        // max_seq
-  float* q_H = scores_T + max_seq;                 // head_size
-  float* partial = q_H + head_size;                // groups * v_head_size
+    T* __restrict__ present_key, T* __restrict__ present_value, float scale, float mask_filter_value, int causal,
+    int batch, int q_seq, int kv_seq, int heads, int head_size, int v_head_size, int max_seq, int tile_keys,
+    int* status, int* sticky, int site) {
+  // dynamic shared memory (mha_ep/engine/cuda/shared_buffer.py shared_layout): the K and V tiles (T, each rounded
+  // up to 16 bytes), then in float32 the row of M scores, q (H) and the partial sums (groups x Hv)
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* tile_k = reinterpret_cast<T*>(shared_bytes);
+  const long long tile_k_bytes = ((long long)tile_keys * head_size * sizeof(T) + 15) / 16 * 16;
+  const long long tile_v_bytes = ((long long)tile_keys * v_head_size * sizeof(T) + 15) / 16 * 16;
+  T* tile_v = reinterpret_cast<T*>(shared_bytes + tile_k_bytes);
+  float* scores_T = reinterpret_cast<float*>(shared_bytes + tile_k_bytes + tile_v_bytes);  // max_seq
+  float* q_H = scores_T + max_seq;                                                          // head_size
+  float* partial = q_H + head_size;                                                         // groups * v_head_size
   __shared__ float warp_values[SHARED_BUFFER_THREADS / 32];
 
   const long long row = blockIdx.x;  // ((b * N) + n) * S + s
@@ -164,18 +182,42 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
   if (reporter && attention_bias != nullptr && bias_total != total) {
     report_error(status, sticky, site, BIAS_LENGTH, bias_total, total, 0);
   }
-
-  // 1. q = query + b_q in float32, and the row's key length
   const long long hidden = (long long)heads * head_size;
-  for (int h = threadIdx.x; h < head_size; h += blockDim.x) {
-    float x = to_float<T>(query_BSD[((long long)b * q_seq + s) * hidden + (long long)n * head_size + h]);
-    if (bias_q != nullptr) x += to_float<T>(bias_q[(long long)n * head_size + h]);
-    q_H[h] = x;
+  const long long v_hidden = (long long)heads * v_head_size;
+
+  // q = query + b_q in float32 (step 1): loaded first, stored into shared memory beside the first tile
+  const long long q_at = ((long long)b * q_seq + s) * hidden + (long long)n * head_size;
+  float q_first = 0.f;
+  if (threadIdx.x < head_size) {
+    q_first = to_float<T>(query_BSD[q_at + threadIdx.x]);
+    if (bias_q != nullptr) q_first += to_float<T>(bias_q[(long long)n * head_size + threadIdx.x]);
   }
+
+  // 0. the step's new rows l = s, s + S, ... of (b, n) into rows [P, P + L) of the presents, key + b_k and
+  // value + b_v rounded to T once (the block's other rows write the rest). Nothing reads them in this kernel: a
+  // block reads rows j < P of the past, and the new rows from key / value. A bad P writes no row of the cache.
+  if (valid) {
+    for (int l = s; l < kv_seq; l += q_seq) {  // a thread one element of the key row or of the value row
+      const long long target = ((long long)b * heads + n) * max_seq + past + l;
+      for (int i = threadIdx.x; i < head_size + v_head_size; i += blockDim.x) {
+        const bool is_key = i < head_size;
+        const int h = is_key ? i : i - head_size;
+        const long long at = is_key ? ((long long)b * kv_seq + l) * hidden + (long long)n * head_size + h
+                                    : ((long long)b * kv_seq + l) * v_hidden + (long long)n * v_head_size + h;
+        const T* bias = is_key ? bias_k : bias_v;
+        float x = to_float<T>(is_key ? key_BLD[at] : value_BLDv[at]);
+        if (bias != nullptr) x += to_float<T>(bias[(long long)n * (is_key ? head_size : v_head_size) + h]);
+        if (is_key) {
+          present_key[target * head_size + h] = from_float<T>(x);
+        } else {
+          present_value[target * v_head_size + h] = from_float<T>(x);
+        }
+      }
+    }
+  }
+
   int key_length = total;
   if (mask_kind == MASK_KEY_LENGTHS) key_length = min(max((int)mask[b], 0), total);
-  __syncthreads();
-
   const int batch_row0 = beam ? b / beams * beams : b;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   if (beam && row == 0) {  // ORT's check of the beam indices, reporting the first bad one in (row, position) order
@@ -201,10 +243,32 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
     const int index = cache_indirection[(long long)b * max_seq + j];  // (B/W, W, M) flattened: row b = batch*W + w
     return batch_row0 + min(max(index, 0), beams - 1);
   };
+  // 16-byte pieces where every past row is 16-byte aligned, else one element at a time
+  const bool by_16 = (head_size * (int)sizeof(T)) % 16 == 0 && (v_head_size * (int)sizeof(T)) % 16 == 0 &&
+                     (reinterpret_cast<unsigned long long>(past_key) & 15) == 0 &&
+                     (reinterpret_cast<unsigned long long>(past_value) & 15) == 0;
+  auto stage = [&](int c0, int count, bool keys, bool values) {
+    T* k_tile = keys ? tile_k : nullptr;
+    T* v_tile = values ? tile_v : nullptr;
+    if (!keys) {  // values only: the value tile in the key slot of stage_tiles
+      if (by_16) stage_tiles<uint4>(tile_v, past_value, v_head_size, (T*)nullptr, past_value, 0, c0, count, n, heads,
+                                    max_seq, past_row);
+      else stage_tiles<T>(tile_v, past_value, v_head_size, (T*)nullptr, past_value, 0, c0, count, n, heads, max_seq,
+                          past_row);
+      return;
+    }
+    if (by_16) stage_tiles<uint4>(k_tile, past_key, head_size, v_tile, past_value, v_head_size, c0, count, n, heads,
+                                  max_seq, past_row);
+    else stage_tiles<T>(k_tile, past_key, head_size, v_tile, past_value, v_head_size, c0, count, n, heads, max_seq,
+                        past_row);
+  };
 
-  // 2-3. scores: a warp per key, lanes across the head; a warp reads KEYS_IN_FLIGHT past rows before it sums any
-  // (a decode step's row is a few dozen keys: one row at a time left the block waiting on one load after another,
-  // docs/BENCH.md section 6)
+  const int tiles = (past + tile_keys - 1) / tile_keys;
+  const int last_c0 = tiles > 0 ? (tiles - 1) * tile_keys : 0;
+
+  // 2-3. scores, a tile of past rows at a time (the last tile's values staged with its keys, for step 5), a warp
+  // per key reading KEYS_IN_FLIGHT rows of the tile before it sums any; then the step's own L rows from key + b_k
+  // in float32
   auto score_of = [&](int j, float dot) {
     float x = scale * dot;
     if (attention_bias != nullptr && j < bias_total) {
@@ -226,28 +290,38 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
     }
     return x;
   };
-  for (int j0 = warp * KEYS_IN_FLIGHT; j0 < past; j0 += warps * KEYS_IN_FLIGHT) {
-    const T* k_rows[KEYS_IN_FLIGHT];
-#pragma unroll
-    for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
-      const int j = min(j0 + u, past - 1);  // a row past the end reads the last one again, its score unused
-      k_rows[u] = past_key + (((long long)past_row(j) * heads + n) * max_seq + j) * head_size;
+  for (int t = 0; t < max(tiles, 1); ++t) {
+    const int c0 = t * tile_keys;
+    const int count = min(tile_keys, past - c0);
+    if (t > 0) __syncthreads();  // the warps are done with the previous tile
+    if (count > 0) stage(c0, count, true, c0 == last_c0);
+    if (t == 0) {
+      if (threadIdx.x < head_size) q_H[threadIdx.x] = q_first;
+      for (int h = threadIdx.x + blockDim.x; h < head_size; h += blockDim.x) {
+        float x = to_float<T>(query_BSD[q_at + h]);
+        if (bias_q != nullptr) x += to_float<T>(bias_q[(long long)n * head_size + h]);
+        q_H[h] = x;
+      }
     }
-    float dots[KEYS_IN_FLIGHT] = {};
-    for (int h = lane; h < head_size; h += 32) {
-      float k[KEYS_IN_FLIGHT];
+    __syncthreads();
+    for (int j0 = warp * KEYS_IN_FLIGHT; j0 < count; j0 += warps * KEYS_IN_FLIGHT) {
+      float dots[KEYS_IN_FLIGHT] = {};
+      for (int h = lane; h < head_size; h += 32) {
+        const float q = q_H[h];
 #pragma unroll
-      for (int u = 0; u < KEYS_IN_FLIGHT; ++u) k[u] = to_float<T>(k_rows[u][h]);
+        for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
+          const int j = min(j0 + u, count - 1);  // a row past the tile reads its last one again, its score unused
+          dots[u] += q * to_float<T>(tile_k[(long long)j * head_size + h]);
+        }
+      }
 #pragma unroll
-      for (int u = 0; u < KEYS_IN_FLIGHT; ++u) dots[u] += q_H[h] * k[u];
-    }
-#pragma unroll
-    for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
-      const float dot = warp_sum(dots[u]);
-      if (lane == 0 && j0 + u < past) scores_T[j0 + u] = score_of(j0 + u, dot);
+      for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
+        const float dot = warp_sum(dots[u]);
+        if (lane == 0 && j0 + u < count) scores_T[c0 + j0 + u] = score_of(c0 + j0 + u, dot);
+      }
     }
   }
-  for (int j = past + warp; j < total; j += warps) {  // the step's own L rows, from key + b_k in float32
+  for (int j = past + warp; j < total; j += warps) {
     float dot = 0.f;
     const T* k_row = key_BLD + ((long long)b * kv_seq + (j - past)) * hidden + (long long)n * head_size;
     for (int h = lane; h < head_size; h += 32) {
@@ -272,52 +346,50 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
   }
   const float row_sum = row_reduce(local_sum, RowSum(), warp_values);
   for (int j = threadIdx.x; j < total; j += blockDim.x) scores_T[j] = scores_T[j] / row_sum;
-  __syncthreads();
-
-  // 5. out = P.V: thread t sums the keys j = t / v_head_size (mod groups) of its column h = t % v_head_size
   const int groups = max(1, (int)blockDim.x / v_head_size);
   const int group = threadIdx.x / v_head_size;
-  const long long v_hidden = (long long)heads * v_head_size;
-  for (int h0 = 0; h0 < v_head_size; h0 += blockDim.x) {
-    const int h = h0 + (groups > 1 ? threadIdx.x % v_head_size : threadIdx.x);
-    const bool active = h < v_head_size && (groups == 1 || group < groups);
-    float acc = 0.f;
-    if (active) {
-      const int first = groups > 1 ? group : 0;
-      int j = first;
-      // the past rows KEYS_IN_FLIGHT at a time: every load issued before the first multiply-add
-      for (; j + (KEYS_IN_FLIGHT - 1) * groups < past; j += KEYS_IN_FLIGHT * groups) {
-        float v[KEYS_IN_FLIGHT];
-        float p[KEYS_IN_FLIGHT];
-#pragma unroll
-        for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
-          const int jj = j + u * groups;  // < M: an int
-          v[u] = to_float<T>(past_value[(((long long)past_row(jj) * heads + n) * max_seq + jj) * v_head_size + h]);
-          p[u] = scores_T[jj];
-        }
-#pragma unroll
-        for (int u = 0; u < KEYS_IN_FLIGHT; ++u) acc += p[u] * v[u];
+  for (int i = threadIdx.x; i < groups * v_head_size; i += blockDim.x) partial[i] = 0.f;
+  __syncthreads();
+
+  // 5. out = P.V: thread t sums the keys j = t / Hv (mod groups) of its column h = t % Hv into partial[group, h],
+  // a tile of past rows at a time, the last tile first (staged in step 2), then the step's own L rows
+  const bool in_group = groups == 1 || group < groups;
+  auto add_tile = [&](int c0, int count) {
+    for (int h0 = 0; h0 < v_head_size; h0 += blockDim.x) {
+      const int h = h0 + (groups > 1 ? threadIdx.x % v_head_size : threadIdx.x);
+      if (h >= v_head_size || !in_group) continue;
+      float acc = 0.f;
+      for (int j = groups > 1 ? group : 0; j < count; j += groups) {
+        acc += scores_T[c0 + j] * to_float<T>(tile_v[(long long)j * v_head_size + h]);
       }
-      for (; j < total; j += groups) {
-        float v;
-        if (j < past) {
-          v = to_float<T>(past_value[(((long long)past_row(j) * heads + n) * max_seq + j) * v_head_size + h]);
-        } else {
-          v = to_float<T>(value_BLDv[((long long)b * kv_seq + (j - past)) * v_hidden + (long long)n * v_head_size + h]);
-          if (bias_v != nullptr) v += to_float<T>(bias_v[(long long)n * v_head_size + h]);
-        }
-        acc += scores_T[j] * v;
-      }
+      partial[(long long)(groups > 1 ? group : 0) * v_head_size + h] += acc;
     }
-    if (groups > 1) {
-      if (active) partial[(long long)group * v_head_size + h] = acc;
+  };
+  for (int t = tiles - 1; t >= 0; --t) {
+    const int c0 = t * tile_keys;
+    const int count = min(tile_keys, past - c0);
+    if (c0 != last_c0) {
+      __syncthreads();  // every thread is done with the previous tile
+      stage(c0, count, false, true);
       __syncthreads();
-      if (group == 0 && active) {
-        for (int g = 1; g < groups; ++g) acc += partial[(long long)g * v_head_size + h];
-      }
     }
-    if (active && (groups == 1 || group == 0)) {
-      output_BSDv[((long long)b * q_seq + s) * v_hidden + (long long)n * v_head_size + h] = from_float<T>(acc);
+    add_tile(c0, count);
+  }
+  for (int h0 = 0; h0 < v_head_size; h0 += blockDim.x) {  // the step's own rows, value + b_v in float32
+    const int h = h0 + (groups > 1 ? threadIdx.x % v_head_size : threadIdx.x);
+    if (h >= v_head_size || !in_group) continue;
+    float acc = 0.f;
+    for (int j = past + (groups > 1 ? group : 0); j < total; j += groups) {
+      float v = to_float<T>(value_BLDv[((long long)b * kv_seq + (j - past)) * v_hidden + (long long)n * v_head_size + h]);
+      if (bias_v != nullptr) v += to_float<T>(bias_v[(long long)n * v_head_size + h]);
+      acc += scores_T[j] * v;
     }
+    partial[(long long)(groups > 1 ? group : 0) * v_head_size + h] += acc;
+  }
+  __syncthreads();
+  for (int h = threadIdx.x; h < v_head_size; h += blockDim.x) {
+    float acc = partial[h];
+    for (int g = 1; g < groups; ++g) acc += partial[(long long)g * v_head_size + h];
+    output_BSDv[((long long)b * q_seq + s) * v_hidden + (long long)n * v_head_size + h] = from_float<T>(acc);
   }
 }
