@@ -89,6 +89,20 @@ static OrtStatus* launch_error(const Kernel* k, const char* what, CUresult resul
                      k->node, what, k->device, cu_error_text(result), result);
 }
 
+/* Whether step i fills the status words a later STEP_CHECK_STATUS reads. Under a capture that check is skipped
+ * (the graph reports through the sticky words), so the fill is too: a memset node a shared-buffer layer a step. */
+static int fills_checked_status(const Plan* plan, int64_t i) {
+  const Ref* dst = &plan->steps[i].dst;
+  for (int64_t j = i + 1; j < plan->n_steps; ++j) {
+    const Ref* read = &plan->steps[j].dst;
+    if (plan->steps[j].kind == STEP_CHECK_STATUS && read->space == dst->space && read->index == dst->index &&
+        read->add == dst->add) {
+      return 1;
+    }
+  }
+  return 0;
+}
+
 static OrtStatus* run_plan(const Kernel* k, const Plan* plan, const Bases* bases, CUstream stream,
                            OrtKernelContext* context) {
   _Alignas(64) unsigned char arguments[MAX_ARGUMENT_BYTES];
@@ -145,6 +159,7 @@ static OrtStatus* run_plan(const Kernel* k, const Plan* plan, const Bases* bases
       if (s->nbytes && dst != src) result = cu.cuMemcpyAsync(dst, src, (size_t)s->nbytes, stream);
       if (result != 0) return launch_error(k, "a device copy", result);
     } else if (s->kind == STEP_FILL) {
+      if (bases->sticky != NULL && fills_checked_status(plan, i)) continue; /* capturing: nothing reads them */
       if (s->nbytes) result = cu.cuMemsetD8Async(resolve(bases, s->dst), (unsigned char)s->byte, (size_t)s->nbytes, stream);
       if (result != 0) return launch_error(k, "a device fill", result);
     } else if (s->kind == STEP_CHECK_STATUS) {
