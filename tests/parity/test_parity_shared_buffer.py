@@ -87,6 +87,10 @@ SHARED_CORNERS = {
     "beams-2-mask-1d": with_(STEP, batch=4, beams=2, mask="1d"),  # ORT ignores cache_indirection here
     "beams-2-prompt-S3": with_(STEP, batch=4, beams=2, q_seq=3, kv_seq=3, causal=True),  # ... and here
     "H64-M448-P300": with_(STEP, head_size=64, num_heads=3, max_seq=448, past_seq=300),
+    # the kernel stages the past in tiles of 8 KiB (shared_buffer.TILE_BYTES): several tiles, read in 16-byte
+    # pieces (H 64), element by element (float16 H 20: rows of 40 bytes), and through the beams' indirection
+    "H20-M300-P250": with_(STEP, head_size=20, max_seq=300, past_seq=250),
+    "beams-2-H64-M256-P200": with_(STEP, batch=4, beams=2, head_size=64, max_seq=256, past_seq=200),
 }
 
 
