@@ -87,6 +87,10 @@ SHARED_CORNERS = {
     "beams-2-mask-1d": with_(STEP, batch=4, beams=2, mask="1d"),  # ORT ignores cache_indirection here
     "beams-2-prompt-S3": with_(STEP, batch=4, beams=2, q_seq=3, kv_seq=3, causal=True),  # ... and here
     "H64-M448-P300": with_(STEP, head_size=64, num_heads=3, max_seq=448, past_seq=300),
+    # long pasts: rows of 128 bytes (float16 H 64) and of 40 (float16 H 20, not a multiple of 16), and through the
+    # beams' indirection
+    "H20-M300-P250": with_(STEP, head_size=20, max_seq=300, past_seq=250),
+    "beams-2-H64-M256-P200": with_(STEP, batch=4, beams=2, head_size=64, max_seq=256, past_seq=200),
 }
 
 
