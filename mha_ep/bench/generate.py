@@ -65,7 +65,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from mha_ep.bench.output import add_output_options, emit
+from mha_ep.bench.output import add_output_options, emit, write_json
 from mha_ep.bench.timer import paired_medians
 from mha_ep.progress import bar, wanted, write
 
@@ -739,6 +739,8 @@ def main(argv: Optional[list] = None) -> int:
             results.append(result)
             write(line)
             progress.update()
+            if args.out:  # the rows so far, whole: a run cut off by a time limit keeps what it measured
+                write_json(args.out, "bench_generate.json", {"rows": results})
     emit(args, "bench_generate.json", {"rows": results})
     if args.out:
         plot([r for r in results if "error" not in r], Path(args.out) / "bench_generate.png")

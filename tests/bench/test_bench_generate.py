@@ -189,3 +189,26 @@ def test_the_options_refuse_large_v3_in_float32_and_unknown_columns(capsys):
     with pytest.raises(SystemExit):
         generate.main(["--columns", "stock_iobinding,fastest"])
     assert "unknown column(s) ['fastest']" in capsys.readouterr().err
+
+
+def test_out_holds_every_finished_row_while_later_rows_run(tmp_path, monkeypatch):
+    """--out rewrites bench_generate.json after each row (whole, through a rename): a run that a time limit cuts
+    off keeps the rows it finished. A row that fails is reported in its place, and the rows after it still run."""
+    import json
+
+    seen = []
+
+    def fake_row(row, repeats, steps, columns, profile):
+        path = tmp_path / "bench_generate.json"
+        seen.append(json.loads(path.read_text())["rows"] if path.exists() else None)
+        if row.batch == 2:
+            raise RuntimeError("out of memory")
+        return {"label": row.label, "steps": steps, "columns": list(columns)}
+
+    monkeypatch.setattr(generate, "bench_random", fake_row)
+    monkeypatch.setattr(generate, "format_row", lambda result: f"| {result['label']} |")
+    assert generate.main(["--sizes", "tiny", "--batches", "1,2,3", "--out", str(tmp_path)]) == 0
+    assert seen[0] is None and [r["label"] for r in seen[1]] == [generate.Row("tiny", 1, "float32", False).label]
+    assert "RuntimeError: out of memory" in seen[2][1]["error"]
+    rows = json.loads((tmp_path / "bench_generate.json").read_text())["rows"]
+    assert len(rows) == 3 and "error" in rows[1] and rows[2]["label"].endswith("B=3 float32, random weights")
