@@ -7,6 +7,12 @@
 # Steps:
 #   install    onnxruntime-gpu (its wheel, or the pieces it was split into) into $ORT_SITE, the wheels in
 #              $WHEELS into $SITE; prints the ORT version and providers
+#   install-bridge   stock onnxruntime (the CPU wheel in $ORT_CPU, about 24 MB: one call, no pieces) into $ORT_SITE
+#              and the wheels in $WHEELS into $SITE, for the `bridge` step when a machine may not last the six
+#              calls that carry onnxruntime-gpu over (it cannot stand in for `install`: the native route needs it)
+#   bridge     the kernels' GPU tests that need no onnxruntime-gpu: through CuPy (the fused, split-key and decode
+#              kernels) and the Python op's CUDA route (float32 kernels: the shared buffer, the parity suites'
+#              `cuda` cases); the native route's cases skip with their reason. Log in $OUT/bridge.log
 #   gpu        every GPU test (pytest -m gpu), log in $OUT/gpu.log
 #   gpu-parity, gpu-rest   the same in two halves (tests/parity and tests/claim; the others), for a machine that
 #              limits one command's time; logs in $OUT/gpu-parity.log, $OUT/gpu-rest.log
@@ -41,6 +47,7 @@
 # Settings (environment), with their defaults:
 #   WHEELS=.device/whl          onnxruntime-extensions, tokenizers, ... for the machine's Python
 #   ORT_GPU=.device/ortgpu      onnxruntime-gpu: a .whl, or pieces q0 q1 ... (split -b) joined in name order
+#   ORT_CPU=.device/cpuwhl      stock onnxruntime's CPU wheel for the machine's Python (install-bridge)
 #   ORT_WHEEL_NAME=onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl   the name the pieces rejoin as
 #   SITE=/tmp/site ORT_SITE=/tmp/ortsite   where the wheels are installed (--target; nothing touches the system)
 #   PACKS=".device/p0 .device/p1 .device/p2"  TOKENIZERS=.device/tok  REAL=/tmp/real   the real-weight models
@@ -52,6 +59,7 @@ set -u
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.device/whl}
 ORT_GPU=${ORT_GPU:-.device/ortgpu}
+ORT_CPU=${ORT_CPU:-.device/cpuwhl}
 ORT_WHEEL_NAME=${ORT_WHEEL_NAME:-onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl}
 SITE=${SITE:-/tmp/site}
 ORT_SITE=${ORT_SITE:-/tmp/ortsite}
@@ -92,6 +100,13 @@ for step in "$@"; do
       install_ort_gpu || exit 1
       python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl 2>&1 | quiet
       python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" ;;
+    install-bridge)
+      ls "$ORT_CPU"/onnxruntime-*.whl >/dev/null 2>&1 || { echo "no onnxruntime wheel in $ORT_CPU (set ORT_CPU)"; exit 1; }
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$ORT_SITE" "$ORT_CPU"/onnxruntime-*.whl 2>&1 | quiet
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl 2>&1 | quiet
+      python3 -c "import onnxruntime as o; print(o.__version__, o.get_available_providers())" ;;
+    bridge) timeout 540 $PYTEST_GPU tests/engine/cuda tests/parity/test_parity_shared_buffer.py tests/parity/test_parity_random.py \
+              tests/python_op 2>&1 | tee "$OUT/bridge.log" | quiet | tail -20 ;;
     gpu) timeout 560 $PYTEST_GPU tests 2>&1 | tee "$OUT/gpu.log" | quiet | tail -30 ;;
     gpu-parity) timeout 560 $PYTEST_GPU tests/parity tests/claim 2>&1 | tee "$OUT/gpu-parity.log" | quiet | tail -20 ;;
     gpu-rest) timeout 560 $PYTEST_GPU tests --ignore=tests/parity --ignore=tests/claim 2>&1 | tee "$OUT/gpu-rest.log" \
