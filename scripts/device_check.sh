@@ -96,18 +96,22 @@ install_ort_gpu() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$ORT_SITE" "$wheel" 2>&1 | quiet
 }
 
+# the wheels of $WHEELS into $SITE, then the version and providers of the onnxruntime just installed
+install_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl 2>&1 | quiet
+  python3 -c "import onnxruntime as o; o.preload_dlls() if hasattr(o, 'preload_dlls') else None; print(o.__version__, o.get_available_providers())"
+}
+
 for step in "$@"; do
   echo "=== $step"
   case $step in
     install)
       install_ort_gpu || exit 1
-      python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl 2>&1 | quiet
-      python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" ;;
+      install_wheels ;;
     install-bridge)
       ls "$ORT_CPU"/onnxruntime-*.whl >/dev/null 2>&1 || { echo "no onnxruntime wheel in $ORT_CPU (set ORT_CPU)"; exit 1; }
       python3 -m pip install -q --no-index --no-deps --no-compile --target "$ORT_SITE" "$ORT_CPU"/onnxruntime-*.whl 2>&1 | quiet
-      python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl 2>&1 | quiet
-      python3 -c "import onnxruntime as o; print(o.__version__, o.get_available_providers())" ;;
+      install_wheels ;;
     bridge) timeout 540 $PYTEST_GPU tests/engine/cuda tests/parity/test_parity_shared_buffer.py tests/parity/test_parity_random.py \
               tests/python_op 2>&1 | tee "$OUT/bridge.log" | quiet | tail -20 ;;
     gpu) timeout 560 $PYTEST_GPU tests 2>&1 | tee "$OUT/gpu.log" | quiet | tail -30 ;;
