@@ -81,7 +81,7 @@ class CrossCall:
             return cupy.asarray(rng.standard_normal(dims).astype(dt))
 
         self.q = normal(g.batch, 1, g.num_heads * g.head_size)
-        self.bias_q = normal(g.num_heads * g.head_size, dt=np.float32)
+        self.bias_q = normal(g.num_heads * g.head_size)  # the node's b_q, in its dtype
         self.k = [normal(*shape) for _ in range(self.copies)]
         self.v = [normal(*shape) for _ in range(self.copies)]
         self.out = {plan: cupy.full((g.batch, 1, g.v_hidden), np.nan, element) for plan in PLANS}

@@ -257,8 +257,8 @@ def test_a_float16_call_without_bias_past_or_present_reads_its_inputs_in_place(k
 
 def test_a_float16_cross_attention_decode_step_reads_its_key_and_value_in_place():
     """A decoder's cross attention on the native route (pipeline.reads_kv_in_place): no layout mover copies the
-    BNSH key and value; b_q widened to float32, the arrival counters zeroed, and one split_key_stream reading the
-    node's query, key and value buffers and writing the node's float16 output itself (out_narrow: no float32
+    BNSH key and value; the arrival counters zeroed, and one split_key_stream reading the node's query, key, value
+    and bias buffers (b_q in float16, where the node holds it: no widening launch) and writing the node's float16 output itself (out_narrow: no float32
     scratch, no combine or narrowing launch). The same call with a present wanted keeps the movers; the earlier
     split-key pair (MHA_EP_SPLIT_KERNEL=pair) writes the output from its combine."""
     from mha_ep.engine.cuda.steps import Buffer, Fill, Pointer
@@ -267,22 +267,23 @@ def test_a_float16_cross_attention_decode_step_reads_its_key_and_value_in_place(
     kernel, signature = signature_of(config)
     plan = native_plan.plan_steps(kernel, signature, FACTS[0])
     functions = [getattr(step, "function", type(step).__name__).split("<")[0] for step in plan.steps]
-    assert functions == ["resolve_key_lengths", "widen_to_float", "Fill", "split_key_stream"], functions
-    fill, attention = plan.steps[2:]
+    assert functions == ["resolve_key_lengths", "Fill", "split_key_stream"], functions
+    fill, attention = plan.steps[1:]
     pointers = [arg.address for arg in attention.args if isinstance(arg, Pointer)]
     assert Buffer("in0", 0, 256) in pointers and Buffer("in1", 0, 256) in pointers and Buffer("in2", 0, 256) in pointers
+    assert attention.args[4].address.name == "in3", attention.args[:5]  # bias_q: the bias input's first slice
     assert attention.args[-2] == 0  # round_query 0: q + b_q stays in float32
     assert attention.args[-1] == Pointer(None)  # no qk
     assert attention.args[-3] == Pointer(fill.dst) and fill.dst.name == "scratch"  # the counters the Fill zeroes
     assert isinstance(fill, Fill) and fill.byte == 0 and fill.nbytes == 4 * config.batch * config.num_heads
     assert attention.args[-9:-7] == (Pointer(None), Pointer(Buffer("out0")))  # out_BSD null, out_narrow the output
     summary = library().check_plan(native_plan.encode_plan(plan, lambda launch: 1))
-    assert [s["kind"] for s in summary["steps"]] == ["launch", "launch", "fill", "launch"]
+    assert [s["kind"] for s in summary["steps"]] == ["launch", "fill", "launch"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MHA_EP_SPLIT_KERNEL", "pair")
         pair = native_plan.plan_steps(kernel, signature, FACTS[0])
     functions = [getattr(step, "function", type(step).__name__).split("<")[0] for step in pair.steps]
-    assert functions == ["resolve_key_lengths", "widen_to_float", "split_key_attention", "combine_key_splits"]
+    assert functions == ["resolve_key_lengths", "split_key_attention", "combine_key_splits"]
     assert pair.steps[-1].args[-2:] == (Pointer(None), Pointer(Buffer("out0")))  # the combine writes the output
     with_present = native_plan.plan_steps(*signature_of(MhaConfig(**{**config.__dict__, "presents": True})), FACTS[0])
     assert any(getattr(s, "function", "").startswith("build_dense_BNTH_native") for s in with_present.steps)
@@ -290,9 +291,9 @@ def test_a_float16_cross_attention_decode_step_reads_its_key_and_value_in_place(
     # float32 scratch buffer that one narrowing rounds into output 3 (no three-phase path)
     with_qk = native_plan.plan_steps(*signature_of(MhaConfig(**{**config.__dict__, "qk": True})), FACTS[0])
     functions = [getattr(step, "function", type(step).__name__).split("<")[0] for step in with_qk.steps]
-    assert functions == ["resolve_key_lengths", "widen_to_float", "Fill", "split_key_stream", "narrow_output"], \
+    assert functions == ["resolve_key_lengths", "Fill", "split_key_stream", "narrow_output"], \
         functions  # fmt: skip
-    qk_scratch = with_qk.steps[3].args[-1].address
+    qk_scratch = with_qk.steps[2].args[-1].address
     assert qk_scratch.name == "scratch" and with_qk.steps[-1].args[0].address == qk_scratch
     assert with_qk.steps[-1].args[1].address == Buffer("out3")
     assert with_qk.output_shapes[3] == (config.batch, config.num_heads, config.q_seq, config.total_seq)

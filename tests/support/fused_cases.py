@@ -66,7 +66,8 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split=Fals
     offset_args = {}
     if form == "raw":  # the native route's cross attention (pipeline.reads_kv_in_place): no mover at all
         assert split and problem.kv_layout == "BNSH" and problem.past_key_BNPH is None, "raw: a split BNSH call"
-        q = fused.Operand(dev(problem.query_BSD, problem.dtype), "BSNH", g.q_seq, g.head_size, dev(problem.bias_q))
+        q = fused.Operand(dev(problem.query_BSD, problem.dtype), "BSNH", g.q_seq, g.head_size,
+                          dev(problem.bias_q, problem.dtype))  # the node's b_q as it is
         k = fused.Operand(dev(problem.key, problem.dtype), "BNSH", g.kv_seq, g.head_size)
         v = fused.Operand(dev(problem.value, problem.dtype), "BNSH", g.kv_seq, g.v_head_size)
         operand_dtype = problem.dtype
@@ -309,7 +310,7 @@ def kernel_parameters(operand_type: str, name: str = "") -> str:
     """The parameter list every fused kernel shares (flash_attention_mma / _fp32 / _wgmma / _ws), for explicit
     instantiations: Q, K, V as (pointer, three strides, bias) in ``operand_type``, then masks, the score offsets,
     scalars, the two outputs (float32, and the narrow one the tensor-core kernels may write); flash_attention_ws (``name``) adds its three TMA tensor maps."""
-    operand = [f"const {operand_type}*", "long long", "long long", "long long", "const float*"]
+    operand = [f"const {operand_type}*", "long long", "long long", "long long", f"const {operand_type}*"]
     rest = ["const float*", "int", "int", "int", "const int*", "const unsigned char*", "const float*", "const float*",
             "float", "int", "int", "float"]  # fmt: skip
     maps = ["const __grid_constant__ TensorMap"] * 3 if name.startswith("flash_attention_ws<") else []

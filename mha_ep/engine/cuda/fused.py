@@ -13,7 +13,8 @@ H head size, Hv value head size, D = N*H. An ``Operand`` is one of Q, K, V as a 
   "BSN3H" / "BSN2H"  one slot of a packed QKV (B, S, N, 3, H) / packed KV (B, L, N, 2, H) input, read in place:
           the address is the slot's first element, rows and heads stride over all 3 (2) slots (PACKED_LAYOUTS).
 Its elements are ``operand_dtype``: float32 (the staged transport arrays; an f16/bf16 call rounds them to its
-dtype on load) or the call's dtype (the layout mover's buffers). A bias (float32, (N*dim,)) is added on load.
+dtype on load) or the call's dtype (the layout mover's buffers). A bias ((N*dim,), in the operand's dtype) is added
+on load.
 
 This module holds what a launch needs beside the dispatch rules: the kernels' shared-memory carving and launch
 bounds (each constant names its twin in the .cu files; tests/engine/cuda/test_kernel_constants.py checks them), the
@@ -84,7 +85,7 @@ class Operand:
     layout: str  # "BSNH" (B, seq, N*dim) | "BNSH" (B, N, seq, dim)
     seq: int  # rows along the sequence axis (S for Q; T, or L for raw key/value)
     dim: int  # head size of this operand (H, or Hv for V)
-    bias: Optional[int] = None  # device address of a float32 (N*dim,) bias to add on load, or None
+    bias: Optional[int] = None  # device address of an (N*dim,) bias in the operand's dtype to add on load, or None
 
     def strides(self, num_heads: int) -> tuple[int, int, int]:
         """(stride_b, stride_h, stride_s) in elements; the head dimension is contiguous."""
@@ -336,8 +337,8 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
     (split_keys.split_key_steps); None: split_keys.chosen_split_kernel(). The arguments are fused_step's, with its
     checks.
 
-    ``raw_query`` (split-key calls only): q is the float16 / bfloat16 query as the node received it, with a float32
-    ``q.bias`` the kernel adds on load and keeps in float32 (ORT's sum), k and v the node's own BNSH key and value
+    ``raw_query`` (split-key calls only): q is the float16 / bfloat16 query as the node received it, with the node's
+    own ``q.bias`` (in the query's dtype) that the kernel adds on load and keeps in float32 (ORT's sum), k and v the node's own BNSH key and value
     (which carry no bias): the native route's cross attention, with no layout mover (pipeline.py).
 
     ``qk`` (split-key calls only): a float32 (B, N, S, T) buffer the split-key kernel writes the masked scores into

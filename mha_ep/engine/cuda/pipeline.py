@@ -318,15 +318,11 @@ def reads_kv_in_place(problem: MhaProblem, facts: DeviceFacts) -> bool:
 
 def _native_in_place(problem: MhaProblem, plan: LaunchPlan, facts: DeviceFacts, sources: dict, outputs: dict,
                      build: _Builder) -> None:  # fmt: skip
-    """reads_kv_in_place's launches: b_q widened to float32, the split-key kernels on the sources
-    (_native_attention)."""
-    g = problem.geometry
-    bias_q = None
-    if problem.bias_q is not None:
-        bias_q = _widen(problem.dtype, sources["bias_q"], g.num_heads * g.head_size, "bias_q", build)
+    """reads_kv_in_place's launches: the split-key kernels on the sources, b_q read from the node's bias where it
+    is, in its dtype (_native_attention)."""
     _native_attention(
         problem, facts, outputs, build,
-        q=Operand(sources["query"], "BSNH", plan.q_seq, plan.head_size, bias_q),
+        q=Operand(sources["query"], "BSNH", plan.q_seq, plan.head_size, sources.get("bias_q")),
         k=Operand(sources["key"], "BNSH", plan.total_seq, plan.head_size),
         v=Operand(sources["value"], "BNSH", plan.total_seq, plan.v_head_size),
         attention_bias=sources.get("attention_bias"), mask=sources.get("mask"), raw_query=True,

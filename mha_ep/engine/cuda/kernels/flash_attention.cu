@@ -150,9 +150,9 @@ __global__ void __launch_bounds__(BLOCK_M * 2)
   const IN* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
   const IN* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
   const IN* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
-  const float* bias_q_h = bias_q == nullptr ? nullptr : bias_q + (long long)h * head_size;
-  const float* bias_k_h = bias_k == nullptr ? nullptr : bias_k + (long long)h * head_size;
-  const float* bias_v_h = bias_v == nullptr ? nullptr : bias_v + (long long)h * v_head_size;
+  const IN* bias_q_h = bias_q == nullptr ? nullptr : bias_q + (long long)h * head_size;
+  const IN* bias_k_h = bias_k == nullptr ? nullptr : bias_k + (long long)h * head_size;
+  const IN* bias_v_h = bias_v == nullptr ? nullptr : bias_v + (long long)h * v_head_size;
   // FLASH_WITH_KEY_OFFSET: this (b, h)'s key offsets (null: none) and this thread's two rows' query offsets
   // (0 without them; they apply to the new keys j >= P only).
   const float* offset_T = (WITH_OFFSET && key_offset_BNT != nullptr) ? key_offset_BNT + bh * total_seq : nullptr;
@@ -538,9 +538,9 @@ __global__ void __launch_bounds__(F32Shape<ROWS, TX>::THREADS, MIN_BLOCKS)
   const IN* q_rows = q + (long long)b * stride_qb + (long long)h * stride_qh + (long long)m0 * stride_qs;
   const IN* k_rows = k + (long long)b * stride_kb + (long long)h * stride_kh;
   const IN* v_rows = v + (long long)b * stride_vb + (long long)h * stride_vh;
-  const float* bias_q_h = bias_q == nullptr ? nullptr : bias_q + (long long)h * head_size;
-  const float* bias_k_h = bias_k == nullptr ? nullptr : bias_k + (long long)h * head_size;
-  const float* bias_v_h = bias_v == nullptr ? nullptr : bias_v + (long long)h * v_head_size;
+  const IN* bias_q_h = bias_q == nullptr ? nullptr : bias_q + (long long)h * head_size;
+  const IN* bias_k_h = bias_k == nullptr ? nullptr : bias_k + (long long)h * head_size;
+  const IN* bias_v_h = bias_v == nullptr ? nullptr : bias_v + (long long)h * v_head_size;
 
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
                       causal, q_seq, total_seq, past_seq};

@@ -17,15 +17,15 @@ template <typename A> struct same_type<A, A> { static constexpr bool value = tru
 // The parameters every fused kernel starts with (flash_attention_mma, _fp32, _wgmma, _ws, split_key_attention),
 // in the order fused.py passes them (tests/support/fused_cases.py kernel_parameters spells them for explicit
 // instantiations): Q, K and V as (OPERAND pointer, batch, head and sequence strides in elements, projection bias
-// or null), the mask inputs (MaskParams), the score offsets, the scalars and the BSNH output: float32 at out_BSD,
+// (N * dim, in OPERAND: the node's own b_q where a kernel reads the node's query as it is) or null), the mask inputs (MaskParams), the score offsets, the scalars and the BSNH output: float32 at out_BSD,
 // or, where out_narrow_BSD is not null, in ELEM there (the node's own output: no narrowing pass; the tensor-core
 // kernels write it, flash_attention_fp32 and the split-key kernel, whose host passes null, ignore it). What each
 // means: flash_attention.cu's header. FLASH_KERNEL_ARGUMENTS passes them on, in the same order.
 #define FLASH_KERNEL_PARAMETERS(OPERAND)                                                                          \
   const OPERAND* __restrict__ q, long long stride_qb, long long stride_qh, long long stride_qs,                   \
-      const float* __restrict__ bias_q, const OPERAND* __restrict__ k, long long stride_kb, long long stride_kh,  \
-      long long stride_ks, const float* __restrict__ bias_k, const OPERAND* __restrict__ v, long long stride_vb,  \
-      long long stride_vh, long long stride_vs, const float* __restrict__ bias_v,                                \
+      const OPERAND* __restrict__ bias_q, const OPERAND* __restrict__ k, long long stride_kb, long long stride_kh,  \
+      long long stride_ks, const OPERAND* __restrict__ bias_k, const OPERAND* __restrict__ v, long long stride_vb,  \
+      long long stride_vh, long long stride_vs, const OPERAND* __restrict__ bias_v,                              \
       const float* __restrict__ attention_bias, int bias_d0, int bias_d1, int mask_kind,                         \
       const int* __restrict__ key_lengths_B, const unsigned char* __restrict__ keep,                             \
       const float* __restrict__ key_offset_BNT, const float* __restrict__ query_offset_BNS,                      \
@@ -197,7 +197,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait_pending() {
 
 // LOAD_CHUNK elements of `src` (+ bias), rounded to ELEM, into registers (zeros when !valid).
 template <typename ELEM, typename IN>
-__device__ __forceinline__ void load_chunk(ELEM (&out)[LOAD_CHUNK], const IN* src, const float* bias, bool valid) {
+__device__ __forceinline__ void load_chunk(ELEM (&out)[LOAD_CHUNK], const IN* src, const IN* bias, bool valid) {
   IN raw[LOAD_CHUNK];
   if (valid) {
 #pragma unroll
@@ -208,7 +208,7 @@ __device__ __forceinline__ void load_chunk(ELEM (&out)[LOAD_CHUNK], const IN* sr
 #pragma unroll
   for (int e = 0; e < LOAD_CHUNK; ++e) {
     float x = valid ? to_float<IN>(raw[e]) : 0.0f;
-    if (valid && bias != nullptr) x += bias[e];  // step 1: float32 sum, one rounding to ELEM below
+    if (valid && bias != nullptr) x += to_float<IN>(bias[e]);  // step 1: float32 sum, one rounding to ELEM below
     out[e] = from_float<ELEM>(x);
   }
 }
@@ -217,10 +217,10 @@ __device__ __forceinline__ void load_chunk(ELEM (&out)[LOAD_CHUNK], const IN* sr
 //   rows >= rows_valid and dims >= dim are zero-filled (they add nothing to a dot product or to P.V);
 //   ELEM input without bias goes through cp.async (asynchronous; the caller commits and waits);
 //   anything else (float32 input of an f16/bf16 call, or a bias to add) goes through registers (synchronous).
-// `src` points at (row 0, d 0); `bias_d` at the bias of this head (dim floats) or null. dim % LOAD_CHUNK == 0.
+// `src` points at (row 0, d 0); `bias_d` at the bias of this head (dim values, in IN) or null. dim % LOAD_CHUNK == 0.
 template <typename ELEM, typename IN, int ROWS, int HEAD_DIM, int LD, int THREADS>
 __device__ __forceinline__ void load_tile(ELEM* tile, const IN* src, long long stride_s, int rows_valid, int dim,
-                                          const float* bias_d) {
+                                          const IN* bias_d) {
   constexpr int CHUNKS_PER_ROW = HEAD_DIM / LOAD_CHUNK;
   for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += THREADS) {
     const int r = c / CHUNKS_PER_ROW;

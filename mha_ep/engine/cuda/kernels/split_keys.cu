@@ -124,21 +124,21 @@ __device__ __forceinline__ float group_sum(float v, int lanes) {
 // reads, fused_steps).
 template <typename ELEM, typename IN>
 __device__ __forceinline__ void split_query_rows(float* __restrict__ q_s, const IN* __restrict__ q_rows,
-                                                 long long stride_qs, const float* __restrict__ bias_q, int h,
+                                                 long long stride_qs, const IN* __restrict__ bias_q, int h,
                                                  int q_seq, int head_size, int round_query) {
   for (int idx = threadIdx.x; idx < q_seq * head_size; idx += SPLIT_THREADS) {
     const int i = idx / head_size;
     const int d = idx - i * head_size;
     float x = to_float<IN>(q_rows[(long long)i * stride_qs + d]);
-    if (bias_q != nullptr) x += bias_q[(long long)h * head_size + d];
+    if (bias_q != nullptr) x += to_float<IN>(bias_q[(long long)h * head_size + d]);
     q_s[idx] = round_query ? round_to<ELEM>(x) : x;
   }
 }
 
 // What steps 2-4 read beside the K rows: the query rows in shared memory, the bias and offsets, the masks.
-struct SplitScores {
+template <typename IN> struct SplitScores {
   const float* q_s;
-  const float* bias_k;            // (N * H) float32 or null
+  const IN* bias_k;               // (N * H) in IN, or null
   const float* offset_T;          // key_offset_BNT's row of (b, h) or null
   const float* query_offset_BNS;  // or null
   float* qk_BNST;                 // output 3 or null
@@ -153,7 +153,7 @@ struct SplitScores {
 // Lane `sub` of group `g` holds elements [sub*VEC, sub*VEC + VEC) of the query rows and of key rows
 // base + u*groups + g, u < U.
 template <typename ELEM, typename IN, int ROWS>
-__device__ __forceinline__ void split_logits(const SplitScores& sc, const IN* k_tile, int rows, int key0, int x0,
+__device__ __forceinline__ void split_logits(const SplitScores<IN>& sc, const IN* k_tile, int rows, int key0, int x0,
                                              float* x_s, int x_stride, int warp, int lane) {
   constexpr int VEC = SplitLoad<IN>::N;
   constexpr int U = SPLIT_LOADS_IN_FLIGHT;
@@ -171,7 +171,7 @@ __device__ __forceinline__ void split_logits(const SplitScores& sc, const IN* k_
   float bk[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
-    bk[e] = (reads && sc.bias_k != nullptr) ? sc.bias_k[(long long)sc.h * head_size + d0 + e] : 0.0f;
+    bk[e] = (reads && sc.bias_k != nullptr) ? to_float<IN>(sc.bias_k[(long long)sc.h * head_size + d0 + e]) : 0.0f;
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) q_r[i][e] = (reads && i < q_seq) ? (sc.q_s + i * head_size)[d0 + e] : 0.0f;
   }
@@ -254,7 +254,7 @@ __device__ __forceinline__ void split_softmax(float* __restrict__ x_s, int x_str
 // keys as in split_logits, lanes over d; split_store_share sums them).
 template <typename ELEM, typename IN, int ROWS>
 __device__ __forceinline__ void split_values(const IN* v_tile, int rows, int x0, const float* x_s, int x_stride,
-                                             const float* __restrict__ bias_v, int h, int v_head_size, int q_seq,
+                                             const IN* __restrict__ bias_v, int h, int v_head_size, int q_seq,
                                              int warp, int lane, float (&o)[ROWS][SplitLoad<IN>::N]) {
   constexpr int VEC = SplitLoad<IN>::N;
   constexpr int U = SPLIT_LOADS_IN_FLIGHT;
@@ -268,7 +268,9 @@ __device__ __forceinline__ void split_values(const IN* v_tile, int rows, int x0,
   const bool reads = d0 < v_head_size;
   float bv[VEC];
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) bv[e] = (reads && bias_v != nullptr) ? bias_v[(long long)h * v_head_size + d0 + e] : 0.0f;
+  for (int e = 0; e < VEC; ++e) {
+    bv[e] = (reads && bias_v != nullptr) ? to_float<IN>(bias_v[(long long)h * v_head_size + d0 + e]) : 0.0f;
+  }
   for (int base = warp * groups * U; base < rows; base += SPLIT_WARPS * groups * U) {
     float vd[U][VEC];
 #pragma unroll
@@ -444,7 +446,7 @@ __device__ __forceinline__ void split_key_rows(FLASH_KERNEL_PARAMETERS(IN), int 
 
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
                       causal, q_seq, total_seq, past_seq};
-  const SplitScores sc{q_s, bias_k, key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq,
+  const SplitScores<IN> sc{q_s, bias_k, key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq,
                        query_offset_BNS, qk_BNST, mp, scale, bh, b, h, head_size};
   split_logits<ELEM, IN, ROWS>(sc, k_s, count, n0, 0, x_s, chunk, warp, lane);  // steps 2-4
   __syncthreads();
@@ -573,7 +575,7 @@ __device__ __forceinline__ void split_key_stream_rows(FLASH_KERNEL_PARAMETERS(IN
                              q_seq, head_size, round_query);  // step 1 (arrive's barrier makes it everyone's)
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
                       causal, q_seq, total_seq, past_seq};
-  const SplitScores sc{q_s, bias_k, key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq,
+  const SplitScores<IN> sc{q_s, bias_k, key_offset_BNT == nullptr ? nullptr : key_offset_BNT + bh * total_seq,
                        query_offset_BNS, qk_BNST, mp, scale, bh, b, h, head_size};
   for (int t = 0; t < tiles; ++t) {  // steps 2-4, a K tile at a time
     const IN* k_tile = arrive(t);
