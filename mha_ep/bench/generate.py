@@ -44,7 +44,7 @@ utterances, stopping at end-of-text, with stock ORT CPU's tokens as a further re
 ``--columns`` keeps some greedy columns (stock_iobinding always; the deployed sizes want
 stock_iobinding,mhaep_plain,static_greedy: stock_numpy would move gigabytes of cache a step).
 Where a step's GPU time goes (``--profile``, needs torch for CUPTI): one replayed static step and one stock ORT CUDA
-dynamic step (IOBinding) at P = PROMPT + steps / 2 (a generation's mean position), every kernel's GPU µs summed by
+dynamic step (IOBinding; the plain native session's too, with its column) at P = PROMPT + steps / 2 (a generation's mean position), every kernel's GPU µs summed by
 kind (``kernel_kind``: attention, GEMM, layout moves, the rest), and the step's floor: the bytes it must read
 (``step_bytes``: the weights, less the embedding tables' unread rows, the cross-attention keys and values and the
 P cached rows) over the device's HBM rate (bench/device.py DEVICE_PEAKS), with each step's ratio to it.
@@ -304,10 +304,11 @@ def bound_step(session, feeds: dict) -> Callable[[], None]:
 
 
 def profile_steps(decoder, static_decoder, past: int, layers: int, hidden: int, heads: int,
-                  dtype: str, stock_session) -> dict:  # fmt: skip
+                  dtype: str, stock_session, plain_session=None) -> dict:  # fmt: skip
     """Where one step's GPU time goes (module docstring, ``--profile``): ``static_decoder`` replayed at P = ``past``
     and stock's dynamic step (``stock_session``, IOBinding, past ``past`` rows) of ``decoder``, by kernel kind, with
-    the step's floor. {"error": ...} without torch."""
+    the step's floor; with ``plain_session`` (the plain native session) its dynamic step too, as stock's is run.
+    {"error": ...} without torch."""
     import cupy
 
     from mha_ep.bench.cupti import by_kind, kernel_table, top
@@ -327,6 +328,8 @@ def profile_steps(decoder, static_decoder, past: int, layers: int, hidden: int, 
     feeds.pop("hidden_states")
     feeds["input_ids"] = np.ones((rows, 1), np.int64)
     tables = {"static": kernel_table(ours), "stock": kernel_table(bound_step(stock_session, feeds))}
+    if plain_session is not None:
+        tables["plain"] = kernel_table(bound_step(plain_session, feeds))
     cupy.cuda.runtime.deviceSynchronize()
     floor = step_bytes(decoder, rows, past, ENCODER_POSITIONS, np.dtype(dtype).itemsize)
     rate = hbm_rate(device_name())
@@ -336,13 +339,16 @@ def profile_steps(decoder, static_decoder, past: int, layers: int, hidden: int, 
         if rate:
             split["floor_ratio"] = split["total"] / (floor["total"] / rate * 1e6)
         result[side] = {**split, "top": top(table)}
-    result["static_vs_stock_gpu"] = result["static"]["total"] / result["stock"]["total"]
+    for side in ("static", "plain"):
+        if side in result:
+            result[f"{side}_vs_stock_gpu"] = result[side]["total"] / result["stock"]["total"]
     return result
 
 
 def profile_cells(r: dict) -> str:
-    """The table's profile cells: GPU µs a step (attention / GEMM / layout / other), ours then stock's, the ratio,
-    and ours over the HBM floor; nothing when the row has no profile."""
+    """The table's profile cells: GPU µs a step (attention / GEMM / layout / other), the static step's, stock's and
+    the plain session's, the static and plain steps over stock's, and the static step over the HBM floor; nothing
+    when the row has no profile, "-" for a plain step not profiled."""
     profile = r.get("profile")
     if not profile:
         return ""
@@ -354,7 +360,10 @@ def profile_cells(r: dict) -> str:
                 f"{side['other']:.0f})")  # fmt: skip
 
     floor = profile["static"].get("floor_ratio")
-    return (f" {split(profile['static'])} | {split(profile['stock'])} | {profile['static_vs_stock_gpu']:.2f} "
+    plain = profile.get("plain")
+    return (f" {split(profile['static'])} | {split(profile['stock'])} | {'-' if plain is None else split(plain)} "
+            f"| {profile['static_vs_stock_gpu']:.2f} "
+            f"| {'-' if plain is None else format(profile['plain_vs_stock_gpu'], '.2f')} "
             f"| {'-' if floor is None else f'{floor:.1f}x'} |")  # fmt: skip
 
 
@@ -442,8 +451,8 @@ def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: b
     result = measure(row.label, {c: generation(c) for c in columns}, {c: encoder_call(c) for c in columns},
                      repeats, steps)  # fmt: skip
     if profile:
-        result["profile"] = profile_steps(decoder, greedy_decoder, PROMPT + steps // 2, layers, hidden,
-                                          heads, row.dtype, made["stock"][0])  # fmt: skip
+        result["profile"] = profile_steps(decoder, greedy_decoder, PROMPT + steps // 2, layers, hidden, heads,
+                                          row.dtype, made["stock"][0], made["plain"][0] if "plain" in made else None)
     # beam search: B entries x BEAMS rows, the prompt cache and first logits of each entry repeated per beam, the
     # end-of-text id suppressed (random weights would end at random), so that every search runs ``steps`` steps
     rows = np.repeat(np.arange(row.batch), BEAMS)
@@ -725,8 +734,9 @@ def main(argv: Optional[list] = None) -> int:
           "| run_device/iobinding | static_greedy/iobinding | beam ms/step (stock/static) | static_beam/stock_beam "
           "| beam agreement | agreement with stock_iobinding (numpy/plain/session/run_device/static) | encoder ms "
           "| 30 s total ms |" + (" static step GPU us (attention/GEMM/layout/other) | stock step GPU us | "
-                                  "static/stock GPU | static / HBM floor |" if args.profile else ""))  # fmt: skip
-    write("|---|" + "---|" * (len(COLUMNS) + 10 + (4 if args.profile else 0)))
+                                  "plain step GPU us | static/stock GPU | plain/stock GPU | static / HBM floor |"
+                                  if args.profile else ""))  # fmt: skip
+    write("|---|" + "---|" * (len(COLUMNS) + 10 + (6 if args.profile else 0)))
     results = []
     with bar(len(work), "bench generate", wanted(as_json=args.json), unit="row") as progress:
         for label, run in work:

@@ -179,7 +179,13 @@ def test_the_deployed_sizes_say_their_encoder_is_cut_and_a_row_prints_the_column
                          "static_vs_stock_gpu": 500 / 600}  # fmt: skip
     cells = [cell.strip() for cell in generate.format_row(result).strip("|").split("|")]
     assert cells[1:7] == ["-", "1.000", "1.000", "-", "-", "1.000"]
-    assert cells[-4:] == ["500 (100/300/20/80)", "600 (150/300/50/100)", "0.83", "2.5x"]
+    assert cells[-6:] == ["500 (100/300/20/80)", "600 (150/300/50/100)", "-", "0.83", "-", "2.5x"]
+    # with the plain session's step profiled too
+    result["profile"]["plain"] = {"total": 540.0, "attention": 130.0, "gemm": 300.0, "layout": 30.0, "other": 80.0}
+    result["profile"]["plain_vs_stock_gpu"] = 540 / 600
+    cells = [cell.strip() for cell in generate.format_row(result).strip("|").split("|")]
+    assert cells[-6:] == ["500 (100/300/20/80)", "600 (150/300/50/100)", "540 (130/300/30/80)", "0.83", "0.90",
+                          "2.5x"]  # fmt: skip
 
 
 def test_the_options_refuse_large_v3_in_float32_and_unknown_columns(capsys):
