@@ -545,7 +545,8 @@ def rule_past(call: Call) -> None:
     form = packing(call)
     presents = len(call.outputs) > 2 and (call.outputs[1] or call.outputs[2])
     packed_shared = form == "qkv" and shared_buffer(call)  # rule_shared_buffer checks the rest of its form
-    if form is not None and not packed_shared and (call.present("past_key") or call.present("past_value") or presents):
+    pasts = call.present("past_key") or call.present("past_value")
+    if form is not None and not packed_shared and (pasts or presents):
         subject = "past_key" if call.present("past_key") else "past_value" if call.present("past_value") else "present_key"
         raise Refusal(
             f"Inputs 'past_key', 'past_value', 'present_key' and 'present_value' shall be empty for packed "
