@@ -6,7 +6,7 @@
     mha-ep compare MODEL --reference U   ... and stock ORT on MODEL vs on U, the model before fusion
     mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native, generate, soak, serve, sd
                                          (mha-ep bench WHAT --help)
-    mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W] [--step-length L]
+    mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W] [--step-length L] [--no-packed-qkv]
                                          a decoder-with-past rewritten to a static KV cache: one graph of fixed shapes
     mha-ep serve MODEL [--replicas N] [--port P] [--max-batch B]
                                          serve a model over HTTP with Ray Serve (the serve extra), batching callers
@@ -88,7 +88,7 @@ def cmd_static_cache(args) -> int:
     from mha_ep.graph.static_cache import static_cache
 
     result = static_cache(args.model, max_length=args.max_length, batch=args.batch, beams=args.beams,
-                          step_length=args.step_length)
+                          step_length=args.step_length, packed_qkv=args.packed_qkv)
     result.save(args.output)
     data = result.to_dict()
     data["output"] = args.output
@@ -299,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-length", type=int, metavar="L",
                    help="the rows a step feeds: pins input_ids' symbolic dim 1, and every input dim of its symbol, to "
                         "L (default: 1; a static step length must equal L)")  # fmt: skip
+    p.add_argument("--no-packed-qkv", dest="packed_qkv", action="store_false",
+                   help="keep each self-attention node's Q, K and V projections as three MatMuls (default: one MatMul "
+                        "and a packed QKV query, which only mha_ep runs: stock ORT refuses packed QKV with a past)")
     json_option(p)
     p.set_defaults(func=cmd_static_cache)
 

@@ -34,7 +34,7 @@ place in the list.
   rule_key_value_lengths       key and value have the same sequence length
   rule_batches                 key, value, past_key, past_value batch == query batch
   rule_past                    past_key and past_value come together, rank 4, dim 1 == num_heads, same length; (ORT)
-                               a packed call has no past and no present
+                               a packed call has no past and no present, (mha_ep) but packed QKV over a shared buffer
   rule_shared_buffer           the shared buffer (past_key (B, N, M, H) with past_sequence_length, docs/SEMANTICS.md
                                §3.9): (ORT) one element, both presents requested, 0 <= P < M and P + L <= M where the
                                value is known (L <= M where it is not); (mha_ep) BSNH key and value
@@ -540,10 +540,13 @@ def rule_batches(call: Call) -> None:
 
 def rule_past(call: Call) -> None:
     """past_key and past_value come together, rank 4, dim 1 == num_heads, the same length; (ORT, its CUDA
-    provider's) a packed call has no past and no present."""
+    provider's) a packed call has no past and no present, (mha_ep) except packed QKV over a shared buffer
+    (docs/SEMANTICS.md "Packed QKV / KV: ours")."""
     form = packing(call)
     presents = len(call.outputs) > 2 and (call.outputs[1] or call.outputs[2])
-    if form is not None and (call.present("past_key") or call.present("past_value") or presents):
+    packed_shared = form == "qkv" and shared_buffer(call)  # rule_shared_buffer checks the rest of its form
+    pasts = call.present("past_key") or call.present("past_value")
+    if form is not None and not packed_shared and (pasts or presents):
         subject = "past_key" if call.present("past_key") else "past_value" if call.present("past_value") else "present_key"
         raise Refusal(
             f"Inputs 'past_key', 'past_value', 'present_key' and 'present_value' shall be empty for packed "

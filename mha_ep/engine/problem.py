@@ -340,8 +340,14 @@ def output_shapes(
         query, key, value = arrays[0], arrays[1], arrays[2]
         b, s = query.shape[0], query.shape[1]
         packed = query if query.ndim == 5 else key if key is not None and key.ndim == 5 else None
+        past_key = arrays[6] if len(arrays) > 6 else None
+        shared = past_key is not None and len(arrays) > 8 and arrays[8] is not None
         if packed is not None:  # packed QKV / KV: Dv = D = N * H, L = the packed input's dim 1
             d, length = packed.shape[2] * packed.shape[4], packed.shape[1]
+            if shared and past_key.ndim == 4:  # packed QKV over a shared buffer: presents (B, N, M, H)
+                total = past_length_value(arrays[8])
+                qk = (b, n, s, total + length) if want_qk and total is not None and total >= 0 else ()
+                return (b, s, d), tuple(past_key.shape), tuple(past_key.shape), qk
             return (b, s, d), (), (), ((b, n, s, length) if want_qk else ())
         if value is not None and value.ndim == 4:
             dv, length, hv = value.shape[1] * value.shape[3], value.shape[2], value.shape[3]
@@ -350,9 +356,8 @@ def output_shapes(
         else:
             return (b, s, query.shape[-1]), (), (), ()
         h = query.shape[2] // max(n, 1)
-        past_key = arrays[6] if len(arrays) > 6 else None
         past = past_key.shape[2] if past_key is not None and past_key.ndim == 4 else 0
-        if past_key is not None and len(arrays) > 8 and arrays[8] is not None:  # a shared buffer: (B, N, M, H)
+        if shared:  # a shared buffer: (B, N, M, H)
             total = past_length_value(arrays[8])
             qk = (b, n, s, total + length) if want_qk and total is not None and total >= 0 else ()
             return (b, s, dv), (b, n, past, h), (b, n, past, hv), qk

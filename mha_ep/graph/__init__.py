@@ -9,6 +9,7 @@
   static_cache.py           ``mha-ep static-cache``: a decoder rewritten onto a static KV cache (one CUDA graph a step)
   static_cache_checks.py    its refusals: what a decoder must be for the rewrite to take it (StaticCacheError)
   static_cache_result.py    what it returns: the rewritten model and what was pinned, kept and added, its report
+  packed_projections.py     its rule PACKED_PROJECTIONS: a self node's Q, K and V MatMuls as one, a packed QKV query
   affine.py                 the shape arithmetic on one run-time number P evaluated at build time as const + P * coeff
   graph_facts.py            what a graph says about its tensors: declared and inferred dims, what a node reads
 

@@ -57,6 +57,14 @@ tests and the docs cite a rule as ``rule NAME``, never by a number (tests/graph/
     and every such input is constant. Each break is a StaticCacheError naming the node, and, where symbolic input dims
     feed the value, each such input, dim and symbol with the flag that pins it (``--batch``, ``--step-length``) or the
     word that none does (graph/static_cache_checks.py).
+  PACKED_PROJECTIONS: with ``packed_qkv`` (the default), a self node whose query, key and value are each a
+    ``MatMul(X, W)`` of the same X by a constant initializer W (E, N*H), read by nothing else, gets them as one
+    ``MatMul(X, W_qkv)``, W_qkv (E, N*3*H) their columns interleaved per head (n, slot, h), and a ``Reshape`` to
+    (0, 0, N, 3, H): the node's query becomes that packed QKV input and its key and value are empty; its bias stays
+    (docs/SEMANTICS.md, "Packed QKV / KV: ours"; graph/packed_projections.py). One GEMM reads the three weights of a
+    decode step instead of three. Stock ORT refuses packed QKV with a past: the rewritten model then runs only with
+    its attention nodes claimed by mha_ep (what every loop over it does); ``packed_qkv=False`` (``--no-packed-qkv``)
+    keeps the three MatMuls. A node that does not match keeps them, and the report says why.
   declare_outputs: the presents as rule SHARED_BUFFER; every other output gets the dims shape inference found static.
 """
 
@@ -75,6 +83,7 @@ from mha_ep.graph.affine import (
 )
 from mha_ep.graph.graph_facts import Dim, ancestor_inputs, dims_of, infer_shapes, inferred_dims, names_read, set_dims
 from mha_ep.graph.model_io import load_model
+from mha_ep.graph.packed_projections import Projections, match_projections, packed_shape, packed_weight, readers_of
 from mha_ep.graph.static_cache_checks import (
     CACHE_INDIRECTION, P_SYMBOL, PAST_KEY, PAST_SEQUENCE_LENGTH, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE,
     SHARED_SLOTS, HostReads, StaticCacheError, check_arguments, check_buffer_lengths, check_readers,
@@ -100,17 +109,19 @@ def _carriers(inputs: Sequence[onnx.ValueInfoProto], symbol: str, skip: Set[str]
 
 
 def static_cache(model, max_length: int, batch: Optional[int] = None, beams: int = 0,
-                 step_length: Optional[int] = None) -> StaticCacheResult:
+                 step_length: Optional[int] = None, packed_qkv: bool = True) -> StaticCacheResult:
     """Rewrite a decoder-with-past (an onnx.ModelProto or a path; not modified) into the static-cache form of the
     module docstring: self pasts and presents (B, N, max_length, H) sharing one buffer, an input
     ``past_sequence_length`` (int32, (1,)), no shape arithmetic on the host. ``batch``: B (rows: batch entries x
     beams) fixed in every input's dim 0, or None to keep it symbolic. ``beams`` > 0: a cache_indirection input for
     beam search (rule SHARED_BUFFER). ``step_length``: the step length L a symbolic one is pinned to (None: 1), or
     that a static one must be (rule OTHER_INPUTS). Raises StaticCacheError naming the node or input for a model it
-    cannot rewrite."""
+    cannot rewrite. ``packed_qkv``: each self node's Q, K and V projections as one MatMul and a packed QKV query
+    (rule PACKED_PROJECTIONS; the model then runs only with mha_ep claiming its attention nodes); False keeps them
+    apart."""
     check_arguments(max_length, batch, beams, step_length)  # rule SELF_NODES
     return StaticCachePass(load_model(model), int(max_length), None if batch is None else int(batch), int(beams),
-                           None if step_length is None else int(step_length)).run()  # fmt: skip
+                           None if step_length is None else int(step_length), bool(packed_qkv)).run()  # fmt: skip
 
 
 class StaticCachePass:
@@ -119,7 +130,7 @@ class StaticCachePass:
     values, the tainted names, the new nodes and initializers, what stays and what was removed."""
 
     def __init__(self, model: onnx.ModelProto, max_length: int, batch: Optional[int], beams: int = 0,
-                 step_length: Optional[int] = None):  # fmt: skip
+                 step_length: Optional[int] = None, packed_qkv: bool = True):  # fmt: skip
         self.model = model
         self.graph = model.graph
         self.max_length = max_length
@@ -147,6 +158,8 @@ class StaticCachePass:
         self.p_scalar: Optional[str] = None
         self.kept_shapes: List[str] = []
         self.removed = 0
+        self.packed_qkv = packed_qkv
+        self.packing: List[Tuple[str, str]] = []  # rule PACKED_PROJECTIONS: (self node, "" packed or why not)
         self.taken = {v.name for v in list(self.graph.input) + list(self.graph.initializer)}
         self.taken |= {name for n in self.graph.node for name in [node_name(n), *n.input, *n.output]}
 
@@ -161,6 +174,8 @@ class StaticCachePass:
         for node in kept:
             if is_self(node, self.presents):
                 self.share_buffer(node)
+        if self.packed_qkv:
+            kept = self.pack_projections(kept)
         del self.graph.node[:]
         self.graph.node.extend(self.new_nodes + kept)
         self.graph.initializer.extend(self.new_initializers)
@@ -174,7 +189,8 @@ class StaticCachePass:
         self.drop_unused()
         result = StaticCacheResult(self.model, self.layers(), self.max_length, self.batch, self.removed,
                                    self.notes(), self.beams, self.step, tuple(self.pinned), self.p_input,
-                                   self.ci_input, tuple(self.kept_inputs))  # fmt: skip
+                                   self.ci_input, tuple(self.kept_inputs),
+                                   tuple(self.packing) if self.packed_qkv else None)  # fmt: skip
         result.stamp()
         return result
 
@@ -479,6 +495,39 @@ class StaticCachePass:
         del node.input[:]
         node.input.extend(inputs + [""] * (SHARED_SLOTS[0] - len(inputs)) + [self.p_input]
                           + ([self.ci_input] if self.ci_input else []))  # fmt: skip
+
+    # rule PACKED_PROJECTIONS
+    def pack_projections(self, kept: List[onnx.NodeProto]) -> List[onnx.NodeProto]:
+        """Each self node's three projection MatMuls as one MatMul and a Reshape, in the place of the first of them
+        (graph/packed_projections.py), or left as they are with the reason; the nodes that stay, in order."""
+        producers = {name: node for node in kept for name in node.output if name}
+        readers = readers_of(kept, lambda node: names_read(self.graph, node))
+        constants = {t.name: t for t in self.graph.initializer if t.name not in self.graph_inputs}
+        replaced: Dict[int, List[onnx.NodeProto]] = {}  # id(a projection MatMul) -> what stands in its place
+        for node in kept:
+            if not is_self(node, self.presents):
+                continue
+            _, heads, _, head_size = dims_of(self.graph_inputs[node.input[PAST_KEY]])  # N, H static: rule SELF_NODES
+            found = match_projections(node, producers, readers, constants, self.graph_outputs, heads, head_size)
+            if isinstance(found, str):
+                self.packing.append((node_name(node), found))
+                continue
+            first = min(found.matmuls, key=kept.index)
+            replaced.update((id(m), []) for m in found.matmuls)
+            replaced[id(first)] = self.packed_query(node, found, heads, head_size)
+            self.packing.append((node_name(node), ""))
+        return [new for node in kept for new in replaced.get(id(node), [node])]
+
+    def packed_query(self, node: onnx.NodeProto, found: Projections, heads: int, head_size: int) -> list:
+        """Rule PACKED_PROJECTIONS for one self node: MatMul(X, W_qkv) and its Reshape to (B, L, N, 3, H), which
+        becomes the node's query; its key and value inputs become empty."""
+        name = node_name(node) or node.output[0]
+        weight = self.initializer(f"{name}/packed_qkv.weight", packed_weight(found.weights, heads, head_size))
+        shape = self.initializer(f"{name}/packed_qkv.shape", packed_shape(heads, head_size))
+        product, packed = self.new_name(f"{name}/packed_qkv.matmul"), self.new_name(f"{name}/packed_qkv")
+        node.input[0], node.input[1], node.input[2] = packed, "", ""
+        return [helper.make_node("MatMul", [found.source, weight], [product], name=product),
+                helper.make_node("Reshape", [product, shape], [packed], name=packed)]
 
     # rules SHARED_BUFFER and ``declare_outputs``
     def declare_outputs(self) -> None:

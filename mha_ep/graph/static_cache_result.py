@@ -12,6 +12,7 @@ import onnx
 
 from mha_ep.graph.graph_facts import dims_of
 from mha_ep.graph.model_io import save_model
+from mha_ep.graph.packed_projections import ALREADY
 from mha_ep.graph.static_cache_checks import CACHE_INDIRECTION, PAST_SEQUENCE_LENGTH
 
 # The model metadata key under which the rewrite records which graph input is the past of which output, and the
@@ -34,7 +35,8 @@ class StaticCacheResult:
     (None: the batch dim stays symbolic), how many nodes were folded or removed, and notes; the step length (None:
     not known), the input dims pinned to it (input, dim index, symbol, value), the names of the P and
     cache_indirection inputs (None: none), and which of the two the model had already (rules SELF_NODES,
-    SHARED_BUFFER and OTHER_INPUTS)."""
+    SHARED_BUFFER and OTHER_INPUTS); per self node (graph order), "" where its Q, K and V projections became one
+    MatMul and a packed QKV query, else why not (rule PACKED_PROJECTIONS; None: not asked, packed_qkv=False)."""
 
     model: onnx.ModelProto
     self_layers: Tuple[Tuple[str, str, str, str], ...]
@@ -48,6 +50,28 @@ class StaticCacheResult:
     past_sequence_length: str = PAST_SEQUENCE_LENGTH
     cache_indirection: Optional[str] = None
     kept_inputs: Tuple[str, ...] = ()
+    packed_qkv: Optional[Tuple[Tuple[str, str], ...]] = None
+
+    @property
+    def packed_nodes(self) -> List[str]:
+        """The self nodes whose query is packed QKV, by this rewrite or an earlier one (rule PACKED_PROJECTIONS)."""
+        return [node for node, why in self.packed_qkv or () if why in ("", ALREADY)]
+
+    def packing_lines(self) -> List[str]:
+        """The report's lines on rule PACKED_PROJECTIONS."""
+        if self.packed_qkv is None:
+            return ["  packed QKV projections: off (packed_qkv=False, --no-packed-qkv): every self node keeps its "
+                    "three Q, K and V MatMuls"]  # fmt: skip
+        earlier = sum(why == ALREADY for _, why in self.packed_qkv)
+        lines = [f"  packed QKV projections: {len(self.packed_nodes)} of {len(self.packed_qkv)} self-attention "
+                 "node(s) read Q, K and V from one MatMul and a packed (B, L, N, 3, H) query"
+                 + (f" ({earlier} packed by an earlier rewrite)" if earlier else "")]  # fmt: skip
+        if self.packed_nodes:
+            lines.append("  note: stock ORT refuses packed QKV with a past: run the model with mha_ep claiming its "
+                         "attention nodes, or rewrite it with --no-packed-qkv")  # fmt: skip
+        lines.extend(f"  not packed: node {node!r}: {why}" for node, why in self.packed_qkv
+                     if why not in ("", ALREADY))  # fmt: skip
+        return lines
 
     @property
     def unchanged_inputs(self) -> List[str]:
@@ -87,6 +111,7 @@ class StaticCacheResult:
               if self.step_length is not None and not self.pinned else []),
             f"  shape arithmetic: {self.folded} node(s) folded into constants or device computations from "
             f"{self.past_sequence_length}",
+            *self.packing_lines(),
             f"  inputs as they were: {', '.join(self.unchanged_inputs) or 'none'}",
         ]  # fmt: skip
         lines.extend(f"  note: {n}" for n in self.notes)
@@ -106,6 +131,8 @@ class StaticCacheResult:
             "cache_indirection": self.cache_indirection,
             "kept_inputs": list(self.kept_inputs),
             "folded": self.folded,
+            "packed_qkv": None if self.packed_qkv is None else [
+                {"node": node, "packed": why in ("", ALREADY), "reason": why or None} for node, why in self.packed_qkv],
             "unchanged_inputs": self.unchanged_inputs,
             "notes": self.notes,
         }  # fmt: skip

@@ -272,6 +272,42 @@ def test_claim_accepts_shared_buffers_and_beams(inputs):
     assert d.claimed, d.reason
 
 
+PACKED_STEP = f32(4, 1, 2, 3, 4)  # packed QKV (B, L, N, 3, H): one new token of 4 rows
+PAST_ONLY = "shall be empty for packed"  # rule_past's refusal of a packed call with a past or a present
+
+
+@pytest.mark.parametrize("inputs", [
+    [PACKED_STEP, None, None, None, None, None, STEP_CACHE, STEP_CACHE, PSL],
+    [PACKED_STEP, None, None, f32(24), typed("int32", 4, None), f32(1, 2, 1, None), STEP_CACHE, STEP_CACHE, PSL,
+     typed("int32", 2, 2, 16)],
+    [f32(4, 3, 2, 3, 4), None, None, f32(24), None, None, STEP_CACHE, STEP_CACHE, PSL],  # a prompt of 3 tokens
+], ids=["packed-shared", "packed-shared-beams-bias-mask", "packed-shared-prompt"])  # fmt: skip
+def test_claim_takes_packed_qkv_over_a_shared_buffer(inputs):
+    """mha_ep's packed form with a past (docs/SEMANTICS.md, "Packed QKV / KV: ours"): packed QKV, no key or value,
+    past_key / past_value (B, N, M, H) with past_sequence_length, both presents; with what the unpacked shared-buffer
+    node takes beside it (a 3D bias, a mask, attention_bias, cache_indirection)."""
+    d = gate(inputs, outputs=PRESENTS)
+    assert d.claimed, d.reason
+
+
+@pytest.mark.parametrize("inputs, outputs, fragment, subject", [
+    ([PACKED_STEP, None, None, None, None, None, f32(4, 2, 5, 4), f32(4, 2, 5, 4)], PRESENTS,
+     f"{PAST_ONLY} QKV format", "past_key"),  # a growing past (no past_sequence_length)
+    ([PACKED_STEP], PRESENTS, f"{PAST_ONLY} QKV format", "present_key"),  # presents without a past
+    ([f32(4, 1, 8), f32(4, 1, 2, 2, 4), None, None, None, None, STEP_CACHE, STEP_CACHE, PSL], PRESENTS,
+     f"{PAST_ONLY} KV format", "past_key"),  # packed KV over a shared buffer: not ours
+    ([f32(4, 1, 8), f32(4, 1, 2, 2, 4), None, None, None, None, f32(4, 2, 5, 4), f32(4, 2, 5, 4)], PRESENTS,
+     f"{PAST_ONLY} KV format", "past_key"),
+    ([PACKED_STEP, None, None, None, None, None, STEP_CACHE, STEP_CACHE, PSL], (True, False, False, False),
+     "Shared past/present buffer requires both present_key and present_value outputs.", "present_key"),
+], ids=["qkv-growing-past", "qkv-presents-only", "kv-shared", "kv-growing-past", "qkv-shared-no-presents"])  # fmt: skip
+def test_claim_declines_every_other_packed_call_with_a_past(inputs, outputs, fragment, subject):
+    """Packed KV with any past and packed QKV with a growing one keep stock ORT CUDA's refusal, word for word; a
+    packed shared-buffer node without its presents gets the shared buffer's own."""
+    d = gate(inputs, outputs=outputs)
+    assert not d.claimed and fragment in d.reason and d.subject == subject, d
+
+
 def test_shared_buffer_rules_read_the_length_where_they_know_it():
     """With the value of past_sequence_length, a (B, T) mask and attention_bias's T are checked against P + L."""
     attrs = rules.attributes_from_mapping({"num_heads": 2})

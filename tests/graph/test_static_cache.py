@@ -102,8 +102,10 @@ def assert_same_decoding(trace, tolerance: float) -> None:
 @pytest.mark.parametrize("batch", [2, None], ids=["batch2", "batch-symbolic"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_shipped_whisper_decoder_decodes_the_same_tokens(precision, batch):
+    """On stock ORT's CPU provider, so with the projections apart (stock ORT refuses packed QKV with a past: rule
+    PACKED_PROJECTIONS has its own tests below, on mha_ep)."""
     decoder = onnx.load(mha_ep.shipped_model(f"whisper_random_decoder_{precision}.onnx"))
-    result = static_cache(decoder, max_length=MAX_LENGTH, batch=batch)
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=batch, packed_qkv=False)
     assert result.self_layers == tuple(
         (f"past_key_self_{i}", f"past_value_self_{i}", f"present_key_self_{i}", f"present_value_self_{i}")
         for i in range(2)
@@ -116,9 +118,11 @@ def test_shipped_whisper_decoder_decodes_the_same_tokens(precision, batch):
 @pytest.mark.parametrize("route", ["python-op", "native"])
 def test_the_static_decoder_on_mha_ep_decodes_the_same_tokens(route):
     """The rewrite's claimed shared-buffer nodes (every self-attention and cross-attention node: partition claims
-    all four) on mha_ep's CPU routes, 16 steps: the dynamic decoder's tokens on stock ORT."""
+    all four; the self nodes' projections packed, rule PACKED_PROJECTIONS) on mha_ep's CPU routes, 16 steps: the
+    dynamic decoder's tokens on stock ORT."""
     decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
     result = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    assert result.packed_nodes == ["Attention_0", "Attention_2"]
     assert all(d.claimed for d in mha_ep.partition(result.model).decisions)
 
     def plugin(model):
@@ -169,9 +173,10 @@ def test_beam_search_over_the_static_decoder_with_cache_indirection_matches_the_
         return out["logits"][:, -1]
 
     expected = beam_decode(dynamic_step, first_logprobs, beams, steps, eot)
-    static = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams).model
+    static = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams).model  # projections packed
+    plain = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams, packed_qkv=False).model
     assert [n.input[9] for n in static.graph.node if len(n.input) > 9] == ["cache_indirection"] * 2
-    for static_run in (session(static), mha_ep.InferenceSession(static, backend="reference", route="native")):
+    for static_run in (session(plain), mha_ep.InferenceSession(static, backend="reference", route="native")):
         cache = {}
         for name, value in self_kv.items():
             cache[name] = np.zeros(value.shape[:2] + (MAX_LENGTH,) + value.shape[3:], np.float32)
@@ -196,7 +201,7 @@ def test_beam_search_over_the_static_decoder_with_cache_indirection_matches_the_
 
 def test_synthetic_decoder_gives_the_same_logits():
     decoder = whisper_decoder_step(layers=2, hidden=64, heads=4, ffn=128, vocab=100)
-    result = static_cache(decoder, max_length=16, batch=2)
+    result = static_cache(decoder, max_length=16, batch=2, packed_qkv=False)  # stock ORT runs it
     rng = np.random.default_rng(5)
     pasts = {f"past_{kind}_self_{layer}": rng.standard_normal((2, 4, 2, 16)).astype(np.float32)
              for layer in range(2) for kind in ("key", "value")}  # fmt: skip
@@ -566,8 +571,8 @@ def test_a_decoder_in_the_shared_buffer_form_keeps_its_inputs_and_decodes_the_sa
     """The rewrite of a rewritten decoder: its self nodes read past_sequence_length already, so that input is kept
     (not added twice) and the pasts are buffers of max_length rows; it decodes the dynamic decoder's tokens."""
     decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
-    once = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
-    twice = static_cache(once.model, max_length=MAX_LENGTH, batch=2)
+    once = static_cache(decoder, max_length=MAX_LENGTH, batch=2, packed_qkv=False)  # stock ORT runs it
+    twice = static_cache(once.model, max_length=MAX_LENGTH, batch=2, packed_qkv=False)
     assert [v.name for v in twice.model.graph.input] == [v.name for v in once.model.graph.input]
     assert declared(twice.model) == declared(once.model)
     assert twice.kept_inputs == (PAST_SEQUENCE_LENGTH,) and twice.self_layers == once.self_layers
@@ -830,6 +835,138 @@ def test_refuses_a_buffer_without_rows(max_length):
         static_cache(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"), max_length=max_length)
 
 
+# ------------------------------------------------------------------------------- rule PACKED_PROJECTIONS
+PACKED_TOLERANCE = {"fp32": 1e-6, "fp16": 4e-3}  # logits and cache rows, packed vs unpacked rewrite on mha_ep
+
+
+def plugin_of(route: str):
+    return lambda model: mha_ep.InferenceSession(model, backend="reference", route=route)
+
+
+@pytest.mark.parametrize("route", ["python-op", "native"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_packed_projections_fuse_every_self_node_and_decode_the_unpacked_rewrite_s_logits(precision, route):
+    """The shipped Whisper decoder-with-past: the rewrite packs both self nodes' Q, K and V projections (the report
+    says so), and 8 greedy steps of the packed model on mha_ep's CPU routes give the tokens, logits and cache rows
+    of the rewrite with the projections apart (each output element is the same dot product: equal in float32 here,
+    within float16 rounding), both the dynamic decoder's tokens on stock ORT."""
+    decoder = onnx.load(mha_ep.shipped_model(f"whisper_random_decoder_{precision}.onnx"))
+    packed = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    plain = static_cache(decoder, max_length=MAX_LENGTH, batch=2, packed_qkv=False)
+    assert packed.packed_nodes == ["Attention_0", "Attention_2"] and plain.packed_qkv is None
+    assert "packed QKV projections: 2 of 2 self-attention node(s)" in packed.report()
+    assert "packed QKV projections: off" in plain.report() and "not packed" not in packed.report()
+    first, self_kv, cross = whisper_prompt(precision)
+    traces = [decode_both(decoder, result.model, first, self_kv, cross, 8, MAX_LENGTH,
+                          static_session_of=plugin_of(route)) for result in (packed, plain)]  # fmt: skip
+    for trace in traces:
+        assert_same_decoding(trace, TOLERANCE[precision])
+    for step, ((token, logits), (plain_token, plain_logits)) in enumerate(zip(traces[0]["static"],
+                                                                              traces[1]["static"])):  # fmt: skip
+        assert np.array_equal(token, plain_token), f"step {step}: tokens {token} vs {plain_token}"
+        error = np.abs(logits - plain_logits).max()
+        assert error <= PACKED_TOLERANCE[precision], f"step {step}: logits differ by {error}"
+    for (rows, _), (plain_rows, _) in zip(traces[0]["rows"], traces[1]["rows"]):
+        error = np.abs(rows.astype(np.float32) - plain_rows.astype(np.float32)).max()
+        assert error <= PACKED_TOLERANCE[precision], f"cache rows differ by {error}"
+
+
+def test_packed_projections_interleave_the_weights_per_head_and_keep_the_bias():
+    """What the rule writes for one self node: MatMul(X, W_qkv), W_qkv (E, N*3*H) with column n*3H + slot*H + h the
+    column n*H + h of W_q, W_k, W_v; a Reshape to (0, 0, N, 3, H) as the node's query; no key or value; the bias
+    and every other input as they were; the three projections and their weights gone; JSON says the same."""
+    decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    before = {n.name: n for n in decoder.graph.node}
+    weights = {t.name: numpy_helper.to_array(t) for t in decoder.graph.initializer}
+    producers = {o: n for n in decoder.graph.node for o in n.output}
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    graph = result.model.graph
+    after = {n.name: n for n in graph.node}
+    initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    heads, head = 4, 16
+    for name in ("Attention_0", "Attention_2"):
+        node, old = after[name], before[name]
+        reshape = next(n for n in graph.node if n.output[0] == node.input[0])
+        matmul = next(n for n in graph.node if n.output[0] == reshape.input[0])
+        assert (reshape.op_type, matmul.op_type) == ("Reshape", "MatMul")
+        assert initializers[reshape.input[1]].tolist() == [0, 0, heads, 3, head]
+        projections = [producers[old.input[slot]] for slot in range(3)]
+        assert matmul.input[0] == projections[0].input[0]  # X, the layer norm's output
+        fused = initializers[matmul.input[1]]
+        assert fused.shape == (64, heads * 3 * head)
+        for slot, projection in enumerate(projections):
+            w = weights[projection.input[1]]
+            for n in range(heads):
+                start = n * 3 * head + slot * head
+                np.testing.assert_array_equal(fused[:, start:start + head], w[:, n * head:(n + 1) * head])
+            assert projection.name not in after and projection.input[1] not in initializers
+        assert list(node.input[1:3]) == ["", ""] and list(node.input[3:]) == list(old.input[3:]) + [
+            PAST_SEQUENCE_LENGTH]
+    data = result.to_dict()["packed_qkv"]
+    assert data == [{"node": n, "packed": True, "reason": None} for n in ("Attention_0", "Attention_2")]
+    again = static_cache(result.model, max_length=MAX_LENGTH, batch=2)
+    assert again.packed_nodes == ["Attention_0", "Attention_2"] and "2 packed by an earlier rewrite" in again.report()
+
+
+def unfusable(change: str) -> onnx.ModelProto:
+    """The shipped fp32 decoder with its first self node's projections changed so that rule PACKED_PROJECTIONS does
+    not match: "graph-input weight" (W_k a graph input, not a constant), "another input" (the value projection
+    reads X through an Identity), "read elsewhere" (the query projection's output is also a graph output)."""
+    decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    graph = decoder.graph
+    node = next(n for n in graph.node if n.name == "Attention_0")
+    producers = {o: n for n in graph.node for o in n.output}
+    query, key, value = (producers[node.input[slot]] for slot in range(3))
+    if change == "graph-input weight":
+        weight = next(t for t in graph.initializer if t.name == key.input[1])
+        graph.input.append(helper.make_tensor_value_info(weight.name, TP.FLOAT, list(weight.dims)))
+    elif change == "another input":
+        graph.node.insert(list(graph.node).index(value), helper.make_node("Identity", [value.input[0]], ["x_again"],
+                                                                          name="x_again"))  # fmt: skip
+        value.input[0] = "x_again"
+    elif change == "read elsewhere":
+        graph.output.append(helper.make_tensor_value_info(query.output[0], TP.FLOAT, None))
+    return decoder
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("graph-input weight", "the weight 'onnx::MatMul_389' of its key projection (node "
+                           "'/decoder/layers.0/self_attn/k_proj/MatMul' (MatMul)) is not a constant initializer (a "
+                           "graph input, or computed)"),
+    ("another input", "its query, key and value are projections of different inputs "
+                      "('/decoder/layers.0/self_attn_layer_norm/LayerNormalization_output_0', "
+                      "'/decoder/layers.0/self_attn_layer_norm/LayerNormalization_output_0', 'x_again'), not of one"),
+    ("read elsewhere", "its query projection's output '/decoder/layers.0/self_attn/q_proj/MatMul_output_0' is read "
+                       "elsewhere too (a graph output)"),
+])  # fmt: skip
+def test_a_self_node_whose_projections_do_not_match_keeps_them_and_the_report_says_why(change, reason):
+    """The first self node keeps its three MatMuls and key / value inputs, the second is packed; the report names
+    the node and the reason; the rewrite decodes what the unpacked rewrite does, on mha_ep."""
+    decoder = unfusable(change)
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=2)
+    assert result.packed_qkv == (("Attention_0", reason), ("Attention_2", ""))
+    report = result.report()
+    assert "packed QKV projections: 1 of 2" in report and f"not packed: node 'Attention_0': {reason}" in report
+    node = next(n for n in result.model.graph.node if n.name == "Attention_0")
+    projections = [n.name.split("/")[2] for n in result.model.graph.node if n.op_type == "MatMul"
+                   and "/self_attn/" in n.name and n.name.split("/")[-2] in ("q_proj", "k_proj", "v_proj")]
+    assert all(node.input[:3]) and projections == ["layers.0"] * 3, projections  # layer 1's: packed
+    if change == "graph-input weight":
+        return  # the weight is a graph input now: a feed the decode loop below does not make
+    first, self_kv, cross = whisper_prompt("fp32")
+    plain = static_cache(decoder, max_length=MAX_LENGTH, batch=2, packed_qkv=False)
+    traces = [decode_both(decoder, r.model, first, self_kv, cross, 4, MAX_LENGTH, static_session_of=plugin_of("native"))
+              for r in (result, plain)]  # fmt: skip
+    for (token, logits), (plain_token, plain_logits) in zip(traces[0]["static"], traces[1]["static"]):
+        assert np.array_equal(token, plain_token) and np.abs(logits - plain_logits).max() <= PACKED_TOLERANCE["fp32"]
+
+
+def test_a_decoder_without_projections_is_left_unpacked_naming_what_its_query_is():
+    result = static_cache(range_decoder(), max_length=16, batch=1)
+    assert result.packed_qkv == (("self_attn", "its query 'x' is not the output of a MatMul (made by node "
+                                               "'/decoder/add_positions' (Add))"),)  # fmt: skip
+
+
 def test_cli_writes_a_loadable_static_decoder(tmp_path):
     target = tmp_path / "x.onnx"
     done = run_cli("static-cache", str(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx")), "-o", str(target),
@@ -850,6 +987,24 @@ def test_cli_json_has_the_result_fields(tmp_path):
     data = json.loads(done.stdout)
     assert data["max_length"] == 16 and data["batch"] is None and data["output"] == str(target)
     assert data["self_layers"][0]["present_value"] == "present_value_self_0" and data["folded"] > 0
+    assert [entry["packed"] for entry in data["packed_qkv"]] == [True, True]
+
+
+def test_cli_no_packed_qkv_keeps_the_projections(tmp_path):
+    """--no-packed-qkv: the rewrite stock ORT runs too (stock ORT refuses packed QKV with a past)."""
+    target = tmp_path / "x.onnx"
+    done = run_cli("static-cache", str(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx")), "-o", str(target),
+                   "--max-length", "16", "--batch", "2", "--no-packed-qkv")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "packed QKV projections: off (packed_qkv=False, --no-packed-qkv)" in done.stdout
+    nodes = onnx.load(target).graph.node
+    assert all(n.input[1] and n.input[2] for n in nodes if n.op_type == "MultiHeadAttention")
+    first, self_kv, _ = whisper_prompt("fp32")
+    out = run(session(target), {"input_ids": first[:, None], **{n: np.zeros((2, 4, 16, 16), np.float32)
+                                                                for n in self_kv}, **{
+        f"past_{k}_cross_{i}": np.zeros((2, 4, 100, 16), np.float32) for k in ("key", "value") for i in range(2)},
+        PAST_SEQUENCE_LENGTH: np.array([0], np.int32)})  # fmt: skip
+    assert out["logits"].shape[:2] == (2, 1)
 
 
 def test_cli_step_length_pins_the_symbolic_step(tmp_path):

@@ -333,6 +333,33 @@ def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_pres
     assert summary["output_alignment"] == 2
 
 
+@pytest.mark.parametrize("alignment", [8, 1])  # log2: 256 and 2 bytes
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_packed_shared_buffer_plan_reads_the_query_s_slots_in_place(dtype, alignment):
+    """Packed QKV over a shared buffer (docs/SEMANTICS.md, "Packed QKV / KV: ours"): the decode kernel reads Q, K
+    and V as the slots of ORT's packed query where it lies, at offsets 0, H and 2H elements with 3 slots a head,
+    whatever the buffer's alignment (it reads them element by element): no copy of the packed buffer, the steps of
+    the unpacked node. The unpacked node's launch reads its own three inputs with 1 slot a head."""
+    from mha_ep.engine.cuda.steps import Pointer
+
+    config = MhaConfig(dtype=dtype, batch=4, q_seq=1, kv_seq=1, num_heads=2, head_size=8, bias=True, has_past=True,
+                       past_seq=3, presents=True, max_seq=8, beams=2, mask="2d")  # fmt: skip
+    element = {"float16": 2, "float32": 4}[dtype]
+    plans = {}
+    for form in (None, "qkv"):
+        kernel, signature = signature_of(config, alignment, form)
+        plans[form] = native_plan.plan_steps(kernel, signature, FACTS[0])
+    assert [type(s) for s in plans["qkv"].steps] == [type(s) for s in plans[None].steps]
+    assert plans["qkv"].output_shapes == plans[None].output_shapes
+    for form, slots, sources in ((None, 1, [(f"in{i}", 0) for i in range(3)]),
+                                 ("qkv", 3, [("in0", i * 8 * element) for i in range(3)])):
+        (attention,) = [step for step in plans[form].steps if getattr(step, "function", "").startswith("shared")]
+        assert [(arg.address.name, arg.address.offset) for arg in attention.args[:3]] == sources, attention.args[:3]
+        assert attention.args[3] == np.int32(slots) and isinstance(attention.args[4], Pointer)
+        # the rest of the launch is the unpacked node's: the bias, the buffers, the shapes
+        assert [str(a) for a in attention.args[4:]] == [str(a) for a in plans[None].steps[3].args[4:]]
+
+
 def test_a_shared_buffer_plan_refuses_what_its_kernel_cannot_hold():
     from mha_ep.errors import MhaInputError
 

@@ -19,6 +19,8 @@ from mha_models import (
     assert_outputs_match,
     build_model,
     oracle_float64,
+    packed_feeds,
+    packed_model,
     random_feeds,
     stock_outputs,
     with_,
@@ -202,12 +204,14 @@ STATIC = MhaConfig(dtype="float16", batch=4, q_seq=1, kv_seq=1, num_heads=6, hea
                    past_seq=0, presents=True, max_seq=48, beams=2, causal=True)  # fmt: skip
 
 
-def static_binding(session, config: MhaConfig, rng):
-    """Device buffers (CuPy) for every input and output of ``config``'s node, bound once: the present is the past's
-    own buffer (mha_ep/graph/static_cache.py's binding) and past_sequence_length a device tensor."""
+def static_binding(session, config: MhaConfig, rng, form=None):
+    """Device buffers (CuPy) for every input and output of ``config``'s node (``form`` "qkv": its packed node), bound
+    once: the present is the past's own buffer (mha_ep/graph/static_cache.py's binding) and past_sequence_length a
+    device tensor."""
     import cupy
 
     feeds = random_feeds(config, rng)
+    feeds = feeds if form is None else packed_feeds(config, feeds, form)
     buffers = {name: cupy.asarray(value) for name, value in feeds.items()}
     buffers["output"] = cupy.full((config.batch, config.q_seq, config.num_heads * config.hv), cupy.nan, cupy.float16)
     binding = session.io_binding()
@@ -222,19 +226,23 @@ def static_binding(session, config: MhaConfig, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", [None, "qkv"], ids=["unpacked", "packed-qkv"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
-def test_a_static_cache_step_replays_for_every_past_length_with_the_present_bound_to_its_past(graph, cuda_native, rng):
+def test_a_static_cache_step_replays_for_every_past_length_with_the_present_bound_to_its_past(graph, form, cuda_native,
+                                                                                            rng):  # fmt: skip
     """One binding, twelve decode steps, P advanced on the device between them (under ORT's CUDA graph: one
-    capture, every later step a replay). Each step matches stock ORT CPU fed a copy of the cache; only row P of
-    the cache changes."""
+    capture, every later step a replay). Each step matches stock ORT CPU (the node unpacked) fed a copy of the
+    cache; only row P of the cache changes. ``form`` "qkv": the node's query, key and value packed into one
+    (B, 1, N, 3, H) query, which the decode kernel reads in place (the static-cache rewrite's fused projections)."""
     import cupy
 
     provider = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}) if graph else "CUDAExecutionProvider"
-    session = native_session(build_model(STATIC), backend="cuda", providers=[provider, "CPUExecutionProvider"])
-    binding, buffers = static_binding(session, STATIC, rng)
+    model = build_model(STATIC) if form is None else packed_model(STATIC, form)
+    session = native_session(model, backend="cuda", providers=[provider, "CPUExecutionProvider"])
+    binding, buffers = static_binding(session, STATIC, rng, form)
     for p in range(12):
         step = random_feeds(with_(STATIC, past_seq=p), np.random.default_rng(p))
-        for name, value in step.items():
+        for name, value in (step if form is None else packed_feeds(STATIC, step, form)).items():
             if name not in ("past_key", "past_value"):  # the cache stays the one buffer; P goes in on the device
                 buffers[name][...] = cupy.asarray(value)
         cupy.cuda.runtime.deviceSynchronize()  # ORT's stream does not wait for CuPy's

@@ -24,6 +24,7 @@ draws. Hypothesis keeps ``max_examples`` moderate (runtime: about a minute for t
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -45,6 +46,8 @@ from mha_models import (
     build_model,
     naive_same_dtype,
     oracle_float64,
+    packed_feeds,
+    packed_model,
     plugin_session,
     random_feeds,
     stock_outputs,
@@ -107,12 +110,14 @@ def configs(draw, dtype: str = "float32"):
     )
 
 
-def run_plugin(config: MhaConfig, feeds, backend: str, names) -> dict:
-    model = build_model(config)
+def run_plugin(config: MhaConfig, feeds, backend: str, names, form: Optional[str] = None) -> dict:
+    """The plugin's outputs ``names`` for ``config`` on ``feeds`` (the unpacked node's); ``form`` "qkv" / "kv" runs
+    the packed node instead, on the same values packed (mha_models.packed_model, packed_feeds)."""
+    model = build_model(config) if form is None else packed_model(config, form)
     decisions = mha_ep.partition(model).decisions
     assert [d.claimed for d in decisions] == [True], f"{config.short()}: not claimed: {decisions}"
     session = plugin_session(model, backend)
-    return dict(zip(names, session.run(list(names), feeds)))
+    return dict(zip(names, session.run(list(names), feeds if form is None else packed_feeds(config, feeds, form))))
 
 
 def padded_rows(config: MhaConfig, feeds) -> np.ndarray:
@@ -165,17 +170,19 @@ def compare(config: MhaConfig, feeds, actual: dict, expected: dict, tolerance: f
     assert_outputs_match(actual, expected, tolerance, context)
 
 
-def check_vs_stock(config: MhaConfig, backend: str, seed: int) -> None:
+def check_vs_stock(config: MhaConfig, backend: str, seed: int, form: Optional[str] = None) -> None:
+    """The plugin on ``config`` (``form``: its packed node, run_plugin) against stock ORT CPU on the unpacked node."""
     rng = np.random.default_rng(seed)
     feeds = random_feeds(config, rng, any_mask_values=bool(seed % 2))
     expected = stock_outputs(config, feeds)
-    actual = run_plugin(config, feeds, backend, list(expected))
-    context = f"[{backend}] seed={seed} {config.short()}"
+    actual = run_plugin(config, feeds, backend, list(expected), form)
+    context = f"[{backend}] seed={seed} {config.short()}{f' packed {form}' if form else ''}"
     compare(config, feeds, actual, expected, PARITY_TOLERANCE[config.dtype], context)
 
 
-def check_vs_oracle(config: MhaConfig, backend: str, seed: int) -> None:
-    """bfloat16 vs float64: error <= 2 x the error of a naive bf16 implementation + BF16_TOLERANCE (the floor)."""
+def check_vs_oracle(config: MhaConfig, backend: str, seed: int, form: Optional[str] = None) -> None:
+    """bfloat16 vs float64: error <= 2 x the error of a naive bf16 implementation + BF16_TOLERANCE (the floor);
+    ``form``: the packed node (run_plugin)."""
     from conftest import max_rel_error
 
     rng = np.random.default_rng(seed)
@@ -184,8 +191,9 @@ def check_vs_oracle(config: MhaConfig, backend: str, seed: int) -> None:
     naive = naive_same_dtype(config, feeds)
     naive_error = max(max_rel_error(naive[name], expected[name]) for name in expected)
     tolerance = 2.0 * naive_error + BF16_TOLERANCE
-    actual = run_plugin(config, feeds, backend, list(expected))
-    context = f"[{backend}] seed={seed} {config.short()} vs float64 (naive bf16 error {naive_error:.3g})"
+    actual = run_plugin(config, feeds, backend, list(expected), form)
+    context = (f"[{backend}] seed={seed} {config.short()}{f' packed {form}' if form else ''} vs float64 (naive bf16 "
+               f"error {naive_error:.3g})")  # fmt: skip
     compare(config, feeds, actual, expected, tolerance, context)
 
 

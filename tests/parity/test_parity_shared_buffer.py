@@ -14,6 +14,9 @@ does not carry them over, or a write past row P + L, shows.
 
 ``test_present_bound_to_its_past`` runs the static decoder's binding: one OrtValue as past and present, through
 IOBinding, where only rows [P, P+L) may change.
+
+The corners and the binding also run as packed QKV nodes (``FORMS``: query (B, L, N, 3, H), no key or value, over
+the same shared buffer; mha_ep's form, which stock ORT refuses), against stock ORT CPU on the unpacked node.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from hypothesis import strategies as st
 
 from conftest import PARITY_TOLERANCE
 from mha_models import (
-    MhaConfig, build_model, plugin_session, random_feeds, stock_outputs, with_,
+    MhaConfig, build_model, packed_feeds, packed_model, plugin_session, random_feeds, stock_outputs, with_,
 )
 from test_parity_random import RANDOM_SETTINGS, check_vs_oracle, check_vs_stock
 
@@ -94,17 +97,24 @@ SHARED_CORNERS = {
 }
 
 
+# "qkv": the corner's node with its query, key and value packed into one (B, L, N, 3, H) query (docs/SEMANTICS.md,
+# "Packed QKV / KV: ours"), against stock ORT CPU on the unpacked node
+FORMS = [pytest.param(None, id="unpacked"), pytest.param("qkv", id="packed-qkv")]
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", list(SHARED_CORNERS))
-def test_shared_buffer_corner_matches_stock_ort(name, dtype, run_backend, rng):
+def test_shared_buffer_corner_matches_stock_ort(name, dtype, form, run_backend, rng):
     seed = int(rng.integers(0, 2**30))
     for parity in (0, 1):  # an even seed draws 0/1 mask values, an odd one "any" values (2, -1, ...)
-        check_vs_stock(with_(SHARED_CORNERS[name], dtype=dtype), run_backend, 2 * seed + parity)
+        check_vs_stock(with_(SHARED_CORNERS[name], dtype=dtype), run_backend, 2 * seed + parity, form)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("name", ["beams-3", "prompt-S4-causal", "H64-M448-P300"])
-def test_shared_buffer_corner_bfloat16_matches_float64_oracle(name, backend, rng):
-    check_vs_oracle(with_(SHARED_CORNERS[name], dtype="bfloat16"), backend, int(rng.integers(0, 2**31 - 1)))
+def test_shared_buffer_corner_bfloat16_matches_float64_oracle(name, form, backend, rng):
+    check_vs_oracle(with_(SHARED_CORNERS[name], dtype="bfloat16"), backend, int(rng.integers(0, 2**31 - 1)), form)
 
 
 # -------------------------------------------------------------------------------------- the static binding
@@ -121,15 +131,16 @@ def bind_step(session, feeds: dict, cache: dict):
     return binding
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("beams", [0, 2])
-def test_present_bound_to_its_past(run_backend, beams, rng):
+def test_present_bound_to_its_past(run_backend, beams, form, rng):
     """The static decoder's binding: the present is the past's own OrtValue, and four steps run in a row. Each
-    step gives stock ORT's output (stock fed a copy of the cache), rows [P, P+1) take the new keys and values,
-    and no other row of the buffer changes."""
+    step gives stock ORT's output (stock fed a copy of the cache, the node unpacked), rows [P, P+1) take the new
+    keys and values, and no other row of the buffer changes."""
     if run_backend.startswith("cuda"):
         pytest.skip("the CUDA routes' binding is tested with device buffers in tests/native/test_native_cuda.py")
     config = with_(STEP, batch=4 if beams else 2, beams=beams, past_seq=2)
-    session = plugin_session(build_model(config), run_backend)
+    session = plugin_session(build_model(config) if form is None else packed_model(config, form), run_backend)
     feeds = random_feeds(config, rng)
     cache = {name: onnxruntime.OrtValue.ortvalue_from_numpy(feeds[name].copy()) for name in ("past_key", "past_value")}
     for step in range(4):
@@ -137,7 +148,7 @@ def test_present_bound_to_its_past(run_backend, beams, rng):
                  "past_value": cache["past_value"].numpy()}  # fmt: skip
         before = {name: value.numpy().copy() for name, value in cache.items()}
         expected = stock_outputs(with_(config, past_seq=2 + step), feeds)
-        binding = bind_step(session, feeds, cache)
+        binding = bind_step(session, feeds if form is None else packed_feeds(config, feeds, form), cache)
         session.run_with_iobinding(binding)
         output = binding.copy_outputs_to_cpu()[0]
         context = f"[{run_backend}] step {step} {config.short()}"
@@ -147,3 +158,18 @@ def test_present_bound_to_its_past(run_backend, beams, rng):
             after = cache[past].numpy()
             np.testing.assert_array_equal(np.delete(after, p, axis=2), np.delete(before[past], p, axis=2), context)
             np.testing.assert_allclose(after[:, :, p], expected[present][:, :, p], rtol=0, atol=1e-6, err_msg=context)
+
+
+def test_a_packed_node_refuses_a_bad_past_length_and_then_runs(run_backend, rng):
+    """The shared buffer's run-time checks hold for the packed node too: P = M fails the run with stock ORT's
+    sentence naming the node, and the session then runs a good step, matching stock ORT CPU on the unpacked node."""
+    config = with_(STEP, past_seq=3)
+    session = plugin_session(packed_model(config, "qkv"), run_backend)
+    feeds = random_feeds(config, rng)
+    packed = packed_feeds(config, feeds, "qkv")
+    with pytest.raises(Exception, match=r"node 'mha'.*past_sequence_length must be non-negative and less than "
+                                        r"max_sequence_length \(9\), got 9"):  # fmt: skip
+        session.run(None, {**packed, "past_sequence_length": np.array([config.max_seq], np.int32)})
+    (output,) = session.run(["output"], packed)
+    np.testing.assert_allclose(output, stock_outputs(config, feeds)["output"], rtol=0,
+                               atol=PARITY_TOLERANCE["float32"])  # fmt: skip

@@ -539,7 +539,8 @@ def packed_feeds(config: MhaConfig, feeds: dict, form: str) -> dict:
 
 
 def packed_model(config: MhaConfig, form: str):
-    """The packed node of ``config`` (config's other inputs, outputs and attributes unchanged)."""
+    """The packed node of ``config`` (config's other inputs, outputs and attributes unchanged: a shared buffer's
+    past, past_sequence_length, cache_indirection and presents too, the packed QKV form mha_ep adds)."""
     b, s, l, n, h = config.batch, config.q_seq, config.kv_seq, config.num_heads, config.head_size
     model = build_model(config)
     declared = {i.name: i for i in model.graph.input}
@@ -549,13 +550,13 @@ def packed_model(config: MhaConfig, form: str):
             continue
         elem = declared[slot].type.tensor_type.elem_type
         dtype = {1: "float32", 10: "float16", 6: "int32", 7: "int64"}.get(elem, config.dtype)
-        dtype = config.dtype if slot not in ("key_padding_mask",) and config.dtype == "bfloat16" else dtype
+        dtype = config.dtype if elem == TensorProto.FLOAT and config.dtype == "bfloat16" else dtype  # Cast-wrapped
         shape = tuple(d.dim_value for d in declared[slot].type.tensor_type.shape.dim)
         if slot == "query" and form == "qkv":
             shape = (b, s, n, 3, h)
         if slot == "key":
             shape = (b, l, n, 2, h)
         inputs[slot] = (dtype, shape)
-    outputs = ["output"] + (["qk"] if config.qk else [])
+    outputs = ["output"] + (["present_key", "present_value"] if config.presents else []) + (["qk"] if config.qk else [])
     return node_model(inputs, outputs, attributes(config), config.shapes, output_shapes(config),
                       float_dtype=config.dtype)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import onnx
 import onnxruntime as ort
@@ -21,6 +22,7 @@ from mha_models import (
     MhaConfig,
     build_model,
     input_shapes,
+    packed_model,
 )  # fmt: skip
 
 SOURCE = REPO / "mha_ep" / "native" / "csrc"  # the library's C sources
@@ -57,17 +59,23 @@ def tolerance(dtype: str) -> float:
     return PARITY_TOLERANCE.get(dtype, 2e-2)
 
 
-def described(config: MhaConfig) -> int:
-    """The config id the library gets for ``config``'s claimed node (native form)."""
-    part = mha_ep.partition(build_model(config), route="native")
+def described(config: MhaConfig, form: Optional[str] = None) -> int:
+    """The config id the library gets for ``config``'s claimed node (native form; ``form``: its packed node,
+    mha_models.packed_model)."""
+    part = mha_ep.partition(build_model(config) if form is None else packed_model(config, form), route="native")
     node = next(n for n in part.model.graph.node if n.domain == spec.PLUGIN_DOMAIN)
     return configs.describe_kernel({a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}, "cuda")[0]
 
 
-def signature_of(config: MhaConfig, alignment: int = 8):
-    """(KernelConfig, Signature) of ``config``'s node as the library would hand them to the planner."""
-    kernel = configs.config(described(config))
+def signature_of(config: MhaConfig, alignment: int = 8, form: Optional[str] = None):
+    """(KernelConfig, Signature) of ``config``'s node as the library would hand them to the planner (``form``
+    "qkv": its packed QKV node, query (B, L, N, 3, H))."""
+    kernel = configs.config(described(config, form))
     shapes = input_shapes(config)
+    if form == "qkv":
+        shapes["query"] = (config.batch, config.q_seq, config.num_heads, 3, config.head_size)
+    elif form is not None:
+        raise ValueError(f"signature_of takes form None or 'qkv', got {form!r}")
     entries = []
     for name in spec.PLUGIN_INPUTS:
         if name not in kernel.supplied:

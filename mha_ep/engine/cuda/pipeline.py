@@ -137,8 +137,9 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
         raise ValueError(f"DeviceCall.mask_form must be one of {MASK_FORMS}, got {call.mask_form!r}")
     build = _Builder(temporaries, poison)
     slots = source_slots(problem, call)
-    if slots:
-        sources = packed_slot_sources(problem, call.sources, call.source_dtype, build, SOURCE_ALIGNMENT)
+    if slots:  # the shared-buffer kernel reads its sources element by element: any base will do, never a copy
+        alignment = 1 if problem.shared is not None else SOURCE_ALIGNMENT
+        sources = packed_slot_sources(problem, call.sources, call.source_dtype, build, alignment)
         call = replace(call, sources=sources)
     if problem.shared is not None:
         if problem.want_qk:

@@ -9,7 +9,9 @@ in the steps depends on P: one plan, or one captured CUDA graph, serves every st
      the static decoder's binding, mha_ep/graph/static_cache.py);
   3. shared_buffer_attention writes the L new key/value rows at [P, P+L) of the presents and computes the
      output, a block per (b, n, s), over the P + L keys (the past's rows, redirected by cache_indirection on the
-     beam path, staged a tile at a time into shared memory; the new rows in float32);
+     beam path, staged a tile at a time into shared memory; the new rows in float32). It reads query, key and
+     value as (B, S|L, N*H) rows, or as the three slots of a packed QKV query (B, L, N, 3, H) in place (the
+     native route: packed.source_slots; its ``slots`` argument);
   5. CheckStatus: after an eager call the native library reads the status words and turns a report into ORT's
      error (a captured graph skips it; the kernels' sticky reports reach the decode loop: mha_ep/native/gpu.py).
 Every tensor is read in the sources' dtype (float32 on the bridge, the node's own on the native route) and
@@ -26,6 +28,7 @@ from mha_ep import limits
 from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
 from mha_ep.launch import ELEMENT_BYTES, SHARED_BUFFER_THREADS, STATUS_WORDS, MaskKind
 from mha_ep.engine.cuda.kernels import name_expression
+from mha_ep.engine.cuda.packed import source_slots
 from mha_ep.engine.cuda.steps import CheckStatus, Copy, Fill, Launch, Pointer
 from mha_ep.engine.problem import MhaProblem
 
@@ -94,6 +97,18 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
             f"the {SHARED_MEMORY_LIMIT} mha_ep's decode kernel takes (max_sequence_length up to "
             f"{longest_shared_buffer(problem, element)} at this head size and element type)"
         )
+    slots = source_slots(problem, call)  # {} (the sources are rows of their own), or every source's slot count
+    slot_count = slots.get("query", 1)
+    if any(slots.get(name, 1) != slot_count for name in ("key", "value")):
+        raise MhaInputError(
+            f"{MESSAGE_PREFIX}a shared past/present buffer with packed {str(problem.packing).upper()} input: the "
+            "decode kernel reads query, key and value with one slot count (packed QKV, or none packed); claim/rules.py "
+            "rule_past refuses this call"
+        )
+    try:  # the kernel's int strides of a head: slots x H, slots x Hv
+        limits.checked_i32(slot_count * max(g.head_size, g.v_head_size), "shared_buffer_attention's head stride")
+    except limits.LimitError as error:
+        raise MhaInputError(MESSAGE_PREFIX + error.reason) from None
     src, out = call.sources, call.outputs
     i32, f32 = np.int32, np.float32
     status = take("status", 4 * STATUS_WORDS)
@@ -115,8 +130,9 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
         raise MhaInputError(MESSAGE_PREFIX + error.reason) from None
     steps.append(Launch(name_expression("shared_buffer_attention", dtype, mask_type),
                         (rows, 1, 1), (SHARED_BUFFER_THREADS, 1, 1), shared_bytes,
-                        (Pointer(src["query"]), Pointer(src["key"]), Pointer(src["value"]), Pointer(src.get("bias_q")),
-                         Pointer(src.get("bias_k")), Pointer(src.get("bias_v")), Pointer(src["past_key"]),
+                        (Pointer(src["query"]), Pointer(src["key"]), Pointer(src["value"]), i32(slot_count),
+                         Pointer(src.get("bias_q")), Pointer(src.get("bias_k")), Pointer(src.get("bias_v")),
+                         Pointer(src["past_key"]),
                          Pointer(src["past_value"]), Pointer(src["past_sequence_length"]),
                          Pointer(src.get("cache_indirection") if beams else None), i32(beams),
                          Pointer(src.get("mask")), i32(int(kind)), i32(mask_total), Pointer(src.get("attention_bias")),

@@ -141,7 +141,7 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
         "const float*, const float*, float, int, int, int, int, int, int, float*",
         "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
         "const float*, const float*, float, int, int, int, int, int, int, float*, int",
-        "shared_buffer_attention": "const {T}*, const {T}*, const {T}*, const {T}*, const {T}*, const {T}*, "
+        "shared_buffer_attention": "const {T}*, const {T}*, const {T}*, int, const {T}*, const {T}*, const {T}*, "
         "const {T}*, const {T}*, const int*, const int*, int, const {M}*, int, int, const {T}*, int, int, int, {T}*, "
         "{T}*, {T}*, float, float, int, int, int, int, int, int, int, int, int, int*, int*, int",
     }

@@ -4,6 +4,10 @@
 // reads from device memory. No launch parameter depends on P: grid, block, shared memory and arguments are fixed
 // by the shapes, so one captured CUDA graph serves every step of a decode loop.
 //   shared_buffer_attention<T, M>: one block per output row (b, n, s).
+//     query, key and value hold `slots` slots a head: element (b, s, n, h) of query is at
+//     (b * S + s) * slots * N * H + n * slots * H + h (key and value alike over L, value's with Hv). slots = 1: the
+//     (B, S|L, N*H) rows; slots = 3: the slots of one packed QKV buffer (B, L, N, 3, H), read in place, each pointer
+//     at its slot (+0, +H, +2H elements; docs/SEMANTICS.md, "Packed QKV / KV: ours").
 //     0. It writes the new rows l = s, s+S, ... of (b, n) at [P, P+L) of present_key / present_value: key + b_k,
 //        value + b_v (BSNH -> BNSH, rounded to T once). Rows outside [P, P+L) are not touched: when the present is
 //        the past's own buffer nothing else is written; otherwise the step before it copied the past into the
@@ -147,7 +151,7 @@ __device__ __forceinline__ void stage_tiles(T* __restrict__ tile_k, const T* __r
 
 template <typename T, typename M>
 __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention(
-    const T* __restrict__ query_BSD, const T* __restrict__ key_BLD, const T* __restrict__ value_BLDv,
+    const T* __restrict__ query, const T* __restrict__ key, const T* __restrict__ value, int slots,
     const T* __restrict__ bias_q, const T* __restrict__ bias_k, const T* __restrict__ bias_v,
     const T* __restrict__ past_key, const T* __restrict__ past_value, const int* __restrict__ past_sequence_length,
     const int* __restrict__ cache_indirection, int beams, const M* __restrict__ mask, int mask_kind, int mask_total,
@@ -183,13 +187,16 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
     report_error(status, sticky, site, BIAS_LENGTH, bias_total, total, 0);
   }
   const long long hidden = (long long)heads * head_size;
-  const long long v_hidden = (long long)heads * v_head_size;
+  const long long v_hidden = (long long)heads * v_head_size;  // the output's rows (B, S, N*Hv)
+  // the sources' strides in elements: a row (b, s|l) and a head n (the host checks that qk_head and v_head fit int)
+  const long long qk_row = hidden * slots, v_row = v_hidden * slots;
+  const int qk_head = head_size * slots, v_head = v_head_size * slots;
 
   // q = query + b_q in float32 (step 1): loaded first, stored into shared memory beside the first tile
-  const long long q_at = ((long long)b * q_seq + s) * hidden + (long long)n * head_size;
+  const long long q_at = ((long long)b * q_seq + s) * qk_row + (long long)n * qk_head;
   float q_first = 0.f;
   if (threadIdx.x < head_size) {
-    q_first = to_float<T>(query_BSD[q_at + threadIdx.x]);
+    q_first = to_float<T>(query[q_at + threadIdx.x]);
     if (bias_q != nullptr) q_first += to_float<T>(bias_q[(long long)n * head_size + threadIdx.x]);
   }
 
@@ -202,10 +209,10 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
       for (int i = threadIdx.x; i < head_size + v_head_size; i += blockDim.x) {
         const bool is_key = i < head_size;
         const int h = is_key ? i : i - head_size;
-        const long long at = is_key ? ((long long)b * kv_seq + l) * hidden + (long long)n * head_size + h
-                                    : ((long long)b * kv_seq + l) * v_hidden + (long long)n * v_head_size + h;
+        const long long at = is_key ? ((long long)b * kv_seq + l) * qk_row + (long long)n * qk_head + h
+                                    : ((long long)b * kv_seq + l) * v_row + (long long)n * v_head + h;
         const T* bias = is_key ? bias_k : bias_v;
-        float x = to_float<T>(is_key ? key_BLD[at] : value_BLDv[at]);
+        float x = to_float<T>(is_key ? key[at] : value[at]);
         if (bias != nullptr) x += to_float<T>(bias[(long long)n * (is_key ? head_size : v_head_size) + h]);
         if (is_key) {
           present_key[target * head_size + h] = from_float<T>(x);
@@ -298,7 +305,7 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
     if (t == 0) {
       if (threadIdx.x < head_size) q_H[threadIdx.x] = q_first;
       for (int h = threadIdx.x + blockDim.x; h < head_size; h += blockDim.x) {
-        float x = to_float<T>(query_BSD[q_at + h]);
+        float x = to_float<T>(query[q_at + h]);
         if (bias_q != nullptr) x += to_float<T>(bias_q[(long long)n * head_size + h]);
         q_H[h] = x;
       }
@@ -323,7 +330,7 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
   }
   for (int j = past + warp; j < total; j += warps) {
     float dot = 0.f;
-    const T* k_row = key_BLD + ((long long)b * kv_seq + (j - past)) * hidden + (long long)n * head_size;
+    const T* k_row = key + ((long long)b * kv_seq + (j - past)) * qk_row + (long long)n * qk_head;
     for (int h = lane; h < head_size; h += 32) {
       float k = to_float<T>(k_row[h]);
       if (bias_k != nullptr) k += to_float<T>(bias_k[(long long)n * head_size + h]);
@@ -380,7 +387,7 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
     if (h >= v_head_size || !in_group) continue;
     float acc = 0.f;
     for (int j = past + (groups > 1 ? group : 0); j < total; j += groups) {
-      float v = to_float<T>(value_BLDv[((long long)b * kv_seq + (j - past)) * v_hidden + (long long)n * v_head_size + h]);
+      float v = to_float<T>(value[((long long)b * kv_seq + (j - past)) * v_row + (long long)n * v_head + h]);
       if (bias_v != nullptr) v += to_float<T>(bias_v[(long long)n * v_head_size + h]);
       acc += scores_T[j] * v;
     }
