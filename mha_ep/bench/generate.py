@@ -30,6 +30,9 @@ encoder and the cross-attention keys and values, once per utterance; numpy feeds
 for the others) and the total
 for a 30 s utterance: encoder + ``--steps`` tokens.
 
+``--packed-qkv off|both``: the static columns without (or also without) static_cache's rule PACKED_PROJECTIONS,
+each self node's Q, K and V projections as three MatMuls, as the decoder has them (the other columns run the
+decoder as it is).
 ``--cross-qk on|both``: the decoder's cross-attention nodes also write qk (output_cross_qk_<l>, (B, N, 1, 1500),
 as ORT's Whisper export with --output_cross_qk: word timestamps); every column binds them on the GPU (the static
 loops to fixed buffers), and the row states the bytes a step writes for them (layers x B x N x 1500 elements).
@@ -44,10 +47,11 @@ utterances, stopping at end-of-text, with stock ORT CPU's tokens as a further re
 ``--columns`` keeps some greedy columns (stock_iobinding always; the deployed sizes want
 stock_iobinding,mhaep_plain,static_greedy: stock_numpy would move gigabytes of cache a step).
 Where a step's GPU time goes (``--profile``, needs torch for CUPTI): one replayed static step and one stock ORT CUDA
-dynamic step (IOBinding; the plain native session's too, with its column) at P = PROMPT + steps / 2 (a generation's mean position), every kernel's GPU µs summed by
-kind (``kernel_kind``: attention, GEMM, layout moves, the rest), and the step's floor: the bytes it must read
-(``step_bytes``: the weights, less the embedding tables' unread rows, the cross-attention keys and values and the
-P cached rows) over the device's HBM rate (bench/device.py DEVICE_PEAKS), with each step's ratio to it.
+dynamic step (IOBinding; the plain native session's too, with its column) at P = PROMPT + steps / 2 (a
+generation's mean position), every kernel's GPU µs summed by kind (``kernel_kind``: attention, GEMM, layout moves,
+the rest), and the step's floor: the bytes it must read (``step_bytes``: the weights, less the embedding tables'
+unread rows, the cross-attention keys and values and the P cached rows) over the device's HBM rate (bench/device.py
+DEVICE_PEAKS), with each step's ratio to it.
 FLOP model: none (a decode step is memory- and latency-bound: its floor is bytes over HBM rate, above).
 ``--json`` / ``--out DIR`` (bench_generate.json, bench_generate.png) as the other benchmarks.
 """
@@ -92,6 +96,7 @@ class Row:
     batch: int
     dtype: str = "float32"
     cross_qk: bool = False  # the cross-attention nodes also write qk (ORT's --output_cross_qk export)
+    packed_qkv: bool = True  # the static rewrite's self-attention Q, K, V projections as one MatMul (its default)
 
     @property
     def vocab(self) -> int:
@@ -106,8 +111,9 @@ class Row:
         layers, hidden, heads, _ = SIZES[self.size]
         qk = ", + cross qk" if self.cross_qk else ""
         cut = f", encoder cut to {self.encoder_layers} layers" if self.size in ENCODER_LAYERS else ""
+        unpacked = "" if self.packed_qkv else ", static Q/K/V projections unpacked"
         return (f"Whisper-{NAMES.get(self.size, self.size)}-sized ({layers} x {hidden}, {heads} heads) B={self.batch} "
-                f"{self.dtype}{qk}, random weights{cut}")
+                f"{self.dtype}{qk}, random weights{cut}{unpacked}")
 
     @property
     def qk_bytes_per_step(self) -> int:
@@ -232,14 +238,15 @@ def static_loop(transcriber, features) -> tuple:
     return got, [transcriber.loop_seconds / steps] * steps
 
 
-def static_decoder(model, batch: int, stream, fixed: dict, beams: int = 0):
-    """The static-cache form of ``model`` (a decoder-with-past) in an ORT CUDA-graph session on ``stream``, its
-    fixed inputs set to ``fixed`` (NumPy, which also gives their shapes)."""
+def static_decoder(model, batch: int, stream, fixed: dict, beams: int = 0, packed_qkv: bool = True):
+    """The static-cache form of ``model`` (a decoder-with-past; ``packed_qkv``: static_cache's rule
+    PACKED_PROJECTIONS) in an ORT CUDA-graph session on ``stream``, its fixed inputs set to ``fixed`` (NumPy, which
+    also gives their shapes)."""
     from mha_ep.decode.static_decode import StaticDecoder, cuda_session
     from mha_ep.graph.static_cache import static_cache
 
     rows = batch * max(beams, 1)
-    static = static_cache(model, max_length=MAX_LENGTH, batch=rows, beams=beams).model
+    static = static_cache(model, max_length=MAX_LENGTH, batch=rows, beams=beams, packed_qkv=packed_qkv).model
     decoder = StaticDecoder(cuda_session(static, stream), batch, stream=stream, beams=beams,
                             fixed_shapes={name: value.shape for name, value in fixed.items()})  # fmt: skip
     decoder.set_inputs(fixed)
@@ -399,7 +406,7 @@ def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: b
         return {n: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in arrays.items()}
 
     stream = cupy.cuda.Stream(non_blocking=True)
-    greedy_decoder = static_decoder(decoder, row.batch, stream, host_fixed)
+    greedy_decoder = static_decoder(decoder, row.batch, stream, host_fixed, packed_qkv=row.packed_qkv)
 
     def static_generation():
         greedy_decoder.load_prompt({n.replace("past_", "present_", 1): v for n, v in host_cache.items()}, PROMPT)
@@ -462,7 +469,7 @@ def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: b
     eot = vocab - 1
     bias = cupy.zeros((vocab,), cupy.float32)
     bias[eot] = -cupy.inf
-    beam_decoder = static_decoder(decoder, row.batch, stream, beam_fixed, beams=BEAMS)
+    beam_decoder = static_decoder(decoder, row.batch, stream, beam_fixed, beams=BEAMS, packed_qkv=row.packed_qkv)
     stock_stepper = BoundStepper(made["stock"][0])
     stock_cache, stock_fixed = device_values(beam_cache), device_values(beam_fixed)
 
@@ -696,6 +703,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--cross-qk", default="off", choices=("off", "on", "both"),
                         help="the decoder's cross-attention nodes also write qk, as ORT's --output_cross_qk export "
                              "does (both: each row without and with it, side by side)")
+    parser.add_argument("--packed-qkv", default="on", choices=("on", "off", "both"),
+                        help="the static columns' rewrite writes each self node's Q, K and V projections as one "
+                             "MatMul (static_cache's rule PACKED_PROJECTIONS, its default; both: each row both ways)")
     parser.add_argument("--columns", default=",".join(COLUMNS),
                         help="comma-separated greedy columns of the random-weight rows (stock_iobinding always); "
                              "the deployed sizes: stock_iobinding,mhaep_plain,static_greedy")
@@ -714,8 +724,9 @@ def main(argv: Optional[list] = None) -> int:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     qk_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.cross_qk]
-    rows = [Row(size, int(batch), args.dtype, qk) for size in args.sizes.split(",") if size
-            for batch in args.batches.split(",") for qk in qk_forms]  # fmt: skip
+    packed_forms = {"on": (True,), "off": (False,), "both": (False, True)}[args.packed_qkv]
+    rows = [Row(size, int(batch), args.dtype, qk, packed) for size in args.sizes.split(",") if size
+            for batch in args.batches.split(",") for qk in qk_forms for packed in packed_forms]  # fmt: skip
     unknown = [r.size for r in rows if r.size not in SIZES]
     if unknown:
         parser.error(f"unknown size(s) {unknown}; known: {list(SIZES)}")
