@@ -7,6 +7,8 @@
 # Steps:
 #   install    onnxruntime-gpu (its wheel, or the pieces it was split into) into $ORT_SITE, the wheels in
 #              $WHEELS into $SITE; prints the ORT version and providers
+#   install-sm onnxruntime-gpu cut to one GPU architecture (scripts/ort_gpu_for_sm.py: a tar.xz in pieces a0 a1 ...
+#              and its SHA256 in $ORT_SM; two calls to carry, not six) into $ORT_SITE, then the wheels as install
 #   install-bridge   stock onnxruntime (the CPU wheel in $ORT_CPU, about 24 MB: one call, no pieces) into $ORT_SITE
 #              and the wheels in $WHEELS into $SITE, for the `bridge` step when a machine may not last the six
 #              calls that carry onnxruntime-gpu over (it cannot stand in for `install`: the native route needs it)
@@ -47,6 +49,7 @@
 # Settings (environment), with their defaults:
 #   WHEELS=.device/whl          onnxruntime-extensions, tokenizers, ... for the machine's Python
 #   ORT_GPU=.device/ortgpu      onnxruntime-gpu: a .whl, or pieces q0 q1 ... (split -b) joined in name order
+#   ORT_SM=.device/ortsm90      onnxruntime-gpu for sm_90 only (install-sm): pieces a0 a1 ... and SHA256
 #   ORT_CPU=.device/cpuwhl      stock onnxruntime's CPU wheel for the machine's Python (install-bridge)
 #   ORT_WHEEL_NAME=onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl   the name the pieces rejoin as
 #   SITE=/tmp/site ORT_SITE=/tmp/ortsite   where the wheels are installed (--target; nothing touches the system)
@@ -60,6 +63,7 @@ cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.device/whl}
 ORT_GPU=${ORT_GPU:-.device/ortgpu}
 ORT_CPU=${ORT_CPU:-.device/cpuwhl}
+ORT_SM=${ORT_SM:-.device/ortsm90}
 ORT_WHEEL_NAME=${ORT_WHEEL_NAME:-onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl}
 SITE=${SITE:-/tmp/site}
 ORT_SITE=${ORT_SITE:-/tmp/ortsite}
@@ -104,6 +108,22 @@ for step in "$@"; do
   case $step in
     install)
       install_ort_gpu || exit 1
+      install_wheels ;;
+    install-sm)
+      python3 - "$ORT_SM" "$ORT_SITE" <<'EOF' || exit 1
+import hashlib, io, pathlib, sys, tarfile
+source, site = pathlib.Path(sys.argv[1]), sys.argv[2]
+pieces = sorted(source.glob("a[0-9]*"), key=lambda p: int(p.name[1:]))
+if not pieces or not (source / "SHA256").exists():
+    sys.exit(f"no pieces a0 a1 ... and SHA256 in {source} (set ORT_SM; scripts/ort_gpu_for_sm.py makes them)")
+data = b"".join(p.read_bytes() for p in pieces)
+got, want = hashlib.sha256(data).hexdigest(), (source / "SHA256").read_text().split()[0]
+if got != want:
+    sys.exit(f"{len(pieces)} pieces join to {got[:16]}..., SHA256 says {want[:16]}...: a piece is missing or damaged")
+with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
+    tar.extractall(site, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+print(f"joined {len(pieces)} pieces ({len(data) / 1e6:.1f} MB, {got[:16]}...) into {site}")
+EOF
       install_wheels ;;
     install-bridge)
       ls "$ORT_CPU"/onnxruntime-*.whl >/dev/null 2>&1 || { echo "no onnxruntime wheel in $ORT_CPU (set ORT_CPU)"; exit 1; }
