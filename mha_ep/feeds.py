@@ -2,7 +2,8 @@
 
 Symbolic dims take a value from ``dims`` (by dim_param name) or a default; integer inputs get values that the
 model can consume: ids below the vocabulary size of the Gather that reads them, attention masks as right padding
-with at least one kept position, key-length indices in [1, T].
+with at least one kept position, key-length indices in [1, T], and a shared buffer's past_sequence_length P in
+[0, M - L] (M the buffer's rows, L the node's new rows: docs/SEMANTICS.md §3.9).
 """
 
 from __future__ import annotations
@@ -91,6 +92,38 @@ def vocabulary_sizes(model: onnx.ModelProto) -> Dict[str, int]:
     return sizes
 
 
+def past_length_limits(model: onnx.ModelProto, dims: Mapping[str, int]) -> Dict[str, int]:
+    """Graph input -> the largest P it may hold: a past_sequence_length that a shared-buffer MultiHeadAttention
+    node reads at input 8 (past_key at input 6 with M rows), M - L, L the node's query rows (1 where shape
+    inference does not know them); the least over the nodes that read it."""
+    inputs = {v.name: v for v in model.graph.input}
+    readers = [n for n in model.graph.node if n.op_type == "MultiHeadAttention" and n.domain == "com.microsoft"
+               and len(n.input) > 8 and n.input[8] in inputs and n.input[6]]  # fmt: skip
+    if not readers:
+        return {}
+    from mha_ep.claim.shapes import infer_static_infos
+
+    infos = infer_static_infos(model)
+
+    def dim(name: str, axis: int) -> Optional[int]:
+        if name in inputs:
+            shape = inputs[name].type.tensor_type.shape.dim
+            if len(shape) > axis:
+                d = shape[axis]
+                return int(d.dim_value) if d.HasField("dim_value") else dims.get(d.dim_param)
+        info = infos.get(name)
+        return None if info is None else info.dim(axis)
+
+    limits: Dict[str, int] = {}
+    for node in readers:
+        rows = dim(node.input[6], 2)
+        if rows is None:
+            continue
+        limit = max(rows - (dim(node.input[0], 1) or 1), 0)
+        limits[node.input[8]] = min(limits.get(node.input[8], limit), limit)
+    return limits
+
+
 def random_feeds(
     model: onnx.ModelProto, seed: int = 0, dims: Optional[Mapping[str, int]] = None
 ) -> Dict[str, np.ndarray]:
@@ -98,6 +131,7 @@ def random_feeds(
     dims = resolve_dims(model, dims)
     initializer_names = {init.name for init in model.graph.initializer}
     vocab = vocabulary_sizes(model)
+    past_limits = past_length_limits(model, dims)
     feeds: Dict[str, np.ndarray] = {}
     for value in model.graph.input:
         if value.name in initializer_names:
@@ -119,6 +153,9 @@ def random_feeds(
                 f"input {value.name!r} of shape {shape} would take {size / 2**30:.1f} GiB of random feeds (limit "
                 f"{FEED_BYTES_LIMIT / 2**30:.0f} GiB); check the dims ({dims})"
             )
+        if value.name in past_limits:
+            feeds[value.name] = rng.integers(0, past_limits[value.name] + 1, size=shape).astype(dtype)
+            continue
         feeds[value.name] = np.asarray(_random_tensor(rng, value.name, shape, dtype, vocab.get(value.name)))
     return feeds
 

@@ -18,6 +18,7 @@ from mha_ep.errors import BackendUnavailableError
 from mha_ep.feeds import random_feeds
 from mha_ep.graph.model_io import load_model
 from mha_ep.graph.partition import is_ort_mha, is_plugin_mha
+from mha_ep.graph.unpack import unpack_packed_attention
 from mha_ep.progress import bar as progress_bar_over
 
 
@@ -210,9 +211,13 @@ def compare(
         check_feeds(original, feed_set)
     report.worst_feeds = feed_sets[0]
 
+    # stock ORT's CPU kernel refuses packed inputs: it runs the node they mean, the inputs apart (graph/unpack.py)
+    stock_model, unpacked = unpack_packed_attention(original)
+    if unpacked.note():
+        report.notes.append(unpacked.note())
     say("stock ORT: loading the model ...")
     try:
-        stock = stock_session(original)
+        stock = stock_session(stock_model)
     except Exception as error:  # noqa: BLE001 - e.g. an IR version it does not read, bfloat16 MHA, bad attributes
         report.cannot_run = f"stock ORT cannot load this model: {first_line(error)}"
         return report

@@ -49,3 +49,18 @@ def test_random_feeds_keep_total_sequence_length_consistent_with_past_and_sequen
     feeds = random_feeds(model)
     assert feeds["mask"].shape[1] == feeds["past_k"].shape[2] + feeds["q"].shape[1]
     assert mha_ep.compare(model, backend="reference", repeat=1).passed
+
+
+def test_a_shared_buffers_past_sequence_length_is_drawn_inside_the_buffer():
+    """past_sequence_length of a shared-buffer node (docs/SEMANTICS.md §3.9) is P in [0, M - L]: drawn like any
+    integer (0..99), a buffer of M = 9 rows refused most draws ("past_sequence_length must be ... less than
+    max_sequence_length"), and `mha-ep compare` answered CANNOT RUN on the static-cache rewrite's decoders."""
+    from mha_models import MhaConfig, build_model
+
+    config = MhaConfig(batch=2, q_seq=3, kv_seq=3, num_heads=2, head_size=8, has_past=True, past_seq=2,
+                       presents=True, max_seq=9)  # fmt: skip
+    model = build_model(config)
+    drawn = {int(random_feeds(model, seed=seed)["past_sequence_length"].reshape(-1)[0]) for seed in range(60)}
+    assert drawn <= set(range(0, 9 - 3 + 1)) and len(drawn) > 3, drawn
+    report = mha_ep.compare(model, backend="reference", runs=3)
+    assert report.verdict.name == "PASS", report.text()
