@@ -8,17 +8,22 @@ import numpy as np
 import onnxruntime
 import pytest
 
+import mha_ep
 from mha_ep.comparison import compare
 from mha_ep.graph.unpack import unpack_packed_attention
 from mha_models import MhaConfig, build_model, packed_feeds, packed_model, random_feeds, stock_outputs, with_
 
 BASE = MhaConfig(batch=2, q_seq=5, kv_seq=5, num_heads=2, head_size=8)
+SHARED = MhaConfig(batch=2, q_seq=1, kv_seq=1, num_heads=2, head_size=8, has_past=True, past_seq=5, presents=True,
+                   max_seq=9, bias=True)  # fmt: skip
 CASES = {
     "qkv": ("qkv", BASE),
     "qkv-bias-mask-2d": ("qkv", with_(BASE, bias=True, mask="2d")),
     "qkv-causal-attention-bias-qk": ("qkv", with_(BASE, causal=True, attention_bias="1N", qk=True)),
     "kv": ("kv", with_(BASE, q_seq=4, kv_seq=7)),
     "kv-mask-1d": ("kv", with_(BASE, q_seq=1, kv_seq=9, mask="1d")),
+    "qkv-shared-buffer": ("qkv", SHARED),  # mha_ep's form: the static rewrite's packed projections
+    "qkv-shared-buffer-beams": ("qkv", with_(SHARED, batch=4, beams=2)),
 }
 
 
@@ -63,3 +68,17 @@ def test_compare_checks_a_packed_model_against_stock_ort_on_its_twin(rng):
     assert report.verdict.name == "PASS", report.text()
     assert any("given to stock ORT with their inputs unpacked" in note and "(QKV)" in note for note in report.notes)
 
+
+def test_the_static_rewrites_packed_decoder_compares_with_stock_ort():
+    """The decoder `mha-ep static-cache` writes by default (packed Q/K/V projections, which stock ORT refuses)
+    passes `mha-ep compare` against stock ORT on its twin."""
+    from mha_ep.graph.static_cache import static_cache
+    from mha_ep.shipped import shipped_model
+
+    result = static_cache(shipped_model("whisper_random_decoder_fp32.onnx"), max_length=16, batch=1)
+    assert result.packed_nodes, result.report()
+    report = compare(result.model, backend="reference", name="static packed")
+    assert report.verdict.name == "PASS", report.text()
+    unpacked = [note for note in report.notes if "given to stock ORT with their inputs unpacked" in note]
+    assert unpacked and all(node in unpacked[0] for node in result.packed_nodes)
+    assert mha_ep.partition(result.model).claimed >= len(result.packed_nodes)
