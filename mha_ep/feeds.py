@@ -101,9 +101,7 @@ def past_length_limits(model: onnx.ModelProto, dims: Mapping[str, int]) -> Dict[
                and len(n.input) > 8 and n.input[8] in inputs and n.input[6]]  # fmt: skip
     if not readers:
         return {}
-    from mha_ep.claim.shapes import infer_static_infos
-
-    infos = infer_static_infos(model)
+    inferred: list = []  # shape inference's infos: run once, and only for a tensor that is not a graph input
 
     def dim(name: str, axis: int) -> Optional[int]:
         if name in inputs:
@@ -111,7 +109,11 @@ def past_length_limits(model: onnx.ModelProto, dims: Mapping[str, int]) -> Dict[
             if len(shape) > axis:
                 d = shape[axis]
                 return int(d.dim_value) if d.HasField("dim_value") else dims.get(d.dim_param)
-        info = infos.get(name)
+        if not inferred:
+            from mha_ep.claim.shapes import infer_static_infos
+
+            inferred.append(infer_static_infos(model))
+        info = inferred[0].get(name)
         return None if info is None else info.dim(axis)
 
     limits: Dict[str, int] = {}

@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import onnx
 
+from mha_ep.claim.names import node_name
 from mha_ep.claim.shapes import symbolic_shape_inference
 
 Dim = Union[int, str, None]  # a static dim, a dim_param, or None (unknown)
@@ -59,6 +60,23 @@ def names_read(graph: onnx.GraphProto, node: onnx.NodeProto) -> List[str]:
             inner |= {i.name for i in sub.initializer}
             read += [name for n in sub.node for name in names_read(sub, n) if name not in inner]
     return read
+
+
+def taken_names(graph: onnx.GraphProto) -> set:
+    """Every name a new tensor or node of ``graph`` must avoid: its inputs, initializers, node names and the nodes'
+    inputs and outputs (fresh_name's ``taken``)."""
+    taken = {v.name for v in list(graph.input) + list(graph.initializer)}
+    return taken | {name for n in graph.node for name in [node_name(n), *n.input, *n.output]}
+
+
+def fresh_name(wanted: str, taken: set) -> str:
+    """``wanted``, or ``wanted.1``, ``wanted.2``, ... the first not in ``taken``; added to it."""
+    name, suffix = wanted, 0
+    while name in taken:
+        suffix += 1
+        name = f"{wanted}.{suffix}"
+    taken.add(name)
+    return name
 
 
 def has_subgraph(node: onnx.NodeProto) -> bool:

@@ -81,7 +81,9 @@ from mha_ep.claim.names import node_name
 from mha_ep.graph.affine import (
     DEFAULT_DOMAINS, EVALUATORS, INTEGER_TYPES, MAX_ELEMENTS, Affine, Evaluated, bounded, fold,
 )
-from mha_ep.graph.graph_facts import Dim, ancestor_inputs, dims_of, infer_shapes, inferred_dims, names_read, set_dims
+from mha_ep.graph.graph_facts import (
+    Dim, ancestor_inputs, dims_of, fresh_name, infer_shapes, inferred_dims, names_read, set_dims, taken_names,
+)
 from mha_ep.graph.model_io import load_model
 from mha_ep.graph.packed_projections import Projections, match_projections, packed_shape, packed_weight, readers_of
 from mha_ep.graph.static_cache_checks import (
@@ -160,8 +162,7 @@ class StaticCachePass:
         self.removed = 0
         self.packed_qkv = packed_qkv
         self.packing: List[Tuple[str, str]] = []  # rule PACKED_PROJECTIONS: (self node, "" packed or why not)
-        self.taken = {v.name for v in list(self.graph.input) + list(self.graph.initializer)}
-        self.taken |= {name for n in self.graph.node for name in [node_name(n), *n.input, *n.output]}
+        self.taken = taken_names(self.graph)
 
     def run(self) -> StaticCacheResult:
         """Every rule in order; the rewritten model and what was done."""
@@ -573,12 +574,7 @@ class StaticCachePass:
         return name
 
     def new_name(self, wanted: str) -> str:
-        name, suffix = wanted, 0
-        while name in self.taken:
-            suffix += 1
-            name = f"{wanted}.{suffix}"
-        self.taken.add(name)
-        return name
+        return fresh_name(wanted, self.taken)
 
     def layers(self) -> Tuple[Tuple[str, str, str, str], ...]:
         return tuple(

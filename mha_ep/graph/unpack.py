@@ -26,6 +26,7 @@ from onnx import helper, numpy_helper
 
 from mha_ep.claim.names import node_name
 from mha_ep.claim.shapes import infer_static_infos
+from mha_ep.graph.graph_facts import fresh_name, taken_names
 from mha_ep.graph.partition import is_ort_mha
 
 PACKED_SLOTS = {"qkv": (0, ("query", "key", "value")), "kv": (1, ("key", "value"))}  # form -> (input, its slots)
@@ -60,37 +61,40 @@ def packed_form(node: onnx.NodeProto, rank) -> str | None:
     return None
 
 
+def may_be_packed(node: onnx.NodeProto) -> bool:
+    """A MultiHeadAttention without its key or value: packed QKV or packed KV, whatever the ranks (a packed form
+    always leaves value out)."""
+    return is_ort_mha(node) and len([i for i in node.input[:3] if i]) < 3
+
+
 def unpack_packed_attention(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Unpacked]:
     """A copy of ``model`` whose packed MultiHeadAttention nodes (main graph) read their slots as separate inputs
     (module docstring), and what was done; ``model`` itself is left as it is. A model with no packed node comes
     back as the same object."""
+    done = Unpacked()
+    for graph_node in model.graph.node:
+        for attribute in graph_node.attribute:
+            for body in list(attribute.g.node if attribute.HasField("g") else []) + [
+                    n for g in attribute.graphs for n in g.node]:  # fmt: skip
+                if may_be_packed(body):
+                    done.left.append((node_name(body), f"inside the subgraph of {node_name(graph_node)!r}, which "
+                                                       "this pass does not follow (it may be packed)"))
+    if not any(may_be_packed(n) for n in model.graph.node):
+        return model, done  # no shape inference (compare's partition ran one already) for the common model
     infos = infer_static_infos(model)
 
     def rank(name: str):
         info = infos.get(name)
         return None if info is None else info.rank
 
-    done = Unpacked()
-    for graph_node in model.graph.node:
-        for attribute in graph_node.attribute:
-            for body in list(attribute.g.node if attribute.HasField("g") else []) + [
-                    n for g in attribute.graphs for n in g.node]:  # fmt: skip
-                if is_ort_mha(body) and len([i for i in body.input[:3] if i]) < 3:
-                    done.left.append((node_name(body), f"inside the subgraph of {node_name(graph_node)!r}, which "
-                                                       "this pass does not follow (it may be packed)"))
     if not any(is_ort_mha(n) and packed_form(n, rank) for n in model.graph.node):
         return model, done
     twin = copy.deepcopy(model)
     graph = twin.graph
-    taken = {name for n in graph.node for name in list(n.input) + list(n.output)}
-    taken |= {t.name for t in graph.initializer} | {v.name for v in graph.input}
+    taken = taken_names(graph)
 
     def fresh(stem: str) -> str:
-        name, k = stem, 1
-        while name in taken:
-            name, k = f"{stem}_{k}", k + 1
-        taken.add(name)
-        return name
+        return fresh_name(stem, taken)
 
     flat = fresh("mha_ep_unpack/shape_0_0_-1")
     graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], np.int64), flat))
