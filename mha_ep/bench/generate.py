@@ -46,6 +46,12 @@ Whisper tiny.en (``python -m mha_ep.models.build whisper --which tiny-en``), rea
 utterances, stopping at end-of-text, with stock ORT CPU's tokens as a further reference.
 ``--columns`` keeps some greedy columns (stock_iobinding always; the deployed sizes want
 stock_iobinding,mhaep_plain,static_greedy: stock_numpy would move gigabytes of cache a step).
+``--cold``: the plain session again, its plans made anew for every generation (``mha_ep.native.reset_plans``
+first: a process's first utterance, or shapes it has not planned), with plans ahead (``settings.plans_ahead``,
+mha_ep/native/ahead.py) and without, in turns, after the columns above; ms per token is the mean step there (one
+miss in plans_ahead + 1 steps shows in a mean, not in a median), with the planner calls on ORT's thread a
+generation. The columns above plan every signature in their warm-up generation and hit the cache after: their
+plain rows hold for shapes the process has planned before.
 Where a step's GPU time goes (``--profile``, needs torch for CUPTI): one replayed static step and one stock ORT CUDA
 dynamic step (IOBinding; the plain native session's too, with its column) at P = PROMPT + steps / 2 (a
 generation's mean position), every kernel's GPU µs summed by kind (``kernel_kind``: attention, GEMM, layout moves,
@@ -374,7 +380,8 @@ def profile_cells(r: dict) -> str:
             f"| {'-' if floor is None else f'{floor:.1f}x'} |")  # fmt: skip
 
 
-def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: bool = False) -> dict:
+def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: bool = False,
+                 cold: bool = False) -> dict:  # fmt: skip
     import cupy
     import onnxruntime as ort
 
@@ -393,7 +400,7 @@ def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: b
              "mhaep_run_device": "session", "static_greedy": "plain"}
     columns = [c for c in COLUMNS if c in columns]
     made = {kind: [sessions_of(m, kind) for m in (decoder, encoder, cross)]
-            for kind in {kinds[c] for c in columns} | {"stock"}}  # fmt: skip
+            for kind in {kinds[c] for c in columns} | {"stock"} | ({"plain"} if cold else set())}  # fmt: skip
     rng = np.random.default_rng(3)
     feeds = decoder_step_feeds(row.batch, PROMPT, layers, hidden, heads, ENCODER_POSITIONS, row.dtype, seed=4)
     feeds.pop("hidden_states")
@@ -457,6 +464,11 @@ def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: b
 
     result = measure(row.label, {c: generation(c) for c in columns}, {c: encoder_call(c) for c in columns},
                      repeats, steps)  # fmt: skip
+    if cold:
+        result.update(cold_generations(BoundStepper(made["plain"][0]), cupy.asarray(first), device_values(host_cache),
+                                       device_values(host_fixed), steps, repeats))  # fmt: skip
+        result["mhaep_plain_cold_vs_iobinding"] = (result["mhaep_plain_cold_ms_per_token"]
+                                                   / result["stock_iobinding_ms_per_token"])  # fmt: skip
     if profile:
         result["profile"] = profile_steps(decoder, greedy_decoder, PROMPT + steps // 2, layers, hidden, heads,
                                           row.dtype, made["stock"][0], made["plain"][0] if "plain" in made else None)
@@ -494,6 +506,54 @@ def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: b
                              "beam": sum(c.buffer.nbytes for c in beam_decoder.caches)}  # fmt: skip
     result["cross_qk"], result["qk_bytes_per_step"] = row.cross_qk, row.qk_bytes_per_step
     return summarise_beams(result, samples, answers)
+
+
+def cold_generations(stepper, first, cache: dict, fixed: dict, steps: int, repeats: int,
+                     synchronize: Optional[Callable[[], None]] = None) -> dict:  # fmt: skip
+    """The plain session's generation with every plan made anew (``--cold``): plans ahead as set and off, in turns;
+    ms per token the mean step (median over generations), and the planner calls on ORT's thread a generation.
+    ``synchronize``: waits for the device before each generation (default: CuPy's deviceSynchronize)."""
+    from mha_ep import native
+    from mha_ep.decode.generate import greedy
+
+    count = native.settings.plans_ahead
+    forms = {"mhaep_plain_cold": count, "mhaep_plain_cold_no_ahead": 0}
+    means: Dict[str, list] = {form: [] for form in forms}
+    misses: Dict[str, list] = {form: [] for form in forms}
+    if synchronize is None:
+        import cupy
+
+        synchronize = cupy.cuda.runtime.deviceSynchronize
+    try:
+        for _ in range(repeats):
+            for form, ahead in forms.items():
+                native.settings.plans_ahead = ahead
+                native.reset_plans()
+                synchronize()
+                before = native.stats()["misses"]
+                seconds: list = []
+                greedy(stepper, first, cache, fixed, steps, step_seconds=seconds)
+                means[form].append(statistics.fmean(seconds))
+                misses[form].append(native.stats()["misses"] - before)
+    finally:
+        native.settings.plans_ahead = count
+        native.reset_plans()
+    result = {"plans_ahead": count}
+    for form in forms:
+        result[f"{form}_ms_per_token"] = statistics.median(means[form]) * 1e3
+        result[f"{form}_planner_calls"] = statistics.median(misses[form])
+    result["cold_ahead_vs_no_ahead"] = result["mhaep_plain_cold_ms_per_token"] / result[
+        "mhaep_plain_cold_no_ahead_ms_per_token"]
+    return result
+
+
+def cold_cells(r: dict) -> str:
+    """The --cold columns of a row: ms per token (planner calls a generation) ahead / not, and their ratio."""
+    if "cold_ahead_vs_no_ahead" not in r:
+        return ""
+    return (f" {r['mhaep_plain_cold_ms_per_token']:.3f} ({r['mhaep_plain_cold_planner_calls']:.0f}) / "
+            f"{r['mhaep_plain_cold_no_ahead_ms_per_token']:.3f} ({r['mhaep_plain_cold_no_ahead_planner_calls']:.0f})"
+            f" | {r['cold_ahead_vs_no_ahead']:.2f} | {r['mhaep_plain_cold_vs_iobinding']:.2f} |")
 
 
 def measure(label: str, generations: Dict[str, Callable], encoders: Dict[str, Callable], repeats: int,
@@ -664,7 +724,7 @@ def format_row(r: dict) -> str:
                                                                   "static_greedy"))  # fmt: skip
     return (f"| {r['label']} | " + " | ".join(cells) + f" | {ratios} | {beams} "
             f"| {r['static_beam_vs_stock_beam']:.2f} | {r['static_beam_agreement']:.2f} | {agreement_cells} "
-            f"| {encoder} | {total} |" + profile_cells(r))  # fmt: skip
+            f"| {encoder} | {total} |" + profile_cells(r) + cold_cells(r))  # fmt: skip
 
 
 def plot(results: list, path: Path) -> bool:
@@ -712,6 +772,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step of ours and of stock's (CUPTI through torch): GPU us by kind and "
                              "against the HBM floor")
+    parser.add_argument("--cold", action="store_true",
+                        help="also time the plain session with its plans made anew every generation, plans ahead on "
+                             "and off (module docstring)")
     parser.add_argument("--models", type=Path, default=None, help="folder with Whisper tiny.en's three models")
     parser.add_argument("--max-tokens", type=int, default=64, help="token cap of the real rows")
     parser.add_argument("--whisper-config", type=Path, default=None,
@@ -736,7 +799,8 @@ def main(argv: Optional[list] = None) -> int:
     if set(columns) - set(COLUMNS):
         parser.error(f"unknown column(s) {sorted(set(columns) - set(COLUMNS))}; known: {list(COLUMNS)}")
     columns = sorted(set(columns) | {"stock_iobinding"}, key=COLUMNS.index)
-    work = [(row.label, lambda row=row: bench_random(row, args.repeats, args.steps, columns, args.profile))
+    work = [(row.label, lambda row=row: bench_random(row, args.repeats, args.steps, columns, args.profile,
+                                                     cold=args.cold))
             for row in rows]  # fmt: skip
     if args.models is not None:
         work.append(("Whisper tiny.en (real weights)", lambda: bench_real(args.models, args.repeats, args.max_tokens,
@@ -746,8 +810,10 @@ def main(argv: Optional[list] = None) -> int:
           "| beam agreement | agreement with stock_iobinding (numpy/plain/session/run_device/static) | encoder ms "
           "| 30 s total ms |" + (" static step GPU us (attention/GEMM/layout/other) | stock step GPU us | "
                                   "plain step GPU us | static/stock GPU | plain/stock GPU | static / HBM floor |"
-                                  if args.profile else ""))  # fmt: skip
-    write("|---|" + "---|" * (len(COLUMNS) + 10 + (6 if args.profile else 0)))
+                                  if args.profile else "")
+          + (" plain cold ms/token (planner calls), plans ahead / none | ahead / none | cold ahead / iobinding |"
+             if args.cold else ""))  # fmt: skip
+    write("|---|" + "---|" * (len(COLUMNS) + 10 + (6 if args.profile else 0) + (3 if args.cold else 0)))
     results = []
     with bar(len(work), "bench generate", wanted(as_json=args.json), unit="row") as progress:
         for label, run in work:

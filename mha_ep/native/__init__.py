@@ -106,8 +106,11 @@ def library_path() -> str:
 
 
 def stats() -> dict:
-    """The plan cache: plans held, hits, misses (planner calls), evictions."""
-    return library().stats()
+    """The plan cache: plans held, hits, misses (planner calls on ORT's thread), evictions, plans made ahead
+    (``ahead``) and those a call then used (``ahead_used``); ``ahead_worker``: ahead.py's worker's counts."""
+    from mha_ep.native import ahead
+
+    return dict(library().stats(), ahead_worker=ahead.AHEAD.stats())
 
 
 def take_device_error(device_id: int = 0) -> Optional[str]:
@@ -121,8 +124,11 @@ def take_device_error(device_id: int = 0) -> Optional[str]:
 
 
 def reset_plans() -> None:
-    """Forget every plan (the next call of each signature plans again, with the current settings)."""
-    library().clear_plans()
+    """Forget every plan (the next call of each signature plans again, with the current settings); a plan the
+    worker of ahead.py made with the earlier settings is not added after this."""
+    from mha_ep.native import ahead
+
+    ahead.AHEAD.reset(library().clear_plans)
 
 
 def register_library(session_options, with_cuda: bool) -> None:

@@ -13,6 +13,7 @@ class Settings:
 
     fused_path = True  # False: every call takes the three phases (MHA_EP_THREE_PHASE=1 does the same)
     poison = False  # fill every temporary with NaN before the kernels run (tests)
+    plans_ahead = 16  # after a miss on a growing past, plan the next this many steps' signatures (ahead.py); 0: off
 
 
 settings = Settings()

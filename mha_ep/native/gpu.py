@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from mha_ep.native import configs, errors
+from mha_ep.native import ahead, configs, errors
 from mha_ep.native.choices import settings
 from mha_ep.engine import interrupt
 from mha_ep.native.plan import Signature, encode_plan, plan_steps
@@ -26,7 +26,7 @@ def function_handle(device_id: int, launch) -> int:
     else:
         kernel = kernels.get_function(device_id, launch.function)
         fused.raise_shared_limit(kernel, launch.shared)
-    return int(kernel.kernel.ptr)
+    return ahead.HANDLES.remember(device_id, launch, int(kernel.kernel.ptr))
 
 
 def error_words(device_id: int) -> int:
@@ -60,6 +60,20 @@ def take_device_error(device_id: int = 0) -> Optional[str]:
             f"{device_error_text(code, a, b, c, beams)}")
 
 
+def plan_ahead(config_id: int, device_id: int, flags: int, inputs: tuple, supplied, make) -> None:
+    """Ask the worker of ahead.py for the next steps' plans when ``inputs`` has a past that grows (never raises:
+    the call's own plan is made already)."""
+    try:
+        later = ahead.successors(supplied, inputs, settings.plans_ahead)
+        if later:
+            from mha_ep.native import _native
+
+            ahead.AHEAD.request(_native, ahead.Request(config_id, device_id, flags, tuple(later), make,
+                                                       ahead.AHEAD.generation))
+    except Exception:  # noqa: BLE001 - a guess ahead is never the call's error
+        pass
+
+
 def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tuple):
     """bytes (the encoded plan), or (ORT error code, message) naming the node, the input and its shape."""
     try:
@@ -69,12 +83,21 @@ def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tup
 
         fused_path = settings.fused_path and os.environ.get("MHA_EP_THREE_PHASE") != "1"
         config = configs.config(config_id)
+        poison = settings.poison
+
+        def encoded(inputs: tuple, resolve) -> bytes:
+            plan = plan_steps(config, Signature(inputs), facts, flags, fused_path=fused_path, poison=poison,
+                              error_site=config_id)  # fmt: skip
+            return encode_plan(plan, resolve)
+
         with cupy.cuda.Device(device_id):
+            facts = DeviceFacts.of(device_id)
             if "past_sequence_length" in config.supplied:
                 error_words(device_id)  # allocated now, before ORT could capture a graph around the call
-            plan = plan_steps(config, Signature(tuple(inputs)), DeviceFacts.of(device_id), flags,
-                              fused_path=fused_path, poison=settings.poison, error_site=config_id)  # fmt: skip
-            return encode_plan(plan, lambda launch: function_handle(device_id, launch))
+            plan = encoded(tuple(inputs), lambda launch: function_handle(device_id, launch))
+        plan_ahead(config_id, device_id, flags, tuple(inputs), config.supplied,
+                   lambda later: encoded(later, lambda launch: ahead.HANDLES.loaded(device_id, launch)))
+        return plan
     except BaseException as error:  # noqa: BLE001 - nothing may go back into ORT as an exception
         return errors.answer(node, error)
     finally:

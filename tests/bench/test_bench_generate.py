@@ -106,6 +106,37 @@ def test_a_generation_row_prints_every_column_and_the_ratios():
     assert cells[7:13] == ["1.50", "2.00", "2.50", "3.00", "4.000/1.000", "0.25"]
 
 
+def test_cold_generations_plan_anew_each_time_with_plans_ahead_and_without_in_turns(monkeypatch):
+    """--cold: every generation starts from an empty plan cache, plans ahead as set and off in turns; the mean step
+    (a miss every plans_ahead + 1 steps shows in it), the planner calls a generation; the setting comes back."""
+    from mha_ep import native
+    from mha_ep.decode import generate as loops
+
+    seen, misses = [], {"misses": 0}
+
+    def greedy(stepper, first, cache, fixed, steps, step_seconds):
+        ahead = native.settings.plans_ahead
+        seen.append((ahead, native.stats()["plans"]))
+        misses["misses"] += 1 if ahead else steps  # one plan, or one a step
+        step_seconds.extend([0.004] + [0.001] * (steps - 1) if ahead else [0.002] * steps)
+        return [[1] * steps]
+
+    real_stats = native.stats
+    monkeypatch.setattr(loops, "greedy", greedy)
+    monkeypatch.setattr(native, "stats", lambda: dict(real_stats(), misses=misses["misses"]))
+    monkeypatch.setattr(native.settings, "plans_ahead", 16)
+    row = generate.cold_generations(None, None, {}, {}, steps=4, repeats=3, synchronize=lambda: None)
+    assert seen == [(16, 0), (0, 0)] * 3  # in turns, each from an empty cache
+    assert native.settings.plans_ahead == 16
+    assert row["mhaep_plain_cold_ms_per_token"] == pytest.approx(1.75)  # the mean step, not the median (1.0)
+    assert row["mhaep_plain_cold_no_ahead_ms_per_token"] == pytest.approx(2.0)
+    assert (row["mhaep_plain_cold_planner_calls"], row["mhaep_plain_cold_no_ahead_planner_calls"]) == (1, 4)
+    assert row["cold_ahead_vs_no_ahead"] == pytest.approx(0.875)
+    row["mhaep_plain_cold_vs_iobinding"] = 0.5
+    assert generate.cold_cells(row) == " 1.750 (1) / 2.000 (4) | 0.88 | 0.50 |"
+    assert generate.cold_cells({}) == ""
+
+
 def test_a_static_loop_is_timed_over_the_decoder_steps_it_ran_without_the_encoder():
     """static_loop reads the transcriber's own account (loop_seconds, decoder.last_steps: the loop alone, the
     steps run past end-of-text included), not a wall clock around decode(), which also runs the encoder."""
@@ -204,7 +235,7 @@ def test_out_holds_every_finished_row_while_later_rows_run(tmp_path, monkeypatch
 
     seen = []
 
-    def fake_row(row, repeats, steps, columns, profile):
+    def fake_row(row, repeats, steps, columns, profile, **options):
         path = tmp_path / "bench_generate.json"
         seen.append(json.loads(path.read_text())["rows"] if path.exists() else None)
         if row.batch == 2:

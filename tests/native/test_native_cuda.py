@@ -12,6 +12,7 @@ import pytest
 
 import mha_ep
 from mha_ep import native
+from mha_ep.native import ahead
 
 from conftest import native_cuda_unavailable_reason
 from mha_models import (
@@ -38,6 +39,7 @@ def cuda_native():
     yield
     native.settings.poison = False
     native.settings.fused_path = True
+    native.settings.plans_ahead = type(native.settings).plans_ahead
     native.reset_plans()
 
 
@@ -86,6 +88,33 @@ def test_a_repeated_signature_calls_no_python(cuda_native, rng):
         session.run(None, feeds)
     after = native.stats()
     assert after["misses"] == before["misses"] and after["hits"] >= before["hits"] + 50, (before, after)
+
+
+@pytest.mark.gpu
+def test_a_growing_past_is_planned_ahead_and_gives_the_same_outputs_bit_for_bit(cuda_native):
+    """A plain decode loop's self attention (past one row longer each call): with plans_ahead = 8, ORT's thread
+    plans at the first call and then once every 9 (ahead.py), and the outputs are those of planning every call."""
+    config = with_(MhaConfig(dtype="float16", batch=2, q_seq=1, kv_seq=1, num_heads=4, head_size=64, bias=True,
+                             has_past=True, past_seq=3, presents=True), shapes="symbolic")  # fmt: skip
+    session = native_session(build_model(config), backend="cuda", providers=CUDA)
+    lengths = range(3, 23)
+    feeds = {p: random_feeds(with_(config, past_seq=p), np.random.default_rng(p)) for p in lengths}
+    runs = {}
+    for count in (0, 8):
+        native.settings.plans_ahead = count
+        native.reset_plans()
+        before = native.stats()
+        outputs = []
+        for p in lengths:
+            outputs.append(run_named(session, feeds[p]))
+            ahead.AHEAD.wait()  # the worker done before the next call: the counts below are exact
+        after = native.stats()
+        runs[count] = outputs, after["misses"] - before["misses"], after["ahead_used"] - before["ahead_used"]
+    assert runs[0][1:] == (20, 0), runs[0][1:]
+    assert runs[8][1:] == (3, 17), runs[8][1:]  # misses at P = 3, 12, 21; the others found a plan made ahead
+    for p, planned, made_ahead in zip(lengths, runs[0][0], runs[8][0]):
+        for name in planned:
+            assert np.array_equal(planned[name], made_ahead[name]), f"P = {p}: {name} differs"
 
 
 @pytest.mark.gpu

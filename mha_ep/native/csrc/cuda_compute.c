@@ -4,8 +4,6 @@
  * (with their TMA tensor maps encoded), cuBLAS GEMMs, copies, fills, and an eager call's status check. */
 #include "native.h"
 
-#define MAX_KEY (4 + MAX_INPUTS * (4 + MAX_RANK))
-
 typedef struct {
   void* input[MAX_INPUTS];
   void* output[MAX_OUTPUTS];
@@ -201,11 +199,7 @@ OrtStatus* compute_cuda(Kernel* k, OrtKernelContext* context) {
     if (status != NULL) return status;
     const Tensor* t = &tensors[slot];
     bases.input[slot] = t->data;
-    key[length++] = slot;
-    key[length++] = t->type;
-    key[length++] = (int64_t)t->rank;
-    for (size_t d = 0; d < t->rank; ++d) key[length++] = t->dims[d];
-    key[length++] = alignment_log2(t->data);
+    length = append_slot_key(key, length, slot, t->type, t->rank, t->dims, alignment_log2(t->data));
   }
   void* stream = NULL;
   OrtStatus* status = API(GetStreamFn, API_KernelContext_GetGPUComputeStream)(context, &stream);
@@ -217,7 +211,7 @@ OrtStatus* compute_cuda(Kernel* k, OrtKernelContext* context) {
     uint64_t hash = hash_key(key, length);
     plan = lookup_plan(key, length, hash);
     if (plan != NULL) {
-      atomic_fetch_add(&g_hits, 1);
+      note_hit(plan);
     } else {
       plan = make_plan(k, tensors, flags, key, length, hash, &status);
       if (plan == NULL) return status;

@@ -1,8 +1,8 @@
 /* module.c: the CPython extension module ``_native``: its methods' table, PyInit__native, and the methods that
  * tell how the library was built (layout, ordinals, source_sha256). The other methods are defined beside what they
- * serve: configure and shutdown in python_side.c, check_plan, stats and clear_plans in plans.c, kernel_output in
- * cpu_compute.c, error_words, take_device_error and device_error_text in reports.c, launch_copies and driver_error
- * in replay.c. */
+ * serve: configure and shutdown in python_side.c, check_plan, stats, clear_plans, signature_key, add_plan and
+ * has_plan in plans.c, kernel_output in cpu_compute.c, error_words, take_device_error and device_error_text in
+ * reports.c, launch_copies and driver_error in replay.c. */
 #include "native.h"
 
 static PyObject* py_layout(PyObject* self, PyObject* args) {
@@ -61,6 +61,11 @@ static PyMethodDef METHODS[] = {
      "take_device_error(device) -> None | (code, a, b, c, site, beams): the first report since the last take"},
     {"device_error_text", py_device_error_text, METH_VARARGS, "device_error_text(code, a, b, c, beams) -> str"},
     {"clear_plans", py_clear_plans, METH_NOARGS, "clear_plans(): forget every plan"},
+    {"signature_key", py_signature_key, METH_VARARGS,
+     "signature_key(config, device, flags, inputs) -> bytes: the plan cache's key of a call signature"},
+    {"add_plan", py_add_plan, METH_VARARGS,
+     "add_plan(key, plan) -> bool: cache a plan made ahead (False: one was there)"},
+    {"has_plan", py_has_plan, METH_VARARGS, "has_plan(key) -> bool: whether the cache holds a plan for key"},
     {"shutdown", py_shutdown, METH_NOARGS, "shutdown(): no Python callback from now on (atexit)"},
     {"layout", py_layout, METH_NOARGS, "layout() -> dict: the ABI layout this library was built with"},
     {"ordinals", py_ordinals, METH_NOARGS, "ordinals() -> dict: the OrtApi ordinals this library calls"},

@@ -190,17 +190,23 @@ typedef struct Plan {
   int64_t output_dims[MAX_OUTPUTS][MAX_RANK];
   int64_t n_steps;
   Step* steps;
+  atomic_int ahead; /* made ahead of its first call (add_plan: mha_ep/native/ahead.py) and not yet used */
 } Plan;
 
 void free_plan(Plan* plan);
 void release_plan(Plan* plan);
 Plan* parse_plan(const int64_t* words, int64_t count, char* error, size_t error_size);
 
-/* The process-wide plan cache. */
+/* The process-wide plan cache, keyed on a call signature: (kernel config, device, flags) then per supplied input
+ * slot (slot, element type, rank, dims..., alignment log2) (append_slot_key). */
+#define MAX_KEY (4 + MAX_INPUTS * (4 + MAX_RANK))
 extern atomic_llong g_hits, g_misses;
 uint64_t hash_key(const int64_t* key, int64_t length);
+int64_t append_slot_key(int64_t* key, int64_t length, int slot, int64_t type, size_t rank, const int64_t* dims,
+                        int alignment_log2);
 Plan* lookup_plan(const int64_t* key, int64_t length, uint64_t hash);
 Plan* insert_plan(Plan* plan);
+void note_hit(Plan* plan);
 
 /* ----------------------------------------------------------------------- the Python side (python_side.c) */
 extern PyObject* g_describe;    /* describe_kernel(attributes: dict, ep: str) -> (config id, node name) */
@@ -250,6 +256,9 @@ PyObject* py_shutdown(PyObject* self, PyObject* args);           /* python_side.
 PyObject* py_check_plan(PyObject* self, PyObject* args);         /* plans.c */
 PyObject* py_stats(PyObject* self, PyObject* args);              /* plans.c */
 PyObject* py_clear_plans(PyObject* self, PyObject* args);        /* plans.c */
+PyObject* py_signature_key(PyObject* self, PyObject* args);      /* plans.c */
+PyObject* py_add_plan(PyObject* self, PyObject* args);           /* plans.c */
+PyObject* py_has_plan(PyObject* self, PyObject* args);           /* plans.c */
 PyObject* py_kernel_output(PyObject* self, PyObject* args);      /* cpu_compute.c */
 PyObject* py_error_words(PyObject* self, PyObject* args);        /* reports.c */
 PyObject* py_take_device_error(PyObject* self, PyObject* args);  /* reports.c */

@@ -171,6 +171,7 @@ Plan* parse_plan(const int64_t* words, int64_t count, char* error, size_t error_
     return NULL;
   }
   atomic_init(&plan->refs, 1);
+  atomic_init(&plan->ahead, 0);
   int64_t magic = 0, version = 0, outputs = 0;
   int ok = next_word(&r, &magic) && next_word(&r, &version);
   if (ok && (magic != PLAN_MAGIC || version != PLAN_VERSION)) {
@@ -238,6 +239,23 @@ static int64_t g_plan_count = 0;
 static pthread_mutex_t g_plan_lock = PTHREAD_MUTEX_INITIALIZER;
 atomic_llong g_hits, g_misses;
 static atomic_llong g_evictions;
+static atomic_llong g_ahead_added, g_ahead_used; /* plans made ahead (add_plan), and those a call then used */
+
+int64_t append_slot_key(int64_t* key, int64_t length, int slot, int64_t type, size_t rank, const int64_t* dims,
+                        int alignment_log2) {
+  key[length++] = slot;
+  key[length++] = type;
+  key[length++] = (int64_t)rank;
+  for (size_t d = 0; d < rank; ++d) key[length++] = dims[d];
+  key[length++] = alignment_log2;
+  return length;
+}
+
+/* A call found ``plan`` in the cache: a hit, and the first use of a plan made ahead. */
+void note_hit(Plan* plan) {
+  atomic_fetch_add(&g_hits, 1);
+  if (atomic_load(&plan->ahead) && atomic_exchange(&plan->ahead, 0)) atomic_fetch_add(&g_ahead_used, 1);
+}
 
 uint64_t hash_key(const int64_t* key, int64_t length) {
   uint64_t h = 1469598103934665603ull;
@@ -357,8 +375,115 @@ PyObject* py_stats(PyObject* self, PyObject* args) {
   pthread_mutex_lock(&g_plan_lock);
   long long plans = (long long)g_plan_count;
   pthread_mutex_unlock(&g_plan_lock);
-  return Py_BuildValue("{s:L,s:L,s:L,s:L}", "plans", plans, "hits", (long long)atomic_load(&g_hits), "misses",
-                       (long long)atomic_load(&g_misses), "evictions", (long long)atomic_load(&g_evictions));
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L}", "plans", plans, "hits", (long long)atomic_load(&g_hits),
+                       "misses", (long long)atomic_load(&g_misses), "evictions", (long long)atomic_load(&g_evictions),
+                       "ahead", (long long)atomic_load(&g_ahead_added), "ahead_used",
+                       (long long)atomic_load(&g_ahead_used));
+}
+
+/* A key's words from bytes (a whole number of 8-byte words, at most MAX_KEY); 0 with a Python error if not. */
+static int key_words(const char* data, Py_ssize_t size, int64_t* key, int64_t* length) {
+  if (size <= 0 || size % 8 || size / 8 > MAX_KEY) {
+    PyErr_Format(PyExc_ValueError, "a plan key is 1 to %d whole 8-byte words, got %zd bytes", MAX_KEY, size);
+    return 0;
+  }
+  memcpy(key, data, (size_t)size);
+  *length = size / 8;
+  return 1;
+}
+
+/* signature_key(config, device, flags, inputs) -> bytes: the key compute_cuda would look a call up with, for the
+ * inputs as the planner receives them (per slot None or (element type, dims, alignment log2)). */
+PyObject* py_signature_key(PyObject* self, PyObject* args) {
+  (void)self;
+  long long config, device, flags;
+  PyObject* inputs;
+  if (!PyArg_ParseTuple(args, "LLLO", &config, &device, &flags, &inputs)) return NULL;
+  if (!PyTuple_Check(inputs) || PyTuple_Size(inputs) != MAX_INPUTS) {
+    PyErr_Format(PyExc_ValueError, "inputs must be a tuple of %d slots", MAX_INPUTS);
+    return NULL;
+  }
+  int64_t key[MAX_KEY];
+  int64_t length = 0;
+  key[length++] = config;
+  key[length++] = device;
+  key[length++] = flags;
+  for (int slot = 0; slot < MAX_INPUTS; ++slot) {
+    PyObject* entry = PyTuple_GetItem(inputs, slot);
+    if (entry == Py_None) continue;
+    long long type;
+    int alignment;
+    PyObject* dims;
+    if (!PyArg_ParseTuple(entry, "LO!i", &type, &PyTuple_Type, &dims, &alignment)) return NULL;
+    Py_ssize_t rank = PyTuple_Size(dims);
+    if (rank > MAX_RANK) {
+      PyErr_Format(PyExc_ValueError, "input slot %d has rank %zd, more than %d", slot, rank, MAX_RANK);
+      return NULL;
+    }
+    int64_t values[MAX_RANK];
+    for (Py_ssize_t d = 0; d < rank; ++d) {
+      values[d] = PyLong_AsLongLong(PyTuple_GetItem(dims, d));
+      if (values[d] == -1 && PyErr_Occurred()) return NULL;
+    }
+    length = append_slot_key(key, length, slot, type, (size_t)rank, values, alignment);
+  }
+  return PyBytes_FromStringAndSize((const char*)key, (Py_ssize_t)length * 8);
+}
+
+/* add_plan(key, plan) -> bool: parse an encoded plan and cache it under key, marked as made ahead; False when the
+ * cache holds a plan for key already (that one stays). */
+PyObject* py_add_plan(PyObject* self, PyObject* args) {
+  (void)self;
+  const char *key_data, *data;
+  Py_ssize_t key_size, size;
+  if (!PyArg_ParseTuple(args, "y#y#", &key_data, &key_size, &data, &size)) return NULL;
+  int64_t key[MAX_KEY];
+  int64_t length;
+  if (!key_words(key_data, key_size, key, &length)) return NULL;
+  if (size % 8) {
+    PyErr_SetString(PyExc_ValueError, "a plan is a whole number of 8-byte words");
+    return NULL;
+  }
+  int64_t* words = malloc((size_t)size + 8); /* an aligned copy of the bytes */
+  if (words == NULL) return PyErr_NoMemory();
+  memcpy(words, data, (size_t)size);
+  char error[512];
+  Plan* plan = parse_plan(words, size / 8, error, sizeof error);
+  free(words);
+  if (plan == NULL) {
+    PyErr_SetString(PyExc_ValueError, error);
+    return NULL;
+  }
+  plan->key = malloc((size_t)length * 8);
+  if (plan->key == NULL) {
+    free_plan(plan);
+    return PyErr_NoMemory();
+  }
+  memcpy(plan->key, key, (size_t)length * 8);
+  plan->key_length = length;
+  plan->hash = hash_key(key, length);
+  atomic_store(&plan->ahead, 1);
+  atomic_fetch_add(&plan->refs, 1); /* held across insert_plan, so that the comparison below reads a live plan */
+  Plan* used = insert_plan(plan);
+  int added = used == plan;
+  release_plan(used);
+  release_plan(plan);
+  if (added) atomic_fetch_add(&g_ahead_added, 1);
+  return PyBool_FromLong(added);
+}
+
+/* has_plan(key) -> bool */
+PyObject* py_has_plan(PyObject* self, PyObject* args) {
+  (void)self;
+  const char* key_data;
+  Py_ssize_t key_size;
+  if (!PyArg_ParseTuple(args, "y#", &key_data, &key_size)) return NULL;
+  int64_t key[MAX_KEY];
+  int64_t length;
+  if (!key_words(key_data, key_size, key, &length)) return NULL;
+  Plan* plan = lookup_plan(key, length, hash_key(key, length));
+  release_plan(plan);
+  return PyBool_FromLong(plan != NULL);
 }
 
 PyObject* py_clear_plans(PyObject* self, PyObject* args) {
