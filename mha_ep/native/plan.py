@@ -20,7 +20,9 @@ the kernels there); mha_ep/native/gpu.py resolves them on the device.
 
 from __future__ import annotations
 
+import array
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -227,8 +229,14 @@ class _Arguments:
         return offset
 
     def add(self, arg) -> None:
-        if isinstance(arg, np.generic):  # most arguments: sizes, strides, flags, scalars
-            self.place(arg.tobytes(), arg.itemsize)
+        if isinstance(arg, np.generic):  # most arguments: sizes, strides, flags, scalars (place, inlined)
+            blob = self.blob
+            end = len(blob)
+            pad = -end % arg.itemsize
+            if pad:
+                blob.extend(bytes(pad))
+            self.offsets.append(end + pad)
+            blob.extend(arg.tobytes())
         elif isinstance(arg, Pointer):
             offset = self.place(NULL_POINTER, 8)
             if arg.address is not None and arg.address != 0:
@@ -301,4 +309,4 @@ def encode_plan(plan: NativePlan, resolve_function: Callable[[Launch], int]) -> 
             words += [STEP_CHECK_STATUS, *_ref(step.status), step.beams]
         else:
             raise TypeError(f"native plan: unknown step {step!r}")
-    return struct.pack(f"<{len(words)}q", *(int(w) for w in words))
+    return array.array("q", words).tobytes() if sys.byteorder == "little" else struct.pack(f"<{len(words)}q", *words)

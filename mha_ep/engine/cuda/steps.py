@@ -24,6 +24,8 @@ which imports those three, runs them.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
@@ -170,6 +172,7 @@ def addresses_of(step: Step) -> list:
     return [step.dst]
 
 
-def struct_fields(dtype: np.dtype) -> list:
+@functools.lru_cache(maxsize=None)
+def struct_fields(dtype: np.dtype) -> tuple:
     """(field name, "pointer" | "value") of a Struct's dtype: np.uint64 fields are pointers."""
-    return [(name, "pointer" if dtype.fields[name][0] == np.dtype(np.uint64) else "value") for name in dtype.names]
+    return tuple((name, "pointer" if dtype.fields[name][0] == np.dtype(np.uint64) else "value") for name in dtype.names)
