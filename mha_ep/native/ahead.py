@@ -2,10 +2,11 @@
 
 A plain decode loop (no static cache) feeds every self-attention node a past one row longer each step, so each step
 is a new call signature and the library's plan cache misses once a step: ORT's thread then waits for the Python
-planner (gpu.plan_call, about 0.2-0.3 ms) before the step's first self-attention node can launch. Stock ORT has no
-such cost, and the plain session's per-token time carries it (docs/BENCH.md section 11).
+planner (gpu.plan_call; its time: docs/BENCH.md section 4) before the step's first self-attention node can launch.
+Stock ORT has no such cost. A process's first generation pays it at every step, and so does any length it has not
+planned before (or planned before the cache's eviction); `mha-ep bench generate --cold` measures it.
 
-After a miss whose signature has a past that grows (``successors``), ``after_miss`` asks a worker thread for the
+After a miss whose signature has a past that grows (``successors``), gpu.plan_ahead asks a worker thread for the
 plans of the next ``settings.plans_ahead`` steps' signatures. The worker makes each with the same planner on the
 same settings, and hands it to the library (``_native.add_plan``) under the key the library will look it up with
 (``_native.signature_key``, the library's own key layout). A call that finds one uses it without Python; the
