@@ -7,8 +7,9 @@
 # Steps:
 #   install    onnxruntime-gpu (its wheel, or the pieces it was split into) into $ORT_SITE, the wheels in
 #              $WHEELS into $SITE; prints the ORT version and providers
-#   install-sm onnxruntime-gpu cut to one GPU architecture (scripts/ort_gpu_for_sm.py: a tar.xz in pieces a0 a1 ...
-#              and its SHA256 in $ORT_SM; two calls to carry, not six) into $ORT_SITE, then the wheels as install
+#   install-sm onnxruntime-gpu cut to one GPU architecture (scripts/ort_gpu_for_sm.py: a tar.xz in pieces a0 ...
+#              and its SHA256 in $ORT_SM; sm_90: one piece, carried in one call beside the tree, not six) into
+#              $ORT_SITE, then the wheels as install
 #   install-bridge   stock onnxruntime (the CPU wheel in $ORT_CPU, about 24 MB: one call, no pieces) into $ORT_SITE
 #              and the wheels in $WHEELS into $SITE, for the `bridge` step when a machine may not last the six
 #              calls that carry onnxruntime-gpu over (it cannot stand in for `install`: the native route needs it)
@@ -78,6 +79,9 @@ SERVE_SITE=${SERVE_SITE:-/tmp/servesite}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$ORT_SITE:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# modules loaded when a kernel of theirs first runs (CUDA 12.2+'s default, said here): install-sm's pack has zeroed
+# cubins (scripts/ort_gpu_for_sm.py) that must never be loaded eagerly
+export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
 # grep -v exits 1 when it passes no line (pip -q prints none): that is no failure of the step
 quiet() { grep -v "W:onnxruntime\|WARNING: Target" || true; }
 PYTEST_GPU="python3 -m pytest -q -p no:cacheprovider -m gpu"

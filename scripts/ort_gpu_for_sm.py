@@ -1,13 +1,21 @@
-"""onnxruntime-gpu for one GPU architecture, small enough to carry to the GPU machine in two calls instead of six.
+"""onnxruntime-gpu for one GPU architecture, small enough to carry to the GPU machine in one call instead of six.
 
-    python3 scripts/ort_gpu_for_sm.py WHEEL_OR_PIECES_DIR --sm 90 --out .device/ortsm90 [--piece-mb 40]
+    python3 scripts/ort_gpu_for_sm.py WHEEL_OR_PIECES_DIR --sm 90 --out .device/ortsm90 [--piece-mb 45]
 
 The onnxruntime-gpu wheel (256 MB) is mostly `libonnxruntime_providers_cuda.so`, whose `.nv_fatbin` section holds
 a cubin of every kernel for each architecture it was built for (1.31.1: sm_75, 80, 86, 89, 90, 120; 218 MB). A GPU
 loads only the cubins of its own architecture. This script zeroes the payloads of the others (their headers stay,
-so the fatbin's layout and every offset are unchanged), leaves out the TensorRT provider library, and packs the
-installed tree as one tar.xz (68.7 MB for sm_90), split into pieces of --piece-mb. `scripts/device_check.sh
-install-sm` joins the pieces, checks their SHA-256 and unpacks them into $ORT_SITE.
+so the fatbin's layout and every offset are unchanged), leaves out the TensorRT provider and the C API's library
+(``LEFT_OUT``), and packs the installed tree as one tar.xz (sm_90: 42 MB), split into pieces of --piece-mb.
+`scripts/device_check.sh install-sm` joins the pieces, checks their SHA-256 and unpacks them into $ORT_SITE.
+
+It also zeroes the kept architecture's cubins whose every kernel is a Mixture-of-Experts GEMM (``MOE_KERNEL``:
+ORT's llm MoE kernels, 49.8 MB of sm_90's 76.9 in 1.31.1), which no MultiHeadAttention model here runs; with the
+C API's library left out, the pack then fits one call beside the working tree (``--keep-moe`` keeps them). A cubin
+is read through its kernels' names (``.text.<name>`` sections; CUDA 13 compresses each with zstd: the
+``zstandard`` package reads it); one that cannot be read is kept. A zeroed cubin is only ever loaded when one of
+its kernels runs (the CUDA runtime loads modules lazily: ``CUDA_MODULE_LOADING=LAZY``, which device_check.sh
+sets), and it then fails to load: an error, never a wrong result.
 
 The result runs only on GPUs of the kept architecture: a kernel of another would find a zeroed cubin. It is a
 carrying device for a machine whose calls are short-lived, never something to ship. Fatbin layout (as CUDA 12/13's
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import re
 import struct
 import sys
 import tarfile
@@ -29,10 +38,17 @@ from collections import Counter
 from pathlib import Path
 
 CUDA_LIBRARY = "onnxruntime/capi/libonnxruntime_providers_cuda.so"
+# left out of the pack: TensorRT's provider, and the C API's library (libonnxruntime.so.<version>: the Python module
+# holds ORT's core itself and loads neither; nothing here links it)
 LEFT_OUT = ("onnxruntime/capi/libonnxruntime_providers_tensorrt.so",)
+LEFT_OUT_PATTERN = re.compile(r"onnxruntime/capi/libonnxruntime\.so(\.[0-9]+)*")
 FATBIN_MAGIC = 0xBA55ED50
 ENTRY = struct.Struct("<HHII")  # kind, version, header size, padded payload size
 SM_AT = 28  # the entry's sm version, a uint32 at this byte of its header
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# every kernel of a cubin this pattern matches is a Mixture-of-Experts GEMM (cub's EmptyKernel stub aside)
+MOE_KERNEL = re.compile(rb"GroupProblemShape|MoeFCGemm|[Mm]oe_?[Gg]emv|fused_moe")
+STUB_KERNEL = re.compile(rb"EmptyKernel")
 
 
 def section(elf: bytes, name: str) -> tuple[int, int]:
@@ -69,15 +85,44 @@ def fatbin_entries(elf: bytes) -> list[tuple[int, int, int, int]]:
     return entries
 
 
-def keep_only(elf: bytearray, sm: int) -> Counter:
-    """Zero every fatbin payload of another architecture, in place; MB kept and zeroed by sm."""
+def kernel_names(payload: bytes) -> list | None:
+    """The kernel names of a cubin payload (its ``.text.<name>`` sections), zstd-compressed or a plain ELF; None
+    when it is neither (it is then kept)."""
+    if payload[:4] == ZSTD_MAGIC:
+        try:
+            import zstandard
+        except ImportError:
+            raise SystemExit("the cubins are zstd-compressed: pip install zstandard to read them, or --keep-moe")
+        try:
+            payload = zstandard.ZstdDecompressor().decompressobj().decompress(payload)  # the padding after the frame
+            # is left unread
+        except zstandard.ZstdError:
+            return None
+    elif payload[:4] != b"\x7fELF":
+        return None
+    return re.findall(rb"\.text\.(\w+)", payload)
+
+
+def only_moe(names: list | None) -> bool:
+    """Every kernel of the cubin is a Mixture-of-Experts GEMM (at least one is; stubs aside)."""
+    kernels = [n for n in names or () if not STUB_KERNEL.search(n)]
+    return bool(kernels) and all(MOE_KERNEL.search(n) for n in kernels)
+
+
+def keep_only(elf: bytearray, sm: int, drop_moe: bool = False) -> Counter:
+    """Zero every fatbin payload of another architecture, in place, and with ``drop_moe`` the kept architecture's
+    Mixture-of-Experts cubins (``only_moe``); bytes by sm, and the MoE bytes zeroed under "moe"."""
     sizes: Counter = Counter()
     for start, size, _, entry_sm in fatbin_entries(bytes(elf)):
         sizes[entry_sm] += size
         if entry_sm != sm:
             elf[start:start + size] = bytes(size)
+        elif drop_moe and only_moe(kernel_names(bytes(elf[start:start + size]))):
+            sizes["moe"] += size
+            elf[start:start + size] = bytes(size)
     if sizes[sm] == 0:
-        raise SystemExit(f"the library has no sm_{sm} cubin (it has {sorted(sizes)}): nothing would run")
+        raise SystemExit(f"the library has no sm_{sm} cubin (it has {sorted(k for k in sizes if k != 'moe')}): "
+                         "nothing would run")
     return sizes
 
 
@@ -96,21 +141,25 @@ def main(argv=None) -> int:
     parser.add_argument("source", type=Path, help="the onnxruntime-gpu wheel, or a folder of its pieces q0, q1, ...")
     parser.add_argument("--sm", type=int, default=90, help="the architecture kept (90: H100 / H200)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the pieces a0, a1, ... and SHA256")
-    parser.add_argument("--piece-mb", type=float, default=40.0, help="largest piece, MB")
+    parser.add_argument("--piece-mb", type=float, default=45.0, help="largest piece, MB")
+    parser.add_argument("--keep-moe", action="store_true",
+                        help="keep the Mixture-of-Experts cubins of the kept architecture (module docstring)")
     args = parser.parse_args(argv)
     wheel = zipfile.ZipFile(io.BytesIO(read_wheel(args.source)))
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:xz", preset=9) as tar:
         for info in wheel.infolist():
-            if info.is_dir() or info.filename in LEFT_OUT:
+            if info.is_dir() or info.filename in LEFT_OUT or LEFT_OUT_PATTERN.fullmatch(info.filename):
                 continue
             data = wheel.read(info)
             if info.filename == CUDA_LIBRARY:
                 library = bytearray(data)
-                sizes = keep_only(library, args.sm)
+                sizes = keep_only(library, args.sm, drop_moe=not args.keep_moe)
                 data = bytes(library)
+                moe = sizes.pop("moe", 0)
                 print("fatbin MB by sm: " + ", ".join(f"sm_{k} {v / 1e6:.1f}" for k, v in sorted(sizes.items()))
-                      + f"; kept sm_{args.sm}", file=sys.stderr)  # fmt: skip
+                      + f"; kept sm_{args.sm}" + (f" less {moe / 1e6:.1f} of MoE cubins" if moe else ""),
+                      file=sys.stderr)  # fmt: skip
             member = tarfile.TarInfo(info.filename)
             member.size = len(data)
             member.mode = 0o755 if ".so" in Path(info.filename).name else 0o644

@@ -1,7 +1,9 @@
 """scripts/ort_gpu_for_sm.py on a small made-up wheel: an ELF library whose .nv_fatbin holds cubins of two
 architectures. The kept architecture's bytes and every other file come back unchanged, the other architecture's
 payloads are zeros at the same offsets, the pieces join to their SHA-256, and a library without the asked
-architecture is refused."""
+architecture is refused. Of the kept architecture, a cubin (zstd-compressed as CUDA 13 writes them, or a plain
+ELF) whose every kernel is a Mixture-of-Experts GEMM is zeroed too, unless --keep-moe; one with any other kernel,
+or that cannot be read, stays."""
 
 import hashlib
 import importlib.util
@@ -89,6 +91,70 @@ def test_other_architectures_are_zeroed_in_place_and_the_pieces_join_to_their_ha
     changed = [i for i in range(len(library)) if cut[i] != library[i]]
     inside_80 = [(at, at + size) for at, size, sm in kept if sm == 80]
     assert all(any(a <= i < b for a, b in inside_80) for i in changed)
+
+
+def cubin(*kernels: bytes) -> bytes:
+    """A stand-in cubin: an ELF magic and a .text.<name> section name per kernel, among random bytes."""
+    rng = np.random.default_rng()
+    body = b"".join(b"\0.text." + name + b"\0" + rng.integers(0, 256, 200, dtype=np.uint8).tobytes()
+                    for name in kernels)
+    return b"\x7fELF" + body
+
+
+def zstd(data: bytes) -> bytes:
+    import zstandard
+
+    frame = zstandard.ZstdCompressor().compress(data)
+    return frame + bytes(-len(frame) % 8)  # a fatbin pads its payloads
+
+
+MOE = b"_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShapeIN4cute5tupleIJiiiEEEEE"
+GEMV = b"_ZN11onnxruntime3llm7kernels8moe_gemv22moe_gemv_kernelINS2_13KernelDetailsEEEvv"
+STUB = b"_ZN3cub38CUB_300001_SM_750_800_860_890_900_12006detail11EmptyKernelIvEEvv"
+FLASH = b"_ZN11onnxruntime5flash16flash_fwd_kernelINS0_23Flash_fwd_kernel_traitsILi128ELi128ELi64ELi4EEEvv"
+
+
+@pytest.mark.parametrize("keep_moe", [False, True], ids=["moe zeroed", "--keep-moe"])
+def test_the_kept_architecture_s_moe_cubins_are_zeroed_and_no_other(tmp_path, keep_moe):
+    rng = np.random.default_rng()
+    payloads = {
+        "moe zstd": zstd(cubin(MOE, STUB, GEMV)),
+        "moe elf": cubin(GEMV),
+        "mixed zstd": zstd(cubin(MOE, FLASH)),
+        "stub only": zstd(cubin(STUB)),
+        "flash elf": cubin(FLASH, STUB),
+        "unreadable": rng.integers(1, 256, 512, dtype=np.uint8).tobytes(),
+    }
+    library = elf_library(fatbin([(90, p) for p in payloads.values()] + [(80, cubin(MOE))]))
+    source = tmp_path / "ort.whl"
+    source.write_bytes(wheel(library))
+    out = tmp_path / "pieces"
+    options = ["--keep-moe"] if keep_moe else []
+    assert ort_gpu_for_sm.main([str(source), "--sm", "90", "--out", str(out), *options]) == 0
+    with tarfile.open(fileobj=io.BytesIO((out / "a0").read_bytes()), mode="r:xz") as tar:
+        cut = tar.extractfile(ort_gpu_for_sm.CUDA_LIBRARY).read()
+    entries = ort_gpu_for_sm.fatbin_entries(cut)
+    zeroed = {name for name, (at, size, _, _) in zip(payloads, entries) if cut[at:at + size] == bytes(size)}
+    assert zeroed == (set() if keep_moe else {"moe zstd", "moe elf"})
+    for name, (at, size, _, _) in zip(payloads, entries):
+        if name not in zeroed:
+            assert cut[at:at + size] == library[at:at + size], name
+
+
+def test_the_c_api_library_is_left_out_and_the_rest_of_the_package_kept(tmp_path):
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr(ort_gpu_for_sm.CUDA_LIBRARY, elf_library(fatbin([(90, cubin(FLASH))])))
+        z.writestr("onnxruntime/capi/libonnxruntime.so.1.31.1", b"c api")
+        z.writestr("onnxruntime/capi/libonnxruntime_providers_shared.so", b"shared")
+        z.writestr("onnxruntime/capi/onnxruntime_pybind11_state.cpython-312-x86_64-linux-gnu.so", b"module")
+    source = tmp_path / "ort.whl"
+    source.write_bytes(buffer.getvalue())
+    assert ort_gpu_for_sm.main([str(source), "--sm", "90", "--out", str(tmp_path / "out")]) == 0
+    with tarfile.open(fileobj=io.BytesIO((tmp_path / "out" / "a0").read_bytes()), mode="r:xz") as tar:
+        names = set(tar.getnames())
+    assert names == {ort_gpu_for_sm.CUDA_LIBRARY, "onnxruntime/capi/libonnxruntime_providers_shared.so",
+                     "onnxruntime/capi/onnxruntime_pybind11_state.cpython-312-x86_64-linux-gnu.so"}
 
 
 def test_a_library_without_the_asked_architecture_is_refused(tmp_path):
