@@ -90,12 +90,13 @@ def plan_call(config_id: int, node: str, device_id: int, flags: int, inputs: tup
                               error_site=config_id)  # fmt: skip
             return encode_plan(plan, resolve)
 
+        inputs = tuple(inputs)
         with cupy.cuda.Device(device_id):
             facts = DeviceFacts.of(device_id)
             if "past_sequence_length" in config.supplied:
                 error_words(device_id)  # allocated now, before ORT could capture a graph around the call
-            plan = encoded(tuple(inputs), lambda launch: function_handle(device_id, launch))
-        plan_ahead(config_id, device_id, flags, tuple(inputs), config.supplied,
+            plan = encoded(inputs, lambda launch: function_handle(device_id, launch))
+        plan_ahead(config_id, device_id, flags, inputs, config.supplied,
                    lambda later: encoded(later, lambda launch: ahead.HANDLES.loaded(device_id, launch)))
         return plan
     except BaseException as error:  # noqa: BLE001 - nothing may go back into ORT as an exception

@@ -338,8 +338,9 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
     checks.
 
     ``raw_query`` (split-key calls only): q is the float16 / bfloat16 query as the node received it, with the node's
-    own ``q.bias`` (in the query's dtype) that the kernel adds on load and keeps in float32 (ORT's sum), k and v the node's own BNSH key and value
-    (which carry no bias): the native route's cross attention, with no layout mover (pipeline.py).
+    own ``q.bias`` (in the query's dtype) that the kernel adds on load and keeps in float32 (ORT's sum), k and v the
+    node's own BNSH key and value (which carry no bias): the native route's cross attention, with no layout mover
+    (pipeline.py).
 
     ``qk`` (split-key calls only): a float32 (B, N, S, T) buffer the split-key kernel writes the masked scores into
     (output 3; dispatch.fused_unsupported_reason sends any other qk call to the three phases)."""

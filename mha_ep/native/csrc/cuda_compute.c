@@ -65,16 +65,12 @@ static Plan* make_plan(const Kernel* k, const Tensor* tensors, int64_t flags, co
     *status = make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': %s", k->node, error);
     goto done;
   }
-  plan->key = malloc((size_t)length * 8);
-  if (plan->key == NULL) {
+  if (!set_plan_key(plan, key, length, hash)) {
     free_plan(plan);
     plan = NULL;
     *status = make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': out of host memory", k->node);
     goto done;
   }
-  memcpy(plan->key, key, (size_t)length * 8);
-  plan->key_length = length;
-  plan->hash = hash;
 done:
   Py_XDECREF(result);
   PyGILState_Release(gil);

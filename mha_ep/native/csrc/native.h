@@ -196,6 +196,7 @@ typedef struct Plan {
 void free_plan(Plan* plan);
 void release_plan(Plan* plan);
 Plan* parse_plan(const int64_t* words, int64_t count, char* error, size_t error_size);
+int set_plan_key(Plan* plan, const int64_t* key, int64_t length, uint64_t hash);
 
 /* The process-wide plan cache, keyed on a call signature: (kernel config, device, flags) then per supplied input
  * slot (slot, element type, rank, dims..., alignment log2) (append_slot_key). */

@@ -319,26 +319,45 @@ Plan* insert_plan(Plan* plan) {
   return plan;
 }
 
+/* Give ``plan`` its cache key (a copy of ``key``) and the key's hash; 0 when out of host memory (the plan is left
+ * as it was, for the caller to free). */
+int set_plan_key(Plan* plan, const int64_t* key, int64_t length, uint64_t hash) {
+  plan->key = malloc((size_t)length * 8);
+  if (plan->key == NULL) return 0;
+  memcpy(plan->key, key, (size_t)length * 8);
+  plan->key_length = length;
+  plan->hash = hash;
+  return 1;
+}
+
+/* An encoded plan handed over from Python as bytes, parsed; NULL with a Python error set when it is not a whole
+ * number of words, is malformed (ValueError naming what), or memory runs out. */
+static Plan* plan_from_bytes(const char* data, Py_ssize_t size) {
+  if (size % 8) {
+    PyErr_SetString(PyExc_ValueError, "a plan is a whole number of 8-byte words");
+    return NULL;
+  }
+  int64_t* words = malloc((size_t)size + 8); /* an aligned copy of the bytes */
+  if (words == NULL) {
+    PyErr_NoMemory();
+    return NULL;
+  }
+  memcpy(words, data, (size_t)size);
+  char error[512];
+  Plan* plan = parse_plan(words, size / 8, error, sizeof error);
+  free(words);
+  if (plan == NULL) PyErr_SetString(PyExc_ValueError, error);
+  return plan;
+}
+
 /* check_plan(bytes) -> dict: parse an encoded plan as a call would (CPU tests of the encoder and the parser). */
 PyObject* py_check_plan(PyObject* self, PyObject* args) {
   (void)self;
   const char* data;
   Py_ssize_t length;
   if (!PyArg_ParseTuple(args, "y#", &data, &length)) return NULL;
-  if (length % 8) {
-    PyErr_SetString(PyExc_ValueError, "a plan is a whole number of 8-byte words");
-    return NULL;
-  }
-  int64_t* words = malloc((size_t)length + 8); /* an aligned copy of the bytes */
-  if (words == NULL) return PyErr_NoMemory();
-  memcpy(words, data, (size_t)length);
-  char error[512];
-  Plan* plan = parse_plan(words, length / 8, error, sizeof error);
-  free(words);
-  if (plan == NULL) {
-    PyErr_SetString(PyExc_ValueError, error);
-    return NULL;
-  }
+  Plan* plan = plan_from_bytes(data, length);
+  if (plan == NULL) return NULL;
   PyObject* outputs = PyList_New(0);
   PyObject* steps = PyList_New(0);
   for (int o = 0; outputs && o < MAX_OUTPUTS; ++o) {
@@ -440,28 +459,12 @@ PyObject* py_add_plan(PyObject* self, PyObject* args) {
   int64_t key[MAX_KEY];
   int64_t length;
   if (!key_words(key_data, key_size, key, &length)) return NULL;
-  if (size % 8) {
-    PyErr_SetString(PyExc_ValueError, "a plan is a whole number of 8-byte words");
-    return NULL;
-  }
-  int64_t* words = malloc((size_t)size + 8); /* an aligned copy of the bytes */
-  if (words == NULL) return PyErr_NoMemory();
-  memcpy(words, data, (size_t)size);
-  char error[512];
-  Plan* plan = parse_plan(words, size / 8, error, sizeof error);
-  free(words);
-  if (plan == NULL) {
-    PyErr_SetString(PyExc_ValueError, error);
-    return NULL;
-  }
-  plan->key = malloc((size_t)length * 8);
-  if (plan->key == NULL) {
+  Plan* plan = plan_from_bytes(data, size);
+  if (plan == NULL) return NULL;
+  if (!set_plan_key(plan, key, length, hash_key(key, length))) {
     free_plan(plan);
     return PyErr_NoMemory();
   }
-  memcpy(plan->key, key, (size_t)length * 8);
-  plan->key_length = length;
-  plan->hash = hash_key(key, length);
   atomic_store(&plan->ahead, 1);
   atomic_fetch_add(&plan->refs, 1); /* held across insert_plan, so that the comparison below reads a live plan */
   Plan* used = insert_plan(plan);
