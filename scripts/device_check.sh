@@ -25,6 +25,9 @@
 #   splitkey   the split-key decode kernels: their GPU tests (split_key_stream and the earlier pair, kernel level,
 #              the native route's decode and cross-attention calls against stock ORT, under ORT's CUDA graph, the
 #              static decode loops), then scripts/split_key_sweep.py's old-vs-new table, log in $OUT/splitkey.log
+#   sbdecode   shared_buffer_decode (the static cache's step, shared_buffer.py shared_buffer_kernel): the shared-buffer
+#              parity suite, the static decode loops and the native route's static cases on it, then the parity
+#              suite on the tiled kernel (MHA_EP_SHARED_KERNEL=tiled), log in $OUT/sbdecode.log
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
 #   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
@@ -153,6 +156,12 @@ EOF
                   tests/parity/test_parity_random.py tests/decode/test_static_decode.py \
                   -k "split or decode or cross or graph or static" 2>&1 | quiet | tail -30
                 timeout 170 python3 scripts/split_key_sweep.py 2>&1; } | tee "$OUT/splitkey.log" ;;
+    sbdecode) { timeout 200 $PYTEST_GPU tests/parity/test_parity_shared_buffer.py tests/decode/test_static_decode.py \
+                  tests/native/test_native_cuda.py -k "static or shared or past_sequence or cache_indirection" 2>&1 \
+                  | quiet | tail -8
+                MHA_EP_SHARED_KERNEL=tiled timeout 120 $PYTEST_GPU tests/parity/test_parity_shared_buffer.py 2>&1 \
+                  | quiet | tail -4
+              } | tee "$OUT/sbdecode.log" ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;

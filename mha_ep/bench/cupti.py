@@ -10,7 +10,7 @@ from typing import Callable, Dict, Tuple
 
 # Substrings of kernel names, lower-cased, first match wins: ours (kernels/*.cu), cuDNN's and ORT's contrib kernels.
 KINDS = (
-    ("attention", ("attention", "split_key", "combine_key", "flash", "fmha", "sdpa", "mha", "softmax",
+    ("attention", ("attention", "shared_buffer", "split_key", "combine_key", "flash", "fmha", "sdpa", "mha", "softmax",
                    "decodermasked", "masked_multihead", "cudnn")),
     ("gemm", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "cublas", "ampere_", "sm90_", "sm80_", "matmul")),
     ("layout", ("transpose", "concat", "layout", "mover", "addbias", "copy_segments", "slot", "narrow", "widen",

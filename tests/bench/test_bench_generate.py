@@ -178,6 +178,7 @@ def test_a_step_must_read_every_weight_once_one_embedding_row_a_row_the_cross_ca
 
 @pytest.mark.parametrize("name, kind", [
     ("void split_key_attention<__half, __half>(float const*", "attention"),
+    ("void shared_buffer_decode<__half, int>(__half const*", "attention"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
     ("void onnxruntime::contrib::cuda::masked_multihead_attention_kernel<", "attention"),
     ("nvjet_hsh_64x8_64x16_4x1_v_bz_splitK_TNT", "gemm"),

@@ -318,7 +318,7 @@ def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_pres
     assert (copy_key.dst, copy_key.src) == (Buffer("out1"), Buffer("in6", 0, 256))
     assert (copy_value.dst, copy_value.src) == (Buffer("out2"), Buffer("in7", 0, 256))
     assert copy_key.nbytes == 2 * config.batch * config.num_heads * config.max_seq * config.head_size
-    assert attention.function == "shared_buffer_attention<__half, long long>"
+    assert attention.function == "shared_buffer_decode<__half, long long>" and attention.shared == 0
     assert attention.grid == (config.batch * config.num_heads * config.q_seq, 1, 1)
     pointers = [arg.address for arg in attention.args if isinstance(arg, Pointer)]
     assert Buffer("in8", 0, 256) in pointers and Buffer("in9", 0, 256) in pointers
@@ -331,6 +331,37 @@ def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_pres
     summary = library().check_plan(native_plan.encode_plan(plan, lambda launch: 1))
     assert [s["kind"] for s in summary["steps"]] == ["fill", "copy", "copy", "launch", "check_status"]
     assert summary["output_alignment"] == 2
+
+
+@pytest.mark.parametrize("head_size, chosen, kernel", [
+    (8, "", "shared_buffer_decode"),  # the default
+    (8, "tiled", "shared_buffer_attention"),  # asked for, for A/B timing
+    (256, "", "shared_buffer_decode"),  # a warp's 32 loads of 8 float16 elements
+    (264, "", "shared_buffer_attention"),  # wider than a warp's loads: the tiled kernel, whatever is asked
+    (264, "decode", "shared_buffer_attention"),
+])  # fmt: skip
+def test_a_shared_buffer_step_runs_the_decode_kernel_where_a_warp_covers_the_head(head_size, chosen, kernel,
+                                                                                   monkeypatch):
+    """shared_buffer.shared_buffer_kernel: the lane-group kernel unless the head is wider than one warp's 16-byte
+    loads or MHA_EP_SHARED_KERNEL asks for the tiled one; only the tiled kernel takes dynamic shared memory and a
+    tile of keys (its next-to-last argument before the status words)."""
+    from mha_ep.engine.cuda.shared_buffer import SHARED_KERNEL_ENV
+
+    monkeypatch.setenv(SHARED_KERNEL_ENV, chosen)
+    config = MhaConfig(**{**PLAN_CASES["f16 shared beams mask"].__dict__, "head_size": head_size})
+    plan = native_plan.plan_steps(*signature_of(config), FACTS[0])
+    attention = next(step for step in plan.steps if type(step).__name__ == "Launch")
+    assert attention.function == f"{kernel}<__half, long long>"
+    tiled = kernel == "shared_buffer_attention"
+    assert (attention.shared > 0, int(attention.args[-4]) > 0) == (tiled, tiled)
+
+
+def test_an_unknown_shared_kernel_name_is_refused(monkeypatch):
+    from mha_ep.engine.cuda.shared_buffer import SHARED_KERNEL_ENV
+
+    monkeypatch.setenv(SHARED_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="MHA_EP_SHARED_KERNEL='fast': expected one of"):
+        native_plan.plan_steps(*signature_of(PLAN_CASES["f16 shared beams mask"]), FACTS[0])
 
 
 @pytest.mark.parametrize("alignment", [8, 1])  # log2: 256 and 2 bytes
@@ -361,12 +392,17 @@ def test_a_packed_shared_buffer_plan_reads_the_query_s_slots_in_place(dtype, ali
 
 
 def test_a_shared_buffer_plan_refuses_what_its_kernel_cannot_hold():
+    """The tiled kernel holds a row of M scores in shared memory: a head wider than shared_buffer_decode takes
+    (float32: 128) with a long buffer is refused at plan time; the decode kernel keeps no row and takes it."""
     from mha_ep.errors import MhaInputError
 
-    config = MhaConfig(q_seq=1, kv_seq=1, has_past=True, past_seq=0, presents=True, max_seq=20_000)
+    config = MhaConfig(q_seq=1, kv_seq=1, has_past=True, past_seq=0, presents=True, max_seq=20_000, head_size=136)
     kernel, signature = signature_of(config)
-    with pytest.raises(MhaInputError, match=r"a shared buffer of max_sequence_length 20000 needs \d+ bytes"):
+    with pytest.raises(MhaInputError, match=r"a shared buffer of max_sequence_length 20000 needs \d+ bytes.*"
+                                            r"heads wider than 128 elements take it"):  # fmt: skip
         native_plan.plan_steps(kernel, signature, FACTS[0])
+    narrower = native_plan.plan_steps(*signature_of(MhaConfig(**{**config.__dict__, "head_size": 128})), FACTS[0])
+    assert any(getattr(step, "function", "").startswith("shared_buffer_decode") for step in narrower.steps)
 
 
 @pytest.mark.parametrize("code", range(1, 6))

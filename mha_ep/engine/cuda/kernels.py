@@ -51,6 +51,7 @@ KERNELS = {
     "masked_softmax_warp": ("softmax.cu", (1, 2, 4, 8, 16, 32)),  # COLS_PER_LANE
     "masked_softmax": ("softmax.cu", (None,)),
     "shared_buffer_attention": ("shared_buffer.cu", ("int", "long long", "unsigned char")),  # the mask's type
+    "shared_buffer_decode": ("shared_buffer.cu", ("int", "long long", "unsigned char")),  # the mask's type
 }
 MASK_TYPES = {"int32": "int", "int64": "long long"}  # key_padding_mask element types -> their CUDA types
 MASK_KERNELS = ("resolve_key_lengths", "resolve_keep_flags")

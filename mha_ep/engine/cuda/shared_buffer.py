@@ -7,11 +7,15 @@ in the steps depends on P: one plan, or one captured CUDA graph, serves every st
   1. the call's status words (STATUS_WORDS int32) are zeroed (Fill);
   2. the past is copied into the present (Copy: a no-op at run time when the present is the past's own buffer,
      the static decoder's binding, mha_ep/graph/static_cache.py);
-  3. shared_buffer_attention writes the L new key/value rows at [P, P+L) of the presents and computes the
-     output, a block per (b, n, s), over the P + L keys (the past's rows, redirected by cache_indirection on the
-     beam path, staged a tile at a time into shared memory; the new rows in float32). It reads query, key and
-     value as (B, S|L, N*H) rows, or as the three slots of a packed QKV query (B, L, N, 3, H) in place (the
-     native route: packed.source_slots; its ``slots`` argument);
+  3. one kernel writes the L new key/value rows at [P, P+L) of the presents and computes the output, a block
+     per (b, n, s), over the P + L keys (the past's rows, redirected by cache_indirection on the beam path; the
+     new rows in float32). It reads query, key and value as (B, S|L, N*H) rows, or as the three slots of a packed
+     QKV query (B, L, N, 3, H) in place (the native route: packed.source_slots; its ``slots`` argument). Which
+     kernel (shared_buffer_kernel): ``shared_buffer_decode``, whose lane groups walk the keys straight from
+     global memory with an online softmax in registers, wherever a warp's 16-byte loads cover a head (max(H, Hv)
+     <= decode_max_dim); else ``shared_buffer_attention``, which stages the past a tile at a time into shared
+     memory and takes two softmax passes over a row of scores there (MHA_EP_SHARED_KERNEL=tiled picks it for
+     A/B timing);
   5. CheckStatus: after an eager call the native library reads the status words and turns a report into ORT's
      error (a captured graph skips it; the kernels' sticky reports reach the decode loop: mha_ep/native/gpu.py).
 Every tensor is read in the sources' dtype (float32 on the bridge, the node's own on the native route) and
@@ -21,6 +25,9 @@ This module must not import CuPy: the native route plans on CPU machines too.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Optional
 
 import numpy as np
 
@@ -46,6 +53,39 @@ MASK_TYPES = {  # (DeviceCall.mask_form, PaddingMask.kind) -> the kernel's mask 
     ("int64", "keys_BT"): "long long",
     ("int64", "keys_BST"): "long long",
 }
+
+
+SHARED_KERNELS = ("decode", "tiled")  # the default first: shared_buffer_decode, shared_buffer_attention
+SHARED_KERNEL_ENV = "MHA_EP_SHARED_KERNEL"  # "tiled": the tiled kernel wherever it can run, for A/B timing
+WARP_LANES = 32
+
+
+def decode_max_dim(element: int) -> int:
+    """The widest head shared_buffer_decode takes: a warp's 16-byte loads of one row (kernels/shared_buffer.cu
+    o_s, split_lanes)."""
+    return WARP_LANES * (16 // element)
+
+
+def decode_unsupported_reason(problem: MhaProblem, element: int) -> Optional[str]:
+    """None where shared_buffer_decode takes ``problem`` with ``element``-byte sources, else why not."""
+    g = problem.geometry
+    widest = decode_max_dim(element)
+    if max(g.head_size, g.v_head_size) > widest:
+        return (f"max(H, Hv) = {max(g.head_size, g.v_head_size)} is wider than one warp's 16-byte loads cover "
+                f"({widest} elements of {element} bytes): the tiled kernel runs")  # fmt: skip
+    return None
+
+
+def shared_buffer_kernel(problem: MhaProblem, element: int) -> str:
+    """The kernel a shared-buffer call runs: "decode" (shared_buffer_decode) unless it cannot take the call or
+    MHA_EP_SHARED_KERNEL names "tiled" (read when a call is planned: a native plan keeps its choice for the
+    process)."""
+    chosen = os.environ.get(SHARED_KERNEL_ENV) or SHARED_KERNELS[0]
+    if chosen not in SHARED_KERNELS:
+        raise ValueError(f"{SHARED_KERNEL_ENV}={chosen!r}: expected one of {SHARED_KERNELS}")
+    if chosen == "decode" and decode_unsupported_reason(problem, element) is None:
+        return "decode"
+    return "tiled"
 
 
 def _round16(nbytes: int) -> int:
@@ -89,12 +129,14 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
         raise ValueError(f"a shared-buffer call reads and writes one dtype: sources {dtype}, outputs "
                          f"{call.output_dtype}, attention_bias {call.attention_bias_dtype}")  # fmt: skip
     element = ELEMENT_BYTES[dtype]
-    tile_keys, shared_bytes = shared_layout(problem, element)
+    kernel = shared_buffer_kernel(problem, element)
+    tile_keys, shared_bytes = shared_layout(problem, element) if kernel == "tiled" else (0, 0)
     if shared_bytes > SHARED_MEMORY_LIMIT:
         raise MhaInputError(
             f"{MESSAGE_PREFIX}past_key {tuple(problem.past_key_BNPH.shape)}: a shared buffer of "
             f"max_sequence_length {shared.max_seq} needs {shared_bytes} bytes of shared memory per block, more than "
-            f"the {SHARED_MEMORY_LIMIT} mha_ep's decode kernel takes (max_sequence_length up to "
+            f"the {SHARED_MEMORY_LIMIT} mha_ep's tiled decode kernel takes (heads wider than "
+            f"{decode_max_dim(element)} elements take it; max_sequence_length up to "
             f"{longest_shared_buffer(problem, element)} at this head size and element type)"
         )
     slots = source_slots(problem, call)  # {} (the sources are rows of their own), or every source's slot count
@@ -128,7 +170,8 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
         rows = limits.checked_i32(g.batch * g.num_heads * g.q_seq, "shared_buffer_attention's grid (B * N * S)")
     except limits.LimitError as error:
         raise MhaInputError(MESSAGE_PREFIX + error.reason) from None
-    steps.append(Launch(name_expression("shared_buffer_attention", dtype, mask_type),
+    name = "shared_buffer_decode" if kernel == "decode" else "shared_buffer_attention"
+    steps.append(Launch(name_expression(name, dtype, mask_type),
                         (rows, 1, 1), (SHARED_BUFFER_THREADS, 1, 1), shared_bytes,
                         (Pointer(src["query"]), Pointer(src["key"]), Pointer(src["value"]), i32(slot_count),
                          Pointer(src.get("bias_q")), Pointer(src.get("bias_k")), Pointer(src.get("bias_v")),

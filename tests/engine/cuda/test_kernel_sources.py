@@ -126,6 +126,13 @@ def test_the_host_mover_struct_lists_layout_cu_fields_in_order():
     assert MOVER_DTYPE.itemsize == -(-(8 * 8 + 9 * 4) // 8) * 8  # 8 pointers, 9 ints / floats, 8-byte aligned
 
 
+SHARED_BUFFER_SIGNATURE = (  # kernels/shared_buffer.cu SHARED_BUFFER_PARAMETERS, both kernels'
+    "const {T}*, const {T}*, const {T}*, int, const {T}*, const {T}*, const {T}*, const {T}*, const {T}*, const int*, "
+    "const int*, int, const {M}*, int, int, const {T}*, int, int, int, {T}*, {T}*, {T}*, float, float, int, int, int, "
+    "int, int, int, int, int, int, int*, int*, int"
+)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
     """Instantiate every name expression the backend asks NVRTC for, and compile for sm_90 (offline check)."""
@@ -141,9 +148,8 @@ def test_kernels_compile_for_every_dtype_with_nvcc(tmp_path):
         "const float*, const float*, float, int, int, int, int, int, int, float*",
         "masked_softmax": "const float*, {T}*, const float*, int, int, int, const int*, const unsigned char*, "
         "const float*, const float*, float, int, int, int, int, int, int, float*, int",
-        "shared_buffer_attention": "const {T}*, const {T}*, const {T}*, int, const {T}*, const {T}*, const {T}*, "
-        "const {T}*, const {T}*, const int*, const int*, int, const {M}*, int, int, const {T}*, int, int, int, {T}*, "
-        "{T}*, {T}*, float, float, int, int, int, int, int, int, int, int, int, int*, int*, int",
+        "shared_buffer_attention": SHARED_BUFFER_SIGNATURE,
+        "shared_buffer_decode": SHARED_BUFFER_SIGNATURE,
     }
     variants = {name: variants for name, (_, variants) in KERNELS.items()}
     assert set(signatures) == set(variants), "a kernel of kernels.KERNELS without a signature here"

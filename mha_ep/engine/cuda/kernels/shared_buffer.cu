@@ -34,6 +34,7 @@
 //
 // Index rule as in layout.cu: promote the first factor of every product, `(long long)b * heads + n`.
 #include "common.cuh"
+#include "row_loads.cuh"
 
 #define SHARED_BUFFER_THREADS 128
 #define KEYS_IN_FLIGHT 4  // tile rows a warp sums at once (scores)
@@ -85,6 +86,157 @@ __device__ __forceinline__ int checked_past(const int* __restrict__ past_sequenc
   }
   return min(max(past, 0), max(max_seq - kv_seq, 0));  // the host checked L <= M (claim/rules.py rule_shared_buffer)
 }
+
+// The launch arguments of both kernels (shared_buffer.py shared_buffer_steps; tile_keys is the tiled kernel's).
+#define SHARED_BUFFER_PARAMETERS(T, M)                                                                          \
+  const T *__restrict__ query, const T *__restrict__ key, const T *__restrict__ value, int slots,              \
+      const T *__restrict__ bias_q, const T *__restrict__ bias_k, const T *__restrict__ bias_v,                \
+      const T *__restrict__ past_key, const T *__restrict__ past_value,                                       \
+      const int *__restrict__ past_sequence_length, const int *__restrict__ cache_indirection, int beams,     \
+      const M *__restrict__ mask, int mask_kind, int mask_total, const T *__restrict__ attention_bias,         \
+      int bias_d0, int bias_d1, int bias_total, T *__restrict__ output_BSDv, T *__restrict__ present_key,     \
+      T *__restrict__ present_value, float scale, float mask_filter_value, int causal, int batch, int q_seq,  \
+      int kv_seq, int heads, int head_size, int v_head_size, int max_seq, int tile_keys, int *status,         \
+      int *sticky, int site
+
+// A block's output row (b, n, s), blockIdx.x = (b * N + n) * S + s, and what both kernels derive from the call's
+// words: P checked and clamped (checked_past), T = P + L keys, the beam path (ORT's needs P > 0, §3.10), the key
+// length of a key-lengths mask, and the sources' strides in elements: a row (b, s|l) and a head n (the host checks
+// that qk_head and v_head fit int). The grid's first thread reports a bad P, and a mask or attention_bias whose T
+// is not P + L.
+struct BlockRow {
+  int b, n, s, past, total, key_length, batch_row0;
+  bool valid, beam;
+  long long qk_row, v_row, v_hidden;
+  int qk_head, v_head;
+
+  // The batch row that holds past row j of this output row: b, or on the beam path its beam's (the index clamped).
+  __device__ __forceinline__ int source(const int* __restrict__ cache_indirection, int beams, int max_seq,
+                                        int j) const {
+    if (!beam) return b;
+    const int index = cache_indirection[(long long)b * max_seq + j];  // (B/W, W, M) flattened: row b = batch*W + w
+    return batch_row0 + min(max(index, 0), beams - 1);
+  }
+};
+
+template <typename M>
+__device__ __forceinline__ BlockRow block_row(const int* __restrict__ past_sequence_length,
+                                              const int* __restrict__ cache_indirection, int beams,
+                                              const M* __restrict__ mask, int mask_kind, int mask_total,
+                                              bool has_bias, int bias_total, int slots, int q_seq, int kv_seq,
+                                              int heads, int head_size, int v_head_size, int max_seq, int* status,
+                                              int* sticky, int site) {
+  BlockRow r;
+  const long long row = blockIdx.x;
+  r.s = (int)(row % q_seq);
+  r.n = (int)((row / q_seq) % heads);
+  r.b = (int)(row / ((long long)q_seq * heads));
+  const bool reporter = row == 0 && threadIdx.x == 0;
+  r.past = checked_past(past_sequence_length, kv_seq, max_seq, status, sticky, site, reporter, r.valid);
+  r.total = r.past + kv_seq;
+  r.beam = cache_indirection != nullptr && r.past > 0;
+  if (reporter && (mask_kind == MASK_KEYS_BT || mask_kind == MASK_KEYS_BST) && mask_total != r.total) {
+    report_error(status, sticky, site, MASK_LENGTH, mask_total, r.total, 0);
+  }
+  if (reporter && has_bias && bias_total != r.total) {
+    report_error(status, sticky, site, BIAS_LENGTH, bias_total, r.total, 0);
+  }
+  r.key_length = mask_kind == MASK_KEY_LENGTHS ? min(max((int)mask[r.b], 0), r.total) : r.total;
+  r.batch_row0 = r.beam ? r.b / beams * beams : r.b;
+  r.v_hidden = (long long)heads * v_head_size;  // the output's rows (B, S, N*Hv)
+  r.qk_row = (long long)heads * head_size * slots;
+  r.v_row = r.v_hidden * slots;
+  r.qk_head = head_size * slots;
+  r.v_head = v_head_size * slots;
+  return r;
+}
+
+// 0. the step's new rows l = s, s + S, ... of (b, n) into rows [P, P + L) of the presents, key + b_k and value + b_v
+// rounded to T once (the block's other rows write the rest). Nothing reads them in the kernels: a block reads rows
+// j < P of the past, and the new rows from key / value. A bad P writes no row of the cache.
+template <typename T>
+__device__ __forceinline__ void write_new_rows(const T* __restrict__ key, const T* __restrict__ value,
+                                               const T* __restrict__ bias_k, const T* __restrict__ bias_v,
+                                               T* __restrict__ present_key, T* __restrict__ present_value,
+                                               const BlockRow& r, int q_seq, int kv_seq, int heads, int head_size,
+                                               int v_head_size, int max_seq) {
+  const int b = r.b, n = r.n, s = r.s;
+  const long long qk_row = r.qk_row, v_row = r.v_row;
+  const int qk_head = r.qk_head, v_head = r.v_head;
+  for (int l = s; l < kv_seq; l += q_seq) {  // a thread one element of the key row or of the value row
+    const long long target = ((long long)b * heads + n) * max_seq + r.past + l;
+    for (int i = threadIdx.x; i < head_size + v_head_size; i += blockDim.x) {
+      const bool is_key = i < head_size;
+      const int h = is_key ? i : i - head_size;
+      const long long at = is_key ? ((long long)b * kv_seq + l) * qk_row + (long long)n * qk_head + h
+                                  : ((long long)b * kv_seq + l) * v_row + (long long)n * v_head + h;
+      const T* bias = is_key ? bias_k : bias_v;
+      float x = to_float<T>(is_key ? key[at] : value[at]);
+      if (bias != nullptr) x += to_float<T>(bias[(long long)n * (is_key ? head_size : v_head_size) + h]);
+      if (is_key) {
+        present_key[target * head_size + h] = from_float<T>(x);
+      } else {
+        present_value[target * v_head_size + h] = from_float<T>(x);
+      }
+    }
+  }
+}
+
+// ORT's check of the beam indices, by every thread of one block: the first bad one in (row, position) order is
+// reported.
+__device__ __forceinline__ void check_beam_indices(const int* __restrict__ cache_indirection, int batch, int past,
+                                                   int max_seq, int beams, int* status, int* sticky, int site) {
+  __shared__ int first_bad;
+  if (threadIdx.x == 0) first_bad = INT_MAX_VALUE;
+  __syncthreads();
+  const long long used = (long long)batch * past;
+  for (long long i = threadIdx.x; i < used; i += blockDim.x) {
+    const long long at = i / past * max_seq + i % past;
+    const int index = cache_indirection[at];
+    if (index < 0 || index >= beams) atomicMin(&first_bad, (int)i);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && first_bad != INT_MAX_VALUE) {
+    const int bad_row = first_bad / past, bad_position = first_bad % past;
+    report_error(status, sticky, site, BEAM_INDEX, cache_indirection[(long long)bad_row * max_seq + bad_position],
+                 bad_row, bad_position, beams);
+  }
+}
+
+// Steps 2-3 for key j of output row (b, n, s): scale * q.k, + attention_bias, + the mask (ADDED, as ORT does).
+template <typename T, typename M>
+struct ScoreRule {
+  const T* attention_bias;
+  int bias_d0, bias_d1, bias_total;
+  const M* mask;
+  int mask_kind, mask_total;
+  float scale, mask_filter_value;
+  int causal, q_seq;
+  BlockRow r;
+
+  __device__ __forceinline__ float operator()(int j, float dot) const {
+    const int b = r.b, n = r.n, s = r.s;
+    float x = scale * dot;
+    if (attention_bias != nullptr && j < bias_total) {
+      const long long plane = (long long)(bias_d0 == 1 ? 0 : b) * bias_d1 + (bias_d1 == 1 ? 0 : n);
+      x += to_float<T>(attention_bias[(plane * q_seq + s) * bias_total + j]);
+    }
+    bool keep = true;
+    if (mask_kind == MASK_KEY_LENGTHS) {
+      keep = j < r.key_length;
+    } else if ((mask_kind == MASK_KEYS_BT || mask_kind == MASK_KEYS_BST) && j < mask_total) {
+      const long long at = mask_kind == MASK_KEYS_BT ? (long long)b * mask_total + j
+                                                     : ((long long)b * q_seq + s) * mask_total + j;
+      keep = r.beam ? mask[at] != (M)0 : mask[at] > (M)0;
+    }
+    if (causal && s < q_seq - 1 && j > r.past + s) {
+      x += FLOAT32_LOWEST;
+    } else if (!keep) {
+      x += mask_filter_value;
+    }
+    return x;
+  }
+};
 
 // ------------------------------------------------------------------------------------ shared_buffer_attention
 template <typename OP>
@@ -150,15 +302,8 @@ __device__ __forceinline__ void stage_tiles(T* __restrict__ tile_k, const T* __r
 }
 
 template <typename T, typename M>
-__global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention(
-    const T* __restrict__ query, const T* __restrict__ key, const T* __restrict__ value, int slots,
-    const T* __restrict__ bias_q, const T* __restrict__ bias_k, const T* __restrict__ bias_v,
-    const T* __restrict__ past_key, const T* __restrict__ past_value, const int* __restrict__ past_sequence_length,
-    const int* __restrict__ cache_indirection, int beams, const M* __restrict__ mask, int mask_kind, int mask_total,
-    const T* __restrict__ attention_bias, int bias_d0, int bias_d1, int bias_total, T* __restrict__ output_BSDv,
-    T* __restrict__ present_key, T* __restrict__ present_value, float scale, float mask_filter_value, int causal,
-    int batch, int q_seq, int kv_seq, int heads, int head_size, int v_head_size, int max_seq, int tile_keys,
-    int* status, int* sticky, int site) {
+__global__ void __launch_bounds__(SHARED_BUFFER_THREADS)
+    shared_buffer_attention(SHARED_BUFFER_PARAMETERS(T, M)) {
   // dynamic shared memory (mha_ep/engine/cuda/shared_buffer.py shared_layout): the K and V tiles (T, each rounded
   // up to 16 bytes), then in float32 the row of M scores, q (H) and the partial sums (groups x Hv)
   extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -171,85 +316,28 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
   float* partial = q_H + head_size;                                                         // groups * v_head_size
   __shared__ float warp_values[SHARED_BUFFER_THREADS / 32];
 
-  const long long row = blockIdx.x;  // ((b * N) + n) * S + s
-  const int s = (int)(row % q_seq);
-  const int n = (int)((row / q_seq) % heads);
-  const int b = (int)(row / ((long long)q_seq * heads));
-  const bool reporter = row == 0 && threadIdx.x == 0;
-  bool valid;
-  const int past = checked_past(past_sequence_length, kv_seq, max_seq, status, sticky, site, reporter, valid);
-  const int total = past + kv_seq;
-  const bool beam = cache_indirection != nullptr && past > 0;  // ORT's beam path needs P > 0 (§3.10)
-  if (reporter && (mask_kind == MASK_KEYS_BT || mask_kind == MASK_KEYS_BST) && mask_total != total) {
-    report_error(status, sticky, site, MASK_LENGTH, mask_total, total, 0);
-  }
-  if (reporter && attention_bias != nullptr && bias_total != total) {
-    report_error(status, sticky, site, BIAS_LENGTH, bias_total, total, 0);
-  }
-  const long long hidden = (long long)heads * head_size;
-  const long long v_hidden = (long long)heads * v_head_size;  // the output's rows (B, S, N*Hv)
-  // the sources' strides in elements: a row (b, s|l) and a head n (the host checks that qk_head and v_head fit int)
-  const long long qk_row = hidden * slots, v_row = v_hidden * slots;
-  const int qk_head = head_size * slots, v_head = v_head_size * slots;
+  const BlockRow r = block_row(past_sequence_length, cache_indirection, beams, mask, mask_kind, mask_total,
+                               attention_bias != nullptr, bias_total, slots, q_seq, kv_seq, heads, head_size,
+                               v_head_size, max_seq, status, sticky, site);
+  const int b = r.b, n = r.n, s = r.s, past = r.past, total = r.total;
+  const bool beam = r.beam;
 
   // q = query + b_q in float32 (step 1): loaded first, stored into shared memory beside the first tile
-  const long long q_at = ((long long)b * q_seq + s) * qk_row + (long long)n * qk_head;
+  const long long q_at = ((long long)b * q_seq + s) * r.qk_row + (long long)n * r.qk_head;
   float q_first = 0.f;
   if (threadIdx.x < head_size) {
     q_first = to_float<T>(query[q_at + threadIdx.x]);
     if (bias_q != nullptr) q_first += to_float<T>(bias_q[(long long)n * head_size + threadIdx.x]);
   }
 
-  // 0. the step's new rows l = s, s + S, ... of (b, n) into rows [P, P + L) of the presents, key + b_k and
-  // value + b_v rounded to T once (the block's other rows write the rest). Nothing reads them in this kernel: a
-  // block reads rows j < P of the past, and the new rows from key / value. A bad P writes no row of the cache.
-  if (valid) {
-    for (int l = s; l < kv_seq; l += q_seq) {  // a thread one element of the key row or of the value row
-      const long long target = ((long long)b * heads + n) * max_seq + past + l;
-      for (int i = threadIdx.x; i < head_size + v_head_size; i += blockDim.x) {
-        const bool is_key = i < head_size;
-        const int h = is_key ? i : i - head_size;
-        const long long at = is_key ? ((long long)b * kv_seq + l) * qk_row + (long long)n * qk_head + h
-                                    : ((long long)b * kv_seq + l) * v_row + (long long)n * v_head + h;
-        const T* bias = is_key ? bias_k : bias_v;
-        float x = to_float<T>(is_key ? key[at] : value[at]);
-        if (bias != nullptr) x += to_float<T>(bias[(long long)n * (is_key ? head_size : v_head_size) + h]);
-        if (is_key) {
-          present_key[target * head_size + h] = from_float<T>(x);
-        } else {
-          present_value[target * v_head_size + h] = from_float<T>(x);
-        }
-      }
-    }
+  if (r.valid) {
+    write_new_rows(key, value, bias_k, bias_v, present_key, present_value, r, q_seq, kv_seq, heads, head_size,
+                   v_head_size, max_seq);
   }
 
-  int key_length = total;
-  if (mask_kind == MASK_KEY_LENGTHS) key_length = min(max((int)mask[b], 0), total);
-  const int batch_row0 = beam ? b / beams * beams : b;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  if (beam && row == 0) {  // ORT's check of the beam indices, reporting the first bad one in (row, position) order
-    __shared__ int first_bad;
-    if (threadIdx.x == 0) first_bad = INT_MAX_VALUE;
-    __syncthreads();
-    const long long used = (long long)batch * past;
-    for (long long i = threadIdx.x; i < used; i += blockDim.x) {
-      const long long at = i / past * max_seq + i % past;
-      const int index = cache_indirection[at];
-      if (index < 0 || index >= beams) atomicMin(&first_bad, (int)i);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0 && first_bad != INT_MAX_VALUE) {
-      const int bad_row = first_bad / past, bad_position = first_bad % past;
-      report_error(status, sticky, site, BEAM_INDEX, cache_indirection[(long long)bad_row * max_seq + bad_position],
-                   bad_row, bad_position, beams);
-    }
-  }
-  // The past row j of this output row: its batch row (redirected on the beam path, the index clamped).
-  auto past_row = [&](int j) -> int {
-    if (!beam) return b;
-    const int index = cache_indirection[(long long)b * max_seq + j];  // (B/W, W, M) flattened: row b = batch*W + w
-    return batch_row0 + min(max(index, 0), beams - 1);
-  };
+  if (beam && blockIdx.x == 0) check_beam_indices(cache_indirection, batch, past, max_seq, beams, status, sticky, site);
+  auto past_row = [&](int j) -> int { return r.source(cache_indirection, beams, max_seq, j); };
   // 16-byte pieces where every past row is 16-byte aligned, else one element at a time
   const bool by_16 = (head_size * (int)sizeof(T)) % 16 == 0 && (v_head_size * (int)sizeof(T)) % 16 == 0 &&
                      (reinterpret_cast<unsigned long long>(past_key) & 15) == 0 &&
@@ -276,27 +364,8 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
   // 2-3. scores, a tile of past rows at a time (the last tile's values staged with its keys, for step 5), a warp
   // per key reading KEYS_IN_FLIGHT rows of the tile before it sums any; then the step's own L rows from key + b_k
   // in float32
-  auto score_of = [&](int j, float dot) {
-    float x = scale * dot;
-    if (attention_bias != nullptr && j < bias_total) {
-      const long long plane = (long long)(bias_d0 == 1 ? 0 : b) * bias_d1 + (bias_d1 == 1 ? 0 : n);
-      x += to_float<T>(attention_bias[(plane * q_seq + s) * bias_total + j]);
-    }
-    bool keep = true;
-    if (mask_kind == MASK_KEY_LENGTHS) {
-      keep = j < key_length;
-    } else if ((mask_kind == MASK_KEYS_BT || mask_kind == MASK_KEYS_BST) && j < mask_total) {
-      const long long at = mask_kind == MASK_KEYS_BT ? (long long)b * mask_total + j
-                                                     : ((long long)b * q_seq + s) * mask_total + j;
-      keep = beam ? mask[at] != (M)0 : mask[at] > (M)0;
-    }
-    if (causal && s < q_seq - 1 && j > past + s) {
-      x += FLOAT32_LOWEST;
-    } else if (!keep) {
-      x += mask_filter_value;
-    }
-    return x;
-  };
+  const ScoreRule<T, M> score_of{attention_bias, bias_d0, bias_d1, bias_total, mask, mask_kind, mask_total, scale,
+                                 mask_filter_value, causal, q_seq, r};
   for (int t = 0; t < max(tiles, 1); ++t) {
     const int c0 = t * tile_keys;
     const int count = min(tile_keys, past - c0);
@@ -330,7 +399,7 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
   }
   for (int j = past + warp; j < total; j += warps) {
     float dot = 0.f;
-    const T* k_row = key + ((long long)b * kv_seq + (j - past)) * qk_row + (long long)n * qk_head;
+    const T* k_row = key + ((long long)b * kv_seq + (j - past)) * r.qk_row + (long long)n * r.qk_head;
     for (int h = lane; h < head_size; h += 32) {
       float k = to_float<T>(k_row[h]);
       if (bias_k != nullptr) k += to_float<T>(bias_k[(long long)n * head_size + h]);
@@ -387,7 +456,7 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
     if (h >= v_head_size || !in_group) continue;
     float acc = 0.f;
     for (int j = past + (groups > 1 ? group : 0); j < total; j += groups) {
-      float v = to_float<T>(value[((long long)b * kv_seq + (j - past)) * v_row + (long long)n * v_head + h]);
+      float v = to_float<T>(value[((long long)b * kv_seq + (j - past)) * r.v_row + (long long)n * r.v_head + h]);
       if (bias_v != nullptr) v += to_float<T>(bias_v[(long long)n * v_head_size + h]);
       acc += scores_T[j] * v;
     }
@@ -397,6 +466,170 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_attention
   for (int h = threadIdx.x; h < v_head_size; h += blockDim.x) {
     float acc = partial[h];
     for (int g = 1; g < groups; ++g) acc += partial[(long long)g * v_head_size + h];
-    output_BSDv[((long long)b * q_seq + s) * v_hidden + (long long)n * v_head_size + h] = from_float<T>(acc);
+    output_BSDv[((long long)b * q_seq + s) * r.v_hidden + (long long)n * v_head_size + h] = from_float<T>(acc);
+  }
+}
+
+// ------------------------------------------------------------------------------------ shared_buffer_decode
+// The same call as shared_buffer_attention, a block per output row, without tiles, score rows or barriers between
+// phases (shared_buffer.py shared_buffer_kernel: its heads, max(H, Hv) <= DECODE_MAX_DIM, every S). In the block
+// each lane group (split_lanes: 8 lanes of a float16 head of 64, 16 bytes a lane) walks its own keys,
+// DECODE_KEYS_IN_FLIGHT of them a round: a past row's K and V slices loaded together straight from global memory
+// (the beam path's row redirected), a new row's from key / value + bias in float32; the logits summed by
+// shuffles and scored by ScoreRule, then an online softmax in float32 registers (running max m, sum l and output
+// o, rescaled by exp(m_old - m_new) when the max grows; p is never rounded, as in the tiled kernel). The groups of
+// a warp merge by shuffles, the warps through shared memory once, and the output is O / l (0 / 0 = NaN where no
+// logit is finite, as ORT's exp(x - max) gives).
+#define DECODE_KEYS_IN_FLIGHT 4  // keys a lane group loads before it uses the first
+#define DECODE_WARPS (SHARED_BUFFER_THREADS / 32)
+
+// `VEC` elements of a row from element d0 on, as floats: one 16-byte load where `whole` (the row's loads are whole
+// and aligned), else element by element up to the row's `size` (zeros past it).
+template <typename T, int VEC>
+__device__ __forceinline__ void row_slice(const T* __restrict__ row, int d0, int size, bool whole,
+                                          float (&out)[VEC]) {
+  if (whole && d0 < size) {
+    SplitLoad<T>::load(row + d0, out);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) out[e] = d0 + e < size ? to_float<T>(row[d0 + e]) : 0.0f;
+}
+
+template <typename T, typename M>
+__global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SHARED_BUFFER_PARAMETERS(T, M)) {
+  (void)tile_keys;
+  constexpr int VEC = SplitLoad<T>::N;
+  constexpr int U = DECODE_KEYS_IN_FLIGHT;
+  __shared__ float o_s[DECODE_WARPS][32 * VEC];  // each warp's output row (Hv <= 32 * VEC, the host's bound)
+  __shared__ float2 ml_s[DECODE_WARPS];          // each warp's (m, l)
+
+  const BlockRow r = block_row(past_sequence_length, cache_indirection, beams, mask, mask_kind, mask_total,
+                               attention_bias != nullptr, bias_total, slots, q_seq, kv_seq, heads, head_size,
+                               v_head_size, max_seq, status, sticky, site);
+  const int b = r.b, n = r.n, past = r.past, total = r.total;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int lanes = split_lanes<T>(max(head_size, v_head_size));
+  const int groups = 32 / lanes;
+  const int g = lane / lanes;
+  const int d0 = (lane & (lanes - 1)) * VEC;
+  // 16-byte loads of the past where its rows are whole loads and its buffers aligned, else element by element
+  const bool whole = head_size % VEC == 0 && v_head_size % VEC == 0 &&
+                     (reinterpret_cast<unsigned long long>(past_key) & 15) == 0 &&
+                     (reinterpret_cast<unsigned long long>(past_value) & 15) == 0;
+
+  // step 1: this lane's slice of q = query + b_q in float32, and of the biases of the new rows
+  float q_r[VEC], bk[VEC], bv[VEC];
+  row_slice<T, VEC>(query + ((long long)b * q_seq + r.s) * r.qk_row + (long long)n * r.qk_head, d0, head_size, false,
+                    q_r);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const int d = d0 + e;
+    if (bias_q != nullptr && d < head_size) q_r[e] += to_float<T>(bias_q[(long long)n * head_size + d]);
+    bk[e] = bias_k != nullptr && d < head_size ? to_float<T>(bias_k[(long long)n * head_size + d]) : 0.0f;
+    bv[e] = bias_v != nullptr && d < v_head_size ? to_float<T>(bias_v[(long long)n * v_head_size + d]) : 0.0f;
+  }
+  if (r.valid) {
+    write_new_rows(key, value, bias_k, bias_v, present_key, present_value, r, q_seq, kv_seq, heads, head_size,
+                   v_head_size, max_seq);
+  }
+  if (r.beam && blockIdx.x == 0) {
+    check_beam_indices(cache_indirection, batch, past, max_seq, beams, status, sticky, site);
+  }
+  const ScoreRule<T, M> score_of{attention_bias, bias_d0, bias_d1, bias_total, mask, mask_kind, mask_total, scale,
+                                 mask_filter_value, causal, q_seq, r};
+
+  float m = NEG_INFINITY, l = 0.0f, o[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) o[e] = 0.0f;
+  // the warp's rounds (the same for every lane: the shuffles below need the whole warp), group g's keys in each
+  for (int warp_base = warp * groups * U; warp_base < total; warp_base += DECODE_WARPS * groups * U) {
+    const int base = warp_base + g * U;
+    float kd[U][VEC], vd[U][VEC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // every load of the round in flight before the first is used
+      const int j = min(base + u, total - 1);  // a key past the row reads the last one again, its score unused
+      if (j < past) {
+        const long long at = ((long long)r.source(cache_indirection, beams, max_seq, j) * heads + n) * max_seq + j;
+        row_slice<T, VEC>(past_key + at * head_size, d0, head_size, whole, kd[u]);
+        row_slice<T, VEC>(past_value + at * v_head_size, d0, v_head_size, whole, vd[u]);
+      } else {  // a new row, exact in float32 (what ORT's CPU kernel attends to before it rounds the present)
+        const long long at = (long long)b * kv_seq + (j - past);
+        row_slice<T, VEC>(key + at * r.qk_row + (long long)n * r.qk_head, d0, head_size, false, kd[u]);
+        row_slice<T, VEC>(value + at * r.v_row + (long long)n * r.v_head, d0, v_head_size, false, vd[u]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          kd[u][e] += bk[e];
+          vd[u][e] += bv[e];
+        }
+      }
+    }
+    float x[U];
+    float round_max = NEG_INFINITY;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) dot = fmaf(q_r[e], kd[u][e], dot);
+      dot = group_sum(dot, lanes);
+      x[u] = base + u < total ? score_of(base + u, dot) : NEG_INFINITY;
+      round_max = fmaxf(round_max, x[u]);
+    }
+    const float m_new = fmaxf(m, round_max);
+    if (m_new != NEG_INFINITY) {  // else nothing finite yet: the state stays empty
+      const float alpha = expf(m - m_new);  // m = -inf: 0, the state was empty
+      l *= alpha;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o[e] *= alpha;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = expf(x[u] - m_new);  // x = -inf (past the row): 0
+        l += p;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) o[e] = fmaf(p, vd[u][e], o[e]);
+      }
+      m = m_new;
+    }
+  }
+  // the warp's groups merged (lanes with the same slice), then the warps through shared memory
+  for (int offset = lanes; offset < 32; offset <<= 1) {
+    float ob[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) ob[e] = __shfl_xor_sync(0xffffffffu, o[e], offset);
+    const float mb = __shfl_xor_sync(0xffffffffu, m, offset);
+    const float lb = __shfl_xor_sync(0xffffffffu, l, offset);
+    const float mm = fmaxf(m, mb);
+    const float used = mm == NEG_INFINITY ? 0.0f : mm;
+    const float a = expf(m - used), c = expf(mb - used);
+    l = l * a + lb * c;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) o[e] = o[e] * a + ob[e] * c;
+    m = mm;
+  }
+  if (g == 0) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      if (d0 + e < v_head_size) o_s[warp][d0 + e] = o[e];
+    }
+  }
+  if (lane == 0) ml_s[warp] = make_float2(m, l);
+  __syncthreads();
+  float mc = NEG_INFINITY;
+#pragma unroll
+  for (int w = 0; w < DECODE_WARPS; ++w) mc = fmaxf(mc, ml_s[w].x);
+  const float used = mc == NEG_INFINITY ? 0.0f : mc;
+  float weight[DECODE_WARPS];
+  float lc = 0.0f;
+#pragma unroll
+  for (int w = 0; w < DECODE_WARPS; ++w) {
+    weight[w] = expf(ml_s[w].x - used);
+    lc = fmaf(ml_s[w].y, weight[w], lc);
+  }
+  const long long out_at = ((long long)b * q_seq + r.s) * r.v_hidden + (long long)n * v_head_size;
+  for (int d = threadIdx.x; d < v_head_size; d += blockDim.x) {
+    float od = 0.0f;
+#pragma unroll
+    for (int w = 0; w < DECODE_WARPS; ++w) od = fmaf(o_s[w][d], weight[w], od);
+    output_BSDv[out_at + d] = from_float<T>(od / lc);
   }
 }
