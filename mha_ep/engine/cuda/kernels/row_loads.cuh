@@ -53,7 +53,7 @@ template <> struct SplitLoad<__nv_bfloat16> {
 // Lanes that read one row of `size` elements, 16 bytes each: a power of two from 1 to 32 (the callers keep size
 // within 32 loads: split_keys.cu SPLIT_MAX_DIM, shared_buffer.cu DECODE_MAX_DIM).
 template <typename IN> __device__ __forceinline__ int split_lanes(int size) {
-  const int vectors = size / SplitLoad<IN>::N;
+  const int vectors = (size + SplitLoad<IN>::N - 1) / SplitLoad<IN>::N;  // a partial load counts (H 20 of 8s)
   int lanes = 1;
   while (lanes < vectors) lanes <<= 1;
   return lanes;
