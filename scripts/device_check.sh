@@ -55,6 +55,9 @@
 #
 # Settings (environment), with their defaults:
 #   WHEELS=.device/whl          onnxruntime-extensions, tokenizers, ... for the machine's Python
+#   XDIST=.device/xdist         pytest-xdist and execnet wheels, installed with the others where the folder exists
+#   WORKERS=                    pytest-xdist workers for the GPU tests (e.g. 12: tests/engine/cuda in under 2 minutes
+#                               on an H100, against more than 5 in one process); unset: one process
 #   ORT_GPU=.device/ortgpu      onnxruntime-gpu: a .whl, or pieces q0 q1 ... (split -b) joined in name order
 #   ORT_SM=.device/ortsm90      onnxruntime-gpu for sm_90 only (install-sm): pieces a0 a1 ... and SHA256
 #   ORT_CPU=.device/cpuwhl      stock onnxruntime's CPU wheel for the machine's Python (install-bridge)
@@ -87,7 +90,8 @@ export PYTHONPATH=$PWD:$ORT_SITE:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFER
 export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-LAZY}
 # grep -v exits 1 when it passes no line (pip -q prints none): that is no failure of the step
 quiet() { grep -v "W:onnxruntime\|WARNING: Target" || true; }
-PYTEST_GPU="python3 -m pytest -q -p no:cacheprovider -m gpu"
+XDIST=${XDIST:-.device/xdist}
+PYTEST_GPU="python3 -m pytest -q -p no:cacheprovider -m gpu${WORKERS:+ -n $WORKERS}"
 # bench's output folder per ONLY= row filter, so two filtered runs in one call keep both JSON files
 only_tag() { [ -n "${ONLY:-}" ] && printf -- '-%s' "$(printf '%s' "$ONLY" | tr -c 'A-Za-z0-9' '_')"; }
 
@@ -110,6 +114,9 @@ install_ort_gpu() {
 # the wheels of $WHEELS into $SITE, then the version and providers of the onnxruntime just installed
 install_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl 2>&1 | quiet
+  if ls "$XDIST"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$XDIST"/*.whl 2>&1 | quiet
+  fi
   python3 -c "import onnxruntime as o; o.preload_dlls() if hasattr(o, 'preload_dlls') else None; print(o.__version__, o.get_available_providers())"
 }
 
