@@ -114,6 +114,10 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split=Fals
         assert problem.dtype != "float32", "out_narrow is for float16 / bfloat16 calls"
         out = cupy.full((g.batch, g.q_seq, g.v_hidden), 0xFFFF, dtype=cupy.uint16)  # NaN in float16 and bfloat16
         offset_args["out_narrow"] = out.data.ptr
+    # The uploads (a pageable copy returns before its DMA ends) and the poison ran on CuPy's default stream, which a
+    # non-blocking stream does not wait for: done before the kernel reads them. The flash branch lacked this wait;
+    # the likely cause of a flash_attention_ws case that failed once under 12 pytest-xdist workers and passed alone.
+    cupy.cuda.runtime.deviceSynchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     operands = dict(q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=dev(problem.attention_bias),
                     mask=mask, out_BSD=None if narrow else out.data.ptr, **offset_args)  # fmt: skip
@@ -130,7 +134,6 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split=Fals
                                   split_kernel=kernel, **operands)  # fmt: skip
         functions = [getattr(step, "function", type(step).__name__).split("<")[0] for step in steps]
         assert functions in SPLIT_STEPS[kernel], functions
-        cupy.cuda.runtime.deviceSynchronize()  # the poison is written before the stream reads it
         run_steps(0, steps, stream)
     else:
         runner.run_fused(0, problem, stream=stream, tile=tile, **operands)
