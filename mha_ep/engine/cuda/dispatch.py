@@ -24,6 +24,7 @@ This module imports no CuPy (tests/engine/cuda/test_cuda_scratch.py checks it); 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -72,6 +73,15 @@ STREAM_STAGES = 4  # kernels/split_keys.cu STREAM_STAGES: a block's tiles of K o
 STREAM_STAGE_BYTES = 8 * 1024  # one stage: a tile of K or V rows (64 keys of a float16 head of 64)
 STREAM_MAX_LOGITS = 4096  # floats of logits a split_key_stream block holds (its span x S, in shared memory)
 
+
+def kernel_from_environment(variable: str, choices: tuple) -> str:
+    """The kernel the environment ``variable`` names, one of ``choices`` (for A/B timing of whole models), else the
+    default ``choices[0]``; read when a call is planned, so a native plan keeps its choice for the process. Any
+    other name raises ValueError."""
+    chosen = os.environ.get(variable) or choices[0]
+    if chosen not in choices:
+        raise ValueError(f"{variable}={chosen!r}: expected one of {choices}")
+    return chosen
 
 def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
     """The HEAD_DIM instantiation of flash_attention_mma / _fp32 for these head sizes, or None when none holds them."""

@@ -26,7 +26,6 @@ This module must not import CuPy: the native route plans on CPU machines too.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
@@ -34,6 +33,7 @@ import numpy as np
 from mha_ep import limits
 from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
 from mha_ep.launch import ELEMENT_BYTES, SHARED_BUFFER_THREADS, STATUS_WORDS, MaskKind
+from mha_ep.engine.cuda import dispatch
 from mha_ep.engine.cuda.kernels import name_expression
 from mha_ep.engine.cuda.packed import source_slots
 from mha_ep.engine.cuda.steps import CheckStatus, Copy, Fill, Launch, Pointer
@@ -80,9 +80,7 @@ def shared_buffer_kernel(problem: MhaProblem, element: int) -> str:
     """The kernel a shared-buffer call runs: "decode" (shared_buffer_decode) unless it cannot take the call or
     MHA_EP_SHARED_KERNEL names "tiled" (read when a call is planned: a native plan keeps its choice for the
     process)."""
-    chosen = os.environ.get(SHARED_KERNEL_ENV) or SHARED_KERNELS[0]
-    if chosen not in SHARED_KERNELS:
-        raise ValueError(f"{SHARED_KERNEL_ENV}={chosen!r}: expected one of {SHARED_KERNELS}")
+    chosen = dispatch.kernel_from_environment(SHARED_KERNEL_ENV, SHARED_KERNELS)
     if chosen == "decode" and decode_unsupported_reason(problem, element) is None:
         return "decode"
     return "tiled"

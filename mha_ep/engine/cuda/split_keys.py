@@ -13,7 +13,6 @@ this module holds the launches. CuPy is not imported here.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,10 +34,7 @@ SPLIT_KERNEL_ENV = "MHA_EP_SPLIT_KERNEL"  # "pair": the earlier pair of launches
 def chosen_split_kernel() -> str:
     """The split-key kernels a decode step runs: "stream" unless MHA_EP_SPLIT_KERNEL names "pair" (read when a call
     is planned: a native plan keeps its choice for the process)."""
-    kernel = os.environ.get(SPLIT_KERNEL_ENV) or SPLIT_KERNELS[0]
-    if kernel not in SPLIT_KERNELS:
-        raise ValueError(f"{SPLIT_KERNEL_ENV}={kernel!r}: expected one of {SPLIT_KERNELS}")
-    return kernel
+    return dispatch.kernel_from_environment(SPLIT_KERNEL_ENV, SPLIT_KERNELS)
 
 
 def takes_split_keys(problem: MhaProblem, facts: "DeviceFacts", operand_dtype: str) -> bool:
