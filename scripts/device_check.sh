@@ -28,6 +28,10 @@
 #   sbdecode   shared_buffer_decode (the static cache's step, shared_buffer.py shared_buffer_kernel): the shared-buffer
 #              parity suite, the static decode loops and the native route's static cases on it, then the parity
 #              suite on the tiled kernel (MHA_EP_SHARED_KERNEL=tiled), log in $OUT/sbdecode.log
+#   sbsweep    scripts/shared_buffer_sweep.py: the static step's self-attention kernels at turbo's shapes, tiled
+#              against decode, and against COMPARE's variants of shared_buffer.cu (space-separated files, e.g.
+#              .device/shared_buffer_main.cu from `git show main:mha_ep/engine/cuda/kernels/shared_buffer.cu`), log in
+#              $OUT/sbsweep.log
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
 #   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
@@ -169,6 +173,8 @@ EOF
                 MHA_EP_SHARED_KERNEL=tiled timeout 120 $PYTEST_GPU tests/parity/test_parity_shared_buffer.py 2>&1 \
                   | quiet | tail -4
               } | tee "$OUT/sbdecode.log" ;;
+    sbsweep) timeout 200 python3 scripts/shared_buffer_sweep.py ${COMPARE:+--compare $COMPARE} 2>&1 \
+               | tee "$OUT/sbsweep.log" ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;

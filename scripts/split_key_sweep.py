@@ -17,6 +17,10 @@ block's max). The widen_to_float of b_q that precedes every one of them in the p
 
     PYTHONPATH=$PWD python3 scripts/split_key_sweep.py [--pairs 20,96,100,160,480] [--dtype float16]
 
+``--compare FILE ...`` adds a column per FILE, a variant of split_keys.cu with the same kernel names and parameters
+(e.g. ``git show main:mha_ep/engine/cuda/kernels/split_keys.cu``; its local includes come from the shipped kernel
+folder): the stream plan with split_key_stream compiled from that file, the same inputs in the same run.
+
 ``--knobs stream`` times split_key_stream alone over its settings instead (STREAM_STAGES, STREAM_BLOCKS_PER_SM,
 SPLIT_LOADS_IN_FLIGHT: defines of kernels/split_keys.cu, and the stage size; dispatch.key_stream cuts the keys with
 the same values); ``--knobs pair`` times split_key_attention alone over SPLIT_THREADS, SPLIT_LOADS_IN_FLIGHT and
@@ -148,13 +152,19 @@ def compare(cupy, args, facts, l2_bytes: int) -> None:
     """The default table: the three plans at each pairs, µs and GB/s of K + V."""
     print(f"{args.dtype}, S=1, T={args.keys}, H={args.head}, BNSH in place, {facts.sms} SMs, L2 {l2_bytes >> 20} MiB; "
           f"µs (median of {args.repeats} graph replays / {GRAPH_LAUNCHES}) and GB/s of K + V")  # fmt: skip
-    print("| pairs (B x N) | copy of K, r+w | " + " | ".join(PLANS) + " | stream / pair | max|Δ| before, stream | cut |")
-    print("|---|---|" + "---|" * len(PLANS) + "---|---|---|", flush=True)
+    files = [Path(f) for f in args.compare]
+    labels = list(PLANS) + [f"stream@{f.name}" for f in files]
+    print("| pairs (B x N) | copy of K, r+w | " + " | ".join(labels)
+          + " | stream / pair | max|Δ| before, stream | cut |")
+    print("|---|---|" + "---|" * len(labels) + "---|---|---|", flush=True)
     for pairs in map(int, args.pairs.split(",")):
         problem = cross_problem(pairs, args.keys, args.head, args.dtype)
         call = CrossCall(cupy, problem, args.dtype, l2_bytes, facts)
         copy = call.copy_micros(args.repeats)
         times = {plan: call.micros(plan, args.repeats) for plan in PLANS}
+        for f in files:
+            with stream_source(str(f)):
+                times[f"stream@{f.name}"] = call.micros("stream", args.repeats)
         outputs = {plan: call.output(plan) for plan in PLANS}
         deltas = [float(np.nanmax(np.abs(outputs[plan] - outputs["pair"]))) for plan in ("before", "stream")]
         g = problem.geometry
@@ -190,6 +200,30 @@ def stream_knobs(stages: int, blocks: int, loads: int, stage_bytes: int):
         yield
     finally:
         fused.get_fused_kernel, dispatch.key_stream = shipped_getter, shipped_cut
+
+
+@contextlib.contextmanager
+def stream_source(path: str):
+    """split_key_stream compiled from the file at ``path`` (fused.get_fused_kernel swapped for the block's duration;
+    the cut is the shipped dispatch.key_stream's)."""
+    code = kernels.expand_includes(Path(path).read_text(), {Path(path).name})
+    compiled = {}
+    shipped_getter = fused.get_fused_kernel
+
+    def get(device_id, name, shared):
+        if not name.startswith("split_key_stream<"):
+            return shipped_getter(device_id, name, shared)
+        kernel = compiled.get(name)
+        if kernel is None:
+            kernel = compiled[name] = kernels.compile_function(device_id, name, code)
+        fused.raise_shared_limit(kernel, shared)
+        return kernel
+
+    fused.get_fused_kernel = get
+    try:
+        yield
+    finally:
+        fused.get_fused_kernel = shipped_getter
 
 
 def sweep_stream(cupy, args, facts, l2_bytes: int) -> None:
@@ -291,6 +325,7 @@ def main() -> int:
     ap.add_argument("--head", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--knobs", choices=("stream", "pair"), help="time one kernel over its settings instead")
+    ap.add_argument("--compare", nargs="*", default=[], help="variants of split_keys.cu: a stream column each")
     ap.add_argument("--stages", default=str(dispatch.STREAM_STAGES), help="--knobs stream: STREAM_STAGES")
     ap.add_argument("--blocks", default=str(dispatch.STREAM_BLOCKS_PER_SM), help="--knobs stream: blocks per SM")
     ap.add_argument("--stage-bytes", default=str(dispatch.STREAM_STAGE_BYTES), help="--knobs stream: a tile's bytes")
