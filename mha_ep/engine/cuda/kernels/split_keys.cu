@@ -307,7 +307,7 @@ __device__ __forceinline__ float block_reduce(float v) {
 }
 
 #define COMBINE_KEPT 4       // splits' (m, l) a thread keeps in registers between its two passes (4 x SPLIT_THREADS)
-#define COMBINE_IN_FLIGHT 16  // partial outputs a thread loads before it sums the first
+#define COMBINE_IN_FLIGHT 8  // partial outputs a thread loads before it sums the first (16 spills on sm_80)
 
 // One (b, h, i) row of the output at out_row: the splits' partial outputs weighed by exp(m_c - m) and divided by
 // the weighed sum, stored in ELEM at out_narrow_BSD when it is given (as flash_common.cuh's store_pair does for the
