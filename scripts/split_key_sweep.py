@@ -177,36 +177,8 @@ def compare(cupy, args, facts, l2_bytes: int) -> None:
 
 
 @contextlib.contextmanager
-def stream_knobs(stages: int, blocks: int, loads: int, stage_bytes: int):
-    """split_key_stream compiled with these defines, and dispatch.key_stream cutting the keys with the same values
-    (fused.get_fused_kernel and dispatch.key_stream swapped for the block's duration)."""
-    code = (f"#define STREAM_STAGES {stages}\n#define STREAM_BLOCKS_PER_SM {blocks}\n"
-            f"#define SPLIT_LOADS_IN_FLIGHT {loads}\n") + kernels.kernel_source("split_keys.cu")  # fmt: skip
-    compiled = {}
-    shipped_getter, shipped_cut = fused.get_fused_kernel, dispatch.key_stream
-
-    def get(device_id, name, shared):
-        if not name.startswith("split_key_stream<"):
-            return shipped_getter(device_id, name, shared)
-        kernel = compiled.get(name)
-        if kernel is None:
-            kernel = compiled[name] = kernels.compile_function(device_id, name, code)
-        fused.raise_shared_limit(kernel, shared)
-        return kernel
-
-    fused.get_fused_kernel = get
-    dispatch.key_stream = functools.partial(shipped_cut, blocks_per_sm=blocks, stages=stages, stage_bytes=stage_bytes)
-    try:
-        yield
-    finally:
-        fused.get_fused_kernel, dispatch.key_stream = shipped_getter, shipped_cut
-
-
-@contextlib.contextmanager
-def stream_source(path: str):
-    """split_key_stream compiled from the file at ``path`` (fused.get_fused_kernel swapped for the block's duration;
-    the cut is the shipped dispatch.key_stream's)."""
-    code = kernels.expand_includes(Path(path).read_text(), {Path(path).name})
+def stream_code(code: str):
+    """split_key_stream compiled from ``code`` (fused.get_fused_kernel swapped for the block's duration)."""
     compiled = {}
     shipped_getter = fused.get_fused_kernel
 
@@ -224,6 +196,27 @@ def stream_source(path: str):
         yield
     finally:
         fused.get_fused_kernel = shipped_getter
+
+
+@contextlib.contextmanager
+def stream_knobs(stages: int, blocks: int, loads: int, stage_bytes: int):
+    """split_key_stream compiled with these defines, and dispatch.key_stream cutting the keys with the same values
+    (fused.get_fused_kernel and dispatch.key_stream swapped for the block's duration)."""
+    code = (f"#define STREAM_STAGES {stages}\n#define STREAM_BLOCKS_PER_SM {blocks}\n"
+            f"#define SPLIT_LOADS_IN_FLIGHT {loads}\n") + kernels.kernel_source("split_keys.cu")  # fmt: skip
+    shipped_cut = dispatch.key_stream
+    dispatch.key_stream = functools.partial(shipped_cut, blocks_per_sm=blocks, stages=stages, stage_bytes=stage_bytes)
+    try:
+        with stream_code(code):
+            yield
+    finally:
+        dispatch.key_stream = shipped_cut
+
+
+def stream_source(path: str):
+    """split_key_stream compiled from the file at ``path`` (its local includes from the shipped kernel folder); the
+    cut is the shipped dispatch.key_stream's."""
+    return stream_code(kernels.expand_includes(Path(path).read_text(), {Path(path).name}))
 
 
 def sweep_stream(cupy, args, facts, l2_bytes: int) -> None:
