@@ -119,14 +119,6 @@ struct BlockRow {
   }
 };
 
-// This block's output row (b, n, s): blockIdx.x = (b * N + n) * S + s.
-__device__ __forceinline__ void block_index(int q_seq, int heads, int& b, int& n, int& s) {
-  const long long row = blockIdx.x;
-  s = (int)(row % q_seq);
-  n = (int)((row / q_seq) % heads);
-  b = (int)(row / ((long long)q_seq * heads));
-}
-
 template <typename M>
 __device__ __forceinline__ BlockRow block_row(const int* __restrict__ past_sequence_length,
                                               const int* __restrict__ cache_indirection, int beams,
@@ -135,8 +127,11 @@ __device__ __forceinline__ BlockRow block_row(const int* __restrict__ past_seque
                                               int heads, int head_size, int v_head_size, int max_seq, int* status,
                                               int* sticky, int site) {
   BlockRow r;
-  block_index(q_seq, heads, r.b, r.n, r.s);
-  const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
+  const long long row = blockIdx.x;
+  r.s = (int)(row % q_seq);
+  r.n = (int)((row / q_seq) % heads);
+  r.b = (int)(row / ((long long)q_seq * heads));
+  const bool reporter = row == 0 && threadIdx.x == 0;
   r.past = checked_past(past_sequence_length, kv_seq, max_seq, status, sticky, site, reporter, r.valid);
   r.total = r.past + kv_seq;
   r.beam = cache_indirection != nullptr && r.past > 0;
@@ -208,17 +203,6 @@ __device__ __forceinline__ void check_beam_indices(const int* __restrict__ cache
   }
 }
 
-// The keep flags' word of key j for output row (b, s): keys_BT / keys_BST masks below their T; else 1 (no word).
-template <typename M>
-__device__ __forceinline__ M mask_word(const M* __restrict__ mask, int mask_kind, int mask_total, int q_seq, int b,
-                                       int s, int j) {
-  if ((mask_kind == MASK_KEYS_BT || mask_kind == MASK_KEYS_BST) && j < mask_total) {
-    return mask[mask_kind == MASK_KEYS_BT ? (long long)b * mask_total + j
-                                          : ((long long)b * q_seq + s) * mask_total + j];
-  }
-  return (M)1;
-}
-
 // Steps 2-3 for key j of output row (b, n, s): scale * q.k, + attention_bias, + the mask (ADDED, as ORT does).
 template <typename T, typename M>
 struct ScoreRule {
@@ -231,11 +215,6 @@ struct ScoreRule {
   BlockRow r;
 
   __device__ __forceinline__ float operator()(int j, float dot) const {
-    return score(j, dot, mask_word(mask, mask_kind, mask_total, q_seq, r.b, r.s, j));
-  }
-
-  // The same with key j's mask word read already (mask_word: it needs no P, so a decode step reads it early).
-  __device__ __forceinline__ float score(int j, float dot, M word) const {
     const int b = r.b, n = r.n, s = r.s;
     float x = scale * dot;
     if (attention_bias != nullptr && j < bias_total) {
@@ -246,7 +225,9 @@ struct ScoreRule {
     if (mask_kind == MASK_KEY_LENGTHS) {
       keep = j < r.key_length;
     } else if ((mask_kind == MASK_KEYS_BT || mask_kind == MASK_KEYS_BST) && j < mask_total) {
-      keep = r.beam ? word != (M)0 : word > (M)0;
+      const long long at = mask_kind == MASK_KEYS_BT ? (long long)b * mask_total + j
+                                                     : ((long long)b * q_seq + s) * mask_total + j;
+      keep = r.beam ? mask[at] != (M)0 : mask[at] > (M)0;
     }
     if (causal && s < q_seq - 1 && j > r.past + s) {
       x += FLOAT32_LOWEST;
@@ -499,10 +480,6 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS)
 // o, rescaled by exp(m_old - m_new) when the max grows; p is never rounded, as in the tiled kernel). The groups of
 // a warp merge by shuffles, the warps through shared memory once, and the output is O / l (0 / 0 = NaN where no
 // logit is finite, as ORT's exp(x - max) gives).
-// A decode step's time is a chain of dependent reads, not bytes (docs/BENCH.md §11, run 3): so the first round's
-// reads go out before P does its work. Any row below M is in the buffers, so the group's first keys j are read
-// from the past (their beam index with them), with the new row (L = 1) and their mask words, all at once; P then
-// says which of them count: rows j < P from the past, rows [P, P + L) from key / value, the rest masked out.
 #define DECODE_KEYS_IN_FLIGHT 4  // keys a lane group loads before it uses the first
 #define DECODE_WARPS (SHARED_BUFFER_THREADS / 32)
 
@@ -519,15 +496,6 @@ __device__ __forceinline__ void row_slice(const T* __restrict__ row, int d0, int
   for (int e = 0; e < VEC; ++e) out[e] = d0 + e < size ? to_float<T>(row[d0 + e]) : 0.0f;
 }
 
-// The batch row holding past row j of output row b where cache_indirection is given (beams W, the index clamped
-// into [0, W)), else b. Needs no P: the first round reads it early (BlockRow::source is the same once P is known).
-__device__ __forceinline__ int early_source(const int* __restrict__ cache_indirection, int beams, int max_seq, int b,
-                                            int j) {
-  if (cache_indirection == nullptr) return b;
-  const int index = cache_indirection[(long long)b * max_seq + j];
-  return b / beams * beams + min(max(index, 0), beams - 1);
-}
-
 template <typename T, typename M>
 __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SHARED_BUFFER_PARAMETERS(T, M)) {
   (void)tile_keys;
@@ -536,8 +504,10 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SH
   __shared__ float o_s[DECODE_WARPS][32 * VEC];  // each warp's output row (Hv <= 32 * VEC, the host's bound)
   __shared__ float2 ml_s[DECODE_WARPS];          // each warp's (m, l)
 
-  int b, n, s;
-  block_index(q_seq, heads, b, n, s);
+  const BlockRow r = block_row(past_sequence_length, cache_indirection, beams, mask, mask_kind, mask_total,
+                               attention_bias != nullptr, bias_total, slots, q_seq, kv_seq, heads, head_size,
+                               v_head_size, max_seq, status, sticky, site);
+  const int b = r.b, n = r.n, past = r.past, total = r.total;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int lanes = split_lanes<T>(max(head_size, v_head_size));
   const int groups = 32 / lanes;
@@ -547,13 +517,11 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SH
   const bool whole = head_size % VEC == 0 && v_head_size % VEC == 0 &&
                      (reinterpret_cast<unsigned long long>(past_key) & 15) == 0 &&
                      (reinterpret_cast<unsigned long long>(past_value) & 15) == 0;
-  const long long qk_row = (long long)heads * head_size * slots, v_row = (long long)heads * v_head_size * slots;
-  const int qk_head = head_size * slots, v_head = v_head_size * slots;
 
-  // Before P: this lane's slice of q = query + b_q in float32 (step 1) and of the new rows' biases; the first
-  // round's past rows, their mask words and the new row of a one-row step.
+  // step 1: this lane's slice of q = query + b_q in float32, and of the biases of the new rows
   float q_r[VEC], bk[VEC], bv[VEC];
-  row_slice<T, VEC>(query + ((long long)b * q_seq + s) * qk_row + (long long)n * qk_head, d0, head_size, false, q_r);
+  row_slice<T, VEC>(query + ((long long)b * q_seq + r.s) * r.qk_row + (long long)n * r.qk_head, d0, head_size, false,
+                    q_r);
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
     const int d = d0 + e;
@@ -561,27 +529,6 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SH
     bk[e] = bias_k != nullptr && d < head_size ? to_float<T>(bias_k[(long long)n * head_size + d]) : 0.0f;
     bv[e] = bias_v != nullptr && d < v_head_size ? to_float<T>(bias_v[(long long)n * v_head_size + d]) : 0.0f;
   }
-  const int first = warp * groups * U + g * U;  // the group's keys of the first round
-  float kd[U][VEC], vd[U][VEC];
-  M words[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int j = min(first + u, max_seq - 1);
-    const long long at = ((long long)early_source(cache_indirection, beams, max_seq, b, j) * heads + n) * max_seq + j;
-    row_slice<T, VEC>(past_key + at * head_size, d0, head_size, whole, kd[u]);
-    row_slice<T, VEC>(past_value + at * v_head_size, d0, v_head_size, whole, vd[u]);
-    words[u] = mask_word(mask, mask_kind, mask_total, q_seq, b, s, first + u);
-  }
-  float kn[VEC], vn[VEC];  // the new row of a one-row step (L = 1), + its biases in float32
-  if (kv_seq == 1) {
-    row_slice<T, VEC>(key + (long long)b * qk_row + (long long)n * qk_head, d0, head_size, false, kn);
-    row_slice<T, VEC>(value + (long long)b * v_row + (long long)n * v_head, d0, v_head_size, false, vn);
-  }
-
-  const BlockRow r = block_row(past_sequence_length, cache_indirection, beams, mask, mask_kind, mask_total,
-                               attention_bias != nullptr, bias_total, slots, q_seq, kv_seq, heads, head_size,
-                               v_head_size, max_seq, status, sticky, site);
-  const int past = r.past, total = r.total;
   if (r.valid) {
     write_new_rows(key, value, bias_k, bias_v, present_key, present_value, r, q_seq, kv_seq, heads, head_size,
                    v_head_size, max_seq);
@@ -591,40 +538,41 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SH
   }
   const ScoreRule<T, M> score_of{attention_bias, bias_d0, bias_d1, bias_total, mask, mask_kind, mask_total, scale,
                                  mask_filter_value, causal, q_seq, r};
-  // key j's new row (j >= P) into a round's slices: the early one of a one-row step, else read now
-  auto new_row = [&](int j, float (&k)[VEC], float (&v)[VEC]) {
-    if (kv_seq == 1) {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        k[e] = kn[e];
-        v[e] = vn[e];
-      }
-    } else {
-      const long long at = (long long)b * kv_seq + (j - past);
-      row_slice<T, VEC>(key + at * qk_row + (long long)n * qk_head, d0, head_size, false, k);
-      row_slice<T, VEC>(value + at * v_row + (long long)n * v_head, d0, v_head_size, false, v);
-    }
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      k[e] += bk[e];
-      v[e] += bv[e];
-    }
-  };
 
   float m = NEG_INFINITY, l = 0.0f, o[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) o[e] = 0.0f;
-  // one round of a group's keys base .. base + U - 1, their slices loaded: scores, then the online softmax
-  auto take_round = [&](int base, float (&k)[U][VEC], float (&v)[U][VEC], const M (&word)[U]) {
+  // the warp's rounds (the same for every lane: the shuffles below need the whole warp), group g's keys in each
+  for (int warp_base = warp * groups * U; warp_base < total; warp_base += DECODE_WARPS * groups * U) {
+    const int base = warp_base + g * U;
+    float kd[U][VEC], vd[U][VEC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // every load of the round in flight before the first is used
+      const int j = min(base + u, total - 1);  // a key past the row reads the last one again, its score unused
+      if (j < past) {
+        const long long at = ((long long)r.source(cache_indirection, beams, max_seq, j) * heads + n) * max_seq + j;
+        row_slice<T, VEC>(past_key + at * head_size, d0, head_size, whole, kd[u]);
+        row_slice<T, VEC>(past_value + at * v_head_size, d0, v_head_size, whole, vd[u]);
+      } else {  // a new row, exact in float32 (what ORT's CPU kernel attends to before it rounds the present)
+        const long long at = (long long)b * kv_seq + (j - past);
+        row_slice<T, VEC>(key + at * r.qk_row + (long long)n * r.qk_head, d0, head_size, false, kd[u]);
+        row_slice<T, VEC>(value + at * r.v_row + (long long)n * r.v_head, d0, v_head_size, false, vd[u]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          kd[u][e] += bk[e];
+          vd[u][e] += bv[e];
+        }
+      }
+    }
     float x[U];
     float round_max = NEG_INFINITY;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float dot = 0.0f;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) dot = fmaf(q_r[e], k[u][e], dot);
+      for (int e = 0; e < VEC; ++e) dot = fmaf(q_r[e], kd[u][e], dot);
       dot = group_sum(dot, lanes);
-      x[u] = base + u < total ? score_of.score(base + u, dot, word[u]) : NEG_INFINITY;
+      x[u] = base + u < total ? score_of(base + u, dot) : NEG_INFINITY;
       round_max = fmaxf(round_max, x[u]);
     }
     const float m_new = fmaxf(m, round_max);
@@ -638,43 +586,10 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SH
         const float p = expf(x[u] - m_new);  // x = -inf (past the row): 0
         l += p;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) o[e] = fmaf(p, v[u][e], o[e]);
+        for (int e = 0; e < VEC; ++e) o[e] = fmaf(p, vd[u][e], o[e]);
       }
       m = m_new;
     }
-  };
-
-  // the first round (the same for every lane of a warp: the shuffles need the whole warp), its rows chosen by P
-  if (warp * groups * U < total) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = first + u;
-      if (j >= total) {  // a row past the keys (unwritten memory, perhaps NaN): zeros, its score masked out
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) kd[u][e] = vd[u][e] = 0.0f;
-      } else if (j >= past) {
-        new_row(j, kd[u], vd[u]);
-      }
-    }
-    take_round(first, kd, vd, words);
-  }
-  // the later rounds, each read whole before it is used
-  for (int warp_base = warp * groups * U + DECODE_WARPS * groups * U; warp_base < total;
-       warp_base += DECODE_WARPS * groups * U) {
-    const int base = warp_base + g * U;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = min(base + u, total - 1);  // a key past the row reads the last one again, its score unused
-      if (j < past) {
-        const long long at = ((long long)r.source(cache_indirection, beams, max_seq, j) * heads + n) * max_seq + j;
-        row_slice<T, VEC>(past_key + at * head_size, d0, head_size, whole, kd[u]);
-        row_slice<T, VEC>(past_value + at * v_head_size, d0, v_head_size, whole, vd[u]);
-      } else {  // a new row, exact in float32 (what ORT's CPU kernel attends to before it rounds the present)
-        new_row(j, kd[u], vd[u]);
-      }
-      words[u] = mask_word(mask, mask_kind, mask_total, q_seq, b, s, base + u);
-    }
-    take_round(base, kd, vd, words);
   }
   // the warp's groups merged (lanes with the same slice), then the warps through shared memory
   for (int offset = lanes; offset < 32; offset <<= 1) {
@@ -710,7 +625,7 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SH
     weight[w] = expf(ml_s[w].x - used);
     lc = fmaf(ml_s[w].y, weight[w], lc);
   }
-  const long long out_at = ((long long)b * q_seq + s) * r.v_hidden + (long long)n * v_head_size;
+  const long long out_at = ((long long)b * q_seq + r.s) * r.v_hidden + (long long)n * v_head_size;
   for (int d = threadIdx.x; d < v_head_size; d += blockDim.x) {
     float od = 0.0f;
 #pragma unroll
