@@ -11,7 +11,10 @@ Forms (one ORT CUDA session each, COPIES distinct weights so that they exceed tw
   matmul     MatMul(X (1, M, K), W (K, N))             what ORT's exporters and mha-ep static-cache write
   fused_t    com.microsoft FusedMatMul(X, Wt (N, K), transB = 1)
   gemm_t     Gemm(X (M, K), Wt (N, K), transB = 1)
+  swap       MatMul(Wt (N, K), X^T (K, M)): the product transposed, cuBLAS's M the weight's N (for M = 1 X^T is a
+             Reshape of X, no copy; for M > 1 it would need a transpose, not timed)
   gemv       gemv_rows below over Wt (N, K), launched by CuPy, ROWS rows a warp, WARPS warps a block
+  mma        gemv_mma below: the weight as mma.sync's A operand, M <= 8 rows as B's 8 columns, split-K over WARPS
 µs: GPU time per product (CUPTI through torch.profiler: every kernel of a run over COPIES products), GB/s: the
 weight's bytes over it. FLOP model: 2·M·K·N per product (negligible here: the product is a read of W).
 
@@ -103,7 +106,66 @@ __device__ void gemv_rows(const half* __restrict__ x, const half* __restrict__ w
 GEMV(1, 1, 4) GEMV(1, 2, 4) GEMV(1, 4, 2) GEMV(1, 2, 8)
 GEMV(5, 1, 4) GEMV(5, 2, 4) GEMV(5, 4, 2)
 GEMV(8, 1, 4) GEMV(8, 2, 4) GEMV(8, 4, 2)
+
+// The same product on the tensor cores, any M <= 8: D (16 x 8) = Wt rows (16 x k) . x^T (k x 8), mma.sync m16n8k16
+// (the weight is the A operand, the M rows the 8 columns of B). Any order of k serves a dot product if A and B use
+// the same one, so thread (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 of Wt and of row g of x at
+// k = kb + 8 t (one load each, 64 contiguous bytes a row per 4 threads) and feeds words 0-1 to one mma and 2-3 to
+// the next. A block of WARPS warps takes 16 rows, warp w every WARPS-th chunk of 32 k; the warps' sums meet in
+// shared memory.
+template <int WARPS, int UNROLL>
+__device__ void gemv_mma(const half* __restrict__ x, const half* __restrict__ wt, half* __restrict__ y, int m_rows,
+                         int n, int k) {
+  __shared__ float sums[WARPS][32][4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const half* wa = wt + (long long)min(row0 + g, n - 1) * k + 8 * t;
+  const half* wb = wt + (long long)min(row0 + g + 8, n - 1) * k + 8 * t;
+  const bool has_x = g < m_rows;
+  const half* xr = x + (long long)(has_x ? g : 0) * k + 8 * t;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  const int chunks = k / 32;
+  for (int c0 = warp; c0 < chunks; c0 += WARPS * UNROLL) {
+    uint4 a[UNROLL], b[UNROLL], xv[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int c = c0 + u * WARPS;
+      const bool in = c < chunks;
+      a[u] = in ? __ldg(reinterpret_cast<const uint4*>(wa + 32 * c)) : make_uint4(0, 0, 0, 0);
+      b[u] = in ? __ldg(reinterpret_cast<const uint4*>(wb + 32 * c)) : make_uint4(0, 0, 0, 0);
+      xv[u] = in && has_x ? __ldg(reinterpret_cast<const uint4*>(xr + 32 * c)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                   "{%8, %9}, {%0, %1, %2, %3};\n"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                   : "r"(a[u].x), "r"(b[u].x), "r"(a[u].y), "r"(b[u].y), "r"(xv[u].x), "r"(xv[u].y));
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                   "{%8, %9}, {%0, %1, %2, %3};\n"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                   : "r"(a[u].z), "r"(b[u].z), "r"(a[u].w), "r"(b[u].w), "r"(xv[u].z), "r"(xv[u].w));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) sums[warp][lane][i] = d[i];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += sums[w][lane][i];
+    const int row = row0 + g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+    if (row < n && col < m_rows) y[(long long)col * n + row] = __float2half(s);
+  }
+}
+#define GEMV_MMA(WARPS, UNROLL) \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma_w##WARPS##_u##UNROLL( \
+      const half* x, const half* wt, half* y, int m_rows, int n, int k) { gemv_mma<WARPS, UNROLL>(x, wt, y, m_rows, n, k); }
+GEMV_MMA(4, 4) GEMV_MMA(4, 8) GEMV_MMA(8, 4) GEMV_MMA(8, 2)
 """
+MMA_CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 2))  # (WARPS, UNROLL)
 GEMV_CONFIGS = ((1, 4), (2, 4), (4, 2), (2, 8))  # (ROWS, UNROLL); M = 1 has all, M = 5, 8 the first three
 GEMV_WARPS = (4, 8)
 
@@ -116,18 +178,20 @@ def build_model(form: str, rows: int, k: int, n: int, copies: int, rng) -> bytes
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    x_shape = [rows, k] if form == "gemm_t" else [1, rows, k]
+    x_shape = {"gemm_t": [rows, k], "swap": [k, rows]}.get(form, [1, rows, k])
     inits, nodes, outputs = [], [], []
     for c in range(copies):
         w = (rng.standard_normal((n, k) if form != "matmul" else (k, n)) * 0.02).astype(np.float16)
         inits.append(numpy_helper.from_array(w, f"w{c}"))
         if form == "matmul":
             nodes.append(helper.make_node("MatMul", ["x", f"w{c}"], [f"y{c}"]))
+        elif form == "swap":
+            nodes.append(helper.make_node("MatMul", [f"w{c}", "x"], [f"y{c}"]))
         elif form == "fused_t":
             nodes.append(helper.make_node("FusedMatMul", ["x", f"w{c}"], [f"y{c}"], domain="com.microsoft", transB=1))
         else:
             nodes.append(helper.make_node("Gemm", ["x", f"w{c}"], [f"y{c}"], transB=1))
-        out_shape = [rows, n] if form == "gemm_t" else [1, rows, n]
+        out_shape = {"gemm_t": [rows, n], "swap": [n, rows]}.get(form, [1, rows, n])
         outputs.append(helper.make_tensor_value_info(f"y{c}", TensorProto.FLOAT16, out_shape))
     graph = helper.make_graph(nodes, form, [helper.make_tensor_value_info("x", TensorProto.FLOAT16, x_shape)],
                               outputs, inits)
@@ -141,7 +205,7 @@ def time_ort(ort, form: str, rows: int, k: int, n: int, rng, repeats: int) -> tu
 
     copies = copies_for(k, n)
     session = ort.InferenceSession(build_model(form, rows, k, n, copies, rng), providers=["CUDAExecutionProvider"])
-    x_shape = (rows, k) if form == "gemm_t" else (1, rows, k)
+    x_shape = {"gemm_t": (rows, k), "swap": (k, rows)}.get(form, (1, rows, k))
     x = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal(x_shape).astype(np.float16), "cuda", 0)
     binding = session.io_binding()
     binding.bind_ortvalue_input("x", x)
@@ -186,6 +250,27 @@ def time_gemv(module, rows: int, k: int, n: int, rows_per_warp: int, unroll: int
     return micros, error
 
 
+def time_mma(module, rows: int, k: int, n: int, warps: int, unroll: int, rng, repeats: int):
+    import cupy
+
+    copies = copies_for(k, n)
+    x = cupy.asarray(rng.standard_normal((rows, k)).astype(np.float16))
+    ws = [cupy.asarray((rng.standard_normal((n, k)) * 0.02).astype(np.float16)) for _ in range(copies)]
+    y = cupy.full((rows, n), np.nan, dtype=cupy.float16)
+    function = module.get_function(f"gemv_mma_w{warps}_u{unroll}")
+    blocks = -(-n // 16)
+
+    def run():
+        for w in ws:
+            function((blocks,), (32 * warps,), (x, w, y, np.int32(rows), np.int32(n), np.int32(k)))
+
+    table = kernel_table(run, repeats=repeats)
+    micros = sum(us for _, us in table.values()) / copies
+    expected = (x.astype(cupy.float32) @ ws[-1].astype(cupy.float32).T)
+    error = float(cupy.max(cupy.abs(y.astype(cupy.float32) - expected)) / max(1.0, float(cupy.max(cupy.abs(expected)))))
+    return micros, error
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,5,8", help="M: decoder rows a step (B, or B x beams)")
@@ -198,21 +283,23 @@ def main() -> int:
     module = cupy.RawModule(code=GEMV_SOURCE, options=("-std=c++17",), name_expressions=None)
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"device: {name}; onnxruntime {ort.__version__}; float16; µs per product (GB/s of the weight)")
-    header = ["M", "shape (K x N)", "MB", "matmul", "fused_t", "gemm_t", "gemv best (ROWS, UNROLL, WARPS)", "err",
-              "best gemv / matmul", "matmul kernel"]
+    header = ["M", "shape (K x N)", "MB", "matmul", "fused_t", "gemm_t", "swap", "gemv best (ROWS, UNROLL, WARPS)",
+              "err", "mma best (WARPS, UNROLL)", "err", "best ours / matmul", "matmul kernel", "swap kernel"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for rows in [int(r) for r in args.rows.split(",")]:
         for label, k, n in SHAPES:
             mb = k * n * 2 / 1e6
             cells = {}
-            kernel = ""
-            for form in ("matmul", "fused_t", "gemm_t"):
+            kernel = swap_kernel = ""
+            for form in ("matmul", "fused_t", "gemm_t", "swap"):
                 try:
                     micros, _, top = time_ort(ort, form, rows, k, n, rng, args.repeats)
                     cells[form] = micros
                     if form == "matmul":
                         kernel = top
+                    if form == "swap":
+                        swap_kernel = top
                 except Exception as error:  # a form ORT refuses: say so in its cell
                     cells[form] = None
                     print(f"  {form} M={rows} {label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
@@ -223,13 +310,19 @@ def main() -> int:
                     micros, error = time_gemv(module, rows, k, n, rows_per_warp, unroll, warps, rng, args.repeats)
                     if best is None or micros < best[0]:
                         best = (micros, (rows_per_warp, unroll, warps), error)
+            mma = None
+            for warps, unroll in MMA_CONFIGS:
+                micros, error = time_mma(module, rows, k, n, warps, unroll, rng, args.repeats)
+                if mma is None or micros < mma[0]:
+                    mma = (micros, (warps, unroll), error)
 
             def cell(us):
                 return "refused" if us is None else f"{us:.1f} ({k * n * 2 / us / 1e3:.0f})"
 
             print(f"| {rows} | {label} {k} x {n} | {mb:.1f} | {cell(cells['matmul'])} | {cell(cells['fused_t'])} | "
-                  f"{cell(cells['gemm_t'])} | {cell(best[0])} {best[1]} | {best[2]:.1e} | "
-                  f"{best[0] / cells['matmul']:.2f} | {kernel} |", flush=True)
+                  f"{cell(cells['gemm_t'])} | {cell(cells['swap'])} | {cell(best[0])} {best[1]} | {best[2]:.1e} | "
+                  f"{cell(mma[0])} {mma[1]} | {mma[2]:.1e} | {min(best[0], mma[0]) / cells['matmul']:.2f} | {kernel} | "
+                  f"{swap_kernel} |", flush=True)
     return 0
 
 
