@@ -16,6 +16,9 @@ own cache from HBM). The bytes a call must read are its P rows of K and V (B x N
 GB/s is beside each time, though at these sizes a call is a chain of dependent reads, not a stream. Every output
 is compared with the tiled kernel's (max |Δ|: both sum in float32, in other orders).
 
+``--cupti``: each kernel timed by CUPTI (bench/cupti.py, as ``bench generate --profile`` times a step), every copy
+launched in turn, in place of the graph replays.
+
 A ``--compare`` file is a variant of shared_buffer.cu with the same kernel names and parameters (its local
 includes come from the shipped kernel folder); its ``shared_buffer_decode`` replaces the shipped one in its column.
 """
@@ -57,9 +60,10 @@ class SharedCall:
     """Device buffers of one call: query, key, value, ``copies`` caches (past = present), P, the beam indices, an
     output per column; each column's launch on each copy."""
 
-    def __init__(self, cupy, problem, dtype: str, l2_bytes: int, past: int, beams: int, columns: dict):
+    def __init__(self, cupy, problem, dtype: str, l2_bytes: int, past: int, beams: int, columns: dict,
+                 cupti: bool = False):  # fmt: skip
         g, shared = problem.geometry, problem.shared
-        self.cupy, self.problem, self.dtype = cupy, problem, dtype
+        self.cupy, self.problem, self.dtype, self.cupti = cupy, problem, dtype, cupti
         rng = np.random.default_rng(0)
         element = np.dtype(dtype)
 
@@ -111,6 +115,10 @@ class SharedCall:
 
     def micros(self, column: str, repeats: int) -> float:
         stream = self.cupy.cuda.Stream(non_blocking=True)
+        if self.cupti:
+            from split_key_sweep import cupti_micros
+
+            return cupti_micros(lambda: run_steps(0, self.launches[column], stream), stream, self.copies)
         turn = itertools.cycle(self.launches[column])
         return stream_seconds(lambda: run_steps(0, [next(turn)], stream), stream, repeats) * 1e6
 
@@ -157,6 +165,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--compare", nargs="*", default=[], help="variants of shared_buffer.cu")
+    parser.add_argument("--cupti", action="store_true", help="time each launch by CUPTI, as a step's profile does")
     args = parser.parse_args()
     import cupy
 
@@ -175,7 +184,7 @@ def main() -> None:
         rows = batch * max(beams, 1)
         problem = shared_problem(rows, args.heads, args.head, args.max_length, past, beams, args.dtype)
         wanted = dict(columns, **{f: "decode" for f in files})
-        call = SharedCall(cupy, problem, args.dtype, l2_bytes, past, beams, wanted)
+        call = SharedCall(cupy, problem, args.dtype, l2_bytes, past, beams, wanted, cupti=args.cupti)
         for f in files:  # the file's decode kernel in its column
             call.launches[f] = [Launch(f"{f}|{launch.function}", launch.grid, launch.block, launch.shared,
                                        launch.args) for launch in call.launches[f]]  # fmt: skip

@@ -21,6 +21,10 @@ block's max). The widen_to_float of b_q that precedes every one of them in the p
 (e.g. ``git show main:mha_ep/engine/cuda/kernels/split_keys.cu``; its local includes come from the shipped kernel
 folder): the stream plan with split_key_stream compiled from that file, the same inputs in the same run.
 
+``--no-bias``: the query without b_q, as a decoder step's cross attention has it (mha_ep/models/synthetic.py).
+``--cupti``: each plan's attention kernels timed by CUPTI (bench/cupti.py, as ``bench generate --profile`` times a
+step), launches of every copy in turn, in place of the graph replays.
+
 ``--knobs stream`` times split_key_stream alone over its settings instead (STREAM_STAGES, STREAM_BLOCKS_PER_SM,
 SPLIT_LOADS_IN_FLIGHT: defines of kernels/split_keys.cu, and the stage size; dispatch.key_stream cuts the keys with
 the same values); ``--knobs pair`` times split_key_attention alone over SPLIT_THREADS, SPLIT_LOADS_IN_FLIGHT and
@@ -72,8 +76,9 @@ class CrossCall:
     """Device copies of one call's operands: the query, b_q, ``copies`` copies of K and V, the outputs; each plan's
     steps on each copy (``steps[plan][copy]``), their scratch kept alive."""
 
-    def __init__(self, cupy, problem, dtype: str, l2_bytes: int, facts):
+    def __init__(self, cupy, problem, dtype: str, l2_bytes: int, facts, bias: bool = True, cupti: bool = False):
         g = problem.geometry
+        self.bias, self.cupti = bias, cupti
         self.cupy, self.problem, self.facts = cupy, problem, facts
         rng = np.random.default_rng(0)
         element = np.dtype(dtype)
@@ -102,7 +107,7 @@ class CrossCall:
     def plan(self, plan: str, copy: int) -> list:
         g = self.problem.geometry
         operands = dict(
-            q=fused.Operand(self.q.data.ptr, "BSNH", 1, g.head_size, self.bias_q.data.ptr),
+            q=fused.Operand(self.q.data.ptr, "BSNH", 1, g.head_size, self.bias_q.data.ptr if self.bias else None),
             k=fused.Operand(self.k[copy].data.ptr, "BNSH", g.total_seq, g.head_size),
             v=fused.Operand(self.v[copy].data.ptr, "BNSH", g.total_seq, g.v_head_size),
             operand_dtype=self.dtype, attention_bias=None, mask=None,
@@ -118,6 +123,9 @@ class CrossCall:
 
     def micros(self, plan: str, repeats: int) -> float:
         stream = self.cupy.cuda.Stream(non_blocking=True)
+        if self.cupti:
+            return cupti_micros(lambda: [run_steps(0, steps, stream) for steps in self.steps[plan]], stream,
+                                self.copies)  # fmt: skip
         turn = itertools.cycle(range(self.copies))
         return stream_seconds(lambda: run_steps(0, self.steps[plan][next(turn)], stream), stream, repeats) * 1e6
 
@@ -140,6 +148,19 @@ class CrossCall:
         return stream_seconds(submit, stream, repeats) * 1e6
 
 
+def cupti_micros(submit_all, stream, launches: int) -> float:
+    """--cupti: the GPU time of the attention kernels alone (CUPTI, bench/cupti.py: what a step's profile reports),
+    per launch, over one pass of ``submit_all`` (every copy once); Fill steps and copies are left out."""
+    from mha_ep.bench.cupti import kernel_kind, kernel_table
+
+    def run():
+        submit_all()
+        stream.synchronize()
+
+    table = kernel_table(run, repeats=5)
+    return sum(us for name, (_, us) in table.items() if kernel_kind(name) == "attention") / launches
+
+
 def describe(problem, facts, dtype: str) -> str:
     itemsize = np.dtype(dtype).itemsize
     cut = dispatch.key_stream(problem, facts.sms, itemsize)
@@ -150,8 +171,10 @@ def describe(problem, facts, dtype: str) -> str:
 
 def compare(cupy, args, facts, l2_bytes: int) -> None:
     """The default table: the three plans at each pairs, µs and GB/s of K + V."""
-    print(f"{args.dtype}, S=1, T={args.keys}, H={args.head}, BNSH in place, {facts.sms} SMs, L2 {l2_bytes >> 20} MiB; "
-          f"µs (median of {args.repeats} graph replays / {GRAPH_LAUNCHES}) and GB/s of K + V")  # fmt: skip
+    timing = ("µs: the attention kernels' CUPTI time a launch (Fills left out)" if args.cupti else
+              f"µs (median of {args.repeats} graph replays / {GRAPH_LAUNCHES})")  # fmt: skip
+    print(f"{args.dtype}, S=1, T={args.keys}, H={args.head}, BNSH in place, {facts.sms} SMs, L2 {l2_bytes >> 20} MiB, "
+          f"query {'without' if args.no_bias else 'with'} its bias; {timing} and GB/s of K + V")  # fmt: skip
     files = [Path(f) for f in args.compare]
     labels = list(PLANS) + [f"stream@{f.name}" for f in files]
     print("| pairs (B x N) | copy of K, r+w | " + " | ".join(labels)
@@ -159,7 +182,7 @@ def compare(cupy, args, facts, l2_bytes: int) -> None:
     print("|---|---|" + "---|" * len(labels) + "---|---|---|", flush=True)
     for pairs in map(int, args.pairs.split(",")):
         problem = cross_problem(pairs, args.keys, args.head, args.dtype)
-        call = CrossCall(cupy, problem, args.dtype, l2_bytes, facts)
+        call = CrossCall(cupy, problem, args.dtype, l2_bytes, facts, bias=not args.no_bias, cupti=args.cupti)
         copy = call.copy_micros(args.repeats)
         times = {plan: call.micros(plan, args.repeats) for plan in PLANS}
         for f in files:
@@ -229,7 +252,7 @@ def sweep_stream(cupy, args, facts, l2_bytes: int) -> None:
         row = []
         with stream_knobs(stages, blocks, loads, stage_bytes):
             for pairs, problem in problems.items():
-                call = CrossCall(cupy, problem, args.dtype, l2_bytes, facts)
+                call = CrossCall(cupy, problem, args.dtype, l2_bytes, facts, bias=not args.no_bias, cupti=args.cupti)
                 us = call.micros("stream", args.repeats)
                 cut = dispatch.key_stream(problem, facts.sms, np.dtype(args.dtype).itemsize)
                 row.append(f"{pairs}: {us:.1f}us/{call.kv_bytes / us / 1e3:.0f} ({cut.splits}x{cut.span}, "
@@ -319,6 +342,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--knobs", choices=("stream", "pair"), help="time one kernel over its settings instead")
     ap.add_argument("--compare", nargs="*", default=[], help="variants of split_keys.cu: a stream column each")
+    ap.add_argument("--no-bias", action="store_true", help="a query with no bias (the decoder step's cross attention)")
+    ap.add_argument("--cupti", action="store_true", help="time each launch by CUPTI, as a step's profile does")
     ap.add_argument("--stages", default=str(dispatch.STREAM_STAGES), help="--knobs stream: STREAM_STAGES")
     ap.add_argument("--blocks", default=str(dispatch.STREAM_BLOCKS_PER_SM), help="--knobs stream: blocks per SM")
     ap.add_argument("--stage-bytes", default=str(dispatch.STREAM_STAGE_BYTES), help="--knobs stream: a tile's bytes")
