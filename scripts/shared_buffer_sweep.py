@@ -17,7 +17,8 @@ GB/s is beside each time, though at these sizes a call is a chain of dependent r
 is compared with the tiled kernel's (max |Δ|: both sum in float32, in other orders).
 
 ``--cupti``: each kernel timed by CUPTI (bench/cupti.py, as ``bench generate --profile`` times a step), every copy
-launched in turn, in place of the graph replays.
+launched in turn, in place of the graph replays; ``--thrash MB`` reads MB of another buffer before each launch (as
+split_key_sweep.py's).
 
 A ``--compare`` file is a variant of shared_buffer.cu with the same kernel names and parameters (its local
 includes come from the shipped kernel folder); its ``shared_buffer_decode`` replaces the shipped one in its column.
@@ -26,6 +27,7 @@ includes come from the shipped kernel folder); its ``shared_buffer_decode`` repl
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -61,9 +63,10 @@ class SharedCall:
     output per column; each column's launch on each copy."""
 
     def __init__(self, cupy, problem, dtype: str, l2_bytes: int, past: int, beams: int, columns: dict,
-                 cupti: bool = False):  # fmt: skip
+                 cupti: bool = False, thrash_mb: int = 0):  # fmt: skip
         g, shared = problem.geometry, problem.shared
-        self.cupy, self.problem, self.dtype, self.cupti = cupy, problem, dtype, cupti
+        self.cupy, self.problem, self.dtype = cupy, problem, dtype
+        self.cupti, self.thrash_mb = cupti or thrash_mb > 0, thrash_mb
         rng = np.random.default_rng(0)
         element = np.dtype(dtype)
 
@@ -118,7 +121,8 @@ class SharedCall:
         if self.cupti:
             from split_key_sweep import cupti_micros
 
-            return cupti_micros(lambda: run_steps(0, self.launches[column], stream), stream, self.copies)
+            return cupti_micros([functools.partial(run_steps, 0, [launch], stream) for launch in self.launches[column]],
+                                stream, self.thrash_mb)  # fmt: skip
         turn = itertools.cycle(self.launches[column])
         return stream_seconds(lambda: run_steps(0, [next(turn)], stream), stream, repeats) * 1e6
 
@@ -166,6 +170,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--compare", nargs="*", default=[], help="variants of shared_buffer.cu")
     parser.add_argument("--cupti", action="store_true", help="time each launch by CUPTI, as a step's profile does")
+    parser.add_argument("--thrash", type=int, default=0, help="MB the stream reads before each launch (implies --cupti)")
     args = parser.parse_args()
     import cupy
 
@@ -175,8 +180,10 @@ def main() -> None:
     files = swap_decode_kernel(args.compare)
     labels = ["tiled", "decode"] + [Path(f).name for f in files]
     print(f"device: {name}, L2 {l2_bytes >> 20} MiB; {args.dtype}, S = L = 1, N {args.heads}, H {args.head}, "
-          f"M {args.max_length}; µs (median of {args.repeats} graph replays / {GRAPH_LAUNCHES}) and GB/s of the "
-          "P rows")
+          f"M {args.max_length}; "
+          + ("µs: the kernel's CUPTI time a launch" if args.cupti or args.thrash else
+             f"µs (median of {args.repeats} graph replays / {GRAPH_LAUNCHES})")
+          + (f", {args.thrash} MB read before each" if args.thrash else "") + " and GB/s of the P rows")
     print("| B (beams) | P | " + " | ".join(labels) + " | decode / tiled | max|Δ| vs tiled |")
     print("|---|---|" + "---|" * len(labels) + "---|---|", flush=True)
     for batch, past, beams in itertools.product(*(map(int, a.split(",")) for a in (args.batches, args.past,
@@ -184,7 +191,8 @@ def main() -> None:
         rows = batch * max(beams, 1)
         problem = shared_problem(rows, args.heads, args.head, args.max_length, past, beams, args.dtype)
         wanted = dict(columns, **{f: "decode" for f in files})
-        call = SharedCall(cupy, problem, args.dtype, l2_bytes, past, beams, wanted, cupti=args.cupti)
+        call = SharedCall(cupy, problem, args.dtype, l2_bytes, past, beams, wanted, cupti=args.cupti,
+                          thrash_mb=args.thrash)  # fmt: skip
         for f in files:  # the file's decode kernel in its column
             call.launches[f] = [Launch(f"{f}|{launch.function}", launch.grid, launch.block, launch.shared,
                                        launch.args) for launch in call.launches[f]]  # fmt: skip
