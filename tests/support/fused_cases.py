@@ -117,15 +117,21 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split=Fals
     # The uploads (a pageable copy returns before its DMA ends) and the poison ran on CuPy's default stream, which a
     # non-blocking stream does not wait for: done before the kernel reads them. The flash branch lacked this wait;
     # the likely cause of a flash_attention_ws case that failed once under 12 pytest-xdist workers and passed alone.
+    attention_bias = dev(problem.attention_bias)
     cupy.cuda.runtime.deviceSynchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
-    operands = dict(q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=dev(problem.attention_bias),
+    operands = dict(q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=attention_bias,
                     mask=mask, out_BSD=None if narrow else out.data.ptr, **offset_args)  # fmt: skip
     if split:
         from mha_ep.engine.cuda.runner import run_steps
 
         def take(name: str, nbytes: int) -> int:
-            scratch = cupy.full((nbytes,), 0xFF, cupy.uint8)  # NaN in every float of it
+            # Poisoned on the launches' own stream: planned after the wait above, a fill on CuPy's default stream
+            # could land after the stream's Fill had zeroed split_key_stream's arrival counters (its last block
+            # then never combines: NaN rows). Under 12 pytest-xdist workers sharing the GPU, 7 stream cases failed
+            # so on an H100 and passed alone.
+            with stream:
+                scratch = cupy.full((nbytes,), 0xFF, cupy.uint8)  # NaN in every float of it
             keep.append(scratch)
             return scratch.data.ptr
 
