@@ -68,7 +68,8 @@ __device__ void gemv_rows(const half* __restrict__ x, const half* __restrict__ w
       for (int r = 0; r < ROWS; ++r) {
         const int v = base + 32 * u;
         const int row = min(row0 + r, n - 1);
-        w[u][r] = v < vectors ? __ldg(reinterpret_cast<const uint4*>(wt + (long long)row * k) + v) : make_uint4(0, 0, 0, 0);
+        const uint4* w_row = reinterpret_cast<const uint4*>(wt + (long long)row * k);
+        w[u][r] = v < vectors ? __ldg(w_row + v) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -100,9 +101,11 @@ __device__ void gemv_rows(const half* __restrict__ x, const half* __restrict__ w
       if (lane == 0 && row0 + r < n) y[(long long)m * n + row0 + r] = __float2half(s);
     }
 }
-#define GEMV(M, ROWS, UNROLL) \
+#define GEMV(M, ROWS, UNROLL)                                                                              \
   extern "C" __global__ void gemv_m##M##_r##ROWS##_u##UNROLL(const half* x, const half* wt, half* y, int n, int k, \
-                                                            int warps) { gemv_rows<M, ROWS, UNROLL>(x, wt, y, n, k, warps); }
+                                                            int warps) {                                           \
+    gemv_rows<M, ROWS, UNROLL>(x, wt, y, n, k, warps);                                                              \
+  }
 GEMV(1, 1, 4) GEMV(1, 2, 4) GEMV(1, 4, 2) GEMV(1, 2, 8)
 GEMV(5, 1, 4) GEMV(5, 2, 4) GEMV(5, 4, 2)
 GEMV(8, 1, 4) GEMV(8, 2, 4) GEMV(8, 4, 2)
@@ -162,7 +165,9 @@ __device__ void gemv_mma(const half* __restrict__ x, const half* __restrict__ wt
 }
 #define GEMV_MMA(WARPS, UNROLL) \
   extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma_w##WARPS##_u##UNROLL( \
-      const half* x, const half* wt, half* y, int m_rows, int n, int k) { gemv_mma<WARPS, UNROLL>(x, wt, y, m_rows, n, k); }
+      const half* x, const half* wt, half* y, int m_rows, int n, int k) {                            \
+    gemv_mma<WARPS, UNROLL>(x, wt, y, m_rows, n, k);                                                 \
+  }
 GEMV_MMA(4, 4) GEMV_MMA(4, 8) GEMV_MMA(8, 4) GEMV_MMA(8, 2)
 """
 MMA_CONFIGS = ((4, 4), (4, 8), (8, 4), (8, 2))  # (WARPS, UNROLL)
@@ -195,7 +200,8 @@ def build_model(form: str, rows: int, k: int, n: int, copies: int, rng) -> bytes
         outputs.append(helper.make_tensor_value_info(f"y{c}", TensorProto.FLOAT16, out_shape))
     graph = helper.make_graph(nodes, form, [helper.make_tensor_value_info("x", TensorProto.FLOAT16, x_shape)],
                               outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8
     return model.SerializeToString()
 

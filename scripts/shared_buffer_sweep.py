@@ -17,8 +17,8 @@ GB/s is beside each time, though at these sizes a call is a chain of dependent r
 is compared with the tiled kernel's (max |Δ|: both sum in float32, in other orders).
 
 ``--cupti``: each kernel timed by CUPTI (bench/cupti.py, as ``bench generate --profile`` times a step), every copy
-launched in turn, in place of the graph replays; ``--thrash MB`` reads MB of another buffer before each launch (as
-split_key_sweep.py's).
+launched in turn, in place of the graph replays; ``--thrash MB`` reads MB of another buffer before each launch and
+``--warm other|same`` launches the kernel once untimed before each (as split_key_sweep.py's).
 
 A ``--compare`` file is a variant of shared_buffer.cu with the same kernel names and parameters (its local
 includes come from the shipped kernel folder); its ``shared_buffer_decode`` replaces the shipped one in its column.
@@ -63,10 +63,10 @@ class SharedCall:
     output per column; each column's launch on each copy."""
 
     def __init__(self, cupy, problem, dtype: str, l2_bytes: int, past: int, beams: int, columns: dict,
-                 cupti: bool = False, thrash_mb: int = 0):  # fmt: skip
+                 cupti: bool = False, thrash_mb: int = 0, warm: str = ""):  # fmt: skip
         g, shared = problem.geometry, problem.shared
         self.cupy, self.problem, self.dtype = cupy, problem, dtype
-        self.cupti, self.thrash_mb = cupti or thrash_mb > 0, thrash_mb
+        self.cupti, self.thrash_mb, self.warm = cupti or thrash_mb > 0 or bool(warm), thrash_mb, warm
         rng = np.random.default_rng(0)
         element = np.dtype(dtype)
 
@@ -122,7 +122,7 @@ class SharedCall:
             from split_key_sweep import cupti_micros
 
             return cupti_micros([functools.partial(run_steps, 0, [launch], stream) for launch in self.launches[column]],
-                                stream, self.thrash_mb)  # fmt: skip
+                                stream, self.thrash_mb, self.warm)  # fmt: skip
         turn = itertools.cycle(self.launches[column])
         return stream_seconds(lambda: run_steps(0, [next(turn)], stream), stream, repeats) * 1e6
 
@@ -170,7 +170,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--compare", nargs="*", default=[], help="variants of shared_buffer.cu")
     parser.add_argument("--cupti", action="store_true", help="time each launch by CUPTI, as a step's profile does")
-    parser.add_argument("--thrash", type=int, default=0, help="MB the stream reads before each launch (implies --cupti)")
+    parser.add_argument("--thrash", type=int, default=0, help="MB read before each launch (implies --cupti)")
+    parser.add_argument("--warm", choices=("other", "same"), help="an untimed launch before each (split_key_sweep's)")
     args = parser.parse_args()
     import cupy
 
@@ -181,9 +182,11 @@ def main() -> None:
     labels = ["tiled", "decode"] + [Path(f).name for f in files]
     print(f"device: {name}, L2 {l2_bytes >> 20} MiB; {args.dtype}, S = L = 1, N {args.heads}, H {args.head}, "
           f"M {args.max_length}; "
-          + ("µs: the kernel's CUPTI time a launch" if args.cupti or args.thrash else
+          + ("µs: the kernel's CUPTI time a launch" if args.cupti or args.thrash or args.warm else
              f"µs (median of {args.repeats} graph replays / {GRAPH_LAUNCHES})")
-          + (f", {args.thrash} MB read before each" if args.thrash else "") + " and GB/s of the P rows")
+          + (f", {args.thrash} MB read before each" if args.thrash else "")
+          + (f", a launch on the {args.warm} copy before each (not timed)" if args.warm else "")
+          + " and GB/s of the P rows")
     print("| B (beams) | P | " + " | ".join(labels) + " | decode / tiled | max|Δ| vs tiled |")
     print("|---|---|" + "---|" * len(labels) + "---|---|", flush=True)
     for batch, past, beams in itertools.product(*(map(int, a.split(",")) for a in (args.batches, args.past,
@@ -192,7 +195,7 @@ def main() -> None:
         problem = shared_problem(rows, args.heads, args.head, args.max_length, past, beams, args.dtype)
         wanted = dict(columns, **{f: "decode" for f in files})
         call = SharedCall(cupy, problem, args.dtype, l2_bytes, past, beams, wanted, cupti=args.cupti,
-                          thrash_mb=args.thrash)  # fmt: skip
+                          thrash_mb=args.thrash, warm=args.warm)  # fmt: skip
         for f in files:  # the file's decode kernel in its column
             call.launches[f] = [Launch(f"{f}|{launch.function}", launch.grid, launch.block, launch.shared,
                                        launch.args) for launch in call.launches[f]]  # fmt: skip

@@ -24,7 +24,9 @@ folder): the stream plan with split_key_stream compiled from that file, the same
 ``--no-bias``: the query without b_q, as a decoder step's cross attention has it (mha_ep/models/synthetic.py).
 ``--cupti``: each plan's attention kernels timed by CUPTI (bench/cupti.py, as ``bench generate --profile`` times a
 step), launches of every copy in turn, in place of the graph replays. ``--thrash MB``: before each launch the stream
-reads MB of another buffer, as a step's GEMMs read the weights between two attention calls (implies --cupti).
+reads MB of another buffer, as a step's GEMMs read the weights between two attention calls (implies --cupti);
+``--warm other|same`` then launches the kernel once, untimed, on another copy (its code back in L2, the timed copy
+still cold) or on the same one, before each timed launch: which of the cold things makes a step's launch slow.
 
 ``--knobs stream`` times split_key_stream alone over its settings instead (STREAM_STAGES, STREAM_BLOCKS_PER_SM,
 SPLIT_LOADS_IN_FLIGHT: defines of kernels/split_keys.cu, and the stage size; dispatch.key_stream cuts the keys with
@@ -78,9 +80,10 @@ class CrossCall:
     steps on each copy (``steps[plan][copy]``), their scratch kept alive."""
 
     def __init__(self, cupy, problem, dtype: str, l2_bytes: int, facts, bias: bool = True, cupti: bool = False,
-                 thrash_mb: int = 0):  # fmt: skip
+                 thrash_mb: int = 0, warm: str = ""):  # fmt: skip
         g = problem.geometry
-        self.bias, self.cupti, self.thrash_mb = bias, cupti or thrash_mb > 0, thrash_mb
+        self.bias, self.thrash_mb, self.warm = bias, thrash_mb, warm
+        self.cupti = cupti or thrash_mb > 0 or bool(warm)
         self.cupy, self.problem, self.facts = cupy, problem, facts
         rng = np.random.default_rng(0)
         element = np.dtype(dtype)
@@ -127,7 +130,7 @@ class CrossCall:
         stream = self.cupy.cuda.Stream(non_blocking=True)
         if self.cupti:
             return cupti_micros([functools.partial(run_steps, 0, steps, stream) for steps in self.steps[plan]], stream,
-                                self.thrash_mb)  # fmt: skip
+                                self.thrash_mb, self.warm)  # fmt: skip
         turn = itertools.cycle(range(self.copies))
         return stream_seconds(lambda: run_steps(0, self.steps[plan][next(turn)], stream), stream, repeats) * 1e6
 
@@ -150,28 +153,48 @@ class CrossCall:
         return stream_seconds(submit, stream, repeats) * 1e6
 
 
-def cupti_micros(submits: list, stream, thrash_mb: int = 0) -> float:
-    """--cupti: the GPU time of the attention kernels alone (CUPTI, bench/cupti.py: what a step's profile reports),
-    per launch, over one pass of ``submits`` (every copy once); Fill steps and copies are left out. ``thrash_mb``
-    (--thrash): before each launch the stream reads that many MB of another buffer, as a decode step's GEMMs read
-    the layers' weights between two attention calls (its time is not counted)."""
+def cupti_micros(submits: list, stream, thrash_mb: int = 0, warm: str = "") -> float:
+    """--cupti: the GPU time of the attention kernels alone (CUPTI through torch.profiler, as bench/cupti.py and a
+    step's profile time them), per launch, over passes of ``submits`` (every copy once); Fill steps and copies are
+    left out. ``thrash_mb`` (--thrash): before each launch the stream reads that many MB of another buffer, as a
+    decode step's GEMMs read the layers' weights between two attention calls (its time is not counted). ``warm``
+    (--warm, after the thrash, not counted): "other" launches the same kernel on the copy half the ring away first
+    (its code and the call's small buffers back in L2, the timed copy's K and V still cold), "same" on the timed
+    copy itself (everything warm)."""
     import cupy
+    import torch
+    from torch.profiler import ProfilerActivity, profile
 
-    from mha_ep.bench.cupti import kernel_kind, kernel_table
+    from mha_ep.bench.cupti import kernel_kind
 
     other = cupy.ones((thrash_mb << 18,), cupy.float32) if thrash_mb else None
     total = cupy.zeros((), cupy.float32)
+    count = len(submits)
 
     def run():
-        for submit in submits:
+        for c, submit in enumerate(submits):
             if other is not None:
                 with stream:
                     cupy.sum(other, out=total)
+            if warm:
+                submits[c if warm == "same" else (c + count // 2) % count]()
             submit()
         stream.synchronize()
 
-    table = kernel_table(run, repeats=5)
-    return sum(us for name, (_, us) in table.items() if kernel_kind(name) == "attention") / len(submits)
+    for _ in range(3):
+        run()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA" and kernel_kind(e.name) == "attention"]
+    events.sort(key=lambda e: e.time_range.start)
+    launches = 5 * count * (2 if warm else 1)
+    per = len(events) // launches  # attention kernels a submit launches (the pair plan: two)
+    assert per * launches == len(events), (len(events), launches)
+    calls = [events[i:i + per] for i in range(0, len(events), per)]
+    timed = calls[1::2] if warm else calls
+    return sum(e.time_range.end - e.time_range.start for call in timed for e in call) / len(timed)
 
 
 def describe(problem, facts, dtype: str) -> str:
@@ -184,11 +207,14 @@ def describe(problem, facts, dtype: str) -> str:
 
 def compare(cupy, args, facts, l2_bytes: int) -> None:
     """The default table: the three plans at each pairs, µs and GB/s of K + V."""
-    timing = ("µs: the attention kernels' CUPTI time a launch (Fills left out)" if args.cupti or args.thrash else
+    by_cupti = args.cupti or args.thrash or args.warm
+    timing = ("µs: the attention kernels' CUPTI time a launch (Fills left out)" if by_cupti else
               f"µs (median of {args.repeats} graph replays / {GRAPH_LAUNCHES})")  # fmt: skip
-    print(f"{args.dtype}, S=1, T={args.keys}, H={args.head}, BNSH in place, {facts.sms} SMs, L2 {l2_bytes >> 20} MiB, "
-          f"query {'without' if args.no_bias else 'with'} its bias; {timing}"
-          f"{f', {args.thrash} MB read before each' if args.thrash else ''} and GB/s of K + V")  # fmt: skip
+    print(f"{args.dtype}, S=1, T={args.keys}, H={args.head}, BNSH in place, {facts.sms} SMs, "
+          f"L2 {l2_bytes >> 20} MiB, query {'without' if args.no_bias else 'with'} its bias; {timing}"
+          f"{f', {args.thrash} MB read before each' if args.thrash else ''}"
+          f"{f', a launch on the {args.warm} copy before each (not timed)' if args.warm else ''}"
+          " and GB/s of K + V")  # fmt: skip
     files = [Path(f) for f in args.compare]
     labels = list(PLANS) + [f"stream@{f.name}" for f in files]
     print("| pairs (B x N) | copy of K, r+w | " + " | ".join(labels)
@@ -197,7 +223,7 @@ def compare(cupy, args, facts, l2_bytes: int) -> None:
     for pairs in map(int, args.pairs.split(",")):
         problem = cross_problem(pairs, args.keys, args.head, args.dtype)
         call = CrossCall(cupy, problem, args.dtype, l2_bytes, facts, bias=not args.no_bias, cupti=args.cupti,
-                         thrash_mb=args.thrash)  # fmt: skip
+                         thrash_mb=args.thrash, warm=args.warm)  # fmt: skip
         copy = call.copy_micros(args.repeats)
         times = {plan: call.micros(plan, args.repeats) for plan in PLANS}
         for f in files:
@@ -268,7 +294,7 @@ def sweep_stream(cupy, args, facts, l2_bytes: int) -> None:
         with stream_knobs(stages, blocks, loads, stage_bytes):
             for pairs, problem in problems.items():
                 call = CrossCall(cupy, problem, args.dtype, l2_bytes, facts, bias=not args.no_bias, cupti=args.cupti,
-                         thrash_mb=args.thrash)  # fmt: skip
+                         thrash_mb=args.thrash, warm=args.warm)  # fmt: skip
                 us = call.micros("stream", args.repeats)
                 cut = dispatch.key_stream(problem, facts.sms, np.dtype(args.dtype).itemsize)
                 row.append(f"{pairs}: {us:.1f}us/{call.kv_bytes / us / 1e3:.0f} ({cut.splits}x{cut.span}, "
@@ -361,6 +387,7 @@ def main() -> int:
     ap.add_argument("--no-bias", action="store_true", help="a query with no bias (the decoder step's cross attention)")
     ap.add_argument("--cupti", action="store_true", help="time each launch by CUPTI, as a step's profile does")
     ap.add_argument("--thrash", type=int, default=0, help="MB the stream reads before each launch (implies --cupti)")
+    ap.add_argument("--warm", choices=("other", "same"), help="an untimed launch before each (cupti_micros says which)")
     ap.add_argument("--stages", default=str(dispatch.STREAM_STAGES), help="--knobs stream: STREAM_STAGES")
     ap.add_argument("--blocks", default=str(dispatch.STREAM_BLOCKS_PER_SM), help="--knobs stream: blocks per SM")
     ap.add_argument("--stage-bytes", default=str(dispatch.STREAM_STAGE_BYTES), help="--knobs stream: a tile's bytes")
