@@ -11,8 +11,9 @@ default, N 20, H 64 (large-v3-turbo), a (B, N, M, H) past and present bound to o
 into the present is a no-op then and is not timed), P past rows read from the device, and on the beam path
 cache_indirection (B/W, W, M) with random indices below W. Only the kernel's launch is timed: runner.run_steps,
 GRAPH_LAUNCHES submissions captured in one CUDA graph and replayed (bench/timer.stream_seconds: µs = median replay /
-GRAPH_LAUNCHES), over rotating copies of the cache that together exceed twice the L2 (each decoder layer reads its
-own cache from HBM). The bytes a call must read are its P rows of K and V (B x N x P x (H + Hv) elements), so
+GRAPH_LAUNCHES), over rotating copies of the cache, as many as exceed twice the L2 but at most GRAPH_LAUNCHES (a
+captured graph replays the same launches): at B = 1 these fit in the L2 and the P rows are read from it, where each
+decoder layer of a step reads its own cache from HBM; ``--thrash`` gives a step's conditions. The bytes a call must read are its P rows of K and V (B x N x P x (H + Hv) elements), so
 GB/s is beside each time, though at these sizes a call is a chain of dependent reads, not a stream. Every output
 is compared with the tiled kernel's (max |Δ|: both sum in float32, in other orders).
 

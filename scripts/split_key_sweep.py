@@ -8,9 +8,10 @@ route's in-place call, pipeline.reads_kv_in_place), as fused.fused_steps plans i
   stream  a Fill of the arrival counters, split_key_stream (the default: 1 launch, no Fill with one split)
 
 Each plan runs through runner.run_steps, GRAPH_LAUNCHES submissions captured in one CUDA graph and replayed
-(bench/timer.stream_seconds: µs = median replay / GRAPH_LAUNCHES), over rotating copies of K and V that together
-exceed twice the L2 (a decoder's layers each read their own cross-attention cache, from HBM; one copy would be
-served from L2 at the smaller shapes). The kernel is a stream of K and V, so the figure of merit is the read rate:
+(bench/timer.stream_seconds: µs = median replay / GRAPH_LAUNCHES), over rotating copies of K and V, as many as
+exceed twice the L2 but at most GRAPH_LAUNCHES (a captured graph replays the same launches; at 20 pairs 77 MB, more
+than the L2 and less than twice it). A decoder's layers each read their own cross-attention cache from HBM; one
+copy would be served from L2 at the smaller shapes, and ``--thrash`` gives a step's conditions. The kernel is a stream of K and V, so the figure of merit is the read rate:
 bytes of K and V over the median time; CuPy's copy of K (read + write) is HBM's rate beside it. Every output is
 compared with the pair's (max |Δ|: before and pair are the same bits; stream rounds each p against its own
 block's max). The widen_to_float of b_q that precedes every one of them in the plan is not timed.
