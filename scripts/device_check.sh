@@ -32,6 +32,12 @@
 #              against decode, and against COMPARE's variants of shared_buffer.cu (space-separated files, e.g.
 #              .device/shared_buffer_main.cu from `git show main:mha_ep/engine/cuda/kernels/shared_buffer.cu`), log in
 #              $OUT/sbsweep.log
+#   decodecold the decode step's attention kernels as a step runs them (docs/BENCH.md section 11, run 4): after
+#              THRASH MB (default 80) read before each launch, alone and with an untimed launch of the same kernel
+#              before the timed one (--warm other: its code and small buffers back in L2; --warm same: all of it),
+#              split_key_stream (20 and 160 pairs, with SK_COMPARE's variants of split_keys.cu) and
+#              shared_buffer_decode (B 1 and 8, with SB_COMPARE's variants of shared_buffer.cu), log in
+#              $OUT/decodecold.log
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
 #   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
@@ -175,6 +181,13 @@ EOF
               } | tee "$OUT/sbdecode.log" ;;
     sbsweep) timeout 200 python3 scripts/shared_buffer_sweep.py ${COMPARE:+--compare $COMPARE} 2>&1 \
                | tee "$OUT/sbsweep.log" ;;
+    decodecold) { for warm in "" other same; do
+                    timeout 120 python3 scripts/split_key_sweep.py --pairs 20,160 --no-bias --thrash "${THRASH:-80}" \
+                      ${warm:+--warm $warm} ${SK_COMPARE:+--compare $SK_COMPARE} 2>&1 | grep -v "^|---\|Warning\|warn"
+                    timeout 120 python3 scripts/shared_buffer_sweep.py --batches 1,8 --beams 0 --past 35 \
+                      --thrash "${THRASH:-80}" ${warm:+--warm $warm} ${SB_COMPARE:+--compare $SB_COMPARE} 2>&1 \
+                      | grep -v "^|---\|Warning\|warn"
+                  done; } | tee "$OUT/decodecold.log" ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;
