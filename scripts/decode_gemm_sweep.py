@@ -235,46 +235,45 @@ def time_ort(ort, form: str, rows: int, k: int, n: int, rng, repeats: int) -> tu
     return micros, launches, names[0][:60] if names else ""
 
 
-def time_gemv(module, rows: int, k: int, n: int, rows_per_warp: int, unroll: int, warps: int, rng, repeats: int):
+def time_ours(module, kernel: str, rows: int, k: int, n: int, blocks: int, threads: int, tail: tuple, rng,
+              repeats: int) -> tuple:  # fmt: skip
+    """(µs a product, max |error| / max |expected|) of ``kernel`` of GEMV_SOURCE launched as (x, wt, y, *tail) over
+    every copy of the weight in turn; y starts as NaN, so an unwritten element shows in the error."""
     import cupy
 
     copies = copies_for(k, n)
     x = cupy.asarray(rng.standard_normal((rows, k)).astype(np.float16))
     ws = [cupy.asarray((rng.standard_normal((n, k)) * 0.02).astype(np.float16)) for _ in range(copies)]
     y = cupy.full((rows, n), np.nan, dtype=cupy.float16)
-    function = module.get_function(f"gemv_m{rows}_r{rows_per_warp}_u{unroll}")
-    blocks = -(-n // (warps * rows_per_warp))
+    function = module.get_function(kernel)
 
     def run():
         for w in ws:
-            function((blocks,), (32 * warps,), (x, w, y, np.int32(n), np.int32(k), np.int32(warps)))
+            function((blocks,), (threads,), (x, w, y) + tail)
 
     table = kernel_table(run, repeats=repeats)
     micros = sum(us for _, us in table.values()) / copies
-    expected = (x.astype(cupy.float32) @ ws[-1].astype(cupy.float32).T)
+    expected = x.astype(cupy.float32) @ ws[-1].astype(cupy.float32).T
     error = float(cupy.max(cupy.abs(y.astype(cupy.float32) - expected)) / max(1.0, float(cupy.max(cupy.abs(expected)))))
     return micros, error
 
 
-def time_mma(module, rows: int, k: int, n: int, warps: int, unroll: int, rng, repeats: int):
-    import cupy
-
-    copies = copies_for(k, n)
-    x = cupy.asarray(rng.standard_normal((rows, k)).astype(np.float16))
-    ws = [cupy.asarray((rng.standard_normal((n, k)) * 0.02).astype(np.float16)) for _ in range(copies)]
-    y = cupy.full((rows, n), np.nan, dtype=cupy.float16)
-    function = module.get_function(f"gemv_mma_w{warps}_u{unroll}")
-    blocks = -(-n // 16)
-
-    def run():
-        for w in ws:
-            function((blocks,), (32 * warps,), (x, w, y, np.int32(rows), np.int32(n), np.int32(k)))
-
-    table = kernel_table(run, repeats=repeats)
-    micros = sum(us for _, us in table.values()) / copies
-    expected = (x.astype(cupy.float32) @ ws[-1].astype(cupy.float32).T)
-    error = float(cupy.max(cupy.abs(y.astype(cupy.float32) - expected)) / max(1.0, float(cupy.max(cupy.abs(expected)))))
-    return micros, error
+def best_of_ours(module, rows: int, k: int, n: int, rng, repeats: int) -> dict:
+    """The fastest setting of each kernel of GEMV_SOURCE at M = ``rows``: {"gemv": (µs, setting, error), "mma":
+    (...)}."""
+    trials = {"gemv": [], "mma": []}
+    for rows_per_warp, unroll in GEMV_CONFIGS if rows == 1 else GEMV_CONFIGS[:3]:
+        for warps in GEMV_WARPS:
+            tail = (np.int32(n), np.int32(k), np.int32(warps))
+            micros, error = time_ours(module, f"gemv_m{rows}_r{rows_per_warp}_u{unroll}", rows, k, n,
+                                      -(-n // (warps * rows_per_warp)), 32 * warps, tail, rng, repeats)  # fmt: skip
+            trials["gemv"].append((micros, (rows_per_warp, unroll, warps), error))
+    for warps, unroll in MMA_CONFIGS:
+        tail = (np.int32(rows), np.int32(n), np.int32(k))
+        micros, error = time_ours(module, f"gemv_mma_w{warps}_u{unroll}", rows, k, n, -(-n // 16), 32 * warps, tail,
+                                  rng, repeats)  # fmt: skip
+        trials["mma"].append((micros, (warps, unroll), error))
+    return {name: min(found) for name, found in trials.items()}
 
 
 def main() -> int:
@@ -309,18 +308,8 @@ def main() -> int:
                 except Exception as error:  # a form ORT refuses: say so in its cell
                     cells[form] = None
                     print(f"  {form} M={rows} {label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
-            best = None
-            configs = GEMV_CONFIGS if rows == 1 else GEMV_CONFIGS[:3]
-            for rows_per_warp, unroll in configs:
-                for warps in GEMV_WARPS:
-                    micros, error = time_gemv(module, rows, k, n, rows_per_warp, unroll, warps, rng, args.repeats)
-                    if best is None or micros < best[0]:
-                        best = (micros, (rows_per_warp, unroll, warps), error)
-            mma = None
-            for warps, unroll in MMA_CONFIGS:
-                micros, error = time_mma(module, rows, k, n, warps, unroll, rng, args.repeats)
-                if mma is None or micros < mma[0]:
-                    mma = (micros, (warps, unroll), error)
+            ours = best_of_ours(module, rows, k, n, rng, args.repeats)
+            best, mma = ours["gemv"], ours["mma"]
 
             def cell(us):
                 return "refused" if us is None else f"{us:.1f} ({k * n * 2 / us / 1e3:.0f})"
