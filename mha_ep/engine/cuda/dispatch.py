@@ -83,6 +83,7 @@ def kernel_from_environment(variable: str, choices: tuple) -> str:
         raise ValueError(f"{variable}={chosen!r}: expected one of {choices}")
     return chosen
 
+
 def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
     """The HEAD_DIM instantiation of flash_attention_mma / _fp32 for these head sizes, or None when none holds them."""
     need = max(head_size, v_head_size)
