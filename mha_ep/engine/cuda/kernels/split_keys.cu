@@ -58,6 +58,26 @@
 #endif
 #define SPLIT_MAX_DIM 128  // dispatch.py SPLIT_MAX_DIM: head sizes (H, Hv) a warp covers, 16 bytes a lane
 
+// (row, column) of element idx = threadIdx.x, threadIdx.x + SPLIT_THREADS, ... of a row-major walk with `width`
+// columns, kept as a pair and advanced without a division. Why: inside a decode step, where the GEMMs have read
+// tens of MB since the kernel's last launch, it runs slower than alone (docs/BENCH.md section 11, run 4), and its
+// code, fetched through the L2, is a suspect; the strided copy loops, unrolled with an integer division per
+// element, were much of that code. The loops that use the walk stay rolled (#pragma unroll 1).
+struct RowWalk {
+  int r, c, dr, dc, width;
+  __device__ __forceinline__ explicit RowWalk(int w)
+      : r(threadIdx.x / w), c(threadIdx.x - (threadIdx.x / w) * w), dr(SPLIT_THREADS / w),
+        dc(SPLIT_THREADS - (SPLIT_THREADS / w) * w), width(w) {}
+  __device__ __forceinline__ void next() {
+    r += dr;
+    c += dc;
+    if (c >= width) {
+      c -= width;
+      ++r;
+    }
+  }
+};
+
 // ---------------------------------------------------------------------------------------- the steps of a block
 // Step 1: the query rows of (b, h), + b_q, into q_s as floats, rounded to ELEM (round_query 0: kept in float32, as
 // ORT's float32 math of a float16 graph sums q + b_q: the native route's call whose raw float16 query the kernel
@@ -66,9 +86,11 @@ template <typename ELEM, typename IN>
 __device__ __forceinline__ void split_query_rows(float* __restrict__ q_s, const IN* __restrict__ q_rows,
                                                  long long stride_qs, const IN* __restrict__ bias_q, int h,
                                                  int q_seq, int head_size, int round_query) {
-  for (int idx = threadIdx.x; idx < q_seq * head_size; idx += SPLIT_THREADS) {
-    const int i = idx / head_size;
-    const int d = idx - i * head_size;
+  RowWalk walk(head_size);
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < q_seq * head_size; idx += SPLIT_THREADS, walk.next()) {
+    const int i = walk.r;
+    const int d = walk.c;
     float x = to_float<IN>(q_rows[(long long)i * stride_qs + d]);
     if (bias_q != nullptr) x += to_float<IN>(bias_q[(long long)h * head_size + d]);
     q_s[idx] = round_query ? round_to<ELEM>(x) : x;
@@ -271,6 +293,7 @@ __device__ __forceinline__ void split_store_share(float (&o)[ROWS][SplitLoad<IN>
 // The block's O over its keys, the warps' shares in o_s summed, into out (q_seq x v_head_size floats).
 __device__ __forceinline__ void split_block_output(const float* __restrict__ o_s, float* __restrict__ out, int q_seq,
                                                    int v_head_size) {
+#pragma unroll 1
   for (int idx = threadIdx.x; idx < q_seq * v_head_size; idx += SPLIT_THREADS) {
     float sum = 0.0f;
 #pragma unroll
@@ -493,10 +516,10 @@ __device__ __forceinline__ void split_key_stream_rows(FLASH_KERNEL_PARAMETERS(IN
       const IN* src = (value ? v_rows : k_rows) + (long long)(n0 + r0) * stride;
       IN* dst = ring + (unit % STREAM_STAGES) * tile * row_size;
       const int pieces = size / VEC;  // 16-byte pieces of a row
-      for (int idx = threadIdx.x; idx < rows * pieces; idx += SPLIT_THREADS) {
-        const int r = idx / pieces;
-        const int c = idx - r * pieces;
-        cp_async_16((dst + r * size) + c * VEC, src + (long long)r * stride + c * VEC, true);
+      RowWalk walk(pieces);
+#pragma unroll 1  // see RowWalk
+      for (int idx = threadIdx.x; idx < rows * pieces; idx += SPLIT_THREADS, walk.next()) {
+        cp_async_16((dst + walk.r * size) + walk.c * VEC, src + (long long)walk.r * stride + walk.c * VEC, true);
       }
     }
     cp_async_commit();
