@@ -538,6 +538,7 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SH
   }
   const ScoreRule<T, M> score_of{attention_bias, bias_d0, bias_d1, bias_total, mask, mask_kind, mask_total, scale,
                                  mask_filter_value, causal, q_seq, r};
+  const bool plain = attention_bias == nullptr && mask_kind == MASK_NONE && !(causal && r.s < q_seq - 1);
 
   float m = NEG_INFINITY, l = 0.0f, o[VEC];
 #pragma unroll
@@ -565,16 +566,26 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SH
       }
     }
     float x[U];
-    float round_max = NEG_INFINITY;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float dot = 0.0f;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) dot = fmaf(q_r[e], kd[u][e], dot);
-      dot = group_sum(dot, lanes);
-      x[u] = base + u < total ? score_of(base + u, dot) : NEG_INFINITY;
-      round_max = fmaxf(round_max, x[u]);
+      x[u] = group_sum(dot, lanes);
     }
+    // a call with no attention_bias, mask or causal row scores scale * dot (score_of's value then) in a few
+    // instructions; the rules' code, four times over, is jumped in one branch (the block's code is fetched cold
+    // inside a decode step: see split_keys.cu RowWalk)
+    if (plain) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) x[u] = base + u < total ? scale * x[u] : NEG_INFINITY;
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) x[u] = base + u < total ? score_of(base + u, x[u]) : NEG_INFINITY;
+    }
+    float round_max = NEG_INFINITY;
+#pragma unroll
+    for (int u = 0; u < U; ++u) round_max = fmaxf(round_max, x[u]);
     const float m_new = fmaxf(m, round_max);
     if (m_new != NEG_INFINITY) {  // else nothing finite yet: the state stays empty
       const float alpha = expf(m - m_new);  // m = -inf: 0, the state was empty
