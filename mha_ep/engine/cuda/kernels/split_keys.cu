@@ -312,10 +312,32 @@ template <bool COHERENT, typename T> __device__ __forceinline__ T load_partial(c
   }
 }
 
+// The block's max or sum of one value a thread (every thread calls it; SPLIT_THREADS threads), in a fixed order.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v) {
+  __shared__ float warp_values[SPLIT_WARPS];
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = MAX ? fmaxf(v, other) : v + other;
+  }
+  __syncthreads();  // an earlier call's readers are done with warp_values
+  if (threadIdx.x % 32 == 0) warp_values[threadIdx.x / 32] = v;
+  __syncthreads();
+  float all = warp_values[0];
+#pragma unroll
+  for (int w = 1; w < SPLIT_WARPS; ++w) all = MAX ? fmaxf(all, warp_values[w]) : all + warp_values[w];
+  return all;
+}
+
+#define COMBINE_KEPT 4       // splits' (m, l) a thread keeps in registers between its two passes (4 x SPLIT_THREADS)
+#define COMBINE_IN_FLIGHT 8  // partial outputs a thread loads before it sums the first (16 spills on sm_80)
+
 // One (b, h, i) row of the output at out_row: the splits' partial outputs weighed by exp(m_c - m) and divided by
 // the weighed sum, stored in ELEM at out_narrow_BSD when it is given (as flash_common.cuh's store_pair does for the
 // flash kernels), else rounded to ELEM as float32 at out_BSD. `weight` (splits floats) and `total` are shared memory
-// of the block, whose threads all call it.
+// of the block, whose threads all call it. A row's time is its dependent reads through L2 (a decode step's last
+// block waits on them), so each pass reads in parallel: thread t the (m, l) of splits t, t + SPLIT_THREADS, ...
+// (block reductions for m and l), then each output element's partials COMBINE_IN_FLIGHT at a time.
 template <typename ELEM, bool COHERENT>
 __device__ __forceinline__ void combine_row(const float* __restrict__ partial_O, const float2* __restrict__ partial_ML,
                                             int splits, int q_seq, int v_head_size, long long bh, int i,
@@ -323,26 +345,49 @@ __device__ __forceinline__ void combine_row(const float* __restrict__ partial_O,
                                             float* __restrict__ out_BSD, void* __restrict__ out_narrow_BSD) {
   const float2* ml_row = partial_ML + bh * splits * q_seq + i;  // split c's (m_c, l_c): ml_row + c * q_seq
   const float* o_row = partial_O + (bh * splits * q_seq + i) * v_head_size;  // its O_c: + c * q_seq * v_head_size
+  float2 kept[COMBINE_KEPT];
   float m = NEG_INFINITY;
-  for (int c = 0; c < splits; ++c) m = fmaxf(m, load_partial<COHERENT>(ml_row + c * q_seq).x);
+#pragma unroll
+  for (int u = 0; u < COMBINE_KEPT; ++u) {
+    const int c = threadIdx.x + u * SPLIT_THREADS;
+    kept[u] = c < splits ? load_partial<COHERENT>(ml_row + (long long)c * q_seq) : make_float2(NEG_INFINITY, 0.0f);
+    m = fmaxf(m, kept[u].x);
+  }
+  for (int c = threadIdx.x + COMBINE_KEPT * SPLIT_THREADS; c < splits; c += SPLIT_THREADS) {
+    m = fmaxf(m, load_partial<COHERENT>(ml_row + (long long)c * q_seq).x);
+  }
+  m = block_reduce<true>(m);
   const float max_used = (m == NEG_INFINITY) ? 0.0f : m;
-  for (int c = threadIdx.x; c < splits; c += SPLIT_THREADS) {
-    weight[c] = exp2f((load_partial<COHERENT>(ml_row + c * q_seq).x - max_used) * LOG2E);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float l = 0.0f;
-    for (int c = 0; c < splits; ++c) {
-      l += load_partial<COHERENT>(ml_row + c * q_seq).y * weight[c];
+  float l = 0.0f;
+#pragma unroll
+  for (int u = 0; u < COMBINE_KEPT; ++u) {
+    const int c = threadIdx.x + u * SPLIT_THREADS;
+    if (c < splits) {
+      weight[c] = exp2f((kept[u].x - max_used) * LOG2E);
+      l = fmaf(kept[u].y, weight[c], l);
     }
-    total = l;
   }
-  __syncthreads();
-  const float inv = 1.0f / total;  // l = 0 (every logit -inf): 0/0 = NaN, as ORT
+  for (int c = threadIdx.x + COMBINE_KEPT * SPLIT_THREADS; c < splits; c += SPLIT_THREADS) {
+    const float2 ml = load_partial<COHERENT>(ml_row + (long long)c * q_seq);
+    weight[c] = exp2f((ml.x - max_used) * LOG2E);
+    l = fmaf(ml.y, weight[c], l);
+  }
+  l = block_reduce<false>(l);  // its barriers also publish weight
+  if (threadIdx.x == 0) total = l;
+  const float inv = 1.0f / l;  // l = 0 (every logit -inf): 0/0 = NaN, as ORT
   for (int d = threadIdx.x; d < v_head_size; d += SPLIT_THREADS) {
     float o = 0.0f;
-    for (int c = 0; c < splits; ++c) {
-      o = fmaf(load_partial<COHERENT>(o_row + (long long)c * q_seq * v_head_size + d), weight[c], o);
+    for (int c0 = 0; c0 < splits; c0 += COMBINE_IN_FLIGHT) {
+      float part[COMBINE_IN_FLIGHT];
+#pragma unroll
+      for (int u = 0; u < COMBINE_IN_FLIGHT; ++u) {
+        const int c = c0 + u;
+        part[u] = c < splits ? load_partial<COHERENT>(o_row + (long long)c * q_seq * v_head_size + d) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < COMBINE_IN_FLIGHT; ++u) {
+        if (c0 + u < splits) o = fmaf(part[u], weight[c0 + u], o);
+      }
     }
     if (out_narrow_BSD != nullptr) {
       static_cast<ELEM*>(out_narrow_BSD)[out_row + d] = from_float<ELEM>(o * inv);
