@@ -194,9 +194,11 @@ def agreement(tokens: List[List[int]], reference: List[List[int]]) -> float:
 def summarise(label: str, samples: Dict[str, list], tokens: Dict[str, list], encoder_ms: Dict[str, float],
               steps: int) -> dict:  # fmt: skip
     """One row's numbers: per column ms/token, whole-generation ms/token, agreement, encoder, 30 s total (the
-    columns measured: those ``samples`` has)."""
+    columns measured: those ``samples`` has), and each column's tokens (``greedy_answers``: where float16 columns
+    part, scripts/beam_margins.py --greedy says how close the logits were)."""
     result = {"label": label, "steps": steps, "columns": [c for c in COLUMNS if c in samples]}
     reference = tokens["stock_iobinding"]
+    result["greedy_answers"] = {column: tokens[column] for column in result["columns"]}  # scripts/beam_margins.py
     for column in result["columns"]:
         per_token = statistics.median(statistics.median(s) for s in samples[column]) * 1e3
         result[f"{column}_ms_per_token"] = per_token

@@ -98,6 +98,7 @@ def test_a_generation_row_prints_every_column_and_the_ratios():
     assert row["mhaep_session_agreement"] == pytest.approx(2 / 3)
     assert row["mhaep_plain_total_30s_ms"] == pytest.approx(1.0 + 3 * 3.0)
     assert row["static_greedy_vs_iobinding"] == pytest.approx(3.0)
+    assert row["greedy_answers"]["mhaep_session"] == [[1, 2, 4]] and set(row["greedy_answers"]) == set(tokens)
     beams = {"stock_beam": [[0.004, 0.004]], "static_beam": [[0.001, 0.001]]}
     row = generate.summarise_beams(row, beams, {"stock_beam": [[5, 6]], "static_beam": [[5, 7]]})
     assert row["static_beam_vs_stock_beam"] == pytest.approx(0.25) and row["static_beam_agreement"] == 0.5
@@ -250,3 +251,41 @@ def test_out_holds_every_finished_row_while_later_rows_run(tmp_path, monkeypatch
     assert "RuntimeError: out of memory" in seen[2][1]["error"]
     rows = json.loads((tmp_path / "bench_generate.json").read_text())["rows"]
     assert len(rows) == 3 and "error" in rows[1] and rows[2]["label"].endswith("B=3 float32, random weights")
+
+
+def _margins_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "beam_margins.py"
+    spec = importlib.util.spec_from_file_location("beam_margins", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_greedy_margins_follow_the_bench_s_own_greedy_loop_and_name_where_two_columns_part(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    margins_script = _margins_script()
+    steps = 5
+    tokens, margins = margins_script.greedy_search("tiny", 2, steps)
+    session, _, first, cache, fixed, _ = margins_script.row_setup("tiny", 2, "float32")
+    assert tokens == generate.host_greedy(session, first, cache, fixed, steps, [])
+    assert len(margins) == steps and margins[0] == [float("inf")] * 2
+    assert all(0 <= m < float("inf") for step in margins[1:] for m in step)
+
+    other = [list(tokens[0]), tokens[1][:3] + [tokens[1][3] + 1] + tokens[1][4:]]  # entry 1 parts at token 3
+    path = tmp_path / "bench_generate.json"
+    label = generate.Row("tiny", 2).label
+    path.write_text(json.dumps({"rows": [{"label": label, "greedy_answers": {
+        "stock_iobinding": tokens, "static_greedy": other}}]}))  # fmt: skip
+    args = SimpleNamespace(json=str(path), size="tiny", batch=2, dtype="float32", greedy=True)
+    found = margins_script.partings(args, tokens)
+    assert (0, "stock_iobinding vs static_greedy", None) in found
+    assert (1, "stock_iobinding vs static_greedy", 3) in found and (1, "cpu vs static_greedy", 3) in found
+    assert (1, "cpu vs stock_iobinding", None) in found
+    args.batch = 3
+    with pytest.raises(SystemExit, match="no row"):
+        margins_script.partings(args, tokens)
