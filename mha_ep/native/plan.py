@@ -44,6 +44,7 @@ ELEMENT_NAMES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "in
 PLAN_MAGIC = 0x5048414D  # csrc/native.h PLAN_MAGIC
 PLAN_VERSION = 2
 STEP_LAUNCH, STEP_GEMM, STEP_COPY, STEP_FILL, STEP_CHECK_STATUS = 1, 2, 3, 4, 5
+STEP_LAUNCH_PROGRAMMATIC = 6  # a launch (the same words) with programmatic stream serialization: Launch.programmatic
 SPACES = {"in": 1, "out": 2, "scratch": 3, "sticky": 4}  # Buffer name prefix -> csrc/native.h SPACE_*
 STICKY = Buffer("sticky")  # a shared buffer's sticky report words: bound by the library while ORT captures a graph
 OUTPUT_ALIGNMENT = 16  # bytes every output must have for the plan's vector stores (else flags UNALIGNED_OUTPUTS)
@@ -268,7 +269,8 @@ def _launch_words(step: Launch, function: int) -> list:
     if len(args.blob) > MAX_ARGUMENT_BYTES:
         raise ValueError(f"native plan: {step.function} takes {len(args.blob)} bytes of arguments, more than "
                          f"{MAX_ARGUMENT_BYTES}")  # fmt: skip
-    words = [STEP_LAUNCH, int(function), *step.grid, *step.block, int(step.shared), len(args.blob), len(args.offsets),
+    kind = STEP_LAUNCH_PROGRAMMATIC if step.programmatic else STEP_LAUNCH
+    words = [kind, int(function), *step.grid, *step.block, int(step.shared), len(args.blob), len(args.offsets),
              *args.offsets, len(args.patches)]  # fmt: skip
     for offset, ref in args.patches:
         words += [offset, *ref]

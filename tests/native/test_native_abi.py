@@ -299,6 +299,67 @@ def test_a_float16_cross_attention_decode_step_reads_its_key_and_value_in_place(
     assert with_qk.output_shapes[3] == (config.batch, config.num_heads, config.q_seq, config.total_seq)
 
 
+@pytest.mark.parametrize("facts", FACTS, ids=["sm90", "sm80"])
+def test_a_programmatic_cross_attention_zeroes_its_counters_in_a_kernel_and_both_launches_are_programmatic(facts):
+    """MHA_EP_PROGRAMMATIC=on (dispatch.programmatic_launches), on sm_90: the arrival counters are zeroed by
+    zero_after_prior_grids instead of a Fill (a Fill cannot be followed programmatically), and it and
+    split_key_stream are launched with programmatic stream serialization, which the library's plan keeps. On sm_80,
+    and without the variable, the Fill and a plain launch; an unknown value is refused."""
+    from mha_ep.engine.cuda.steps import Pointer
+
+    kernel, signature = signature_of(PLAN_CASES["f16 cross decode"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MHA_EP_PROGRAMMATIC", "on")
+        plan = native_plan.plan_steps(kernel, signature, facts)
+    functions = [getattr(step, "function", type(step).__name__).split("<")[0] for step in plan.steps]
+    summary = library().check_plan(native_plan.encode_plan(plan, lambda launch: 1))
+    if facts.capability == "80":
+        assert functions == ["resolve_key_lengths", "Fill", "split_key_stream"], functions
+        assert [s.get("programmatic") for s in summary["steps"]] == [0, None, 0]
+        return
+    assert functions == ["resolve_key_lengths", "zero_after_prior_grids", "split_key_stream"], functions
+    zero, attention = plan.steps[1:]
+    assert zero.args == (attention.args[-3], np.int32(2 * 6)) and isinstance(zero.args[0], Pointer)
+    assert [s["kind"] for s in summary["steps"]] == ["launch"] * 3
+    assert [s["programmatic"] for s in summary["steps"]] == [0, 1, 1]
+    plain = native_plan.plan_steps(kernel, signature, facts)
+    assert not any(getattr(step, "programmatic", False) for step in plain.steps)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MHA_EP_PROGRAMMATIC", "yes")
+        with pytest.raises(ValueError, match="MHA_EP_PROGRAMMATIC='yes'"):
+            native_plan.plan_steps(kernel, signature, facts)
+
+
+WIDE_SHARED = MhaConfig(q_seq=1, kv_seq=1, has_past=True, past_seq=3, presents=True, max_seq=8, head_size=192)
+
+
+@pytest.mark.parametrize("config, programmatic", [(PLAN_CASES["f16 shared beams mask"], True),
+                                                  (PLAN_CASES["bf16 shared prompt causal"], True),
+                                                  (PLAN_CASES["f32 shared buffer"], True), (WIDE_SHARED, False)],
+                         ids=["f16 beams", "bf16 prompt", "f32", "f32 head 192"])  # fmt: skip
+def test_a_programmatic_shared_buffer_step_zeroes_its_status_in_a_kernel(config, programmatic):
+    """MHA_EP_PROGRAMMATIC=on on sm_90: a shared buffer's shared_buffer_decode follows zero_after_prior_grids (its
+    status words) and both are launched programmatically; the tiled kernel (a float32 head of 192, wider than a
+    warp's loads) keeps the Fill and a plain launch."""
+    from mha_ep.engine.cuda.steps import CheckStatus, Pointer
+
+    kernel, signature = signature_of(config)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MHA_EP_PROGRAMMATIC", "on")
+        plan = native_plan.plan_steps(kernel, signature, FACTS[0], error_site=3)
+    launches = [step for step in plan.steps if hasattr(step, "function")]
+    assert isinstance(plan.steps[-1], CheckStatus)
+    if not programmatic:
+        assert type(plan.steps[0]).__name__ == "Fill" and not any(step.programmatic for step in launches)
+        return
+    zero, attention = plan.steps[0], launches[-1]
+    assert zero.function == "zero_after_prior_grids<unsigned>" and attention.function.startswith("shared_buffer_decode")
+    assert zero.programmatic and attention.programmatic
+    assert zero.args[0] == Pointer(plan.steps[-1].status) == attention.args[-3]
+    summary = library().check_plan(native_plan.encode_plan(plan, lambda launch: 1))
+    assert [s.get("programmatic") for s in summary["steps"] if s["kind"] == "launch"][-1] == 1
+
+
 # ------------------------------------------------------------------------------------------- shared buffers
 def test_a_shared_buffer_plan_is_fixed_by_its_shapes_and_binds_its_past_and_present():
     """A static cache's step (engine/cuda/shared_buffer.py): status zeroed, the past copied into the present

@@ -170,6 +170,41 @@ def test_ort_s_cuda_graph_captures_claimed_nodes_and_replays_bit_identical_with_
 
 
 @pytest.mark.gpu
+def test_a_programmatic_cross_attention_matches_stock_eagerly_and_replays_under_ort_s_cuda_graph(cuda_native, rng,
+                                                                                                monkeypatch):  # fmt: skip
+    """MHA_EP_PROGRAMMATIC=on: the decode step's split_key_stream, launched programmatically after
+    zero_after_prior_grids (dispatch.programmatic_launches), gives stock ORT's output eagerly, and under ORT's CUDA
+    graph the replays of fresh inputs give the eager run's, bit for bit."""
+    import cupy
+
+    monkeypatch.setenv("MHA_EP_PROGRAMMATIC", "on")
+    native.reset_plans()
+    config = GRAPH_CASES["f16 cross decode"]
+    model = build_model(config)
+    eager = native_session(model, backend="cuda", providers=CUDA)
+    feeds = random_feeds(config, rng)
+    assert_outputs_match(run_named(eager, feeds), stock_outputs(config, feeds), tolerance(config.dtype), "eager")
+    graphed = native_session(model, backend="cuda", providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
+                                                                  "CPUExecutionProvider"])  # fmt: skip
+    inputs = {name: cupy.asarray(value) for name, value in feeds.items()}
+    output = cupy.empty((config.batch, config.q_seq, config.num_heads * config.hv), cupy.float16)
+    binding = graphed.io_binding()
+    for name, array in inputs.items():
+        binding.bind_input(name, "cuda", 0, array.dtype, array.shape, array.data.ptr)
+    binding.bind_output("output", "cuda", 0, output.dtype, output.shape, output.data.ptr)
+    for turn in range(6):
+        fresh = random_feeds(config, np.random.default_rng(100 + turn))
+        for name, value in fresh.items():
+            inputs[name][...] = cupy.asarray(value)
+        output.fill(cupy.nan)
+        cupy.cuda.runtime.deviceSynchronize()  # the writes above are on CuPy's stream, ORT runs on its own
+        graphed.run_with_iobinding(binding)
+        cupy.cuda.runtime.deviceSynchronize()
+        want = eager.run(["output"], fresh)[0]
+        assert np.array_equal(cupy.asnumpy(output), want), f"turn {turn}: the replay differs from the eager run"
+
+
+@pytest.mark.gpu
 def test_cuda_sessions_made_and_dropped_in_a_loop_give_back_host_and_device_memory(cuda_native, rng):
     import gc
 
@@ -255,16 +290,21 @@ def static_binding(session, config: MhaConfig, rng, form=None):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programmatic", ["off", "on"], ids=["plain-launch", "programmatic"])
 @pytest.mark.parametrize("form", [None, "qkv"], ids=["unpacked", "packed-qkv"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
-def test_a_static_cache_step_replays_for_every_past_length_with_the_present_bound_to_its_past(graph, form, cuda_native,
-                                                                                            rng):  # fmt: skip
+def test_a_static_cache_step_replays_for_every_past_length_with_the_present_bound_to_its_past(graph, form,
+                                                                                            programmatic, cuda_native,
+                                                                                            rng, monkeypatch):  # fmt: skip
     """One binding, twelve decode steps, P advanced on the device between them (under ORT's CUDA graph: one
     capture, every later step a replay). Each step matches stock ORT CPU (the node unpacked) fed a copy of the
     cache; only row P of the cache changes. ``form`` "qkv": the node's query, key and value packed into one
-    (B, 1, N, 3, H) query, which the decode kernel reads in place (the static-cache rewrite's fused projections)."""
+    (B, 1, N, 3, H) query, which the decode kernel reads in place (the static-cache rewrite's fused projections).
+    ``programmatic`` "on" (MHA_EP_PROGRAMMATIC): shared_buffer_decode launched programmatically on sm_90."""
     import cupy
 
+    monkeypatch.setenv("MHA_EP_PROGRAMMATIC", programmatic)
+    native.reset_plans()
     provider = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}) if graph else "CUDAExecutionProvider"
     model = build_model(STATIC) if form is None else packed_model(STATIC, form)
     session = native_session(model, backend="cuda", providers=[provider, "CPUExecutionProvider"])

@@ -84,6 +84,22 @@ def kernel_from_environment(variable: str, choices: tuple) -> str:
     return chosen
 
 
+PROGRAMMATIC_ENV = "MHA_EP_PROGRAMMATIC"  # "on": the decode kernels launched programmatically
+PROGRAMMATIC_CAPABILITY = 90  # programmatic dependent launch: sm_90 and later
+
+
+def programmatic_launches(capability: str) -> bool:
+    """Whether the native route launches a decode step's attention programmatically (steps.Launch.programmatic): on
+    a device of ``capability`` ("90") sm_90 or later when MHA_EP_PROGRAMMATIC is "on" (read when a call is
+    planned). Then a shared buffer's shared_buffer_decode, and a stream of split keys whose K and V are the node's
+    own inputs (fused_steps' raw_query: the cross attention), follow a zero_after_prior_grids in place of a Fill,
+    and may start while the kernels before them run; split_key_stream loads its first K and V tiles before it
+    waits for them. Not the default: that holds where no kernel right before the node writes its key and value
+    (a static decoder's cross attention, whose keys and values are bound inputs), not in every graph."""
+    chosen = kernel_from_environment(PROGRAMMATIC_ENV, ("off", "on"))
+    return chosen == "on" and int(capability) >= PROGRAMMATIC_CAPABILITY
+
+
 def head_dim_tile(head_size: int, v_head_size: int) -> Optional[int]:
     """The HEAD_DIM instantiation of flash_attention_mma / _fp32 for these head sizes, or None when none holds them."""
     need = max(head_size, v_head_size)

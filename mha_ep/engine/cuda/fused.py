@@ -370,7 +370,7 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
     cut = dispatch.key_stream(problem, facts.sms, in_bytes) if kernel == "stream" else None
     if cut is not None:  # (key_stream takes every call key_split does)
         return split_stream_steps(problem, cut, take, arguments, operands["operand_dtype"], round_query=not raw_query,
-                                  qk=qk)  # fmt: skip
+                                  qk=qk, programmatic=raw_query and dispatch.programmatic_launches(facts.capability))  # fmt: skip
     return split_key_steps(problem, split, take, arguments, operands["operand_dtype"], out_BSD,
                            round_query=not raw_query, qk=qk, out_narrow=out_narrow)  # fmt: skip
 

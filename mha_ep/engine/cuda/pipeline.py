@@ -148,7 +148,8 @@ def attention_steps(problem: MhaProblem, facts: DeviceFacts, call: DeviceCall, t
                 "computed on the GPU yet: its length P + L is the value of past_sequence_length, which the GPU "
                 "kernels read on the device; run this node on the CPU (route python-op, backend reference) or drop qk"
             )
-        return build.steps + shared_buffer_steps(problem, call, build.take)
+        programmatic = dispatch.programmatic_launches(facts.capability)
+        return build.steps + shared_buffer_steps(problem, call, build.take, programmatic=programmatic)
     plan = cached_plan(problem.geometry, problem.dtype)
     sources = _prepared_sources(problem, plan, call, build, slots)
     fused_unsupported = dispatch.fused_unsupported_reason(problem) if fused_path else "the three-phase path was asked for"

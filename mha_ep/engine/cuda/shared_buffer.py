@@ -4,7 +4,8 @@
 
 The past is (B, N, M, H), P = past_sequence_length is read on the device (kernels/shared_buffer.cu), and nothing
 in the steps depends on P: one plan, or one captured CUDA graph, serves every step of a decode loop. In order:
-  1. the call's status words (STATUS_WORDS int32) are zeroed (Fill);
+  1. the call's status words (STATUS_WORDS int32) are zeroed (Fill; zero_after_prior_grids where
+     shared_buffer_decode is launched programmatically: shared_buffer_steps);
   2. the past is copied into the present (Copy: a no-op at run time when the present is the past's own buffer,
      the static decoder's binding, mha_ep/graph/static_cache.py);
   3. one kernel writes the L new key/value rows at [P, P+L) of the presents and computes the output, a block
@@ -117,10 +118,13 @@ def longest_shared_buffer(problem: MhaProblem, element: int) -> int:
     return (SHARED_MEMORY_LIMIT - fixed) // 4
 
 
-def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
+def shared_buffer_steps(problem: MhaProblem, call, take, programmatic: bool = False) -> list:
     """The steps of module docstring for ``problem`` (problem.shared set) on ``call``'s buffers (a
     pipeline.DeviceCall whose sources include past_sequence_length and, on the beam path, cache_indirection);
-    ``take(name, nbytes)`` hands out scratch. Raises MhaInputError for a buffer the kernel cannot hold."""
+    ``take(name, nbytes)`` hands out scratch. Raises MhaInputError for a buffer the kernel cannot hold.
+    ``programmatic`` (dispatch.programmatic_launches): shared_buffer_decode, which waits for the kernels before it
+    first thing, is launched programmatically after zero_after_prior_grids zeroes the status words (a Fill cannot
+    be followed programmatically)."""
     g, shared = problem.geometry, problem.shared
     dtype = call.source_dtype
     if call.output_dtype != dtype or (problem.attention_bias is not None and call.attention_bias_dtype != dtype):
@@ -152,7 +156,12 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
     src, out = call.sources, call.outputs
     i32, f32 = np.int32, np.float32
     status = take("status", 4 * STATUS_WORDS)
-    steps: list = [Fill(status, 0, 4 * STATUS_WORDS)]
+    programmatic = programmatic and kernel == "decode"
+    if programmatic:
+        steps: list = [Launch("zero_after_prior_grids<unsigned>", (1, 1, 1), (SHARED_BUFFER_THREADS, 1, 1), 0,
+                              (Pointer(status), i32(STATUS_WORDS)), fused=True, programmatic=True)]  # fmt: skip
+    else:
+        steps = [Fill(status, 0, 4 * STATUS_WORDS)]
     for present, past, width in (("present_key", "past_key", g.head_size), ("present_value", "past_value", g.v_head_size)):
         steps.append(Copy(out[present], src[past], element * g.batch * g.num_heads * shared.max_seq * width))
     site = i32(call.error_site)
@@ -181,6 +190,6 @@ def shared_buffer_steps(problem: MhaProblem, call, take) -> list:
                          Pointer(out["present_value"]), f32(problem.scale),
                          f32(problem.mask_filter_value), i32(int(problem.causal)), i32(g.batch), i32(g.q_seq),
                          i32(g.kv_seq), i32(g.num_heads), i32(g.head_size), i32(g.v_head_size), i32(shared.max_seq),
-                         i32(tile_keys), Pointer(status), sticky, site)))  # fmt: skip
+                         i32(tile_keys), Pointer(status), sticky, site), programmatic=programmatic))  # fmt: skip
     steps.append(CheckStatus(status, beams))
     return steps

@@ -48,12 +48,14 @@ def stream_shared_bytes(problem: MhaProblem, cut: dispatch.KeyStream, operand_dt
 
 
 def split_stream_steps(problem: MhaProblem, cut: dispatch.KeyStream, take, arguments: tuple, operand_dtype: str,
-                       round_query: bool = True, qk: Address = None) -> list:  # fmt: skip
+                       round_query: bool = True, qk: Address = None, programmatic: bool = False) -> list:  # fmt: skip
     """split_key_stream's launch (fused_steps) with flash's ``arguments`` (_arguments: the last block of each
     (b, h) writes the output at their out_BSD, or out_narrow when given), over three scratch buffers: the partial
     outputs, their (max, sum), and with more than one split the pairs' arrival counters, which a Fill zeroes right
     before the launch (a call's scratch holds whatever was there: the kernel counts from 0). ``round_query`` and
-    ``qk`` as split_key_steps'."""
+    ``qk`` as split_key_steps'. ``programmatic`` (dispatch.programmatic_launches, for a raw query): the counters are zeroed by
+    zero_after_prior_grids instead, and both launches are programmatic, so that the blocks load their first K and
+    V tiles while the kernels before them still run."""
     g = problem.geometry
     pairs = g.batch * g.num_heads
     rows = pairs * cut.splits * g.q_seq
@@ -63,7 +65,11 @@ def split_stream_steps(problem: MhaProblem, cut: dispatch.KeyStream, take, argum
     arrivals = None
     if cut.splits > 1:
         arrivals = take("split_arrivals", 4 * pairs)
-        steps.append(Fill(arrivals, 0, 4 * pairs))
+        if programmatic:
+            steps.append(Launch("zero_after_prior_grids<unsigned>", (1, 1, 1), (SPLIT_THREADS, 1, 1), 0,
+                                (Pointer(arrivals), np.int32(pairs)), fused=True, programmatic=True))  # fmt: skip
+        else:
+            steps.append(Fill(arrivals, 0, 4 * pairs))
     elem, src = ELEMENT_TYPES[problem.dtype], ELEMENT_TYPES[operand_dtype]
     i32 = np.int32
     log.debug("mha_ep: fused path: split keys streamed, %d x %d blocks of %d keys, tiles of %d", pairs, cut.splits,
@@ -73,7 +79,7 @@ def split_stream_steps(problem: MhaProblem, cut: dispatch.KeyStream, take, argum
         stream_shared_bytes(problem, cut, operand_dtype),
         arguments + (i32(cut.span), i32(cut.tile), Pointer(partial_O), Pointer(partial_ML), Pointer(arrivals),
                      i32(int(round_query)), Pointer(qk)),
-        fused=True,
+        fused=True, programmatic=programmatic,
     ))  # fmt: skip
     return steps
 

@@ -92,7 +92,10 @@ class TensorMap:
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch. ``fused``: one of kernels.INSTANTIATED (looked up through fused.get_fused_kernel, which
-    raises its shared-memory limit; bench/fused_timing.py swaps it)."""
+    raises its shared-memory limit; bench/fused_timing.py swaps it). ``programmatic``: the native route launches
+    it with CUDA's programmatic stream serialization (sm_90 and later), so that it may start before the kernel
+    before it ends; the kernel must wait for it (common.cuh wait_for_prior_grids) before it reads anything that
+    kernel may write. Other launchers launch it as any other."""
 
     function: str
     grid: tuple
@@ -100,6 +103,7 @@ class Launch:
     shared: int
     args: tuple
     fused: bool = False
+    programmatic: bool = False
 
 
 @dataclass(frozen=True)

@@ -124,8 +124,18 @@ static OrtStatus* run_plan(const Kernel* k, const Plan* plan, const Bases* bases
         if (result != 0) return launch_error(k, "encoding a TMA tensor map", result);
       }
       for (int64_t a = 0; a < s->n_args; ++a) parameters[a] = arguments + s->arg_offsets[a];
-      result = cu.cuLaunchKernel(s->function, s->grid[0], s->grid[1], s->grid[2], s->block[0], s->block[1],
-                                 s->block[2], s->shared, stream, parameters, NULL);
+      if (s->programmatic && cu.cuLaunchKernelEx != NULL) {
+        CUlaunchAttribute attribute;
+        memset(&attribute, 0, sizeof attribute);
+        attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attribute.value.programmaticStreamSerializationAllowed = 1;
+        CUlaunchConfig config = {s->grid[0], s->grid[1], s->grid[2], s->block[0], s->block[1], s->block[2],
+                                 s->shared, stream, &attribute, 1};
+        result = cu.cuLaunchKernelEx(&config, s->function, parameters, NULL);
+      } else {
+        result = cu.cuLaunchKernel(s->function, s->grid[0], s->grid[1], s->grid[2], s->block[0], s->block[1],
+                                   s->block[2], s->shared, stream, parameters, NULL);
+      }
       if (result != 0) return launch_error(k, "a kernel launch", result);
     } else if (s->kind == STEP_GEMM) {
       if (!load_cublas()) return make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': %s", k->node, cublas.error);

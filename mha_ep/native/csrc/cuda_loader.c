@@ -42,6 +42,7 @@ int load_cuda(void) {
       CU_SYMBOL(cuMemsetD8, "cuMemsetD8_v2", "cuMemsetD8");
       CU_SYMBOL(cuEventRecord, "cuEventRecord", NULL);
       CU_SYMBOL(cuStreamWaitEvent, "cuStreamWaitEvent", NULL);
+      CU_SYMBOL(cuLaunchKernelEx, "cuLaunchKernelEx", NULL);
 #undef CU_SYMBOL
       if (!cu.cuInit || !cu.cuDeviceGet || !cu.cuDevicePrimaryCtxRetain || !cu.cuCtxGetCurrent ||
           !cu.cuCtxSetCurrent || !cu.cuGetErrorString || !cu.cuLaunchKernel || !cu.cuMemcpyAsync ||

@@ -76,6 +76,23 @@ typedef void* CUstream;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 
+/* cuda.h's CUlaunchAttribute and CUlaunchConfig (CUDA 12), for cuLaunchKernelEx */
+#define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
+typedef struct {
+  int id;
+  char pad[4];
+  union {
+    char pad[64];
+    int programmaticStreamSerializationAllowed;
+  } value;
+} CUlaunchAttribute;
+typedef struct {
+  unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+  CUstream hStream;
+  CUlaunchAttribute* attrs;
+  unsigned numAttrs;
+} CUlaunchConfig;
+
 typedef struct {
   int loaded;
   char error[512];
@@ -102,6 +119,8 @@ typedef struct {
   /* a graph replay's event pair (launch_copies): optional, checked where used */
   CUresult (*cuEventRecord)(void*, CUstream);
   CUresult (*cuStreamWaitEvent)(CUstream, void*, unsigned);
+  /* programmatic launches (a CUDA 12 driver): optional, a plain launch without it */
+  CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
 } CudaDriver;
 
 typedef struct {
@@ -141,6 +160,7 @@ void device_error_text(const int32_t* w, int64_t beams, char* out, size_t size);
  * eager call reports through its own status words (STEP_CHECK_STATUS), a replayed graph through these. */
 enum { SPACE_NULL = 0, SPACE_INPUT = 1, SPACE_OUTPUT = 2, SPACE_SCRATCH = 3, SPACE_STICKY = 4 };
 enum { STEP_LAUNCH = 1, STEP_GEMM = 2, STEP_COPY = 3, STEP_FILL = 4, STEP_CHECK_STATUS = 5 };
+enum { STEP_LAUNCH_PROGRAMMATIC = 6 }; /* in a plan's words: a STEP_LAUNCH with ``programmatic`` set */
 #define MAX_INPUTS 10 /* spec.PLUGIN_INPUTS: the eight of ORT's MultiHeadAttention, past_sequence_length, cache_indirection */
 #define STATUS_WORDS 8 /* kernels/shared_buffer.cu STATUS_WORDS: code, a, b, c, site */
 
@@ -162,8 +182,9 @@ typedef struct {
 
 typedef struct {
   int64_t kind;
-  /* launch */
+  /* launch (programmatic: with programmatic stream serialization, where the driver has cuLaunchKernelEx) */
   void* function;
+  int64_t programmatic;
   unsigned grid[3], block[3], shared;
   int64_t blob_bytes, n_args, n_patches, n_maps;
   unsigned char* blob;

@@ -200,6 +200,11 @@ Plan* parse_plan(const int64_t* words, int64_t count, char* error, size_t error_
       case STEP_LAUNCH:
         ok = read_launch(&r, s);
         break;
+      case STEP_LAUNCH_PROGRAMMATIC:
+        ok = read_launch(&r, s);
+        s->kind = STEP_LAUNCH;
+        s->programmatic = 1;
+        break;
       case STEP_GEMM:
         ok = read_gemm(&r, s);
         break;
@@ -372,11 +377,12 @@ PyObject* py_check_plan(PyObject* self, PyObject* args) {
   for (int64_t i = 0; steps && i < plan->n_steps; ++i) {
     const Step* s = &plan->steps[i];
     PyObject* entry = s->kind == STEP_LAUNCH
-                          ? Py_BuildValue("{s:s,s:K,s:(III),s:(III),s:I,s:L,s:L,s:L}", "kind", KINDS[s->kind],
+                          ? Py_BuildValue("{s:s,s:K,s:(III),s:(III),s:I,s:L,s:L,s:L,s:L}", "kind", KINDS[s->kind],
                                           "function", (unsigned long long)(uintptr_t)s->function, "grid", s->grid[0],
                                           s->grid[1], s->grid[2], "block", s->block[0], s->block[1], s->block[2],
                                           "shared", s->shared, "arguments", (long long)s->n_args, "patches",
-                                          (long long)s->n_patches, "maps", (long long)s->n_maps)
+                                          (long long)s->n_patches, "maps", (long long)s->n_maps, "programmatic",
+                                          (long long)s->programmatic)
                           : Py_BuildValue("{s:s}", "kind", KINDS[s->kind]);
     if (entry) PyList_Append(steps, entry);
     Py_XDECREF(entry);

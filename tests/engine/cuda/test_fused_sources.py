@@ -152,7 +152,7 @@ def test_split_key_and_decode_loop_kernels_compile_without_spills(tmp_path, arch
     elements = ("float", "__half", "__nv_bfloat16")
     names = [f"{kernel}<{e}, {s}>" for kernel in ("split_key_stream", "split_key_attention") for e in elements
              for s in sorted({"float", e})]  # fmt: skip
-    names += [f"combine_key_splits<{e}>" for e in elements]
+    names += [f"combine_key_splits<{e}>" for e in elements] + ["zero_after_prior_grids<unsigned>"]
     names += list(DECODE_EXPRESSIONS)
     lines = ['#include "split_keys.cu"', f'#include "{KERNEL_FILE}"', "void* instances[] = {"]
     lines += [f"  (void*){name}," for name in names] + ["};"]

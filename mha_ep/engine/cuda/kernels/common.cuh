@@ -24,6 +24,23 @@ template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float<T>(from_float<T>(x)); }
 
 // First linear index of this thread and the stride of a grid-stride loop, both 64-bit.
+// Programmatic dependent launch (sm_90 and later; compiled out below). A kernel launched with the programmatic
+// stream serialization attribute (steps.Launch.programmatic) may start while the kernel before it in the stream
+// still runs: before wait_for_prior_grids it may only read what that kernel does not write, and write nothing
+// outside shared memory. Launched without the attribute, both are no-ops.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel of the stream, when it is launched programmatically, start before this one ends.
+__device__ __forceinline__ void allow_dependent_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ long long grid_first_index() {
   return (long long)blockIdx.x * blockDim.x + threadIdx.x;
 }

@@ -504,6 +504,7 @@ __global__ void __launch_bounds__(SHARED_BUFFER_THREADS) shared_buffer_decode(SH
   __shared__ float o_s[DECODE_WARPS][32 * VEC];  // each warp's output row (Hv <= 32 * VEC, the host's bound)
   __shared__ float2 ml_s[DECODE_WARPS];          // each warp's (m, l)
 
+  wait_for_prior_grids();  // launched programmatically (shared_buffer.py), the kernels before it may still run
   const BlockRow r = block_row(past_sequence_length, cache_indirection, beams, mask, mask_kind, mask_total,
                                attention_bias != nullptr, bias_total, slots, q_seq, kv_seq, heads, head_size,
                                v_head_size, max_seq, status, sticky, site);

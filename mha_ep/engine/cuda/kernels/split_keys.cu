@@ -579,6 +579,9 @@ __device__ __forceinline__ void split_key_stream_rows(FLASH_KERNEL_PARAMETERS(IN
   };
 
   for (int unit = 0; unit < STREAM_STAGES - 1; ++unit) issue(unit);  // the first tiles in flight before anything
+  // Launched programmatically (split_keys.py), the block gets here while the kernels before it still run: the K and
+  // V rows above are not theirs to write (the caller's promise), the query, biases, masks and scratch may be.
+  wait_for_prior_grids();
   split_query_rows<ELEM, IN>(q_s, q + (long long)b * stride_qb + (long long)h * stride_qh, stride_qs, bias_q, h,
                              q_seq, head_size, round_query);  // step 1 (arrive's barrier makes it everyone's)
   const MaskParams mp{attention_bias, bias_d0, bias_d1, mask_kind, key_lengths_B, keep, mask_filter_value,
@@ -628,6 +631,16 @@ __device__ __forceinline__ void split_key_stream_rows(FLASH_KERNEL_PARAMETERS(IN
                             out_narrow_BSD);
     __syncthreads();  // weight and total are the next row's
   }
+}
+
+// A split_key_stream launch's arrival counters zeroed where a Fill would be, as a kernel that a programmatic
+// split_key_stream can follow (a Fill cannot be followed programmatically). It lets that launch start at once, and
+// writes only once the kernels before it are done (the counters are a call's scratch, which they may still use).
+template <typename WORD>
+__global__ void __launch_bounds__(SPLIT_THREADS) zero_after_prior_grids(WORD* __restrict__ words, int count) {
+  allow_dependent_grids();
+  wait_for_prior_grids();
+  for (int i = threadIdx.x; i < count; i += blockDim.x) words[i] = 0;  // one block (split_keys.py)
 }
 
 template <typename ELEM, typename IN>
