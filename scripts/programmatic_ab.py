@@ -45,7 +45,7 @@ def main() -> int:
     from mha_ep import native
     from mha_ep.bench.generate import PROMPT
     from mha_ep.decode.static_decode import greedy_static
-    from mha_ep.engine.cuda.split_keys import PROGRAMMATIC_ENV
+    from mha_ep.engine.cuda.dispatch import PROGRAMMATIC_ENV
 
     model, _, cache, fixed, stream = setup(args)
     first = cupy.asarray(np.ones((args.batch, 1), np.int64))
