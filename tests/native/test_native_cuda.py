@@ -142,31 +142,38 @@ GRAPH_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(GRAPH_CASES))
-def test_ort_s_cuda_graph_captures_claimed_nodes_and_replays_bit_identical_with_fresh_inputs(name, cuda_native, rng):
+def assert_replays_match_eager(config: MhaConfig, eager, first: dict, seed: int = 0) -> None:
+    """``config``'s model in a session with ORT's CUDA graph on, every input and the output bound once to CuPy
+    buffers (poisoned before each run): six runs, the first on ``first`` and the rest on fresh inputs (ORT captures
+    on an early run and replays from then on), each bit-identical to the ``eager`` session's output."""
     import cupy
 
-    config = GRAPH_CASES[name]
-    model = build_model(config)
-    eager = native_session(model, backend="cuda", providers=CUDA)
-    graphed = native_session(model, backend="cuda", providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
-                                                                  "CPUExecutionProvider"])  # fmt: skip
-    first = random_feeds(config, rng)
+    graphed = native_session(build_model(config), backend="cuda",
+                             providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"])
     inputs = {name: cupy.asarray(value) for name, value in first.items()}
     output = cupy.empty((config.batch, config.q_seq, config.num_heads * config.hv), cupy.float16)
     binding = graphed.io_binding()
     for name, array in inputs.items():
         binding.bind_input(name, "cuda", 0, array.dtype, array.shape, array.data.ptr)
     binding.bind_output("output", "cuda", 0, output.dtype, output.shape, output.data.ptr)
-    for turn in range(6):  # ORT captures on an early run and replays from then on
-        feeds = first if turn == 0 else random_feeds(config, np.random.default_rng(turn))
+    for turn in range(6):
+        feeds = first if turn == 0 else random_feeds(config, np.random.default_rng(seed + turn))
         for name, value in feeds.items():
             inputs[name][...] = cupy.asarray(value)
+        output.fill(cupy.nan)
+        cupy.cuda.runtime.deviceSynchronize()  # the writes above are on CuPy's stream, ORT runs on its own
         graphed.run_with_iobinding(binding)
         cupy.cuda.runtime.deviceSynchronize()
         want = eager.run(["output"], feeds)[0]
         assert np.array_equal(cupy.asnumpy(output), want), f"turn {turn}: the replay differs from the eager run"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GRAPH_CASES))
+def test_ort_s_cuda_graph_captures_claimed_nodes_and_replays_bit_identical_with_fresh_inputs(name, cuda_native, rng):
+    config = GRAPH_CASES[name]
+    eager = native_session(build_model(config), backend="cuda", providers=CUDA)
+    assert_replays_match_eager(config, eager, random_feeds(config, rng))
 
 
 @pytest.mark.gpu
@@ -175,33 +182,13 @@ def test_a_programmatic_cross_attention_matches_stock_eagerly_and_replays_under_
     """MHA_EP_PROGRAMMATIC=on: the decode step's split_key_stream, launched programmatically after
     zero_after_prior_grids (dispatch.programmatic_launches), gives stock ORT's output eagerly, and under ORT's CUDA
     graph the replays of fresh inputs give the eager run's, bit for bit."""
-    import cupy
-
     monkeypatch.setenv("MHA_EP_PROGRAMMATIC", "on")
     native.reset_plans()
     config = GRAPH_CASES["f16 cross decode"]
-    model = build_model(config)
-    eager = native_session(model, backend="cuda", providers=CUDA)
+    eager = native_session(build_model(config), backend="cuda", providers=CUDA)
     feeds = random_feeds(config, rng)
     assert_outputs_match(run_named(eager, feeds), stock_outputs(config, feeds), tolerance(config.dtype), "eager")
-    graphed = native_session(model, backend="cuda", providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
-                                                                  "CPUExecutionProvider"])  # fmt: skip
-    inputs = {name: cupy.asarray(value) for name, value in feeds.items()}
-    output = cupy.empty((config.batch, config.q_seq, config.num_heads * config.hv), cupy.float16)
-    binding = graphed.io_binding()
-    for name, array in inputs.items():
-        binding.bind_input(name, "cuda", 0, array.dtype, array.shape, array.data.ptr)
-    binding.bind_output("output", "cuda", 0, output.dtype, output.shape, output.data.ptr)
-    for turn in range(6):
-        fresh = random_feeds(config, np.random.default_rng(100 + turn))
-        for name, value in fresh.items():
-            inputs[name][...] = cupy.asarray(value)
-        output.fill(cupy.nan)
-        cupy.cuda.runtime.deviceSynchronize()  # the writes above are on CuPy's stream, ORT runs on its own
-        graphed.run_with_iobinding(binding)
-        cupy.cuda.runtime.deviceSynchronize()
-        want = eager.run(["output"], fresh)[0]
-        assert np.array_equal(cupy.asnumpy(output), want), f"turn {turn}: the replay differs from the eager run"
+    assert_replays_match_eager(config, eager, feeds, seed=100)
 
 
 @pytest.mark.gpu
