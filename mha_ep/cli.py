@@ -6,7 +6,8 @@
     mha-ep compare MODEL --reference U   ... and stock ORT on MODEL vs on U, the model before fusion
     mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native, generate, soak, serve, sd
                                          (mha-ep bench WHAT --help)
-    mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W] [--step-length L] [--no-packed-qkv]
+    mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W [--shared-cross-kv]]
+                      [--step-length L] [--no-packed-qkv]
                                          a decoder-with-past rewritten to a static KV cache: one graph of fixed shapes
     mha-ep serve MODEL [--replicas N] [--port P] [--max-batch B]
                                          serve a model over HTTP with Ray Serve (the serve extra), batching callers
@@ -88,7 +89,8 @@ def cmd_static_cache(args) -> int:
     from mha_ep.graph.static_cache import static_cache
 
     result = static_cache(args.model, max_length=args.max_length, batch=args.batch, beams=args.beams,
-                          step_length=args.step_length, packed_qkv=args.packed_qkv)
+                          step_length=args.step_length, packed_qkv=args.packed_qkv,
+                          shared_cross_kv=args.shared_cross_kv)
     result.save(args.output)
     data = result.to_dict()
     data["output"] = args.output
@@ -302,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-packed-qkv", dest="packed_qkv", action="store_false",
                    help="keep each self-attention node's Q, K and V projections as three MatMuls (default: one MatMul "
                         "and a packed QKV query, which only mha_ep runs: stock ORT refuses packed QKV with a past)")
+    p.add_argument("--shared-cross-kv", action="store_true",
+                   help="with --beams: the cross-attention keys and values one row per batch entry, not per beam, "
+                        "each read once for the entry's W beams (bind the encoder's unrepeated)")  # fmt: skip
     json_option(p)
     p.set_defaults(func=cmd_static_cache)
 

@@ -33,6 +33,9 @@ for a 30 s utterance: encoder + ``--steps`` tokens.
 ``--packed-qkv off|both``: the static columns without (or also without) static_cache's rule PACKED_PROJECTIONS,
 each self node's Q, K and V projections as three MatMuls, as the decoder has them (the other columns run the
 decoder as it is).
+``--shared-cross-kv on|both``: the static_beam column's rewrite with static_cache's rule SHARED_CROSS_KV, its
+cross-attention keys and values bound once per batch entry (each read once for the entry's BEAMS beams) where
+stock_beam and the default bind them once per beam row.
 ``--cross-qk on|both``: the decoder's cross-attention nodes also write qk (output_cross_qk_<l>, (B, N, 1, 1500),
 as ORT's Whisper export with --output_cross_qk: word timestamps); every column binds them on the GPU (the static
 loops to fixed buffers), and the row states the bytes a step writes for them (layers x B x N x 1500 elements).
@@ -103,6 +106,7 @@ class Row:
     dtype: str = "float32"
     cross_qk: bool = False  # the cross-attention nodes also write qk (ORT's --output_cross_qk export)
     packed_qkv: bool = True  # the static rewrite's self-attention Q, K, V projections as one MatMul (its default)
+    shared_cross_kv: bool = False  # the static beam rewrite's cross K/V one row per batch entry (--shared-cross-kv)
 
     @property
     def vocab(self) -> int:
@@ -118,6 +122,7 @@ class Row:
         qk = ", + cross qk" if self.cross_qk else ""
         cut = f", encoder cut to {self.encoder_layers} layers" if self.size in ENCODER_LAYERS else ""
         unpacked = "" if self.packed_qkv else ", static Q/K/V projections unpacked"
+        unpacked += ", static beam's cross K/V one row per entry" if self.shared_cross_kv else ""
         return (f"Whisper-{NAMES.get(self.size, self.size)}-sized ({layers} x {hidden}, {heads} heads) B={self.batch} "
                 f"{self.dtype}{qk}, random weights{cut}{unpacked}")
 
@@ -246,15 +251,17 @@ def static_loop(transcriber, features) -> tuple:
     return got, [transcriber.loop_seconds / steps] * steps
 
 
-def static_decoder(model, batch: int, stream, fixed: dict, beams: int = 0, packed_qkv: bool = True):
+def static_decoder(model, batch: int, stream, fixed: dict, beams: int = 0, packed_qkv: bool = True,
+                   shared_cross_kv: bool = False):  # fmt: skip
     """The static-cache form of ``model`` (a decoder-with-past; ``packed_qkv``: static_cache's rule
-    PACKED_PROJECTIONS) in an ORT CUDA-graph session on ``stream``, its fixed inputs set to ``fixed`` (NumPy, which
-    also gives their shapes)."""
+    PACKED_PROJECTIONS; ``shared_cross_kv``: its rule SHARED_CROSS_KV) in an ORT CUDA-graph session on ``stream``,
+    its fixed inputs set to ``fixed`` (NumPy, which also gives their shapes)."""
     from mha_ep.decode.static_decode import StaticDecoder, cuda_session
     from mha_ep.graph.static_cache import static_cache
 
     rows = batch * max(beams, 1)
-    static = static_cache(model, max_length=MAX_LENGTH, batch=rows, beams=beams, packed_qkv=packed_qkv).model
+    static = static_cache(model, max_length=MAX_LENGTH, batch=rows, beams=beams, packed_qkv=packed_qkv,
+                          shared_cross_kv=shared_cross_kv).model  # fmt: skip
     decoder = StaticDecoder(cuda_session(static, stream), batch, stream=stream, beams=beams,
                             fixed_shapes={name: value.shape for name, value in fixed.items()})  # fmt: skip
     decoder.set_inputs(fixed)
@@ -483,7 +490,9 @@ def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: b
     eot = vocab - 1
     bias = cupy.zeros((vocab,), cupy.float32)
     bias[eot] = -cupy.inf
-    beam_decoder = static_decoder(decoder, row.batch, stream, beam_fixed, beams=BEAMS, packed_qkv=row.packed_qkv)
+    beam_decoder = static_decoder(decoder, row.batch, stream, host_fixed if row.shared_cross_kv else beam_fixed,
+                                  beams=BEAMS, packed_qkv=row.packed_qkv,
+                                  shared_cross_kv=row.shared_cross_kv)  # fmt: skip
     stock_stepper = BoundStepper(made["stock"][0])
     stock_cache, stock_fixed = device_values(beam_cache), device_values(beam_fixed)
 
@@ -768,6 +777,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--packed-qkv", default="on", choices=("on", "off", "both"),
                         help="the static columns' rewrite writes each self node's Q, K and V projections as one "
                              "MatMul (static_cache's rule PACKED_PROJECTIONS, its default; both: each row both ways)")
+    parser.add_argument("--shared-cross-kv", default="off", choices=("off", "on", "both"),
+                        help="the static_beam column's rewrite reads the cross-attention keys and values one row per "
+                             "batch entry (static_cache's rule SHARED_CROSS_KV; both: each row both ways)")
     parser.add_argument("--columns", default=",".join(COLUMNS),
                         help="comma-separated greedy columns of the random-weight rows (stock_iobinding always); "
                              "the deployed sizes: stock_iobinding,mhaep_plain,static_greedy")
@@ -790,8 +802,10 @@ def main(argv: Optional[list] = None) -> int:
         ort.preload_dlls()
     qk_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.cross_qk]
     packed_forms = {"on": (True,), "off": (False,), "both": (False, True)}[args.packed_qkv]
-    rows = [Row(size, int(batch), args.dtype, qk, packed) for size in args.sizes.split(",") if size
-            for batch in args.batches.split(",") for qk in qk_forms for packed in packed_forms]  # fmt: skip
+    shared_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.shared_cross_kv]
+    rows = [Row(size, int(batch), args.dtype, qk, packed, shared) for size in args.sizes.split(",") if size
+            for batch in args.batches.split(",") for qk in qk_forms for packed in packed_forms
+            for shared in shared_forms]  # fmt: skip
     unknown = [r.size for r in rows if r.size not in SIZES]
     if unknown:
         parser.error(f"unknown size(s) {unknown}; known: {list(SIZES)}")

@@ -88,7 +88,8 @@ def numpy_type(ort_type: str, name: str):
 class DecoderNames:
     """Which of a static-cache decoder's inputs and outputs are what: the (past, present) cache pairs, the P and
     cache_indirection inputs, the token input and the logits output. ``pairs_from``: where the pairs came from
-    (the rewrite's metadata, graph/static_cache_result.METADATA_KEY, or the present_X / past_X naming)."""
+    (the rewrite's metadata, graph/static_cache_result.METADATA_KEY, or the present_X / past_X naming).
+    ``entry_inputs``: the inputs of one row per batch entry, not per beam (the metadata's; rule SHARED_CROSS_KV)."""
 
     pairs: tuple
     past_sequence_length: str
@@ -96,6 +97,7 @@ class DecoderNames:
     ids: str
     logits: str
     pairs_from: str
+    entry_inputs: tuple = ()
 
 
 def decoder_names(inputs: Mapping[str, object], outputs: Mapping[str, object], metadata: Mapping[str, str],
@@ -110,7 +112,9 @@ def decoder_names(inputs: Mapping[str, object], outputs: Mapping[str, object], m
         pairs = tuple((layer[past], layer[present]) for layer in facts["self_layers"]
                       for past, present in (("past_key", "present_key"), ("past_value", "present_value")))  # fmt: skip
         p_name, ci_name, source = facts["past_sequence_length"], facts["cache_indirection"], "metadata"
+        entry_inputs = tuple(facts.get("entry_inputs", ()))  # (a model stamped before 2026-12-07 has none)
     else:
+        entry_inputs = ()
         pairs = tuple((name.replace("present_", "past_", 1), name) for name in outputs
                       if name.startswith("present_") and name.replace("present_", "past_", 1) in inputs)  # fmt: skip
         p_name, source = "past_sequence_length", "present_X / past_X names"
@@ -140,7 +144,11 @@ def decoder_names(inputs: Mapping[str, object], outputs: Mapping[str, object], m
     logits = logits or "logits"
     if logits not in outputs:
         raise MhaEpError(f"the decoder has no output {logits!r} (logits=); its outputs: {sorted(outputs)}")
-    return DecoderNames(pairs, p_name, ci_name, ids, logits, source)
+    missing = [name for name in entry_inputs if name not in inputs]
+    if missing:
+        raise MhaEpError(f"the decoder's metadata names {missing} as inputs of one row per batch entry, but the "
+                         "model lacks them: was it edited after mha-ep static-cache?")  # fmt: skip
+    return DecoderNames(pairs, p_name, ci_name, ids, logits, source, entry_inputs)
 
 
 class StaticDecoder:
@@ -148,7 +156,8 @@ class StaticDecoder:
     docstring). ``batch`` entries of ``beams`` rows each (``beams`` > 0: the decoder takes cache_indirection,
     static_cache(..., beams=W)); the decoder's other inputs (``fixed``) have static shapes but their rows, or
     shapes given in ``fixed_shapes`` (name -> shape, e.g. an encoder length the model leaves symbolic). Any decoder
-    ``mha-ep static-cache`` wrote: its caches, P and cache_indirection inputs come from the rewrite's metadata;
+    ``mha-ep static-cache`` wrote: its caches, P and cache_indirection inputs come from the rewrite's metadata, and
+    so do the inputs of one row per batch entry (``--shared-cross-kv``: the encoder's keys and values, unrepeated);
     ``ids`` / ``logits`` name the token input and the logits output where they are not input_ids / logits.
 
     Its buffers are bound once (decode/binding.py's CapturedBinding): after the first step, binding another buffer
@@ -206,8 +215,14 @@ class StaticDecoder:
             for name, value in inputs.items():
                 if name in own:
                     continue
-                shape = [self.rows if i == 0 else d for i, d in enumerate(value.shape)]
+                rows = batch if name in names.entry_inputs else self.rows  # rule SHARED_CROSS_KV: one an entry
+                shape = [rows if i == 0 else d for i, d in enumerate(value.shape)]
                 shape = list((fixed_shapes or {}).get(name, shape))
+                if shape and isinstance(value.shape[0], int) and shape[0] != value.shape[0]:
+                    raise MhaInputError(f"input {name} is declared {value.shape}, and fixed_shapes gives it "
+                                        f"{tuple(shape)}: its rows are {value.shape[0]}"
+                                        + (" (one a batch entry: rule SHARED_CROSS_KV)"
+                                           if name in names.entry_inputs else ""))  # fmt: skip
                 if not all(isinstance(d, int) for d in shape):
                     raise MhaEpError(f"input {name} has shape {value.shape}: give its shape in fixed_shapes (a "
                                      f"static-cache decoder's buffers are made once)")  # fmt: skip

@@ -77,6 +77,12 @@ def check_generate_request(decoder, prompt: np.ndarray, max_new_tokens: int,
         got, want = shape_of(value), tuple(decoder.fixed[name].shape)
         if not got or got[1:] != want[1:]:
             raise MhaInputError(f"input {name!r} has shape {got}, expected (rows,) + {want[1:]}")
+        if name in decoder.names.entry_inputs:
+            if got[0] != decoder.batch:
+                raise MhaInputError(f"input {name!r} has shape {got}: the decoder reads it one row per batch entry "
+                                    f"(mha-ep static-cache --shared-cross-kv), {decoder.batch} rows, not one per "
+                                    "beam: give each entry's rows once")  # fmt: skip
+            continue
         rows_for(f"input {name!r} (shape {got})", got[0], decoder.batch, decoder.beams)
 
 
@@ -86,7 +92,7 @@ def generate_static(decoder, prompt, max_new_tokens: int, *, inputs: Optional[Ma
     """Up to ``max_new_tokens`` tokens after ``prompt`` ((rows, P0) token ids: a row per batch entry, or per
     decoder row) over ``decoder`` (a StaticDecoder; greedy, or beam search when it was made with beams), its fixed
     inputs set from ``inputs`` (name -> CuPy or NumPy array, or an ORT value on the device, a row per batch entry or
-    per decoder row). ``eot``: the end-of-text id (greedy: a row stops before it; beams: a finished sequence ends
+    per decoder row; a row per batch entry for the inputs a ``--shared-cross-kv`` rewrite shares among beams). ``eot``: the end-of-text id (greedy: a row stops before it; beams: a finished sequence ends
     with it; required for beams). ``suppress``: token ids never chosen; ``suppress_first``: more ids never chosen
     as the first new token. Returns greedy's rows / beam search's batch entries, the prompt excluded."""
     prompt = prompt_array(prompt)
@@ -108,7 +114,8 @@ def generate_static(decoder, prompt, max_new_tokens: int, *, inputs: Optional[Ma
         values = {}
         for name, value in inputs.items():
             array = as_cupy(value)
-            values[name] = array[cupy.asarray(per_row)] if shape_of(value)[0] != decoder.rows else array
+            expand = shape_of(value)[0] != decoder.rows and name not in decoder.names.entry_inputs
+            values[name] = array[cupy.asarray(per_row)] if expand else array
         decoder.set_inputs(values)
         rows_prompt = prompt[per_row] if prompt.shape[0] != decoder.rows else prompt
         steps_ids = cupy.asarray(rows_prompt.astype(decoder.ids.dtype))

@@ -65,6 +65,14 @@ tests and the docs cite a rule as ``rule NAME``, never by a number (tests/graph/
     decode step instead of three. Stock ORT refuses packed QKV with a past: the rewritten model then runs only with
     its attention nodes claimed by mha_ep (what every loop over it does); ``packed_qkv=False`` (``--no-packed-qkv``)
     keeps the three MatMuls. A node that does not match keeps them, and the report says why.
+  SHARED_CROSS_KV: with ``beams`` W and ``shared_cross_kv`` (``--shared-cross-kv``), a cross-attention node (no past)
+    whose key and value are BNSH graph inputs that only cross-attention nodes read, with no key_padding_mask,
+    attention_bias or qk output, reads them with one row per batch entry, (B / W, N, T, H), instead of one per beam:
+    its query (B, L, D) is reshaped to (B / W, W * L, D), the W beams' rows of an entry becoming W * L query rows over
+    the entry's keys, and its output back to (B, L, Dv). The same attention (no row of a cross node sees another's
+    scores), and each K and V row is read once an entry instead of W times. The loop binds the encoder's keys and
+    values unrepeated (the rewrite's metadata names the inputs: StaticDecoder sizes them by entries). A node that does
+    not match keeps its inputs, and the report says why. Stock ORT runs the rewritten nodes as they are.
   declare_outputs: the presents as rule SHARED_BUFFER; every other output gets the dims shape inference found static.
 """
 
@@ -87,7 +95,7 @@ from mha_ep.graph.graph_facts import (
 from mha_ep.graph.model_io import load_model
 from mha_ep.graph.packed_projections import Projections, match_projections, packed_shape, packed_weight, readers_of
 from mha_ep.graph.static_cache_checks import (
-    CACHE_INDIRECTION, P_SYMBOL, PAST_KEY, PAST_SEQUENCE_LENGTH, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE,
+    CACHE_INDIRECTION, P_SYMBOL, PAST_KEY, PAST_SEQUENCE_LENGTH, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, QK,
     SHARED_SLOTS, HostReads, StaticCacheError, check_arguments, check_buffer_lengths, check_readers,
     check_self_node, check_shared_input, is_self, refuse_the_pasts_length, shared_input_name, slots_of, where,
 )
@@ -111,7 +119,8 @@ def _carriers(inputs: Sequence[onnx.ValueInfoProto], symbol: str, skip: Set[str]
 
 
 def static_cache(model, max_length: int, batch: Optional[int] = None, beams: int = 0,
-                 step_length: Optional[int] = None, packed_qkv: bool = True) -> StaticCacheResult:
+                 step_length: Optional[int] = None, packed_qkv: bool = True,
+                 shared_cross_kv: bool = False) -> StaticCacheResult:  # fmt: skip
     """Rewrite a decoder-with-past (an onnx.ModelProto or a path; not modified) into the static-cache form of the
     module docstring: self pasts and presents (B, N, max_length, H) sharing one buffer, an input
     ``past_sequence_length`` (int32, (1,)), no shape arithmetic on the host. ``batch``: B (rows: batch entries x
@@ -120,10 +129,15 @@ def static_cache(model, max_length: int, batch: Optional[int] = None, beams: int
     that a static one must be (rule OTHER_INPUTS). Raises StaticCacheError naming the node or input for a model it
     cannot rewrite. ``packed_qkv``: each self node's Q, K and V projections as one MatMul and a packed QKV query
     (rule PACKED_PROJECTIONS; the model then runs only with mha_ep claiming its attention nodes); False keeps them
-    apart."""
+    apart. ``shared_cross_kv`` (with ``beams``): the cross-attention keys and values one row per batch entry, not
+    per beam (rule SHARED_CROSS_KV)."""
     check_arguments(max_length, batch, beams, step_length)  # rule SELF_NODES
+    if shared_cross_kv and not beams:
+        raise StaticCacheError("shared_cross_kv (--shared-cross-kv) shares the cross-attention keys and values among "
+                               "a batch entry's beams: give beams (--beams W) too")  # fmt: skip
     return StaticCachePass(load_model(model), int(max_length), None if batch is None else int(batch), int(beams),
-                           None if step_length is None else int(step_length), bool(packed_qkv)).run()  # fmt: skip
+                           None if step_length is None else int(step_length), bool(packed_qkv),
+                           bool(shared_cross_kv)).run()  # fmt: skip
 
 
 class StaticCachePass:
@@ -132,7 +146,8 @@ class StaticCachePass:
     values, the tainted names, the new nodes and initializers, what stays and what was removed."""
 
     def __init__(self, model: onnx.ModelProto, max_length: int, batch: Optional[int], beams: int = 0,
-                 step_length: Optional[int] = None, packed_qkv: bool = True):  # fmt: skip
+                 step_length: Optional[int] = None, packed_qkv: bool = True,
+                 shared_cross_kv: bool = False):  # fmt: skip
         self.model = model
         self.graph = model.graph
         self.max_length = max_length
@@ -162,6 +177,9 @@ class StaticCachePass:
         self.removed = 0
         self.packed_qkv = packed_qkv
         self.packing: List[Tuple[str, str]] = []  # rule PACKED_PROJECTIONS: (self node, "" packed or why not)
+        self.shared_cross_kv = shared_cross_kv
+        self.sharing: List[Tuple[str, str]] = []  # rule SHARED_CROSS_KV: (cross node, "" shared or why not)
+        self.entry_inputs: List[str] = []  # rule SHARED_CROSS_KV: the inputs of one row per batch entry
         self.taken = taken_names(self.graph)
 
     def run(self) -> StaticCacheResult:
@@ -177,6 +195,8 @@ class StaticCachePass:
                 self.share_buffer(node)
         if self.packed_qkv:
             kept = self.pack_projections(kept)
+        if self.shared_cross_kv:
+            kept = self.share_cross_kv(kept)
         del self.graph.node[:]
         self.graph.node.extend(self.new_nodes + kept)
         self.graph.initializer.extend(self.new_initializers)
@@ -187,11 +207,14 @@ class StaticCachePass:
             self.graph.input.append(helper.make_tensor_value_info(self.ci_input, onnx.TensorProto.INT32,
                                                                   [entries, self.beams, self.max_length]))  # fmt: skip
         self.declare_outputs()
+        self.declare_entry_inputs()
         self.drop_unused()
         result = StaticCacheResult(self.model, self.layers(), self.max_length, self.batch, self.removed,
                                    self.notes(), self.beams, self.step, tuple(self.pinned), self.p_input,
                                    self.ci_input, tuple(self.kept_inputs),
-                                   tuple(self.packing) if self.packed_qkv else None)  # fmt: skip
+                                   tuple(self.packing) if self.packed_qkv else None,
+                                   tuple(self.sharing) if self.shared_cross_kv else None,
+                                   tuple(self.entry_inputs))  # fmt: skip
         result.stamp()
         return result
 
@@ -529,6 +552,73 @@ class StaticCachePass:
         node.input[0], node.input[1], node.input[2] = packed, "", ""
         return [helper.make_node("MatMul", [found.source, weight], [product], name=product),
                 helper.make_node("Reshape", [product, shape], [packed], name=packed)]
+
+    # rule SHARED_CROSS_KV
+    def share_cross_kv(self, kept: List[onnx.NodeProto]) -> List[onnx.NodeProto]:
+        """Each cross node that matches, between a Reshape of its query to (B / W, W * L, D) and one of its output
+        back to (B, L, Dv); the others as they are, with the reason. The nodes that stay, in order."""
+        readers = readers_of(kept, lambda node: names_read(self.graph, node))
+        placed: Dict[int, List[onnx.NodeProto]] = {}
+        shared: List[str] = []
+        for node in kept:
+            if node.op_type != spec.OP_TYPE or node.domain != spec.ORT_DOMAIN or is_self(node, self.presents):
+                continue
+            found = self.cross_kv_refusal(node, readers)
+            self.sharing.append((node_name(node), found if isinstance(found, str) else ""))
+            if isinstance(found, str):
+                continue
+            model_dim, value_dim = found
+            name = node_name(node) or node.output[0]
+            rows = self.initializer(f"{name}/entry_rows.shape", np.array([-1, self.beams * self.step, model_dim]))
+            back = self.initializer(f"{name}/beam_rows.shape", np.array([-1, self.step, value_dim]))
+            query, context = self.new_name(f"{name}/entry_rows"), self.new_name(f"{name}/entry_context")
+            output = node.output[0]
+            before = helper.make_node("Reshape", [node.input[0], rows], [query], name=query)
+            after = helper.make_node("Reshape", [context, back], [output], name=output + "/beam_rows")
+            node.input[0], node.output[0] = query, context
+            placed[id(node)] = [before, node, after]
+            shared += [node.input[1], node.input[2]]
+        self.entry_inputs = sorted(set(shared))
+        return [new for node in kept for new in placed.get(id(node), [node])]
+
+    def cross_kv_refusal(self, node: onnx.NodeProto, readers: Dict[str, List[onnx.NodeProto]]):
+        """Rule SHARED_CROSS_KV's match for one cross node: (D, Dv), the query's and the output's last dims, or why
+        it keeps one K / V row per beam."""
+        slots = slots_of(node)
+        key, value = slots[spec.SLOT["key"]], slots[spec.SLOT["value"]]
+        if not (key in self.graph_inputs and value in self.graph_inputs):
+            return "its key and value are not both graph inputs"
+        if key == value:
+            return "its key and value are one input (packed KV)"
+        kv_dims = [dims_of(self.graph_inputs[name]) or () for name in (key, value)]
+        if any(len(d) != 4 or not isinstance(d[1], int) or not isinstance(d[3], int) for d in kv_dims):
+            return f"its key and value are not BNSH with static N and H: {kv_dims[0]}, {kv_dims[1]}"
+        for name in (key, value):
+            others = [n for n in readers.get(name, []) if n.op_type != spec.OP_TYPE or n.domain != spec.ORT_DOMAIN
+                      or is_self(n, self.presents)]  # fmt: skip
+            if others:
+                return f"input {name!r} is read by {where(others[0])} too"
+        for slot in ("key_padding_mask", "attention_bias"):
+            if slots[spec.SLOT[slot]]:
+                return f"it has a {slot} (one row per beam)"
+        if len(node.output) > QK and node.output[QK]:
+            return "it writes the qk output (one row per beam)"
+        if not isinstance(self.step, int):
+            return "the step length is not known (--step-length)"
+        heads, head_size, value_head = kv_dims[0][1], kv_dims[0][3], kv_dims[1][3]
+        query_dims = self.dims.get(node.input[0])  # (B, L, N*H) by the op's rules; None where inference stopped
+        if query_dims is not None and (len(query_dims) != 3 or query_dims[2] not in (None, heads * head_size)):
+            return f"its query is not (B, L, N*H) = (B, L, {heads * head_size}): {tuple(query_dims)}"
+        return heads * head_size, heads * value_head
+
+    def declare_entry_inputs(self) -> None:
+        """Rule SHARED_CROSS_KV: the shared inputs' dim 0 is the batch entries (B / W, or ``batch_entries``)."""
+        if not self.entry_inputs:
+            return
+        entries = "batch_entries" if self.batch is None else self.batch // self.beams
+        for value in self.graph.input:
+            if value.name in self.entry_inputs:
+                set_dims(value, [entries] + list(dims_of(value))[1:])
 
     # rules SHARED_BUFFER and ``declare_outputs``
     def declare_outputs(self) -> None:

@@ -36,7 +36,9 @@ class StaticCacheResult:
     not known), the input dims pinned to it (input, dim index, symbol, value), the names of the P and
     cache_indirection inputs (None: none), and which of the two the model had already (rules SELF_NODES,
     SHARED_BUFFER and OTHER_INPUTS); per self node (graph order), "" where its Q, K and V projections became one
-    MatMul and a packed QKV query, else why not (rule PACKED_PROJECTIONS; None: not asked, packed_qkv=False)."""
+    MatMul and a packed QKV query, else why not (rule PACKED_PROJECTIONS; None: not asked, packed_qkv=False); per
+    cross node, "" where its beams share one K / V row per batch entry, else why not, and the inputs that hold one
+    row per entry (rule SHARED_CROSS_KV; None: not asked)."""
 
     model: onnx.ModelProto
     self_layers: Tuple[Tuple[str, str, str, str], ...]
@@ -51,6 +53,8 @@ class StaticCacheResult:
     cache_indirection: Optional[str] = None
     kept_inputs: Tuple[str, ...] = ()
     packed_qkv: Optional[Tuple[Tuple[str, str], ...]] = None
+    shared_cross_kv: Optional[Tuple[Tuple[str, str], ...]] = None
+    entry_inputs: Tuple[str, ...] = ()
 
     @property
     def packed_nodes(self) -> List[str]:
@@ -71,6 +75,17 @@ class StaticCacheResult:
                          "attention nodes, or rewrite it with --no-packed-qkv")  # fmt: skip
         lines.extend(f"  not packed: node {node!r}: {why}" for node, why in self.packed_qkv
                      if why not in ("", ALREADY))  # fmt: skip
+        return lines
+
+    def sharing_lines(self) -> List[str]:
+        """The report's lines on rule SHARED_CROSS_KV (none where it was not asked)."""
+        if self.shared_cross_kv is None:
+            return []
+        shared = [node for node, why in self.shared_cross_kv if not why]
+        lines = [f"  shared cross K/V: {len(shared)} of {len(self.shared_cross_kv)} cross-attention node(s) read "
+                 f"one key / value row per batch entry for its {self.beams} beams; bind "
+                 f"{', '.join(self.entry_inputs) or 'nothing'} with batch / beams rows"]  # fmt: skip
+        lines.extend(f"  not shared: node {node!r}: {why}" for node, why in self.shared_cross_kv if why)
         return lines
 
     @property
@@ -112,6 +127,7 @@ class StaticCacheResult:
             f"  shape arithmetic: {self.folded} node(s) folded into constants or device computations from "
             f"{self.past_sequence_length}",
             *self.packing_lines(),
+            *self.sharing_lines(),
             f"  inputs as they were: {', '.join(self.unchanged_inputs) or 'none'}",
         ]  # fmt: skip
         lines.extend(f"  note: {n}" for n in self.notes)
@@ -133,16 +149,20 @@ class StaticCacheResult:
             "folded": self.folded,
             "packed_qkv": None if self.packed_qkv is None else [
                 {"node": node, "packed": why in ("", ALREADY), "reason": why or None} for node, why in self.packed_qkv],
+            "shared_cross_kv": None if self.shared_cross_kv is None else [
+                {"node": node, "shared": not why, "reason": why or None} for node, why in self.shared_cross_kv],
+            "entry_inputs": list(self.entry_inputs),
             "unchanged_inputs": self.unchanged_inputs,
             "notes": self.notes,
         }  # fmt: skip
 
     def binding_facts(self) -> dict:
         """What a loop over the rewritten decoder needs to bind it: the (past_key, past_value, present_key,
-        present_value) names per layer, max_length, batch, beams and the P and cache_indirection inputs."""
+        present_value) names per layer, max_length, batch, beams, the P and cache_indirection inputs, and the
+        inputs of one row per batch entry (rule SHARED_CROSS_KV)."""
         facts = self.to_dict()
         return {key: facts[key] for key in ("self_layers", "max_length", "batch", "beams", "past_sequence_length",
-                                            "cache_indirection")}  # fmt: skip
+                                            "cache_indirection", "entry_inputs")}  # fmt: skip
 
     def stamp(self) -> None:
         """Record ``binding_facts`` in the model's metadata under METADATA_KEY (replacing an earlier stamp)."""

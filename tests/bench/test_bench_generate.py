@@ -289,3 +289,15 @@ def test_the_greedy_margins_follow_the_bench_s_own_greedy_loop_and_name_where_tw
     args.batch = 3
     with pytest.raises(SystemExit, match="no row"):
         margins_script.partings(args, tokens)
+
+
+def test_shared_cross_kv_both_runs_each_row_both_ways_and_says_so_in_the_label(monkeypatch):
+    """--shared-cross-kv both: each (size, batch) row twice, the static beam rewrite without and with static_cache's
+    rule SHARED_CROSS_KV, the label naming the second."""
+    seen = []
+    monkeypatch.setattr(generate, "bench_random",
+                        lambda row, *args, **options: seen.append(row) or {"label": row.label})  # fmt: skip
+    monkeypatch.setattr(generate, "format_row", lambda result: f"| {result['label']} |")
+    assert generate.main(["--sizes", "tiny", "--batches", "1", "--shared-cross-kv", "both"]) == 0
+    assert [row.shared_cross_kv for row in seen] == [False, True]
+    assert seen[1].label == seen[0].label + ", static beam's cross K/V one row per entry"

@@ -33,12 +33,13 @@ def prompt(entries: int, beams: int = 1):
     return out["logits"][rows, -1], {n: v[rows] for n, v in out.items() if n.startswith("present_")}
 
 
-def static_decoder(cupy, rows: int, beams: int = 0):
+def static_decoder(cupy, rows: int, beams: int = 0, shared_cross_kv: bool = False):
     from mha_ep.decode.static_decode import StaticDecoder, cuda_session
 
     decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
     stream = cupy.cuda.Stream(non_blocking=True)
-    static = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams).model
+    static = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams,
+                          shared_cross_kv=shared_cross_kv).model  # fmt: skip
     return StaticDecoder(cuda_session(static, stream), rows // max(beams, 1), stream=stream, beams=beams)
 
 
@@ -70,7 +71,10 @@ def test_greedy_static_gives_the_host_loop_s_tokens(native_cupy):
         assert got == expected
 
 
-def test_beam_static_gives_the_host_loop_s_answers(native_cupy):
+@pytest.mark.parametrize("shared", [False, True], ids=["cross-kv-per-beam", "shared-cross-kv"])
+def test_beam_static_gives_the_host_loop_s_answers(native_cupy, shared):
+    """``shared``: the decoder rewritten with rule SHARED_CROSS_KV, bound to the cross K/V of each entry once (its
+    own buffers hold batch, not batch x beams, rows)."""
     from mha_ep.decode.static_decode import beam_static
 
     cupy, beams, entries, steps = native_cupy, 5, 2, 16
@@ -86,7 +90,10 @@ def test_beam_static_gives_the_host_loop_s_answers(native_cupy):
         cache = {n: out[n.replace("past", "present")] for n in cache}
         sources, ids = search.step(log_softmax(out["logits"][:, -1]))
     expected = search.result()
-    decoder = static_decoder(cupy, entries * beams, beams)
+    decoder = static_decoder(cupy, entries * beams, beams, shared_cross_kv=shared)
+    if shared:
+        cross = {name: value[::beams] for name, value in cross.items()}  # each entry's rows once
+        assert all(decoder.fixed[name].shape[0] == entries for name in cross)
     decoder.set_inputs(cross)
     for _ in range(3):
         decoder.load_prompt({n: v for n, v in presents.items() if "_self_" in n}, PROMPT)

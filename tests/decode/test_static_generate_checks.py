@@ -23,9 +23,11 @@ from mha_ep.graph.static_cache_result import METADATA_KEY, read_binding_facts
 MAX_LENGTH = 16
 
 
-def decoder(batch: int = 2, beams: int = 0):
+def decoder(batch: int = 2, beams: int = 0, entry_inputs: tuple = ()):
     fixed = {"cross_key_0": np.zeros((batch * max(beams, 1), 2, 10, 8), np.float32)}
-    return SimpleNamespace(batch=batch, beams=beams, rows=batch * max(beams, 1), max_length=MAX_LENGTH, fixed=fixed)
+    fixed.update((name, np.zeros((batch, 2, 10, 8), np.float32)) for name in entry_inputs)
+    return SimpleNamespace(batch=batch, beams=beams, rows=batch * max(beams, 1), max_length=MAX_LENGTH, fixed=fixed,
+                           names=SimpleNamespace(entry_inputs=entry_inputs))  # fmt: skip
 
 
 @pytest.mark.parametrize("prompt, words", [
@@ -69,6 +71,27 @@ def test_inputs_of_another_name_shape_or_rows_are_refused_before_anything_runs()
         check_generate_request(made, prompt, 4, {"cross_key_0": np.zeros((4, 2, 10, 8))})
     for rows in (2, 6):  # a row per batch entry or per decoder row
         check_generate_request(made, prompt, 4, {"cross_key_0": np.zeros((rows, 2, 10, 8))})
+
+
+def test_an_input_shared_among_beams_takes_one_row_per_batch_entry_only():
+    """A --shared-cross-kv decoder's cross K/V hold a row per batch entry: given a row per beam, the loop refuses them
+    before anything runs and says why."""
+    made, prompt = decoder(beams=3, entry_inputs=("cross_key_1",)), prompt_array([[1, 2], [3, 4]])
+    check_generate_request(made, prompt, 4, {"cross_key_1": np.zeros((2, 2, 10, 8))})
+    with pytest.raises(MhaInputError, match=r"input 'cross_key_1' has shape \(6, 2, 10, 8\): the decoder reads it one "
+                                            "row per batch entry"):  # fmt: skip
+        check_generate_request(made, prompt, 4, {"cross_key_1": np.zeros((6, 2, 10, 8))})
+
+
+def test_a_decoder_s_entry_inputs_come_from_the_rewrite_s_metadata_and_must_be_its_inputs():
+    inputs, outputs, metadata = parts()
+    facts = json.loads(metadata[METADATA_KEY])
+    assert decoder_names(inputs, outputs, metadata).entry_inputs == ()  # a stamp from before the rule
+    facts["entry_inputs"] = ["cross.0"]
+    assert decoder_names(inputs, outputs, {METADATA_KEY: json.dumps(facts)}).entry_inputs == ("cross.0",)
+    facts["entry_inputs"] = ["cross.9"]
+    with pytest.raises(MhaEpError, match=r"names \['cross.9'\] as inputs of one row per batch entry"):
+        decoder_names(inputs, outputs, {METADATA_KEY: json.dumps(facts)})
 
 
 def test_beam_search_without_an_end_of_text_id_is_refused():

@@ -150,18 +150,21 @@ def beam_decode(step, first_logprobs, beams: int, steps: int, eot: int):
     return search.result(), trace
 
 
-def test_beam_search_over_the_static_decoder_with_cache_indirection_matches_the_reordered_dynamic_cache():
+@pytest.mark.parametrize("shared", [False, True], ids=["cross-kv-per-beam", "shared-cross-kv"])
+def test_beam_search_over_the_static_decoder_with_cache_indirection_matches_the_reordered_dynamic_cache(shared):
     """5 beams over 2 prompts, 12 steps: the dynamic decoder with its cache reordered on the host after every step,
     and the static decoder (beams=5) whose cache never moves, cache_indirection saying which beam's rows each row
     reads (stock ORT's CPU beam path, docs/SEMANTICS.md §3.10), give the same answers; and so does mha_ep's native
-    CPU kernel on the latter."""
+    CPU kernel on the latter. ``shared`` (rule SHARED_CROSS_KV): the static decoder reads the cross-attention keys
+    and values one row per prompt, not per beam, its cross nodes the 5 beams' queries as 5 rows of one."""
     from mha_ep.decode.beam import log_softmax
 
     beams, entries, steps, eot = 5, 2, 12, 2
     rows = beams * entries
     decoder = onnx.load(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
-    logits, self_kv, cross = whisper_prompt("fp32", batch=entries, logits=True)
-    self_kv, cross = ({name: np.repeat(value, beams, axis=0) for name, value in kv.items()} for kv in (self_kv, cross))
+    logits, self_kv, entry_cross = whisper_prompt("fp32", batch=entries, logits=True)
+    self_kv, cross = ({name: np.repeat(value, beams, axis=0) for name, value in kv.items()}
+                      for kv in (self_kv, entry_cross))  # fmt: skip
     first_logprobs = log_softmax(np.repeat(logits, beams, axis=0))  # every beam starts from its entry's prompt
 
     dynamic, grown = session(decoder), dict(self_kv)
@@ -173,9 +176,20 @@ def test_beam_search_over_the_static_decoder_with_cache_indirection_matches_the_
         return out["logits"][:, -1]
 
     expected = beam_decode(dynamic_step, first_logprobs, beams, steps, eot)
-    static = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams).model  # projections packed
-    plain = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams, packed_qkv=False).model
+    result = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams, shared_cross_kv=shared)
+    static = result.model  # projections packed
+    plain = static_cache(decoder, max_length=MAX_LENGTH, batch=rows, beams=beams, packed_qkv=False,
+                         shared_cross_kv=shared).model  # fmt: skip
     assert [n.input[9] for n in static.graph.node if len(n.input) > 9] == ["cache_indirection"] * 2
+    if shared:
+        assert result.entry_inputs == tuple(sorted(entry_cross)) and len(result.shared_cross_kv) == 2
+        assert all(why == "" for _, why in result.shared_cross_kv), result.shared_cross_kv
+        declared = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in static.graph.input}
+        assert all(declared[name][0] == entries for name in entry_cross), declared
+        assert "2 of 2 cross-attention node(s)" in result.report()
+        facts = json.loads(next(p.value for p in static.metadata_props if p.key == "mha_ep.static_cache"))
+        assert facts["entry_inputs"] == sorted(entry_cross)
+        cross = entry_cross  # the static runs read one row per prompt
     for static_run in (session(plain), mha_ep.InferenceSession(static, backend="reference", route="native")):
         cache = {}
         for name, value in self_kv.items():
@@ -1030,3 +1044,52 @@ def test_cli_refusal_is_one_line_with_exit_code_2(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mha-ep static-cache: error: ") and "Attention_0" in lines[0]
     assert not target.exists()
+
+
+def test_cli_shared_cross_kv_declares_the_cross_inputs_one_row_an_entry(tmp_path):
+    """--beams 2 --shared-cross-kv with a symbolic batch: the cross K/V inputs get dim 0 ``batch_entries``, the report
+    names them, and the JSON says each cross node was shared; without --beams the flag is refused."""
+    target = tmp_path / "x.onnx"
+    source = str(mha_ep.shipped_model("whisper_random_decoder_fp32.onnx"))
+    done = run_cli("static-cache", source, "-o", str(target), "--max-length", "16", "--beams", "2",
+                   "--shared-cross-kv", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert [entry["shared"] for entry in data["shared_cross_kv"]] == [True, True]
+    cross = [f"past_{k}_cross_{i}" for i in range(2) for k in ("key", "value")]
+    assert sorted(data["entry_inputs"]) == sorted(cross)
+    inputs = {v.name: v for v in onnx.load(target).graph.input}
+    assert all(inputs[name].type.tensor_type.shape.dim[0].dim_param == "batch_entries" for name in cross)
+    refused = run_cli("static-cache", source, "-o", str(tmp_path / "y.onnx"), "--max-length", "16",
+                      "--shared-cross-kv")  # fmt: skip
+    assert refused.returncode == 2 and "give beams (--beams W) too" in refused.stderr
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("mask", "it has a key_padding_mask (one row per beam)"),
+    ("qk", "it writes the qk output (one row per beam)"),
+    ("other reader", "is read by"),
+])  # fmt: skip
+def test_a_cross_node_that_cannot_share_keeps_its_rows_and_the_report_says_why(change, reason):
+    """Rule SHARED_CROSS_KV leaves a cross node whose rows differ per beam (a key_padding_mask, the qk output) or
+    whose key is read by another node as it was, with the reason; the other layer's node is shared."""
+    decoder = whisper_decoder_step(layers=2, hidden=64, heads=4, ffn=128, vocab=100, cross_qk=change == "qk")
+    cross = [n for n in decoder.graph.node if n.op_type == "MultiHeadAttention" and n.input[1].startswith("cross_")]
+    if change == "qk":  # only layer 0 keeps its qk output
+        cross[1].output[3] = ""
+        decoder.graph.output.remove(next(o for o in decoder.graph.output if o.name == "output_cross_qk_1"))
+    if change == "mask":
+        decoder.graph.input.append(helper.make_tensor_value_info("cross_mask", TP.INT32, ["batch", "encoder_sequence"]))
+        while len(cross[0].input) < 5:
+            cross[0].input.append("")
+        cross[0].input[4] = "cross_mask"
+    if change == "other reader":
+        decoder.graph.node.append(helper.make_node("Identity", [cross[0].input[1]], ["key_copy"]))
+        decoder.graph.output.append(helper.make_tensor_value_info("key_copy", TP.FLOAT, None))
+    result = static_cache(decoder, max_length=16, batch=4, beams=2, packed_qkv=False, shared_cross_kv=True)
+    (first, why_not), (second, why) = result.shared_cross_kv
+    assert reason in why_not and why == "", result.shared_cross_kv
+    assert f"not shared: node {first!r}: {why_not}" in result.report()
+    assert result.entry_inputs == ("cross_key_1", "cross_value_1")
+    declared = {v.name: v.type.tensor_type.shape.dim[0].dim_value for v in result.model.graph.input}
+    assert declared["cross_key_1"] == 2 and declared["cross_key_0"] == 4
