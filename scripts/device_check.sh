@@ -38,6 +38,10 @@
 #              split_key_stream (20 and 160 pairs, with SK_COMPARE's variants of split_keys.cu) and
 #              shared_buffer_decode (B 1 and 8, with SB_COMPARE's variants of shared_buffer.cu), log in
 #              $OUT/decodecold.log
+#   sharedkv   static_cache's rule SHARED_CROSS_KV (--shared-cross-kv) on the GPU: the static decode loops' GPU tests
+#              (the beam loop with the cross K/V one row per entry), then scripts/shared_cross_kv_ab.py at turbo B=1 and
+#              B=8 and large-v3 B=1 (float16, 5 beams: per-beam cross K/V against shared, timed in turns), and
+#              scripts/programmatic_ab.py at turbo B=1, log in $OUT/sharedkv.log
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
 #   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
@@ -188,6 +192,13 @@ EOF
                       --thrash "${THRASH:-80}" ${warm:+--warm $warm} ${SB_COMPARE:+--compare $SB_COMPARE} 2>&1 \
                       | grep -v "^|---\|Warning\|warn"
                   done; } | tee "$OUT/decodecold.log" ;;
+    sharedkv) { timeout 120 $PYTEST_GPU tests/decode/test_static_decode.py 2>&1 | quiet | tail -3
+                for row in "turbo 1" "turbo 8" "large-v3 1"; do
+                  set -- $row
+                  timeout 200 python3 scripts/shared_cross_kv_ab.py --size "$1" --batch "$2" 2>&1 | grep "ms/step"
+                done
+                timeout 120 python3 scripts/programmatic_ab.py --size turbo --batch 1 2>&1 | grep "ms/step"
+              } | tee "$OUT/sharedkv.log" ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;
