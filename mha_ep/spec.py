@@ -18,6 +18,12 @@ ORT_DOMAIN = "com.microsoft"
 PLUGIN_DOMAIN = "mha_ep"
 OP_TYPE = "MultiHeadAttention"
 PLUGIN_OPSET = 1
+# mha_ep::DecodeMatMul, the plugin domain's second op (native route only): y (..., N) = x (..., K) . weight_nk^T,
+# weight_nk (N, K) the MatMul's weight transposed, float32 sums rounded to the element type; written by mha-ep
+# static-cache for a decode step's weight products (rule DECODE_MATMUL), with the attributes ATTR_NODE and ATTR_DTYPE.
+MATMUL_OP_TYPE = "DecodeMatMul"
+MATMUL_INPUTS = ("x", "weight_nk")
+MATMUL_OUTPUTS = ("y",)
 
 # Input and output slots of com.microsoft::MultiHeadAttention (ORT 1.31.1), in slot order.
 INPUTS = (

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Mapping
+from typing import ClassVar, Mapping, Union
 
 from mha_ep import spec
 from mha_ep.claim.rules import Refusal, attributes_from_mapping
@@ -30,6 +30,7 @@ class KernelConfig:
     dtype: str  # the node's element type: float32 | float16 | bfloat16
     outputs: tuple  # wanted flags of spec.OUTPUTS (output, present_key, present_value, qk)
     supplied: frozenset  # names of the input slots carrying real tensors
+    op: ClassVar[str] = spec.OP_TYPE
 
     @property
     def attributes(self) -> dict:
@@ -41,6 +42,17 @@ class KernelConfig:
         return sum(1 << i for i, name in enumerate(spec.PLUGIN_INPUTS) if name in self.supplied)
 
 
+@dataclass(frozen=True)
+class MatMulConfig:
+    """A mha_ep::DecodeMatMul node (spec.MATMUL_OP_TYPE): its element type; both inputs always supplied."""
+
+    dtype: str
+    op: ClassVar[str] = spec.MATMUL_OP_TYPE
+    supplied: ClassVar[frozenset] = frozenset(spec.MATMUL_INPUTS)
+    supplied_mask: ClassVar[int] = (1 << len(spec.MATMUL_INPUTS)) - 1
+
+
+AnyConfig = Union[KernelConfig, MatMulConfig]
 _lock = threading.Lock()
 _configs: list = []
 _ids: dict = {}
@@ -48,7 +60,7 @@ _nodes: dict = {}  # config id -> the names of the nodes that share it, first NO
 NODE_NAMES = 4
 
 
-def config(config_id: int) -> KernelConfig:
+def config(config_id: int) -> AnyConfig:
     return _configs[config_id]
 
 
@@ -58,11 +70,17 @@ def node_names(config_id: int) -> tuple:
         return tuple(_nodes.get(config_id, ()))
 
 
-def describe_kernel(attributes: Mapping[str, object], ep: str) -> tuple:
+def describe_kernel(attributes: Mapping[str, object], ep: str, op: str = spec.OP_TYPE) -> tuple:
     """The C library's question at kernel creation: (config id, supplied-slot mask, node name) of the node whose
     attributes (strings as bytes, as ORT stores them) are ``attributes``; raises MhaModelError naming the
-    attribute for a node that mha_ep.partition would not have written. ``ep``: "cpu" or "cuda"."""
-    config, node = kernel_config(attributes)
+    attribute for a node that mha_ep.partition (or, for ``op`` DecodeMatMul, mha-ep static-cache) would not have
+    written. ``ep``: "cpu" or "cuda"."""
+    if op == spec.MATMUL_OP_TYPE:
+        config, node = matmul_config(attributes)
+    elif op == spec.OP_TYPE:
+        config, node = kernel_config(attributes)
+    else:
+        raise MhaModelError(f"mha_ep has no op {op!r} (its ops: {spec.OP_TYPE}, {spec.MATMUL_OP_TYPE})")
     with _lock:
         config_id = _ids.get(config)
         if config_id is None:
@@ -74,10 +92,27 @@ def describe_kernel(attributes: Mapping[str, object], ep: str) -> tuple:
     return config_id, config.supplied_mask, node
 
 
+def node_name(attributes: Mapping[str, object]) -> str:
+    """The node's name from its ATTR_NODE attribute ("" without one), whatever its bytes."""
+    raw_name = attributes.get(spec.ATTR_NODE, b"")
+    return raw_name.decode("utf-8", "backslashreplace") if isinstance(raw_name, bytes) else str(raw_name)
+
+
+def matmul_config(attributes: Mapping[str, object]) -> tuple:
+    """(MatMulConfig, node name) of a DecodeMatMul node's raw attributes: its ATTR_DTYPE, one of FLOAT_DTYPES;
+    MhaModelError otherwise."""
+    node = node_name(attributes)
+    raw = attributes.get(spec.ATTR_DTYPE)
+    dtype = raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw
+    if dtype not in spec.FLOAT_DTYPES:
+        raise MhaModelError(f"mha_ep {spec.MATMUL_OP_TYPE} node {node!r} cannot be run: attribute {spec.ATTR_DTYPE} "
+                            f"is {dtype!r}, expected one of {', '.join(spec.FLOAT_DTYPES)}")  # fmt: skip
+    return MatMulConfig(dtype), node
+
+
 def kernel_config(attributes: Mapping[str, object]) -> tuple:
     """(KernelConfig, node name) of a node's raw attributes (module docstring); MhaModelError for a crafted one."""
-    raw_name = attributes.get(spec.ATTR_NODE, b"")
-    node = raw_name.decode("utf-8", "backslashreplace") if isinstance(raw_name, bytes) else str(raw_name)
+    node = node_name(attributes)
 
     def refuse(what: str):
         raise MhaModelError(f"mha_ep node {node!r} cannot be run: {what}")

@@ -57,10 +57,37 @@ def from_float32(values: np.ndarray, element_type: int) -> np.ndarray:
         return values.astype(STORAGE[element_type])
 
 
+def compute_matmul(config: "configs.MatMulConfig", inputs: tuple, token: int) -> None:
+    """A DecodeMatMul call on the CPU: y = x . weight_nk^T (engine/cuda/gemv.py reference_matmul) into ORT's y."""
+    from mha_ep.engine.cuda.gemv import reference_matmul
+    from mha_ep.native import _native as native  # the library that called us: loaded and configured
+
+    arrays = []
+    for slot, name in enumerate(spec.MATMUL_INPUTS):
+        element_type, dims, address = inputs[slot]
+        if element_type not in FLOAT_TYPES:
+            raise TypeError(f"input {name} has ONNX element type {element_type}, expected a float type")
+        arrays.append(to_float32(host_view(address, tuple(dims), element_type), element_type))
+    x, weight = arrays
+    if weight.ndim != 2 or not x.ndim or x.shape[-1] != weight.shape[1]:
+        from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
+
+        raise MhaInputError(f"{MESSAGE_PREFIX}input x has shape {x.shape} and weight_nk {weight.shape}: expected x "
+                            "(..., K) and weight_nk (N, K) with the same K")  # fmt: skip
+    values = reference_matmul(x, weight, config.dtype)
+    out_type = inputs[0][0]
+    address = native.kernel_output(token, 0, tuple(int(d) for d in values.shape))
+    if values.size:
+        host_view(address, values.shape, out_type, writable=True)[...] = from_float32(values, out_type)
+    return None
+
+
 def compute(config_id: int, node: str, inputs: tuple, token: int):
     """One call on the CPU (module docstring): None, or (ORT error code, message)."""
     try:
         config = configs.config(config_id)
+        if isinstance(config, configs.MatMulConfig):
+            return compute_matmul(config, inputs, token)
         arrays = []
         addresses = {}
         out_type = 1

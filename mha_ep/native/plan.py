@@ -30,8 +30,9 @@ import numpy as np
 
 from mha_ep import spec
 from mha_ep.errors import MESSAGE_PREFIX, MhaInputError
-from mha_ep.native.configs import KernelConfig
-from mha_ep.engine.cuda import gemm, tma
+from mha_ep.native.configs import AnyConfig, KernelConfig, MatMulConfig
+from mha_ep.engine.cuda import dispatch, gemm, tma
+from mha_ep.engine.cuda.gemv import matmul_steps
 from mha_ep.engine.cuda.fused import DeviceFacts
 from mha_ep.engine.cuda.pipeline import DeviceCall, attention_steps, output_shapes
 from mha_ep.engine.cuda.steps import (
@@ -160,12 +161,15 @@ class NativePlan:
     output_alignment: int = OUTPUT_ALIGNMENT  # bytes ORT's outputs must have for the steps (else UNALIGNED_OUTPUTS)
 
 
-def plan_steps(config: KernelConfig, signature: Signature, facts: DeviceFacts, flags: int = 0, *,
+def plan_steps(config: AnyConfig, signature: Signature, facts: DeviceFacts, flags: int = 0, *,
                fused_path: bool = True, poison: bool = False, error_site: int = 0) -> NativePlan:  # fmt: skip
     """Steps 1-2 of the module docstring. ``flags`` UNALIGNED_OUTPUTS: ORT's outputs are not OUTPUT_ALIGNMENT-
     aligned, so the steps write scratch and end with copies into them. A shared buffer's steps (element-wise
     accesses: any alignment) write ORT's outputs themselves, so that a present bound to its past's own buffer
-    stays that buffer; their sticky reports go to STICKY, reporting ``error_site`` (pipeline.DeviceCall's)."""
+    stays that buffer; their sticky reports go to STICKY, reporting ``error_site`` (pipeline.DeviceCall's).
+    A DecodeMatMul node's call: matmul_plan."""
+    if isinstance(config, MatMulConfig):
+        return matmul_plan(config, signature, facts)
     problem, float_type, mask_type = signature_problem(config, signature)
     element = 4 if float_type == "float32" else 2
     alignment = element if problem.shared is not None else OUTPUT_ALIGNMENT
@@ -195,6 +199,42 @@ def plan_steps(config: KernelConfig, signature: Signature, facts: DeviceFacts, f
                       packed_sources=problem.packing is not None)  # fmt: skip
     steps = attention_steps(problem, facts, call, temporaries, fused_path=fused_path, poison=poison)
     return NativePlan(steps + copies, temporaries.size, shapes, alignment)
+
+
+def matmul_shapes(config: MatMulConfig, signature: Signature) -> tuple:
+    """(rows M, K, N, y's shape) of a DecodeMatMul call, x (..., K) and weight_nk (N, K) in the node's element
+    type; MhaInputError naming the input, its shape and what was expected otherwise."""
+    for slot, name in enumerate(spec.MATMUL_INPUTS):
+        if signature.inputs[slot] is None:
+            raise MhaInputError(f"{MESSAGE_PREFIX}input {name} of {spec.MATMUL_OP_TYPE} is missing")
+        if signature.element(slot) != config.dtype:
+            raise MhaInputError(f"{MESSAGE_PREFIX}input {name} is {signature.element(slot)}, expected the node's "
+                                f"{config.dtype}")  # fmt: skip
+    x_dims, w_dims = tuple(signature.inputs[0][1]), tuple(signature.inputs[1][1])
+    if not x_dims or len(w_dims) != 2 or x_dims[-1] != w_dims[1]:
+        raise MhaInputError(f"{MESSAGE_PREFIX}input x has shape {x_dims} and weight_nk {w_dims}: expected x (..., K) "
+                            "and weight_nk (N, K) with the same K")  # fmt: skip
+    rows = int(np.prod(x_dims[:-1], dtype=np.int64))
+    return rows, int(x_dims[-1]), int(w_dims[0]), x_dims[:-1] + (w_dims[0],)
+
+
+def matmul_plan(config: MatMulConfig, signature: Signature, facts: DeviceFacts) -> NativePlan:
+    """A DecodeMatMul call's steps (engine/cuda/gemv.py matmul_steps) into ORT's output y at any alignment (the
+    kernel stores single elements), programmatic where dispatch.programmatic_launches allows it."""
+    rows, k, n, shape = matmul_shapes(config, signature)
+    element = 4 if config.dtype == "float32" else 2
+    temporaries = RegionTemporaries()
+    y = Buffer("out0", 0, element)
+    if rows * n == 0:
+        steps: list = []
+    elif k == 0:
+        steps = [Fill(y, 0, rows * n * element)]  # an empty sum
+    else:
+        alignment = min(signature.alignment(0), signature.alignment(1))
+        steps = matmul_steps(Buffer("in0", 0, signature.alignment(0)), Buffer("in1", 0, signature.alignment(1)), y,
+                             rows=rows, k=k, n=n, dtype=config.dtype, alignment=alignment, take=temporaries.take,
+                             programmatic=dispatch.programmatic_launches(facts.capability))  # fmt: skip
+    return NativePlan(steps, temporaries.size, (shape, (0,), (0,), (0,)), element)
 
 
 # ---------------------------------------------------------------------------------------------- encoding

@@ -66,6 +66,7 @@ INSTANTIATED = {
     "split_key_attention": ("split_keys.cu", None),  # ... the earlier pair (dispatch.key_split), for A/B timing
     "combine_key_splits": ("split_keys.cu", None),
     "zero_after_prior_grids": ("split_keys.cu", None),  # split_key_stream's counters before a programmatic launch
+    "gemv_rows": ("gemv.cu", None),  # mha_ep::DecodeMatMul's product (gemv.py)
 }
 COMPILE_OPTIONS = ()  # accurate expf: no fast-math
 

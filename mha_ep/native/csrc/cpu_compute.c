@@ -8,13 +8,13 @@ static __thread OrtKernelContext* t_active_context = NULL; /* the CPU compute ca
 OrtStatus* compute_cpu(Kernel* k, OrtKernelContext* context) {
   Tensor tensors[MAX_INPUTS];
   memset(tensors, 0, sizeof tensors);
-  for (int slot = 0; slot < MAX_INPUTS; ++slot) {
+  for (int slot = 0; slot < k->n_inputs; ++slot) {
     if (!(k->supplied & (1u << slot))) continue;
     OrtStatus* status = read_input(context, (size_t)slot, &tensors[slot], k->node);
     if (status != NULL) return status;
   }
   if (g_cpu_compute == NULL || !enter_python()) {
-    return make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': the interpreter is shutting down", k->node);
+    return make_status(ORT_FAIL, "mha_ep %s node '%s': the interpreter is shutting down", k->op_name, k->node);
   }
   PyGILState_STATE gil = PyGILState_Ensure();
   OrtStatus* status;

@@ -35,8 +35,8 @@ static Plan* make_plan(const Kernel* k, const Tensor* tensors, int64_t flags, co
                        uint64_t hash, OrtStatus** status) {
   *status = NULL;
   if (g_planner == NULL || !enter_python()) {
-    *status = make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': no plan for this call signature, and "
-                          "the interpreter that makes plans is shutting down", k->node);
+    *status = make_status(ORT_FAIL, "mha_ep %s node '%s': no plan for this call signature, and "
+                          "the interpreter that makes plans is shutting down", k->op_name, k->node);
     return NULL;
   }
   atomic_fetch_add(&g_misses, 1);
@@ -51,24 +51,24 @@ static Plan* make_plan(const Kernel* k, const Tensor* tensors, int64_t flags, co
   result = PyObject_CallFunction(g_planner, "lsiLN", k->config, k->node, k->device, (long long)flags, inputs);
   if (result == NULL || !PyBytes_Check(result)) {
     *status = status_from_result(result, k->node, "planning");
-    if (*status == NULL) *status = make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': no plan", k->node);
+    if (*status == NULL) *status = make_status(ORT_FAIL, "mha_ep %s node '%s': no plan", k->op_name, k->node);
     goto done;
   }
   Py_ssize_t size = PyBytes_Size(result);
   if (size % 8) {
-    *status = make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': a plan of %zd bytes", k->node, size);
+    *status = make_status(ORT_FAIL, "mha_ep %s node '%s': a plan of %zd bytes", k->op_name, k->node, size);
     goto done;
   }
   char error[512];
   plan = parse_plan((const int64_t*)PyBytes_AsString(result), size / 8, error, sizeof error);
   if (plan == NULL) {
-    *status = make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': %s", k->node, error);
+    *status = make_status(ORT_FAIL, "mha_ep %s node '%s': %s", k->op_name, k->node, error);
     goto done;
   }
   if (!set_plan_key(plan, key, length, hash)) {
     free_plan(plan);
     plan = NULL;
-    *status = make_status(ORT_FAIL, "mha_ep MultiHeadAttention node '%s': out of host memory", k->node);
+    *status = make_status(ORT_FAIL, "mha_ep %s node '%s': out of host memory", k->op_name, k->node);
     goto done;
   }
 done:
@@ -79,8 +79,8 @@ done:
 }
 
 static OrtStatus* launch_error(const Kernel* k, const char* what, CUresult result) {
-  return make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': %s failed on CUDA device %d: %s (CUresult %d)",
-                     k->node, what, k->device, cu_error_text(result), result);
+  return make_status(ORT_EP_FAIL, "mha_ep %s node '%s': %s failed on CUDA device %d: %s (CUresult %d)",
+                     k->op_name, k->node, what, k->device, cu_error_text(result), result);
 }
 
 /* Whether step i fills the status words a later STEP_CHECK_STATUS reads. Under a capture that check is skipped
@@ -114,8 +114,8 @@ static OrtStatus* run_plan(const Kernel* k, const Plan* plan, const Bases* bases
       for (int64_t m = 0; m < s->n_maps; ++m) {
         const MapPatch* map = &s->maps[m];
         if (cu.cuTensorMapEncodeTiled == NULL) {
-          return make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': the CUDA driver has no "
-                             "cuTensorMapEncodeTiled (TMA maps need a CUDA 12 or newer driver)", k->node);
+          return make_status(ORT_EP_FAIL, "mha_ep %s node '%s': the CUDA driver has no "
+                             "cuTensorMapEncodeTiled (TMA maps need a CUDA 12 or newer driver)", k->op_name, k->node);
         }
         result = cu.cuTensorMapEncodeTiled(arguments + map->offset, (int)map->dtype, (uint32_t)map->rank,
                                            (void*)(uintptr_t)resolve(bases, map->ref), map->dims, map->strides,
@@ -138,14 +138,14 @@ static OrtStatus* run_plan(const Kernel* k, const Plan* plan, const Bases* bases
       }
       if (result != 0) return launch_error(k, "a kernel launch", result);
     } else if (s->kind == STEP_GEMM) {
-      if (!load_cublas()) return make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': %s", k->node, cublas.error);
+      if (!load_cublas()) return make_status(ORT_EP_FAIL, "mha_ep %s node '%s': %s", k->op_name, k->node, cublas.error);
       if (cublas_handle == NULL) {
         OrtStatus* status = API(GetResourceFn, API_KernelContext_GetResource)(
             context, CUDA_RESOURCE_VERSION, CUDA_RESOURCE_CUBLAS_HANDLE, &cublas_handle);
         if (status != NULL) {
           char text[512];
           status_text(status, text, sizeof text);
-          return make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': ORT's cuBLAS handle: %s", k->node, text);
+          return make_status(ORT_EP_FAIL, "mha_ep %s node '%s': ORT's cuBLAS handle: %s", k->op_name, k->node, text);
         }
       }
       const float beta = 0.0f;
@@ -155,8 +155,8 @@ static OrtStatus* run_plan(const Kernel* k, const Plan* plan, const Bases* bases
                              s->stride_b, &beta, (void*)(uintptr_t)resolve(bases, s->c), 0 /* CUDA_R_32F */,
                              (int)s->ldc, s->stride_c, (int)s->batch, (int)s->compute, -1 /* CUBLAS_GEMM_DEFAULT */);
       if (done != 0) {
-        return make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': cublasGemmStridedBatchedEx failed "
-                           "(cublasStatus %d)", k->node, done);
+        return make_status(ORT_EP_FAIL, "mha_ep %s node '%s': cublasGemmStridedBatchedEx failed "
+                           "(cublasStatus %d)", k->op_name, k->node, done);
       }
     } else if (s->kind == STEP_COPY) {
       uint64_t dst = resolve(bases, s->dst), src = resolve(bases, s->src); /* equal: a present bound to its past */
@@ -181,7 +181,7 @@ static OrtStatus* run_plan(const Kernel* k, const Plan* plan, const Bases* bases
       if (words[0] != DEVICE_OK) {
         char text[512];
         device_error_text(words, s->beams, text, sizeof text);
-        return make_status(ORT_INVALID_ARGUMENT, "mha_ep MultiHeadAttention node '%s': %s", k->node, text);
+        return make_status(ORT_INVALID_ARGUMENT, "mha_ep %s node '%s': %s", k->op_name, k->node, text);
       }
     }
   }
@@ -199,7 +199,7 @@ OrtStatus* compute_cuda(Kernel* k, OrtKernelContext* context) {
   key[length++] = k->device;
   int64_t flags_at = length++;
   key[flags_at] = 0;
-  for (int slot = 0; slot < MAX_INPUTS; ++slot) {
+  for (int slot = 0; slot < k->n_inputs; ++slot) {
     if (!(k->supplied & (1u << slot))) continue;
     OrtStatus* status = read_input(context, (size_t)slot, &tensors[slot], k->node);
     if (status != NULL) return status;
@@ -222,7 +222,7 @@ OrtStatus* compute_cuda(Kernel* k, OrtKernelContext* context) {
       plan = make_plan(k, tensors, flags, key, length, hash, &status);
       if (plan == NULL) return status;
     }
-    for (int o = 0; o < MAX_OUTPUTS; ++o) {
+    for (int o = 0; o < k->n_outputs; ++o) { /* a plan holds MAX_OUTPUTS shapes: the op's first n_outputs */
       OrtValue* value = NULL;
       status = API(GetOutputFn, API_KernelContext_GetOutput)(context, (size_t)o, plan->output_dims[o],
                                                              (size_t)plan->output_rank[o], &value);
@@ -233,7 +233,7 @@ OrtStatus* compute_cuda(Kernel* k, OrtKernelContext* context) {
       }
     }
     int aligned = 1;
-    for (int o = 0; o < MAX_OUTPUTS; ++o) {
+    for (int o = 0; o < k->n_outputs; ++o) {
       if ((uintptr_t)bases.output[o] % (uintptr_t)plan->output_alignment) aligned = 0;
     }
     if (aligned || flags == 1) break;
@@ -257,8 +257,8 @@ OrtStatus* compute_cuda(Kernel* k, OrtKernelContext* context) {
     status = API(GetScratchBufferFn, API_KernelContext_GetScratchBuffer)(context, k->memory,
                                                                          (size_t)plan->scratch_bytes, &bases.scratch);
     if (status == NULL && bases.scratch == NULL) {
-      status = make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': no scratch buffer of %lld bytes",
-                           k->node, (long long)plan->scratch_bytes);
+      status = make_status(ORT_EP_FAIL, "mha_ep %s node '%s': no scratch buffer of %lld bytes",
+                           k->op_name, k->node, (long long)plan->scratch_bytes);
     }
   }
   if (status == NULL) status = run_plan(k, plan, &bases, stream, context);

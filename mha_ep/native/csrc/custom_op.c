@@ -1,18 +1,19 @@
-/* custom_op.c: the custom op as ORT sees it: the OrtCustomOp variants (CPU and CUDA, by float and mask element
- * type), a kernel's create (its node described by the Python side; CUDA: the device, its allocator and primary
- * context), compute (cpu_compute.c, cuda_compute.c) and destroy, and RegisterCustomOps, the library's entry point
- * for ORT, which adds the domain ``mha_ep``. */
+/* custom_op.c: the custom ops as ORT sees them: the OrtCustomOp variants (MultiHeadAttention for CPU and CUDA, by
+ * float and mask element type; DecodeMatMul by float type), a kernel's create (its node described by the Python
+ * side; CUDA: the device, its allocator and primary context), compute (cpu_compute.c, cuda_compute.c) and destroy,
+ * and RegisterCustomOps, the library's entry point for ORT, which adds the domain ``mha_ep``. */
 #include "native.h"
 
 /* ------------------------------------------------------------------------------------------- the kernels */
 typedef struct {
   OrtCustomOp op;
-  int ep, float_type, mask_type;
+  int kind, ep, float_type, mask_type; /* kind: OP_MHA | OP_MATMUL (mask_type: MultiHeadAttention's only) */
 } OpVariant;
 
+static const char* const OP_NAMES[] = {"MultiHeadAttention", "DecodeMatMul"};
+
 static const char* op_name(const OrtCustomOp* op) {
-  (void)op;
-  return "MultiHeadAttention";
+  return OP_NAMES[((const OpVariant*)op)->kind];
 }
 
 static const char* op_provider(const OrtCustomOp* op) {
@@ -21,13 +22,13 @@ static const char* op_provider(const OrtCustomOp* op) {
 
 static int op_input_type(const OrtCustomOp* op, size_t index) {
   const OpVariant* v = (const OpVariant*)op;
+  if (v->kind == OP_MATMUL) return v->float_type;
   if (index == 4) return v->mask_type;
   return index == 8 || index == 9 ? ELEM_INT32 : v->float_type; /* past_sequence_length, cache_indirection */
 }
 
 static size_t op_input_count(const OrtCustomOp* op) {
-  (void)op;
-  return MAX_INPUTS;
+  return ((const OpVariant*)op)->kind == OP_MATMUL ? MATMUL_INPUTS : MAX_INPUTS;
 }
 
 static int op_output_type(const OrtCustomOp* op, size_t index) {
@@ -36,8 +37,7 @@ static int op_output_type(const OrtCustomOp* op, size_t index) {
 }
 
 static size_t op_output_count(const OrtCustomOp* op) {
-  (void)op;
-  return MAX_OUTPUTS;
+  return ((const OpVariant*)op)->kind == OP_MATMUL ? MATMUL_OUTPUTS : MAX_OUTPUTS;
 }
 
 static int op_characteristic(const OrtCustomOp* op, size_t index) {
@@ -121,8 +121,8 @@ static PyObject* attribute_value(const OrtKernelInfo* info, const char* name, co
 
 static OrtStatus* describe_kernel(const OrtKernelInfo* info, Kernel* k) {
   if (g_describe == NULL || !enter_python()) {
-    return make_status(ORT_FAIL, "mha_ep MultiHeadAttention: the mha_ep Python package is not ready (it was not "
-                                 "imported, or the interpreter is shutting down)");
+    return make_status(ORT_FAIL, "mha_ep %s: the mha_ep Python package is not ready (it was not imported, or the "
+                                 "interpreter is shutting down)", k->op_name);
   }
   PyGILState_STATE gil = PyGILState_Ensure();
   OrtStatus* status = NULL;
@@ -144,7 +144,7 @@ static OrtStatus* describe_kernel(const OrtKernelInfo* info, Kernel* k) {
     Py_DECREF(value);
     if (failed) goto python_error;
   }
-  result = PyObject_CallFunction(g_describe, "Os", attributes, k->ep == EP_CUDA ? "cuda" : "cpu");
+  result = PyObject_CallFunction(g_describe, "Oss", attributes, k->ep == EP_CUDA ? "cuda" : "cpu", k->op_name);
   if (result == NULL) goto python_error;
   if (PyTuple_Check(result) && PyTuple_Size(result) == 3 && PyLong_Check(PyTuple_GetItem(result, 0))) {
     k->config = PyLong_AsLong(PyTuple_GetItem(result, 0));
@@ -154,7 +154,7 @@ static OrtStatus* describe_kernel(const OrtKernelInfo* info, Kernel* k) {
     snprintf(k->node, sizeof k->node, "%s", node);
   } else {
     status = status_from_result(result, "", "reading the node's attributes");
-    if (status == NULL) status = make_status(ORT_FAIL, "mha_ep MultiHeadAttention: describe_kernel answered nothing");
+    if (status == NULL) status = make_status(ORT_FAIL, "mha_ep %s: describe_kernel answered nothing", k->op_name);
   }
   goto done;
 python_error:
@@ -171,12 +171,17 @@ static OrtStatus* kernel_create(const OrtCustomOp* op, const OrtApi* api, const 
   (void)api;
   *out = NULL;
   Kernel* k = calloc(1, sizeof(Kernel));
-  if (k == NULL) return make_status(ORT_FAIL, "mha_ep MultiHeadAttention: out of host memory");
-  k->ep = ((const OpVariant*)op)->ep;
+  if (k == NULL) return make_status(ORT_FAIL, "mha_ep %s: out of host memory", op_name(op));
+  const OpVariant* variant = (const OpVariant*)op;
+  k->ep = variant->ep;
+  k->op = variant->kind;
+  k->op_name = OP_NAMES[variant->kind];
+  k->n_inputs = (int)op_input_count(op);
+  k->n_outputs = (int)op_output_count(op);
   OrtStatus* status = describe_kernel(info, k);
   if (status == NULL && k->ep == EP_CUDA) {
     if (!load_cuda()) {
-      status = make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': %s", k->node, cu.error);
+      status = make_status(ORT_EP_FAIL, "mha_ep %s node '%s': %s", k->op_name, k->node, cu.error);
     } else {
       status = API(KernelInfoGetAllocatorFn, API_KernelInfoGetAllocator)(info, MEM_TYPE_DEFAULT, &k->allocator);
       if (status == NULL) {
@@ -186,8 +191,8 @@ static OrtStatus* kernel_create(const OrtCustomOp* op, const OrtApi* api, const 
       CUdevice device;
       if (status == NULL && (cu.cuDeviceGet(&device, k->device) != 0 ||
                              cu.cuDevicePrimaryCtxRetain(&k->context, device) != 0)) {
-        status = make_status(ORT_EP_FAIL, "mha_ep MultiHeadAttention node '%s': CUDA device %d has no context",
-                             k->node, k->device);
+        status = make_status(ORT_EP_FAIL, "mha_ep %s node '%s': CUDA device %d has no context",
+                             k->op_name, k->node, k->device);
       }
     }
   }
@@ -207,7 +212,9 @@ static OrtStatus* kernel_compute(void* opaque, OrtKernelContext* context) {
 /* --------------------------------------------------------------------------------- ops and registration */
 static const int FLOAT_TYPES[] = {ELEM_FLOAT, ELEM_FLOAT16, ELEM_BFLOAT16};
 static const int MASK_TYPES[] = {ELEM_INT32, ELEM_INT64};
-#define VARIANTS_PER_EP 6
+#define MHA_VARIANTS 6    /* float type x mask type */
+#define MATMUL_VARIANTS 3 /* float type */
+#define VARIANTS_PER_EP (MHA_VARIANTS + MATMUL_VARIANTS)
 static OpVariant g_ops[2][VARIANTS_PER_EP];
 static OrtCustomOpDomain* g_domains[2]; /* [0]: CPU kernels only; [1]: CPU and CUDA kernels. Never released: a
                                            domain must outlive every session made from options holding it. */
@@ -215,32 +222,31 @@ static pthread_mutex_t g_domain_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void init_ops(void) {
   for (int ep = 0; ep < 2; ++ep) {
-    for (int f = 0; f < 3; ++f) {
-      for (int m = 0; m < 2; ++m) {
-        OpVariant* v = &g_ops[ep][f * 2 + m];
-        memset(v, 0, sizeof *v);
-        v->ep = ep;
-        v->float_type = FLOAT_TYPES[f];
-        v->mask_type = MASK_TYPES[m];
-        v->op.version = OP_VERSION;
-        v->op.GetName = op_name;
-        v->op.GetExecutionProviderType = op_provider;
-        v->op.GetInputType = op_input_type;
-        v->op.GetInputTypeCount = op_input_count;
-        v->op.GetOutputType = op_output_type;
-        v->op.GetOutputTypeCount = op_output_count;
-        v->op.KernelDestroy = kernel_destroy;
-        v->op.GetInputCharacteristic = op_characteristic;
-        v->op.GetOutputCharacteristic = op_characteristic;
-        v->op.GetInputMemoryType = op_memory_type;
-        v->op.GetVariadicInputMinArity = op_min_arity;
-        v->op.GetVariadicInputHomogeneity = op_homogeneity;
-        v->op.GetVariadicOutputMinArity = op_min_arity;
-        v->op.GetVariadicOutputHomogeneity = op_homogeneity;
-        v->op.CreateKernelV2 = kernel_create;
-        v->op.KernelComputeV2 = kernel_compute;
-        v->op.GetStartVersion = op_start_version;
-      }
+    for (int i = 0; i < VARIANTS_PER_EP; ++i) {
+      OpVariant* v = &g_ops[ep][i];
+      memset(v, 0, sizeof *v);
+      v->ep = ep;
+      v->kind = i < MHA_VARIANTS ? OP_MHA : OP_MATMUL;
+      v->float_type = FLOAT_TYPES[i < MHA_VARIANTS ? i / 2 : i - MHA_VARIANTS];
+      v->mask_type = i < MHA_VARIANTS ? MASK_TYPES[i % 2] : 0;
+      v->op.version = OP_VERSION;
+      v->op.GetName = op_name;
+      v->op.GetExecutionProviderType = op_provider;
+      v->op.GetInputType = op_input_type;
+      v->op.GetInputTypeCount = op_input_count;
+      v->op.GetOutputType = op_output_type;
+      v->op.GetOutputTypeCount = op_output_count;
+      v->op.KernelDestroy = kernel_destroy;
+      v->op.GetInputCharacteristic = op_characteristic;
+      v->op.GetOutputCharacteristic = op_characteristic;
+      v->op.GetInputMemoryType = op_memory_type;
+      v->op.GetVariadicInputMinArity = op_min_arity;
+      v->op.GetVariadicInputHomogeneity = op_homogeneity;
+      v->op.GetVariadicOutputMinArity = op_min_arity;
+      v->op.GetVariadicOutputHomogeneity = op_homogeneity;
+      v->op.CreateKernelV2 = kernel_create;
+      v->op.KernelComputeV2 = kernel_compute;
+      v->op.GetStartVersion = op_start_version;
     }
   }
 }

@@ -38,7 +38,7 @@ PyObject* inputs_tuple(const Kernel* k, const Tensor* tensors, int with_data) {
   if (inputs == NULL) return NULL;
   for (int slot = 0; slot < MAX_INPUTS; ++slot) {
     PyObject* entry;
-    if (!(k->supplied & (1u << slot))) {
+    if (slot >= k->n_inputs || !(k->supplied & (1u << slot))) {
       entry = Py_None;
       Py_INCREF(entry);
     } else {

@@ -244,8 +244,17 @@ void leave_python(void);
 /* ----------------------------------------------------------------------------- the kernels (custom_op.c) */
 enum { EP_CPU = 0, EP_CUDA = 1 };
 
+/* The ops of the domain mha_ep: MultiHeadAttention (MAX_INPUTS inputs, MAX_OUTPUTS outputs, placeholders where
+ * absent) and DecodeMatMul (x, weight_nk -> y: a decoder step's weight product, written by mha-ep static-cache). */
+enum { OP_MHA = 0, OP_MATMUL = 1 };
+#define MATMUL_INPUTS 2
+#define MATMUL_OUTPUTS 1
+
 typedef struct {
   int ep;
+  int op;          /* OP_MHA | OP_MATMUL */
+  const char* op_name;
+  int n_inputs, n_outputs;
   long config;
   char node[512];
   uint32_t supplied; /* bit i: input slot i carries a real tensor (not a placeholder) */

@@ -163,6 +163,20 @@ def test_split_key_and_decode_loop_kernels_compile_without_spills(tmp_path, arch
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_the_decode_matmul_kernel_compiles_without_spills(tmp_path, arch):
+    """Every gemv_rows instantiation gemv.py launches (float16 / bfloat16, 1..GEMV_MAX_M rows of x)."""
+    from mha_ep.engine.cuda.gemv import GEMV_DTYPES, GEMV_MAX_M
+    from mha_ep.launch import ELEMENT_TYPES
+
+    names = [f"gemv_rows<{ELEMENT_TYPES[d]}, {m}>" for d in GEMV_DTYPES for m in range(1, GEMV_MAX_M + 1)]
+    lines = ['#include "gemv.cu"', "void* instances[] = {"] + [f"  (void*){name}," for name in names] + ["};"]
+    done = ptxas_report(tmp_path, lines, arch)
+    assert len(re.findall(r"Compiling entry function '(\w+)'", done.stderr)) == len(names)
+    assert_no_spills(done.stderr, len(names))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_flash_attention_compiles_with_nvcc(tmp_path):
     """A few of the instantiations fused.py asks NVRTC for, compiled for sm_90a (offline check)."""
     names = [

@@ -14,7 +14,7 @@ import pytest
 
 from mha_ep import launch, limits
 from mha_ep.engine import problem
-from mha_ep.engine.cuda import dispatch, fused, shared_buffer, split_keys
+from mha_ep.engine.cuda import dispatch, fused, gemv, shared_buffer, split_keys
 from mha_ep.engine.cuda.kernels import INSTANTIATED, KERNEL_DIR, KERNELS
 
 SOURCES = sorted(KERNEL_DIR.glob("*.cu")) + sorted(KERNEL_DIR.glob("*.cuh"))
@@ -108,6 +108,9 @@ def test_the_feature_bits_match_python():
         ("STREAM_STAGES", dispatch.STREAM_STAGES),
         ("STREAM_BLOCKS_PER_SM", dispatch.STREAM_BLOCKS_PER_SM),
         ("STAGE_LOADS", shared_buffer.STAGE_LOADS),
+        ("GEMV_ROWS", gemv.GEMV_ROWS),
+        ("GEMV_WARPS", gemv.GEMV_WARPS),
+        ("GEMV_MAX_M", gemv.GEMV_MAX_M),
     ],
 )
 def test_integer_defines_match_python(define, python):
