@@ -7,7 +7,7 @@
     mha-ep bench WHAT [--json] [--out D] benchmarks: hook, anchors, models, device, native, generate, soak, serve, sd
                                          (mha-ep bench WHAT --help)
     mha-ep static-cache DECODER -o OUT --max-length M [--batch B] [--beams W [--shared-cross-kv]]
-                      [--step-length L] [--no-packed-qkv]
+                      [--step-length L] [--no-packed-qkv] [--decode-matmul]
                                          a decoder-with-past rewritten to a static KV cache: one graph of fixed shapes
     mha-ep serve MODEL [--replicas N] [--port P] [--max-batch B]
                                          serve a model over HTTP with Ray Serve (the serve extra), batching callers
@@ -90,7 +90,7 @@ def cmd_static_cache(args) -> int:
 
     result = static_cache(args.model, max_length=args.max_length, batch=args.batch, beams=args.beams,
                           step_length=args.step_length, packed_qkv=args.packed_qkv,
-                          shared_cross_kv=args.shared_cross_kv)
+                          shared_cross_kv=args.shared_cross_kv, decode_matmul=args.decode_matmul)
     result.save(args.output)
     data = result.to_dict()
     data["output"] = args.output
@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-cross-kv", action="store_true",
                    help="with --beams: the cross-attention keys and values one row per batch entry, not per beam, "
                         "each read once for the entry's W beams (bind the encoder's unrepeated)")  # fmt: skip
+    p.add_argument("--decode-matmul", action="store_true",
+                   help="the float16 / bfloat16 weight products of at most 8 rows (--batch x step length) as "
+                        "mha_ep::DecodeMatMul, which reads each weight once at HBM's rate; only mha_ep runs it")
     json_option(p)
     p.set_defaults(func=cmd_static_cache)
 

@@ -42,6 +42,8 @@
 #              (the beam loop with the cross K/V one row per entry), then scripts/shared_cross_kv_ab.py at turbo B=1 and
 #              B=8 and large-v3 B=1 (float16, 5 beams: per-beam cross K/V against shared, timed in turns), and
 #              scripts/programmatic_ab.py at turbo B=1, log in $OUT/sharedkv.log
+#   decodematmul mha_ep::DecodeMatMul (static_cache's rule DECODE_MATMUL): its GPU tests, then bench generate at turbo
+#              B=1 and 8 and large-v3 B=1 (float16, profiled) with the rule off and on, into $OUT/decodematmul
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
 #   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
@@ -199,6 +201,13 @@ EOF
                 done
                 timeout 120 python3 scripts/programmatic_ab.py --size turbo --batch 1 2>&1 | grep "ms/step"
               } | tee "$OUT/sharedkv.log" ;;
+    decodematmul) timeout 120 $PYTEST_GPU tests/native/test_decode_matmul.py 2>&1 | quiet | tail -3
+                  for size in turbo large-v3; do
+                    timeout 400 python3 -m mha_ep bench generate --sizes "$size" \
+                      --batches "$([ "$size" = turbo ] && echo 1,8 || echo 1)" --dtype float16 \
+                      --columns stock_iobinding,mhaep_plain,static_greedy --decode-matmul both --profile --repeats 3 \
+                      --steps 64 --out "$OUT/decodematmul-$size" 2>&1 | quiet | grep "^| Whisper"
+                  done ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;

@@ -36,6 +36,8 @@ decoder as it is).
 ``--shared-cross-kv on|both``: the static_beam column's rewrite with static_cache's rule SHARED_CROSS_KV, its
 cross-attention keys and values bound once per batch entry (each read once for the entry's BEAMS beams) where
 stock_beam and the default bind them once per beam row.
+``--decode-matmul on|both``: the static columns' rewrite with static_cache's rule DECODE_MATMUL, a step's
+float16 / bfloat16 weight products of at most 8 rows as mha_ep::DecodeMatMul (B x beams > 8 keeps cuBLAS).
 ``--cross-qk on|both``: the decoder's cross-attention nodes also write qk (output_cross_qk_<l>, (B, N, 1, 1500),
 as ORT's Whisper export with --output_cross_qk: word timestamps); every column binds them on the GPU (the static
 loops to fixed buffers), and the row states the bytes a step writes for them (layers x B x N x 1500 elements).
@@ -107,6 +109,7 @@ class Row:
     cross_qk: bool = False  # the cross-attention nodes also write qk (ORT's --output_cross_qk export)
     packed_qkv: bool = True  # the static rewrite's self-attention Q, K, V projections as one MatMul (its default)
     shared_cross_kv: bool = False  # the static beam rewrite's cross K/V one row per batch entry (--shared-cross-kv)
+    decode_matmul: bool = False  # the static rewrites' weight products as mha_ep::DecodeMatMul (--decode-matmul)
 
     @property
     def vocab(self) -> int:
@@ -123,6 +126,7 @@ class Row:
         cut = f", encoder cut to {self.encoder_layers} layers" if self.size in ENCODER_LAYERS else ""
         unpacked = "" if self.packed_qkv else ", static Q/K/V projections unpacked"
         unpacked += ", static beam's cross K/V one row per entry" if self.shared_cross_kv else ""
+        unpacked += ", static weight products as DecodeMatMul" if self.decode_matmul else ""
         return (f"Whisper-{NAMES.get(self.size, self.size)}-sized ({layers} x {hidden}, {heads} heads) B={self.batch} "
                 f"{self.dtype}{qk}, random weights{cut}{unpacked}")
 
@@ -252,16 +256,17 @@ def static_loop(transcriber, features) -> tuple:
 
 
 def static_decoder(model, batch: int, stream, fixed: dict, beams: int = 0, packed_qkv: bool = True,
-                   shared_cross_kv: bool = False):  # fmt: skip
+                   shared_cross_kv: bool = False, decode_matmul: bool = False):  # fmt: skip
     """The static-cache form of ``model`` (a decoder-with-past; ``packed_qkv``: static_cache's rule
-    PACKED_PROJECTIONS; ``shared_cross_kv``: its rule SHARED_CROSS_KV) in an ORT CUDA-graph session on ``stream``,
-    its fixed inputs set to ``fixed`` (NumPy, which also gives their shapes)."""
+    PACKED_PROJECTIONS; ``shared_cross_kv``: its rule SHARED_CROSS_KV; ``decode_matmul``: its rule DECODE_MATMUL)
+    in an ORT CUDA-graph session on ``stream``, its fixed inputs set to ``fixed`` (NumPy, which also gives their
+    shapes)."""
     from mha_ep.decode.static_decode import StaticDecoder, cuda_session
     from mha_ep.graph.static_cache import static_cache
 
     rows = batch * max(beams, 1)
     static = static_cache(model, max_length=MAX_LENGTH, batch=rows, beams=beams, packed_qkv=packed_qkv,
-                          shared_cross_kv=shared_cross_kv).model  # fmt: skip
+                          shared_cross_kv=shared_cross_kv, decode_matmul=decode_matmul).model  # fmt: skip
     decoder = StaticDecoder(cuda_session(static, stream), batch, stream=stream, beams=beams,
                             fixed_shapes={name: value.shape for name, value in fixed.items()})  # fmt: skip
     decoder.set_inputs(fixed)
@@ -422,7 +427,8 @@ def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: b
         return {n: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for n, v in arrays.items()}
 
     stream = cupy.cuda.Stream(non_blocking=True)
-    greedy_decoder = static_decoder(decoder, row.batch, stream, host_fixed, packed_qkv=row.packed_qkv)
+    greedy_decoder = static_decoder(decoder, row.batch, stream, host_fixed, packed_qkv=row.packed_qkv,
+                                    decode_matmul=row.decode_matmul)  # fmt: skip
 
     def static_generation():
         greedy_decoder.load_prompt({n.replace("past_", "present_", 1): v for n, v in host_cache.items()}, PROMPT)
@@ -492,7 +498,7 @@ def bench_random(row: Row, repeats: int, steps: int, columns=COLUMNS, profile: b
     bias[eot] = -cupy.inf
     beam_decoder = static_decoder(decoder, row.batch, stream, host_fixed if row.shared_cross_kv else beam_fixed,
                                   beams=BEAMS, packed_qkv=row.packed_qkv,
-                                  shared_cross_kv=row.shared_cross_kv)  # fmt: skip
+                                  shared_cross_kv=row.shared_cross_kv, decode_matmul=row.decode_matmul)  # fmt: skip
     stock_stepper = BoundStepper(made["stock"][0])
     stock_cache, stock_fixed = device_values(beam_cache), device_values(beam_fixed)
 
@@ -780,6 +786,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--shared-cross-kv", default="off", choices=("off", "on", "both"),
                         help="the static_beam column's rewrite reads the cross-attention keys and values one row per "
                              "batch entry (static_cache's rule SHARED_CROSS_KV; both: each row both ways)")
+    parser.add_argument("--decode-matmul", default="off", choices=("off", "on", "both"),
+                        help="the static columns' rewrite runs a step's weight products of at most 8 rows as "
+                             "mha_ep::DecodeMatMul (static_cache's rule DECODE_MATMUL; both: each row both ways)")
     parser.add_argument("--columns", default=",".join(COLUMNS),
                         help="comma-separated greedy columns of the random-weight rows (stock_iobinding always); "
                              "the deployed sizes: stock_iobinding,mhaep_plain,static_greedy")
@@ -803,9 +812,10 @@ def main(argv: Optional[list] = None) -> int:
     qk_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.cross_qk]
     packed_forms = {"on": (True,), "off": (False,), "both": (False, True)}[args.packed_qkv]
     shared_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.shared_cross_kv]
-    rows = [Row(size, int(batch), args.dtype, qk, packed, shared) for size in args.sizes.split(",") if size
+    product_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.decode_matmul]
+    rows = [Row(size, int(batch), args.dtype, qk, packed, shared, product) for size in args.sizes.split(",") if size
             for batch in args.batches.split(",") for qk in qk_forms for packed in packed_forms
-            for shared in shared_forms]  # fmt: skip
+            for shared in shared_forms for product in product_forms]  # fmt: skip
     unknown = [r.size for r in rows if r.size not in SIZES]
     if unknown:
         parser.error(f"unknown size(s) {unknown}; known: {list(SIZES)}")

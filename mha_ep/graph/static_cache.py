@@ -73,6 +73,11 @@ tests and the docs cite a rule as ``rule NAME``, never by a number (tests/graph/
     scores), and each K and V row is read once an entry instead of W times. The loop binds the encoder's keys and
     values unrepeated (the rewrite's metadata names the inputs: StaticDecoder sizes them by entries). A node that does
     not match keeps its inputs, and the report says why. Stock ORT runs the rewritten nodes as they are.
+  DECODE_MATMUL: with ``decode_matmul`` (``--decode-matmul``), a MatMul by a constant float16 / bfloat16 weight W
+    (K, N) whose input has at most GEMV_MAX_M (8) static rows (the batch given) becomes mha_ep::DecodeMatMul(X, W^T),
+    W^T (N, K) a new initializer: the native library's product for a few rows, which reads the weight once at HBM's
+    rate where cuBLAS's GEMMs do not (engine/cuda/gemv.py). The model then runs only with mha_ep registered (its
+    op), as every loop here does. A MatMul that does not match stays, and the report counts them.
   declare_outputs: the presents as rule SHARED_BUFFER; every other output gets the dims shape inference found static.
 """
 
@@ -120,7 +125,7 @@ def _carriers(inputs: Sequence[onnx.ValueInfoProto], symbol: str, skip: Set[str]
 
 def static_cache(model, max_length: int, batch: Optional[int] = None, beams: int = 0,
                  step_length: Optional[int] = None, packed_qkv: bool = True,
-                 shared_cross_kv: bool = False) -> StaticCacheResult:  # fmt: skip
+                 shared_cross_kv: bool = False, decode_matmul: bool = False) -> StaticCacheResult:  # fmt: skip
     """Rewrite a decoder-with-past (an onnx.ModelProto or a path; not modified) into the static-cache form of the
     module docstring: self pasts and presents (B, N, max_length, H) sharing one buffer, an input
     ``past_sequence_length`` (int32, (1,)), no shape arithmetic on the host. ``batch``: B (rows: batch entries x
@@ -130,14 +135,15 @@ def static_cache(model, max_length: int, batch: Optional[int] = None, beams: int
     cannot rewrite. ``packed_qkv``: each self node's Q, K and V projections as one MatMul and a packed QKV query
     (rule PACKED_PROJECTIONS; the model then runs only with mha_ep claiming its attention nodes); False keeps them
     apart. ``shared_cross_kv`` (with ``beams``): the cross-attention keys and values one row per batch entry, not
-    per beam (rule SHARED_CROSS_KV)."""
+    per beam (rule SHARED_CROSS_KV). ``decode_matmul``: the weight products of a few rows as mha_ep::DecodeMatMul
+    (rule DECODE_MATMUL)."""
     check_arguments(max_length, batch, beams, step_length)  # rule SELF_NODES
     if shared_cross_kv and not beams:
         raise StaticCacheError("shared_cross_kv (--shared-cross-kv) shares the cross-attention keys and values among "
                                "a batch entry's beams: give beams (--beams W) too")  # fmt: skip
     return StaticCachePass(load_model(model), int(max_length), None if batch is None else int(batch), int(beams),
                            None if step_length is None else int(step_length), bool(packed_qkv),
-                           bool(shared_cross_kv)).run()  # fmt: skip
+                           bool(shared_cross_kv), bool(decode_matmul)).run()  # fmt: skip
 
 
 class StaticCachePass:
@@ -147,7 +153,7 @@ class StaticCachePass:
 
     def __init__(self, model: onnx.ModelProto, max_length: int, batch: Optional[int], beams: int = 0,
                  step_length: Optional[int] = None, packed_qkv: bool = True,
-                 shared_cross_kv: bool = False):  # fmt: skip
+                 shared_cross_kv: bool = False, decode_matmul: bool = False):  # fmt: skip
         self.model = model
         self.graph = model.graph
         self.max_length = max_length
@@ -180,6 +186,8 @@ class StaticCachePass:
         self.shared_cross_kv = shared_cross_kv
         self.sharing: List[Tuple[str, str]] = []  # rule SHARED_CROSS_KV: (cross node, "" shared or why not)
         self.entry_inputs: List[str] = []  # rule SHARED_CROSS_KV: the inputs of one row per batch entry
+        self.decode_matmul = decode_matmul
+        self.matmuls: List[Tuple[str, str]] = []  # rule DECODE_MATMUL: (MatMul, "" rewritten or why not)
         self.taken = taken_names(self.graph)
 
     def run(self) -> StaticCacheResult:
@@ -197,6 +205,8 @@ class StaticCachePass:
             kept = self.pack_projections(kept)
         if self.shared_cross_kv:
             kept = self.share_cross_kv(kept)
+        if self.decode_matmul:
+            kept = self.decode_matmuls(kept)
         del self.graph.node[:]
         self.graph.node.extend(self.new_nodes + kept)
         self.graph.initializer.extend(self.new_initializers)
@@ -214,7 +224,8 @@ class StaticCachePass:
                                    self.ci_input, tuple(self.kept_inputs),
                                    tuple(self.packing) if self.packed_qkv else None,
                                    tuple(self.sharing) if self.shared_cross_kv else None,
-                                   tuple(self.entry_inputs))  # fmt: skip
+                                   tuple(self.entry_inputs),
+                                   tuple(self.matmuls) if self.decode_matmul else None)  # fmt: skip
         result.stamp()
         return result
 
@@ -610,6 +621,53 @@ class StaticCachePass:
         if query_dims is not None and (len(query_dims) != 3 or query_dims[2] not in (None, heads * head_size)):
             return f"its query is not (B, L, N*H) = (B, L, {heads * head_size}): {tuple(query_dims)}"
         return heads * head_size, heads * value_head
+
+    # rule DECODE_MATMUL
+    def decode_matmuls(self, kept: List[onnx.NodeProto]) -> List[onnx.NodeProto]:
+        """Each MatMul that matches as mha_ep::DecodeMatMul over its weight transposed; the others as they are."""
+        constants = {t.name: t for t in list(self.graph.initializer) + self.new_initializers
+                     if t.name not in self.graph_inputs}  # fmt: skip
+        out = []
+        for node in kept:
+            if node.op_type != "MatMul" or node.domain not in DEFAULT_DOMAINS:
+                out.append(node)
+                continue
+            name = node_name(node) or node.output[0]
+            why = self.decode_matmul_refusal(node, constants)
+            self.matmuls.append((name, why or ""))
+            if why:
+                out.append(node)
+                continue
+            weight = constants[node.input[1]]
+            dtype = "float16" if weight.data_type == onnx.TensorProto.FLOAT16 else "bfloat16"
+            transposed = self.initializer(f"{name}/weight_nk", np.ascontiguousarray(numpy_helper.to_array(weight).T))
+            out.append(helper.make_node(spec.MATMUL_OP_TYPE, [node.input[0], transposed], [node.output[0]],
+                                        name=name, domain=spec.PLUGIN_DOMAIN,
+                                        **{spec.ATTR_NODE: name, spec.ATTR_DTYPE: dtype}))  # fmt: skip
+        if any(not why for _, why in self.matmuls):
+            domains = {o.domain for o in self.model.opset_import}
+            if spec.PLUGIN_DOMAIN not in domains:
+                self.model.opset_import.append(helper.make_opsetid(spec.PLUGIN_DOMAIN, spec.PLUGIN_OPSET))
+        return out
+
+    def decode_matmul_refusal(self, node: onnx.NodeProto, constants: Dict[str, onnx.TensorProto]) -> Optional[str]:
+        """Rule DECODE_MATMUL's match for one MatMul: None, or why it stays."""
+        from mha_ep.engine.cuda.gemv import GEMV_MAX_M
+
+        weight = constants.get(node.input[1])
+        if weight is None:
+            return "its weight is not a constant initializer"
+        if len(weight.dims) != 2:
+            return f"its weight has shape {tuple(weight.dims)}, not (K, N)"
+        if weight.data_type not in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
+            return f"its weight is {onnx.TensorProto.DataType.Name(weight.data_type)}, not float16 or bfloat16"
+        dims = self.dims.get(node.input[0])
+        if not dims or not all(isinstance(d, int) for d in dims):
+            return f"its input's dims are not all static ({tuple(dims or ())}; --batch)"
+        rows = int(np.prod(dims[:-1], dtype=np.int64))
+        if rows > GEMV_MAX_M or dims[-1] != weight.dims[0]:
+            return f"its input is {tuple(dims)}: more than {GEMV_MAX_M} rows, or not K = {weight.dims[0]} wide"
+        return None
 
     def declare_entry_inputs(self) -> None:
         """Rule SHARED_CROSS_KV: the shared inputs' dim 0 is the batch entries (B / W, or ``batch_entries``)."""

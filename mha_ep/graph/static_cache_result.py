@@ -38,7 +38,8 @@ class StaticCacheResult:
     SHARED_BUFFER and OTHER_INPUTS); per self node (graph order), "" where its Q, K and V projections became one
     MatMul and a packed QKV query, else why not (rule PACKED_PROJECTIONS; None: not asked, packed_qkv=False); per
     cross node, "" where its beams share one K / V row per batch entry, else why not, and the inputs that hold one
-    row per entry (rule SHARED_CROSS_KV; None: not asked)."""
+    row per entry (rule SHARED_CROSS_KV; None: not asked); per MatMul, "" where it became mha_ep::DecodeMatMul,
+    else why not (rule DECODE_MATMUL; None: not asked)."""
 
     model: onnx.ModelProto
     self_layers: Tuple[Tuple[str, str, str, str], ...]
@@ -55,6 +56,7 @@ class StaticCacheResult:
     packed_qkv: Optional[Tuple[Tuple[str, str], ...]] = None
     shared_cross_kv: Optional[Tuple[Tuple[str, str], ...]] = None
     entry_inputs: Tuple[str, ...] = ()
+    decode_matmul: Optional[Tuple[Tuple[str, str], ...]] = None
 
     @property
     def packed_nodes(self) -> List[str]:
@@ -87,6 +89,15 @@ class StaticCacheResult:
                  f"{', '.join(self.entry_inputs) or 'nothing'} with batch / beams rows"]  # fmt: skip
         lines.extend(f"  not shared: node {node!r}: {why}" for node, why in self.shared_cross_kv if why)
         return lines
+
+    def decode_matmul_lines(self) -> List[str]:
+        """The report's line on rule DECODE_MATMUL (none where it was not asked)."""
+        if self.decode_matmul is None:
+            return []
+        done = sum(not why for _, why in self.decode_matmul)
+        reasons = sorted({why for _, why in self.decode_matmul if why})
+        return [f"  decode products: {done} of {len(self.decode_matmul)} MatMul(s) run as mha_ep::DecodeMatMul (the "
+                "model then runs only with mha_ep registered)" + (f"; kept: {'; '.join(reasons)}" if reasons else "")]
 
     @property
     def unchanged_inputs(self) -> List[str]:
@@ -128,6 +139,7 @@ class StaticCacheResult:
             f"{self.past_sequence_length}",
             *self.packing_lines(),
             *self.sharing_lines(),
+            *self.decode_matmul_lines(),
             f"  inputs as they were: {', '.join(self.unchanged_inputs) or 'none'}",
         ]  # fmt: skip
         lines.extend(f"  note: {n}" for n in self.notes)
@@ -152,6 +164,8 @@ class StaticCacheResult:
             "shared_cross_kv": None if self.shared_cross_kv is None else [
                 {"node": node, "shared": not why, "reason": why or None} for node, why in self.shared_cross_kv],
             "entry_inputs": list(self.entry_inputs),
+            "decode_matmul": None if self.decode_matmul is None else [
+                {"node": node, "rewritten": not why, "reason": why or None} for node, why in self.decode_matmul],
             "unchanged_inputs": self.unchanged_inputs,
             "notes": self.notes,
         }  # fmt: skip

@@ -14,6 +14,7 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 import mha_ep
+from mha_ep import spec
 from mha_ep.models.synthetic import whisper_decoder_step
 from mha_ep.graph.static_cache import PAST_SEQUENCE_LENGTH, StaticCacheError, static_cache
 
@@ -1093,3 +1094,40 @@ def test_a_cross_node_that_cannot_share_keeps_its_rows_and_the_report_says_why(c
     assert result.entry_inputs == ("cross_key_1", "cross_value_1")
     declared = {v.name: v.type.tensor_type.shape.dim[0].dim_value for v in result.model.graph.input}
     assert declared["cross_key_1"] == 2 and declared["cross_key_0"] == 4
+
+
+def test_decode_matmul_turns_a_few_rows_weight_products_into_the_plugin_op_with_the_same_logits():
+    """Rule DECODE_MATMUL on a float16 decoder of 2 rows: every MatMul by a constant weight becomes
+    mha_ep::DecodeMatMul over the weight transposed, the model imports the plugin domain, and the step's logits
+    on mha_ep's reference route are the plain rewrite's within float16 rounding; a float32 decoder, or more rows
+    than the op takes, keeps its MatMuls with the reason."""
+    from mha_ep.models.synthetic import decoder_step_feeds
+
+    decoder = whisper_decoder_step(layers=2, hidden=64, heads=4, ffn=128, dtype="float16", vocab=100)
+    plain = static_cache(decoder, max_length=16, batch=2, packed_qkv=False)
+    result = static_cache(decoder, max_length=16, batch=2, packed_qkv=False, decode_matmul=True)
+    nodes = result.model.graph.node
+    assert not [n for n in nodes if n.op_type == "MatMul"] and len(result.decode_matmul) == 17
+    product = next(n for n in nodes if n.op_type == spec.MATMUL_OP_TYPE)
+    weight = next(t for t in result.model.graph.initializer if t.name == product.input[1])
+    assert product.domain == spec.PLUGIN_DOMAIN and list(weight.dims)[::-1] == [
+        d for t in decoder.graph.initializer if t.name == "layer0.self_W_q" for d in t.dims]
+    assert spec.PLUGIN_DOMAIN in {o.domain for o in result.model.opset_import}
+    assert "decode products: 17 of 17 MatMul(s)" in result.report()
+    feeds = decoder_step_feeds(2, PROMPT, 2, 64, 4, 10, "float16", seed=4)
+    feeds.pop("hidden_states")
+    cache = {}
+    for name, value in feeds.items():
+        if name.startswith("past_"):
+            cache[name] = np.zeros(value.shape[:2] + (16,) + value.shape[3:], value.dtype)
+            cache[name][:, :, :PROMPT] = value
+    step = {"input_ids": np.array([[5], [7]], np.int64), **cache, PAST_SEQUENCE_LENGTH: np.array([PROMPT], np.int32),
+            **{n: v for n, v in feeds.items() if n.startswith("cross_")}}  # fmt: skip
+    logits = [run(mha_ep.InferenceSession(model, backend="reference", route="native"), step)["logits"]
+              for model in (plain.model, result.model)]  # fmt: skip
+    assert np.abs(logits[0].astype(np.float32) - logits[1].astype(np.float32)).max() <= TOLERANCE["fp16"]
+    kept = static_cache(whisper_decoder_step(layers=1, hidden=64, heads=4, ffn=128, vocab=100), max_length=16,
+                        batch=2, decode_matmul=True)  # fmt: skip
+    assert all("not float16 or bfloat16" in why for _, why in kept.decode_matmul)
+    wide = static_cache(decoder, max_length=16, batch=16, packed_qkv=False, decode_matmul=True)
+    assert all("more than 8 rows" in why for _, why in wide.decode_matmul), wide.decode_matmul
