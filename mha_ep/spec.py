@@ -24,6 +24,7 @@ PLUGIN_OPSET = 1
 MATMUL_OP_TYPE = "DecodeMatMul"
 MATMUL_INPUTS = ("x", "weight_nk")
 MATMUL_OUTPUTS = ("y",)
+MATMUL_MAX_ROWS = 8  # rows of x the rewrite gives the op (engine/cuda/gemv.py GEMV_MAX_M: its kernel's)
 
 # Input and output slots of com.microsoft::MultiHeadAttention (ORT 1.31.1), in slot order.
 INPUTS = (

@@ -652,8 +652,6 @@ class StaticCachePass:
 
     def decode_matmul_refusal(self, node: onnx.NodeProto, constants: Dict[str, onnx.TensorProto]) -> Optional[str]:
         """Rule DECODE_MATMUL's match for one MatMul: None, or why it stays."""
-        from mha_ep.engine.cuda.gemv import GEMV_MAX_M
-
         weight = constants.get(node.input[1])
         if weight is None:
             return "its weight is not a constant initializer"
@@ -665,8 +663,9 @@ class StaticCachePass:
         if not dims or not all(isinstance(d, int) for d in dims):
             return f"its input's dims are not all static ({tuple(dims or ())}; --batch)"
         rows = int(np.prod(dims[:-1], dtype=np.int64))
-        if rows > GEMV_MAX_M or dims[-1] != weight.dims[0]:
-            return f"its input is {tuple(dims)}: more than {GEMV_MAX_M} rows, or not K = {weight.dims[0]} wide"
+        if rows > spec.MATMUL_MAX_ROWS or dims[-1] != weight.dims[0]:
+            return (f"its input is {tuple(dims)}: more than {spec.MATMUL_MAX_ROWS} rows, or not K = {weight.dims[0]} "
+                    "wide")
         return None
 
     def declare_entry_inputs(self) -> None:

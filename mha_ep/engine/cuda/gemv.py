@@ -16,13 +16,14 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from mha_ep import spec
 from mha_ep.engine.cuda import gemm
 from mha_ep.engine.cuda.steps import Address, Gemm, Launch, Pointer
 from mha_ep.launch import ELEMENT_BYTES, ELEMENT_TYPES
 
 GEMV_ROWS = 2  # kernels/gemv.cu GEMV_ROWS: weight rows a warp takes
 GEMV_WARPS = 4  # kernels/gemv.cu GEMV_WARPS: warps a block
-GEMV_MAX_M = 8  # kernels/gemv.cu GEMV_MAX_M: rows of x a launch takes
+GEMV_MAX_M = spec.MATMUL_MAX_ROWS  # kernels/gemv.cu GEMV_MAX_M: rows of x a launch takes
 VECTOR_BYTES = 16  # a lane's load
 GEMV_DTYPES = ("float16", "bfloat16")
 INT_MAX = 2**31 - 1

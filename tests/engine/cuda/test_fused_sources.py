@@ -118,8 +118,8 @@ def test_kernel_sources_inline_every_local_header():
     for name in sorted({file for file, _ in INSTANTIATED.values()}):
         text = kernel_source(name)
         assert not re.search(r'^#include "', text, re.MULTILINE), name
-        assert text.count("struct MaskParams {") == 1
-        assert text.count("__device__ __forceinline__ T from_float(float x);") == 1
+        assert text.count("struct MaskParams {") == (0 if name == "gemv.cu" else 1)  # flash_common.cuh, once
+        assert text.count("__device__ __forceinline__ T from_float(float x);") == 1  # common.cuh, once
 
 
 def ptxas_report(tmp_path, lines: list, arch: str = "sm_90a") -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 // A decoder step's weight product: y (M, N) = x (M, K) . w_nk (N, K)^T for a few rows M <= GEMV_MAX_M, the weight
 // stored transposed (its rows the outputs), float32 sums rounded once to the element type (gemv.py, the op
-// mha_ep::DecodeMatMul that mha-ep static-cache writes). The product reads the weight once: at M <= 8 it is a read
-// of W, which cuBLAS's GEMMs take at 1.4-2.5 TB/s there (docs/BENCH.md section 11, run 4).
+// mha_ep::DecodeMatMul that mha-ep static-cache writes). At M <= 8 the product is a read of the weight, which
+// cuBLAS's GEMMs take well under HBM's rate there (docs/BENCH.md section 11, run 4); this kernel reads it once.
 //
 // Warp w of block b takes the weight rows [(b * GEMV_WARPS + w) * GEMV_ROWS, + GEMV_ROWS); lane l reads 16 bytes
 // of each of them at k = VEC * (l + 32 i), GEMV_UNROLL such loads of every row in flight before any arithmetic, and
