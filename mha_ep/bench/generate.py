@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import statistics
 import sys
 import time
@@ -768,6 +769,9 @@ def plot(results: list, path: Path) -> bool:
     return True
 
 
+BOTH_WAYS = {"off": (False,), "on": (True,), "both": (False, True)}  # an option's choice -> the rows' forms
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="mha-ep bench generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -777,18 +781,18 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes of the random-weight rows")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"),
                         help="element type of the random-weight rows")
-    parser.add_argument("--cross-qk", default="off", choices=("off", "on", "both"),
-                        help="the decoder's cross-attention nodes also write qk, as ORT's --output_cross_qk export "
-                             "does (both: each row without and with it, side by side)")
-    parser.add_argument("--packed-qkv", default="on", choices=("on", "off", "both"),
-                        help="the static columns' rewrite writes each self node's Q, K and V projections as one "
-                             "MatMul (static_cache's rule PACKED_PROJECTIONS, its default; both: each row both ways)")
-    parser.add_argument("--shared-cross-kv", default="off", choices=("off", "on", "both"),
-                        help="the static_beam column's rewrite reads the cross-attention keys and values one row per "
-                             "batch entry (static_cache's rule SHARED_CROSS_KV; both: each row both ways)")
-    parser.add_argument("--decode-matmul", default="off", choices=("off", "on", "both"),
-                        help="the static columns' rewrite runs a step's weight products of at most 8 rows as "
-                             "mha_ep::DecodeMatMul (static_cache's rule DECODE_MATMUL; both: each row both ways)")
+    for flag, default, what in (
+        ("--cross-qk", "off", "the decoder's cross-attention nodes also write qk, as ORT's --output_cross_qk export "
+                              "does"),
+        ("--packed-qkv", "on", "the static columns' rewrite writes each self node's Q, K and V projections as one "
+                               "MatMul (static_cache's rule PACKED_PROJECTIONS, its default)"),
+        ("--shared-cross-kv", "off", "the static_beam column's rewrite reads the cross-attention keys and values one "
+                                     "row per batch entry (static_cache's rule SHARED_CROSS_KV)"),
+        ("--decode-matmul", "off", "the static columns' rewrite runs a step's weight products of at most 8 rows as "
+                                   "mha_ep::DecodeMatMul (static_cache's rule DECODE_MATMUL)"),
+    ):  # fmt: skip
+        parser.add_argument(flag, default=default, choices=tuple(BOTH_WAYS),
+                            help=f"{what} (both: each row without and with it, side by side)")
     parser.add_argument("--columns", default=",".join(COLUMNS),
                         help="comma-separated greedy columns of the random-weight rows (stock_iobinding always); "
                              "the deployed sizes: stock_iobinding,mhaep_plain,static_greedy")
@@ -809,13 +813,10 @@ def main(argv: Optional[list] = None) -> int:
 
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
-    qk_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.cross_qk]
-    packed_forms = {"on": (True,), "off": (False,), "both": (False, True)}[args.packed_qkv]
-    shared_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.shared_cross_kv]
-    product_forms = {"off": (False,), "on": (True,), "both": (False, True)}[args.decode_matmul]
-    rows = [Row(size, int(batch), args.dtype, qk, packed, shared, product) for size in args.sizes.split(",") if size
-            for batch in args.batches.split(",") for qk in qk_forms for packed in packed_forms
-            for shared in shared_forms for product in product_forms]  # fmt: skip
+    forms = [BOTH_WAYS[choice] for choice in (args.cross_qk, args.packed_qkv, args.shared_cross_kv,
+                                              args.decode_matmul)]  # fmt: skip
+    rows = [Row(size, int(batch), args.dtype, *form) for size in args.sizes.split(",") if size
+            for batch in args.batches.split(",") for form in itertools.product(*forms)]  # fmt: skip
     unknown = [r.size for r in rows if r.size not in SIZES]
     if unknown:
         parser.error(f"unknown size(s) {unknown}; known: {list(SIZES)}")

@@ -19,8 +19,7 @@ from mha_ep.errors import MhaInputError, MhaModelError
 from mha_ep.native import configs
 from mha_ep.native import plan as native_plan
 
-from conftest import native_cuda_unavailable_reason
-from native_cases import library
+from native_cases import cuda_native, library  # noqa: F401 - cuda_native: a fixture
 
 ONNX_TYPES = {"float32": TP.FLOAT, "float16": TP.FLOAT16}
 NUMPY_TYPES = {"float32": np.float32, "float16": np.float16}
@@ -148,16 +147,6 @@ def test_rounding_is_to_nearest_even_for_both_half_types():
 
 
 # ------------------------------------------------------------------------------------------------------- GPU
-@pytest.fixture
-def cuda_native():
-    reason = native_cuda_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"the native route's CUDA kernels cannot run here: {reason}")
-    ort.preload_dlls()
-    yield
-    mha_ep.native.reset_plans()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("rows", [1, 5, GEMV_MAX_M, GEMV_MAX_M + 3])

@@ -14,7 +14,6 @@ import mha_ep
 from mha_ep import native
 from mha_ep.native import ahead
 
-from conftest import native_cuda_unavailable_reason
 from mha_models import (
     MhaConfig,
     assert_outputs_match,
@@ -26,23 +25,12 @@ from mha_models import (
     stock_outputs,
     with_,
 )  # fmt: skip
-from native_cases import CUDA, library, native_session, profile_providers, profiled_options, run_named, tolerance
+from native_cases import (  # noqa: F401 - cuda_native: a fixture
+    CUDA, cuda_native, library, native_session, profile_providers, profiled_options, run_named, tolerance,
+)
 
 
 # --------------------------------------------------------------------------------------------- kernels, GPU
-@pytest.fixture
-def cuda_native():
-    reason = native_cuda_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"the native route's CUDA kernels cannot run here: {reason}")
-    ort.preload_dlls()
-    yield
-    native.settings.poison = False
-    native.settings.fused_path = True
-    native.settings.plans_ahead = type(native.settings).plans_ahead
-    native.reset_plans()
-
-
 GPU_CASES = {
     "f16 bert": MhaConfig(dtype="float16", batch=2, q_seq=128, kv_seq=128, num_heads=12, head_size=64, bias=True,
                           mask="2d"),

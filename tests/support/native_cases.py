@@ -16,7 +16,7 @@ from mha_ep import native, spec
 from mha_ep.native import configs
 from mha_ep.native import plan as native_plan
 
-from conftest import PARITY_TOLERANCE
+from conftest import PARITY_TOLERANCE, native_cuda_unavailable_reason
 from harness import REPO
 from mha_models import (
     MhaConfig,
@@ -32,6 +32,21 @@ CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
 ELEMENT_CODES = {"float32": 1, "float16": 10, "bfloat16": 16, "int32": 6, "int64": 7}
+
+
+@pytest.fixture
+def cuda_native():
+    """The native route's CUDA kernels, or a skip naming why they cannot run here; the process-wide settings and
+    plans put back after the test (import it into a test module to use it)."""
+    reason = native_cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the native route's CUDA kernels cannot run here: {reason}")
+    ort.preload_dlls()
+    yield
+    native.settings.poison = False
+    native.settings.fused_path = True
+    native.settings.plans_ahead = type(native.settings).plans_ahead
+    native.reset_plans()
 
 
 def library():
