@@ -1131,3 +1131,30 @@ def test_decode_matmul_turns_a_few_rows_weight_products_into_the_plugin_op_with_
     assert all("not float16 or bfloat16" in why for _, why in kept.decode_matmul)
     wide = static_cache(decoder, max_length=16, batch=16, packed_qkv=False, decode_matmul=True)
     assert all("more than 8 rows" in why for _, why in wide.decode_matmul), wide.decode_matmul
+
+
+def test_the_beam_rules_compose_shared_cross_kv_and_decode_matmul_give_the_plain_rewrite_s_logits():
+    """One entry, 5 beams of a float16 decoder: --shared-cross-kv and --decode-matmul together (5 rows: every
+    weight product as mha_ep::DecodeMatMul, the cross K/V bound once) give, on mha_ep's reference route, the
+    logits of the rewrite without them fed the cross K/V once per beam."""
+    from mha_ep.models.synthetic import decoder_step_feeds
+
+    decoder = whisper_decoder_step(layers=2, hidden=64, heads=4, ffn=128, dtype="float16", vocab=100)
+    plain = static_cache(decoder, max_length=16, batch=5, beams=5, packed_qkv=False)
+    both = static_cache(decoder, max_length=16, batch=5, beams=5, packed_qkv=False, shared_cross_kv=True,
+                        decode_matmul=True)  # fmt: skip
+    assert all(not why for _, why in both.shared_cross_kv) and all(not why for _, why in both.decode_matmul)
+    feeds = decoder_step_feeds(1, PROMPT, 2, 64, 4, 10, "float16", seed=6)
+    feeds.pop("hidden_states")
+    cache = {}
+    for name, value in feeds.items():
+        if name.startswith("past_"):
+            cache[name] = np.zeros((5,) + value.shape[1:2] + (16,) + value.shape[3:], value.dtype)
+            cache[name][:, :, :PROMPT] = value
+    cross = {n: v for n, v in feeds.items() if n.startswith("cross_")}
+    common = {"input_ids": np.array([[5], [7], [9], [11], [13]], np.int64), **cache,
+              PAST_SEQUENCE_LENGTH: np.array([PROMPT], np.int32), "cache_indirection": np.zeros((1, 5, 16), np.int32)}
+    want = run(mha_ep.InferenceSession(plain.model, backend="reference", route="native"),
+               {**common, **{n: np.repeat(v, 5, axis=0) for n, v in cross.items()}})["logits"]  # fmt: skip
+    got = run(mha_ep.InferenceSession(both.model, backend="reference", route="native"), {**common, **cross})["logits"]
+    assert np.abs(got.astype(np.float32) - want.astype(np.float32)).max() <= TOLERANCE["fp16"]
