@@ -15,6 +15,7 @@ Forms (one ORT CUDA session each, COPIES distinct weights so that they exceed tw
              Reshape of X, no copy; for M > 1 it would need a transpose, not timed)
   gemv       gemv_rows below over Wt (N, K), launched by CuPy, ROWS rows a warp, WARPS warps a block
   mma        gemv_mma below: the weight as mma.sync's A operand, M <= 8 rows as B's 8 columns, split-K over WARPS
+  gemv_rows  the kernel mha_ep::DecodeMatMul launches (mha_ep/engine/cuda/kernels/gemv.cu, its one setting)
 µs: GPU time per product (CUPTI through torch.profiler: every kernel of a run over COPIES products), GB/s: the
 weight's bytes over it. FLOP model: 2·M·K·N per product (negligible here: the product is a read of W).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -235,17 +237,17 @@ def time_ort(ort, form: str, rows: int, k: int, n: int, rng, repeats: int) -> tu
     return micros, launches, names[0][:60] if names else ""
 
 
-def time_ours(module, kernel: str, rows: int, k: int, n: int, blocks: int, threads: int, tail: tuple, rng,
+def time_ours(function, rows: int, k: int, n: int, blocks: int, threads: int, tail: tuple, rng,
               repeats: int) -> tuple:  # fmt: skip
-    """(µs a product, max |error| / max |expected|) of ``kernel`` of GEMV_SOURCE launched as (x, wt, y, *tail) over
-    every copy of the weight in turn; y starts as NaN, so an unwritten element shows in the error."""
+    """(µs a product, max |error| / max |expected|) of the kernel ``function`` (a CuPy RawKernel) launched as
+    (x, wt, y, *tail) over every copy of the weight in turn; y starts as NaN, so an unwritten element shows in the
+    error."""
     import cupy
 
     copies = copies_for(k, n)
     x = cupy.asarray(rng.standard_normal((rows, k)).astype(np.float16))
     ws = [cupy.asarray((rng.standard_normal((n, k)) * 0.02).astype(np.float16)) for _ in range(copies)]
     y = cupy.full((rows, n), np.nan, dtype=cupy.float16)
-    function = module.get_function(kernel)
 
     def run():
         for w in ws:
@@ -265,15 +267,28 @@ def best_of_ours(module, rows: int, k: int, n: int, rng, repeats: int) -> dict:
     for rows_per_warp, unroll in GEMV_CONFIGS if rows == 1 else GEMV_CONFIGS[:3]:
         for warps in GEMV_WARPS:
             tail = (np.int32(n), np.int32(k), np.int32(warps))
-            micros, error = time_ours(module, f"gemv_m{rows}_r{rows_per_warp}_u{unroll}", rows, k, n,
+            micros, error = time_ours(module.get_function(f"gemv_m{rows}_r{rows_per_warp}_u{unroll}"), rows, k, n,
                                       -(-n // (warps * rows_per_warp)), 32 * warps, tail, rng, repeats)  # fmt: skip
             trials["gemv"].append((micros, (rows_per_warp, unroll, warps), error))
     for warps, unroll in MMA_CONFIGS:
         tail = (np.int32(rows), np.int32(n), np.int32(k))
-        micros, error = time_ours(module, f"gemv_mma_w{warps}_u{unroll}", rows, k, n, -(-n // 16), 32 * warps, tail,
-                                  rng, repeats)  # fmt: skip
+        micros, error = time_ours(module.get_function(f"gemv_mma_w{warps}_u{unroll}"), rows, k, n, -(-n // 16),
+                                  32 * warps, tail, rng, repeats)  # fmt: skip
         trials["mma"].append((micros, (warps, unroll), error))
     return {name: min(found) for name, found in trials.items()}
+
+
+def time_product(rows: int, k: int, n: int, rng, repeats: int) -> Optional[tuple]:
+    """(µs, error) of the kernel mha_ep::DecodeMatMul launches (kernels/gemv.cu gemv_rows, as engine/cuda/gemv.py
+    launches it), or None where it does not take the product."""
+    from mha_ep.engine.cuda import kernels
+    from mha_ep.engine.cuda.gemv import GEMV_ROWS, GEMV_WARPS, gemv_refusal
+
+    if gemv_refusal(rows, k, n, "float16", 256) is not None:
+        return None
+    function = kernels.compile_function(0, f"gemv_rows<__half, {rows}>")
+    return time_ours(function, rows, k, n, -(-n // (GEMV_ROWS * GEMV_WARPS)), 32 * GEMV_WARPS,
+                     (np.int32(n), np.int32(k)), rng, repeats)  # fmt: skip
 
 
 def main() -> int:
@@ -289,7 +304,8 @@ def main() -> int:
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"device: {name}; onnxruntime {ort.__version__}; float16; µs per product (GB/s of the weight)")
     header = ["M", "shape (K x N)", "MB", "matmul", "fused_t", "gemm_t", "swap", "gemv best (ROWS, UNROLL, WARPS)",
-              "err", "mma best (WARPS, UNROLL)", "err", "best ours / matmul", "matmul kernel", "swap kernel"]
+              "err", "mma best (WARPS, UNROLL)", "err", "best ours / matmul", "gemv_rows (DecodeMatMul's)",
+              "gemv_rows / matmul", "matmul kernel", "swap kernel"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -310,14 +326,17 @@ def main() -> int:
                     print(f"  {form} M={rows} {label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
             ours = best_of_ours(module, rows, k, n, rng, args.repeats)
             best, mma = ours["gemv"], ours["mma"]
+            product = time_product(rows, k, n, rng, args.repeats)
 
             def cell(us):
                 return "refused" if us is None else f"{us:.1f} ({k * n * 2 / us / 1e3:.0f})"
 
             print(f"| {rows} | {label} {k} x {n} | {mb:.1f} | {cell(cells['matmul'])} | {cell(cells['fused_t'])} | "
                   f"{cell(cells['gemm_t'])} | {cell(cells['swap'])} | {cell(best[0])} {best[1]} | {best[2]:.1e} | "
-                  f"{cell(mma[0])} {mma[1]} | {mma[2]:.1e} | {min(best[0], mma[0]) / cells['matmul']:.2f} | {kernel} | "
-                  f"{swap_kernel} |", flush=True)
+                  f"{cell(mma[0])} {mma[1]} | {mma[2]:.1e} | {min(best[0], mma[0]) / cells['matmul']:.2f} | "
+                  + ("- | - | " if product is None else
+                     f"{cell(product[0])} err {product[1]:.1e} | {product[0] / cells['matmul']:.2f} | ")
+                  + f"{kernel} | {swap_kernel} |", flush=True)  # fmt: skip
     return 0
 
 

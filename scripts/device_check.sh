@@ -43,7 +43,8 @@
 #              B=8 and large-v3 B=1 (float16, 5 beams: per-beam cross K/V against shared, timed in turns), and
 #              scripts/programmatic_ab.py at turbo B=1, log in $OUT/sharedkv.log
 #   decodematmul mha_ep::DecodeMatMul (static_cache's rule DECODE_MATMUL): its GPU tests, then bench generate at turbo
-#              B=1 and 8 and large-v3 B=1 (float16, profiled) with the rule off and on, into $OUT/decodematmul
+#              B=1 and 8 and large-v3 B=1 (float16, profiled) with the rule off and on, into $OUT/decodematmul, and
+#              scripts/decode_gemm_sweep.py (its kernel gemv_rows beside cuBLAS at turbo's shapes)
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
 #   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
@@ -207,7 +208,9 @@ EOF
                       --batches "$([ "$size" = turbo ] && echo 1,8 || echo 1)" --dtype float16 \
                       --columns stock_iobinding,mhaep_plain,static_greedy --decode-matmul both --profile --repeats 3 \
                       --steps 64 --out "$OUT/decodematmul-$size" 2>&1 | quiet | grep "^| Whisper"
-                  done ;;
+                  done
+                  timeout 240 python3 scripts/decode_gemm_sweep.py --rows 1,5,8 --repeats 5 2>&1 | quiet \
+                    | tee "$OUT/decodematmul-gemms.log" | grep "^|" ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;
