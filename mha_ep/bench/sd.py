@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from mha_ep.bench.output import add_output_options, emit
+from mha_ep.dtypes import rounded
 from mha_ep.bench.timer import paired_medians
 from mha_ep.progress import bar, wanted, write
 
@@ -207,9 +208,8 @@ def _rounded_bits(array: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def bfloat16_bits(array: np.ndarray) -> np.ndarray:
-    """``array`` rounded to bfloat16 (to nearest, ties to even; finite values), as its uint16 bits."""
-    bits = np.asarray(array, np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    """``array`` rounded to bfloat16 (to nearest, ties to even: dtypes.rounded), as its uint16 bits."""
+    return (rounded(array, "bfloat16").view(np.uint32) >> 16).astype(np.uint16)
 
 
 def _as_float(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -227,14 +227,14 @@ def reference_rows(row: "SdAttention", apart: dict) -> tuple[np.ndarray, np.ndar
     the row's dtype: softmax(scale * Q.K^T) . V, scale 1/sqrt(H), in float64 (the oracle where stock cannot run or
     disagrees)."""
     b, n, h, s, l = row.batch, row.heads, row.head_size, row.seq, row.keys
-    rounded = {name: _as_float(_rounded_bits(value, row.dtype), row.dtype) for name, value in apart.items()}
+    as_typed = {name: _as_float(_rounded_bits(value, row.dtype), row.dtype) for name, value in apart.items()}
     picks = np.unique(np.linspace(0, s - 1, min(s, REFERENCE_ROWS)).astype(np.int64))
-    q = rounded["q"][:, picks].reshape(b, len(picks), n, h).transpose(0, 2, 1, 3)
+    q = as_typed["q"][:, picks].reshape(b, len(picks), n, h).transpose(0, 2, 1, 3)
     if row.form == "joint":
-        k, v = rounded["k"], rounded["v"]
+        k, v = as_typed["k"], as_typed["v"]
     else:
-        k = rounded["k"].reshape(b, l, n, h).transpose(0, 2, 1, 3)
-        v = rounded["v"].reshape(b, l, n, h).transpose(0, 2, 1, 3)
+        k = as_typed["k"].reshape(b, l, n, h).transpose(0, 2, 1, 3)
+        v = as_typed["v"].reshape(b, l, n, h).transpose(0, 2, 1, 3)
     scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(h)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)

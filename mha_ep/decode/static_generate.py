@@ -92,8 +92,9 @@ def generate_static(decoder, prompt, max_new_tokens: int, *, inputs: Optional[Ma
     """Up to ``max_new_tokens`` tokens after ``prompt`` ((rows, P0) token ids: a row per batch entry, or per
     decoder row) over ``decoder`` (a StaticDecoder; greedy, or beam search when it was made with beams), its fixed
     inputs set from ``inputs`` (name -> CuPy or NumPy array, or an ORT value on the device, a row per batch entry or
-    per decoder row; a row per batch entry for the inputs a ``--shared-cross-kv`` rewrite shares among beams). ``eot``: the end-of-text id (greedy: a row stops before it; beams: a finished sequence ends
-    with it; required for beams). ``suppress``: token ids never chosen; ``suppress_first``: more ids never chosen
+    per decoder row; a row per batch entry for the inputs a ``--shared-cross-kv`` rewrite shares among beams).
+    ``eot``: the end-of-text id (greedy: a row stops before it; beams: a finished sequence ends with it; required
+    for beams). ``suppress``: token ids never chosen; ``suppress_first``: more ids never chosen
     as the first new token. Returns greedy's rows / beam search's batch entries, the prompt excluded."""
     prompt = prompt_array(prompt)
     inputs = dict(inputs or {})

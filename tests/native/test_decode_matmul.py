@@ -14,7 +14,8 @@ from onnx import helper, numpy_helper
 import mha_ep
 from mha_ep import spec
 from mha_ep.engine.cuda.fused import DeviceFacts
-from mha_ep.engine.cuda.gemv import GEMV_MAX_M, gemv_refusal, reference_matmul, rounded
+from mha_ep.dtypes import rounded
+from mha_ep.engine.cuda.gemv import GEMV_MAX_M, gemv_refusal, reference_matmul
 from mha_ep.errors import MhaInputError, MhaModelError
 from mha_ep.native import configs
 from mha_ep.native import plan as native_plan

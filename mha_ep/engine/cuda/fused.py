@@ -369,8 +369,9 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
         raise ValueError(f"fused attention: split_kernel {kernel!r} is not one of {SPLIT_KERNELS}")
     cut = dispatch.key_stream(problem, facts.sms, in_bytes) if kernel == "stream" else None
     if cut is not None:  # (key_stream takes every call key_split does)
+        programmatic = raw_query and dispatch.programmatic_launches(facts.capability)
         return split_stream_steps(problem, cut, take, arguments, operands["operand_dtype"], round_query=not raw_query,
-                                  qk=qk, programmatic=raw_query and dispatch.programmatic_launches(facts.capability))  # fmt: skip
+                                  qk=qk, programmatic=programmatic)  # fmt: skip
     return split_key_steps(problem, split, take, arguments, operands["operand_dtype"], out_BSD,
                            round_query=not raw_query, qk=qk, out_narrow=out_narrow)  # fmt: skip
 

@@ -17,7 +17,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from mha_ep import spec
+from mha_ep.dtypes import rounded
 from mha_ep.engine.cuda import gemm
+from mha_ep.engine.cuda.pipeline import _narrow
 from mha_ep.engine.cuda.steps import Address, Gemm, Launch, Pointer
 from mha_ep.launch import ELEMENT_BYTES, ELEMENT_TYPES
 
@@ -58,8 +60,6 @@ def matmul_steps(x: Address, w_nk: Address, y: Address, *, rows: int, k: int, n:
     steps: list = [Gemm(gemm.CUBLAS_OP_T, gemm.CUBLAS_OP_N, n, rows, k, 1.0, w_nk, element, k, 0, x, element, k, 0,
                         out, n, 0, 1)]  # fmt: skip
     if dtype != "float32":
-        from mha_ep.engine.cuda.pipeline import _narrow
-
         steps.append(_narrow(dtype, out, y, rows * n))
     return steps
 
@@ -69,16 +69,3 @@ def reference_matmul(x: np.ndarray, w_nk: np.ndarray, dtype: str = "float32") ->
     float64, rounded once to ``dtype``, as float32."""
     return rounded((x.astype(np.float64) @ w_nk.astype(np.float64).T).astype(np.float32), dtype)
 
-
-def rounded(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 ``values`` rounded to ``dtype`` (to nearest, ties to even), as float32."""
-    values = np.ascontiguousarray(values, np.float32)
-    if dtype == "float16":
-        with np.errstate(over="ignore"):
-            return values.astype(np.float16).astype(np.float32)
-    if dtype == "bfloat16":
-        bits = values.view(np.uint32).astype(np.uint64)
-        kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        out = (kept & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
-        return np.where(np.isnan(values), values, out)
-    return values

@@ -23,7 +23,6 @@ template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat
 // Value of T nearest to x, as a float: what a T store followed by a float load would give.
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float<T>(from_float<T>(x)); }
 
-// First linear index of this thread and the stride of a grid-stride loop, both 64-bit.
 // Programmatic dependent launch (sm_90 and later; compiled out below). A kernel launched with the programmatic
 // stream serialization attribute (steps.Launch.programmatic) may start while the kernel before it in the stream
 // still runs: before wait_for_prior_grids it may only read what that kernel does not write, and write nothing
@@ -41,6 +40,7 @@ __device__ __forceinline__ void allow_dependent_grids() {
 #endif
 }
 
+// First linear index of this thread and the stride of a grid-stride loop, both 64-bit.
 __device__ __forceinline__ long long grid_first_index() {
   return (long long)blockIdx.x * blockDim.x + threadIdx.x;
 }
