@@ -99,7 +99,8 @@ def test_the_fused_kernels_share_one_parameter_list_and_one_copy_of_the_tile_ste
              "p[kt][3] = zero ? 0u : Ops<ELEM, BLOCK_N>::pack(",
              # split_keys.cu: both split kernels' steps (split_key_attention's and split_key_stream's blocks)
              "const float logit = masked_logit_per_key(x, sc.mp, m, i, j);", "const float p = exp2f((x_row[jj]",
-             "o[i][e] = fmaf(p[i], vr, o[i][e]);",
+             "o[i][e] = fmaf(p[i], vr, o[i][e]);", "static_cast<ELEM*>(out_narrow_BSD)[out_row + d] =",
+             # combine_tile_splits' (flash_attention_ws's tail split)
              "static_cast<ELEM*>(out_narrow_BSD)[at] = from_float<ELEM>(x);")  # fmt: skip
     for step in steps:
         assert SOURCE.count(step) == 1, step

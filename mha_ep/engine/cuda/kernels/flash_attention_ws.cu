@@ -221,11 +221,7 @@ __device__ __forceinline__ void store_partial(const float (&o_acc)[ATOMS][32], c
                                               float (&row_sum)[2], const int (&row_local)[2], long long slot,
                                               int block_m, int v_head_size, int tig, float* __restrict__ tail_O,
                                               float2* __restrict__ tail_ML) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-  }
+  quad_sum_rows(row_sum);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const long long at = slot * block_m + row_local[r];

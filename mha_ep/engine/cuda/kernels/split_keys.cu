@@ -329,18 +329,6 @@ __device__ __forceinline__ float block_reduce(float v) {
   return all;
 }
 
-// One output element, as flash_common.cuh's store_pair stores two: ELEM at out_narrow_BSD when it is given, else
-// rounded to ELEM as float32 at out_BSD.
-template <typename ELEM>
-__device__ __forceinline__ void store_one(float* __restrict__ out_BSD, void* __restrict__ out_narrow_BSD, long long at,
-                                          float x) {
-  if (out_narrow_BSD != nullptr) {
-    static_cast<ELEM*>(out_narrow_BSD)[at] = from_float<ELEM>(x);
-  } else {
-    out_BSD[at] = round_to<ELEM>(x);
-  }
-}
-
 #define COMBINE_KEPT 4       // splits' (m, l) a thread keeps in registers between its two passes (4 x SPLIT_THREADS)
 #define COMBINE_IN_FLIGHT 8  // partial outputs a thread loads before it sums the first (16 spills on sm_80)
 
@@ -401,7 +389,11 @@ __device__ __forceinline__ void combine_row(const float* __restrict__ partial_O,
         if (c0 + u < splits) o = fmaf(part[u], weight[c0 + u], o);
       }
     }
-    store_one<ELEM>(out_BSD, out_narrow_BSD, out_row + d, o * inv);
+    if (out_narrow_BSD != nullptr) {
+      static_cast<ELEM*>(out_narrow_BSD)[out_row + d] = from_float<ELEM>(o * inv);
+    } else {
+      out_BSD[out_row + d] = round_to<ELEM>(o * inv);
+    }
   }
 }
 
@@ -512,6 +504,18 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
 }
 
 // ------------------------------------------------------------------------- the flash kernel's tail (combine)
+// One output element, as combine_row stores its own (which keeps its inline store: moving it into this helper
+// changed split_key_stream's PTX, scripts/ptx_identity.py): ELEM at out_narrow_BSD when it is given, else rounded
+// to ELEM as float32 at out_BSD.
+template <typename ELEM>
+__device__ __forceinline__ void store_one(float* out_BSD, void* out_narrow_BSD, long long at, float x) {
+  if (out_narrow_BSD != nullptr) {
+    static_cast<ELEM*>(out_narrow_BSD)[at] = from_float<ELEM>(x);
+  } else {
+    out_BSD[at] = round_to<ELEM>(x);
+  }
+}
+
 #define TILE_SPLITS_MAX 32     // dispatch.py WS_TAIL_MAX_SPLITS: one split's (m, l) per lane
 #define TILE_COMBINE_WARPS 4   // rows of a combine_tile_splits block, one a warp
 // flash_attention_ws's tail split (its header): tail tile t (query tile first_tile + t, in tile_coords' order:
