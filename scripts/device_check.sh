@@ -45,6 +45,9 @@
 #   decodematmul mha_ep::DecodeMatMul (static_cache's rule DECODE_MATMUL): its GPU tests, then bench generate at turbo
 #              B=1 and 8 and large-v3 B=1 (float16, profiled) with the rule off and on, into $OUT/decodematmul, and
 #              scripts/decode_gemm_sweep.py (its kernel gemv_rows beside cuBLAS at turbo's shapes)
+#   wstail     flash_attention_ws's tail split (dispatch.ws_tail): its GPU tests and the warp-specialized kernel's,
+#              then mha-ep bench sd on the long rows (S 4096 self attention, SD3.5 / Flux joint attention; float16)
+#              with the split (default) and without (MHA_EP_WS_TAIL=off), into $OUT/sd-split and $OUT/sd-off
 #   threephase the parity suites on the three-phase (unfused) path
 #   nbench     mha-ep bench native (ROWS=encoder,first,decode,chain), into $OUT/nbench
 #   generate   mha-ep bench generate: greedy and beam Whisper generation (tiny/base/small sizes; REAL=DIR adds real
@@ -211,6 +214,12 @@ EOF
                   done
                   timeout 240 python3 scripts/decode_gemm_sweep.py --rows 1,5,8 --repeats 5 2>&1 | quiet \
                     | tee "$OUT/decodematmul-gemms.log" | grep "^|" ;;
+    wstail) { timeout 200 $PYTEST_GPU tests/engine/cuda/test_fused_kernels.py -k "tail or warp_specialized" 2>&1 \
+                | quiet | tail -3
+              for tail in split off; do
+                MHA_EP_WS_TAIL=$tail timeout 150 python3 -m mha_ep bench sd --repeats "${REPEATS:-20}" \
+                  --dtypes float16 --only "L4096,joint" --out "$OUT/sd-$tail" 2>&1 | quiet | grep "^| SD\|^| Flux"
+              done; } | tee "$OUT/wstail.log" ;;
     threephase) MHA_EP_THREE_PHASE=1 timeout 200 $PYTEST_GPU tests/parity 2>&1 | quiet | tail -4 ;;
     nbench) timeout 540 python3 -m mha_ep bench native --repeats "${REPEATS:-10}" \
               --rows "${ROWS:-encoder,first,decode,chain}" --out "$OUT/nbench" 2>&1 | quiet ;;

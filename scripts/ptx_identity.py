@@ -88,7 +88,8 @@ def split_key_names() -> set:
     elements = [ELEMENT_TYPES[d] for d in ("float32", "float16", "bfloat16")]
     names = {f"{kernel}<{e}, {s}>" for kernel in ("split_key_attention", "split_key_stream") for e in elements
              for s in {"float", e}}  # fmt: skip
-    return names | {f"combine_key_splits<{e}>" for e in elements} | {"zero_after_prior_grids<unsigned>"}
+    combines = {f"{kernel}<{e}>" for kernel in ("combine_key_splits", "combine_tile_splits") for e in elements}
+    return names | combines | {"zero_after_prior_grids<unsigned>"}
 
 
 def instantiations() -> dict:

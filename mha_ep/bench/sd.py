@@ -319,7 +319,8 @@ def main(argv: Optional[list] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--repeats", type=int, default=30, help="rounds timed in turns (median of each)")
     parser.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated: float16, bfloat16")
-    parser.add_argument("--only", default="", help="only rows whose label contains this text")
+    parser.add_argument("--only", default="",
+                        help="only rows whose label contains this text (comma-separated: any of them)")  # fmt: skip
     add_output_options(parser, "also write bench_sd.json into this folder")
     args = parser.parse_args(argv)
     dtypes = tuple(args.dtypes.split(","))
@@ -332,7 +333,7 @@ def main(argv: Optional[list] = None) -> int:
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     device_name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    rows = [row for row in sd_rows(dtypes) if args.only in row.label]
+    rows = [row for row in sd_rows(dtypes) if any(part in row.label for part in args.only.split(","))]
     print(f"device: {device_name}; onnxruntime {ort.__version__}")
     print("| row | stock packed µs | stock unpacked µs | ours µs | vs packed | vs unpacked | ours | err ours / stock "
           "packed / unpacked |")  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -48,11 +49,13 @@ def make_problem(case: Case, dtype: str) -> MhaProblem:
 
 # ------------------------------------------------------------------------------------------------ GPU harness
 def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split=False,
-                     narrow: bool = False) -> np.ndarray:  # fmt: skip
+                     narrow: bool = False, tail_sms: Optional[int] = None) -> np.ndarray:  # fmt: skip
     """Output (B, S, Dv) float32 of the fused kernel on device copies of ``problem`` in operand ``form``
     (``split``: fused_steps' split-key launches, their scratch poisoned, instead of the flash kernel: True for the
     default kernel, or its name, "stream" or "pair"; ``narrow``: float16 / bfloat16 calls write the output in the
-    call's dtype, out_narrow, read back as float32)."""
+    call's dtype, out_narrow, read back as float32; ``tail_sms``: fused_steps planned for a device of that many
+    SMs, whose flash_attention_ws ``tile`` must take a tail split (dispatch.ws_tail): the kernel over that many
+    blocks, its tail slots poisoned, then combine_tile_splits)."""
     g = problem.geometry
     keep = []  # device arrays stay alive until the kernel is done
 
@@ -122,7 +125,20 @@ def run_fused_on_gpu(cupy, problem: MhaProblem, form: str, tile=None, split=Fals
     stream = cupy.cuda.Stream(non_blocking=True)
     operands = dict(q=q, k=k, v=v, operand_dtype=operand_dtype, attention_bias=attention_bias,
                     mask=mask, out_BSD=None if narrow else out.data.ptr, **offset_args)  # fmt: skip
-    if split:
+    if tail_sms is not None:
+        from mha_ep.engine.cuda.runner import run_steps
+
+        def take_poisoned(name: str, nbytes: int) -> int:
+            with stream:
+                scratch = cupy.full((nbytes,), 0xFF, cupy.uint8)  # NaN in every float of it
+            keep.append(scratch)
+            return scratch.data.ptr
+
+        facts = fused.DeviceFacts(fused.device_capability(0), tail_sms)
+        steps = fused.fused_steps(problem, take=take_poisoned, facts=facts, tile=tile, **operands)
+        assert [step.function.split("<")[0] for step in steps] == ["flash_attention_ws", "combine_tile_splits"]
+        run_steps(0, steps, stream)
+    elif split:
         from mha_ep.engine.cuda.runner import run_steps
 
         def take(name: str, nbytes: int) -> int:
@@ -285,6 +301,21 @@ OFFSET_CASES = {
 }  # fmt: skip
 
 
+# flash_attention_ws's tail split (dispatch.ws_tail) on a pretend device of `sms` SMs (the launch's grid): case,
+# tile, SMs, and the split dispatch.ws_tail must choose. Query tiles are walked last query tile of a head first, so
+# the tail holds each head's first tile; S <= the tile's rows makes that tile partial.
+WS_TAIL_CASES = {
+    "three_consumers_S300_T1100_two_tail_tiles": (Case(b=1, s=300, l=1100, n=3, h=64), dispatch.WsTile(consumers=3), 4,
+                                                  dispatch.WsTail(4, 2, 2)),
+    "three_consumers_partial_tiles_S100_T1500": (Case(b=2, s=100, l=1500, n=3, h=64, bias=False),
+                                                 dispatch.WsTile(consumers=3), 4, dispatch.WsTail(4, 2, 2)),
+    "two_consumers_H128_hv64_T2100_partial_key_tile": (Case(b=2, s=200, l=2100, n=2, h=128, hv=64),
+                                                       dispatch.WsTile(), 7, dispatch.WsTail(7, 1, 4)),
+    "two_consumers_bnsh_no_whole_tile_S60_T1300": (Case(b=1, s=60, l=1300, n=2, h=64, layout="BNSH"),
+                                                   dispatch.WsTile(), 5, dispatch.WsTail(0, 2, 2)),
+}  # fmt: skip
+
+
 def ws_tiles() -> list:
     return [dispatch.WsTile(), dispatch.WsTile(64), dispatch.WsTile(consumers=3), dispatch.WsTile(64, consumers=3)]
 
@@ -318,11 +349,14 @@ CODE = code_only(SOURCE)
 def kernel_parameters(operand_type: str, name: str = "") -> str:
     """The parameter list every fused kernel shares (flash_attention_mma / _fp32 / _wgmma / _ws), for explicit
     instantiations: Q, K, V as (pointer, three strides, bias) in ``operand_type``, then masks, the score offsets,
-    scalars, the two outputs (float32, and the narrow one the tensor-core kernels may write); flash_attention_ws (``name``) adds its three TMA tensor maps."""
+    scalars, the two outputs (float32, and the narrow one the tensor-core kernels may write); flash_attention_ws
+    (``name``) adds its three TMA tensor maps and its tail split (full_tiles, tail_splits, tail_O, tail_ML)."""
     operand = [f"const {operand_type}*", "long long", "long long", "long long", f"const {operand_type}*"]
     rest = ["const float*", "int", "int", "int", "const int*", "const unsigned char*", "const float*", "const float*",
             "float", "int", "int", "float"]  # fmt: skip
-    maps = ["const __grid_constant__ TensorMap"] * 3 if name.startswith("flash_attention_ws<") else []
+    maps = []
+    if name.startswith("flash_attention_ws<"):
+        maps = ["const __grid_constant__ TensorMap"] * 3 + ["long long", "int", "float*", "float2*"]
     return ", ".join(operand * 3 + rest + ["int"] * 7 + ["float*", "void*"] + maps)
 
 

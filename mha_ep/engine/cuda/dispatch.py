@@ -10,7 +10,8 @@ compute capability 9.0 device, operands in the call's dtype, head tile 64 or 128
 ones also when causal; ``ws_unsupported_reason``) take ``flash_attention_ws`` instead (a TMA producer warpgroup and
 two or three ping-ponging consumers, persistent): three consumers for head tile 64 where their 192-row tiles pay
 (``prefers_three_consumers``), two for head tile 128, or head tile 64 with enough query tiles to fill the GPU
-(``prefers_warp_specialized``). Every kernel is templated on the head tile HEAD_DIM, the smallest of
+(``prefers_warp_specialized``); the tiles its last persistent round would leave on few SMs are cut into key ranges
+merged after it (``ws_tail``). Every kernel is templated on the head tile HEAD_DIM, the smallest of
 HEAD_DIM_TILES that holds max(H, Hv). A decode step (S <= SPLIT_MAX_ROWS) takes none of them: its keys are cut
 across blocks (kernels/split_keys.cu), by ``key_stream`` for ``split_key_stream`` (one launch; its blocks stream
 their keys through shared memory, and each (b, h)'s last one combines), or by ``key_split`` for the earlier pair
@@ -53,6 +54,13 @@ WS_HEAD64_TILES_PER_SM = 3
 # Time per query row and key of three consumers against two, set above the measured ratio so that three consumers
 # are taken only where they clearly pay (docs/BENCH.md, "Dispatch defaults").
 WS3_ROW_COST = 0.85
+# flash_attention_ws's tail split (ws_tail): each split of a last-round tile reads at least this many key tiles
+# (the pipeline's first and last steps are not overlapped), and a tile takes at most WS_TAIL_MAX_SPLITS splits
+# (kernels/split_keys.cu TILE_SPLITS_MAX: combine_tile_splits keeps one split's (max, sum) a lane).
+WS_TAIL_MIN_KEY_TILES = 4
+WS_TAIL_MAX_SPLITS = 32
+WS_TAIL_ENV = "MHA_EP_WS_TAIL"  # "off": no tail split (A/B timing of whole models); default "split"
+WS_TAIL_CHOICES = ("split", "off")
 WS_CAUSAL_LOGIT_BOUND = 1.0e37  # |scale * q.k| below this: a row's largest allowed logit dominates float32 lowest
 FLOAT16_MAX = 65504.0
 FEATURE_PADDING = 1  # kernels/flash_common.cuh FlashFeatures FLASH_WITH_PADDING
@@ -338,14 +346,73 @@ def persistent_rounds(problem: MhaProblem, rows: int, sms: int = HOPPER_SM_COUNT
     return -(-query_tiles(problem, rows) // sms)
 
 
-def prefers_three_consumers(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> bool:
+@dataclass(frozen=True)
+class WsTail:
+    """flash_attention_ws's tail split (kernels/flash_attention_ws.cu, "Tail split"): query tiles 0 ..
+    ``full_tiles`` - 1 are whole units, each of the ``tail_tiles`` after them is cut into ``splits`` units of
+    contiguous key tiles, merged after the launch by combine_tile_splits."""
+
+    full_tiles: int
+    tail_tiles: int
+    splits: int
+
+    @property
+    def units(self) -> int:
+        """Work units of the launch: its grid is min(units, SMs)."""
+        return self.full_tiles + self.tail_tiles * self.splits
+
+    @property
+    def slots(self) -> int:
+        """Partial results the tail units write (tail_tiles x splits)."""
+        return self.tail_tiles * self.splits
+
+
+def ws_tail(problem: MhaProblem, tile: WsTile, sms: int = HOPPER_SM_COUNT) -> Optional[WsTail]:
+    """How flash_attention_ws cuts the query tiles its last round would leave on few SMs, or None for a whole-tile
+    walk. The tiles past the last full round of ``sms`` (all of them when there are fewer) are each split into the
+    number of key ranges, 2 to WS_TAIL_MAX_SPLITS and no fewer than WS_TAIL_MIN_KEY_TILES key tiles of tile.block_n
+    each, whose units end soonest (ws_tail_time; the fewest splits of equal time); None when no split ends before a
+    whole tile, for causal calls (their tiles read different numbers of keys, and their order is another), and
+    where MHA_EP_WS_TAIL is "off"."""
+    if problem.causal or kernel_from_environment(WS_TAIL_ENV, WS_TAIL_CHOICES) == "off":
+        return None
+    tiles = query_tiles(problem, tile.block_m)
+    full = tiles // sms * sms
+    tail = tiles - full
+    key_tiles = -(-problem.geometry.total_seq // tile.block_n)
+    most = min(WS_TAIL_MAX_SPLITS, key_tiles // WS_TAIL_MIN_KEY_TILES)
+    if tail == 0 or most < 2:
+        return None
+    splits = min(range(2, most + 1), key=lambda k: (ws_tail_time(tail, k, sms, key_tiles), k))
+    return WsTail(full, tail, splits) if ws_tail_time(tail, splits, sms, key_tiles) < 1.0 else None
+
+
+def ws_tail_time(tail_tiles: int, splits: int, sms: int, key_tiles: int) -> float:
+    """Whole-tile times the busiest SM spends on ``tail_tiles`` tiles of ``key_tiles`` key tiles each, cut into
+    ``splits`` units: its units times one unit's key tiles, plus one key tile's time a unit for the pipeline's
+    unoverlapped first and last steps (a whole tile: key_tiles + 1)."""
+    return -(-tail_tiles * splits // sms) * (key_tiles / splits + 1) / (key_tiles + 1)
+
+
+def ws_rounds(problem: MhaProblem, tile: WsTile, sms: int = HOPPER_SM_COUNT, tail_split: bool = True) -> float:
+    """Whole-tile times of the busiest SM of flash_attention_ws's persistent walk: ceil(tiles / sms), or with a
+    tail split (ws_tail; ``tail_split`` False: never) the full rounds plus its units' time (ws_tail_time)."""
+    tail = ws_tail(problem, tile, sms) if tail_split else None
+    if tail is None:
+        return float(persistent_rounds(problem, tile.block_m, sms))
+    key_tiles = -(-problem.geometry.total_seq // tile.block_n)
+    return tail.full_tiles // sms + ws_tail_time(tail.tail_tiles, tail.splits, sms, key_tiles)
+
+
+def prefers_three_consumers(problem: MhaProblem, sms: int = HOPPER_SM_COUNT, tail_split: bool = True) -> bool:
     """Head tile 64 takes three consumer warpgroups (192-row tiles) when the busiest SM's estimated time, rounds x
-    rows x WS3_ROW_COST, is under two consumers' (rounds x 128 rows), on ``sms`` SMs."""
+    rows x WS3_ROW_COST, is under two consumers' (rounds x 128 rows), on ``sms`` SMs; rounds as ws_rounds counts
+    them (with ``tail_split``, a tail split's units)."""
     g = problem.geometry
     if wgmma_head_tile(g.head_size, g.v_head_size) != 64:
         return False
-    three = persistent_rounds(problem, 3 * WARPGROUP_ROWS, sms) * 3 * WARPGROUP_ROWS * WS3_ROW_COST
-    return three < persistent_rounds(problem, WS_BLOCK_M, sms) * WS_BLOCK_M
+    three = ws_rounds(problem, WsTile(consumers=3), sms, tail_split) * 3 * WARPGROUP_ROWS * WS3_ROW_COST
+    return three < ws_rounds(problem, WsTile(), sms, tail_split) * WS_BLOCK_M
 
 
 def prefers_warp_specialized(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) -> bool:
@@ -359,14 +426,14 @@ def prefers_warp_specialized(problem: MhaProblem, sms: int = HOPPER_SM_COUNT) ->
 def choose_tile(problem: MhaProblem, operand_dtype: str, capability: str, sms: int = HOPPER_SM_COUNT,
                 key_offset: bool = False) -> Tile:  # fmt: skip
     """The tile, and with it the kernel, of a fused call on a device of compute ``capability`` with ``sms`` SMs
-    (``key_offset``: the call passes a per-key offset): where ws_unsupported_reason says None, a three-consumer
-    WsTile where prefers_three_consumers, a two-consumer one where prefers_warp_specialized; else a WgmmaTile where
-    wgmma_unsupported_reason says None, else flash_attention_mma's default tile (float32 calls ignore it)."""
+    (``key_offset``: the call passes a per-key offset): where ws_unsupported_reason says None and three consumers
+    would pay over two whole-tile walks (prefers_three_consumers without a tail split) or prefers_warp_specialized,
+    a WsTile of three consumers where prefers_three_consumers (with the tail splits) says so, else of two; else a
+    WgmmaTile where wgmma_unsupported_reason says None, else flash_attention_mma's default tile (float32 calls
+    ignore it)."""
     if ws_unsupported_reason(problem, operand_dtype, capability, key_offset) is None:
-        if prefers_three_consumers(problem, sms):
-            return WsTile(consumers=3)
-        if prefers_warp_specialized(problem, sms):
-            return WsTile()
+        if prefers_three_consumers(problem, sms, tail_split=False) or prefers_warp_specialized(problem, sms):
+            return WsTile(consumers=3) if prefers_three_consumers(problem, sms) else WsTile()
     if wgmma_unsupported_reason(problem, operand_dtype, capability) is None:
         return default_wgmma_tile(problem, key_offset)
     return default_tile(problem)

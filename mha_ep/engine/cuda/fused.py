@@ -37,7 +37,9 @@ from mha_ep.engine.cuda.dispatch import (
     Tile, WgmmaTile, WsTile, choose_tile, default_tile, head_dim_tile, kernel_head_tile, mma_features, query_tiles,
     wgmma_unsupported_reason, ws_tile_unsupported_reason, ws_unsupported_reason,
 )
-from mha_ep.engine.cuda.split_keys import SPLIT_KERNELS, chosen_split_kernel, split_key_steps, split_stream_steps
+from mha_ep.engine.cuda.split_keys import (
+    SPLIT_KERNELS, chosen_split_kernel, split_key_steps, split_stream_steps, tail_combine_step,
+)
 from mha_ep.engine.cuda.steps import Address, Launch, Pointer, TensorMap, alignment_of
 from mha_ep.engine.problem import MhaProblem, problem_signature
 
@@ -322,9 +324,25 @@ def fused_step(
         raise ValueError("fused attention: out_narrow is for float16 / bfloat16 calls (flash_attention_fp32 writes "
                          "float32 only)")  # fmt: skip
     args = _arguments(launch, q, k, v, attention_bias, mask, key_offset, query_offset, out_BSD, out_narrow)
-    if isinstance(launch.tile, WsTile):
+    if isinstance(launch.tile, WsTile):  # the TMA maps, then a whole-tile walk: every tile full, no tail slots
         args += tuple(ws_tensor_maps(problem, operand_dtype, launch.tile, {"q": q, "k": k, "v": v}))
+        args += (np.int64(query_tiles(problem, launch.tile.block_m)), np.int32(1), Pointer(None), Pointer(None))
     return Launch(launch.name, (launch.blocks, 1, 1), (launch.threads, 1, 1), launch.shared, args, fused=True)
+
+
+def ws_tail_steps(problem: MhaProblem, step: Launch, tile: WsTile, tail: dispatch.WsTail, take, facts: DeviceFacts,
+                  out_BSD: Address, out_narrow: Address) -> list:  # fmt: skip
+    """flash_attention_ws's whole-tile ``step`` (fused_step) as a tail split (dispatch.ws_tail): the launch over
+    tail.units units with its tail slots in two scratch buffers from ``take`` (unnormalised O and (max, sum) of
+    tile.block_m rows a slot), then split_keys.tail_combine_step, which writes the output."""
+    g = problem.geometry
+    partial_O = take("tail_O", 4 * tail.slots * tile.block_m * g.v_head_size)
+    partial_ML = take("tail_ML", 8 * tail.slots * tile.block_m)
+    args = step.args[:-4] + (np.int64(tail.full_tiles), np.int32(tail.splits), Pointer(partial_O), Pointer(partial_ML))
+    log.debug("mha_ep: fused path: %s, tail split: %d whole tiles, %d tiles in %d key ranges each", step.function,
+              tail.full_tiles, tail.tail_tiles, tail.splits)  # fmt: skip
+    launch = Launch(step.function, (min(tail.units, facts.sms), 1, 1), step.block, step.shared, args, fused=True)
+    return [launch, tail_combine_step(problem, tail, tile.block_m, partial_O, partial_ML, out_BSD, out_narrow)]
 
 
 def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional[Tile] = None,
@@ -343,7 +361,10 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
     (pipeline.py).
 
     ``qk`` (split-key calls only): a float32 (B, N, S, T) buffer the split-key kernel writes the masked scores into
-    (output 3; dispatch.fused_unsupported_reason sends any other qk call to the three phases)."""
+    (output 3; dispatch.fused_unsupported_reason sends any other qk call to the three phases).
+
+    flash_attention_ws calls whose last round would leave most SMs idle (dispatch.ws_tail) take ws_tail_steps: the
+    kernel with those tiles cut into key ranges, over two scratch buffers from ``take``, then their combine."""
     in_bytes = ELEMENT_BYTES[operands["operand_dtype"]]
     split = None if tile is not None else dispatch.key_split(problem, facts.sms, in_bytes)
     if split is None:
@@ -351,7 +372,12 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
             raise ValueError("fused attention: raw_query is for calls dispatch.key_split cuts")
         if qk is not None:
             raise ValueError("fused attention: the qk output is for calls dispatch.key_split cuts")
-        return [fused_step(problem, facts=facts, tile=tile, **operands)]
+        step = fused_step(problem, facts=facts, tile=tile, **operands)
+        chosen = _chosen_tile(problem, facts, tile, operands)
+        tail = dispatch.ws_tail(problem, chosen, facts.sms) if isinstance(chosen, WsTile) else None
+        if tail is None:
+            return [step]
+        return ws_tail_steps(problem, step, chosen, tail, take, facts, operands["out_BSD"], operands.get("out_narrow"))
     out_narrow = operands.get("out_narrow")
     if out_narrow is not None and problem.dtype == "float32":
         raise ValueError("fused attention: out_narrow is for float16 / bfloat16 calls (a float32 call's split-key "
@@ -374,6 +400,13 @@ def fused_steps(problem: MhaProblem, *, take, facts: DeviceFacts, tile: Optional
                                   qk=qk, programmatic=programmatic)  # fmt: skip
     return split_key_steps(problem, split, take, arguments, operands["operand_dtype"], out_BSD,
                            round_query=not raw_query, qk=qk, out_narrow=out_narrow)  # fmt: skip
+
+
+def _chosen_tile(problem: MhaProblem, facts: DeviceFacts, tile: Optional[Tile], operands: dict) -> Optional[Tile]:
+    """The tile fused_step took for these ``operands`` (its remembered decision)."""
+    return _decided(problem, operands["q"], operands["k"], operands["v"], operands["operand_dtype"],
+                    operands["attention_bias"], operands["mask"], facts, tile, operands.get("key_offset"),
+                    operands.get("query_offset")).tile  # fmt: skip
 
 
 def _decided(problem: MhaProblem, q: Operand, k: Operand, v: Operand, operand_dtype: str, attention_bias: Address,

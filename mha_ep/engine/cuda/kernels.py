@@ -65,6 +65,7 @@ INSTANTIATED = {
     "split_key_stream": ("split_keys.cu", None),  # a decode step's keys across blocks (dispatch.key_stream)
     "split_key_attention": ("split_keys.cu", None),  # ... the earlier pair (dispatch.key_split), for A/B timing
     "combine_key_splits": ("split_keys.cu", None),
+    "combine_tile_splits": ("split_keys.cu", None),  # flash_attention_ws's tail split (dispatch.ws_tail)
     "zero_after_prior_grids": ("split_keys.cu", None),  # split_key_stream's counters before a programmatic launch
     "gemv_rows": ("gemv.cu", None),  # mha_ep::DecodeMatMul's product (gemv.py)
 }

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mha_ep")
 SPLIT_THREADS = dispatch.SPLIT_THREADS  # kernels/split_keys.cu SPLIT_THREADS
 SPLIT_KERNELS = ("stream", "pair")  # the default first
+TILE_COMBINE_WARPS = 4  # kernels/split_keys.cu TILE_COMBINE_WARPS: combine_tile_splits' rows a block, one a warp
 SPLIT_KERNEL_ENV = "MHA_EP_SPLIT_KERNEL"  # "pair": the earlier pair of launches, for A/B timing of whole models
 
 
@@ -114,3 +115,21 @@ def split_key_steps(problem: MhaProblem, split: dispatch.KeySplit, take, argumen
                (Pointer(partial_O), Pointer(partial_ML), i32(split.splits), i32(g.num_heads), i32(g.q_seq),
                 i32(g.v_head_size), Pointer(out_BSD), Pointer(out_narrow)), fused=True),
     ]  # fmt: skip
+
+
+def tail_combine_step(problem: MhaProblem, tail: dispatch.WsTail, block_m: int, partial_O: Address,
+                      partial_ML: Address, out_BSD: Address, out_narrow: Address) -> Launch:
+    """combine_tile_splits' launch after flash_attention_ws's tail split (``tail``, of tiles of ``block_m`` rows;
+    fused.fused_steps): each tail tile's splits merged into its rows of the output, ``out_narrow`` (the call's
+    dtype) when given, else float32 ``out_BSD``."""
+    g = problem.geometry
+    rows = tail.tail_tiles * block_m
+    i32 = np.int32
+    return Launch(
+        f"combine_tile_splits<{ELEMENT_TYPES[problem.dtype]}>", (-(-rows // TILE_COMBINE_WARPS), 1, 1),
+        (TILE_COMBINE_WARPS * 32, 1, 1), 0,
+        (Pointer(partial_O), Pointer(partial_ML), np.int64(tail.full_tiles), i32(tail.tail_tiles), i32(tail.splits),
+         i32(block_m), i32(-(-g.q_seq // block_m)), i32(g.num_heads), i32(g.q_seq), i32(g.v_head_size),
+         Pointer(out_BSD), Pointer(out_narrow)),
+        fused=True,
+    )  # fmt: skip

@@ -13,6 +13,7 @@ import pytest
 from mha_ep.launch import ELEMENT_BYTES
 from mha_ep.engine.cuda import dispatch, fused, split_keys
 from mha_ep.engine.cuda.steps import Pointer
+from mha_ep.engine.problem import MhaProblem
 
 import cuda_cases
 from cuda_cases import Case, make_problem
@@ -572,3 +573,97 @@ def test_a_float16_call_that_writes_qk_keeps_the_row_constant_bias_term():
                       bias_k=np.ones(8, np.float32), bias_v=np.ones(8, np.float32))  # fmt: skip
     assert not dispatch.score_terms(problem).query_offset
     assert dispatch.score_terms(replace(problem, want_qk=True)).query_offset
+
+
+# ---------------------------------------------------------------------------------- flash_attention_ws's tail
+def shaped(b: int, s: int, t: int, n: int, h: int, causal: bool = False) -> MhaProblem:
+    """A float16 problem of this geometry whose arrays are a small call's (the tail rules read the geometry only)."""
+    small = make_problem(Case(b=1, s=3, l=5, n=1, h=h, bias=False, causal=causal), "float16")
+    return replace(small, geometry=replace(small.geometry, batch=b, q_seq=s, kv_seq=t, num_heads=n))
+
+
+@pytest.mark.parametrize(
+    "shape, tile, sms, expected",
+    [
+        # SDXL's 4096-token self attention (B 2, N 10): 440 tiles of 192 rows, 3 rounds + 44 tiles in 3 key ranges
+        ((2, 4096, 4096, 10, 64), dispatch.WsTile(consumers=3), 132, dispatch.WsTail(396, 44, 3)),
+        # SD 1.5's (N 8): 88 tail tiles x 3 = 264 units, 2 a SM: two thirds of a round, where whole tiles take one
+        ((2, 4096, 4096, 8, 64), dispatch.WsTile(consumers=3), 132, dispatch.WsTail(264, 88, 3)),
+        # SD3.5-M's joint attention: 48 tail tiles of 35 key tiles; 5 splits (2 units a SM of 8 key tiles) end
+        # first once each unit pays its pipeline's first and last steps (8 splits: 3 units of 5)
+        ((2, 4352, 4352, 24, 64), dispatch.WsTile(consumers=3), 132, dispatch.WsTail(1056, 48, 5)),
+        # Flux's (H 128, two consumers): 12 tail tiles of 36 key tiles, 9 splits of 4 key tiles: 108 units
+        ((2, 4608, 4608, 24, 128), dispatch.WsTile(), 132, dispatch.WsTail(1716, 12, 9)),
+        # fewer tiles than SMs: all of them split; 4 ranges of 4 key tiles, 3 units an SM, end before 2 of 8
+        ((1, 300, 2048, 2, 64), dispatch.WsTile(), 8, dispatch.WsTail(0, 6, 4)),
+        ((1, 4096, 4096, 16, 128), dispatch.WsTile(), 128, None),  # 512 tiles: whole rounds
+        ((4, 2048, 2048, 16, 128), dispatch.WsTile(), 132, None),  # 1024 tiles: 8 rounds (124 in the last): no gain
+        ((2, 4096, 896, 10, 64), dispatch.WsTile(consumers=3), 132, None),  # 7 key tiles: under 2 x 4 a split
+        ((2, 4096, 4096, 10, 64), dispatch.WsTile(consumers=3), 440, None),  # one round on 440 SMs
+    ],
+)  # fmt: skip
+def test_the_tail_split_rule(shape, tile, sms, expected):
+    """dispatch.ws_tail: the tiles past the last full round are cut into the key ranges whose units end first, when
+    they end before a whole tile would."""
+    problem = shaped(*shape)
+    tail = dispatch.ws_tail(problem, tile, sms)
+    assert tail == expected
+    if tail is not None:
+        tiles = dispatch.query_tiles(problem, tile.block_m)
+        assert tail.full_tiles % sms == 0 and tail.full_tiles + tail.tail_tiles == tiles
+        assert tail.units == tail.full_tiles + tail.slots and 2 <= tail.splits <= dispatch.WS_TAIL_MAX_SPLITS
+        key_tiles = -(-problem.geometry.total_seq // tile.block_n)
+        assert key_tiles // tail.splits >= dispatch.WS_TAIL_MIN_KEY_TILES
+        assert dispatch.ws_rounds(problem, tile, sms) < dispatch.persistent_rounds(problem, tile.block_m, sms)
+
+
+def test_no_tail_split_for_causal_calls_or_when_switched_off(monkeypatch):
+    problem = shaped(2, 4096, 4096, 10, 64)
+    assert dispatch.ws_tail(problem, dispatch.WsTile(consumers=3)) is not None
+    assert dispatch.ws_tail(shaped(2, 4096, 4096, 10, 64, causal=True), dispatch.WsTile(consumers=3)) is None
+    monkeypatch.setenv(dispatch.WS_TAIL_ENV, "off")
+    assert dispatch.ws_tail(problem, dispatch.WsTile(consumers=3)) is None
+    monkeypatch.setenv(dispatch.WS_TAIL_ENV, "halves")
+    with pytest.raises(ValueError, match=r"MHA_EP_WS_TAIL='halves': expected one of \('split', 'off'\)"):
+        dispatch.ws_tail(problem, dispatch.WsTile(consumers=3))
+
+
+def test_the_tail_split_turns_sdxl_s_self_attention_to_three_consumers():
+    """SDXL's 4096-token self attention: whole tiles gave three consumers 4 rounds x 192 x 0.85 = 653 rows against
+    two consumers' 5 x 128 = 640 (two taken); with the tail split three take 3.35 rounds (546 rows)."""
+    problem = shaped(2, 4096, 4096, 10, 64)
+    assert not dispatch.prefers_three_consumers(problem, tail_split=False)
+    assert dispatch.prefers_three_consumers(problem)
+    assert dispatch.choose_tile(problem, "float16", dispatch.HOPPER_CAPABILITY) == dispatch.WsTile(consumers=3)
+
+
+def test_fused_steps_plan_the_tail_split_and_its_combine():
+    """fused_steps on a call ws_tail cuts: the flash_attention_ws launch over min(units, SMs) blocks with its tail
+    arguments and two scratch buffers sized for the slots, then combine_tile_splits writing the node's output;
+    fused_step alone keeps the whole-tile walk (every tile full, one split, no slots)."""
+    problem = make_problem(Case(b=1, s=300, l=1100, n=3, h=64, hv=32, bias=False), "float16")
+    tile, facts = dispatch.WsTile(consumers=3), fused.DeviceFacts(dispatch.HOPPER_CAPABILITY, 4)
+    g = problem.geometry
+    operands = dict(
+        q=fused.Operand(1 << 20, "BNSH", g.q_seq, 64), k=fused.Operand(2 << 20, "BNSH", g.total_seq, 64),
+        v=fused.Operand(3 << 20, "BNSH", g.total_seq, 32), operand_dtype="float16", attention_bias=None, mask=None,
+        out_BSD=None, out_narrow=5 << 20,
+    )  # fmt: skip
+    taken = {}
+
+    def take(name, nbytes):
+        taken[name] = nbytes
+        return (7 + len(taken)) << 20
+
+    whole = fused.fused_step(problem, facts=facts, tile=tile, **operands)
+    assert whole.grid == (4, 1, 1) and whole.args[-4:] == (6, 1, Pointer(None), Pointer(None))
+    launch, combine = fused.fused_steps(problem, take=take, facts=facts, tile=tile, **operands)
+    tail = dispatch.ws_tail(problem, tile, facts.sms)
+    assert tail == dispatch.WsTail(4, 2, 2) and taken == {"tail_O": 4 * 4 * 192 * 32, "tail_ML": 8 * 4 * 192}
+    assert launch.function == whole.function and launch.grid == (4, 1, 1) and launch.args[:-4] == whole.args[:-4]
+    assert launch.args[-4:] == (4, 2, Pointer(8 << 20), Pointer(9 << 20))
+    assert combine.function == "combine_tile_splits<__half>"
+    assert combine.block == (split_keys.TILE_COMBINE_WARPS * 32, 1, 1)
+    assert combine.grid == (2 * 192 // split_keys.TILE_COMBINE_WARPS, 1, 1)
+    assert combine.args == (Pointer(8 << 20), Pointer(9 << 20), 4, 2, 2, 192, 2, 3, 300, 32,
+                            Pointer(None), Pointer(5 << 20))  # fmt: skip

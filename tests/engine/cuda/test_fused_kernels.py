@@ -26,6 +26,7 @@ from fused_cases import (
     TILE_CASES,
     WGMMA_CASES,
     WS_CASES,
+    WS_TAIL_CASES,
     assert_matches_reference,
     run_fused_on_gpu,
     ws_tiles,
@@ -162,6 +163,26 @@ def test_warp_specialized_kernel_matches_reference(cupy_module, case_name, dtype
             run_fused_on_gpu(cupy_module, problem, form, tile)
         return
     assert_matches_reference(problem, run_fused_on_gpu(cupy_module, problem, form, tile))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("narrow", [False, True], ids=["float32_out", "narrow_out"])
+@pytest.mark.parametrize("form", ["dense", "dense_BSNH"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case_name", list(WS_TAIL_CASES))
+def test_warp_specialized_tail_split_matches_reference(cupy_module, case_name, dtype, form, narrow):
+    """flash_attention_ws with its last tiles cut into key ranges (dispatch.ws_tail, forced by planning for a
+    device of few SMs): the partial results through poisoned scratch, merged by combine_tile_splits into either
+    output, equal the reference as the whole-tile walk does."""
+    if fused.device_capability(0) != dispatch.HOPPER_CAPABILITY:
+        pytest.skip("flash_attention_ws runs on compute capability 9.0 only")
+    case, tile, sms, want = WS_TAIL_CASES[case_name]
+    problem = make_problem(case, dtype)
+    assert dispatch.ws_tail(problem, tile, sms) == want
+    got = run_fused_on_gpu(cupy_module, problem, form, tile, narrow=narrow, tail_sms=sms)
+    assert_matches_reference(problem, got)
+    whole = run_fused_on_gpu(cupy_module, problem, form, tile, narrow=narrow)
+    assert np.abs(got - whole).max() <= 2 * np.abs(whole).max() * 2.0**-8  # a rounding step or two of the dtype
 
 
 @pytest.mark.gpu

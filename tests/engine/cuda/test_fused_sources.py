@@ -99,7 +99,9 @@ def test_the_fused_kernels_share_one_parameter_list_and_one_copy_of_the_tile_ste
              "p[kt][3] = zero ? 0u : Ops<ELEM, BLOCK_N>::pack(",
              # split_keys.cu: both split kernels' steps (split_key_attention's and split_key_stream's blocks)
              "const float logit = masked_logit_per_key(x, sc.mp, m, i, j);", "const float p = exp2f((x_row[jj]",
-             "o[i][e] = fmaf(p[i], vr, o[i][e]);", "static_cast<ELEM*>(out_narrow_BSD)[out_row + d] =")  # fmt: skip
+             "o[i][e] = fmaf(p[i], vr, o[i][e]);", "static_cast<ELEM*>(out_narrow_BSD)[out_row + d] =",
+             # combine_tile_splits' (flash_attention_ws's tail split)
+             "static_cast<ELEM*>(out_narrow_BSD)[at] = from_float<ELEM>(x);")  # fmt: skip
     for step in steps:
         assert SOURCE.count(step) == 1, step
 
@@ -153,6 +155,7 @@ def test_split_key_and_decode_loop_kernels_compile_without_spills(tmp_path, arch
     names = [f"{kernel}<{e}, {s}>" for kernel in ("split_key_stream", "split_key_attention") for e in elements
              for s in sorted({"float", e})]  # fmt: skip
     names += [f"combine_key_splits<{e}>" for e in elements] + ["zero_after_prior_grids<unsigned>"]
+    names += [f"combine_tile_splits<{e}>" for e in elements]  # flash_attention_ws's tail (fused.ws_tail_steps)
     names += list(DECODE_EXPRESSIONS)
     lines = ['#include "split_keys.cu"', f'#include "{KERNEL_FILE}"', "void* instances[] = {"]
     lines += [f"  (void*){name}," for name in names] + ["};"]

@@ -103,6 +103,8 @@ def test_the_feature_bits_match_python():
         ("WARPGROUP_THREADS", dispatch.WARPGROUP_THREADS),
         ("WARPGROUP_ROWS", dispatch.WARPGROUP_ROWS),
         ("SPLIT_THREADS", split_keys.SPLIT_THREADS),
+        ("TILE_SPLITS_MAX", dispatch.WS_TAIL_MAX_SPLITS),
+        ("TILE_COMBINE_WARPS", split_keys.TILE_COMBINE_WARPS),
         ("SPLIT_MAX_ROWS", dispatch.SPLIT_MAX_ROWS),
         ("SPLIT_MAX_DIM", dispatch.SPLIT_MAX_DIM),
         ("STREAM_STAGES", dispatch.STREAM_STAGES),

@@ -27,9 +27,15 @@
 //   Ping-pong: the consumers take turns issuing their wgmma, round a ring of named barriers 1.. (256 threads: one
 //     consumer's sync and the previous one's arrive), so one's softmax runs while another's products hold the
 //     tensor cores.
-//   Persistent: gridDim.x blocks (fused.py: the SM count, at most the tile count) walk the (b, h, query tile) list
-//     with stride gridDim.x, in flash_attention_wgmma's order; the producer loads the next tile's Q, K and V while
-//     the consumers finish and store the previous one.
+//   Persistent: gridDim.x blocks (fused.py: the SM count, at most the unit count) walk a list of work units with
+//     stride gridDim.x (work_unit): units 0 .. full_tiles - 1 are the query tiles in flash_attention_wgmma's order,
+//     each with all of its keys; the producer loads the next unit's Q, K and V while the consumers finish and
+//     store the previous one.
+//   Tail split (dispatch.ws_tail; full_tiles = every tile and tail_splits = 1 without it): the tiles from
+//     full_tiles on, which alone would leave most SMs idle in the last round, are each cut into tail_splits units
+//     of contiguous key tiles. Such a unit writes its rows' unnormalised O and (running max, sum) to slot
+//     (tile - full_tiles) * tail_splits + split of tail_O / tail_ML, and combine_tile_splits (split_keys.cu)
+//     merges a tile's slots into the output after the launch. Never for causal calls.
 // TMA writes and wgmma reads both go through the async proxy, and a "full" barrier's completion makes the bytes
 // visible: no proxy fence. Tensor maps (fused.py ws_tensor_maps, encoded by the driver: tma.py): 4D over an
 // operand's (dim, seq, head, batch) with its own strides, so BSNH and BNSH read alike; a box is 64 columns x
@@ -179,6 +185,60 @@ __device__ __forceinline__ int key_tiles(int m0, int q_seq, int total_seq, int p
   return (min(total_seq, past_seq + m0 + BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
 }
 
+// One unit of the persistent walk (the header's "Persistent" and "Tail split"): its query tile, its key tiles
+// [first, first + count), and its tail slot (-1: a whole tile, stored as the output).
+struct WorkUnit {
+  TileCoords tc;
+  int first;
+  int count;
+  long long slot;
+};
+template <bool CAUSAL, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ WorkUnit work_unit(long long unit, long long full_tiles, int tail_splits, long long tiles,
+                                              int q_tiles, int heads, int batch, int q_seq, int total_seq,
+                                              int past_seq, int all_key_tiles) {
+  WorkUnit w;
+  if (unit < full_tiles) {
+    w.tc = ws_tile<CAUSAL>(unit, tiles, q_tiles, heads, batch, BLOCK_M);
+    w.first = 0;
+    w.count = key_tiles<CAUSAL, BLOCK_M, BLOCK_N>(w.tc.m0, q_seq, total_seq, past_seq, all_key_tiles);
+    w.slot = -1;
+  } else {  // a split of a tail tile (not causal: every tile reads all_key_tiles)
+    w.slot = unit - full_tiles;
+    const int split = (int)(w.slot % tail_splits);
+    w.tc = tile_coords(full_tiles + w.slot / tail_splits, q_tiles, heads, BLOCK_M);
+    w.first = (int)((long long)split * all_key_tiles / tail_splits);
+    w.count = (int)((long long)(split + 1) * all_key_tiles / tail_splits) - w.first;
+  }
+  return w;
+}
+
+// A tail unit's result for this thread's two rows (row_local: within the tile): O unnormalised at
+// tail_O + (slot * block_m + row) * v_head_size, and (running max, sum over the quad) at tail_ML + slot * block_m +
+// row, for combine_tile_splits.
+template <int ATOMS>
+__device__ __forceinline__ void store_partial(const float (&o_acc)[ATOMS][32], const float (&row_max)[2],
+                                              float (&row_sum)[2], const int (&row_local)[2], long long slot,
+                                              int block_m, int v_head_size, int tig, float* __restrict__ tail_O,
+                                              float2* __restrict__ tail_ML) {
+  quad_sum_rows(row_sum);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const long long at = slot * block_m + row_local[r];
+    if (tig == 0) tail_ML[at] = make_float2(row_max[r], row_sum[r]);
+    float* o_row = tail_O + at * v_head_size;
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int d = a * 64 + i * 8 + tig * 2;
+        if (d < v_head_size) {
+          *reinterpret_cast<float2*>(o_row + d) = make_float2(o_acc[a][4 * i + 2 * r], o_acc[a][4 * i + 2 * r + 1]);
+        }
+      }
+  }
+}
+
 // The online softmax of one S tile in place: s becomes p = exp(scale * s - m_new) (fp32, unnormalized); updates
 // the rows' running max m and sum l (this thread's columns) and returns alpha = exp(m_old - m_new). As the plain
 // tiles of flash_attention_wgmma: scale > 0, so max(scale * s) = scale * max(s); the scale is folded into the
@@ -245,7 +305,8 @@ template <typename ELEM, int HEAD_DIM, int BLOCK_N, int CONSUMERS, bool CAUSAL>
 __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
     flash_attention_ws(FLASH_KERNEL_PARAMETERS(ELEM),
                        const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-                       const __grid_constant__ TensorMap v_map) {
+                       const __grid_constant__ TensorMap v_map, long long full_tiles, int tail_splits,
+                       float* __restrict__ tail_O, float2* __restrict__ tail_ML) {
   using namespace wgmma_detail;
   using namespace ws_detail;
   static_assert(sizeof(ELEM) == 2, "f16/bf16 operands");
@@ -273,6 +334,7 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
   const int q_tiles = (q_seq + BLOCK_M - 1) / BLOCK_M;
   const int all_key_tiles = (total_seq + BLOCK_N - 1) / BLOCK_N;
   const long long tiles = (long long)q_tiles * batch * heads;
+  const long long units = full_tiles + (tiles - full_tiles) * tail_splits;
   const int wg = threadIdx.x / WARPGROUP_THREADS;
 
   if (threadIdx.x == 0) {
@@ -298,13 +360,14 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
     prefetch_tensor_map(v_map);
     int it = 0;
     int done = 0;
-    for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
-      const TileCoords tc = ws_tile<CAUSAL>(tile, tiles, q_tiles, heads, batch, BLOCK_M);
-      const int n_tiles = key_tiles<CAUSAL, BLOCK_M, BLOCK_N>(tc.m0, q_seq, total_seq, past_seq, all_key_tiles);
+    for (long long unit = blockIdx.x; unit < units; unit += gridDim.x, ++done) {
+      const WorkUnit w = work_unit<CAUSAL, BLOCK_M, BLOCK_N>(unit, full_tiles, tail_splits, tiles, q_tiles, heads,
+                                                             batch, q_seq, total_seq, past_seq, all_key_tiles);
+      const TileCoords tc = w.tc;
       if (done > 0) mbar_wait(q_empty, (done - 1) & 1);
       mbar_expect_bytes(q_full, Q_BYTES);
       tma_load_tile<ATOMS>(q_tile, BLOCK_M, q_map, tc.m0, tc.h, tc.b, q_full);
-      for (int j = 0; j < n_tiles; ++j, ++it) {
+      for (int j = w.first; j < w.first + w.count; ++j, ++it) {
         const int stage = it % WS_STAGES;
         const int use = it / WS_STAGES;
         if (use > 0) mbar_wait(empty_k(stage), (use - 1) & 1);
@@ -329,9 +392,11 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
   if (c == 0) first_turn_to_consumer_0();
   int it = 0;
   int done = 0;
-  for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++done) {
-    const TileCoords tc = ws_tile<CAUSAL>(tile, tiles, q_tiles, heads, batch, BLOCK_M);
-    const int n_tiles = key_tiles<CAUSAL, BLOCK_M, BLOCK_N>(tc.m0, q_seq, total_seq, past_seq, all_key_tiles);
+  for (long long unit = blockIdx.x; unit < units; unit += gridDim.x, ++done) {
+    const WorkUnit w = work_unit<CAUSAL, BLOCK_M, BLOCK_N>(unit, full_tiles, tail_splits, tiles, q_tiles, heads,
+                                                           batch, q_seq, total_seq, past_seq, all_key_tiles);
+    const TileCoords tc = w.tc;
+    const int n_tiles = w.count;  // key tiles w.first + j, j < n_tiles
     const int b = tc.b;
     const int h = tc.h;
     const int rows[2] = {tc.m0 + warp * 16 + g, tc.m0 + warp * 16 + g + 8};
@@ -357,7 +422,8 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
       fence_operands(s);
       mbar_arrive(empty_k(stage));
       if (n_tiles == 1) mbar_arrive(q_empty);
-      softmax_tile<BLOCK_N, CAUSAL>(s, 0, total_seq, tig, scale, causal_rows, row_max, row_sum, alpha);
+      softmax_tile<BLOCK_N, CAUSAL>(s, w.first * BLOCK_N, total_seq, tig, scale, causal_rows, row_max, row_sum,
+                                    alpha);
       pack_p<ELEM, BLOCK_N>(p, s);
     }
     for (int j = 1; j < n_tiles; ++j) {
@@ -378,7 +444,8 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
       fence_operands(s);
       mbar_arrive(empty_k(stage));
       if (j == n_tiles - 1) mbar_arrive(q_empty);  // this consumer's last read of the Q tile
-      softmax_tile<BLOCK_N, CAUSAL>(s, j * BLOCK_N, total_seq, tig, scale, causal_rows, row_max, row_sum, alpha);
+      softmax_tile<BLOCK_N, CAUSAL>(s, (w.first + j) * BLOCK_N, total_seq, tig, scale, causal_rows, row_max,
+                                    row_sum, alpha);
       wgmma_wait_all();
       fence_accumulators(o_acc);
       fence_operands(p);
@@ -402,7 +469,12 @@ __global__ void __launch_bounds__(WsShape<CONSUMERS>::THREADS, 1)
     }
     it += n_tiles;
 
-    store_rows<ELEM, ATOMS>(o_acc, row_sum, rows, q_seq, b, h, heads, v_head_size, tig, out_BSD, out_narrow_BSD);
+    if (w.slot < 0) {
+      store_rows<ELEM, ATOMS>(o_acc, row_sum, rows, q_seq, b, h, heads, v_head_size, tig, out_BSD, out_narrow_BSD);
+    } else {
+      const int row_local[2] = {rows[0] - tc.m0, rows[1] - tc.m0};
+      store_partial<ATOMS>(o_acc, row_max, row_sum, row_local, w.slot, BLOCK_M, v_head_size, tig, tail_O, tail_ML);
+    }
   }
   if (c == 0) turn_wait(0);  // the last consumer's last pass
 }

@@ -503,6 +503,65 @@ __global__ void __launch_bounds__(SPLIT_THREADS)
                            out_BSD, out_narrow_BSD);
 }
 
+// ------------------------------------------------------------------------- the flash kernel's tail (combine)
+// One output element, as combine_row stores its own (which keeps its inline store: moving it into this helper
+// changed split_key_stream's PTX, scripts/ptx_identity.py): ELEM at out_narrow_BSD when it is given, else rounded
+// to ELEM as float32 at out_BSD.
+template <typename ELEM>
+__device__ __forceinline__ void store_one(float* out_BSD, void* out_narrow_BSD, long long at, float x) {
+  if (out_narrow_BSD != nullptr) {
+    static_cast<ELEM*>(out_narrow_BSD)[at] = from_float<ELEM>(x);
+  } else {
+    out_BSD[at] = round_to<ELEM>(x);
+  }
+}
+
+#define TILE_SPLITS_MAX 32     // dispatch.py WS_TAIL_MAX_SPLITS: one split's (m, l) per lane
+#define TILE_COMBINE_WARPS 4   // rows of a combine_tile_splits block, one a warp
+// flash_attention_ws's tail split (its header): tail tile t (query tile first_tile + t, in tile_coords' order:
+// consecutive tiles share (b, h), the last query tile of a head first) was cut into `splits` units of contiguous
+// keys; unit (t, c) left slot t * splits + c of partial_O (block_m rows x v_head_size, unnormalised) and partial_ML
+// (block_m (max, sum) pairs). One warp a row: m = max m_c, weights exp(m_c - m), out = sum w_c O_c / sum w_c l_c,
+// stored as flash_attention_ws's store_rows does (ELEM at out_narrow_BSD when given, else rounded to ELEM as
+// float32 at out_BSD). l = 0 (every logit -inf) gives NaN, as ORT. Rows past q_seq are not stored.
+template <typename ELEM>
+__global__ void __launch_bounds__(TILE_COMBINE_WARPS * 32)
+    combine_tile_splits(const float* __restrict__ partial_O, const float2* __restrict__ partial_ML,
+                        long long first_tile, int tail_tiles, int splits, int block_m, int q_tiles, int heads,
+                        int q_seq, int v_head_size, float* __restrict__ out_BSD, void* __restrict__ out_narrow_BSD) {
+  const long long row_id = (long long)blockIdx.x * TILE_COMBINE_WARPS + threadIdx.x / 32;
+  if (row_id >= (long long)tail_tiles * block_m) return;
+  const int lane = threadIdx.x % 32;
+  const int t = (int)(row_id / block_m);
+  const int r = (int)(row_id % block_m);
+  const long long tile = first_tile + t;
+  const long long bh = tile / q_tiles;
+  const int row = (q_tiles - 1 - (int)(tile % q_tiles)) * block_m + r;
+  if (row >= q_seq) return;  // (the whole warp: one row)
+  const int b = (int)(bh / heads);
+  const int h = (int)(bh % heads);
+  const long long first_slot = (long long)t * splits;
+  const float2 ml = lane < splits ? partial_ML[(first_slot + lane) * block_m + r] : make_float2(NEG_INFINITY, 0.0f);
+  float m = ml.x;
+  for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  const float max_used = (m == NEG_INFINITY) ? 0.0f : m;
+  const float weight = lane < splits ? exp2f((ml.x - max_used) * LOG2E) : 0.0f;
+  float l = ml.y * weight;
+  for (int offset = 16; offset > 0; offset >>= 1) l += __shfl_xor_sync(0xffffffffu, l, offset);
+  const float inv = 1.0f / l;
+  const long long out_row = (((long long)b * q_seq + row) * heads + h) * v_head_size;
+  const float* o_rows = partial_O + (first_slot * block_m + r) * v_head_size;  // slot c: + c * block_m * v_head_size
+  for (int d0 = 0; d0 < v_head_size; d0 += 32) {  // every lane takes every turn: the shuffles need the whole warp
+    const int d = d0 + lane;
+    float o = 0.0f;
+    for (int c = 0; c < splits; ++c) {
+      const float w = __shfl_sync(0xffffffffu, weight, c);
+      if (d < v_head_size) o = fmaf(o_rows[(long long)c * block_m * v_head_size + d], w, o);
+    }
+    if (d < v_head_size) store_one<ELEM>(out_BSD, out_narrow_BSD, out_row + d, o * inv);
+  }
+}
+
 // ------------------------------------------------------------------------------------ split_key_stream (one launch)
 #ifndef STREAM_STAGES
 #define STREAM_STAGES 4  // dispatch.py STREAM_STAGES: a block's K / V tiles in shared memory, in flight or in use

@@ -175,17 +175,22 @@ __device__ __forceinline__ void rescale_rows(float (&o_acc)[ATOMS][32], const fl
     }
 }
 
+// A row's sum over the quad (its 4 threads hold its columns), in place for this thread's two rows.
+__device__ __forceinline__ void quad_sum_rows(float (&row_sum)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+  }
+}
+
 // out = O / l (l summed over the quad), rounded to ELEM, stored as BSNH (store_pair: float32, or ELEM) for this thread's two rows
 // (rows past q_seq are not stored). l = 0 (every logit -inf) gives 0/0 = NaN, as ORT's CPU kernel does.
 template <typename ELEM, int ATOMS>
 __device__ __forceinline__ void store_rows(const float (&o_acc)[ATOMS][32], float (&row_sum)[2], const int (&rows)[2],
                                            int q_seq, int b, int h, int heads, int v_head_size, int tig,
                                            float* __restrict__ out_BSD, void* __restrict__ out_narrow_BSD) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-  }
+  quad_sum_rows(row_sum);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (rows[r] >= q_seq) continue;
