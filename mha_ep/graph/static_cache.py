@@ -644,11 +644,23 @@ class StaticCachePass:
             out.append(helper.make_node(spec.MATMUL_OP_TYPE, [node.input[0], transposed], [node.output[0]],
                                         name=name, domain=spec.PLUGIN_DOMAIN,
                                         **{spec.ATTR_NODE: name, spec.ATTR_DTYPE: dtype}))  # fmt: skip
+            self.declare_product(node.output[0], node.input[0], weight)
         if any(not why for _, why in self.matmuls):
             domains = {o.domain for o in self.model.opset_import}
             if spec.PLUGIN_DOMAIN not in domains:
                 self.model.opset_import.append(helper.make_opsetid(spec.PLUGIN_DOMAIN, spec.PLUGIN_OPSET))
         return out
+
+    def declare_product(self, output: str, x: str, weight: onnx.TensorProto) -> None:
+        """The DecodeMatMul output's type and shape ((x's rows..., N), static) in the graph's value_info, where ONNX
+        shape inference cannot reach (a plugin op): the partition pass reads a MultiHeadAttention's query type
+        through it, and declines the node without it."""
+        dims = list(self.dims[x][:-1]) + [int(weight.dims[1])]  # (decode_matmul_refusal: x's dims are static)
+        for value in self.graph.value_info:
+            if value.name == output:
+                self.graph.value_info.remove(value)
+                break
+        self.graph.value_info.append(helper.make_tensor_value_info(output, weight.data_type, dims))
 
     def decode_matmul_refusal(self, node: onnx.NodeProto, constants: Dict[str, onnx.TensorProto]) -> Optional[str]:
         """Rule DECODE_MATMUL's match for one MatMul: None, or why it stays."""

@@ -16,6 +16,7 @@ from onnx import helper, numpy_helper
 import mha_ep
 from mha_ep import spec
 from mha_ep.models.synthetic import whisper_decoder_step
+from mha_ep.graph.partition import partition
 from mha_ep.graph.static_cache import PAST_SEQUENCE_LENGTH, StaticCacheError, static_cache
 
 from small_models import run_cli
@@ -1114,6 +1115,13 @@ def test_decode_matmul_turns_a_few_rows_weight_products_into_the_plugin_op_with_
         d for t in decoder.graph.initializer if t.name == "layer0.self_W_q" for d in t.dims]
     assert spec.PLUGIN_DOMAIN in {o.domain for o in result.model.opset_import}
     assert "decode products: 17 of 17 MatMul(s)" in result.report()
+    # each product's type and shape declared (no shape inference reaches a plugin op): the partition pass reads
+    # the attention nodes' query types through them and claims every node (without: all 4 declined, and ORT
+    # ran them on its CPU provider, which its CUDA graph capture refuses)
+    declared = {v.name: v for v in result.model.graph.value_info}
+    assert declared[product.output[0]].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert [d.dim_value for d in declared[product.output[0]].type.tensor_type.shape.dim] == [2, 1, weight.dims[0]]
+    assert partition(result.model, route="native").report().splitlines()[0].endswith("4 claimed, 0 declined")
     feeds = decoder_step_feeds(2, PROMPT, 2, 64, 4, 10, "float16", seed=4)
     feeds.pop("hidden_states")
     cache = {}
@@ -1144,6 +1152,7 @@ def test_the_beam_rules_compose_shared_cross_kv_and_decode_matmul_give_the_plain
     both = static_cache(decoder, max_length=16, batch=5, beams=5, packed_qkv=False, shared_cross_kv=True,
                         decode_matmul=True)  # fmt: skip
     assert all(not why for _, why in both.shared_cross_kv) and all(not why for _, why in both.decode_matmul)
+    assert partition(both.model, route="native").report().splitlines()[0].endswith("4 claimed, 0 declined")
     feeds = decoder_step_feeds(1, PROMPT, 2, 64, 4, 10, "float16", seed=6)
     feeds.pop("hidden_states")
     cache = {}

@@ -40,9 +40,13 @@ def matmul_model(weight: np.ndarray, x_shape: tuple, dtype: str, name: str = "pr
 
 
 def session(model, providers=("CPUExecutionProvider",)):
+    """A session of ``model`` on the native route; on the CUDA provider with ORT's CPU fallback off, so that a node
+    ORT would leave to the CPU kernel fails the session instead of passing unseen."""
     library()
-    options = mha_ep.register(ort.SessionOptions(), backend="cuda" if "CUDAExecutionProvider" in providers
-                              else "reference", route="native")  # fmt: skip
+    on_cuda = "CUDAExecutionProvider" in providers
+    options = mha_ep.register(ort.SessionOptions(), backend="cuda" if on_cuda else "reference", route="native")
+    if on_cuda:
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
 
 
@@ -195,3 +199,36 @@ def test_gemv_rows_writes_every_output_once_rounded_from_float32_sums(rows, dtyp
     exact = x32.astype(np.float64) @ w32.astype(np.float64).T
     step = 2**-10 if dtype == "float16" else 2**-7
     assert np.all(np.abs(got - exact) <= step * np.abs(exact) + 1e-3)
+
+
+@pytest.mark.gpu
+def test_a_float16_static_decoder_with_decode_matmul_replays_under_ort_s_cuda_graph(cuda_native):
+    """static-cache --decode-matmul's decoder (every weight product a DecodeMatMul) in the static loop's session,
+    ORT's CUDA graph on: every node on the CUDA provider (ORT refuses to capture otherwise), and a step's logits
+    those of the same decoder without the rule within float16 rounding of float32 sums (cuBLAS against
+    gemv_rows), replay after replay."""
+    import cupy
+
+    from mha_ep.bench.generate import static_decoder
+    from mha_ep.models.synthetic import decoder_step_feeds, whisper_decoder_step
+
+    layers, hidden, heads, ffn, prompt, rows = 2, 384, 6, 1536, 3, 2
+    model = whisper_decoder_step(layers, hidden, heads, ffn, "float16", vocab=1000)
+    feeds = decoder_step_feeds(rows, prompt, layers, hidden, heads, 1500, "float16", seed=4)
+    fixed = {n: v for n, v in feeds.items() if n.startswith("cross_")}
+    presents = {n.replace("past_", "present_", 1): v for n, v in feeds.items() if n.startswith("past_")}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    logits = {}
+    for rule in (False, True):
+        decoder = static_decoder(model, rows, stream, fixed, decode_matmul=rule)
+        decoder.load_prompt(presents, prompt)
+        with stream:
+            decoder.ids[...] = cupy.asarray([[5], [7]], decoder.ids.dtype)
+            decoder.past_sequence_length[...] = prompt
+        for _ in range(3):  # ORT captures the graph on an early run; the others replay it
+            decoder.step()
+            stream.synchronize()
+            logits.setdefault(rule, []).append(cupy.asnumpy(decoder.logits).astype(np.float64))
+    plain, rewritten = logits[False][-1], logits[True]
+    assert all(np.array_equal(rewritten[0], r) for r in rewritten[1:]), "a replay gave other logits"
+    assert np.abs(rewritten[-1] - plain).max() <= 4e-3 * max(1.0, np.abs(plain).max())
