@@ -77,6 +77,10 @@ def main() -> int:
           f"searches each in turns: ms/step cross K/V per beam {medians['per beam']:.4f}, shared "
           f"{medians['shared']:.4f}, shared / per beam {medians['shared'] / medians['per beam']:.3f}; answers "
           f"{'the same' if answers['shared'] == answers['per beam'] else 'DIFFER'}")
+    for entry, (ours, theirs) in enumerate(zip(answers["shared"], answers["per beam"])):
+        if ours != theirs:  # where each differing entry's answers part (float16 near-ties show late and alone)
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            print(f"  entry {entry}: answers part at token {at} of {max(len(ours), len(theirs))}")
     return 0
 
 
