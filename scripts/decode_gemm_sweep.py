@@ -181,6 +181,9 @@ def copies_for(k: int, n: int) -> int:
     return max(1, -(-TARGET_BYTES // (k * n * 2)))
 
 
+SWEPT_ROWS = (1, 5, 8)  # the M of GEMV_SOURCE's GEMV(M, ...) instantiations
+
+
 def build_model(form: str, rows: int, k: int, n: int, copies: int, rng) -> bytes:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -296,6 +299,10 @@ def main() -> int:
     ap.add_argument("--rows", default="1,5,8", help="M: decoder rows a step (B, or B x beams)")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
+    rows_asked = [int(r) for r in args.rows.split(",")]
+    if any(rows not in SWEPT_ROWS for rows in rows_asked):
+        ap.error(f"--rows {args.rows}: the sweep's own kernels (GEMV_SOURCE's GEMV lines) are built for M in "
+                 f"{SWEPT_ROWS}")  # fmt: skip
     import cupy
     import onnxruntime as ort
 
@@ -308,7 +315,7 @@ def main() -> int:
               "gemv_rows / matmul", "matmul kernel", "swap kernel"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for rows in [int(r) for r in args.rows.split(",")]:
+    for rows in rows_asked:
         for label, k, n in SHAPES:
             mb = k * n * 2 / 1e6
             cells = {}

@@ -45,8 +45,9 @@ def session(model, providers=("CPUExecutionProvider",)):
     library()
     on_cuda = "CUDAExecutionProvider" in providers
     options = mha_ep.register(ort.SessionOptions(), backend="cuda" if on_cuda else "reference", route="native")
-    if on_cuda:
+    if on_cuda:  # (ORT refuses the CPU provider in the list beside this setting)
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        providers = [p for p in providers if p != "CPUExecutionProvider"]
     return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
 
 
