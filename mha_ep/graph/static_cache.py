@@ -654,7 +654,9 @@ class StaticCachePass:
     def declare_product(self, output: str, x: str, weight: onnx.TensorProto) -> None:
         """The DecodeMatMul output's type and shape ((x's rows..., N), static) in the graph's value_info, where ONNX
         shape inference cannot reach (a plugin op): the partition pass reads a MultiHeadAttention's query type
-        through it, and declines the node without it."""
+        through it, and declines the node without it. A graph output is declared as one already."""
+        if output in self.graph_outputs:
+            return
         dims = list(self.dims[x][:-1]) + [int(weight.dims[1])]  # (decode_matmul_refusal: x's dims are static)
         for value in self.graph.value_info:
             if value.name == output:
