@@ -22,6 +22,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import onnx
 
+from mha_ep import spec
 from mha_ep.claim.names import node_name
 from mha_ep.claim.tensor_info import TensorInfo
 from mha_ep.dtypes import dtype_name
@@ -81,6 +82,8 @@ TYPE_RULES: Mapping[Tuple[str, str], TypeRule] = {
     (MS, "Attention"): TypeRule(outputs=(0, 1)),
     (MS, "GroupQueryAttention"): TypeRule(outputs=(0, 1, 2)),
     (MS, "DecoderMaskedMultiHeadAttention"): TypeRule(outputs=(0, 1, 2)),
+    # mha_ep's own weight product (static-cache --decode-matmul writes it, and declares its outputs too)
+    (spec.PLUGIN_DOMAIN, spec.MATMUL_OP_TYPE): FIRST,
 }
 
 

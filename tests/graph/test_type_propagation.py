@@ -161,3 +161,25 @@ def test_the_table_names_the_ops_of_the_brief():
         assert ("", op) in TYPE_RULES, op
     for op in ("SkipLayerNormalization", "BiasGelu", "FastGelu", "Gelu", "MultiHeadAttention"):
         assert ("com.microsoft", op) in TYPE_RULES, op
+
+
+def test_an_attention_node_after_the_plugin_s_weight_product_is_claimed_without_declarations():
+    """A query made by mha_ep::DecodeMatMul (which no shape inference knows) with no value_info for it: the
+    product's rule gives it x's type, so the node after it is claimed (static-cache --decode-matmul declares the
+    products as well: tests/graph/test_static_cache.py)."""
+    from mha_ep import spec
+
+    weight = helper.make_tensor("w_nk", TP.FLOAT16, [12, 12], np.ones(144, np.float16).tobytes(), raw=True)
+    nodes = [
+        helper.make_node(spec.MATMUL_OP_TYPE, ["x", "w_nk"], ["q"], domain=spec.PLUGIN_DOMAIN, name="proj",
+                         **{spec.ATTR_NODE: "proj", spec.ATTR_DTYPE: "float16"}),
+        mha(["q", "k", "v"], ["out"], "after_product"),
+    ]
+    inputs = [helper.make_tensor_value_info(n, TP.FLOAT16, [1, 3 if n == "x" else 5, 12]) for n in "xkv"]
+    graph = helper.make_graph(nodes, "after_product", inputs, [helper.make_tensor_value_info("out", TP.FLOAT16, None)],
+                              [weight])  # fmt: skip
+    model = helper.make_model(graph, ir_version=10,
+                              opset_imports=OPSETS + [helper.make_opsetid(spec.PLUGIN_DOMAIN, spec.PLUGIN_OPSET)])
+    assert propagate_types(graph, collect_graph_infos(graph))["q"].dtype == "float16"
+    decision = mha_ep.partition(model).decisions[0]
+    assert decision.node_name == "after_product" and decision.claimed, decision.reason
