@@ -15,7 +15,8 @@ replayed ``repeats`` times, each replay between its own pair of CUDA events; µs
 already on the device: random normals rounded to the dtype, never zeros. Columns:
   fused:          flash_attention_* alone with the kernel and tile run_fused chooses on this device, on the dense
                   operands the layout mover builds (q_BNSH, k_BNTH, v_BNTH in the call's dtype); the fused path's
-                  kernel-only time;
+                  kernel-only time (flash_attention_ws as a whole-tile walk: its tail split, dispatch.ws_tail, is
+                  fused_steps' two launches, which ``mha-ep bench sd`` times with MHA_EP_WS_TAIL on and off);
   tiles:          f16/bf16 only: the same for each tile of TILES (BLOCK_M x BLOCK_N; "wg": the wgmma kernel, on
                   a compute capability 9.0 device, with a trailing "s" when its steps do not overlap; "ws": the
                   warp-specialized kernel, no padding mask or attention_bias: ws128 two consumers, ws192 three),
