@@ -1097,6 +1097,17 @@ def test_a_cross_node_that_cannot_share_keeps_its_rows_and_the_report_says_why(c
     assert declared["cross_key_1"] == 2 and declared["cross_key_0"] == 4
 
 
+def static_pasts(feeds: dict, rows: int, max_length: int) -> dict:
+    """The static decoder's self caches (rows, N, max_length, H) from decoder_step_feeds' pasts: zeros with the
+    PROMPT positions in front (a past of fewer rows repeated over them)."""
+    cache = {}
+    for name, value in feeds.items():
+        if name.startswith("past_"):
+            cache[name] = np.zeros((rows,) + value.shape[1:2] + (max_length,) + value.shape[3:], value.dtype)
+            cache[name][:, :, :PROMPT] = value
+    return cache
+
+
 def test_decode_matmul_turns_a_few_rows_weight_products_into_the_plugin_op_with_the_same_logits():
     """Rule DECODE_MATMUL on a float16 decoder of 2 rows: every MatMul by a constant weight becomes
     mha_ep::DecodeMatMul over the weight transposed, the model imports the plugin domain, and the step's logits
@@ -1124,11 +1135,7 @@ def test_decode_matmul_turns_a_few_rows_weight_products_into_the_plugin_op_with_
     assert partition(result.model, route="native").report().splitlines()[0].endswith("4 claimed, 0 declined")
     feeds = decoder_step_feeds(2, PROMPT, 2, 64, 4, 10, "float16", seed=4)
     feeds.pop("hidden_states")
-    cache = {}
-    for name, value in feeds.items():
-        if name.startswith("past_"):
-            cache[name] = np.zeros(value.shape[:2] + (16,) + value.shape[3:], value.dtype)
-            cache[name][:, :, :PROMPT] = value
+    cache = static_pasts(feeds, rows=2, max_length=16)
     step = {"input_ids": np.array([[5], [7]], np.int64), **cache, PAST_SEQUENCE_LENGTH: np.array([PROMPT], np.int32),
             **{n: v for n, v in feeds.items() if n.startswith("cross_")}}  # fmt: skip
     logits = [run(mha_ep.InferenceSession(model, backend="reference", route="native"), step)["logits"]
@@ -1155,11 +1162,7 @@ def test_the_beam_rules_compose_shared_cross_kv_and_decode_matmul_give_the_plain
     assert partition(both.model, route="native").report().splitlines()[0].endswith("4 claimed, 0 declined")
     feeds = decoder_step_feeds(1, PROMPT, 2, 64, 4, 10, "float16", seed=6)
     feeds.pop("hidden_states")
-    cache = {}
-    for name, value in feeds.items():
-        if name.startswith("past_"):
-            cache[name] = np.zeros((5,) + value.shape[1:2] + (16,) + value.shape[3:], value.dtype)
-            cache[name][:, :, :PROMPT] = value
+    cache = static_pasts(feeds, rows=5, max_length=16)  # the entry's prompt in every beam's rows
     cross = {n: v for n, v in feeds.items() if n.startswith("cross_")}
     common = {"input_ids": np.array([[5], [7], [9], [11], [13]], np.int64), **cache,
               PAST_SEQUENCE_LENGTH: np.array([PROMPT], np.int32), "cache_indirection": np.zeros((1, 5, 16), np.int32)}

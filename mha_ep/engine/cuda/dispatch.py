@@ -379,12 +379,17 @@ def ws_tail(problem: MhaProblem, tile: WsTile, sms: int = HOPPER_SM_COUNT) -> Op
     tiles = query_tiles(problem, tile.block_m)
     full = tiles // sms * sms
     tail = tiles - full
-    key_tiles = -(-problem.geometry.total_seq // tile.block_n)
+    key_tiles = ws_key_tiles(problem, tile)
     most = min(WS_TAIL_MAX_SPLITS, key_tiles // WS_TAIL_MIN_KEY_TILES)
     if tail == 0 or most < 2:
         return None
     splits = min(range(2, most + 1), key=lambda k: (ws_tail_time(tail, k, sms, key_tiles), k))
     return WsTail(full, tail, splits) if ws_tail_time(tail, splits, sms, key_tiles) < 1.0 else None
+
+
+def ws_key_tiles(problem: MhaProblem, tile: WsTile) -> int:
+    """Key tiles of tile.block_n keys a whole query tile of flash_attention_ws reads (not causal)."""
+    return -(-problem.geometry.total_seq // tile.block_n)
 
 
 def ws_tail_time(tail_tiles: int, splits: int, sms: int, key_tiles: int) -> float:
@@ -400,8 +405,7 @@ def ws_rounds(problem: MhaProblem, tile: WsTile, sms: int = HOPPER_SM_COUNT, tai
     tail = ws_tail(problem, tile, sms) if tail_split else None
     if tail is None:
         return float(persistent_rounds(problem, tile.block_m, sms))
-    key_tiles = -(-problem.geometry.total_seq // tile.block_n)
-    return tail.full_tiles // sms + ws_tail_time(tail.tail_tiles, tail.splits, sms, key_tiles)
+    return tail.full_tiles // sms + ws_tail_time(tail.tail_tiles, tail.splits, sms, ws_key_tiles(problem, tile))
 
 
 def prefers_three_consumers(problem: MhaProblem, sms: int = HOPPER_SM_COUNT, tail_split: bool = True) -> bool:

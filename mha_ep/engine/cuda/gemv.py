@@ -22,13 +22,13 @@ from mha_ep.engine.cuda import gemm
 from mha_ep.engine.cuda.pipeline import _narrow
 from mha_ep.engine.cuda.steps import Address, Gemm, Launch, Pointer
 from mha_ep.launch import ELEMENT_BYTES, ELEMENT_TYPES
+from mha_ep.limits import I32_MAX
 
 GEMV_ROWS = 2  # kernels/gemv.cu GEMV_ROWS: weight rows a warp takes
 GEMV_WARPS = 4  # kernels/gemv.cu GEMV_WARPS: warps a block
 GEMV_MAX_M = spec.MATMUL_MAX_ROWS  # kernels/gemv.cu GEMV_MAX_M: rows of x a launch takes
 VECTOR_BYTES = 16  # a lane's load
 GEMV_DTYPES = ("float16", "bfloat16")
-INT_MAX = 2**31 - 1
 
 
 def gemv_refusal(rows: int, k: int, n: int, dtype: str, alignment: int) -> Optional[str]:
@@ -41,7 +41,7 @@ def gemv_refusal(rows: int, k: int, n: int, dtype: str, alignment: int) -> Optio
         return f"K = {k}: a row of {k * ELEMENT_BYTES[dtype]} bytes is not a whole number of 16-byte loads"
     if alignment < VECTOR_BYTES:
         return f"x or weight_nk is only {alignment}-byte aligned: gemv_rows loads 16 bytes at a time"
-    if n > INT_MAX or rows * k > INT_MAX:
+    if n > I32_MAX or rows * k > I32_MAX:
         return f"N = {n} or M x K = {rows * k} beyond the kernel's int indices"
     return None
 
@@ -68,4 +68,3 @@ def reference_matmul(x: np.ndarray, w_nk: np.ndarray, dtype: str = "float32") ->
     """The op's values (the CPU kernel's, and the tests' oracle): x . w_nk^T over the last axis of x, summed in
     float64, rounded once to ``dtype``, as float32."""
     return rounded((x.astype(np.float64) @ w_nk.astype(np.float64).T).astype(np.float32), dtype)
-
